@@ -1,0 +1,1 @@
+"""colibri runtime: model math, expert tiers, scheduling, sampling (numbers in memory)."""

@@ -1,0 +1,1 @@
+"""colibri storage: container format, quantization, conversion, expert reads (bytes on disk)."""

@@ -1,0 +1,239 @@
+"""Per-architecture tensor naming: one table that maps a Hugging Face tensor name to its role
+(which precision policy applies) and its logical [out, in] shape from config.json.
+
+HF names are kept verbatim on disk; this is the only place that knows them. Supported
+``model_type`` values: ``glm_moe_dsa`` and ``deepseek_v3`` (same MLA + MoE + MTP naming).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from storage.errors import ConfigError
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "ArchConfig",
+    "Role",
+    "TensorRole",
+    "classify",
+    "expected_tensors",
+]
+
+SUPPORTED_MODEL_TYPES = ("glm_moe_dsa", "deepseek_v3")
+
+# expert: routed expert matrix; dense: resident matrices (attention, dense MLP, shared experts,
+# indexer); io: embed_tokens / lm_head; mtp: matrices of the MTP layer(s); f32: norms, router,
+# biases and everything 1-D (kept float32).
+Role = Literal["expert", "dense", "io", "mtp", "f32"]
+
+
+@dataclass(frozen=True, slots=True)
+class ArchConfig:
+    """The config.json keys the storage layer needs (a typed view, validated once)."""
+
+    model_type: str
+    hidden_size: int
+    vocab_size: int
+    num_hidden_layers: int
+    num_mtp_layers: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_attention_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    first_k_dense_replace: int
+    mlp_layer_types: tuple[str, ...]
+    index_n_heads: int
+    index_head_dim: int
+    indexer_types: tuple[str, ...]
+
+    @staticmethod
+    def from_dict(cfg: Mapping[str, Any], where: str = "config.json") -> ArchConfig:
+        def need(key: str) -> Any:
+            if key not in cfg or cfg[key] is None:
+                raise ConfigError(f"{where}: missing required key {key!r}")
+            return cfg[key]
+
+        mt = str(need("model_type"))
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"{where}: model_type {mt!r} is not supported (supported: "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        try:
+            n_layers = int(need("num_hidden_layers"))
+            first_dense = int(cfg.get("first_k_dense_replace") or 0)
+            mlp_types = cfg.get("mlp_layer_types") or [
+                "dense" if i < first_dense else "sparse" for i in range(n_layers)
+            ]
+            idx_types = cfg.get("indexer_types") or []
+            is_dsa = mt == "glm_moe_dsa"
+            return ArchConfig(
+                model_type=mt,
+                hidden_size=int(need("hidden_size")),
+                vocab_size=int(need("vocab_size")),
+                num_hidden_layers=n_layers,
+                num_mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0),
+                intermediate_size=int(need("intermediate_size")),
+                moe_intermediate_size=int(need("moe_intermediate_size")),
+                n_routed_experts=int(need("n_routed_experts")),
+                n_shared_experts=int(cfg.get("n_shared_experts") or 0),
+                num_attention_heads=int(need("num_attention_heads")),
+                q_lora_rank=None if cfg.get("q_lora_rank") is None else int(cfg["q_lora_rank"]),
+                kv_lora_rank=int(need("kv_lora_rank")),
+                qk_nope_head_dim=int(need("qk_nope_head_dim")),
+                qk_rope_head_dim=int(need("qk_rope_head_dim")),
+                v_head_dim=int(need("v_head_dim")),
+                first_k_dense_replace=first_dense,
+                mlp_layer_types=tuple(str(t) for t in mlp_types),
+                index_n_heads=int(need("index_n_heads")) if is_dsa else 0,
+                index_head_dim=int(need("index_head_dim")) if is_dsa else 0,
+                indexer_types=tuple(str(t) for t in idx_types),
+            )
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{where}: a numeric key has a bad value ({exc})") from exc
+
+    @property
+    def total_layers(self) -> int:
+        """Decoder layers on disk, MTP layers included (they follow the main ones)."""
+        return self.num_hidden_layers + self.num_mtp_layers
+
+    def is_moe_layer(self, layer: int) -> bool:
+        if layer >= self.num_hidden_layers:
+            return True  # MTP layers are MoE layers
+        return self.mlp_layer_types[layer] == "sparse"
+
+    def has_indexer(self, layer: int) -> bool:
+        if self.model_type != "glm_moe_dsa":
+            return False
+        if layer < len(self.indexer_types):
+            return self.indexer_types[layer] != "shared"
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRole:
+    role: Role
+    shape: tuple[int, int] | None  # logical [out, in] of a matrix; None for 1-D tensors
+    layer: int | None = None
+    expert: int | None = None
+    proj: str | None = None  # gate_proj / up_proj / down_proj for MLP matrices
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def classify(name: str, arch: ArchConfig) -> TensorRole | None:
+    """Role and logical shape of an HF tensor name, or None if the name is unknown."""
+    h, v = arch.hidden_size, arch.vocab_size
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return TensorRole("io", (v, h))
+    if name == "model.norm.weight":
+        return TensorRole("f32", None)
+    m = _LAYER.match(name)
+    if not m:
+        return None
+    layer, rest = int(m.group(1)), m.group(2)
+    if layer >= arch.total_layers:
+        return None
+    mtp = layer >= arch.num_hidden_layers
+    mat: Role = "mtp" if mtp else "dense"
+    if rest.endswith(("norm.weight", "norm.bias", ".bias", "e_score_correction_bias")) or rest in (
+        "mlp.gate.weight",
+    ):
+        if rest == "mlp.gate.weight":
+            return TensorRole("f32", (arch.n_routed_experts, h), layer)
+        return TensorRole("f32", None, layer)
+    e = _EXPERT.match(rest)
+    if e:
+        i = arch.moe_intermediate_size
+        proj = e.group(2)
+        shape = (h, i) if proj == "down_proj" else (i, h)
+        return TensorRole("mtp" if mtp else "expert", shape, layer, int(e.group(1)), proj)
+    shape = _matrix_shape(rest, layer, arch)
+    if shape is None:
+        return None
+    if mtp and rest in ("embed_tokens.weight", "shared_head.head.weight"):
+        return TensorRole("mtp", shape, layer)
+    proj = rest.split(".")[-2] if rest.startswith("mlp.") else None
+    return TensorRole(mat, shape, layer, None, proj)
+
+
+def _matrix_shape(rest: str, layer: int, a: ArchConfig) -> tuple[int, int] | None:
+    h, nh = a.hidden_size, a.num_attention_heads
+    qk = a.qk_nope_head_dim + a.qk_rope_head_dim
+    q_in = a.q_lora_rank if a.q_lora_rank is not None else h
+    moe = a.is_moe_layer(layer)
+    shared_i = a.moe_intermediate_size * a.n_shared_experts
+    table: dict[str, tuple[int, int]] = {
+        "self_attn.q_proj.weight": (nh * qk, h),
+        "self_attn.kv_a_proj_with_mqa.weight": (a.kv_lora_rank + a.qk_rope_head_dim, h),
+        "self_attn.kv_b_proj.weight": (nh * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank),
+        "self_attn.o_proj.weight": (h, nh * a.v_head_dim),
+        "self_attn.indexer.wq_b.weight": (a.index_n_heads * a.index_head_dim, q_in),
+        "self_attn.indexer.wk.weight": (a.index_head_dim, h),
+        "self_attn.indexer.weights_proj.weight": (a.index_n_heads, h),
+        "embed_tokens.weight": (a.vocab_size, h),
+        "shared_head.head.weight": (a.vocab_size, h),
+        "eh_proj.weight": (h, 2 * h),
+    }
+    if a.q_lora_rank is not None:
+        table["self_attn.q_a_proj.weight"] = (a.q_lora_rank, h)
+        table["self_attn.q_b_proj.weight"] = (nh * qk, a.q_lora_rank)
+    if moe:
+        table["mlp.shared_experts.gate_proj.weight"] = (shared_i, h)
+        table["mlp.shared_experts.up_proj.weight"] = (shared_i, h)
+        table["mlp.shared_experts.down_proj.weight"] = (h, shared_i)
+    else:
+        table["mlp.gate_proj.weight"] = (a.intermediate_size, h)
+        table["mlp.up_proj.weight"] = (a.intermediate_size, h)
+        table["mlp.down_proj.weight"] = (h, a.intermediate_size)
+    return table.get(rest)
+
+
+def expected_tensors(arch: ArchConfig) -> list[str]:
+    """Every tensor name the runtime needs (MTP layers included when the config declares them).
+
+    Optional tensors (a separate MTP ``embed_tokens``, attention biases) are not listed."""
+    names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+    for layer in range(arch.total_layers):
+        p = f"model.layers.{layer}."
+        attn = ["input_layernorm.weight", "post_attention_layernorm.weight"]
+        if arch.q_lora_rank is not None:
+            attn += ["self_attn.q_a_proj.weight", "self_attn.q_a_layernorm.weight",
+                     "self_attn.q_b_proj.weight"]  # fmt: skip
+        else:
+            attn += ["self_attn.q_proj.weight"]
+        attn += ["self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_layernorm.weight",
+                 "self_attn.kv_b_proj.weight", "self_attn.o_proj.weight"]  # fmt: skip
+        if arch.has_indexer(layer):
+            attn += ["self_attn.indexer.wq_b.weight", "self_attn.indexer.wk.weight",
+                     "self_attn.indexer.k_norm.weight", "self_attn.indexer.k_norm.bias",
+                     "self_attn.indexer.weights_proj.weight"]  # fmt: skip
+        if arch.is_moe_layer(layer):
+            attn += ["mlp.gate.weight", "mlp.gate.e_score_correction_bias"]
+            if arch.n_shared_experts:
+                attn += [
+                    f"mlp.shared_experts.{x}.weight" for x in ("gate_proj", "up_proj", "down_proj")
+                ]
+            for e in range(arch.n_routed_experts):
+                attn += [
+                    f"mlp.experts.{e}.{x}.weight" for x in ("gate_proj", "up_proj", "down_proj")
+                ]
+        else:
+            attn += [f"mlp.{x}.weight" for x in ("gate_proj", "up_proj", "down_proj")]
+        if layer >= arch.num_hidden_layers:
+            attn += ["enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
+                     "shared_head.head.weight"]  # fmt: skip
+        names += [p + x for x in attn]
+    return names
