@@ -1,0 +1,89 @@
+"""Engine options and the one place environment variables are read.
+
+Every environment variable maps to a CLI flag and an :class:`EngineOptions` field:
+
+=================  ==================  ======================
+variable           flag                field
+=================  ==================  ======================
+COLI_MODEL         --model             model
+COLI_RAM           --ram               ram_budget
+COLI_READER        --reader            reader
+COLI_PREFETCH      --prefetch/--no-    prefetch
+COLI_LOG_FORMAT    --log-format        (logging: console|json)
+=================  ==================  ======================
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, field_validator
+
+from storage.errors import ColibriError
+
+__all__ = ["ENV_VARS", "EngineOptions", "default_model_path", "env_defaults", "parse_bytes"]
+
+ENV_VARS = {
+    "COLI_MODEL": "model",
+    "COLI_RAM": "ram_budget",
+    "COLI_READER": "reader",
+    "COLI_PREFETCH": "prefetch",
+    "COLI_LOG_FORMAT": "log_format",
+}
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "kib": 1024,
+    "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+    "g": 1000**3, "gb": 1000**3, "gib": 1024**3,
+    "t": 1000**4, "tb": 1000**4, "tib": 1024**4,
+}  # fmt: skip
+
+
+def parse_bytes(text: str | int | None) -> int | None:
+    """``"6GiB"`` -> 6442450944; ``None``/``"auto"`` -> None; plain ints are bytes."""
+    if text is None or isinstance(text, int):
+        return text
+    t = text.strip().lower().replace(" ", "")
+    if t in ("", "auto", "none"):
+        return None
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([a-z]*)", t)
+    if not m or m.group(2) not in _UNITS:
+        raise ColibriError(f"cannot read {text!r} as a size; write e.g. 6GiB, 512MiB, 2000000000")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def default_model_path() -> Path:
+    """The model bundled inside the package (used when no --model / COLI_MODEL is given)."""
+    return Path(__file__).resolve().parent / "demo" / "model"
+
+
+class EngineOptions(BaseModel):
+    """How to open a model. All fields have CLI flags; see the module docstring."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: Path | None = None
+    ram_budget: int | None = None
+    reader: Literal["auto", "uring", "threads", "buffered"] = "auto"
+    prefetch: bool = True
+
+    @field_validator("ram_budget", mode="before")
+    @classmethod
+    def _budget(cls, v: object) -> int | None:
+        if v is None or isinstance(v, int):
+            return v
+        return parse_bytes(str(v))
+
+    def resolved_model(self) -> Path:
+        return self.model if self.model is not None else default_model_path()
+
+
+def env_defaults(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Option values taken from ``COLI_*`` variables (field name -> raw text)."""
+    env = os.environ if environ is None else environ
+    return {field: env[var] for var, field in ENV_VARS.items() if env.get(var)}

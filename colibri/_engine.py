@@ -1,0 +1,251 @@
+"""The public engine: an async API (anyio: asyncio or trio) and a thin sync facade.
+
+Model math runs in worker threads (numba kernels release the GIL) through
+``anyio.to_thread.run_sync`` with an explicit limiter, so the event loop never blocks.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import anyio
+import anyio.from_thread
+import anyio.to_thread
+import numpy as np
+import numpy.typing as npt
+
+from colibri._config import EngineOptions
+from runtime.sampling import Sampler, SamplingParams, log_softmax
+from storage.container import Container
+from storage.errors import ModelError
+
+__all__ = ["DoneEvent", "Engine", "GenerationEvent", "SyncModel", "TokenEvent", "open_model"]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """One generated token."""
+
+    token_id: int
+    index: int
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class DoneEvent:
+    """The end of a generation: why it stopped, every token, and the turn's counters."""
+
+    reason: Literal["length", "stop", "cancelled"]
+    tokens: list[int]
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+GenerationEvent = TokenEvent | DoneEvent
+
+
+def _as_ids(token_ids: Sequence[int] | npt.NDArray[np.integer]) -> npt.NDArray[np.int64]:
+    ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+    if ids.size == 0:
+        raise ModelError("token_ids is empty: give at least one token")
+    return ids
+
+
+class Engine:
+    """A loaded model. Create with ``async with Engine.open(path) as engine``."""
+
+    def __init__(self, container: Container, model: Any, options: EngineOptions) -> None:
+        self.container = container
+        self.options = options
+        self._model = model
+        self._limiter = anyio.CapacityLimiter(1)
+        self._lock = anyio.Lock()
+        self._counters: dict[str, float] = {
+            "forward_calls": 0,
+            "prompt_tokens": 0,
+            "generated_tokens": 0,
+            "compute_seconds": 0.0,
+        }
+
+    # ------------------------------------------------------------------ lifecycle
+    @classmethod
+    @asynccontextmanager
+    async def open(
+        cls,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        ram_budget: int | str | None = None,
+        options: EngineOptions | None = None,
+    ) -> AsyncIterator[Engine]:
+        """Open a model directory (default: the bundled demo model)."""
+        opts = options or EngineOptions()
+        upd: dict[str, Any] = {}
+        if path is not None:
+            upd["model"] = Path(path)
+        if ram_budget is not None:
+            upd["ram_budget"] = ram_budget
+        if upd:
+            opts = EngineOptions(**{**opts.model_dump(), **upd})
+        model_dir = opts.resolved_model()
+        container, model = await anyio.to_thread.run_sync(_load, model_dir, opts)
+        engine = cls(container, model, opts)
+        try:
+            yield engine
+        finally:
+            close = getattr(model, "close", None)
+            if close is not None:
+                await anyio.to_thread.run_sync(close)
+
+    # ------------------------------------------------------------------ compute
+    async def _run(self, fn: Any, *args: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+        finally:
+            self._counters["compute_seconds"] += time.perf_counter() - t0
+            self._counters["forward_calls"] += 1
+
+    async def forward(
+        self, token_ids: Sequence[int] | npt.NDArray[np.integer]
+    ) -> npt.NDArray[np.float32]:
+        """Logits float32 [T, vocab] for ``token_ids`` in a fresh context."""
+        ids = _as_ids(token_ids)
+        async with self._lock:
+            cache = self._model.new_cache()
+            out = await self._run(self._model.forward, ids, cache)
+        return np.asarray(out.logits, dtype=np.float32)
+
+    async def generate(
+        self,
+        prompt_ids: Sequence[int] | npt.NDArray[np.integer],
+        *,
+        max_new_tokens: int = 32,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+    ) -> AsyncIterator[GenerationEvent]:
+        """Stream ``TokenEvent`` s, then one ``DoneEvent``."""
+        ids = _as_ids(prompt_ids)
+        if max_new_tokens < 0:
+            raise ModelError("max_new_tokens must be >= 0")
+        sampler = Sampler(SamplingParams(temperature, top_p, top_k, seed))
+        stops = set(self.container.eos_token_ids if stop_token_ids is None else stop_token_ids)
+        out_tokens: list[int] = []
+        reason: Literal["length", "stop", "cancelled"] = "length"
+        t0 = time.perf_counter()
+        async with self._lock:
+            cache = self._model.new_cache()
+            self._counters["prompt_tokens"] += int(ids.size)
+            try:
+                if max_new_tokens > 0:
+                    out = await self._run(self._model.forward, ids, cache)
+                    logits = out.logits[-1]
+                    for i in range(max_new_tokens):
+                        tok = sampler.sample(logits)
+                        lp = float(log_softmax(logits)[tok])
+                        out_tokens.append(tok)
+                        self._counters["generated_tokens"] += 1
+                        yield TokenEvent(tok, i, lp)
+                        if tok in stops:
+                            reason = "stop"
+                            break
+                        if i + 1 == max_new_tokens:
+                            break
+                        out = await self._run(
+                            self._model.forward, np.array([tok], dtype=np.int64), cache
+                        )
+                        logits = out.logits[-1]
+            except anyio.get_cancelled_exc_class():
+                reason = "cancelled"
+                raise
+        dt = time.perf_counter() - t0
+        yield DoneEvent(
+            reason,
+            out_tokens,
+            {"seconds": dt, "tokens": len(out_tokens), "prompt_tokens": int(ids.size)},
+        )
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since open (compute, tokens, and the expert store's tiers when present)."""
+        s: dict[str, Any] = dict(self._counters)
+        expert_stats = getattr(self._model, "stats", None)
+        if callable(expert_stats):
+            s.update(expert_stats())
+        return s
+
+
+def _load(model_dir: Path, opts: EngineOptions) -> tuple[Container, Any]:
+    from runtime.models import load_model
+
+    container = Container.open(model_dir)
+    return container, load_model(container)
+
+
+class SyncModel:
+    """Blocking facade over :class:`Engine` for scripts and the CLI."""
+
+    def __init__(self, portal: anyio.from_thread.BlockingPortal, engine: Engine) -> None:
+        self._portal = portal
+        self.engine = engine
+
+    @property
+    def container(self) -> Container:
+        return self.engine.container
+
+    def forward(self, token_ids: Sequence[int] | npt.NDArray[np.integer]) -> npt.NDArray[np.float32]:
+        """Logits float32 [T, vocab] for ``token_ids`` in a fresh context."""
+        result: npt.NDArray[np.float32] = self._portal.call(self.engine.forward, token_ids)
+        return result
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int] | npt.NDArray[np.integer],
+        max_new_tokens: int = 32,
+        temperature: float = 0.0,
+        **kw: Any,
+    ) -> list[int]:
+        """New token ids (the prompt excluded)."""
+
+        async def collect() -> list[int]:
+            toks: list[int] = []
+            async for ev in self.engine.generate(
+                prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, **kw
+            ):
+                if isinstance(ev, TokenEvent):
+                    toks.append(ev.token_id)
+            return toks
+
+        result: list[int] = self._portal.call(collect)
+        return result
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+
+@contextmanager
+def open_model(
+    path: str | os.PathLike[str] | None = None,
+    ram_budget: int | str | None = None,
+    **options: Any,
+) -> Iterator[SyncModel]:
+    """``with colibri.open_model(path) as model:`` — the sync API (see :class:`SyncModel`)."""
+    opts = EngineOptions(**options)
+    with anyio.from_thread.start_blocking_portal() as portal:
+        cm = Engine.open(path, ram_budget=ram_budget, options=opts)
+        engine = portal.call(cm.__aenter__)
+        try:
+            yield SyncModel(portal, engine)
+        except BaseException as exc:
+            if not portal.call(cm.__aexit__, type(exc), exc, exc.__traceback__):
+                raise
+        else:
+            portal.call(cm.__aexit__, None, None, None)
+
+
