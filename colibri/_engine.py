@@ -19,10 +19,10 @@ import anyio.from_thread
 import anyio.to_thread
 import numpy as np
 import numpy.typing as npt
+from storage.container import Container
 
 from colibri._config import EngineOptions
 from runtime.sampling import Sampler, SamplingParams, log_softmax
-from storage.container import Container
 from storage.errors import ModelError
 
 __all__ = ["DoneEvent", "Engine", "GenerationEvent", "SyncModel", "TokenEvent", "open_model"]
@@ -199,7 +199,9 @@ class SyncModel:
     def container(self) -> Container:
         return self.engine.container
 
-    def forward(self, token_ids: Sequence[int] | npt.NDArray[np.integer]) -> npt.NDArray[np.float32]:
+    def forward(
+        self, token_ids: Sequence[int] | npt.NDArray[np.integer]
+    ) -> npt.NDArray[np.float32]:
         """Logits float32 [T, vocab] for ``token_ids`` in a fresh context."""
         result: npt.NDArray[np.float32] = self._portal.call(self.engine.forward, token_ids)
         return result
@@ -247,5 +249,3 @@ def open_model(
                 raise
         else:
             portal.call(cm.__aexit__, None, None, None)
-
-

@@ -204,7 +204,6 @@ def convert(
 ) -> None:
     """Convert a Hugging Face checkpoint SRC into a colibri container DST (resumable)."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
-
     from storage.convert import DEFAULTS, ConvertOptions
     from storage.convert import convert as do_convert
 

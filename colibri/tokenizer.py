@@ -73,9 +73,7 @@ class ChatTokenizer:
                 lines.append("assistant:")
             return "\n".join(lines)
         special = {
-            k: v
-            for k, v in self.config.items()
-            if k.endswith("_token") and isinstance(v, str)
+            k: v for k, v in self.config.items() if k.endswith("_token") and isinstance(v, str)
         }
         try:
             return str(
