@@ -23,6 +23,7 @@ class LayerLru:
         self.capacity = capacity
         self._order: OrderedDict[int, None] = OrderedDict()
         self._protected: set[int] = set()
+        self._held: dict[int, int] = {}
 
     def __contains__(self, expert: int) -> bool:
         return expert in self._order
@@ -43,12 +44,23 @@ class LayerLru:
     def unprotect(self) -> None:
         self._protected = set()
 
+    def hold(self, expert: int) -> None:
+        """Pin an entry while something (a read in flight) uses its slot; nests."""
+        self._held[expert] = self._held.get(expert, 0) + 1
+
+    def unhold(self, expert: int) -> None:
+        n = self._held.get(expert, 0) - 1
+        if n > 0:
+            self._held[expert] = n
+        else:
+            self._held.pop(expert, None)
+
     def victim(self) -> int | None:
         """The entry admission would evict now (None if a slot is free or all are protected)."""
         if len(self._order) < self.capacity:
             return None
         for e in self._order:
-            if e not in self._protected:
+            if e not in self._protected and e not in self._held:
                 return e
         return None
 
