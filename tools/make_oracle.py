@@ -36,12 +36,14 @@ MTP (multi-token prediction) head. transformers does not build it for these chec
 path is broken for glm_moe_dsa in 5.24), so it is built here from the same module classes and
 stored as ``model.layers.{num_hidden_layers}.*``:
 
-* ``enorm`` (RMSNorm H), ``hnorm`` (RMSNorm H), ``eh_proj`` (Linear 2H -> H, weight [H, 2H], no bias);
+* ``enorm`` (RMSNorm H), ``hnorm`` (RMSNorm H), ``eh_proj`` (Linear 2H -> H, weight [H, 2H],
+  no bias);
 * a full MoE decoder layer with the usual names (``input_layernorm``, ``self_attn.*`` including
   ``self_attn.indexer.*`` for glm_moe_dsa, ``post_attention_layernorm``, ``mlp.gate.*``,
   ``mlp.experts.E.{gate,up,down}_proj``, ``mlp.shared_experts.*``);
 * ``shared_head.norm`` (RMSNorm H) and ``shared_head.head`` (Linear H -> V, its own random weight,
   not a copy of ``lm_head``). There is no MTP ``embed_tokens``: ``model.embed_tokens`` is shared.
+  The three MTP RMSNorms use ``config.rms_norm_eps``.
 
 Definition (colibri implements exactly this). Given prompt ids x[0..T-1] and the main model's final
 hidden states h[0..T-1] AFTER the final norm ``model.norm``, for t = 0..T-2::
@@ -95,7 +97,10 @@ CHAT_TEMPLATE = (
 # (source text, token length); each prompt is the first `length` tokens of its text.
 PROMPT_SOURCES: tuple[tuple[str, int], ...] = (
     ("The quick brown fox jumps over the lazy dog.", 5),
-    ("A function definition defines a user-defined function object, and the body is run later.", 12),
+    (
+        "A function definition defines a user-defined function object, and the body is run later.",
+        12,
+    ),
     (
         "When the interpreter reads a module for the first time, it compiles the source into "
         "byte code, stores the result in a cache directory, and then executes every statement "
@@ -112,6 +117,15 @@ PROMPT_SOURCES: tuple[tuple[str, int], ...] = (
     ),
 )
 GREEDY_STEPS = 32
+
+HIGHLIGHT_KEYS = tuple(
+    """vocab_size hidden_size intermediate_size moe_intermediate_size num_hidden_layers
+    first_k_dense_replace mlp_layer_types num_attention_heads n_routed_experts
+    num_experts_per_tok n_shared_experts n_group topk_group routed_scaling_factor norm_topk_prob
+    q_lora_rank kv_lora_rank qk_rope_head_dim qk_nope_head_dim v_head_dim rms_norm_eps
+    rope_parameters rope_interleave index_topk index_head_dim index_n_heads indexer_types
+    eos_token_id bos_token_id""".split()
+)
 
 # Gains for N(0, gain^2 / fan_in) weights; chosen so activations stay O(1), logits are not flat
 # and sigmoid router scores spread over most of (0, 1).
@@ -236,6 +250,7 @@ def make_config(name: str, vocab_size: int, eos: list[int], bos: int) -> Any:
         attention_bias=False,
         num_nextn_predict_layers=1,
     )
+    cfg: Any
     if name == "glm_moe_dsa":
         from transformers import GlmMoeDsaConfig
 
@@ -249,7 +264,9 @@ def make_config(name: str, vocab_size: int, eos: list[int], bos: int) -> Any:
             mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
             index_topk=16,
             index_head_dim=64,
-            index_n_heads=8,  # 4 heads give exact-zero score ties (all relu(.) = 0) at the top-k cut
+            # 8, not 4: with 4 heads ~1/16 of the scores are exactly 0 (every relu(.) = 0), and
+            # such ties land on the top-k cut, making the selected set ambiguous.
+            index_n_heads=8,
             indexer_types=["full", "shared", "full", "shared"],
         )
     elif name == "deepseek_v3":
@@ -279,22 +296,21 @@ def make_config(name: str, vocab_size: int, eos: list[int], bos: int) -> Any:
     return cfg
 
 
-def _model_classes(name: str) -> dict[str, type]:
+def _model_classes(name: str) -> dict[str, Any]:
     if name == "glm_moe_dsa":
-        from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as m
+        from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as glm
 
         return {
-            "causal_lm": m.GlmMoeDsaForCausalLM,
-            "layer": m.GlmMoeDsaDecoderLayer,
-            "norm": m.GlmMoeDsaRMSNorm,
-            "indexer": m.GlmMoeDsaIndexer,
+            "causal_lm": glm.GlmMoeDsaForCausalLM,
+            "layer": glm.GlmMoeDsaDecoderLayer,
+            "norm": glm.GlmMoeDsaRMSNorm,
         }
-    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as dsv3
 
     return {
-        "causal_lm": m.DeepseekV3ForCausalLM,
-        "layer": m.DeepseekV3DecoderLayer,
-        "norm": m.DeepseekV3RMSNorm,
+        "causal_lm": getattr(dsv3, "DeepseekV3ForCausalLM"),  # noqa: B009
+        "layer": getattr(dsv3, "DeepseekV3DecoderLayer"),  # noqa: B009
+        "norm": getattr(dsv3, "DeepseekV3RMSNorm"),  # noqa: B009
     }
 
 
@@ -302,15 +318,15 @@ def mtp_layer_config(config: Any) -> Any:
     """Config copy whose per-layer lists cover index ``num_hidden_layers`` (the MTP layer)."""
     cfg = copy.deepcopy(config)
     if getattr(cfg, "mlp_layer_types", None) is not None:
-        cfg.mlp_layer_types = list(cfg.mlp_layer_types) + ["sparse"]
+        cfg.mlp_layer_types = [*cfg.mlp_layer_types, "sparse"]
     if getattr(cfg, "indexer_types", None) is not None:
-        cfg.indexer_types = list(cfg.indexer_types) + ["full"]
+        cfg.indexer_types = [*cfg.indexer_types, "full"]
     if getattr(cfg, "layer_types", None) is not None:
-        cfg.layer_types = list(cfg.layer_types) + [cfg.layer_types[-1]]
+        cfg.layer_types = [*cfg.layer_types, cfg.layer_types[-1]]
     return cfg
 
 
-def make_mtp_layer(name: str, config: Any) -> nn.Module:
+def make_mtp_layer(name: str, config: Any) -> Any:
     """The MTP block: a MoE decoder layer with enorm/hnorm/eh_proj/shared_head attached."""
     cls = _model_classes(name)
     h, eps = config.hidden_size, config.rms_norm_eps
@@ -334,17 +350,22 @@ def randomize_(module: nn.Module, gen: torch.Generator) -> None:
 
     ``e_score_correction_bias`` is drawn as 0.05 N and kept in float32.
     """
-    for _, mod in module.named_modules():
+    for mod_name, mod in module.named_modules():
         kind = type(mod).__name__
+        is_head = mod_name == "lm_head" or mod_name.endswith("shared_head.head")
         for pname, p in mod.named_parameters(recurse=False):
             shape = p.shape
             if isinstance(mod, nn.LayerNorm) or kind.endswith("RMSNorm"):
-                val = (1.0 + _normal(gen, shape, 0.1)) if pname == "weight" else _normal(gen, shape, 0.1)
+                val = (
+                    (1.0 + _normal(gen, shape, 0.1))
+                    if pname == "weight"
+                    else _normal(gen, shape, 0.1)
+                )
             elif isinstance(mod, nn.Embedding):
                 val = _normal(gen, shape, EMBED_STD)
             elif isinstance(mod, nn.Linear):
                 if pname == "weight":
-                    gain = LM_HEAD_GAIN if (mod.out_features > 512) else 1.0
+                    gain = LM_HEAD_GAIN if is_head else 1.0
                     val = _normal(gen, shape, gain / math.sqrt(mod.in_features))
                 else:
                     val = _normal(gen, shape, 0.1)
@@ -362,7 +383,7 @@ def randomize_(module: nn.Module, gen: torch.Generator) -> None:
                 b.copy_(_normal(gen, b.shape, 0.05))
 
 
-def build(name: str, seed: int = 0, tok: Any = None) -> tuple[nn.Module, Any, nn.Module]:
+def build(name: str, seed: int = 0, tok: Any = None) -> tuple[Any, Any, Any]:
     """Build the seeded random fp32 model (bf16-rounded values), its config and its MTP block.
 
     Returns ``(model, config, mtp)``; ``mtp`` is the decoder layer with ``enorm``, ``hnorm``,
@@ -370,7 +391,9 @@ def build(name: str, seed: int = 0, tok: Any = None) -> tuple[nn.Module, Any, nn
     """
     if tok is None:
         tok = train_tokenizer()
-    config = make_config(name, tok.get_vocab_size(), eos_ids(tok), special_ids(tok)["<|endoftext|>"])
+    config = make_config(
+        name, tok.get_vocab_size(), eos_ids(tok), special_ids(tok)["<|endoftext|>"]
+    )
     cls = _model_classes(name)
     torch.manual_seed(seed)  # the default init is overwritten; this only pins it
     model = cls["causal_lm"](config)
@@ -388,7 +411,7 @@ def build(name: str, seed: int = 0, tok: Any = None) -> tuple[nn.Module, Any, nn
 # --------------------------------------------------------------------------------------------
 
 
-def _causal_mask(model: nn.Module, embeds: torch.Tensor, position_ids: torch.Tensor) -> Any:
+def _causal_mask(model: Any, embeds: torch.Tensor, position_ids: torch.Tensor) -> Any:
     """The same causal mask object the main model builds for itself."""
     from transformers.masking_utils import create_causal_mask
 
@@ -410,7 +433,7 @@ def _allowed(mask: torch.Tensor) -> torch.Tensor:
 
 
 def indexer_scores(
-    indexer: nn.Module,
+    indexer: Any,
     hidden_states: torch.Tensor,
     q_resid: torch.Tensor,
     position_embeddings: tuple[torch.Tensor, torch.Tensor],
@@ -432,10 +455,14 @@ def indexer_scores(
     q_rot, q_pass = torch.split(q, [rope, indexer.head_dim - rope], dim=-1)
     k = indexer.k_norm(indexer.wk(hidden_states)).unsqueeze(2)
     k_rot, k_pass = torch.split(k, [rope, indexer.head_dim - rope], dim=-1)
-    q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+    q_rot, k_rot = apply_rotary_pos_emb_interleave(  # type: ignore[no-untyped-call]
+        q_rot, k_rot, cos, sin, unsqueeze_dim=2
+    )
     q = torch.cat([q_rot, q_pass], dim=-1)
     k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
-    scores = torch.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * indexer.softmax_scale)
+    scores = torch.relu(
+        torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * indexer.softmax_scale
+    )
     weights = indexer.weights_proj(hidden_states).float() * (indexer.n_heads**-0.5)
     out = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
     allowed = _allowed(attention_mask)
@@ -447,16 +474,17 @@ def indexer_scores(
 class IndexerRecorder:
     """Forward hooks on DSA indexers capturing (scores with -inf mask, selected top-k)."""
 
-    def __init__(self, modules: dict[str, nn.Module]):
+    def __init__(self, modules: dict[str, Any]) -> None:
         self.records: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self.active = False
         self.min_margin = math.inf  # over every call, recorded or not
         self._handles = [
-            mod.register_forward_hook(self._hook(key), with_kwargs=True) for key, mod in modules.items()
+            mod.register_forward_hook(self._hook(key), with_kwargs=True)
+            for key, mod in modules.items()
         ]
 
     def _hook(self, key: str) -> Callable[..., None]:
-        def hook(mod: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> None:
+        def hook(mod: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             hidden, q_resid, pos_emb, mask = args[:4]
             scores = indexer_scores(mod, hidden, q_resid, pos_emb, mask)[0]
             k = output.shape[-1]
@@ -491,7 +519,7 @@ def topk_boundary_margin(scores: np.ndarray, k: int) -> float:
 
 
 @torch.no_grad()
-def forward_full(model: nn.Module, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def forward_full(model: Any, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits [T, V], final normed hidden [T, H]) of a full no-cache fp32 forward."""
     x = torch.tensor([list(ids)], dtype=torch.long)
     out = model.model(input_ids=x, use_cache=False)
@@ -500,7 +528,7 @@ def forward_full(model: nn.Module, ids: Sequence[int]) -> tuple[torch.Tensor, to
 
 
 @torch.no_grad()
-def greedy(model: nn.Module, ids: Sequence[int], steps: int) -> tuple[list[int], list[float]]:
+def greedy(model: Any, ids: Sequence[int], steps: int) -> tuple[list[int], list[float]]:
     """Greedy continuation, re-running the full forward each step; (tokens, top1-top2 margins)."""
     seq = list(ids)
     toks: list[int] = []
@@ -517,7 +545,7 @@ def greedy(model: nn.Module, ids: Sequence[int], steps: int) -> tuple[list[int],
 
 
 @torch.no_grad()
-def mtp_forward(model: nn.Module, mtp: nn.Module, ids: Sequence[int], hidden: torch.Tensor) -> torch.Tensor:
+def mtp_forward(model: Any, mtp: Any, ids: Sequence[int], hidden: torch.Tensor) -> torch.Tensor:
     """MTP logits [T-1, V] per the module-docstring definition (``hidden`` is after model.norm)."""
     t = len(ids)
     if t < 2:
@@ -532,11 +560,12 @@ def mtp_forward(model: nn.Module, mtp: nn.Module, ids: Sequence[int], hidden: to
     out = mtp(u, attention_mask=mask, position_ids=pos, position_embeddings=pos_emb)
     if isinstance(out, tuple):  # GLM layers also return their top-k indices
         out = out[0]
-    return mtp.shared_head.head(mtp.shared_head.norm(out))[0]
+    logits: torch.Tensor = mtp.shared_head.head(mtp.shared_head.norm(out))[0]
+    return logits
 
 
 def compute_reference(
-    name: str, model: nn.Module, mtp: nn.Module, prompts: list[list[int]]
+    name: str, model: Any, mtp: Any, prompts: list[list[int]]
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """All reference arrays for ``prompts`` plus summary statistics."""
     arrays: dict[str, np.ndarray] = {}
@@ -574,7 +603,9 @@ def compute_reference(
                         continue
                     arrays[f"dsa_scores_{i}_{key}"] = scores
                     arrays[f"dsa_topk_{i}_{key}"] = sel
-                    stats["dsa_min_boundary_margin"][f"{i}_{key}"] = topk_boundary_margin(scores, topk)
+                    stats["dsa_min_boundary_margin"][f"{i}_{key}"] = topk_boundary_margin(
+                        scores, topk
+                    )
         if recorder is not None:
             stats["dsa_min_boundary_margin_all"] = recorder.min_margin
             if not recorder.min_margin > 0.0:
@@ -614,7 +645,7 @@ def save_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:
     path.write_bytes(buf.getvalue())
 
 
-def checkpoint_tensors(model: nn.Module, mtp: nn.Module) -> dict[str, torch.Tensor]:
+def checkpoint_tensors(model: Any, mtp: Any) -> dict[str, torch.Tensor]:
     """HF-named checkpoint tensors (bf16; ``e_score_correction_bias`` F32) including the MTP layer.
 
     The names come from ``save_pretrained`` itself (per-expert ``experts.E.*_proj.weight``), with
@@ -644,8 +675,7 @@ def checkpoint_tensors(model: nn.Module, mtp: nn.Module) -> dict[str, torch.Tens
 
 def config_dict(name: str, config: Any) -> dict[str, Any]:
     """config.json content: the transformers config plus fields GGUF tools expect."""
-    d = config.to_dict()
-    d = {k: v for k, v in d.items() if not k.startswith("_")}
+    d = {k: v for k, v in config.to_diff_dict().items() if not k.startswith("_")}
     d["architectures"] = [_model_classes(name)["causal_lm"].__name__]
     d["dtype"] = "bfloat16"
     d["num_nextn_predict_layers"] = 1
@@ -664,6 +694,7 @@ def write_model(name: str, out_dir: Path, seed: int, tok: Any) -> dict[str, Any]
     ckpt.mkdir(parents=True, exist_ok=True)
     tensors = checkpoint_tensors(model, mtp)
     save_file(tensors, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    os.chmod(ckpt / "model.safetensors", 0o644)
     _write_text(ckpt / "config.json", _dumps(config_dict(name, config)))
     gen_cfg = {
         "bos_token_id": config.bos_token_id,
@@ -682,17 +713,7 @@ def write_model(name: str, out_dir: Path, seed: int, tok: Any) -> dict[str, Any]
     n_main = sum(p.numel() for p in model.parameters())
     n_mtp = sum(p.numel() for p in mtp.parameters())
     highlights = {
-        k: getattr(config, k, None)
-        for k in (
-            "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
-            "num_hidden_layers", "first_k_dense_replace", "mlp_layer_types", "num_attention_heads",
-            "n_routed_experts", "num_experts_per_tok", "n_shared_experts", "n_group", "topk_group",
-            "routed_scaling_factor", "norm_topk_prob", "q_lora_rank", "kv_lora_rank",
-            "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rms_norm_eps",
-            "rope_parameters", "rope_interleave", "index_topk", "index_head_dim", "index_n_heads",
-            "indexer_types", "eos_token_id", "bos_token_id",
-        )
-        if getattr(config, k, None) is not None
+        k: getattr(config, k, None) for k in HIGHLIGHT_KEYS if getattr(config, k, None) is not None
     }
     summary = {
         "tool": "tools/make_oracle.py",
@@ -719,7 +740,9 @@ def write_model(name: str, out_dir: Path, seed: int, tok: Any) -> dict[str, Any]
         "dsa_min_boundary_margin_all_forwards": stats.get("dsa_min_boundary_margin_all"),
         "npz_keys": sorted(arrays),
         "sha256": {
-            "model.safetensors": hashlib.sha256((ckpt / "model.safetensors").read_bytes()).hexdigest()
+            "model.safetensors": hashlib.sha256(
+                (ckpt / "model.safetensors").read_bytes()
+            ).hexdigest()
         },
     }
     _write_text(out_dir / f"{name}.ref.json", _dumps(summary))
@@ -728,7 +751,8 @@ def write_model(name: str, out_dir: Path, seed: int, tok: Any) -> dict[str, Any]
     print(
         f"{name}: {n_main / 1e6:.2f}M params + {n_mtp / 1e6:.2f}M MTP, vocab {config.vocab_size}, "
         f"prompts {[len(p) for p in prompts]}, min greedy margin "
-        f"{min(stats['greedy_min_margin']):.3g}{dsa_txt}, {time.perf_counter() - t0:.1f} s -> {ckpt}",
+        f"{min(stats['greedy_min_margin']):.3g}{dsa_txt}, "
+        f"{time.perf_counter() - t0:.1f} s -> {ckpt}",
         flush=True,
     )
     return summary
@@ -743,7 +767,9 @@ def _version(pkg: str) -> str:
 def main(argv: Iterable[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, type=Path, help="output directory")
-    parser.add_argument("--only", nargs="+", choices=MODEL_NAMES, help="models to make (default: all)")
+    parser.add_argument(
+        "--only", nargs="+", choices=MODEL_NAMES, help="models to make (default: all)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(list(argv) if argv is not None else None)
 
@@ -751,8 +777,8 @@ def main(argv: Iterable[str] | None = None) -> int:
     torch.set_num_threads(1)
     from transformers.utils import logging as hf_logging
 
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     args.out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer()
     for name in args.only or MODEL_NAMES:
