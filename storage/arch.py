@@ -75,7 +75,20 @@ class ArchConfig:
             mlp_types = cfg.get("mlp_layer_types") or [
                 "dense" if i < first_dense else "sparse" for i in range(n_layers)
             ]
+            # A short or non-list mlp_layer_types would surface later as an IndexError deep in
+            # classify(); reject it here with the key named.
+            if (
+                not isinstance(mlp_types, list)
+                or len(mlp_types) != n_layers
+                or any(t not in ("dense", "sparse") for t in mlp_types)
+            ):
+                raise ConfigError(
+                    f"{where}: mlp_layer_types must list 'dense' or 'sparse' for each of the "
+                    f"{n_layers} layers, got {mlp_types!r}"
+                )
             idx_types = cfg.get("indexer_types") or []
+            if not isinstance(idx_types, list):
+                raise ConfigError(f"{where}: indexer_types must be a list, got {idx_types!r}")
             is_dsa = mt == "glm_moe_dsa"
             return ArchConfig(
                 model_type=mt,
@@ -156,10 +169,14 @@ def classify(name: str, arch: ArchConfig) -> TensorRole | None:
         return TensorRole("f32", None, layer)
     e = _EXPERT.match(rest)
     if e:
+        # An expert the config does not have (dense layer, index past n_routed_experts) is an
+        # unknown name, not a tensor to index.
+        if not arch.is_moe_layer(layer) or int(e.group(1)) >= arch.n_routed_experts:
+            return None
         i = arch.moe_intermediate_size
         proj = e.group(2)
-        shape = (h, i) if proj == "down_proj" else (i, h)
-        return TensorRole("mtp" if mtp else "expert", shape, layer, int(e.group(1)), proj)
+        eshape = (h, i) if proj == "down_proj" else (i, h)
+        return TensorRole("mtp" if mtp else "expert", eshape, layer, int(e.group(1)), proj)
     shape = _matrix_shape(rest, layer, arch)
     if shape is None:
         return None

@@ -202,6 +202,7 @@ def _fp8_e4m3_table() -> F32Array:
             table[b] = sign * (man / 8.0) * 2.0**-6
         else:
             table[b] = sign * (1.0 + man / 8.0) * 2.0 ** (exp - 7)
+    table.flags.writeable = False  # a shared constant: no caller may change it
     return table
 
 
@@ -228,7 +229,8 @@ def fp8_block_dequantize(
 
 
 def _scale(absmax: F32Array, qmax: int) -> F32Array:
-    return np.maximum(absmax / np.float32(qmax), _EPS).astype(np.float32)
+    s: F32Array = np.maximum(absmax / np.float32(qmax), _EPS).astype(np.float32)
+    return s
 
 
 def _pack_nibbles(nib: U8Array) -> U8Array:

@@ -1,0 +1,649 @@
+"""A colibri model directory: config, tokenizer files, safetensors shards, and the two indexes the
+runtime needs (tensor name -> entry with its storage format, routed expert -> one byte extent).
+
+Layout (the public colibri int4 container opens as-is, and so does a plain HF bf16/f32 checkpoint):
+
+* ``config.json`` (required), ``generation_config.json``, ``tokenizer.json``,
+  ``tokenizer_config.json``, optional ``colibri-manifest.json`` written by our converter;
+* ``*.safetensors`` shards, ordered ``out-NNNNN`` (main), then ``out-mtp-NNNNN`` (MTP head), then
+  any other name (``out-idx-*``, ``model.safetensors``, ``model-00001-of-00002.safetensors``);
+* a quantized matrix ``X.weight`` is U8 1-D packed bytes plus ``X.weight.qs`` F32 1-D scales;
+  there is no format id on disk: the format is inferred from byte counts against the [O, I]
+  that ``config.json`` implies (:func:`storage.quant.infer_format`);
+* padding tensors ``__pad__.*`` (our aligned writer) are ignored;
+* a routed expert's three matrices are byte-adjacent in one shard, so one read fetches it.
+
+Every problem a user can cause is a :class:`~storage.errors.ColibriError` naming the file (and the
+tensor) and what to do. ``Container.open(path)`` is strict: the first problem raises.
+``Container.open(path, strict=False)`` (used by ``coli doctor``) records per-shard and per-tensor
+problems in :attr:`Container.problems` and keeps going, so one report can list them all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from itertools import pairwise
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from storage.arch import ArchConfig, TensorRole, classify
+from storage.errors import (
+    ColibriError,
+    ConfigError,
+    ContainerError,
+    ExpertLayoutError,
+    FormatError,
+    TensorNotFoundError,
+)
+from storage.quant import QTensor, QuantFormat, bf16_to_f32, dequantize, infer_format
+from storage.safetensors import PAD_PREFIX, ShardHeader, TensorInfo, read_header, read_tensor
+
+__all__ = [
+    "CONFIG_NAME",
+    "EXPERT_PROJS",
+    "GENERATION_CONFIG_NAME",
+    "MANIFEST_NAME",
+    "SCALES_SUFFIX",
+    "TOKENIZER_CONFIG_NAME",
+    "TOKENIZER_NAME",
+    "Container",
+    "ExpertExtent",
+    "TensorEntry",
+    "shard_paths",
+]
+
+CONFIG_NAME = "config.json"
+GENERATION_CONFIG_NAME = "generation_config.json"
+TOKENIZER_NAME = "tokenizer.json"
+TOKENIZER_CONFIG_NAME = "tokenizer_config.json"
+MANIFEST_NAME = "colibri-manifest.json"
+SCALES_SUFFIX = ".qs"
+EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
+
+_MAIN_SHARD = re.compile(r"^out-\d+\.safetensors$")
+_MTP_SHARD = re.compile(r"^out-mtp-\d+\.safetensors$")
+_FLOAT_DTYPES = ("F32", "BF16", "F16")
+_QUANT_DTYPES = ("U8", "I8")
+
+F32Array = npt.NDArray[np.float32]
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One logical tensor of the container (a ``.qs`` companion is folded into its weight)."""
+
+    name: str  # HF name, e.g. "model.layers.3.mlp.experts.7.up_proj.weight"
+    fmt: QuantFormat | None  # storage format of a matrix (inferred); None for 1-D/plain tensors
+    shape: tuple[int, ...]  # logical shape: [O, I] for matrices, else the stored shape
+    weight: TensorInfo  # where the bytes are
+    scales: TensorInfo | None  # the "<name>.qs" companion (F32 1-D) for int8/int4
+    role: str | None  # arch.classify role ("expert", "dense", "io", "mtp", "f32"); None: unknown
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes on disk, scales included."""
+        return self.weight.nbytes + (self.scales.nbytes if self.scales is not None else 0)
+
+
+@dataclass(frozen=True)
+class ExpertExtent:
+    """Where one routed expert lives: its three matrices as one contiguous byte range.
+
+    ``parts[proj] = (offset inside [start, end), nbytes, fmt, (O, I))``; the matrices may be in
+    any order inside the extent. Scales are separate small tensors (``scales[proj]``, None for
+    float formats) because the public layout stores them apart from the U8 matrices.
+    """
+
+    layer: int
+    expert: int
+    path: Path
+    start: int  # absolute byte offset in ``path``
+    end: int
+    parts: dict[str, tuple[int, int, QuantFormat, tuple[int, int]]]
+    scales: dict[str, TensorInfo | None]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the blob (the three matrices, scales excluded)."""
+        return self.end - self.start
+
+    def qtensors(
+        self, blob: npt.NDArray[np.uint8], scales: Mapping[str, npt.NDArray[Any] | None]
+    ) -> dict[str, QTensor]:
+        """Views of ``blob`` as one :class:`QTensor` per projection (zero copy).
+
+        ``blob`` is a uint8 1-D array whose first ``nbytes`` bytes are the file bytes
+        ``[start, end)`` (a larger aligned read buffer works as is); ``scales[proj]`` is that
+        projection's scales (float32 1-D) or None for float formats. The returned tensors alias
+        ``blob``: keep it alive and unmodified while they are in use.
+        """
+        where = f"{self.path}: layer {self.layer} expert {self.expert}"
+        if blob.dtype != np.uint8 or blob.ndim != 1 or blob.size < self.nbytes:
+            raise ContainerError(
+                f"{where}: blob must be uint8 1-D with at least {self.nbytes} bytes, got "
+                f"{blob.dtype} {blob.shape}"
+            )
+        out: dict[str, QTensor] = {}
+        for proj, (off, nb, fmt, (o, i)) in self.parts.items():
+            raw = blob[off : off + nb]  # [nb] view
+            if fmt.quantized:
+                s = scales.get(proj)
+                if s is None:
+                    raise FormatError(f"{where}: {proj} is {fmt.name} but no scales were given")
+                s32 = np.asarray(s, dtype=np.float32).reshape(-1)  # [n_scales]
+                if s32.size != fmt.n_scales(o, i):
+                    raise FormatError(
+                        f"{where}: {proj} is {fmt.name} [{o}, {i}] and needs "
+                        f"{fmt.n_scales(o, i)} scales, got {s32.size}"
+                    )
+                out[proj] = QTensor(fmt, (o, i), raw, s32)
+            elif fmt.kind == "f32":
+                out[proj] = QTensor(fmt, (o, i), raw.view(np.float32).reshape(o, i))
+            else:  # bf16 / f16 as raw uint16 bits
+                out[proj] = QTensor(fmt, (o, i), raw.view(np.uint16).reshape(o, i))
+        return out
+
+    def read_blob(self) -> npt.NDArray[np.uint8]:
+        """Read ``[start, end)`` with a plain pread (a reference path: the runtime has a reader)."""
+        name = f"layer {self.layer} expert {self.expert}"
+        info = TensorInfo(name, "U8", (self.nbytes,), self.path, self.start, self.end)
+        return np.asarray(read_tensor(info), dtype=np.uint8)
+
+    def read_scales(self) -> dict[str, F32Array | None]:
+        """Read every projection's scales (None for float formats)."""
+        return {
+            proj: None if info is None else np.asarray(read_tensor(info), np.float32).reshape(-1)
+            for proj, info in self.scales.items()
+        }
+
+
+def shard_paths(model_dir: str | os.PathLike[str]) -> list[Path]:
+    """The ``*.safetensors`` files of a model directory in container order: ``out-NNNNN`` main
+    shards, then ``out-mtp-NNNNN``, then any other name, each group sorted by name. Hidden files
+    (``._*`` from macOS copies) and ``*.tmp`` leftovers are not shards."""
+    d = Path(model_dir)
+    try:
+        files = [p for p in d.iterdir() if p.name.endswith(".safetensors")]
+    except OSError as exc:
+        raise ContainerError(f"{d}: cannot list the directory: {exc.strerror or exc}") from exc
+    files = [p for p in files if not p.name.startswith(".") and p.is_file()]
+
+    def rank(p: Path) -> tuple[int, str]:
+        if _MAIN_SHARD.match(p.name):
+            return (0, p.name)
+        if _MTP_SHARD.match(p.name):
+            return (1, p.name)
+        return (2, p.name)
+
+    return sorted(files, key=rank)
+
+
+def _load_json(path: Path, *, required: bool) -> dict[str, Any] | None:
+    """A JSON object from ``path``; None when absent and not required."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        if required:
+            raise ConfigError(f"{path}: file not found") from None
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read: {exc}") from exc
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); "
+            "fix or re-download the file"
+        ) from exc
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(doc).__name__}")
+    return doc
+
+
+def _eos_ids(sources: list[tuple[Path, Mapping[str, Any]]]) -> list[int]:
+    ids: set[int] = set()
+    for where, doc in sources:
+        v = doc.get("eos_token_id")
+        if v is None:
+            continue
+        for x in v if isinstance(v, list) else [v]:
+            if not isinstance(x, int) or isinstance(x, bool) or x < 0:
+                raise ConfigError(
+                    f"{where}: eos_token_id must be a token id or a list of token ids, got {v!r}"
+                )
+            ids.add(x)
+    return sorted(ids)
+
+
+class _Problems:
+    """Strict mode raises at once; lenient mode collects (``coli doctor`` lists them all)."""
+
+    def __init__(self, strict: bool) -> None:
+        self.strict = strict
+        self.items: list[ColibriError] = []
+
+    def add(self, err: ColibriError) -> None:
+        if self.strict:
+            raise err
+        self.items.append(err)
+
+
+class Container:
+    """An opened model directory (headers only: opening reads no tensor data).
+
+    Attributes: ``path``, ``config`` (raw config.json), ``arch``, ``generation_config`` ({} if
+    absent), ``eos_token_ids`` (union of config and generation_config, sorted), ``shards`` (each
+    validated), ``manifest`` (parsed ``colibri-manifest.json`` or None) and ``problems`` (always
+    empty when opened strict).
+    """
+
+    path: Path
+    config: dict[str, Any]
+    arch: ArchConfig
+    generation_config: dict[str, Any]
+    eos_token_ids: list[int]
+    shards: list[ShardHeader]
+    manifest: dict[str, Any] | None
+    problems: list[ColibriError]
+
+    def __init__(
+        self,
+        *,
+        path: Path,
+        config: dict[str, Any],
+        arch: ArchConfig,
+        generation_config: dict[str, Any],
+        eos_token_ids: list[int],
+        shards: list[ShardHeader],
+        manifest: dict[str, Any] | None,
+        entries: dict[str, TensorEntry],
+        bad: dict[str, ColibriError],
+        experts: dict[tuple[int, int], ExpertExtent],
+        bad_experts: dict[tuple[int, int], ColibriError],
+        problems: list[ColibriError],
+    ) -> None:
+        """Internal: use :meth:`Container.open`."""
+        self.path = path
+        self.config = config
+        self.arch = arch
+        self.generation_config = generation_config
+        self.eos_token_ids = eos_token_ids
+        self.shards = shards
+        self.manifest = manifest
+        self.problems = problems
+        self._entries = entries
+        self._bad = bad
+        self._experts = experts
+        self._bad_experts = bad_experts
+
+    # ------------------------------------------------------------------------------ opening
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], *, strict: bool = True) -> Container:
+        """Open a model directory: parse config.json, every shard header, infer every matrix's
+        format and index every routed expert.
+
+        ``strict=False`` still raises for an unusable directory or config.json, but records
+        shard, tensor and expert problems in :attr:`problems` instead of raising them.
+        """
+        d = Path(path)
+        if not d.is_dir():
+            what = "does not exist" if not d.exists() else "is not a directory"
+            raise ContainerError(
+                f"{d} {what}; pass the model directory (the one holding config.json and "
+                "*.safetensors)"
+            )
+        cfg_path = d / CONFIG_NAME
+        if not cfg_path.is_file():
+            raise ContainerError(
+                f"{d} is not a colibri model directory: {CONFIG_NAME} not found (convert a "
+                "Hugging Face checkpoint with `coli convert`, or point at the directory that "
+                "holds config.json)"
+            )
+        config = _load_json(cfg_path, required=True) or {}
+        arch = ArchConfig.from_dict(config, where=str(cfg_path))
+        problems = _Problems(strict)
+
+        generation_config: dict[str, Any] = {}
+        manifest: dict[str, Any] | None = None
+        try:
+            generation_config = _load_json(d / GENERATION_CONFIG_NAME, required=False) or {}
+        except ConfigError as exc:
+            problems.add(exc)
+        try:
+            manifest = _load_json(d / MANIFEST_NAME, required=False)
+        except ConfigError as exc:
+            problems.add(exc)
+        eos: list[int] = []
+        try:
+            eos = _eos_ids([(cfg_path, config), (d / GENERATION_CONFIG_NAME, generation_config)])
+        except ConfigError as exc:
+            problems.add(exc)
+
+        shards: list[ShardHeader] = []
+        paths = shard_paths(d)
+        for p in paths:
+            try:
+                shards.append(read_header(p))
+            except ColibriError as exc:
+                problems.add(exc)
+        if not paths:
+            problems.add(
+                ContainerError(
+                    f"{d}: no *.safetensors shards found; the download or conversion is incomplete"
+                )
+            )
+
+        entries, bad, roles = _index_tensors(d, arch, shards, problems)
+        experts, bad_experts = _index_experts(arch, entries, bad, roles, problems)
+        return cls(
+            path=d,
+            config=config,
+            arch=arch,
+            generation_config=generation_config,
+            eos_token_ids=eos,
+            shards=shards,
+            manifest=manifest,
+            entries=entries,
+            bad=bad,
+            experts=experts,
+            bad_experts=bad_experts,
+            problems=problems.items,
+        )
+
+    @property
+    def unusable(self) -> Mapping[str, ColibriError]:
+        """Tensors present in a shard but unusable (size matching no format, ...), with the
+        reason; only ever non-empty for a container opened with ``strict=False``."""
+        return MappingProxyType(self._bad)
+
+    def __repr__(self) -> str:
+        return (
+            f"Container({str(self.path)!r}, {self.arch.model_type}, {len(self.shards)} shards, "
+            f"{len(self._entries)} tensors, {len(self._experts)} experts)"
+        )
+
+    # ------------------------------------------------------------------------------ tensors
+
+    def has(self, name: str) -> bool:
+        """Whether a usable tensor ``name`` exists (``.qs`` companions and padding excluded)."""
+        return name in self._entries
+
+    def entry(self, name: str) -> TensorEntry:
+        """The entry of ``name``; :class:`TensorNotFoundError` if absent (or the recorded
+        problem if the tensor exists but is unusable)."""
+        ent = self._entries.get(name)
+        if ent is not None:
+            return ent
+        if name in self._bad:
+            raise self._bad[name]
+        raise TensorNotFoundError(
+            f"{self.path}: tensor {name!r} is in none of the {len(self.shards)} shards; the "
+            "download or conversion is incomplete (run `coli doctor --model "
+            f"{self.path}`)"
+        )
+
+    def names(self) -> list[str]:
+        """Sorted tensor names (padding tensors and ``.qs`` companions excluded)."""
+        return sorted(self._entries)
+
+    def load_qtensor(self, name: str) -> QTensor:
+        """A matrix in its stored format: f32 as float32 [O, I], bf16/f16 as uint16 raw bits
+        [O, I], int8/int4 as uint8 1-D packed bytes plus float32 1-D scales."""
+        ent = self.entry(name)
+        if ent.fmt is None:
+            raise FormatError(
+                f"{ent.weight.path}: tensor {name!r} is not a matrix with a shape colibri "
+                "knows (read it with load_f32)"
+            )
+        o, i = ent.shape
+        raw = read_tensor(ent.weight)
+        if ent.fmt.quantized:
+            if ent.scales is None:  # format inference never lets this happen
+                raise FormatError(f"{ent.weight.path}: tensor {name!r} has no scales")
+            scales = np.asarray(read_tensor(ent.scales), dtype=np.float32).reshape(-1)
+            return QTensor(ent.fmt, (o, i), raw.view(np.uint8).reshape(-1), scales)
+        if ent.fmt.kind == "f32":
+            return QTensor(ent.fmt, (o, i), raw.reshape(o, i))
+        return QTensor(ent.fmt, (o, i), raw.view(np.uint16).reshape(o, i))
+
+    def load_f32(self, name: str) -> F32Array:
+        """Any tensor as float32: F32/BF16/F16 stored tensors in their stored shape (matrices
+        in their logical [O, I]); a quantized matrix is dequantized to [O, I]."""
+        ent = self.entry(name)
+        if ent.fmt is not None and ent.fmt.quantized:
+            return dequantize(self.load_qtensor(name))
+        dt = ent.weight.dtype
+        if dt not in _FLOAT_DTYPES:
+            raise FormatError(
+                f"{ent.weight.path}: tensor {name!r} is stored as {dt}, not a float dtype "
+                f"({', '.join(_FLOAT_DTYPES)}); it cannot be read as float32"
+            )
+        raw = read_tensor(ent.weight)
+        if dt == "BF16":
+            out = bf16_to_f32(raw.view(np.uint16))
+        else:
+            out = np.asarray(raw, dtype=np.float32)
+        return out.reshape(ent.shape)
+
+    # ------------------------------------------------------------------------------ experts
+
+    def expert(self, layer: int, expert: int) -> ExpertExtent:
+        """The extent of routed expert ``expert`` of ``layer`` (MTP layers included);
+        :class:`ContainerError` (a subclass) if absent or badly laid out."""
+        key = (layer, expert)
+        ext = self._experts.get(key)
+        if ext is not None:
+            return ext
+        if key in self._bad_experts:
+            raise self._bad_experts[key]
+        raise TensorNotFoundError(
+            f"{self.path}: layer {layer} expert {expert} is in none of the shards (the config "
+            f"has {self.arch.n_routed_experts} routed experts per MoE layer)"
+        )
+
+    def expert_layers(self) -> list[int]:
+        """Layer indices that hold routed experts (MTP layers included), ascending."""
+        return sorted({lay for lay, _ in self._experts} | {lay for lay, _ in self._bad_experts})
+
+    def expert_extents(self) -> list[ExpertExtent]:
+        """Every usable expert extent, ordered by (layer, expert)."""
+        return [self._experts[k] for k in sorted(self._experts)]
+
+    @property
+    def expert_nbytes(self) -> int:
+        """Bytes of one expert blob (the largest, in case layers differ); 0 without experts."""
+        return max((x.nbytes for x in self._experts.values()), default=0)
+
+    # ------------------------------------------------------------------------------ side files
+
+    def tokenizer_path(self) -> Path | None:
+        """``tokenizer.json`` if present."""
+        p = self.path / TOKENIZER_NAME
+        return p if p.is_file() else None
+
+    def tokenizer_config(self) -> dict[str, Any]:
+        """``tokenizer_config.json`` parsed, or {} if absent (ConfigError if malformed)."""
+        return _load_json(self.path / TOKENIZER_CONFIG_NAME, required=False) or {}
+
+
+# ----------------------------------------------------------------------------- index building
+
+
+def _index_tensors(
+    d: Path, arch: ArchConfig, shards: list[ShardHeader], problems: _Problems
+) -> tuple[dict[str, TensorEntry], dict[str, ColibriError], dict[str, TensorRole]]:
+    """Merge shard headers into entries, pairing ``X`` with ``X.qs`` and inferring formats."""
+    infos: dict[str, TensorInfo] = {}
+    for sh in shards:
+        for name, info in sh.tensors.items():
+            if name.startswith(PAD_PREFIX):
+                continue
+            first = infos.get(name)
+            if first is not None:
+                problems.add(
+                    ContainerError(
+                        f"{d}: tensor {name!r} is in both {first.path.name} and "
+                        f"{info.path.name}; one of them is stale (a leftover of another "
+                        "conversion?): remove it"
+                    )
+                )
+                continue
+            infos[name] = info
+
+    entries: dict[str, TensorEntry] = {}
+    bad: dict[str, ColibriError] = {}
+    roles: dict[str, TensorRole] = {}
+    # A GLM-5 container has ~60k expert matrices in a handful of distinct formats: cache
+    # successful inferences by their byte counts instead of re-running the group search.
+    inferred: dict[tuple[str, int, int, tuple[int, int]], QuantFormat] = {}
+    for name, info in infos.items():
+        if name.endswith(SCALES_SUFFIX):
+            if name[: -len(SCALES_SUFFIX)] not in infos:
+                problems.add(
+                    ContainerError(
+                        f"{info.path}: scales tensor {name!r} has no weight "
+                        f"{name[: -len(SCALES_SUFFIX)]!r}; the shards are inconsistent"
+                    )
+                )
+            continue
+        role = classify(name, arch)
+        scales = infos.get(name + SCALES_SUFFIX)
+        try:
+            ent = _make_entry(name, info, scales, role, inferred)
+        except FormatError as exc:
+            bad[name] = exc
+            problems.add(exc)
+            continue
+        entries[name] = ent
+        if role is not None:
+            roles[name] = role
+    return entries, bad, roles
+
+
+def _make_entry(
+    name: str,
+    info: TensorInfo,
+    scales: TensorInfo | None,
+    role: TensorRole | None,
+    inferred: dict[tuple[str, int, int, tuple[int, int]], QuantFormat],
+) -> TensorEntry:
+    where = f"{info.path}: tensor {name!r}"
+    if scales is not None and scales.dtype != "F32":
+        raise FormatError(
+            f"{scales.path}: scales tensor {scales.name!r} is {scales.dtype}, not F32"
+        )
+    if role is None:  # unknown name: keep it as stored (coli doctor warns about it)
+        return TensorEntry(name, None, info.shape, info, scales, None)
+    if role.shape is None:  # 1-D float tensor: norms, biases, correction bias
+        if scales is not None or info.dtype not in _FLOAT_DTYPES:
+            raise FormatError(
+                f"{where}: a norm/bias must be stored as {'/'.join(_FLOAT_DTYPES)} without "
+                f"scales, found {info.dtype}{' + scales' if scales is not None else ''}"
+            )
+        return TensorEntry(name, None, info.shape, info, None, role.role)
+    n_scales = scales.numel if scales is not None else 0
+    key = (info.dtype, info.nbytes, n_scales, role.shape)
+    fmt = inferred.get(key)
+    if fmt is None:
+        if info.dtype.startswith("F8_"):
+            raise FormatError(
+                f"{where}: stored as {info.dtype}; FP8 checkpoints must be converted first "
+                "(`coli convert`)"
+            )
+        try:
+            fmt = infer_format(info.nbytes, n_scales, role.shape, dtype=info.dtype, where=where)
+        except FormatError as exc:
+            raise FormatError(f"{exc}; does config.json belong to these shards?") from exc
+        inferred[key] = fmt
+    o, i = role.shape
+    if not fmt.quantized and len(info.shape) == 2 and info.shape != (o, i):
+        # Same byte count, wrong orientation: reading it as [O, I] would scramble the matrix.
+        raise FormatError(
+            f"{where}: stored shape {list(info.shape)} but config.json implies [{o}, {i}]"
+        )
+    return TensorEntry(name, fmt, (o, i), info, scales if fmt.quantized else None, role.role)
+
+
+def _index_experts(
+    arch: ArchConfig,
+    entries: dict[str, TensorEntry],
+    bad: dict[str, ColibriError],
+    roles: dict[str, TensorRole],
+    problems: _Problems,
+) -> tuple[dict[tuple[int, int], ExpertExtent], dict[tuple[int, int], ColibriError]]:
+    """Group expert matrices by (layer, expert) and check they form one contiguous extent."""
+    groups: dict[tuple[int, int], dict[str, TensorEntry]] = {}
+    for name, role in roles.items():
+        if role.expert is None or role.layer is None or role.proj is None:
+            continue
+        groups.setdefault((role.layer, role.expert), {})[role.proj] = entries[name]
+    # An expert whose matrix exists but is unusable is broken too (already reported).
+    broken: dict[tuple[int, int], ColibriError] = {}
+    for name, err in bad.items():
+        r = classify(name, arch)
+        if r is not None and r.expert is not None and r.layer is not None:
+            broken.setdefault((r.layer, r.expert), err)
+            groups.setdefault((r.layer, r.expert), {})
+
+    experts: dict[tuple[int, int], ExpertExtent] = {}
+    bad_experts: dict[tuple[int, int], ColibriError] = {}
+    for key, parts in groups.items():
+        if key in broken:
+            bad_experts[key] = broken[key]
+            continue
+        try:
+            experts[key] = _extent(key, parts)
+        except ContainerError as exc:
+            bad_experts[key] = exc
+            problems.add(exc)
+    return experts, bad_experts
+
+
+def _extent(key: tuple[int, int], parts: dict[str, TensorEntry]) -> ExpertExtent:
+    layer, expert = key
+    what = f"layer {layer} expert {expert}"
+    missing = [p for p in EXPERT_PROJS if p not in parts]
+    if missing:
+        some = next(iter(parts.values()))
+        raise TensorNotFoundError(
+            f"{some.weight.path.parent}: {what} lacks {', '.join(missing)} (has "
+            f"{', '.join(sorted(parts))}); the conversion is incomplete"
+        )
+    paths = {e.weight.path for e in parts.values()}
+    if len(paths) != 1:
+        where = ", ".join(f"{p} in {parts[p].weight.path.name}" for p in EXPERT_PROJS)
+        raise ExpertLayoutError(
+            f"{parts[EXPERT_PROJS[0]].weight.path.parent}: {what}: its matrices are split over "
+            f"shards ({where}); one read must fetch an expert: reconvert with `coli convert`"
+        )
+    path = paths.pop()
+    order = sorted(EXPERT_PROJS, key=lambda p: parts[p].weight.start)
+    for a, b in pairwise(order):
+        if parts[b].weight.start != parts[a].weight.end:
+            spans = ", ".join(
+                f"{p} [{parts[p].weight.start}, {parts[p].weight.end})" for p in order
+            )
+            raise ExpertLayoutError(
+                f"{path}: {what}: matrices are not byte-adjacent ({spans}); one read must fetch "
+                "an expert: reconvert with `coli convert`"
+            )
+    start = parts[order[0]].weight.start
+    end = parts[order[-1]].weight.end
+    layout: dict[str, tuple[int, int, QuantFormat, tuple[int, int]]] = {}
+    for p in EXPERT_PROJS:
+        e = parts[p]
+        if e.fmt is None or len(e.shape) != 2:  # expert roles always carry a shape
+            raise FormatError(f"{path}: {what}: {p} is not a matrix")
+        layout[p] = (e.weight.start - start, e.weight.nbytes, e.fmt, (e.shape[0], e.shape[1]))
+    return ExpertExtent(
+        layer, expert, path, start, end, layout, {p: parts[p].scales for p in EXPERT_PROJS}
+    )

@@ -1,0 +1,357 @@
+"""``coli doctor``: read-only checks of a model directory, one line per check.
+
+Each check is ``pass``, ``warn`` or ``fail`` with a one-line message that names the file or
+tensor and says what to do. A broken model never makes :func:`run_doctor` raise: every problem
+becomes a ``fail`` line, so one run lists them all (the container is opened with
+``strict=False``). Only headers are read, never tensor data, so it takes seconds even for a
+400 GB model.
+
+Checks, in order: ``config``, ``tokenizer``, ``shards``, ``tensors``, ``experts``, ``mtp``,
+``names``. When config.json itself is unusable only ``config``, ``tokenizer`` and ``shards``
+run (the others need the architecture).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from storage.arch import expected_tensors
+from storage.container import (
+    TOKENIZER_CONFIG_NAME,
+    TOKENIZER_NAME,
+    Container,
+    shard_paths,
+)
+from storage.errors import (
+    ColibriError,
+    ConfigError,
+    ContainerError,
+    ExpertLayoutError,
+    FormatError,
+    SafetensorsError,
+    TensorNotFoundError,
+)
+from storage.safetensors import read_header
+
+__all__ = ["Check", "DoctorReport", "Status", "run_doctor"]
+
+Status = Literal["pass", "warn", "fail"]
+
+_SHOW = 5  # names / problems quoted in one line before "... and N more"
+_ALIGN = 4096  # O_DIRECT-friendly boundary the aligned converter guarantees
+
+
+@dataclass(frozen=True)
+class Check:
+    """One line of the report."""
+
+    status: Status
+    name: str
+    message: str
+
+
+@dataclass
+class DoctorReport:
+    """Every check of one model directory, in order."""
+
+    path: Path
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """No check failed (warnings allowed)."""
+        return all(c.status != "fail" for c in self.checks)
+
+    @property
+    def exit_code(self) -> int:
+        """0 when only pass/warn lines, 1 when any check failed."""
+        return 0 if self.ok else 1
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict: ``{"model", "ok", "exit_code", "checks": [{status, name,
+        message}]}``."""
+        return {
+            "model": str(self.path),
+            "ok": self.ok,
+            "exit_code": self.exit_code,
+            "checks": [
+                {"status": c.status, "name": c.name, "message": c.message} for c in self.checks
+            ],
+        }
+
+    def render_lines(self) -> list[str]:
+        """Human lines such as ``PASS config     glm_moe_dsa, 78 layers ...``."""
+        width = max((len(c.name) for c in self.checks), default=0) + 1
+        return [f"{c.status.upper():<4} {c.name:<{width}} {c.message}" for c in self.checks]
+
+
+def run_doctor(path: str | Path) -> DoctorReport:
+    """Check the model directory ``path``; never raises for a broken model."""
+    d = Path(path)
+    report = DoctorReport(d)
+    add = report.checks.append
+    container: Container | None = None
+    try:
+        container = Container.open(d, strict=False)
+    except ColibriError as exc:
+        add(Check("fail", "config", str(exc)))
+    except OSError as exc:  # permission problems and the like, outside the error tree
+        add(Check("fail", "config", f"{d}: {exc}"))
+    if container is not None:
+        add(_guard("config", container, _check_config))
+    if not d.is_dir():
+        return report  # nothing else to look at
+    add(_check_tokenizer(d))
+    if container is None:
+        add(_check_shards_raw(d))
+        return report
+    add(_guard("shards", container, _check_shards))
+    add(_guard("tensors", container, _check_tensors))
+    add(_guard("experts", container, _check_experts))
+    add(_guard("mtp", container, _check_mtp))
+    add(_guard("names", container, _check_names))
+    return report
+
+
+def _guard(name: str, c: Container, fn: Callable[[Container], Check]) -> Check:
+    """Run one check; an error escaping it becomes that check's fail line."""
+    try:
+        return fn(c)
+    except (ColibriError, OSError) as exc:
+        return Check("fail", name, str(exc))
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _listed(items: list[str], show: int = _SHOW) -> str:
+    head = ", ".join(items[:show])
+    return head + (f", ... and {len(items) - show} more" if len(items) > show else "")
+
+
+def _size(n: int) -> str:
+    x = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if x < 1024 or unit == "GiB":
+            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.1f} {unit}"
+        x /= 1024
+    return f"{x:.1f} GiB"  # pragma: no cover
+
+
+def _kind(err: ColibriError) -> str:
+    """Which check reports a problem recorded while opening the container."""
+    if isinstance(err, ConfigError):
+        return "config"
+    if isinstance(err, ExpertLayoutError):
+        return "experts"
+    if isinstance(err, (FormatError, TensorNotFoundError)):
+        return "tensors"
+    return "shards"  # SafetensorsError, duplicates, orphan scales, no shards
+
+
+def _problems(c: Container, kind: str) -> list[str]:
+    return [str(e) for e in c.problems if _kind(e) == kind]
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _check_config(c: Container) -> Check:
+    a = c.arch
+    n_moe = sum(1 for i in range(a.num_hidden_layers) if a.is_moe_layer(i))
+    top_k = c.config.get("num_experts_per_tok")
+    msg = (
+        f"{a.model_type}, {a.num_hidden_layers} layers ({a.num_hidden_layers - n_moe} dense, "
+        f"{n_moe} MoE) + {a.num_mtp_layers} MTP, hidden {a.hidden_size}, "
+        f"{a.n_routed_experts} experts" + (f" top-{top_k}" if top_k else "")
+        + f" + {a.n_shared_experts} shared, vocab {a.vocab_size}, eos {c.eos_token_ids}"
+    )  # fmt: skip
+    bad = _problems(c, "config")
+    if bad:
+        return Check("fail", "config", f"{msg}; but {_listed(bad, 2)}")
+    return Check("pass", "config", msg)
+
+
+def _check_tokenizer(d: Path) -> Check:
+    tok_path = d / TOKENIZER_NAME
+    if not tok_path.is_file():
+        return Check(
+            "warn",
+            "tokenizer",
+            f"{tok_path} not found: text in/out needs it (copy tokenizer.json from the "
+            "original model repository)",
+        )
+    try:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(tok_path))
+        n = tok.get_vocab_size(with_added_tokens=True)
+    except Exception as exc:  # the tokenizers library raises plain Exceptions
+        return Check("fail", "tokenizer", f"{tok_path}: does not load ({exc}); re-download it")
+    cfg_note = ""
+    tc = d / TOKENIZER_CONFIG_NAME
+    if tc.is_file():
+        try:
+            doc = json.loads(tc.read_text(encoding="utf-8"))
+            if not isinstance(doc, dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError) as exc:
+            return Check("fail", "tokenizer", f"{tc}: not valid ({exc}); re-download it")
+        cfg_note = f", {TOKENIZER_CONFIG_NAME} ok"
+        if "chat_template" not in doc and not (d / "chat_template.jinja").is_file():
+            cfg_note += " (no chat template)"
+    else:
+        cfg_note = f", no {TOKENIZER_CONFIG_NAME}"
+    return Check("pass", "tokenizer", f"{TOKENIZER_NAME}: {n} tokens{cfg_note}")
+
+
+def _shard_summary(names: list[str], n_tensors: int, nbytes: int) -> str:
+    main = sum(1 for n in names if n.startswith("out-") and not n.startswith("out-mtp-"))
+    mtp = sum(1 for n in names if n.startswith("out-mtp-"))
+    other = len(names) - main - mtp
+    return (
+        f"{len(names)} shards ({main} main, {mtp} mtp, {other} other), {n_tensors} tensors, "
+        f"{_size(nbytes)}"
+    )
+
+
+def _check_shards(c: Container) -> Check:
+    bad = _problems(c, "shards")
+    if bad:
+        return Check("fail", "shards", f"{len(bad)} problem(s): {_listed(bad, 3)}")
+    names = [sh.path.name for sh in c.shards]
+    n = sum(len(sh.tensors) for sh in c.shards)
+    size = sum(sh.file_size for sh in c.shards)
+    return Check("pass", "shards", _shard_summary(names, n, size))
+
+
+def _check_shards_raw(d: Path) -> Check:
+    """Header check alone, for a directory whose config.json is unusable."""
+    try:
+        paths = shard_paths(d)
+    except ContainerError as exc:
+        return Check("fail", "shards", str(exc))
+    if not paths:
+        return Check("fail", "shards", f"{d}: no *.safetensors shards found")
+    bad: list[str] = []
+    n = size = 0
+    for p in paths:
+        try:
+            sh = read_header(p)
+        except SafetensorsError as exc:
+            bad.append(str(exc))
+            continue
+        n += len(sh.tensors)
+        size += sh.file_size
+    if bad:
+        return Check("fail", "shards", f"{len(bad)} problem(s): {_listed(bad, 3)}")
+    return Check("pass", "shards", _shard_summary([p.name for p in paths], n, size))
+
+
+def _check_tensors(c: Container) -> Check:
+    expected = expected_tensors(c.arch)
+    bad = [n for n in expected if n in c.unusable]
+    missing = [n for n in expected if not c.has(n) and n not in c.unusable]
+    if missing or bad:
+        parts: list[str] = []
+        if missing:
+            parts.append(f"{len(missing)} of {len(expected)} expected tensors missing: "
+                         f"{_listed(missing)}")  # fmt: skip
+            if _problems(c, "shards"):
+                parts[-1] += " (some shards are unreadable: see shards)"
+        if bad:
+            parts.append(f"{len(bad)} unusable: {_listed([str(c.unusable[n]) for n in bad], 2)}")
+        other = [p for p in _problems(c, "tensors") if not any(n in p for n in bad)]
+        if other and not missing:
+            parts.append(_listed(other, 2))
+        return Check("fail", "tensors", "; ".join(parts))
+    formats: dict[str, Counter[str]] = {}
+    per_row: list[str] = []
+    for n in c.names():
+        e = c.entry(n)
+        if e.fmt is None or e.role is None:
+            continue
+        formats.setdefault(e.role, Counter())[e.fmt.name] += 1
+        # int4 with one scale per row over a long row: measurably worse than grouped int4.
+        if e.fmt.kind == "int4" and e.fmt.group_size is None and e.shape[-1] > 64:
+            per_row.append(n)
+    summary = ", ".join(
+        f"{role}={'/'.join(f for f, _ in cnt.most_common())}" for role, cnt in formats.items()
+    )
+    msg = f"all {len(expected)} expected tensors present; {summary}"
+    if per_row:
+        return Check(
+            "warn",
+            "tensors",
+            f"{msg}; {len(per_row)} matrices are per-row int4 (-8 to -9 pp accuracy vs "
+            f"grouped): reconvert with int4-g64 ({_listed(per_row, 2)})",
+        )
+    return Check("pass", "tensors", msg)
+
+
+def _check_experts(c: Container) -> Check:
+    bad = _problems(c, "experts")
+    if bad:
+        return Check(
+            "fail", "experts", f"{len(bad)} expert(s) cannot be fetched in one read: {bad[0]}"
+        )
+    ext = c.expert_extents()
+    if not ext:
+        return Check("fail" if c.arch.n_routed_experts else "pass", "experts", "no routed experts")
+    layers = c.expert_layers()
+    a = c.arch
+    n_moe = sum(1 for i in range(a.total_layers) if a.is_moe_layer(i))
+    aligned = sum(1 for x in ext if x.start % _ALIGN == 0)
+    sizes = {x.nbytes for x in ext}
+    per = _size(max(sizes)) if len(sizes) == 1 else f"{_size(min(sizes))}..{_size(max(sizes))}"
+    return Check(
+        "pass",
+        "experts",
+        f"{len(ext)} of {n_moe * a.n_routed_experts} experts in {len(layers)} layers "
+        f"({layers[0]}..{layers[-1]}), contiguous, "
+        f"{per} per expert, {aligned} of {len(ext)} start 4 KiB-aligned",
+    )
+
+
+def _check_mtp(c: Container) -> Check:
+    a = c.arch
+    if a.num_mtp_layers == 0:
+        return Check("pass", "mtp", "no MTP layer declared (no speculative drafting)")
+    fmts: Counter[str] = Counter()
+    int4: list[str] = []
+    for n in c.names():
+        e = c.entry(n)
+        if e.role == "mtp" and e.fmt is not None:
+            fmts[e.fmt.name] += 1
+            if e.fmt.kind == "int4":
+                int4.append(n)
+    if not fmts:
+        return Check("warn", "mtp", "MTP layer declared but no MTP matrices found (see tensors)")
+    layers = f"layer {a.num_hidden_layers}" + (
+        f"..{a.total_layers - 1}" if a.num_mtp_layers > 1 else ""
+    )
+    kinds = "/".join(f for f, _ in fmts.most_common())
+    if int4:
+        return Check(
+            "warn",
+            "mtp",
+            f"MTP {layers}: {len(int4)} of {sum(fmts.values())} matrices are int4: int4 MTP "
+            "head gives 0-4% draft acceptance; convert with --mtp int8",
+        )
+    return Check("pass", "mtp", f"MTP {layers}: {kinds}")
+
+
+def _check_names(c: Container) -> Check:
+    unknown = [n for n in c.names() if c.entry(n).role is None]
+    if unknown:
+        return Check(
+            "warn",
+            "names",
+            f"{len(unknown)} tensor name(s) colibri does not know (ignored): {_listed(unknown)}",
+        )
+    return Check("pass", "names", "every tensor name is known")

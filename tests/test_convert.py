@@ -1,0 +1,588 @@
+"""storage.convert: HF checkpoint -> colibri container (layout, exact values, resume, errors)."""
+
+from __future__ import annotations
+
+import collections
+import fcntl
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from convert_helpers import make_checkpoint, tiny_config
+from safetensors.numpy import load_file
+
+from storage.arch import ArchConfig, classify
+from storage.convert import (
+    ALIGN,
+    DEFAULTS,
+    STATE_NAME,
+    ConvertOptions,
+    ConvertResult,
+    convert,
+)
+from storage.errors import ColibriError, ConversionError
+from storage.manifest import MANIFEST_NAME, Manifest, read_manifest, sha256_file
+from storage.quant import QTensor, QuantFormat, dequantize, infer_format, quantize
+from storage.safetensors import PAD_PREFIX, ShardHeader, TensorInfo, read_header, read_tensor
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = 64 << 10  # small target shard size: several main and MTP shards from a tiny model
+Src = tuple[Path, dict[str, Any], dict[str, Any]]  # source dir, config, reference f32 weights
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _headers(dst: Path) -> dict[str, ShardHeader]:
+    return {p.name: read_header(p) for p in sorted(dst.glob("*.safetensors"))}
+
+
+def _catalog(dst: Path) -> dict[str, TensorInfo]:
+    out: dict[str, TensorInfo] = {}
+    for h in _headers(dst).values():
+        for name, info in h.tensors.items():
+            if not name.startswith(PAD_PREFIX):
+                assert name not in out, f"{name} twice"
+                out[name] = info
+    return out
+
+
+def _bits(a: np.ndarray[Any, Any]) -> bytes:
+    return np.ascontiguousarray(a).tobytes()
+
+
+def check_values(dst: Path, ref: dict[str, Any], cfg: dict[str, Any], opts: ConvertOptions) -> None:
+    """Every converted tensor is exactly quantize(reference f32, format) (bytes and scales)."""
+    arch = ArchConfig.from_dict(cfg)
+    cat = _catalog(dst)
+    for name, w in ref.items():
+        role = classify(name, arch)
+        assert role is not None
+        fmt = opts.format_for(role.role)
+        info = cat[name]
+        got = read_tensor(info)
+        if fmt.kind == "f32":
+            assert info.dtype == "F32" and info.shape == w.shape, name
+            assert _bits(got) == _bits(w), name
+            continue
+        o, i = w.shape
+        want = quantize(w, fmt)
+        if fmt.kind in ("bf16", "f16"):
+            assert info.dtype == fmt.kind.upper() and info.shape == (o, i), name
+            assert _bits(got) == _bits(want.data), name
+            continue
+        qs = cat[name + ".qs"]
+        assert info.dtype == "U8" and len(info.shape) == 1 and qs.dtype == "F32", name
+        scales = read_tensor(qs).astype(np.float32)
+        assert want.scales is not None
+        assert _bits(got) == _bits(want.data) and _bits(scales) == _bits(want.scales), name
+        # A reader infers the format from byte counts (the public rule); where that is ambiguous
+        # (one group per row == per row) both readings dequantize identically.
+        inferred = infer_format(info.nbytes, qs.numel, (o, i), dtype="U8", where=name)
+        back = dequantize(QTensor(inferred, (o, i), got, scales))
+        assert _bits(back) == _bits(dequantize(want)), name
+
+
+def check_layout(dst: Path, cfg: dict[str, Any]) -> Manifest:
+    """Shards load with the safetensors library, checksums match, experts are aligned blobs."""
+    arch = ArchConfig.from_dict(cfg)
+    manifest = read_manifest(dst)
+    assert manifest is not None
+    headers = _headers(dst)
+    assert sorted(headers) == sorted(s.file for s in manifest.shards)
+    for s in manifest.shards:
+        p = dst / s.file
+        assert p.stat().st_size == s.size and s.size % ALIGN == 0
+        assert sha256_file(p) == s.sha256
+        real = [n for n in headers[s.file].tensors if not n.startswith(PAD_PREFIX)]
+        assert len(real) == s.tensors
+        assert headers[s.file].data_start % ALIGN == 0
+        assert s.kind == ("mtp" if s.file.startswith("out-mtp-") else "main")
+        if not any(t.dtype == "BF16" for t in headers[s.file].tensors.values()):
+            assert len(load_file(str(p))) == len(headers[s.file].tensors)
+
+    moe_layers = [lay for lay in range(arch.total_layers) if arch.is_moe_layer(lay)]
+    assert len(manifest.experts) == len(moe_layers) * arch.n_routed_experts
+    for lay in moe_layers:
+        for e in range(arch.n_routed_experts):
+            ent = manifest.expert(lay, e)
+            assert ent is not None
+            h = headers[ent.shard]
+            assert ent.shard.startswith("out-mtp-") == (lay >= arch.num_hidden_layers)
+            parts = [
+                h.tensors[f"model.layers.{lay}.mlp.experts.{e}.{p}.weight"]
+                for p in ("down_proj", "gate_proj", "up_proj")
+            ]
+            assert parts[0].start == ent.start and ent.start % ALIGN == 0
+            assert parts[0].end == parts[1].start and parts[1].end == parts[2].start
+            assert parts[2].end == ent.end
+            _only_padding_until_aligned(h, ent.end)
+            if ent.qs_start is not None:
+                qs = [h.tensors[t.name + ".qs"] for t in parts]
+                assert qs[0].start == ent.qs_start and ent.qs_start % ALIGN == 0
+                assert qs[0].end == qs[1].start and qs[1].end == qs[2].start == qs[2].start
+                assert qs[2].end == ent.qs_end
+                _only_padding_until_aligned(h, ent.qs_end)
+    return manifest
+
+
+def _only_padding_until_aligned(h: ShardHeader, end: int) -> None:
+    """An aligned O_DIRECT read that covers ``end`` rounded up sees no foreign tensor bytes."""
+    stop = -(-end // ALIGN) * ALIGN
+    assert stop <= h.file_size
+    for t in h.tensors.values():
+        if t.start < stop and t.end > end:
+            assert t.name.startswith(PAD_PREFIX), f"{t.name} shares the 4 KiB block after {end}"
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.is_file()}
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def bf16_src(tmp_path_factory: pytest.TempPathFactory) -> Src:
+    root = tmp_path_factory.mktemp("bf16") / "src"
+    cfg = tiny_config()
+    return root, cfg, make_checkpoint(root, cfg, dtype="BF16", n_shards=3)
+
+
+@pytest.fixture(scope="module")
+def bf16_converted(
+    bf16_src: Src, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, ConvertResult]:
+    dst = tmp_path_factory.mktemp("bf16out") / "dst"
+    return dst, convert(bf16_src[0], dst, ConvertOptions(shard_size=SMALL))
+
+
+# ----------------------------------------------------------------------------- formats
+
+
+def test_bf16_defaults_layout_and_values(
+    bf16_src: Src, bf16_converted: tuple[Path, ConvertResult]
+) -> None:
+    src, cfg, ref = bf16_src
+    dst, result = bf16_converted
+    opts = ConvertOptions(shard_size=SMALL)
+    m = check_layout(dst, cfg)
+    check_values(dst, ref, cfg, opts)
+    assert m == result.manifest and not result.already_complete
+    names = [s.file for s in m.shards]
+    assert names[0] == "out-00000.safetensors" and "out-mtp-00000.safetensors" in names
+    assert sum(n.startswith("out-mtp-") for n in names) >= 2 and len(names) >= 5
+    assert m.options == {**opts.recorded()} and m.options["experts"] == "int4-g64"
+    assert m.model_type == "glm_moe_dsa" and m.num_mtp_layers == 1
+    assert result.unknown_tensors == () and set(result.written) == set(names)
+    for side in (
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ):
+        assert (dst / side).read_bytes() == (src / side).read_bytes()
+    assert not list(dst.glob("*.tmp")) and not (dst / STATE_NAME).exists()
+    # MTP matrices are int8 (the policy), io too; the router stays F32 [E, H].
+    cat = _catalog(dst)
+    head = cat["model.layers.2.shared_head.head.weight"]
+    assert head.path.name.startswith("out-mtp-") and head.nbytes == 256 * 64
+    assert cat["model.layers.1.mlp.gate.weight"].dtype == "F32"
+    assert cat["model.layers.1.mlp.gate.weight"].shape == (4, 64)
+    assert "converted" in str(result)
+
+
+def test_container_reads_the_output(
+    bf16_src: Src, bf16_converted: tuple[Path, ConvertResult]
+) -> None:
+    container = pytest.importorskip("storage.container")
+    _src, _cfg, ref = bf16_src
+    dst, result = bf16_converted
+    c = container.Container.open(dst)
+    for ent in result.manifest.experts:
+        ext = c.expert(ent.layer, ent.expert)
+        assert (ext.start, ext.end) == (ent.start, ent.end)
+    w = ref["model.layers.1.mlp.experts.3.up_proj.weight"]
+    got = c.load_qtensor("model.layers.1.mlp.experts.3.up_proj.weight")
+    assert _bits(dequantize(got)) == _bits(dequantize(quantize(w, "int4-g64")))
+
+
+@pytest.mark.parametrize("model", ["glm_moe_dsa", "deepseek_v3"])
+def test_transformers_checkpoint_converts(oracle_dir: Path, tmp_path: Path, model: str) -> None:
+    """A checkpoint saved by transformers itself (the oracle) converts, reads back, and f32
+    output reproduces every source value exactly."""
+    container = pytest.importorskip("storage.container")
+    src = oracle_dir / model
+    cfg = json.loads((src / "config.json").read_text())
+    f32 = ConvertOptions(experts="f32", dense="f32", io="f32", mtp="f32")
+    convert(src, tmp_path / "f32", f32)
+    out = _catalog(tmp_path / "f32")
+    for h in (read_header(p) for p in sorted(src.glob("*.safetensors"))):
+        for name, info in h.tensors.items():
+            raw = read_tensor(info)
+            want = raw.astype(np.float32) if info.dtype == "F32" else None
+            if info.dtype == "BF16":
+                want = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+            assert want is not None and out[name].dtype == "F32", name
+            assert _bits(read_tensor(out[name])) == _bits(want), name
+    result = convert(src, tmp_path / "q", DEFAULTS)
+    check_layout(tmp_path / "q", cfg)
+    c = container.Container.open(tmp_path / "q")
+    assert not c.problems
+    for ent in result.manifest.experts:
+        ext = c.expert(ent.layer, ent.expert)
+        assert (ext.start, ext.end) == (ent.start, ent.end)
+
+
+def test_fp8_block_input_and_f32_experts(tmp_path: Path) -> None:
+    cfg = tiny_config("deepseek_v3")
+    ref = make_checkpoint(tmp_path / "src", cfg, dtype="FP8", n_shards=1, index=False)
+    assert (tmp_path / "src" / "model.safetensors").exists()
+    opts = ConvertOptions(experts="f32", dense="int4-g64", shard_size=SMALL)
+    convert(tmp_path / "src", tmp_path / "dst", opts)
+    check_layout(tmp_path / "dst", cfg)
+    check_values(tmp_path / "dst", ref, cfg, opts)
+    cat = _catalog(tmp_path / "dst")
+    up = cat["model.layers.1.mlp.experts.0.up_proj.weight"]
+    assert up.dtype == "F32" and up.shape == (96, 64)
+    assert not any(n.endswith("_scale_inv") for n in cat)  # consumed, not copied
+    # q_b_proj [192, 48] spans two 128-row blocks: the second block's scale must apply.
+    qb = ref["model.layers.0.self_attn.q_b_proj.weight"]
+    assert qb.shape == (192, 48)
+
+
+def test_row_blocks_give_the_same_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Big matrices are converted in 128-row blocks; the bytes must not change (FP8 blocks too)."""
+    cfg = tiny_config("deepseek_v3")
+    ref = make_checkpoint(tmp_path / "src", cfg, dtype="FP8", n_shards=2)
+    opts = ConvertOptions(experts="int4-g32", dense="int8", io="bf16", mtp="f16", shard_size=SMALL)
+    convert(tmp_path / "src", tmp_path / "whole", opts)
+    monkeypatch.setattr("storage.convert._ROW_CHUNK_BYTES", 4096)  # 128 rows per block
+    convert(tmp_path / "src", tmp_path / "blocks", opts)
+    assert _files(tmp_path / "blocks") == _files(tmp_path / "whole")
+    check_values(tmp_path / "blocks", ref, cfg, opts)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "opts"),
+    [
+        ("F16", ConvertOptions(experts="bf16", dense="int4-row", io="f32", mtp="int8")),
+        ("F32", ConvertOptions(experts="int8", dense="f16", io="bf16", mtp="int4-g32")),
+    ],
+)
+def test_f16_f32_inputs_honour_options(tmp_path: Path, dtype: str, opts: ConvertOptions) -> None:
+    opts = ConvertOptions(**{**opts.__dict__, "shard_size": SMALL})
+    cfg = tiny_config()
+    ref = make_checkpoint(tmp_path / "src", cfg, dtype=dtype, n_shards=2, index=False)
+    convert(tmp_path / "src", tmp_path / "dst", opts)
+    check_layout(tmp_path / "dst", cfg)
+    check_values(tmp_path / "dst", ref, cfg, opts)
+
+
+def test_unknown_tensors_are_copied_verbatim(tmp_path: Path) -> None:
+    cfg = tiny_config()
+    extra: dict[str, np.ndarray[Any, Any]] = {
+        "model.layers.0.self_attn.rotary_emb.inv_freq": np.arange(8, dtype=np.float32),
+        "model.extra_counts": np.array([[1, 2, 3]], dtype=np.int32),
+        "model.layers.2.mystery": np.full((5,), 7, dtype=np.float16),
+    }
+    make_checkpoint(tmp_path / "src", cfg, extra=extra)
+    result = convert(tmp_path / "src", tmp_path / "dst", ConvertOptions(shard_size=SMALL))
+    assert set(result.unknown_tensors) == set(extra)
+    assert set(result.manifest.unknown_tensors) == set(extra)
+    cat = _catalog(tmp_path / "dst")
+    for name, arr in extra.items():
+        got = read_tensor(cat[name])
+        assert got.dtype == arr.dtype and got.shape == arr.shape and _bits(got) == _bits(arr)
+    assert cat["model.layers.2.mystery"].path.name.startswith("out-mtp-")
+    assert "copied 3 unrecognised tensors" in str(result)
+
+
+def test_reserved_and_colliding_names_are_refused(
+    tmp_path: Path, bf16_converted: tuple[Path, ConvertResult]
+) -> None:
+    with pytest.raises(ConversionError, match="reserved for padding"):
+        convert(bf16_converted[0], tmp_path / "dst")  # a container is not an HF checkpoint
+    clash = {"model.layers.0.self_attn.o_proj.weight.qs": np.zeros(3, np.float32)}
+    make_checkpoint(tmp_path / "src", tiny_config(), extra=clash)
+    with pytest.raises(ConversionError, match=r"o_proj\.weight\.qs.*twice"):
+        convert(tmp_path / "src", tmp_path / "dst2")
+
+
+def test_output_is_deterministic(
+    bf16_src: Src,
+    bf16_converted: tuple[Path, ConvertResult],
+    tmp_path: Path,
+) -> None:
+    convert(bf16_src[0], tmp_path / "again", ConvertOptions(shard_size=SMALL))
+    assert _files(tmp_path / "again") == _files(bf16_converted[0])
+
+
+# ----------------------------------------------------------------------------- resume
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_rerun_noop_mismatch_force(tmp_path: Path, bf16_src: Src) -> None:
+    src = bf16_src[0]
+    dst = tmp_path / "dst"
+    opts = ConvertOptions(shard_size=SMALL)
+    ticks: list[tuple[int, int]] = []
+    first = convert(src, dst, opts, progress=lambda d, t, m: ticks.append((d, t)))
+    assert ticks[-1] == (first.total_bytes, first.total_bytes)
+    assert [d for d, _t in ticks] == sorted(d for d, _t in ticks) and len(ticks) > 50
+    before = _files(dst)
+    seen: list[str] = []
+    again = convert(src, dst, opts, progress=lambda d, t, m: seen.append(m))
+    assert again.already_complete and again.written == ()
+    assert "already converted" in str(again) and seen == ["already converted"]
+    assert _files(dst) == before
+
+    with pytest.raises(ConversionError, match=r"--experts int4-g64 \(this run: --experts f32\)"):
+        convert(src, dst, ConvertOptions(experts="f32", shard_size=SMALL))
+    with pytest.raises(ConversionError, match="pass --force"):
+        convert(src, dst, ConvertOptions(shard_size=SMALL * 2))
+    assert _files(dst) == before
+
+    forced = convert(src, dst, ConvertOptions(experts="f32", shard_size=SMALL), force=True)
+    assert not forced.already_complete and forced.manifest.options["experts"] == "f32"
+    assert set(forced.written) == {s.file for s in forced.manifest.shards}
+    assert read_tensor(_catalog(dst)["model.layers.1.mlp.experts.0.up_proj.weight"]).dtype == (
+        np.float32
+    )
+    assert not list(dst.glob("*.tmp"))
+
+
+def test_interrupted_run_resumes_and_redoes_a_bad_shard(
+    tmp_path: Path,
+    bf16_src: Src,
+    bf16_converted: tuple[Path, ConvertResult],
+) -> None:
+    src = bf16_src[0]
+    dst = tmp_path / "dst"
+    opts = ConvertOptions(shard_size=SMALL)
+
+    def stop_at_fourth_shard(done: int, total: int, msg: str) -> None:
+        if msg.startswith("out-00003"):
+            raise _Stop
+
+    with pytest.raises(_Stop):
+        convert(src, dst, opts, progress=stop_at_fourth_shard)
+    state = json.loads((dst / STATE_NAME).read_text())
+    assert [d["file"] for d in state["done"]] == [f"out-0000{k}.safetensors" for k in range(3)]
+    assert not (dst / MANIFEST_NAME).exists() and not list(dst.glob("*.tmp"))
+
+    # A finished shard that no longer matches its checksum is redone, the others are reused.
+    bad = dst / "out-00001.safetensors"
+    raw = bytearray(bad.read_bytes())
+    raw[-ALIGN - 1] ^= 0xFF
+    bad.write_bytes(bytes(raw))
+    (dst / "out-00007.safetensors.tmp").write_bytes(b"junk from a dead run")
+
+    with pytest.raises(ConversionError, match="different source"):
+        other = tmp_path / "other"
+        make_checkpoint(other, tiny_config(), seed=1)
+        convert(other, dst, opts)
+
+    result = convert(src, dst, opts)
+    assert "out-00001.safetensors" in result.written
+    assert set(result.reused) == {"out-00000.safetensors", "out-00002.safetensors"}
+    assert any("resumed" in n for n in result.notes)
+    assert _files(dst) == _files(bf16_converted[0])
+
+
+def test_damaged_finished_container_is_repaired(
+    tmp_path: Path, bf16_src: Src, bf16_converted: tuple[Path, ConvertResult]
+) -> None:
+    dst = tmp_path / "dst"
+    convert(bf16_src[0], dst, ConvertOptions(shard_size=SMALL))
+    (dst / "out-mtp-00001.safetensors").unlink()
+    result = convert(bf16_src[0], dst, ConvertOptions(shard_size=SMALL))
+    assert result.written == ("out-mtp-00001.safetensors",)
+    assert _files(dst) == _files(bf16_converted[0])
+
+
+def test_concurrent_run_into_same_dst_is_refused(tmp_path: Path, bf16_src: Src) -> None:
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    fd = os.open(dst, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with pytest.raises(ConversionError, match="another `coli convert`"):
+            convert(bf16_src[0], dst, ConvertOptions(shard_size=SMALL))
+    finally:
+        os.close(fd)
+    assert list(dst.iterdir()) == []
+
+
+def test_foreign_container_in_dst_needs_force(tmp_path: Path, bf16_src: Src) -> None:
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "out-00000.safetensors").write_bytes(b"not ours")
+    (dst / "notes.txt").write_text("keep me")
+    with pytest.raises(ConversionError, match="pass --force"):
+        convert(bf16_src[0], dst, ConvertOptions(shard_size=SMALL))
+    convert(bf16_src[0], dst, ConvertOptions(shard_size=SMALL), force=True)
+    assert (dst / "notes.txt").read_text() == "keep me"  # force only touches colibri's files
+    check_layout(dst, bf16_src[1])
+
+
+def _kill_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    src = tmp_path_factory.mktemp("killsrc") / "src"
+    cfg = tiny_config(
+        hidden_size=256,
+        moe_intermediate_size=256,
+        n_routed_experts=48,
+        num_hidden_layers=3,
+        vocab_size=512,
+    )
+    make_checkpoint(src, cfg, dtype="BF16", n_shards=2)
+    return src
+
+
+def _inode(p: Path) -> int | None:
+    try:
+        return p.stat().st_ino
+    except FileNotFoundError:
+        return None
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_points_then_resume_is_byte_identical(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    src = _kill_model(tmp_path_factory)
+    opts = ConvertOptions(shard_size=256 << 10)
+    t0 = time.perf_counter()
+    reference = convert(src, tmp_path / "ref", opts)
+    t_ref = time.perf_counter() - t0
+    assert len(reference.manifest.shards) > 50
+
+    dst = tmp_path / "dst"
+    state = dst / STATE_NAME
+    cmd = [sys.executable, "-m", "storage.convert", str(src), str(dst)]
+    cmd += ["--shard-size", str(opts.shard_size)]
+    rng = random.Random(20240607)
+    done_after: list[int] = []
+    # Rounds 0-3 kill at a random point after the run got going (it rewrote the state file);
+    # round 4 kills during start-up / verification of the finished shards.
+    for round_ in range(5):
+        before = _inode(state)
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 60
+        while round_ < 4 and _inode(state) in (None, before) and proc.poll() is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+        time.sleep(rng.uniform(0.0, t_ref / 4 if round_ < 4 else 0.3))
+        if proc.poll() is not None:
+            assert proc.returncode == 0, proc.stderr.read() if proc.stderr else ""
+            break
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        if proc.stderr:
+            proc.stderr.close()
+        if (dst / MANIFEST_NAME).exists():
+            break  # killed after it had finished: nothing left to interrupt
+        done_after.append(len(json.loads(state.read_text())["done"]) if state.exists() else 0)
+    assert len(done_after) >= 3 and 0 < done_after[-1] < len(reference.manifest.shards)
+    assert done_after == sorted(done_after)
+
+    final = convert(src, dst, opts)
+    assert final.reused
+    assert _files(dst) == _files(tmp_path / "ref")
+    assert convert(src, dst, opts).already_complete
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+def test_refuses_without_free_disk(
+    tmp_path: Path, bf16_src: Src, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr("shutil.disk_usage", lambda p: usage(10**9, 10**9 - 12345, 12345))
+    dst = tmp_path / "dst"
+    with pytest.raises(ConversionError, match=r"needs \d+ bytes .* but 12345 bytes") as ei:
+        convert(bf16_src[0], dst, ConvertOptions(shard_size=SMALL))
+    assert str(dst) in str(ei.value)
+    assert not list(dst.glob("out-*")) and not (dst / STATE_NAME).exists()
+
+
+def test_truncated_source_shard_names_the_file(tmp_path: Path) -> None:
+    make_checkpoint(tmp_path / "src", tiny_config(), n_shards=2)
+    victim = tmp_path / "src" / "model-00002-of-00002.safetensors"
+    os.truncate(victim, victim.stat().st_size - 100)
+    with pytest.raises(ColibriError, match=r"model-00002-of-00002\.safetensors"):
+        convert(tmp_path / "src", tmp_path / "dst")
+
+
+def test_source_errors_are_clear(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    with pytest.raises(ConversionError, match=r"config\.json"):
+        convert(src, tmp_path / "dst")
+    (src / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ConversionError, match="'llama' is not supported"):
+        convert(src, tmp_path / "dst")
+    with pytest.raises(ConversionError, match="must differ"):
+        make_checkpoint(src, tiny_config())
+        convert(src, src)
+    with pytest.raises(ConversionError, match="unknown format"):
+        ConvertOptions(experts="int5")
+
+
+def test_shape_disagreeing_with_config(tmp_path: Path) -> None:
+    cfg = tiny_config()
+    make_checkpoint(tmp_path / "src", cfg)
+    (tmp_path / "src" / "config.json").write_text(json.dumps({**cfg, "moe_intermediate_size": 80}))
+    with pytest.raises(
+        ConversionError, match=r"experts\.0\.down_proj\.weight.*\[64, 96\].*\[64, 80\]"
+    ):
+        convert(tmp_path / "src", tmp_path / "dst")
+
+
+def test_fp8_without_scale_inv(tmp_path: Path) -> None:
+    name = "model.layers.1.mlp.experts.2.gate_proj.weight"
+    make_checkpoint(
+        tmp_path / "src", tiny_config("deepseek_v3"), dtype="FP8", skip=(name + "_scale_inv",)
+    )
+    with pytest.raises(ConversionError, match=rf"{name}.*{name}_scale_inv"):
+        convert(tmp_path / "src", tmp_path / "dst")
+
+
+def test_missing_tensor_and_missing_mtp_layer(tmp_path: Path) -> None:
+    cfg = tiny_config()
+    arch = ArchConfig.from_dict(cfg)
+    make_checkpoint(tmp_path / "a", cfg, skip=("model.layers.0.self_attn.o_proj.weight",))
+    with pytest.raises(ConversionError, match=r"o_proj\.weight"):
+        convert(tmp_path / "a", tmp_path / "dst")
+    from storage.arch import expected_tensors
+
+    mtp = tuple(n for n in expected_tensors(arch) if n.startswith("model.layers.2."))
+    make_checkpoint(tmp_path / "b", cfg, skip=mtp)
+    result = convert(tmp_path / "b", tmp_path / "dst2", ConvertOptions(shard_size=SMALL))
+    assert any("no MTP layer" in n for n in result.notes)
+    assert not any(s.kind == "mtp" for s in result.manifest.shards)
+
+
+def test_defaults_are_the_precision_policy() -> None:
+    assert DEFAULTS.recorded() == {
+        "experts": "int4-g64",
+        "dense": "int4-g64",
+        "io": "int8",
+        "mtp": "int8",
+        "shard_size": 2 << 30,
+    }
+    assert DEFAULTS.format_for("f32") == QuantFormat("f32")
+    # The CLI builds options this way; it must keep working.
+    assert ConvertOptions(**{**DEFAULTS.__dict__, "experts": "int4-row"}).experts == "int4-row"
