@@ -192,6 +192,7 @@ def run(
 @click.option("--dense", default=None, help="Dense matrices format (default int4-g64).")
 @click.option("--io", "io_fmt", default=None, help="embed_tokens/lm_head format (default int8).")
 @click.option("--mtp", default=None, help="MTP layer format (default int8).")
+@click.option("--shard-size", default=None, help="Target output shard size, e.g. 2GiB.")
 @click.option("--force", is_flag=True, help="Discard a partial conversion in DST and start over.")
 def convert(
     src: Path,
@@ -200,6 +201,7 @@ def convert(
     dense: str | None,
     io_fmt: str | None,
     mtp: str | None,
+    shard_size: str | None,
     force: bool,
 ) -> None:
     """Convert a Hugging Face checkpoint SRC into a colibri container DST (resumable)."""
@@ -208,9 +210,12 @@ def convert(
     from storage.convert import convert as do_convert
 
     base = DEFAULTS
-    fields = {
-        k: v for k, v in {"experts": experts, "dense": dense, "io": io_fmt, "mtp": mtp}.items() if v
-    }
+    from colibri._config import parse_bytes
+
+    given = {"experts": experts, "dense": dense, "io": io_fmt, "mtp": mtp}
+    fields: dict[str, object] = {k: v for k, v in given.items() if v}
+    if shard_size:
+        fields["shard_size"] = parse_bytes(shard_size)
     options = ConvertOptions(**{**base.__dict__, **fields}) if fields else base
     with Progress(
         TextColumn("{task.description}"),
