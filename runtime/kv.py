@@ -1,0 +1,143 @@
+"""The compressed KV cache of one sequence: all MLA (and DSA) needs to continue it.
+
+Per layer and token: the normed KV latent [C] and the roped shared rope key [R]; for layers that
+run their own DSA indexer, also the roped, normed index key [DI]. That is 576 floats per token
+per layer for GLM-5 instead of 32,768 for uncompressed K/V. Token ids are kept too (prefix reuse,
+``.coli_kv`` records).
+
+Writes go past ``length`` first (a forward fills rows [start, start + T) layer by layer) and
+become visible with ``commit``; a forward that fails midway leaves ``length`` unchanged. Arrays
+grow by doubling. The per-layer arrays (``latent``, ``k_rope``, ``index_keys``, ``tokens``) are
+what persistence writes and reads back.
+
+Shape legend: S tokens held, C kv_lora_rank, R qk_rope_head_dim, DI index_head_dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from storage.errors import ModelError
+
+__all__ = ["KVCache"]
+
+F32Array = npt.NDArray[np.float32]
+I32Array = npt.NDArray[np.int32]
+
+
+class KVCache:
+    """Compressed MLA cache for ``n_layers`` layers (layer slots 0..n_layers-1)."""
+
+    def __init__(
+        self,
+        n_layers: int,
+        kv_lora_rank: int,
+        qk_rope_head_dim: int,
+        index_head_dim: int = 0,
+        indexed_layers: Sequence[int] = (),
+        capacity: int = 64,
+    ) -> None:
+        self.n_layers = n_layers
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.index_head_dim = index_head_dim
+        self.indexed_layers = tuple(sorted(indexed_layers))
+        if self.indexed_layers and index_head_dim <= 0:
+            raise ModelError("a KV cache with indexed layers needs index_head_dim > 0")
+        self.length = 0
+        self._cap = max(1, capacity)
+        self._latent = [np.zeros((self._cap, kv_lora_rank), np.float32) for _ in range(n_layers)]
+        self._k_rope = [
+            np.zeros((self._cap, qk_rope_head_dim), np.float32) for _ in range(n_layers)
+        ]
+        self._index = {
+            layer: np.zeros((self._cap, index_head_dim), np.float32)
+            for layer in self.indexed_layers
+        }
+        self._tokens = np.zeros(self._cap, np.int32)
+
+    # ------------------------------------------------------------------------------ writing
+
+    def reserve(self, n: int) -> None:
+        """Make room for ``n`` tokens (rows beyond ``length`` are scratch until commit)."""
+        if n <= self._cap:
+            return
+        cap = self._cap
+        while cap < n:
+            cap *= 2
+
+        def grow(a: F32Array) -> F32Array:
+            b = np.zeros((cap, *a.shape[1:]), a.dtype)
+            b[: self._cap] = a
+            return b
+
+        self._latent = [grow(a) for a in self._latent]
+        self._k_rope = [grow(a) for a in self._k_rope]
+        self._index = {k: grow(a) for k, a in self._index.items()}
+        tokens = np.zeros(cap, np.int32)
+        tokens[: self._cap] = self._tokens
+        self._tokens = tokens
+        self._cap = cap
+
+    def write(self, layer: int, start: int, latent: F32Array, k_rope: F32Array) -> None:
+        """Store rows [start, start + T) of one layer: ``latent`` [T, C], ``k_rope`` [T, R]."""
+        end = start + latent.shape[0]
+        self.reserve(end)
+        self._latent[layer][start:end] = latent
+        self._k_rope[layer][start:end] = k_rope
+
+    def write_index(self, layer: int, start: int, keys: F32Array) -> None:
+        """Store index keys [T, DI] of an indexed layer at rows [start, start + T)."""
+        if layer not in self._index:
+            raise ModelError(f"layer slot {layer} has no DSA index keys in this cache")
+        end = start + keys.shape[0]
+        self.reserve(end)
+        self._index[layer][start:end] = keys
+
+    def write_tokens(self, start: int, ids: npt.NDArray[np.integer]) -> None:
+        end = start + ids.shape[0]
+        self.reserve(end)
+        self._tokens[start:end] = ids
+
+    def commit(self, length: int) -> None:
+        """Make rows [0, length) the cache content (after every layer wrote them)."""
+        if length > self._cap:
+            raise ModelError(f"commit({length}) beyond the written rows ({self._cap} reserved)")
+        self.length = length
+
+    def truncate(self, n: int) -> None:
+        """Forget every token from position ``n`` on (keep a common prefix)."""
+        if not 0 <= n <= self.length:
+            raise ModelError(f"truncate({n}) outside 0..{self.length}")
+        self.length = n
+
+    # ------------------------------------------------------------------------------ reading
+
+    def latent(self, layer: int, end: int | None = None) -> F32Array:
+        """KV latents [S, C] of rows [0, end) (default ``length``), a view."""
+        return self._latent[layer][: self.length if end is None else end]
+
+    def k_rope(self, layer: int, end: int | None = None) -> F32Array:
+        """Roped rope keys [S, R] of rows [0, end), a view."""
+        return self._k_rope[layer][: self.length if end is None else end]
+
+    def index_keys(self, layer: int, end: int | None = None) -> F32Array:
+        """DSA index keys [S, DI] of rows [0, end) of an indexed layer, a view."""
+        if layer not in self._index:
+            raise ModelError(f"layer slot {layer} has no DSA index keys in this cache")
+        return self._index[layer][: self.length if end is None else end]
+
+    @property
+    def tokens(self) -> I32Array:
+        """Token ids [S] held, a view."""
+        return self._tokens[: self.length]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the rows in use."""
+        per = self.n_layers * (self.kv_lora_rank + self.qk_rope_head_dim)
+        per += len(self.indexed_layers) * self.index_head_dim
+        return self.length * (4 * per + 4)

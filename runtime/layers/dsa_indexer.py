@@ -1,0 +1,107 @@
+"""DeepSeek sparse attention (DSA) lightning indexer, as ``GlmMoeDsaIndexer`` computes it.
+
+Facts (transformers 5.24):
+
+* index head layout is ``[rope | nope]`` (the main MLA query is ``[nope | rope]``); the rope
+  slice is ``qk_rope_head_dim`` wide and uses the main model's cos/sin;
+* GLM-5 rotates it with *interleaved* pairs, DeepSeek-V3.2 with half split (``interleave``);
+* ``q = wq_b(q_resid)`` from the MLA query residual (``q_a_layernorm`` output);
+  ``k = LayerNorm(wk(x))`` with weight AND bias, eps 1e-6; one key per token (cached);
+* ``score[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s] / sqrt(d))`` with
+  ``w = weights_proj(x) / sqrt(n_heads)``; future keys are -inf;
+* the ``index_topk`` best keys per query stay visible to attention (a mask on top of the causal
+  one); with ``index_topk >= S`` nothing is masked. The top-k set follows ``torch.topk``'s
+  tie-breaking (relu makes exact 0.0 ties common), see ``topk.py``.
+* ``indexer_types[L] == "shared"`` layers run no indexer and reuse the selection of the nearest
+  earlier ``"full"`` layer of the same forward.
+
+Shape legend: T new tokens, S keys (cache + new), D hidden, Q q_lora_rank, HI index heads,
+DI index_head_dim, R rope dims (of DI).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from runtime.layers.rms_norm import layer_norm
+from runtime.layers.rope import apply_rope
+from runtime.layers.topk import torch_topk_indices
+from runtime.linear import Linear
+
+__all__ = ["IndexerDims", "IndexerWeights", "index_keys", "index_scores", "select"]
+
+F32Array = npt.NDArray[np.float32]
+BoolArray = npt.NDArray[np.bool_]
+
+K_NORM_EPS = 1e-6  # nn.LayerNorm(head_dim, eps=1e-6) in the reference
+
+
+@dataclass(frozen=True, slots=True)
+class IndexerDims:
+    """Indexer sizes (HF config keys ``index_n_heads``, ``index_head_dim``, ``index_topk``)."""
+
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    qk_rope_head_dim: int
+    interleave: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class IndexerWeights:
+    wq_b: Linear  # [HI * DI, Q]
+    wk: Linear  # [DI, D]
+    k_norm_weight: F32Array  # [DI]
+    k_norm_bias: F32Array  # [DI]
+    weights_proj: Linear  # [HI, D]
+
+
+def index_keys(
+    w: IndexerWeights, d: IndexerDims, x: F32Array, cos: F32Array, sin: F32Array
+) -> F32Array:
+    """Index keys of the new tokens [T, DI] (normed and roped: the rows the cache keeps)."""
+    k = layer_norm(w.wk(x), w.k_norm_weight, w.k_norm_bias, K_NORM_EPS)  # [T, DI]
+    r = d.qk_rope_head_dim
+    k[:, :r] = apply_rope(k[:, :r], cos, sin, d.interleave)
+    return k
+
+
+def index_scores(
+    w: IndexerWeights,
+    d: IndexerDims,
+    x: F32Array,
+    q_resid: F32Array,
+    keys: F32Array,
+    cos: F32Array,
+    sin: F32Array,
+) -> F32Array:
+    """Scores [T, S] of every key for each new query; -inf for future keys.
+
+    ``x`` [T, D] is the attention input (input-normed hidden), ``q_resid`` [T, Q], ``keys``
+    [S, DI] all index keys including the new ones (new queries are the last T positions).
+    """
+    t, s = x.shape[0], keys.shape[0]
+    r = d.qk_rope_head_dim
+    q = w.wq_b(q_resid).reshape(t, d.index_n_heads, d.index_head_dim)  # [T, HI, DI]
+    q = np.concatenate([apply_rope(q[:, :, :r], cos, sin, d.interleave), q[:, :, r:]], axis=-1)
+    dots = (q @ keys.T) * np.float32(d.index_head_dim**-0.5)  # [T, HI, S]
+    relu = np.maximum(dots, np.float32(0.0))  # [T, HI, S]
+    hw = w.weights_proj(x) * np.float32(d.index_n_heads**-0.5)  # [T, HI]
+    scores: F32Array = (hw[:, None, :] @ relu)[:, 0, :].astype(np.float32)  # [T, S]
+    future = np.arange(s)[None, :] > (np.arange(t) + (s - t))[:, None]  # [T, S]
+    scores[future] = -np.inf
+    return scores
+
+
+def select(scores: F32Array, topk: int) -> BoolArray | None:
+    """Keys kept per query [T, S] (True = visible), or None when ``topk >= S`` (no-op)."""
+    t, s = scores.shape
+    if topk >= s:
+        return None
+    keep = torch_topk_indices(scores, topk)  # [T, topk]
+    mask = np.zeros((t, s), dtype=bool)  # [T, S]
+    np.put_along_axis(mask, keep, True, axis=1)
+    return mask

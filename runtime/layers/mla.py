@@ -1,0 +1,207 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, GLM-5) over a compressed KV cache.
+
+Per token the cache keeps only the normed KV latent ``c`` [C] and the roped shared rope key
+``k_r`` [R]. Per head h, with ``kv_b_proj`` rows split into K part ``W_UK[h]`` [N, C] and
+V part ``W_UV[h]`` [V, C]::
+
+    score[t, s] = (q_nope[t] . W_UK[h] c[s] + q_rope[t] . k_r[s]) * scale
+    out[t]      = W_UV[h] sum_s softmax(score)[t, s] c[s]
+
+Two evaluation orders, equal up to rounding (tests hold them within 1e-4):
+
+* reconstruct: expand ``kv_b_proj(c)`` for every key (k_nope, v per head) -- what the reference
+  does; cheapest for a fresh prefill (S ~ T);
+* absorbed: fold ``W_UK[h]`` into the query (``q_lat = W_UK[h]^T q_nope``) and apply ``W_UV[h]``
+  after the weighted latent sum; cost no longer grows with S * kv_b -- the decode path.
+
+``prefer_absorbed`` picks the cheaper by a multiply-add count (see there).
+
+Shape legend: T new tokens, S keys (cache + new), D hidden, NH heads, N qk_nope_head_dim,
+R qk_rope_head_dim, V v_head_dim, C kv_lora_rank, Q q_lora_rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+from runtime.layers.rms_norm import rms_norm
+from runtime.layers.rope import apply_rope
+from runtime.linear import Linear
+
+__all__ = [
+    "LORA_NORM_EPS",
+    "MLADims",
+    "MLAProjection",
+    "MLAWeights",
+    "attend",
+    "causal_mask",
+    "prefer_absorbed",
+    "project",
+    "softmax",
+]
+
+F32Array = npt.NDArray[np.float32]
+BoolArray = npt.NDArray[np.bool_]
+
+# transformers builds q_a_layernorm / kv_a_layernorm with the RMSNorm default eps, not
+# config.rms_norm_eps.
+LORA_NORM_EPS = 1e-6
+
+
+@dataclass(frozen=True, slots=True)
+class MLADims:
+    """MLA sizes (HF config keys)."""
+
+    num_attention_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True, slots=True)
+class MLAWeights:
+    """One layer's attention weights; ``w_uk_t``/``w_uv`` are per-head views for absorption."""
+
+    kv_a_proj_with_mqa: Linear  # [C + R, D]
+    kv_a_layernorm: F32Array  # [C]
+    kv_b_proj: Linear  # [NH * (N + V), C]
+    o_proj: Linear  # [D, NH * V]
+    w_uk_t: Sequence[Linear]  # NH x [C, N]: W_UK[h] transposed (derived, float32)
+    w_uv: Sequence[Linear]  # NH x [V, C]: row slices of the stored kv_b_proj
+    q_a_proj: Linear | None = None  # [Q, D]
+    q_a_layernorm: F32Array | None = None  # [Q]
+    q_b_proj: Linear | None = None  # [NH * (N + R), Q]
+    q_proj: Linear | None = None  # [NH * (N + R), D] when q_lora_rank is None
+    q_a_bias: F32Array | None = None  # attention_bias models only
+    kv_a_bias: F32Array | None = None
+    o_bias: F32Array | None = None
+
+
+class MLAProjection(NamedTuple):
+    """Projections of the new tokens: queries, the query residual and the new cache rows."""
+
+    q_nope: F32Array  # [T, NH, N]
+    q_rope: F32Array  # [T, NH, R] roped
+    q_resid: F32Array | None  # [T, Q] q_a_layernorm output (the DSA indexer's input)
+    latent: F32Array  # [T, C] normed KV latent (cached)
+    k_rope: F32Array  # [T, R] roped shared key (cached)
+
+
+def project(
+    w: MLAWeights, d: MLADims, x: F32Array, cos: F32Array, sin: F32Array, interleave: bool
+) -> MLAProjection:
+    """``x`` [T, D] (input-normed hidden) -> queries and the new latent/rope-key rows."""
+    t = x.shape[0]
+    q_resid = None
+    if w.q_a_proj is not None and w.q_b_proj is not None and w.q_a_layernorm is not None:
+        qa = w.q_a_proj(x)  # [T, Q]
+        if w.q_a_bias is not None:
+            qa = qa + w.q_a_bias
+        q_resid = rms_norm(qa, w.q_a_layernorm, LORA_NORM_EPS)  # [T, Q]
+        q = w.q_b_proj(q_resid)  # [T, NH * (N + R)]
+    elif w.q_proj is not None:
+        q = w.q_proj(x)  # [T, NH * (N + R)]
+    else:
+        raise ValueError("MLA weights need q_proj or q_a_proj + q_a_layernorm + q_b_proj")
+    q = q.reshape(t, d.num_attention_heads, d.qk_head_dim)  # [T, NH, N + R]
+    q_nope = q[:, :, : d.qk_nope_head_dim]  # [T, NH, N]
+    q_rope = apply_rope(q[:, :, d.qk_nope_head_dim :], cos, sin, interleave)  # [T, NH, R]
+    kv = w.kv_a_proj_with_mqa(x)  # [T, C + R]
+    if w.kv_a_bias is not None:
+        kv = kv + w.kv_a_bias
+    latent = rms_norm(kv[:, : d.kv_lora_rank], w.kv_a_layernorm, LORA_NORM_EPS)  # [T, C]
+    k_rope = apply_rope(kv[:, d.kv_lora_rank :], cos, sin, interleave)  # [T, R]
+    return MLAProjection(q_nope, q_rope, q_resid, latent, k_rope)
+
+
+def causal_mask(t: int, s: int) -> BoolArray:
+    """Allowed [T, S]: new token i (absolute position s - t + i) sees keys 0..s - t + i."""
+    return np.arange(s)[None, :] <= (np.arange(t) + (s - t))[:, None]  # [T, S]
+
+
+def softmax(scores: F32Array, allowed: BoolArray) -> F32Array:
+    """Masked softmax over the last axis in float32 (masked entries get exactly 0)."""
+    z = np.where(allowed, scores, np.float32(-np.inf))  # [..., S]
+    z = z - z.max(axis=-1, keepdims=True)
+    e = np.exp(z)  # [..., S]
+    probs: F32Array = (e / e.sum(axis=-1, keepdims=True)).astype(np.float32)
+    return probs
+
+
+def prefer_absorbed(d: MLADims, t: int, s: int) -> bool:
+    """Whether absorption costs fewer multiply-adds than reconstruction for T queries, S keys.
+
+    reconstruct: S*NH*C*(N+V) (expand every key) + T*S*NH*(N+R+V) (scores + values);
+    absorbed:    T*NH*C*(N+V) (fold W_UK, apply W_UV) + T*S*NH*(2C+R).
+    Decode (T = 1) always absorbs; a fresh prefill (S = T) reconstructs.
+    """
+    n, r, v, c = d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim, d.kv_lora_rank
+    recon = s * c * (n + v) + t * s * (n + r + v)
+    absorbed = t * c * (n + v) + t * s * (2 * c + r)
+    return absorbed < recon
+
+
+def attend(
+    w: MLAWeights,
+    d: MLADims,
+    p: MLAProjection,
+    latent: F32Array,
+    k_rope: F32Array,
+    allowed: BoolArray,
+    scale: float,
+    absorbed: bool,
+) -> F32Array:
+    """Attention of the new queries over all keys -> o_proj output [T, D].
+
+    ``latent`` [S, C] and ``k_rope`` [S, R] include the new rows; ``allowed`` [T, S] is the
+    causal mask, narrowed by the DSA selection where the model has one.
+    """
+    t, nh = p.q_nope.shape[0], d.num_attention_heads
+    sc = np.float32(scale)
+    if absorbed:
+        # One query row at a time over its causal keys only, with the same products a one-token
+        # decode runs: a row's result does not depend on T (or on masked future keys in a
+        # softmax sum), so decode and a speculative verify agree bit for bit (given
+        # batch-invariant Linear kernels).
+        q_lat = np.empty((t, nh, d.kv_lora_rank), dtype=np.float32)  # [T, NH, C]
+        for h in range(nh):
+            q_lat[:, h, :] = w.w_uk_t[h](np.ascontiguousarray(p.q_nope[:, h, :]))  # [T, C]
+        o_lat = np.empty((t, nh, d.kv_lora_rank), dtype=np.float32)  # [T, NH, C]
+        s_all = latent.shape[0]
+        for i in range(t):
+            end = s_all - t + i + 1  # keys [0, end) are causal for row i
+            lat = latent[:end]  # [S_i, C]
+            scores = (q_lat[i] @ lat.T + p.q_rope[i] @ k_rope[:end].T) * sc  # [NH, S_i]
+            probs = softmax(scores, allowed[i, None, :end])  # [NH, S_i]
+            o_lat[i] = probs @ lat  # [NH, C]
+        out = np.empty((t, nh, d.v_head_dim), dtype=np.float32)  # [T, NH, V]
+        for h in range(nh):
+            out[:, h, :] = w.w_uv[h](np.ascontiguousarray(o_lat[:, h, :]))  # [T, V]
+    else:
+        # Head-major GEMMs: the fast order for a prefill chunk (rows may depend on T by
+        # rounding; prefill and decode are held to a tolerance, not bit identity).
+        s = latent.shape[0]
+        kv = w.kv_b_proj(np.ascontiguousarray(latent))  # [S, NH * (N + V)]
+        kv = kv.reshape(s, nh, d.qk_nope_head_dim + d.v_head_dim)  # [S, NH, N + V]
+        k_nope = kv[:, :, : d.qk_nope_head_dim].transpose(1, 2, 0)  # [NH, N, S]
+        values = kv[:, :, d.qk_nope_head_dim :].transpose(1, 0, 2)  # [NH, S, V]
+        q_nope = p.q_nope.transpose(1, 0, 2)  # [NH, T, N]
+        q_rope = p.q_rope.transpose(1, 0, 2)  # [NH, T, R]
+        scores = (q_nope @ k_nope + q_rope @ k_rope.T) * sc  # [NH, T, S]
+        probs = softmax(scores, allowed[None])  # [NH, T, S]
+        out = (probs @ values).transpose(1, 0, 2)  # [T, NH, V]
+    y = w.o_proj(np.ascontiguousarray(out.reshape(t, nh * d.v_head_dim), dtype=np.float32))
+    if w.o_bias is not None:
+        y = y + w.o_bias
+    return y  # [T, D]

@@ -1,0 +1,71 @@
+"""Mixture-of-experts block in separate steps a scheduler can interleave with expert reads.
+
+``route`` -> ``union`` (fetch each expert once per step) -> ``apply_experts`` + ``shared``.
+Routed contributions are summed in ascending expert id (as transformers' loop does), then the
+shared experts are added: ``out = sum_e w_e * expert_e(x) + shared(x)``. A row's result does not
+depend on the other rows of the step (given batch-invariant Linear kernels).
+
+Shape legend: T tokens, D hidden, E routed experts, K experts per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from runtime.layers.moe_router import RouterConfig
+from runtime.layers.moe_router import route as _route
+from runtime.layers.swiglu import MLPWeights, swiglu
+from runtime.linear import Linear
+from storage.errors import ModelError
+
+__all__ = ["MoEWeights", "apply_experts", "route", "shared", "union"]
+
+F32Array = npt.NDArray[np.float32]
+I64Array = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True, slots=True)
+class MoEWeights:
+    """Resident part of a MoE layer: router (fp32 [E, D]), correction bias, shared experts."""
+
+    router: Linear  # [E, D]
+    correction_bias: F32Array  # [E]
+    shared: MLPWeights | None
+    config: RouterConfig
+
+
+def route(w: MoEWeights, x: F32Array) -> tuple[I64Array, F32Array]:
+    """``x`` [T, D] (post-attention normed) -> (ids [T, K], gate weights [T, K])."""
+    logits = w.router(x)  # [T, E] fp32
+    return _route(logits, w.correction_bias, w.config)
+
+
+def union(ids: I64Array) -> list[int]:
+    """Sorted unique experts over all rows of the step (each is fetched and applied once)."""
+    return [int(e) for e in np.unique(ids)]
+
+
+def apply_experts(
+    x: F32Array, ids: I64Array, weights: F32Array, experts: Mapping[int, MLPWeights]
+) -> F32Array:
+    """Weighted sum of the routed experts of each row: [T, D]."""
+    out = np.zeros_like(x)  # [T, D]
+    for e in union(ids):
+        rows, slot = np.nonzero(ids == e)  # [n], [n]
+        if e not in experts:
+            raise ModelError(f"expert {e} was routed but the expert source did not provide it")
+        xe = np.ascontiguousarray(x[rows])  # [n, D]
+        ye = swiglu(xe, experts[e]) * weights[rows, slot][:, None]  # [n, D]
+        out[rows] += ye  # rows are unique per expert (top-k ids are distinct)
+    return out
+
+
+def shared(w: MoEWeights, x: F32Array) -> F32Array:
+    """Shared experts' output [T, D] (zeros when the layer has none)."""
+    if w.shared is None:
+        return np.zeros_like(x)
+    return swiglu(x, w.shared)

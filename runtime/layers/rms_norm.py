@@ -1,0 +1,29 @@
+"""Normalisations, float32 like the reference (which upcasts to fp32 before normalising).
+
+Shape legend: T tokens, D normalised width.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["layer_norm", "rms_norm"]
+
+F32Array = npt.NDArray[np.float32]
+
+
+def rms_norm(x: F32Array, weight: F32Array, eps: float) -> F32Array:
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last axis (HF ``*RMSNorm``)."""
+    var = np.mean(np.square(x), axis=-1, keepdims=True, dtype=np.float32)  # [T, 1]
+    inv = np.float32(1.0) / np.sqrt(var + np.float32(eps))  # [T, 1]
+    return (weight * (x * inv)).astype(np.float32, copy=False)  # [T, D]
+
+
+def layer_norm(x: F32Array, weight: F32Array, bias: F32Array, eps: float) -> F32Array:
+    """``torch.nn.LayerNorm`` (biased variance) over the last axis."""
+    mean = np.mean(x, axis=-1, keepdims=True, dtype=np.float32)  # [T, 1]
+    xc = x - mean  # [T, D]
+    var = np.mean(np.square(xc), axis=-1, keepdims=True, dtype=np.float32)  # [T, 1]
+    inv = np.float32(1.0) / np.sqrt(var + np.float32(eps))  # [T, 1]
+    return (xc * inv * weight + bias).astype(np.float32, copy=False)  # [T, D]

@@ -1,0 +1,424 @@
+"""The decoder stack shared by the MLA + MoE architectures (DeepSeek-V3, GLM-5, ...).
+
+Per layer: ``h += MLA(rms_norm(h))`` (optionally narrowed by a sparse-attention selection the
+architecture supplies) then ``h += MLP-or-MoE(rms_norm(h))``; at the end ``rms_norm`` and
+``lm_head``. An architecture file subclasses :class:`MLAMoEConfig` (its HF config keys) and
+:class:`MLAMoEModel` (its hooks: which layers are MoE, rope pairing, DSA).
+
+Code path choices (one code path for every T; the numbers differ only by rounding):
+
+* every forward continues from ``cache.length``: new rows are written to the cache first, then
+  the new queries attend over cache + new keys with a causal mask;
+* MLA evaluation order per call: ``attention_mode`` "auto" picks the cheaper of reconstructing
+  K/V (fresh prefill) or absorbing ``kv_b_proj`` into q/o (decode, T == 1) by multiply-add
+  count (``runtime.layers.mla.prefer_absorbed``); "absorbed"/"reconstruct" force one.
+* MoE: route -> union -> ``experts.get(layer, union)`` once per layer per call -> apply + shared.
+
+Shape legend: T new tokens, S keys (cache + new), D hidden, V vocab, K experts per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, NamedTuple, Self
+
+import numpy as np
+import numpy.typing as npt
+
+from runtime.kv import KVCache
+from runtime.layers import mla
+from runtime.layers import moe as moe_ops
+from runtime.layers.mla import MLADims
+from runtime.layers.moe_router import RouterConfig
+from runtime.layers.rms_norm import rms_norm
+from runtime.layers.rope import Rope, RopeParameters, mla_softmax_scale
+from runtime.layers.swiglu import swiglu
+from runtime.linear import Linear
+from runtime.weights import (
+    ContainerLike,
+    ExpertSource,
+    LayerWeights,
+    ModelWeights,
+    ResidentExperts,
+    embed_rows,
+    load_layer,
+    load_mtp,
+)
+from storage.errors import ConfigError, ModelError
+
+__all__ = ["AttentionMode", "LogitsOut", "MLAMoEConfig", "MLAMoEModel", "Observer"]
+
+F32Array = npt.NDArray[np.float32]
+BoolArray = npt.NDArray[np.bool_]
+AttentionMode = Literal["auto", "absorbed", "reconstruct"]
+# observer(event, layer, array): "route" (expert ids [T, K]), "dsa_scores" ([T, S]),
+# "dsa_select" (kept keys [T, S] bool); for telemetry and tests. MTP layers report their own
+# layer index (num_hidden_layers + i).
+Observer = Callable[[str, int, npt.NDArray[Any]], None]
+
+
+class LogitsOut(NamedTuple):
+    """Result of a forward: logits [T, V] and the final normed hidden states [T, D]."""
+
+    logits: F32Array
+    hidden: F32Array
+
+
+def _need(cfg: Mapping[str, Any], key: str) -> Any:
+    val = cfg.get(key)
+    if val is None:
+        raise ConfigError(f"config.json: missing required key {key!r}")
+    return val
+
+
+@dataclass(frozen=True, kw_only=True)
+class MLAMoEConfig:
+    """HF config keys shared by the MLA + MoE architectures (field name = config key)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    n_routed_experts: int
+    n_shared_experts: int = 0
+    num_experts_per_tok: int
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    first_k_dense_replace: int = 0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    hidden_act: str = "silu"
+    num_nextn_predict_layers: int = 0
+    rope_parameters: RopeParameters
+
+    @classmethod
+    def from_dict(cls, cfg: Mapping[str, Any]) -> Self:
+        """Parse (and validate) a config.json dict."""
+        return cls(**cls._parse(cfg))
+
+    @classmethod
+    def _parse(cls, cfg: Mapping[str, Any]) -> dict[str, Any]:
+        def opt(key: str, default: Any) -> Any:
+            val = cfg.get(key)
+            return default if val is None else val
+
+        try:
+            kw: dict[str, Any] = dict(
+                model_type=str(_need(cfg, "model_type")),
+                vocab_size=int(_need(cfg, "vocab_size")),
+                hidden_size=int(_need(cfg, "hidden_size")),
+                intermediate_size=int(_need(cfg, "intermediate_size")),
+                moe_intermediate_size=int(_need(cfg, "moe_intermediate_size")),
+                num_hidden_layers=int(_need(cfg, "num_hidden_layers")),
+                num_attention_heads=int(_need(cfg, "num_attention_heads")),
+                n_routed_experts=int(_need(cfg, "n_routed_experts")),
+                n_shared_experts=int(opt("n_shared_experts", 0)),
+                num_experts_per_tok=int(_need(cfg, "num_experts_per_tok")),
+                n_group=int(opt("n_group", 1)),
+                topk_group=int(opt("topk_group", 1)),
+                norm_topk_prob=bool(opt("norm_topk_prob", True)),
+                routed_scaling_factor=float(opt("routed_scaling_factor", 1.0)),
+                q_lora_rank=None if cfg.get("q_lora_rank") is None else int(cfg["q_lora_rank"]),
+                kv_lora_rank=int(_need(cfg, "kv_lora_rank")),
+                qk_nope_head_dim=int(_need(cfg, "qk_nope_head_dim")),
+                qk_rope_head_dim=int(_need(cfg, "qk_rope_head_dim")),
+                v_head_dim=int(_need(cfg, "v_head_dim")),
+                first_k_dense_replace=int(opt("first_k_dense_replace", 0)),
+                rms_norm_eps=float(opt("rms_norm_eps", 1e-6)),
+                max_position_embeddings=int(opt("max_position_embeddings", 4096)),
+                hidden_act=str(opt("hidden_act", "silu")),
+                num_nextn_predict_layers=int(opt("num_nextn_predict_layers", 0)),
+                rope_parameters=RopeParameters.from_config(cfg),
+            )
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"config.json: a key has a bad value ({exc})") from exc
+        return kw
+
+    def __post_init__(self) -> None:
+        if self.hidden_act != "silu":
+            raise ConfigError(f"config.json: hidden_act {self.hidden_act!r} (only silu)")
+        if self.n_group < 1 or self.n_routed_experts % self.n_group:
+            raise ConfigError(
+                f"config.json: n_routed_experts {self.n_routed_experts} is not divisible into "
+                f"n_group {self.n_group} groups"
+            )
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ConfigError(f"config.json: topk_group {self.topk_group} outside 1..n_group")
+        if self.num_experts_per_tok > self.topk_group * (self.n_routed_experts // self.n_group):
+            raise ConfigError(
+                "config.json: num_experts_per_tok exceeds the experts in topk_group groups"
+            )
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """MoE or dense MLP (MTP layers, index >= num_hidden_layers, are MoE)."""
+        return layer >= self.num_hidden_layers or layer >= self.first_k_dense_replace
+
+    def interleaved_rope(self) -> bool:
+        """Whether rope pairs are interleaved (x0, x1), ... rather than split in halves."""
+        return True
+
+    @property
+    def mla_dims(self) -> MLADims:
+        return MLADims(
+            num_attention_heads=self.num_attention_heads,
+            q_lora_rank=self.q_lora_rank,
+            kv_lora_rank=self.kv_lora_rank,
+            qk_nope_head_dim=self.qk_nope_head_dim,
+            qk_rope_head_dim=self.qk_rope_head_dim,
+            v_head_dim=self.v_head_dim,
+        )
+
+    @property
+    def router(self) -> RouterConfig:
+        return RouterConfig(
+            n_routed_experts=self.n_routed_experts,
+            num_experts_per_tok=self.num_experts_per_tok,
+            n_group=self.n_group,
+            topk_group=self.topk_group,
+            norm_topk_prob=self.norm_topk_prob,
+            routed_scaling_factor=self.routed_scaling_factor,
+        )
+
+
+class MLAMoEModel:
+    """An MLA + MoE decoder over stored weights. Build with :meth:`from_container`.
+
+    ``forward`` continues a sequence held in a :class:`KVCache`; ``mtp_forward`` runs the
+    multi-token-prediction head (when the container has one) with its own cache.
+
+    Attributes a caller may set: ``attention_mode`` ("auto" | "absorbed" | "reconstruct", see
+    the module docstring) and ``observer`` (an :data:`Observer` called with routing and DSA
+    decisions; None by default).
+    """
+
+    config_class: ClassVar[type[MLAMoEConfig]] = MLAMoEConfig
+
+    def __init__(self, config: MLAMoEConfig, weights: ModelWeights, experts: ExpertSource) -> None:
+        self.config = config
+        self.weights = weights
+        self.experts = experts
+        self.dims = config.mla_dims
+        self.rope = Rope(
+            config.rope_parameters,
+            config.qk_rope_head_dim,
+            config.max_position_embeddings,
+            config.interleaved_rope(),
+        )
+        self.softmax_scale = mla_softmax_scale(self.dims.qk_head_dim, config.rope_parameters)
+        self.attention_mode: AttentionMode = "auto"
+        self.observer: Observer | None = None
+
+    # ------------------------------------------------------------------------------ building
+
+    @classmethod
+    def from_container(cls, container: ContainerLike, experts: ExpertSource | None = None) -> Self:
+        """Load the resident weights; experts default to :class:`ResidentExperts`."""
+        config = cls.config_class.from_dict(container.config)
+        dims, router = config.mla_dims, config.router
+        layers = [
+            load_layer(
+                container,
+                i,
+                dims,
+                router,
+                moe=config.is_moe_layer(i),
+                indexer=cls._loads_indexer(config, container, i),
+            )
+            for i in range(config.num_hidden_layers)
+        ]
+        mtp = []
+        n = config.num_hidden_layers
+        if config.num_nextn_predict_layers > 0 and container.has(
+            f"model.layers.{n}.eh_proj.weight"
+        ):
+            mtp.append(
+                load_mtp(
+                    container, n, dims, router, indexer=cls._loads_indexer(config, container, n)
+                )
+            )
+        weights = ModelWeights(
+            embed=container.load_qtensor("model.embed_tokens.weight"),
+            norm=container.load_f32("model.norm.weight"),
+            lm_head=Linear(container.load_qtensor("lm_head.weight")),
+            layers=layers,
+            mtp=mtp,
+        )
+        return cls(config, weights, experts if experts is not None else ResidentExperts(container))
+
+    @classmethod
+    def _loads_indexer(cls, config: MLAMoEConfig, container: ContainerLike, layer: int) -> bool:
+        """Whether layer ``layer`` has DSA indexer weights to load (none for plain MLA)."""
+        return False
+
+    # ------------------------------------------------------------------------------ caches
+
+    def _indexed_slots(self, layers: range) -> list[int]:
+        return [slot for slot, layer in enumerate(layers) if self._caches_index_keys(layer)]
+
+    def _caches_index_keys(self, layer: int) -> bool:
+        return False
+
+    @property
+    def _index_head_dim(self) -> int:
+        return 0
+
+    def new_cache(self) -> KVCache:
+        """An empty KV cache for the main layers."""
+        c = self.config
+        return KVCache(
+            c.num_hidden_layers,
+            c.kv_lora_rank,
+            c.qk_rope_head_dim,
+            self._index_head_dim,
+            self._indexed_slots(range(c.num_hidden_layers)),
+        )
+
+    @property
+    def has_mtp(self) -> bool:
+        return bool(self.weights.mtp)
+
+    def new_mtp_cache(self) -> KVCache:
+        """An empty KV cache for the MTP layer (its attention has its own history)."""
+        c = self.config
+        n = c.num_hidden_layers
+        return KVCache(
+            1,
+            c.kv_lora_rank,
+            c.qk_rope_head_dim,
+            self._index_head_dim,
+            self._indexed_slots(range(n, n + 1)),
+        )
+
+    # ------------------------------------------------------------------------------ forward
+
+    def forward(self, ids: npt.NDArray[np.integer], cache: KVCache) -> LogitsOut:
+        """Run ``ids`` [T] after the ``cache.length`` tokens already in ``cache``; commits them."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        t = ids.shape[0]
+        if t == 0:
+            raise ModelError("forward needs at least one token")
+        start = cache.length
+        cos, sin = self.rope.cos_sin(np.arange(start, start + t))  # [T, R/2] each
+        cache.reserve(start + t)
+        h = embed_rows(self.weights.embed, ids)  # [T, D]
+        selection: BoolArray | None = None
+        for i, lw in enumerate(self.weights.layers):
+            h, selection = self._layer(i, i, lw, h, cache, start, cos, sin, selection)
+        hidden = rms_norm(h, self.weights.norm, self.config.rms_norm_eps)  # [T, D]
+        logits = self.weights.lm_head(hidden)  # [T, V]
+        cache.write_tokens(start, ids)
+        cache.commit(start + t)
+        return LogitsOut(logits, hidden)
+
+    def mtp_forward(
+        self, hidden: F32Array, next_ids: npt.NDArray[np.integer], mtp_cache: KVCache
+    ) -> F32Array:
+        """MTP logits [T, V] from main final-normed ``hidden`` [T, D] and ``next_ids`` [T].
+
+        Row t combines h_t with the embedding of token t+1 and predicts token t+2:
+        ``u = eh_proj(cat(enorm(embed(next)), hnorm(h)))``, the MTP decoder layer over u (its own
+        cache, positions from ``mtp_cache.length``), then ``shared_head.head(shared_head.norm)``.
+        """
+        if not self.weights.mtp:
+            raise ModelError("this model has no MTP head (num_nextn_predict_layers / weights)")
+        mw = self.weights.mtp[0]
+        c = self.config
+        next_ids = np.asarray(next_ids, dtype=np.int64).reshape(-1)
+        t = next_ids.shape[0]
+        if hidden.shape != (t, c.hidden_size):
+            raise ModelError(f"hidden {hidden.shape} does not match next_ids [{t}]")
+        start = mtp_cache.length
+        cos, sin = self.rope.cos_sin(np.arange(start, start + t))  # [T, R/2]
+        mtp_cache.reserve(start + t)
+        e = embed_rows(mw.embed if mw.embed is not None else self.weights.embed, next_ids)
+        eh = np.concatenate(
+            [rms_norm(e, mw.enorm, c.rms_norm_eps), rms_norm(hidden, mw.hnorm, c.rms_norm_eps)],
+            axis=-1,
+        )  # [T, 2D]
+        u = mw.eh_proj(eh)  # [T, D]
+        out, _ = self._layer(c.num_hidden_layers, 0, mw.layer, u, mtp_cache, start, cos, sin, None)
+        logits = mw.shared_head(rms_norm(out, mw.shared_head_norm, c.rms_norm_eps))  # [T, V]
+        mtp_cache.write_tokens(start, next_ids)
+        mtp_cache.commit(start + t)
+        return logits
+
+    # ------------------------------------------------------------------------------ layers
+
+    def _layer(
+        self,
+        layer: int,
+        slot: int,
+        lw: LayerWeights,
+        h: F32Array,
+        cache: KVCache,
+        start: int,
+        cos: F32Array,
+        sin: F32Array,
+        prev_selection: BoolArray | None,
+    ) -> tuple[F32Array, BoolArray | None]:
+        """One decoder layer; returns the new hidden [T, D] and its sparse selection."""
+        c, d = self.config, self.dims
+        t = h.shape[0]
+        s = start + t
+        x = rms_norm(h, lw.input_layernorm, c.rms_norm_eps)  # [T, D]
+        proj = mla.project(lw.attn, d, x, cos, sin, self.rope.interleave)
+        cache.write(slot, start, proj.latent, proj.k_rope)
+        allowed = mla.causal_mask(t, s)  # [T, S]
+        selection = self._sparse_selection(
+            layer, slot, lw, x, proj, cache, start, cos, sin, prev_selection
+        )
+        if selection is not None:
+            allowed &= selection
+        if self.attention_mode == "auto":
+            absorbed = mla.prefer_absorbed(d, t, s)
+        else:
+            absorbed = self.attention_mode == "absorbed"
+        h = h + mla.attend(
+            lw.attn,
+            d,
+            proj,
+            cache.latent(slot, s),
+            cache.k_rope(slot, s),
+            allowed,
+            self.softmax_scale,
+            absorbed,
+        )  # [T, D]
+        x = rms_norm(h, lw.post_attention_layernorm, c.rms_norm_eps)  # [T, D]
+        if lw.moe is not None:
+            ids, gates = moe_ops.route(lw.moe, x)  # [T, K], [T, K]
+            if self.observer is not None:
+                self.observer("route", layer, ids)
+            experts = self.experts.get(layer, moe_ops.union(ids))
+            y = moe_ops.apply_experts(x, ids, gates, experts) + moe_ops.shared(lw.moe, x)
+        elif lw.mlp is not None:
+            y = swiglu(x, lw.mlp)  # [T, D]
+        else:
+            raise ModelError(f"layer {layer} has neither an MLP nor a MoE block")
+        return h + y, selection
+
+    def _sparse_selection(
+        self,
+        layer: int,
+        slot: int,
+        lw: LayerWeights,
+        x: F32Array,
+        proj: mla.MLAProjection,
+        cache: KVCache,
+        start: int,
+        cos: F32Array,
+        sin: F32Array,
+        prev_selection: BoolArray | None,
+    ) -> BoolArray | None:
+        """Keys each new query may attend to beyond causality [T, S]; None = all (dense MLA)."""
+        return None

@@ -1,0 +1,181 @@
+"""GLM-5 (``model_type: glm_moe_dsa``): MLA + DSA lightning indexer + MoE (+ MTP head).
+
+Differences from the shared stack:
+
+* ``mlp_layer_types[L]`` ("dense" / "sparse") decides dense MLP vs MoE;
+* rope pairs are always interleaved (main attention and indexer);
+* DSA: a ``"full"`` layer (``indexer_types``) scores every key with its lightning indexer and
+  lets each query attend only to its ``index_topk`` best keys (on top of causality); a
+  ``"shared"`` layer reuses the selection of the nearest earlier full layer of the same
+  forward. With ``index_topk >= S`` the selection is a no-op and is skipped (index keys are
+  still cached for later, longer steps). MTP layers (index >= num_hidden_layers) are full.
+* containers without indexer weights (the public int4 one ships them separately) still run
+  sequences up to ``index_topk`` tokens, where DSA changes nothing.
+
+Shape legend: T new tokens, S keys (cache + new), D hidden.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+import numpy.typing as npt
+
+from runtime.kv import KVCache
+from runtime.layers import dsa_indexer as dsa
+from runtime.layers.mla import MLAProjection
+from runtime.models._decoder import MLAMoEConfig, MLAMoEModel
+from runtime.weights import ContainerLike, ExpertSource, LayerWeights, ModelWeights
+from storage.errors import ConfigError, ModelError
+
+__all__ = ["GlmMoeDsa", "GlmMoeDsaConfig"]
+
+F32Array = npt.NDArray[np.float32]
+BoolArray = npt.NDArray[np.bool_]
+
+
+def _default_indexer_types(cfg: Mapping[str, Any], n_layers: int) -> list[str]:
+    """transformers' default: ``index_topk_pattern`` ("FSSF..."), else a freq/offset rule."""
+    pattern = cfg.get("index_topk_pattern")
+    if pattern is not None:
+        if isinstance(pattern, str):
+            return [{"F": "full", "S": "shared"}[ch] for ch in pattern]
+        return [str(p) for p in pattern]
+    freq = max(int(cfg.get("index_topk_freq") or 1), 1)
+    offset = int(cfg.get("index_skip_topk_offset", 2))
+    return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n_layers)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GlmMoeDsaConfig(MLAMoEConfig):
+    """GLM-5 config keys (field name = HF config key)."""
+
+    index_topk: int
+    index_head_dim: int
+    index_n_heads: int
+    indexer_types: tuple[str, ...]
+    mlp_layer_types: tuple[str, ...]
+
+    @classmethod
+    def _parse(cls, cfg: Mapping[str, Any]) -> dict[str, Any]:
+        kw = super()._parse(cfg)
+        n = kw["num_hidden_layers"]
+        try:
+            kw["index_topk"] = int(cfg.get("index_topk") or 2048)
+            kw["index_head_dim"] = int(cfg.get("index_head_dim") or 128)
+            kw["index_n_heads"] = int(cfg.get("index_n_heads") or 64)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"config.json: a DSA key has a bad value ({exc})") from exc
+        types = cfg.get("indexer_types") or _default_indexer_types(cfg, n)
+        kw["indexer_types"] = tuple(str(t) for t in types)
+        dense = min(kw["first_k_dense_replace"], n)
+        mlp = cfg.get("mlp_layer_types") or ["dense"] * dense + ["sparse"] * (n - dense)
+        kw["mlp_layer_types"] = tuple(str(t) for t in mlp)
+        return kw
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.q_lora_rank is None:
+            raise ConfigError("config.json: glm_moe_dsa needs q_lora_rank (the indexer reads it)")
+        if len(self.mlp_layer_types) < self.num_hidden_layers:
+            raise ConfigError("config.json: mlp_layer_types is shorter than num_hidden_layers")
+        bad = set(self.indexer_types) - {"full", "shared"}
+        if bad:
+            raise ConfigError(f"config.json: unknown indexer_types {sorted(bad)}")
+        if self.indexer_types and self.indexer_types[0] == "shared":
+            raise ConfigError(
+                "config.json: indexer_types[0] is 'shared' but no earlier layer is full"
+            )
+        if self.qk_rope_head_dim > self.index_head_dim:
+            raise ConfigError("config.json: index_head_dim is smaller than qk_rope_head_dim")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        if layer >= self.num_hidden_layers:
+            return True
+        return self.mlp_layer_types[layer] == "sparse"
+
+    def runs_indexer(self, layer: int) -> bool:
+        """ "full" layers (and MTP layers, beyond the list) run their own indexer."""
+        if layer < len(self.indexer_types):
+            return self.indexer_types[layer] == "full"
+        return True
+
+    @property
+    def indexer_dims(self) -> dsa.IndexerDims:
+        return dsa.IndexerDims(
+            index_n_heads=self.index_n_heads,
+            index_head_dim=self.index_head_dim,
+            index_topk=self.index_topk,
+            qk_rope_head_dim=self.qk_rope_head_dim,
+            interleave=True,
+        )
+
+
+class GlmMoeDsa(MLAMoEModel):
+    """GLM-5 decoder with DeepSeek sparse attention."""
+
+    config_class: ClassVar[type[MLAMoEConfig]] = GlmMoeDsaConfig
+    config: GlmMoeDsaConfig
+
+    def __init__(self, config: MLAMoEConfig, weights: ModelWeights, experts: ExpertSource) -> None:
+        if not isinstance(config, GlmMoeDsaConfig):
+            raise ModelError("GlmMoeDsa needs a GlmMoeDsaConfig")
+        super().__init__(config, weights, experts)
+        self.indexer_dims = config.indexer_dims
+
+    @classmethod
+    def _loads_indexer(cls, config: MLAMoEConfig, container: ContainerLike, layer: int) -> bool:
+        if not isinstance(config, GlmMoeDsaConfig) or not config.runs_indexer(layer):
+            return False
+        return container.has(f"model.layers.{layer}.self_attn.indexer.wq_b.weight")
+
+    def _caches_index_keys(self, layer: int) -> bool:
+        return self.config.runs_indexer(layer)
+
+    @property
+    def _index_head_dim(self) -> int:
+        return self.config.index_head_dim
+
+    def _sparse_selection(
+        self,
+        layer: int,
+        slot: int,
+        lw: LayerWeights,
+        x: F32Array,
+        proj: MLAProjection,
+        cache: KVCache,
+        start: int,
+        cos: F32Array,
+        sin: F32Array,
+        prev_selection: BoolArray | None,
+    ) -> BoolArray | None:
+        if not self.config.runs_indexer(layer):
+            return prev_selection  # "shared": the previous full layer's keys
+        t = x.shape[0]
+        s = start + t
+        topk = self.indexer_dims.index_topk
+        if lw.indexer is None:
+            if s > topk:
+                raise ModelError(
+                    f"layer {layer}: the sequence has {s} tokens, more than index_topk={topk}, "
+                    "and this container has no DSA indexer weights (add the indexer shards)"
+                )
+            return None
+        if proj.q_resid is None:
+            raise ModelError("the DSA indexer needs the MLA query residual (q_lora_rank)")
+        keys = dsa.index_keys(lw.indexer, self.indexer_dims, x, cos, sin)  # [T, DI]
+        cache.write_index(slot, start, keys)
+        if s <= topk:
+            return None  # every key is selected: skip scoring
+        scores = dsa.index_scores(
+            lw.indexer, self.indexer_dims, x, proj.q_resid, cache.index_keys(slot, s), cos, sin
+        )  # [T, S]
+        selection = dsa.select(scores, topk)  # [T, S]
+        if self.observer is not None:
+            self.observer("dsa_scores", layer, scores)
+            if selection is not None:
+                self.observer("dsa_select", layer, selection)
+        return selection

@@ -1,0 +1,296 @@
+"""Typed in-memory weights of an MLA + MoE model, loaded from a container.
+
+Dense (non-expert) weights are read once into per-layer structures of :class:`Linear` and float32
+arrays. Routed experts come from an :class:`ExpertSource`: the model asks it once per MoE layer
+and step for the sorted union of routed experts. :class:`ResidentExperts` reads every expert at
+open; the streaming, tiered store implements the same protocol.
+
+Shape legend: T tokens, D hidden, V vocab, E routed experts, NH heads, N qk_nope_head_dim,
+V_ v_head_dim, C kv_lora_rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from runtime.layers.dsa_indexer import IndexerWeights
+from runtime.layers.mla import MLADims, MLAWeights
+from runtime.layers.moe import MoEWeights
+from runtime.layers.moe_router import RouterConfig
+from runtime.layers.swiglu import MLPWeights
+from runtime.linear import Linear
+from storage.errors import ModelError
+from storage.quant import QTensor, QuantFormat, dequantize
+
+__all__ = [
+    "ContainerLike",
+    "ExpertSource",
+    "ExpertWeights",
+    "LayerWeights",
+    "MTPWeights",
+    "ModelWeights",
+    "ResidentExperts",
+    "embed_rows",
+    "f32_linear",
+    "load_layer",
+    "load_mtp",
+    "qtensor_rows",
+]
+
+F32Array = npt.NDArray[np.float32]
+
+# A routed expert is a SwiGLU MLP; the name says where it came from.
+ExpertWeights = MLPWeights
+
+
+class ExpertSource(Protocol):
+    """Where routed experts come from (resident RAM, tiered cache + SSD reads, ...)."""
+
+    def get(self, layer: int, experts: Sequence[int]) -> Mapping[int, ExpertWeights]:
+        """Weights of ``experts`` (sorted, unique) of ``layer``; blocks until all are ready."""
+        ...
+
+
+class ContainerLike(Protocol):
+    """The parts of :class:`storage.container.Container` the runtime reads."""
+
+    config: dict[str, Any]
+
+    def has(self, name: str) -> bool: ...
+
+    def load_qtensor(self, name: str) -> QTensor: ...
+
+    def load_f32(self, name: str) -> F32Array: ...
+
+    def expert(self, layer: int, expert: int) -> Any: ...
+
+    def expert_layers(self) -> list[int]: ...
+
+
+# ----------------------------------------------------------------------------- QTensor helpers
+
+
+def qtensor_rows(q: QTensor, r0: int, r1: int) -> QTensor:
+    """Rows [r0, r1) of a stored matrix as a QTensor view (no copy, no requantization).
+
+    Every format stores rows contiguously (packed formats with a fixed row stride and row-major
+    scales), so a row range is a plain slice.
+    """
+    o, i = q.shape
+    if not 0 <= r0 <= r1 <= o:
+        raise ModelError(f"row range [{r0}, {r1}) outside a [{o}, {i}] matrix")
+    n = r1 - r0
+    if not q.fmt.quantized:
+        return QTensor(q.fmt, (n, i), np.asarray(q.data).reshape(o, i)[r0:r1])
+    if q.scales is None:
+        raise ModelError(f"{q.fmt.name} matrix without scales")
+    data = np.asarray(q.data).reshape(o, -1)[r0:r1].reshape(-1)
+    scales = np.asarray(q.scales).reshape(o, -1)[r0:r1].reshape(-1)
+    return QTensor(q.fmt, (n, i), data, scales)
+
+
+def embed_rows(q: QTensor, ids: npt.NDArray[np.integer]) -> F32Array:
+    """Embedding lookup [T, D]: dequantize only the rows of ``ids`` [T] of the stored matrix."""
+    o, i = q.shape
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    if ids.size and (ids.min() < 0 or ids.max() >= o):
+        raise ModelError(f"token id out of range 0..{o - 1}: {ids.min()}..{ids.max()}")
+    if not q.fmt.quantized:
+        rows = QTensor(q.fmt, (ids.size, i), np.asarray(q.data).reshape(o, i)[ids])
+    else:
+        if q.scales is None:
+            raise ModelError(f"{q.fmt.name} embedding without scales")
+        data = np.asarray(q.data).reshape(o, -1)[ids].reshape(-1)
+        scales = np.asarray(q.scales).reshape(o, -1)[ids].reshape(-1)
+        rows = QTensor(q.fmt, (ids.size, i), data, scales)
+    return dequantize(rows)  # [T, D]
+
+
+def f32_linear(w: F32Array) -> Linear:
+    """A Linear over a float32 matrix [O, I] (router weights, derived absorption matrices)."""
+    a = np.ascontiguousarray(w, dtype=np.float32)
+    return Linear(QTensor(QuantFormat("f32"), (a.shape[0], a.shape[1]), a))
+
+
+# ----------------------------------------------------------------------------- structures
+
+
+@dataclass(frozen=True, slots=True)
+class LayerWeights:
+    """One decoder layer's resident weights (``moe`` or ``mlp`` is set, never both)."""
+
+    input_layernorm: F32Array  # [D]
+    post_attention_layernorm: F32Array  # [D]
+    attn: MLAWeights
+    indexer: IndexerWeights | None  # layers that run their own DSA indexer
+    mlp: MLPWeights | None  # dense layers
+    moe: MoEWeights | None  # MoE layers (routed experts come from the ExpertSource)
+
+
+@dataclass(frozen=True, slots=True)
+class MTPWeights:
+    """The multi-token-prediction head stored at layer index ``num_hidden_layers + i``."""
+
+    enorm: F32Array  # [D]
+    hnorm: F32Array  # [D]
+    eh_proj: Linear  # [D, 2D]
+    shared_head_norm: F32Array  # [D]
+    shared_head: Linear  # [V, D]
+    embed: QTensor | None  # its own embed_tokens, or None to share the main one
+    layer: LayerWeights
+
+
+@dataclass(frozen=True, slots=True)
+class ModelWeights:
+    embed: QTensor  # [V, D] stored (rows dequantized on lookup)
+    norm: F32Array  # [D]
+    lm_head: Linear  # [V, D]
+    layers: Sequence[LayerWeights]
+    mtp: Sequence[MTPWeights]
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _opt_f32(c: ContainerLike, name: str) -> F32Array | None:
+    return c.load_f32(name) if c.has(name) else None
+
+
+def _mla(c: ContainerLike, p: str, d: MLADims) -> MLAWeights:
+    lin = c.load_qtensor
+    kv_b = lin(p + "kv_b_proj.weight")  # [NH * (N + V_), C]
+    n, v, nh = d.qk_nope_head_dim, d.v_head_dim, d.num_attention_heads
+    per = n + v
+    # Absorption needs x @ W_UK[h] (the transposed product); Linear only computes x @ W.T, so
+    # keep W_UK[h]^T as float32 (exact: the dequantized stored values). W_UV[h] is a row slice.
+    kv_b_f32 = dequantize(kv_b).reshape(nh, per, d.kv_lora_rank)  # [NH, N + V_, C]
+    w_uk_t = [f32_linear(kv_b_f32[h, :n].T) for h in range(nh)]  # NH x [C, N]
+    w_uv = [Linear(qtensor_rows(kv_b, h * per + n, (h + 1) * per)) for h in range(nh)]
+    q: dict[str, Any] = {}
+    if d.q_lora_rank is not None:
+        q["q_a_proj"] = Linear(lin(p + "q_a_proj.weight"))
+        q["q_a_layernorm"] = c.load_f32(p + "q_a_layernorm.weight")
+        q["q_b_proj"] = Linear(lin(p + "q_b_proj.weight"))
+    else:
+        q["q_proj"] = Linear(lin(p + "q_proj.weight"))
+    return MLAWeights(
+        kv_a_proj_with_mqa=Linear(lin(p + "kv_a_proj_with_mqa.weight")),
+        kv_a_layernorm=c.load_f32(p + "kv_a_layernorm.weight"),
+        kv_b_proj=Linear(kv_b),
+        o_proj=Linear(lin(p + "o_proj.weight")),
+        w_uk_t=w_uk_t,
+        w_uv=w_uv,
+        q_a_bias=_opt_f32(c, p + "q_a_proj.bias"),
+        kv_a_bias=_opt_f32(c, p + "kv_a_proj_with_mqa.bias"),
+        o_bias=_opt_f32(c, p + "o_proj.bias"),
+        **q,
+    )
+
+
+def _mlp(c: ContainerLike, p: str) -> MLPWeights:
+    return MLPWeights(
+        gate=Linear(c.load_qtensor(p + "gate_proj.weight")),
+        up=Linear(c.load_qtensor(p + "up_proj.weight")),
+        down=Linear(c.load_qtensor(p + "down_proj.weight")),
+    )
+
+
+def load_layer(
+    c: ContainerLike,
+    layer: int,
+    dims: MLADims,
+    router: RouterConfig,
+    *,
+    moe: bool,
+    indexer: bool,
+) -> LayerWeights:
+    """Resident weights of decoder layer ``layer`` (HF names ``model.layers.{layer}.*``)."""
+    p = f"model.layers.{layer}."
+    idx = None
+    if indexer:
+        ip = p + "self_attn.indexer."
+        idx = IndexerWeights(
+            wq_b=Linear(c.load_qtensor(ip + "wq_b.weight")),
+            wk=Linear(c.load_qtensor(ip + "wk.weight")),
+            k_norm_weight=c.load_f32(ip + "k_norm.weight"),
+            k_norm_bias=c.load_f32(ip + "k_norm.bias"),
+            weights_proj=Linear(c.load_qtensor(ip + "weights_proj.weight")),
+        )
+    moe_w = None
+    mlp_w = None
+    if moe:
+        shared = None
+        if c.has(p + "mlp.shared_experts.gate_proj.weight"):
+            shared = _mlp(c, p + "mlp.shared_experts.")
+        moe_w = MoEWeights(
+            router=f32_linear(c.load_f32(p + "mlp.gate.weight")),  # fp32 router, [E, D]
+            correction_bias=c.load_f32(p + "mlp.gate.e_score_correction_bias").reshape(-1),
+            shared=shared,
+            config=router,
+        )
+    else:
+        mlp_w = _mlp(c, p + "mlp.")
+    return LayerWeights(
+        input_layernorm=c.load_f32(p + "input_layernorm.weight"),
+        post_attention_layernorm=c.load_f32(p + "post_attention_layernorm.weight"),
+        attn=_mla(c, p + "self_attn.", dims),
+        indexer=idx,
+        mlp=mlp_w,
+        moe=moe_w,
+    )
+
+
+def load_mtp(
+    c: ContainerLike, layer: int, dims: MLADims, router: RouterConfig, *, indexer: bool
+) -> MTPWeights:
+    """The MTP head stored at ``model.layers.{layer}`` (a MoE decoder layer plus its glue)."""
+    p = f"model.layers.{layer}."
+    embed = c.load_qtensor(p + "embed_tokens.weight") if c.has(p + "embed_tokens.weight") else None
+    return MTPWeights(
+        enorm=c.load_f32(p + "enorm.weight"),
+        hnorm=c.load_f32(p + "hnorm.weight"),
+        eh_proj=Linear(c.load_qtensor(p + "eh_proj.weight")),
+        shared_head_norm=c.load_f32(p + "shared_head.norm.weight"),
+        shared_head=Linear(c.load_qtensor(p + "shared_head.head.weight")),
+        embed=embed,
+        layer=load_layer(c, layer, dims, router, moe=True, indexer=indexer),
+    )
+
+
+# ----------------------------------------------------------------------------- experts
+
+
+class ResidentExperts:
+    """Every routed expert read once at open (one pread of its blob plus its scales) and kept.
+
+    For models that fit in RAM and for tests; ``get`` never blocks on I/O.
+    """
+
+    def __init__(self, container: ContainerLike, layers: Iterable[int] | None = None) -> None:
+        self._experts: dict[tuple[int, int], ExpertWeights] = {}
+        self.nbytes = 0
+        n_experts = int(container.config["n_routed_experts"])
+        for layer in container.expert_layers() if layers is None else layers:
+            for e in range(n_experts):
+                ext = container.expert(layer, e)
+                blob = ext.read_blob()  # [end - start] uint8
+                q = ext.qtensors(blob, ext.read_scales())
+                self._experts[(layer, e)] = ExpertWeights(
+                    gate=Linear(q["gate_proj"]),
+                    up=Linear(q["up_proj"]),
+                    down=Linear(q["down_proj"]),
+                )
+                self.nbytes += int(blob.nbytes) + sum(
+                    int(t.scales.nbytes) for t in q.values() if t.scales is not None
+                )
+
+    def get(self, layer: int, experts: Sequence[int]) -> Mapping[int, ExpertWeights]:
+        try:
+            return {e: self._experts[(layer, e)] for e in experts}
+        except KeyError as exc:
+            raise ModelError(f"layer {layer} expert {exc.args[0]} is not resident") from exc
