@@ -421,6 +421,10 @@ class StreamingExperts:
     def __init__(self, store: ExpertStore) -> None:
         self.store = store
 
+    @property
+    def wants_lookahead(self) -> bool:
+        return self.store.prefetch_enabled
+
     def arrivals(self, layer: int, experts: Sequence[int]) -> Iterator[tuple[int, ExpertWeights]]:
         """Yield ``(expert, weights)`` for every id: resident first, then misses as they land.
 

@@ -1,30 +1,117 @@
 """Linear layers over stored weights: ``y = x @ W.T`` for every storage format.
 
-Interim numpy reference (dequantize + matmul); the numba kernels replace the body of
-``Linear.__call__`` while keeping this interface.
+# T tokens, I in features (``in_features``), O out features (``out_features``)
+
+``Linear`` keeps the weight exactly as stored (int4 / int8 bytes + scales, bf16 / f16 bits, f32)
+and calls the numba kernel of :mod:`runtime.kernels.quant_matmul` for its format; no dequantized
+copy is ever held. The kernels are batch-invariant (row ``t`` of ``y`` does not depend on the
+other rows of ``x``), deterministic and release the GIL, so a ``Linear`` may be called from
+worker threads (``anyio.to_thread.run_sync``).
+
+``x`` must be 2-D ``[T, I]`` (a single token is ``[1, I]``); it is converted to C-contiguous
+float32 if needed (no copy when it already is).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import numpy.typing as npt
 
-from storage.quant import QTensor, dequantize
+from runtime.kernels.quant_matmul import (
+    matmul_bf16,
+    matmul_f16,
+    matmul_f32,
+    matmul_int4,
+    matmul_int8,
+)
+from storage.errors import FormatError
+from storage.quant import QuantFormat, QTensor
 
-__all__ = ["Linear"]
+__all__ = ["Linear", "linear_from_array"]
+
+F32Array = npt.NDArray[np.float32]
+_MatMul = Callable[[F32Array, F32Array | None], F32Array]
+
+
+def _bind(q: QTensor) -> _MatMul:
+    """Check ``q``'s arrays against its format and shape; return ``(x, out) -> y``."""
+    o, i = q.shape
+    kind = q.fmt.kind
+    data = np.asarray(q.data)
+    want = q.fmt.weight_nbytes(o, i)
+    if data.nbytes != want:
+        raise FormatError(
+            f"{q.fmt.name} weight [{o}, {i}] needs {want} bytes of data, got {data.nbytes}"
+        )
+    if kind == "f32":
+        if data.dtype != np.float32:
+            raise FormatError(f"f32 weight data must be float32, got {data.dtype}")
+        # A derived matrix may be a strided view; a contiguous f32 copy is the same format.
+        w = np.ascontiguousarray(data).reshape(o, i)  # [O, I]
+        return lambda x, out: matmul_f32(x, w, out=out)
+    if kind in ("bf16", "f16"):
+        if data.dtype.itemsize != 2:
+            raise FormatError(f"{kind} weight data must have 2-byte elements, got {data.dtype}")
+        bits = np.ascontiguousarray(data).view(np.uint16).reshape(o, i)  # [O, I]
+        fn = matmul_bf16 if kind == "bf16" else matmul_f16
+        return lambda x, out: fn(x, bits, out=out)
+    if q.scales is None:
+        raise FormatError(f"{q.fmt.name} weight [{o}, {i}] without scales")
+    if not data.flags.c_contiguous:
+        raise FormatError(f"{q.fmt.name} weight bytes must be contiguous")
+    raw = data.reshape(-1).view(np.uint8)  # [O * row bytes]
+    scales = np.ascontiguousarray(q.scales, dtype=np.float32).reshape(-1)  # [O] or [O * G]
+    n_scales = q.fmt.n_scales(o, i)
+    if scales.size != n_scales:
+        raise FormatError(
+            f"{q.fmt.name} weight [{o}, {i}] needs {n_scales} scales, got {scales.size}"
+        )
+    if kind == "int8":
+        return lambda x, out: matmul_int8(x, raw, scales, o, i, out=out)
+    gs = q.fmt.group_size
+    return lambda x, out: matmul_int4(x, raw, scales, o, i, gs, out=out)
 
 
 class Linear:
-    """A weight ``[O, I]`` in any storage format. Call with float32 ``x [T, I]`` -> ``[T, O]``."""
+    """A weight ``[O, I]`` in any storage format. Call with float32 ``x [T, I]`` -> ``[T, O]``.
+
+    Raises :class:`storage.errors.FormatError` when the stored arrays do not match the format.
+    """
 
     def __init__(self, q: QTensor) -> None:
         self.q = q
         self.out_features, self.in_features = q.shape
-        self._w = dequantize(q)
+        self._matmul = _bind(q)
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the stored weight (data + scales)."""
         return self.q.nbytes
 
-    def __call__(self, x: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
-        return np.asarray(x, dtype=np.float32) @ self._w.T
+    def __call__(
+        self, x: npt.NDArray[np.floating], *, out: F32Array | None = None
+    ) -> F32Array:
+        """``x [T, I] -> x @ W.T [T, O]`` (float32); ``out`` optionally receives the result.
+
+        Raises ``ValueError`` if ``x`` is not 2-D with ``I`` columns.
+        """
+        xx = np.ascontiguousarray(x, dtype=np.float32)  # [T, I]
+        if xx.ndim != 2:
+            raise ValueError(
+                f"Linear expects x of shape [T, {self.in_features}], got {xx.shape} "
+                "(use x[None, :] for a single token)"
+            )
+        return self._matmul(xx, out)  # [T, O]
+
+    def __repr__(self) -> str:
+        return f"Linear({self.q.fmt.name}, out={self.out_features}, in={self.in_features})"
+
+
+def linear_from_array(w: npt.NDArray[np.floating]) -> Linear:
+    """A :class:`Linear` over a float32 matrix ``w [O, I]`` (copied only if not contiguous f32)."""
+    a = np.ascontiguousarray(w, dtype=np.float32)  # [O, I]
+    if a.ndim != 2:
+        raise ValueError(f"linear_from_array expects a 2-D [O, I] matrix, got shape {a.shape}")
+    return Linear(QTensor(QuantFormat("f32"), (a.shape[0], a.shape[1]), a))

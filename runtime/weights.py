@@ -11,7 +11,7 @@ V_ v_head_dim, C kv_lora_rank.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -51,8 +51,14 @@ ExpertWeights = MLPWeights
 class ExpertSource(Protocol):
     """Where routed experts come from (resident RAM, tiered cache + SSD reads, ...)."""
 
-    def get(self, layer: int, experts: Sequence[int]) -> Mapping[int, ExpertWeights]:
-        """Weights of ``experts`` (sorted, unique) of ``layer``; blocks until all are ready."""
+    def arrivals(self, layer: int, experts: Sequence[int]) -> Iterator[tuple[int, ExpertWeights]]:
+        """Yield ``(expert, weights)`` for each of ``experts`` (sorted, unique) of ``layer`` in
+        the order they become available. The caller finishes computing with one expert before
+        resuming the iterator (a streaming source recycles that expert's buffer then)."""
+        ...
+
+    def prefetch(self, layer: int, experts: Sequence[int]) -> None:
+        """Lookahead hint: ``layer`` will probably need ``experts`` soon (may be ignored)."""
         ...
 
 
@@ -294,3 +300,9 @@ class ResidentExperts:
             return {e: self._experts[(layer, e)] for e in experts}
         except KeyError as exc:
             raise ModelError(f"layer {layer} expert {exc.args[0]} is not resident") from exc
+
+    def arrivals(self, layer: int, experts: Sequence[int]) -> Iterator[tuple[int, ExpertWeights]]:
+        yield from self.get(layer, experts).items()
+
+    def prefetch(self, layer: int, experts: Sequence[int]) -> None:
+        """Everything is resident: nothing to do."""

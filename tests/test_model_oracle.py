@@ -355,9 +355,12 @@ def test_expert_source_called_once_per_layer_with_sorted_union(
     calls: list[tuple[int, list[int]]] = []
 
     class Spy:
-        def get(self, layer: int, experts: Any) -> Any:
+        def arrivals(self, layer: int, experts: Any) -> Any:
             calls.append((layer, list(experts)))
-            return inner.get(layer, experts)
+            return inner.arrivals(layer, experts)
+
+        def prefetch(self, layer: int, experts: Any) -> None:
+            raise AssertionError("no lookahead for a source that does not ask for it")
 
     m = load_model(c, Spy())
     route: dict[int, np.ndarray] = {}

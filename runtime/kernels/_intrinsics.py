@@ -1,3 +1,4 @@
+# idx: flat element index into a C-contiguous array; u: an unsigned integer holding raw bits
 """Low-level numba intrinsics the kernels need and numba does not expose.
 
 * :func:`prefetch` — ``llvm.prefetch`` (read, high locality) on ``&arr[idx]``: streaming int4

@@ -22,7 +22,7 @@ from runtime.layers.swiglu import MLPWeights, swiglu
 from runtime.linear import Linear
 from storage.errors import ModelError
 
-__all__ = ["MoEWeights", "apply_experts", "route", "shared", "union"]
+__all__ = ["MoEWeights", "apply_experts", "combine", "expert_output", "route", "shared", "union"]
 
 F32Array = npt.NDArray[np.float32]
 I64Array = npt.NDArray[np.int64]
@@ -49,19 +49,37 @@ def union(ids: I64Array) -> list[int]:
     return [int(e) for e in np.unique(ids)]
 
 
+def expert_output(
+    x: F32Array, ids: I64Array, weights: F32Array, e: int, w: MLPWeights
+) -> tuple[npt.NDArray[np.intp], F32Array]:
+    """One routed expert applied to the rows routed to it: (rows [n], weighted output [n, D]).
+
+    Independent of every other expert, so experts can be computed in any (arrival) order."""
+    rows, slot = np.nonzero(ids == e)  # [n], [n]
+    xe = np.ascontiguousarray(x[rows])  # [n, D]
+    return rows, swiglu(xe, w) * weights[rows, slot][:, None]  # [n, D]
+
+
+def combine(
+    x: F32Array, ids: I64Array, outputs: Mapping[int, tuple[npt.NDArray[np.intp], F32Array]]
+) -> F32Array:
+    """Sum expert outputs in ascending expert id (a fixed order: bit-identical results whatever
+    order the experts were computed in)."""
+    out = np.zeros_like(x)  # [T, D]
+    for e in union(ids):
+        if e not in outputs:
+            raise ModelError(f"expert {e} was routed but the expert source did not provide it")
+        rows, ye = outputs[e]
+        out[rows] += ye  # rows are unique per expert (top-k ids are distinct)
+    return out
+
+
 def apply_experts(
     x: F32Array, ids: I64Array, weights: F32Array, experts: Mapping[int, MLPWeights]
 ) -> F32Array:
     """Weighted sum of the routed experts of each row: [T, D]."""
-    out = np.zeros_like(x)  # [T, D]
-    for e in union(ids):
-        rows, slot = np.nonzero(ids == e)  # [n], [n]
-        if e not in experts:
-            raise ModelError(f"expert {e} was routed but the expert source did not provide it")
-        xe = np.ascontiguousarray(x[rows])  # [n, D]
-        ye = swiglu(xe, experts[e]) * weights[rows, slot][:, None]  # [n, D]
-        out[rows] += ye  # rows are unique per expert (top-k ids are distinct)
-    return out
+    outputs = {e: expert_output(x, ids, weights, e, experts[e]) for e in union(ids) if e in experts}
+    return combine(x, ids, outputs)
 
 
 def shared(w: MoEWeights, x: F32Array) -> F32Array:

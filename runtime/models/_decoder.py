@@ -399,13 +399,32 @@ class MLAMoEModel:
             ids, gates = moe_ops.route(lw.moe, x)  # [T, K], [T, K]
             if self.observer is not None:
                 self.observer("route", layer, ids)
-            experts = self.experts.get(layer, moe_ops.union(ids))
-            y = moe_ops.apply_experts(x, ids, gates, experts) + moe_ops.shared(lw.moe, x)
+            self._lookahead(layer, x)
+            outputs = {
+                e: moe_ops.expert_output(x, ids, gates, e, w)
+                for e, w in self.experts.arrivals(layer, moe_ops.union(ids))
+            }
+            y = moe_ops.combine(x, ids, outputs) + moe_ops.shared(lw.moe, x)
         elif lw.mlp is not None:
             y = swiglu(x, lw.mlp)  # [T, D]
         else:
             raise ModelError(f"layer {layer} has neither an MLP nor a MoE block")
         return h + y, selection
+
+    def _lookahead(self, layer: int, x: F32Array) -> None:
+        """Predict layer L+1's experts by applying its router to layer L's post-attention state
+        and hint the expert source (71.6% top-8 recall on GLM-5.2 in the C engine). Skipped when
+        the source keeps everything resident. Never changes a result: it only queues reads."""
+        if not getattr(self.experts, "wants_lookahead", False):
+            return
+        nxt = layer + 1
+        if nxt >= len(self.weights.layers):
+            return
+        moe = self.weights.layers[nxt].moe
+        if moe is None:
+            return
+        ids, _ = moe_ops.route(moe, x)  # [T, K]
+        self.experts.prefetch(nxt, moe_ops.union(ids))
 
     def _sparse_selection(
         self,
