@@ -71,6 +71,7 @@ class EngineOptions(BaseModel):
     ram_budget: int | None = None
     reader: Literal["auto", "uring", "threads", "buffered"] = "auto"
     prefetch: bool = True
+    kv_reserve_tokens: int = 4096
 
     @field_validator("ram_budget", mode="before")
     @classmethod

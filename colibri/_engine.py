@@ -23,7 +23,7 @@ from storage.container import Container
 
 from colibri._config import EngineOptions
 from runtime.sampling import Sampler, SamplingParams, log_softmax
-from storage.errors import ModelError
+from storage.errors import ColibriError, ModelError
 
 __all__ = ["DoneEvent", "Engine", "GenerationEvent", "SyncModel", "TokenEvent", "open_model"]
 
@@ -65,6 +65,7 @@ class Engine:
         self._model = model
         self._limiter = anyio.CapacityLimiter(1)
         self._lock = anyio.Lock()
+        self._store: Any = None
         self._counters: dict[str, float] = {
             "forward_calls": 0,
             "prompt_tokens": 0,
@@ -82,7 +83,11 @@ class Engine:
         ram_budget: int | str | None = None,
         options: EngineOptions | None = None,
     ) -> AsyncIterator[Engine]:
-        """Open a model directory (default: the bundled demo model)."""
+        """Open a model directory (default: the bundled demo model).
+
+        With no RAM budget the experts are all read into RAM when they fit in 88% of the
+        available memory, else the budget is that 88%. With a budget, dense weights, the KV
+        reserve and every expert slot are carved out of it and routed experts stream."""
         opts = options or EngineOptions()
         upd: dict[str, Any] = {}
         if path is not None:
@@ -91,15 +96,26 @@ class Engine:
             upd["ram_budget"] = ram_budget
         if upd:
             opts = EngineOptions(**{**opts.model_dump(), **upd})
-        model_dir = opts.resolved_model()
-        container, model = await anyio.to_thread.run_sync(_load, model_dir, opts)
-        engine = cls(container, model, opts)
-        try:
-            yield engine
-        finally:
-            close = getattr(model, "close", None)
-            if close is not None:
-                await anyio.to_thread.run_sync(close)
+        container = await anyio.to_thread.run_sync(Container.open, opts.resolved_model())
+        model, plan = await _plan(container, opts)
+        store = None
+        error: BaseException | None = None
+        async with anyio.create_task_group() as tg:
+            try:
+                if plan is not None:
+                    store = await _start_store(container, model, opts, plan, tg)
+                engine = cls(container, model, opts)
+                engine._store = store
+                yield engine
+            except BaseException as exc:  # re-raised below, unwrapped by the task group
+                error = exc
+            finally:
+                with anyio.CancelScope(shield=True):
+                    if store is not None:
+                        await store.reader.aclose()
+                tg.cancel_scope.cancel()
+        if error is not None:
+            raise error
 
     # ------------------------------------------------------------------ compute
     async def _run(self, fn: Any, *args: Any) -> Any:
@@ -175,17 +191,74 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         """Counters since open (compute, tokens, and the expert store's tiers when present)."""
         s: dict[str, Any] = dict(self._counters)
-        expert_stats = getattr(self._model, "stats", None)
-        if callable(expert_stats):
-            s.update(expert_stats())
+        store = self._store
+        if store is None:
+            s["experts"] = {"mode": "resident"}
+        else:
+            s["experts"] = {
+                "mode": "streaming",
+                "reader": store.reader.name,
+                "reader_reason": getattr(store.reader, "reason", ""),
+                "slots_bytes": store.nbytes,
+                "lru_slots_per_layer": store.layout.lru_slots_per_layer,
+                "pinned": len(store.layout.pinned),
+                "transient_slots": store.layout.transient_slots,
+                **store.stats.as_dict(),
+            }
         return s
 
 
-def _load(model_dir: Path, opts: EngineOptions) -> tuple[Container, Any]:
-    from runtime.models import load_model
+async def _plan(container: Container, opts: EngineOptions) -> tuple[Any, Any]:
+    """Load the dense part and decide the expert tiers inside the RAM budget.
 
-    container = Container.open(model_dir)
-    return container, load_model(container)
+    Returns (model, layout) where layout None means every expert is read into RAM now."""
+    from runtime.budget import kv_bytes_per_token, mem_available, resident_nbytes
+    from runtime.experts import plan_layout
+    from runtime.models import load_model
+    from runtime.weights import ResidentExperts
+
+    class _NoExperts:
+        """Placeholder until the tiers exist (the model is built before its experts)."""
+
+    model = await anyio.to_thread.run_sync(load_model, container, _NoExperts())
+    arch = container.arch
+    dense = resident_nbytes(model.weights)
+    ctx = int(container.config.get("max_position_embeddings") or opts.kv_reserve_tokens)
+    kv_reserve = kv_bytes_per_token(arch) * min(opts.kv_reserve_tokens, ctx)
+    n_layers = len(container.expert_layers())
+    all_experts = container.expert_nbytes * arch.n_routed_experts * n_layers
+    budget = opts.ram_budget
+    if budget is None:
+        avail = mem_available()
+        if avail is None or dense + kv_reserve + all_experts <= 0.88 * avail:
+            model.experts = await anyio.to_thread.run_sync(ResidentExperts, container)
+            return model, None
+        budget = int(0.88 * avail)
+    expert_budget = budget - dense - kv_reserve
+    if expert_budget <= 0:
+        raise ColibriError(
+            f"a RAM budget of {budget / 2**20:.1f} MiB is too small: the dense part needs "
+            f"{dense / 2**20:.1f} MiB and the KV reserve {kv_reserve / 2**20:.1f} MiB; raise --ram"
+        )
+    top_k = int(container.config.get("num_experts_per_tok", 8))
+    layout = await anyio.to_thread.run_sync(
+        lambda: plan_layout(container, expert_budget, top_k=top_k)
+    )
+    return model, layout
+
+
+async def _start_store(
+    container: Container, model: Any, opts: EngineOptions, layout: Any, tg: Any
+) -> Any:
+    from runtime.experts import ExpertStore, StreamingExperts
+    from storage.reader import open_reader
+
+    extents = container.expert_extents()
+    reader = await open_reader(opts.reader, probe_path=extents[0].path if extents else None)
+    store = ExpertStore(container, reader, layout, prefetch=opts.prefetch)
+    await store.start(tg)
+    model.experts = StreamingExperts(store)
+    return store
 
 
 class SyncModel:
@@ -240,12 +313,7 @@ def open_model(
     """``with colibri.open_model(path) as model:`` — the sync API (see :class:`SyncModel`)."""
     opts = EngineOptions(**options)
     with anyio.from_thread.start_blocking_portal() as portal:
+        # The engine's task group must be entered and left by one task: let the portal host it.
         cm = Engine.open(path, ram_budget=ram_budget, options=opts)
-        engine = portal.call(cm.__aenter__)
-        try:
+        with portal.wrap_async_context_manager(cm) as engine:
             yield SyncModel(portal, engine)
-        except BaseException as exc:
-            if not portal.call(cm.__aexit__, type(exc), exc, exc.__traceback__):
-                raise
-        else:
-            portal.call(cm.__aexit__, None, None, None)

@@ -191,6 +191,7 @@ class ExpertStore:
         self._prefetched: dict[Key, _Slot] = {}  # lookahead results parked in transient slots
         self._waiters: dict[Key, _Step] = {}
         self._held: dict[Key, _Slot] = {}  # transient slots handed to the compute thread
+        self._lookahead_cached: set[Key] = set()  # lookahead reads that landed in a cache slot
         self._tg: Any = None
         self.prefill = prefill_admit
         self.nbytes = 0
@@ -258,6 +259,9 @@ class ExpertStore:
             if evicted is not None:
                 slot = self._cached.pop((layer, evicted))
                 self.stats.evictions += 1
+                if (layer, evicted) in self._lookahead_cached:
+                    self._lookahead_cached.discard((layer, evicted))
+                    self.stats.prefetch_wasted += 1
             else:
                 slot = self._free_cache[layer].pop()
             self._cached[key] = slot
@@ -304,6 +308,8 @@ class ExpertStore:
             self._cached.pop(key, None)
             self._free_cache[key[0]].append(slot)
         step = self._waiters.pop(key, None)
+        if step is None and cached and err is None and not demand:
+            self._lookahead_cached.add(key)
         if step is None or step.aborted:
             if not cached:
                 if err is None and step is None:
@@ -338,6 +344,9 @@ class ExpertStore:
             cached = self._cached.get(key)
             if cached is not None and key not in self._inflight and cached.weights is not None:
                 self.stats.hits_lru += 1
+                if key in self._lookahead_cached:
+                    self._lookahead_cached.discard(key)
+                    self.stats.prefetch_used += 1
                 lru.touch(e)
                 ready.append((e, cached.weights))
                 continue

@@ -27,7 +27,7 @@ from runtime.kernels.quant_matmul import (
     matmul_int8,
 )
 from storage.errors import FormatError
-from storage.quant import QuantFormat, QTensor
+from storage.quant import QTensor, QuantFormat
 
 __all__ = ["Linear", "linear_from_array"]
 
@@ -90,9 +90,7 @@ class Linear:
         """Bytes of the stored weight (data + scales)."""
         return self.q.nbytes
 
-    def __call__(
-        self, x: npt.NDArray[np.floating], *, out: F32Array | None = None
-    ) -> F32Array:
+    def __call__(self, x: npt.NDArray[np.floating], *, out: F32Array | None = None) -> F32Array:
         """``x [T, I] -> x @ W.T [T, O]`` (float32); ``out`` optionally receives the result.
 
         Raises ``ValueError`` if ``x`` is not 2-D with ``I`` columns.

@@ -13,6 +13,7 @@ All three are pure functions of their inputs and safe in ``nogil`` code.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from llvmlite import ir
@@ -24,7 +25,12 @@ __all__ = ["f16_bits_to_f32", "prefetch", "u32_bits_to_f32"]
 _I32 = ir.IntType(32)
 
 
-@intrinsic
+def _intrinsic(fn: Callable[..., Any]) -> Any:
+    """``numba.extending.intrinsic``; typed ``Any`` because kernels call it without typingctx."""
+    return intrinsic(fn)
+
+
+@_intrinsic
 def prefetch(typingctx: Any, arr: Any, idx: Any) -> Any:
     """``prefetch(arr, idx)``: hint the cache to load the line holding ``arr.flat[idx]``."""
     if not isinstance(arr, types.Array) or not isinstance(idx, types.Integer):
@@ -46,7 +52,7 @@ def prefetch(typingctx: Any, arr: Any, idx: Any) -> Any:
     return sig, codegen
 
 
-@intrinsic
+@_intrinsic
 def f16_bits_to_f32(typingctx: Any, bits: Any) -> Any:
     """``f16_bits_to_f32(u)``: the float32 value of the IEEE binary16 number with bits ``u``."""
     if not isinstance(bits, types.Integer):
@@ -62,7 +68,7 @@ def f16_bits_to_f32(typingctx: Any, bits: Any) -> Any:
     return sig, codegen
 
 
-@intrinsic
+@_intrinsic
 def u32_bits_to_f32(typingctx: Any, bits: Any) -> Any:
     """``u32_bits_to_f32(u)``: reinterpret the low 32 bits of integer ``u`` as a float32."""
     if not isinstance(bits, types.Integer):

@@ -16,6 +16,7 @@ rounding, which is exactly specified too), so results do not depend on the instr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from llvmlite import ir
@@ -48,6 +49,11 @@ _V8F = ir.VectorType(_F32, LANES)
 _V8I32 = ir.VectorType(_I32, LANES)
 
 
+def _intrinsic(fn: Callable[..., Any]) -> Any:
+    """``numba.extending.intrinsic``; typed ``Any`` because kernels call it without typingctx."""
+    return intrinsic(fn)
+
+
 class F32x8(types.Type):
     """numba type of an ``<8 x float>`` register value."""
 
@@ -61,7 +67,7 @@ f32x8 = F32x8()
 @register_model(F32x8)
 class _F32x8Model(models.PrimitiveModel):
     def __init__(self, dmm: Any, fe_type: Any) -> None:
-        super().__init__(dmm, fe_type, _V8F)
+        super().__init__(dmm, fe_type, _V8F)  # type: ignore[no-untyped-call]
 
 
 def _splat(value: ir.Constant | ir.Value, vty: ir.VectorType) -> ir.Constant:
@@ -88,7 +94,7 @@ def _is_array(arr: Any, dtype: Any) -> bool:
 # ----------------------------------------------------------------------------- constructors
 
 
-@intrinsic
+@_intrinsic
 def vzero(typingctx: Any) -> Any:
     """All lanes +0.0."""
 
@@ -98,7 +104,7 @@ def vzero(typingctx: Any) -> Any:
     return f32x8(), codegen
 
 
-@intrinsic
+@_intrinsic
 def vsplat(typingctx: Any, x: Any) -> Any:
     """Every lane = float32 scalar ``x``."""
     if x != types.float32:
@@ -114,7 +120,7 @@ def vsplat(typingctx: Any, x: Any) -> Any:
 # ----------------------------------------------------------------------------- loads, stores
 
 
-@intrinsic
+@_intrinsic
 def vload(typingctx: Any, arr: Any, idx: Any) -> Any:
     """Lanes = ``arr[idx : idx + 8]`` of a float32 array."""
     if not _is_array(arr, types.float32) or not isinstance(idx, types.Integer):
@@ -126,7 +132,7 @@ def vload(typingctx: Any, arr: Any, idx: Any) -> Any:
     return f32x8(arr, idx), codegen
 
 
-@intrinsic
+@_intrinsic
 def vstore(typingctx: Any, arr: Any, idx: Any, v: Any) -> Any:
     """``arr[idx : idx + 8] = v`` for a float32 array."""
     if not _is_array(arr, types.float32) or not isinstance(idx, types.Integer) or v != f32x8:
@@ -144,7 +150,9 @@ def _magic_float(builder: Any, lanes: Any, offset: float) -> Any:
     # OR-ing an int 0..255 into the mantissa of 2**23 and subtracting 2**23 + offset gives
     # float(int - offset) exactly, cheaper than an int->float convert on this class of CPU.
     biased = builder.or_(lanes, _splat(ir.Constant(_I32, 0x4B000000), _V8I32))
-    return builder.fsub(builder.bitcast(biased, _V8F), _splat(ir.Constant(_F32, 8388608.0 + offset), _V8F))
+    return builder.fsub(
+        builder.bitcast(biased, _V8F), _splat(ir.Constant(_F32, 8388608.0 + offset), _V8F)
+    )
 
 
 def _bytes_as_i32(context: Any, builder: Any, sig: Any, args: Any) -> Any:
@@ -152,7 +160,7 @@ def _bytes_as_i32(context: Any, builder: Any, sig: Any, args: Any) -> Any:
     return builder.zext(raw, _V8I32)  # int32 lanes: numba would widen uint8 math to int64
 
 
-@intrinsic
+@_intrinsic
 def i4byte8(typingctx: Any, arr: Any, idx: Any) -> Any:
     """Bytes ``arr[idx : idx + 8]`` as float32 ``byte - 136 = 16 * (hi - 8) + (lo - 8)``."""
     if not _is_array(arr, types.uint8) or not isinstance(idx, types.Integer):
@@ -164,7 +172,7 @@ def i4byte8(typingctx: Any, arr: Any, idx: Any) -> Any:
     return f32x8(arr, idx), codegen
 
 
-@intrinsic
+@_intrinsic
 def i4lo8(typingctx: Any, arr: Any, idx: Any) -> Any:
     """Low nibbles of bytes ``arr[idx : idx + 8]`` as float32 ``lo - 8``."""
     if not _is_array(arr, types.uint8) or not isinstance(idx, types.Integer):
@@ -178,7 +186,7 @@ def i4lo8(typingctx: Any, arr: Any, idx: Any) -> Any:
     return f32x8(arr, idx), codegen
 
 
-@intrinsic
+@_intrinsic
 def i8x8(typingctx: Any, arr: Any, idx: Any) -> Any:
     """Bytes ``arr[idx : idx + 8]`` read as two's complement int8 -> float32."""
     if not _is_array(arr, types.uint8) or not isinstance(idx, types.Integer):
@@ -191,7 +199,7 @@ def i8x8(typingctx: Any, arr: Any, idx: Any) -> Any:
     return f32x8(arr, idx), codegen
 
 
-@intrinsic
+@_intrinsic
 def bf16x8(typingctx: Any, arr: Any, idx: Any) -> Any:
     """bfloat16 bits ``arr[idx : idx + 8]`` (uint16) -> float32 (exact)."""
     if not _is_array(arr, types.uint16) or not isinstance(idx, types.Integer):
@@ -205,7 +213,7 @@ def bf16x8(typingctx: Any, arr: Any, idx: Any) -> Any:
     return f32x8(arr, idx), codegen
 
 
-@intrinsic
+@_intrinsic
 def f16x8(typingctx: Any, arr: Any, idx: Any) -> Any:
     """IEEE half bits ``arr[idx : idx + 8]`` (uint16) -> float32 (exact)."""
     if not _is_array(arr, types.uint16) or not isinstance(idx, types.Integer):
@@ -222,7 +230,7 @@ def f16x8(typingctx: Any, arr: Any, idx: Any) -> Any:
 # ----------------------------------------------------------------------------- arithmetic
 
 
-@intrinsic
+@_intrinsic
 def vadd(typingctx: Any, a: Any, b: Any) -> Any:
     """Lane-wise ``a + b``."""
     if a != f32x8 or b != f32x8:
@@ -234,7 +242,7 @@ def vadd(typingctx: Any, a: Any, b: Any) -> Any:
     return f32x8(a, b), codegen
 
 
-@intrinsic
+@_intrinsic
 def vmul(typingctx: Any, a: Any, b: Any) -> Any:
     """Lane-wise ``a * b``."""
     if a != f32x8 or b != f32x8:
@@ -246,7 +254,7 @@ def vmul(typingctx: Any, a: Any, b: Any) -> Any:
     return f32x8(a, b), codegen
 
 
-@intrinsic
+@_intrinsic
 def vfma(typingctx: Any, a: Any, b: Any, c: Any) -> Any:
     """Lane-wise fused ``a * b + c`` (one rounding)."""
     if a != f32x8 or b != f32x8 or c != f32x8:
@@ -254,13 +262,15 @@ def vfma(typingctx: Any, a: Any, b: Any, c: Any) -> Any:
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         fnty = ir.FunctionType(_V8F, [_V8F, _V8F, _V8F])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.fma.v8f32")
+        fn = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
+            builder.module, fnty, "llvm.fma.v8f32"
+        )
         return builder.call(fn, list(args))
 
     return f32x8(a, b, c), codegen
 
 
-@intrinsic
+@_intrinsic
 def vhsum(typingctx: Any, v: Any) -> Any:
     """Sum of the 8 lanes in a fixed order: ``((v0+v4)+(v2+v6)) + ((v1+v5)+(v3+v7))``."""
     if v != f32x8:
@@ -274,4 +284,3 @@ def vhsum(typingctx: Any, v: Any) -> Any:
         return builder.fadd(q0, q1)
 
     return types.float32(v), codegen
-

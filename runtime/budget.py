@@ -1,0 +1,72 @@
+"""RAM budget accounting: how one ``--ram`` number splits into dense, KV and expert tiers.
+
+The budget covers what the engine allocates for the model: resident dense weights (and arrays
+derived from them), the KV cache reserve, and every expert slot (pinned, LRU, transient read
+buffers). The Python interpreter and libraries (a fixed ~0.2-0.4 GB) are outside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+__all__ = ["kv_bytes_per_token", "mem_available", "resident_nbytes"]
+
+
+def resident_nbytes(obj: Any) -> int:
+    """Bytes of every numpy array reachable from ``obj`` (dataclasses, lists, dicts, objects
+    with ``__dict__``/``__slots__``), each array base counted once."""
+    seen: set[int] = set()
+    total = 0
+    stack = [obj]
+    visited: set[int] = set()
+    while stack:
+        o = stack.pop()
+        if id(o) in visited:
+            continue
+        visited.add(id(o))
+        if isinstance(o, np.ndarray):
+            base = o
+            while isinstance(base.base, np.ndarray):
+                base = base.base
+            if id(base) not in seen:
+                seen.add(id(base))
+                total += int(base.nbytes)
+            continue
+        if isinstance(o, (str, bytes, int, float, bool, type(None))):
+            continue
+        if isinstance(o, dict):
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple, set, frozenset)):
+            stack.extend(o)
+        elif dataclasses.is_dataclass(o):
+            stack.extend(getattr(o, f.name) for f in dataclasses.fields(o))
+        else:
+            d = getattr(o, "__dict__", None)
+            if d:
+                stack.extend(d.values())
+            for name in getattr(type(o), "__slots__", ()):
+                if hasattr(o, name):
+                    stack.append(getattr(o, name))
+    return total
+
+
+def kv_bytes_per_token(cfg: Any) -> int:
+    """Compressed MLA KV bytes per token (all layers incl. MTP; float32)."""
+    arch = cfg
+    per_layer = arch.kv_lora_rank + arch.qk_rope_head_dim
+    index = arch.index_head_dim if arch.model_type == "glm_moe_dsa" else 0
+    return 4 * arch.total_layers * (per_layer + index)
+
+
+def mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
