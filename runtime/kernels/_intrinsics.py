@@ -30,6 +30,10 @@ def _intrinsic(fn: Callable[..., Any]) -> Any:
     return intrinsic(fn)
 
 
+def _bitwidth(numba_int: Any) -> int:
+    return int(numba_int.bitwidth)
+
+
 @_intrinsic
 def prefetch(typingctx: Any, arr: Any, idx: Any) -> Any:
     """``prefetch(arr, idx)``: hint the cache to load the line holding ``arr.flat[idx]``."""
@@ -58,10 +62,11 @@ def f16_bits_to_f32(typingctx: Any, bits: Any) -> Any:
     if not isinstance(bits, types.Integer):
         return None
     sig = types.float32(bits)
+    width = _bitwidth(bits)
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         (val,) = args
-        i16 = builder.trunc(val, ir.IntType(16)) if bits.bitwidth > 16 else val
+        i16 = builder.trunc(val, ir.IntType(16)) if width > 16 else val
         half = builder.bitcast(i16, ir.HalfType())
         return builder.fpext(half, ir.FloatType())
 
@@ -74,12 +79,13 @@ def u32_bits_to_f32(typingctx: Any, bits: Any) -> Any:
     if not isinstance(bits, types.Integer):
         return None
     sig = types.float32(bits)
+    width = _bitwidth(bits)
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         (val,) = args
-        if bits.bitwidth > 32:
+        if width > 32:
             val = builder.trunc(val, _I32)
-        elif bits.bitwidth < 32:
+        elif width < 32:
             val = builder.zext(val, _I32)
         return builder.bitcast(val, ir.FloatType())
 

@@ -1,0 +1,435 @@
+# T tokens, I in features, O out features, G scale groups per row, B = ceil(I / 2) packed bytes
+# per int4 row, Ys = B rounded up to 8, plus 16 (activation row stride), Ip = I rounded up to 8
+"""numba kernels for ``y = x @ W.T`` in every storage format, straight from the stored bytes.
+
+Formats and layouts are those of :mod:`storage.quant` (int4: nibble ``q + 8``, low nibble = even
+column, rows ``B`` bytes apart, scales ``[O, G]`` row-major or ``[O]`` per row; int8: two's
+complement, scales ``[O]``; bf16/f16: raw uint16 bits; f32 as is). No dequantized copy is made.
+
+Determinism and batch invariance: every kernel is serial, ``nogil``, ``fastmath=False``; sums use
+explicit 8-lane vectors (:mod:`._simd`) whose lane assignment and reduction order are fixed by the
+code below and do not depend on T. The T = 1 and T >= 2 kernels perform the same operations per
+(token, row) - the T >= 2 kernels only reuse each decoded weight chunk across tokens - so row
+``t`` of the output is bit-identical whether it is computed alone or with 63 other rows. (numpy /
+BLAS matmul is not batch-invariant, which is why even f32 has its own kernel.)
+
+int4 math. With ``y1[j] = x[2j+1] / 16`` and ``y2[j] = x[2j] - y1[j]`` prepared once per call,
+byte ``j`` (low nibble = column 2j) contributes ``(byte - 136) * y1 + (lo - 8) * y2``, which is
+exactly ``(lo - 8) * x[2j] + (hi - 8) * x[2j+1]``: two FMAs per byte, no shift for the high
+nibble, and both factors come from one widened load (OR-ing the int into the mantissa of 2**23
+gives the float without an int->float convert or numba's int64 promotion). Per row: for each
+group a partial ``p`` (8 lanes), then ``acc = fma(scale, p, acc)``; the result is the fixed-order
+lane sum of ``acc``. Groups of a multiple of 64 columns are read in 32-byte chunks with four
+independent FMA chains, other groups (and the last, partial one) 8 bytes at a time, the final
+short block from a copy padded with zero weights (byte 0x88). Per-row int4 uses 64-column virtual
+groups with the row's scale. Group sizes that are not a multiple of 16 (bytes straddle groups)
+take a slower exact path that dequantizes each row into a scratch row first.
+
+The weight stream is software-prefetched ``prefetch_distance`` bytes ahead (``0`` turns it off);
+docs/benchmarks.md has the measured effect.
+
+The typed wrappers (argument checks, activation preparation) are in :mod:`.quant_matmul`.
+
+The JIT cache (``cache=True``) is keyed on this file only: after editing ``_simd.py`` or
+``_intrinsics.py``, delete ``runtime/kernels/__pycache__/_matmul_kernels*.nb*``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from numba import njit, types
+from numba.extending import overload
+
+from runtime.kernels._intrinsics import prefetch
+from runtime.kernels._simd import (
+    bf16x8,
+    f16x8,
+    i4byte8,
+    i4lo8,
+    i8x8,
+    vadd,
+    vfma,
+    vhsum,
+    vload,
+    vmul,
+    vsplat,
+    vstore,
+    vzero,
+)
+
+__all__ = ["KERNELS"]
+
+_TILE = 8  # tokens per pass over the weights in the T >= 2 kernels (x tile stays in L1/L2)
+_ROWS = 16  # int4 T >= 2: rows per block sharing one activation segment in L1
+_SEGMENT = 64  # int4 T >= 2: packed bytes per row segment (its activations: TILE * 512 B)
+_KIND_F32, _KIND_BF16, _KIND_F16, _KIND_I8 = 0, 1, 2, 3
+_NIBBLE_ZERO = 0x88  # a padding byte: both nibbles decode to weight 0
+
+
+# ============================================================================ x preparation
+
+
+@njit(nogil=True, cache=True)
+def _i4_prep(x, nb, ys):  # type: ignore[no-untyped-def]
+    """x [T, I] -> y flat [T, 2, Ys]: per token ``y1`` then ``y2`` (zero padded), see below.
+
+    For byte ``j`` (columns 2j, 2j+1): ``y1 = x[2j+1] / 16`` and ``y2 = x[2j] - y1``, so that
+    ``(byte - 136) * y1 + (lo - 8) * y2 = (lo - 8) * x[2j] + (hi - 8) * x[2j+1]``: two FMAs per
+    byte and no shift to extract the high nibble. ``Ys`` is B rounded up to 8 plus 16 floats so
+    that the rows of different tokens do not all map to the same L1 sets (4 KiB aliasing).
+    """
+    n_tok, n_in = x.shape
+    y = np.zeros(n_tok * 2 * ys, np.float32)  # [T, 2, Ys]
+    sixteenth = np.float32(0.0625)
+    half = n_in // 2
+    for t in range(n_tok):
+        xt = x[t]  # [I]
+        y1 = y[t * 2 * ys : t * 2 * ys + ys]  # [Ys] view
+        y2 = y[t * 2 * ys + ys : (t + 1) * 2 * ys]  # [Ys] view
+        for j in range(half):
+            a = xt[2 * j + 1] * sixteenth  # exact: a power of two
+            y1[j] = a
+            y2[j] = xt[2 * j] - a
+        if n_in % 2:
+            y2[half] = xt[n_in - 1]  # the last byte's high nibble is padding (x = 0)
+    return y
+
+
+@njit(nogil=True, cache=True)
+def _pad_rows(x, ip):  # type: ignore[no-untyped-def]
+    """x [T, I] -> flat [T * Ip], each row zero padded to Ip."""
+    n_tok, n_in = x.shape
+    xp = np.zeros(n_tok * ip, np.float32)  # [T * Ip]
+    for t in range(n_tok):
+        base = t * ip
+        for c in range(n_in):
+            xp[base + c] = x[t, c]
+    return xp
+
+
+# ============================================================================ int4 building blocks
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _i4_decode32(packed, i):  # type: ignore[no-untyped-def]
+    """32 packed bytes at ``i`` -> (byte - 136, lo - 8) float vectors for each of 4 blocks."""
+    return (
+        i4byte8(packed, i),
+        i4lo8(packed, i),
+        i4byte8(packed, i + 8),
+        i4lo8(packed, i + 8),
+        i4byte8(packed, i + 16),
+        i4lo8(packed, i + 16),
+        i4byte8(packed, i + 24),
+        i4lo8(packed, i + 24),
+    )
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _i4_dot32(w, y, yi, ys):  # type: ignore[no-untyped-def]
+    """Partial (8 lanes) of one decoded 32-byte chunk against ``y1 = y[yi:]``, ``y2 = y[yi+ys:]``.
+
+    Four independent chains hide the FMA latency; the combine order is fixed.
+    """
+    zi = yi + ys
+    a = vfma(w[4], vload(y, yi + 16), vmul(w[0], vload(y, yi)))
+    b = vfma(w[6], vload(y, yi + 24), vmul(w[2], vload(y, yi + 8)))
+    c = vfma(w[5], vload(y, zi + 16), vmul(w[1], vload(y, zi)))
+    d = vfma(w[7], vload(y, zi + 24), vmul(w[3], vload(y, zi + 8)))
+    return vadd(vadd(a, b), vadd(c, d))
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _fill_tail(tail, packed, start, n):  # type: ignore[no-untyped-def]
+    """Copy ``n < 8`` bytes into the padded scratch ``tail`` (rest stays ``_NIBBLE_ZERO``)."""
+    for k in range(n):
+        tail[k] = packed[start + k]
+
+
+# ============================================================================ int4 kernels
+
+
+@njit(nogil=True, cache=True)
+def _i4_gemv(packed, scales, n_out, nb, gbytes, s_row, s_step, y, ys, out, pf):  # type: ignore[no-untyped-def]
+    """One token: out [O] from packed [O * B], scales and the token's ``_i4_prep`` row ``y``.
+
+    ``gbytes`` bytes per group (group size / 2, or 32 for per-row scales), ``s_row`` scales per
+    row, ``s_step`` scale index step per group (0 for per-row), ``pf`` prefetch bytes (0 = off).
+    """
+    tail = np.full(8, _NIBBLE_ZERO, np.uint8)  # [8] padded last block
+    n_full = nb // gbytes
+    rem = nb - n_full * gbytes
+    rem_blocks = rem // 8
+    rem_tail = rem - rem_blocks * 8
+    chunked = gbytes % 32 == 0
+    for o in range(n_out):
+        row = o * nb
+        srow = o * s_row
+        acc = vzero()
+        if gbytes == 32:  # gs64 and per-row: one chunk per group, the hot path
+            for g in range(n_full):
+                g0 = g * 32
+                if pf > 0:
+                    prefetch(packed, row + g0 + pf)
+                p = _i4_dot32(_i4_decode32(packed, row + g0), y, g0, ys)
+                acc = vfma(vsplat(scales[srow + g * s_step]), p, acc)
+        for g in range(0 if gbytes != 32 else n_full, n_full):
+            g0 = g * gbytes
+            if chunked:
+                if pf > 0:
+                    prefetch(packed, row + g0 + pf)
+                p = _i4_dot32(_i4_decode32(packed, row + g0), y, g0, ys)
+                for c in range(g0 + 32, g0 + gbytes, 32):
+                    if pf > 0:
+                        prefetch(packed, row + c + pf)
+                    p = vadd(p, _i4_dot32(_i4_decode32(packed, row + c), y, c, ys))
+            else:
+                if pf > 0:
+                    prefetch(packed, row + g0 + pf)
+                pb = vzero()
+                pl = vzero()
+                for c in range(g0, g0 + gbytes, 8):
+                    pb = vfma(i4byte8(packed, row + c), vload(y, c), pb)
+                    pl = vfma(i4lo8(packed, row + c), vload(y, ys + c), pl)
+                p = vadd(pb, pl)
+            acc = vfma(vsplat(scales[srow + g * s_step]), p, acc)
+        if rem > 0:
+            g0 = n_full * gbytes
+            pb = vzero()
+            pl = vzero()
+            for c in range(g0, g0 + rem_blocks * 8, 8):
+                pb = vfma(i4byte8(packed, row + c), vload(y, c), pb)
+                pl = vfma(i4lo8(packed, row + c), vload(y, ys + c), pl)
+            if rem_tail > 0:
+                c = g0 + rem_blocks * 8
+                _fill_tail(tail, packed, row + c, rem_tail)
+                pb = vfma(i4byte8(tail, 0), vload(y, c), pb)
+                pl = vfma(i4lo8(tail, 0), vload(y, ys + c), pl)
+            acc = vfma(vsplat(scales[srow + n_full * s_step]), vadd(pb, pl), acc)
+        out[o] = vhsum(acc)
+
+
+@njit(nogil=True, cache=True)
+def _i4_gemm(packed, scales, n_out, nb, gbytes, s_row, s_step, y, ys, out, pf):  # type: ignore[no-untyped-def]
+    """T tokens: out [T, O]; per (token, row) exactly the arithmetic of ``_i4_gemv``.
+
+    Each 32-byte chunk (or 8-byte block) is decoded once and applied to every token of a tile.
+    Rows are taken in blocks of ``_ROWS`` and columns in segments of whole groups, so the
+    activations of a tile's segment stay in L1 while the block's rows pass over them (without
+    this the kernel is bound by L2 reads of activations and gains nothing over T GEMVs). Groups
+    of a row are still visited in increasing order, so the result per token does not change.
+    """
+    n_tok = out.shape[0]
+    tail = np.full(8, _NIBBLE_ZERO, np.uint8)  # [8]
+    acc = np.zeros(_ROWS * _TILE * 8, np.float32)  # [ROWS, TILE, 8] accumulators
+    pp = np.zeros(_TILE * 8, np.float32)  # [TILE, 8] group partials
+    pb = np.zeros(_TILE * 8, np.float32)  # [TILE, 8] (byte - 136) * y1 partials (blocks)
+    pl = np.zeros(_TILE * 8, np.float32)  # [TILE, 8] (lo - 8) * y2 partials (blocks)
+    n_full = nb // gbytes
+    rem = nb - n_full * gbytes
+    rem_blocks = rem // 8
+    rem_tail = rem - rem_blocks * 8
+    chunked = gbytes % 32 == 0
+    seg = gbytes * max(1, _SEGMENT // gbytes)  # whole groups per segment
+    full_end = n_full * gbytes
+    n_seg = (full_end + seg - 1) // seg
+    zero = vzero()
+    for t0 in range(0, n_tok, _TILE):
+        nt = min(_TILE, n_tok - t0)
+        for o0 in range(0, n_out, _ROWS):
+            nr = min(_ROWS, n_out - o0)
+            for k in range(nr * _TILE):
+                vstore(acc, k * 8, zero)
+            for si in range(n_seg + (1 if rem > 0 else 0)):
+                last = si == n_seg  # the partial group, alone, after every full one
+                s0 = full_end if last else si * seg
+                s1 = min(s0 + seg, full_end)
+                gi0 = n_full if last else si * (seg // gbytes)  # index of the first group
+                for r in range(nr):
+                    o = o0 + r
+                    row = o * nb
+                    a0 = r * _TILE * 8
+                    g0 = s0
+                    gi = gi0
+                    while g0 < s1 or last:
+                        s = vsplat(scales[o * s_row + gi * s_step])
+                        if chunked and not last:
+                            if gbytes == 32:  # one chunk per group: p is that chunk's partial
+                                if pf > 0:
+                                    prefetch(packed, row + g0 + seg)
+                                w = _i4_decode32(packed, row + g0)
+                                for u in range(nt):
+                                    q = _i4_dot32(w, y, (t0 + u) * 2 * ys + g0, ys)
+                                    ai = a0 + u * 8
+                                    vstore(acc, ai, vfma(s, q, vload(acc, ai)))
+                                g0 += gbytes
+                                gi += 1
+                                continue
+                            for c in range(g0, g0 + gbytes, 32):
+                                if pf > 0:
+                                    prefetch(packed, row + c + seg)
+                                w = _i4_decode32(packed, row + c)
+                                for u in range(nt):
+                                    q = _i4_dot32(w, y, (t0 + u) * 2 * ys + c, ys)
+                                    if c == g0:
+                                        vstore(pp, u * 8, q)
+                                    else:
+                                        vstore(pp, u * 8, vadd(vload(pp, u * 8), q))
+                        else:
+                            if pf > 0:
+                                prefetch(packed, row + g0 + seg)
+                            for u in range(nt):
+                                vstore(pb, u * 8, zero)
+                                vstore(pl, u * 8, zero)
+                            if last:
+                                g1 = g0 + rem_blocks * 8
+                                n_tail = rem_tail
+                            else:
+                                g1 = g0 + gbytes
+                                n_tail = 0
+                            for c in range(g0, g1 + (8 if n_tail > 0 else 0), 8):
+                                if c < g1:
+                                    wb = i4byte8(packed, row + c)
+                                    wl = i4lo8(packed, row + c)
+                                else:
+                                    _fill_tail(tail, packed, row + c, n_tail)
+                                    wb = i4byte8(tail, 0)
+                                    wl = i4lo8(tail, 0)
+                                for u in range(nt):
+                                    yi = (t0 + u) * 2 * ys + c
+                                    vstore(pb, u * 8, vfma(wb, vload(y, yi), vload(pb, u * 8)))
+                                    vstore(pl, u * 8, vfma(wl, vload(y, yi + ys), vload(pl, u * 8)))
+                            for u in range(nt):
+                                vstore(pp, u * 8, vadd(vload(pb, u * 8), vload(pl, u * 8)))
+                        for u in range(nt):
+                            ai = a0 + u * 8
+                            vstore(acc, ai, vfma(s, vload(pp, u * 8), vload(acc, ai)))
+                        if last:
+                            break
+                        g0 += gbytes
+                        gi += 1
+            for r in range(nr):
+                for u in range(nt):
+                    out[t0 + u, o0 + r] = vhsum(vload(acc, (r * _TILE + u) * 8))
+
+
+@njit(nogil=True, cache=True)
+def _i4_dequant_row(packed, scales, o, n_in, nb, gs, n_groups, w):  # type: ignore[no-untyped-def]
+    """Row ``o`` of a grouped int4 weight -> w[:I] float32 (same math as ``dequantize``)."""
+    row = o * nb
+    for c in range(n_in):
+        b = packed[row + c // 2]
+        nib = (b >> 4) if c % 2 else (b & 15)
+        w[c] = np.float32(np.float32(nib) - np.float32(8.0)) * scales[o * n_groups + c // gs]
+
+
+# ============================================================================ float / int8 kernels
+
+
+def _wload8(w: Any, i: Any, kind: Any) -> Any:  # pragma: no cover - replaced by the overload
+    raise NotImplementedError("only callable from numba kernels")
+
+
+@overload(_wload8, jit_options={"nogil": True})
+def _ov_wload8(w, i, kind):  # type: ignore[no-untyped-def]  # numba compares signatures
+    """Eight weights at ``w[i:i+8]`` as float32; the array dtype (and ``kind``) picks the decode."""
+    if not isinstance(w, types.Array):
+        return None
+    if w.dtype == types.float32:
+        return lambda w, i, kind: vload(w, i)
+    if w.dtype == types.uint8:
+        return lambda w, i, kind: i8x8(w, i)
+    if w.dtype == types.uint16:
+
+        def impl(w, i, kind):  # type: ignore[no-untyped-def]
+            if kind == _KIND_BF16:
+                return bf16x8(w, i)
+            return f16x8(w, i)
+
+        return impl
+    return None
+
+
+@njit(nogil=True, cache=True)
+def _row_dot(w, wi, n_in, xp, xi, tail, kind, pf):  # type: ignore[no-untyped-def]
+    """Dot of weight row ``w[wi : wi + I]`` with ``xp[xi : xi + Ip]`` (zero padded).
+
+    Four chains over 32-column chunks, then 8-column blocks into chain 0, then the short last
+    block from ``tail`` (zero padded); lane sum in a fixed order.
+    """
+    a0 = vzero()
+    a1 = vzero()
+    a2 = vzero()
+    a3 = vzero()
+    n32 = n_in // 32 * 32
+    n8 = n_in // 8 * 8
+    for c in range(0, n32, 32):
+        if pf > 0:
+            prefetch(w, wi + c + pf)
+        a0 = vfma(_wload8(w, wi + c, kind), vload(xp, xi + c), a0)
+        a1 = vfma(_wload8(w, wi + c + 8, kind), vload(xp, xi + c + 8), a1)
+        a2 = vfma(_wload8(w, wi + c + 16, kind), vload(xp, xi + c + 16), a2)
+        a3 = vfma(_wload8(w, wi + c + 24, kind), vload(xp, xi + c + 24), a3)
+    for c in range(n32, n8, 8):
+        a0 = vfma(_wload8(w, wi + c, kind), vload(xp, xi + c), a0)
+    if n8 < n_in:
+        for k in range(n_in - n8):
+            tail[k] = w[wi + n8 + k]
+        a0 = vfma(_wload8(tail, 0, kind), vload(xp, xi + n8), a0)
+    return vhsum(vadd(vadd(a0, a1), vadd(a2, a3)))
+
+
+@njit(nogil=True, cache=True)
+def _col_matmul(w, scales, n_out, n_in, kind, xp, ip, out, pf):  # type: ignore[no-untyped-def]
+    """out [T, O] for f32 / bf16 / f16 / int8 rows of ``w`` (flat [O * I]); ``xp`` [T * Ip].
+
+    int8 applies the per-row scale once to the row sum. Tokens are taken in tiles so the x tile
+    stays in cache while each weight row is read once per tile; per row the code is the same for
+    any T (batch invariant). ``pf`` is in elements.
+    """
+    n_tok = out.shape[0]
+    tail = np.zeros(8, w.dtype)  # [8] zero-padded last block
+    for t0 in range(0, n_tok, _TILE):
+        nt = min(_TILE, n_tok - t0)
+        for o in range(n_out):
+            for u in range(nt):
+                y = _row_dot(w, o * n_in, n_in, xp, (t0 + u) * ip, tail, kind, pf if u == 0 else 0)
+                if kind == _KIND_I8:
+                    y = y * scales[o]
+                out[t0 + u, o] = y
+
+
+@njit(nogil=True, cache=True)
+def _i4_generic_matmul(packed, scales, n_out, n_in, nb, gs, xp, ip, out):  # type: ignore[no-untyped-def]
+    """Grouped int4 whose group size is not a multiple of 16 (bytes straddle groups).
+
+    Slow but exact: dequantize each row once into a scratch row, then the f32 row dot per token.
+    """
+    n_tok = out.shape[0]
+    n_groups = (n_in + gs - 1) // gs
+    w = np.zeros(ip, np.float32)  # [Ip] one dequantized row
+    tail = np.zeros(8, np.float32)  # [8]
+    for t0 in range(0, n_tok, _TILE):
+        nt = min(_TILE, n_tok - t0)
+        for o in range(n_out):
+            _i4_dequant_row(packed, scales, o, n_in, nb, gs, n_groups, w)
+            for u in range(nt):
+                out[t0 + u, o] = _row_dot(w, 0, n_in, xp, (t0 + u) * ip, tail, _KIND_F32, 0)
+
+
+#: Every compiled kernel (tests check they were built with ``nogil=True``).
+KERNELS = (
+    _i4_prep,
+    _pad_rows,
+    _i4_gemv,
+    _i4_gemm,
+    _i4_generic_matmul,
+    _col_matmul,
+    _row_dot,
+    _i4_decode32,
+    _i4_dot32,
+    _fill_tail,
+    _i4_dequant_row,
+)

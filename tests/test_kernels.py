@@ -1,0 +1,256 @@
+"""numba matmul kernels: accuracy vs a float64 reference, batch invariance, determinism,
+argument checks, nogil, and the Linear layer on top of them.
+
+# T tokens, I in features, O out features
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from runtime.kernels import quant_matmul as qm
+from runtime.kernels._intrinsics import f16_bits_to_f32, u32_bits_to_f32
+from runtime.kernels.quant_matmul import (
+    matmul_bf16,
+    matmul_f16,
+    matmul_f32,
+    matmul_int4,
+    matmul_int8,
+)
+from runtime.linear import Linear, linear_from_array
+from storage.errors import FormatError
+from storage.quant import QTensor, dequantize, quantize
+
+F32 = npt.NDArray[np.float32]
+
+# int4-g24 / int4-g17: group sizes that are not a multiple of 16 take the exact fallback path.
+FORMATS = [
+    "f32",
+    "bf16",
+    "f16",
+    "int8",
+    "int4-row",
+    "int4-g16",
+    "int4-g32",
+    "int4-g48",
+    "int4-g64",
+    "int4-g128",
+    "int4-g24",
+    "int4-g17",
+]
+# I a multiple of every group size, not a multiple (partial last group), odd (half last byte).
+IN_FEATURES = [256, 200, 77]
+
+# Float32 rounding error of a dot product is bounded by ~n * eps * sum|x_i * w_i|; our kernels
+# sum in short chains, so 1e-5 of the absolute-product sum is a generous, shape-free bound.
+REL_TOL = 1e-5
+
+
+def _weights(fmt: str, o: int, i: int, seed: int = 0) -> QTensor:
+    rng = np.random.default_rng(seed)
+    return quantize(rng.standard_normal((o, i), dtype=np.float32), fmt)
+
+
+def _matmul(q: QTensor) -> Callable[..., F32]:
+    """The kernel wrapper for ``q``'s format, as ``f(x, **kw) -> y``."""
+    o, i = q.shape
+    f = q.fmt
+    data: npt.NDArray[Any] = q.data
+    if f.kind == "f32":
+        return lambda x, **kw: matmul_f32(x, data, **kw)
+    if f.kind == "bf16":
+        return lambda x, **kw: matmul_bf16(x, data, **kw)
+    if f.kind == "f16":
+        return lambda x, **kw: matmul_f16(x, data, **kw)
+    assert q.scales is not None
+    scales: F32 = q.scales
+    if f.kind == "int8":
+        return lambda x, **kw: matmul_int8(x, data, scales, o, i, **kw)
+    return lambda x, **kw: matmul_int4(x, data, scales, o, i, f.group_size, **kw)
+
+
+def _x(t: int, i: int, seed: int = 1) -> F32:
+    return np.random.default_rng(seed).standard_normal((t, i), dtype=np.float32)
+
+
+def _assert_close(y: F32, x: F32, q: QTensor) -> None:
+    w = dequantize(q).astype(np.float64)  # [O, I]
+    ref = x.astype(np.float64) @ w.T  # [T, O]
+    bound = np.abs(x).astype(np.float64) @ np.abs(w).T  # [T, O] sum of |products|
+    assert y.dtype == np.float32 and y.shape == ref.shape
+    err = np.abs(y - ref)
+    assert np.all(err <= REL_TOL * bound + 1e-30), float(np.max(err / (bound + 1e-30)))
+
+
+# ----------------------------------------------------------------------------- accuracy
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n_in", IN_FEATURES)
+@pytest.mark.parametrize("n_tok", [1, 3, 8])
+def test_matches_float64_reference(fmt: str, n_in: int, n_tok: int) -> None:
+    q = _weights(fmt, 21, n_in)
+    x = _x(n_tok, n_in)
+    _assert_close(_matmul(q)(x), x, q)
+
+
+def test_realistic_expert_gemv_shapes() -> None:
+    # One GLM-5 expert matrix each way (gate/up 2048x6144 and down 6144x2048), int4 gs64.
+    for o, i in [(2048, 6144), (6144, 2048)]:
+        q = _weights("int4-g64", o, i, seed=o)
+        x = _x(1, i)
+        _assert_close(_matmul(q)(x), x, q)
+
+
+def test_tiny_and_empty_shapes() -> None:
+    q = _weights("int4-g64", 3, 1)
+    _assert_close(_matmul(q)(_x(2, 1)), _x(2, 1), q)
+    y = _matmul(q)(np.zeros((0, 1), dtype=np.float32))
+    assert y.shape == (0, 3)
+    q0 = _weights("int8", 0, 16)
+    assert _matmul(q0)(_x(2, 16)).shape == (2, 0)
+
+
+def test_special_values_propagate() -> None:
+    q = _weights("int4-g64", 4, 64)
+    x = _x(2, 64)
+    x[1, 5] = np.inf
+    y = _matmul(q)(x)
+    assert np.all(np.isfinite(y[0])) and not np.any(np.isfinite(y[1]))
+
+
+# ----------------------------------------------------------------------------- batch invariance
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n_in", [200, 77])
+def test_batch_invariant(fmt: str, n_in: int) -> None:
+    # 37 rows: not a multiple of the kernels' row blocks; 64 tokens: several token tiles.
+    q = _weights(fmt, 37, n_in)
+    mm = _matmul(q)
+    x = _x(64, n_in, seed=7)
+    x[5] *= 1e3  # rows of very different magnitude must not influence each other
+    x[6] = 0.0
+    full = mm(x)
+    for t in range(x.shape[0]):
+        assert np.array_equal(mm(x[t : t + 1])[0], full[t]), f"row {t} alone differs"
+    for a, b in [(0, 3), (3, 11), (11, 19), (50, 64)]:
+        assert np.array_equal(mm(x[a:b]), full[a:b]), f"rows {a}:{b} differ"
+
+
+@pytest.mark.parametrize("fmt", ["int4-g64", "int8", "bf16"])
+def test_deterministic_and_prefetch_neutral(fmt: str) -> None:
+    q = _weights(fmt, 40, 320)
+    mm = _matmul(q)
+    for t in (1, 5):
+        x = _x(t, 320)
+        y = mm(x)
+        assert np.array_equal(y, mm(x))
+        assert np.array_equal(y, mm(x, prefetch_distance=0))
+        out = np.full((t, 40), np.nan, dtype=np.float32)
+        assert mm(x, out=out) is out and np.array_equal(out, y)
+
+
+# ----------------------------------------------------------------------------- argument checks
+
+
+def test_wrappers_reject_bad_arguments() -> None:
+    q = _weights("int4-g64", 8, 128)
+    assert q.scales is not None
+    p: npt.NDArray[Any] = q.data
+    s: F32 = q.scales
+    x = _x(2, 128)
+    x64: npt.NDArray[Any] = x.astype(np.float64)
+    bad_calls: list[Callable[[], object]] = [
+        lambda: matmul_int4(x64, p, s, 8, 128, 64),
+        lambda: matmul_int4(x[0], p, s, 8, 128, 64),  # 1-D x
+        lambda: matmul_int4(x[:, :64], p, s, 8, 128, 64),  # wrong I
+        lambda: matmul_int4(np.asfortranarray(_x(3, 128)), p, s, 8, 128, 64),
+        lambda: matmul_int4(x, p[:-1], s, 8, 128, 64),  # short packed
+        lambda: matmul_int4(x, p.view(np.int8), s, 8, 128, 64),
+        lambda: matmul_int4(x, p, s[:-1], 8, 128, 64),  # short scales
+        lambda: matmul_int4(x, p, s.astype(np.float64), 8, 128, 64),
+        lambda: matmul_int4(x, p, s, 8, 128, 32),  # scales do not match gs
+        lambda: matmul_int4(x, p, s, 8, 128, 0),
+        lambda: matmul_int4(x, p, s, 8, 128, 64, out=np.empty((2, 7), np.float32)),
+        lambda: matmul_int4(x, p, s, 8, 128, 64, out=np.empty((2, 8), x64.dtype)),
+        lambda: matmul_int4(x, p, s, 8, 128, 64, prefetch_distance=-1),
+        lambda: matmul_int8(x, p, s, 8, 128),  # int4 bytes are too few for int8
+        lambda: matmul_f32(x, np.ones((4, 128), dtype=x64.dtype)),
+        lambda: matmul_f32(x, np.ones(128, dtype=np.float32)),  # 1-D weight
+        lambda: matmul_bf16(x, np.ones((4, 128), dtype=np.int16)),
+        lambda: matmul_f16(x, np.ones((4, 64), dtype=np.uint16)),  # wrong I
+    ]
+    for k, call in enumerate(bad_calls):
+        with pytest.raises(ValueError):
+            call()
+            pytest.fail(f"bad call {k} was accepted")
+    assert matmul_int4(x, p, s, 8, 128, 64).shape == (2, 8)
+
+
+def test_kernels_release_the_gil() -> None:
+    assert qm.KERNELS
+    for kernel in qm.KERNELS:
+        assert kernel.targetoptions.get("nogil") is True, kernel.py_func.__name__
+        assert kernel.targetoptions.get("fastmath", False) is False, kernel.py_func.__name__
+        assert not kernel.targetoptions.get("parallel", False), kernel.py_func.__name__
+
+
+def test_scalar_intrinsics() -> None:
+    from numba import njit
+
+    @njit(nogil=True)
+    def convert(h: np.uint16, b: np.uint32) -> tuple[float, float]:
+        return f16_bits_to_f32(h), u32_bits_to_f32(b)
+
+    h = np.array([1.5, -0.0, 65504.0, 6e-8], dtype=np.float16)
+    for v in h:
+        got, _ = convert(v.view(np.uint16), np.uint32(0))
+        assert got == np.float32(v)
+    _, got = convert(np.uint16(0), np.float32(-2.75).view(np.uint32))
+    assert got == np.float32(-2.75)
+
+
+# ----------------------------------------------------------------------------- Linear
+
+
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "f16", "int8", "int4-row", "int4-g64", "int4-g24"])
+def test_linear_uses_the_kernels_and_keeps_stored_weights(fmt: str) -> None:
+    q = _weights(fmt, 24, 96)
+    lin = Linear(q)
+    assert (lin.out_features, lin.in_features) == (24, 96)
+    assert lin.nbytes == q.nbytes
+    x = _x(4, 96)
+    y = lin(x)
+    assert np.array_equal(y, _matmul(q)(x))
+    assert np.array_equal(lin(x[1:2])[0], y[1])
+    # No dequantized copy: nothing the layer holds is a float32 [O, I] matrix beyond f32 itself.
+    if q.fmt.kind != "f32":
+        held = [v for v in vars(lin).values() if isinstance(v, np.ndarray)]
+        assert not any(a.dtype == np.float32 and a.size == 24 * 96 for a in held)
+    with pytest.raises(ValueError):
+        lin(x[0])  # 1-D: must be [1, I]
+
+
+def test_linear_converts_input_and_validates_weights() -> None:
+    w = _x(5, 12)
+    lin = linear_from_array(w)
+    x64 = _x(3, 12).astype(np.float64)
+    assert np.array_equal(lin(x64), lin(x64.astype(np.float32)))
+    strided = linear_from_array(_x(12, 5).T)  # non-contiguous input matrix
+    _assert_close(strided(_x(2, 12)), _x(2, 12), strided.q)
+    q = _weights("int4-g64", 4, 64)
+    with pytest.raises(FormatError):
+        Linear(QTensor(q.fmt, (4, 64), q.data[:-2], q.scales))
+    with pytest.raises(FormatError):
+        Linear(QTensor(q.fmt, (4, 64), q.data, None))
+    assert q.scales is not None
+    with pytest.raises(FormatError):
+        Linear(QTensor(q.fmt, (4, 64), q.data, q.scales[:-1]))
+    with pytest.raises(ValueError):
+        linear_from_array(np.ones(3, dtype=np.float32))

@@ -1,0 +1,287 @@
+"""Kernel benchmark: the numba matmul kernels against DRAM read bandwidth, in one run.
+
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python tools/bench/kernels.py [--rounds N]
+
+Measures, interleaved round by round (so a noisy neighbour hits every case alike), reported as
+medians per call. Single-threaded cases are timed with the thread's CPU clock (on a shared
+machine the wall clock also counts the time slices other processes get; wall-clock medians are
+in the JSON too); multi-threaded ones with the wall clock:
+
+* DRAM read bandwidth: a sum over a 1 GiB array, one thread and all threads (numba ``prange``);
+* int4-g64 GEMV (T = 1) on the GLM-5 expert shapes [2048, 6144] and [6144, 2048], with and
+  without the software prefetch, as weight GB/s (packed bytes + scales) and GFLOP/s;
+* int4-g64 small-T GEMM (T = 4, 8) on [2048, 6144], GFLOP/s and speed-up over T GEMVs;
+* int8 GEMV on an lm_head-like [4096, 1024].
+
+Weights rotate over enough copies (> 48 MiB) that every call reads them from DRAM, not L3.
+The last line printed is one JSON object whose ``figure`` is the int4-g64 GEMV weight GB/s on
+[2048, 6144] divided by the single-thread DRAM read GB/s (the kernels are single-threaded), both
+medians on the thread CPU clock; ``figure_wall_clock`` is the same from wall-clock medians.
+"""
+
+# T tokens, I in features, O out features
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before numba starts (DESIGN.md section 4)
+
+import argparse
+import json
+import platform
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import numba  # noqa: E402
+import numpy as np  # noqa: E402
+import numpy.typing as npt  # noqa: E402
+from numba import njit, prange  # noqa: E402
+
+from runtime.kernels.quant_matmul import matmul_int4, matmul_int8  # noqa: E402
+from storage.quant import QTensor, quantize  # noqa: E402
+
+GIB = 1 << 30
+ROTATE_BYTES = 48 << 20  # more than the L3 of the machines we run on (32 MiB here)
+
+
+@njit(nogil=True, cache=True)
+def _read_one_thread(a):  # type: ignore[no-untyped-def]
+    """Sum of a uint64 array (integer adds vectorize; the loop is bound by DRAM reads)."""
+    s = np.uint64(0)
+    for i in range(a.size):
+        s += a[i]
+    return s
+
+
+@njit(parallel=True, cache=True)
+def _read_all_threads(a):  # type: ignore[no-untyped-def]
+    s = np.uint64(0)
+    for i in prange(a.size):
+        s += a[i]
+    return s
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _copies(q: QTensor) -> list[npt.NDArray[np.uint8]]:
+    n = max(2, -(-ROTATE_BYTES // q.nbytes))
+    return [np.array(q.data, dtype=np.uint8) for _ in range(n)]
+
+
+class _Case:
+    """One measured thing: ``call(k)`` runs the k-th call; ``per_round`` calls per round.
+
+    Single-threaded cases (``cpu_clock``) are timed with the calling thread's CPU clock, so time
+    slices that a shared machine gives to other processes do not count; wall-clock times are
+    kept too. Multi-threaded cases use the wall clock only.
+    """
+
+    def __init__(
+        self, name: str, call: Callable[[int], object], per_round: int, cpu_clock: bool = True
+    ) -> None:
+        self.name, self.call, self.per_round, self.cpu_clock = name, call, per_round, cpu_clock
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+        self._k = 0
+
+    def run_round(self) -> None:
+        for _ in range(self.per_round):
+            w0, c0 = time.perf_counter(), time.thread_time()
+            self.call(self._k)
+            c1, w1 = time.thread_time(), time.perf_counter()
+            self.wall.append(w1 - w0)
+            self.cpu.append(c1 - c0)
+            self._k += 1
+
+    @property
+    def median(self) -> float:
+        """Median seconds per call on this case's clock."""
+        return float(np.median(self.cpu if self.cpu_clock else self.wall))
+
+    @property
+    def wall_median(self) -> float:
+        return float(np.median(self.wall))
+
+    @property
+    def best(self) -> float:
+        return float(np.min(self.cpu if self.cpu_clock else self.wall))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default 15)")
+    args = ap.parse_args(argv)
+    rng = np.random.default_rng(0)
+    threads = numba.get_num_threads()
+    started = time.perf_counter()
+
+    big = np.ones(GIB // 8, dtype=np.uint64)  # 1 GiB, pages touched
+    _read_one_thread(big)
+    _read_all_threads(big)
+
+    cases: list[_Case] = [
+        _Case("dram_read_1t", lambda k: _read_one_thread(big), 1),
+        _Case("dram_read_all", lambda k: _read_all_threads(big), 1, cpu_clock=False),
+    ]
+    shapes = {"2048x6144": (2048, 6144), "6144x2048": (6144, 2048)}
+    weights: dict[str, QTensor] = {}
+    for label, (o, i) in shapes.items():
+        q = quantize(rng.standard_normal((o, i), dtype=np.float32), "int4-g64")
+        weights[label] = q
+        data = _copies(q)
+        s = np.asarray(q.scales, dtype=np.float32)
+        x1 = rng.standard_normal((1, i), dtype=np.float32)
+
+        def gemv(k: int, data=data, s=s, x1=x1, o=o, i=i) -> object:  # type: ignore[no-untyped-def]
+            return matmul_int4(x1, data[k % len(data)], s, o, i, 64)
+
+        def gemv_nopf(k: int, data=data, s=s, x1=x1, o=o, i=i) -> object:  # type: ignore[no-untyped-def]
+            return matmul_int4(x1, data[k % len(data)], s, o, i, 64, prefetch_distance=0)
+
+        cases.append(_Case(f"int4_gemv_{label}", gemv, len(data)))
+        cases.append(_Case(f"int4_gemv_{label}_noprefetch", gemv_nopf, len(data)))
+        if label == "2048x6144":
+            for t in (4, 8):
+                xt = rng.standard_normal((t, i), dtype=np.float32)
+
+                def gemm(k: int, data=data, s=s, xt=xt, o=o, i=i) -> object:  # type: ignore[no-untyped-def]
+                    return matmul_int4(xt, data[k % len(data)], s, o, i, 64)
+
+                cases.append(_Case(f"int4_gemm_T{t}_{label}", gemm, len(data) // 2))
+    q8 = quantize(rng.standard_normal((4096, 1024), dtype=np.float32), "int8")
+    data8 = _copies(q8)
+    s8 = np.asarray(q8.scales, dtype=np.float32)
+    x8 = rng.standard_normal((1, 1024), dtype=np.float32)
+    cases.append(
+        _Case(
+            "int8_gemv_4096x1024",
+            lambda k: matmul_int8(x8, data8[k % len(data8)], s8, 4096, 1024),
+            len(data8),
+        )
+    )
+
+    gemv_case = next(c for c in cases if c.name == "int4_gemv_2048x6144")
+
+    def two_threads(k: int) -> object:
+        # The same 2 x 8 GEMVs as two threads: nogil kernels should overlap (DESIGN.md 4).
+        def work(first: int) -> None:
+            for j in range(8):
+                gemv_case.call(first + 2 * j)
+
+        ts = [threading.Thread(target=work, args=(first,)) for first in (0, 1)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        return None
+
+    def one_thread(k: int) -> object:
+        for j in range(16):
+            gemv_case.call(j)
+        return None
+
+    cases.append(_Case("gemv16_two_threads", two_threads, 1, cpu_clock=False))
+    cases.append(_Case("gemv16_one_thread", one_thread, 1, cpu_clock=False))
+
+    for case in cases:  # JIT (or load the cache) and warm every path once
+        case.call(0)
+    for _ in range(args.rounds):
+        for case in cases:
+            case.run_round()
+    by = {c.name: c for c in cases}
+
+    def gbs(nbytes: int, sec: float) -> float:
+        return nbytes / sec / 1e9
+
+    dram_1t = gbs(big.nbytes, by["dram_read_1t"].median)
+    dram_all = gbs(big.nbytes, by["dram_read_all"].median)
+    report: dict[str, Any] = {
+        "machine": {"nproc": os.cpu_count(), "cpu": _cpu_model(), "numba_threads": threads},
+        "rounds": args.rounds,
+        "dram_read_gbs": {"1_thread": round(dram_1t, 2), f"{threads}_threads": round(dram_all, 2)},
+        "int4_g64_gemv": {},
+        "int4_g64_small_t": {},
+    }
+    print(f"machine: {_cpu_model()}, nproc {os.cpu_count()}, numba threads {threads}")
+    print(f"DRAM read (1 GiB sum): 1 thread {dram_1t:.2f} GB/s, {threads} threads {dram_all:.2f}")
+    for label, (o, i) in shapes.items():
+        q = weights[label]
+        c, cn = by[f"int4_gemv_{label}"], by[f"int4_gemv_{label}_noprefetch"]
+        row = {
+            "ms": round(c.median * 1e3, 3),
+            "weight_gbs": round(gbs(q.nbytes, c.median), 2),
+            "gflops": round(2 * o * i / c.median / 1e9, 1),
+            "weight_gbs_best": round(gbs(q.nbytes, c.best), 2),
+            "weight_gbs_no_prefetch": round(gbs(q.nbytes, cn.median), 2),
+            "of_dram_1t": round(gbs(q.nbytes, c.median) / dram_1t, 3),
+        }
+        report["int4_g64_gemv"][label] = row
+        print(
+            f"int4-g64 GEMV [{o}, {i}]: {row['ms']} ms, {row['weight_gbs']} GB/s weights "
+            f"({row['of_dram_1t']} of 1-thread DRAM read), {row['gflops']} GFLOP/s; "
+            f"no prefetch {row['weight_gbs_no_prefetch']} GB/s; best {row['weight_gbs_best']} GB/s"
+        )
+    gemv_2048 = by["int4_gemv_2048x6144"].median
+    for t in (4, 8):
+        c = by[f"int4_gemm_T{t}_2048x6144"]
+        row = {
+            "ms": round(c.median * 1e3, 3),
+            "gflops": round(2 * t * 2048 * 6144 / c.median / 1e9, 1),
+            "speedup_vs_t_gemvs": round(t * gemv_2048 / c.median, 2),
+        }
+        report["int4_g64_small_t"][f"T{t}_2048x6144"] = row
+        print(
+            f"int4-g64 GEMM T={t} [2048, 6144]: {row['ms']} ms, {row['gflops']} GFLOP/s, "
+            f"{row['speedup_vs_t_gemvs']}x the throughput of {t} GEMVs"
+        )
+    c8 = by["int8_gemv_4096x1024"]
+    report["int8_gemv_4096x1024"] = {
+        "ms": round(c8.median * 1e3, 3),
+        "weight_gbs": round(gbs(q8.nbytes, c8.median), 2),
+        "gflops": round(2 * 4096 * 1024 / c8.median / 1e9, 1),
+    }
+    print(
+        f"int8 GEMV [4096, 1024]: {report['int8_gemv_4096x1024']['ms']} ms, "
+        f"{report['int8_gemv_4096x1024']['weight_gbs']} GB/s weights"
+    )
+    overlap = by["gemv16_one_thread"].median / by["gemv16_two_threads"].median
+    report["two_thread_gemv_speedup"] = round(overlap, 2)
+    print(f"16 int4 GEMVs [2048, 6144] on 2 Python threads: {overlap:.2f}x one thread (nogil)")
+    hot, read = by["int4_gemv_2048x6144"], by["dram_read_1t"]
+    nbytes = weights["2048x6144"].nbytes
+    figure = gbs(nbytes, hot.median) / dram_1t
+    # The same ratio from wall-clock medians and from the best calls, for comparison.
+    figure_wall = gbs(nbytes, hot.wall_median) / gbs(big.nbytes, read.wall_median)
+    figure_best = gbs(nbytes, hot.best) / gbs(big.nbytes, read.best)
+    report["seconds"] = round(time.perf_counter() - started, 1)
+    out = {
+        "figure": round(figure, 3),
+        "figure_is": "int4-g64 GEMV weight GB/s [2048,6144] / 1-thread DRAM read GB/s "
+        "(medians, thread CPU clock)",
+        "figure_wall_clock": round(figure_wall, 3),
+        "figure_best": round(figure_best, 3),
+        **report,
+    }
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
