@@ -1,0 +1,132 @@
+"""Placement only decides speed: greedy tokens and logits are bit-identical across RAM budgets
+(nothing cached ... everything resident), reader backends and prefetch on/off; and a failed
+read is a clear error after which the engine keeps serving."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import colibri
+from colibri._engine import TokenEvent
+from runtime.budget import kv_bytes_per_token, resident_nbytes
+from runtime.experts import plan_layout
+from runtime.models import load_model
+from runtime.weights import ResidentExperts
+from storage.container import Container
+from storage.errors import ColibriError, ReadError
+
+DEMO = colibri.default_model_path()
+PROMPT = [5, 17, 99, 300, 12, 44, 8, 250, 31]
+
+
+def _budget_for_lru(path: Path, lru_per_layer: int) -> int:
+    """A RAM budget that leaves exactly ``lru_per_layer`` cache slots per layer."""
+    c = Container.open(path)
+    model = load_model(c, ResidentExperts(c, layers=[]))
+
+    dense = resident_nbytes(model.weights)
+    ctx = min(4096, int(c.config.get("max_position_embeddings") or 4096))
+    kv = kv_bytes_per_token(c.arch) * ctx
+    probe = plan_layout(c, 1 << 40, top_k=int(c.config["num_experts_per_tok"]))
+    n_layers = len(c.expert_layers())
+    experts = probe.slot_bytes * (probe.transient_slots + lru_per_layer * n_layers)
+    return dense + kv + experts + probe.slot_bytes // 2
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, Any]:
+    with colibri.open_model(DEMO) as m:
+        assert m.stats()["experts"]["mode"] == "resident"
+        return {"tokens": m.generate(PROMPT, max_new_tokens=24), "logits": m.forward(PROMPT)}
+
+
+def _run(path: Path, **opts: Any) -> tuple[list[int], np.ndarray, dict[str, Any]]:
+    with colibri.open_model(path, **opts) as m:
+        toks = m.generate(PROMPT, max_new_tokens=24)
+        logits = m.forward(PROMPT)
+        return toks, logits, m.stats()["experts"]
+
+
+@pytest.mark.parametrize("lru", [0, 1, 3, 16])
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_budgets_do_not_change_output(reference: dict[str, Any], lru: int, prefetch: bool) -> None:
+    budget = _budget_for_lru(DEMO, lru)
+    toks, logits, st = _run(DEMO, ram_budget=budget, prefetch=prefetch, reader="threads")
+    assert st["mode"] == "streaming"
+    assert st["lru_slots_per_layer"] == lru
+    assert toks == reference["tokens"]
+    assert np.array_equal(logits, reference["logits"])  # bit-identical, not approximately
+    if lru == 0:
+        assert st["hits_lru"] == 0 or prefetch  # nothing cached: every expert is read
+        assert st["bytes_read"] > 0
+    if not prefetch:
+        assert st["prefetch_issued"] == 0
+
+
+@pytest.mark.parametrize("reader", ["threads", "buffered", "uring"])
+def test_reader_backends_do_not_change_output(reference: dict[str, Any], reader: str) -> None:
+    budget = _budget_for_lru(DEMO, 2)
+    try:
+        toks, logits, st = _run(DEMO, ram_budget=budget, reader=reader)
+    except ReadError as exc:
+        if reader == "uring":
+            pytest.skip(f"io_uring is not available here: {exc}")
+        raise
+    assert st["reader"] == reader
+    assert toks == reference["tokens"]
+    assert np.array_equal(logits, reference["logits"])
+
+
+def test_lookahead_prefetch_is_used(reference: dict[str, Any]) -> None:
+    toks, _, st = _run(DEMO, ram_budget=_budget_for_lru(DEMO, 4), prefetch=True, reader="threads")
+    assert toks == reference["tokens"]
+    assert st["prefetch_issued"] > 0
+    assert st["prefetch_used"] > 0
+    assert st["prefetch_used"] + st["prefetch_wasted"] <= st["prefetch_issued"]
+
+
+def test_budget_too_small_for_dense_is_a_clear_error() -> None:
+    with pytest.raises(ColibriError, match="too small"):
+        with colibri.open_model(DEMO, ram_budget="1MiB"):
+            pass
+
+
+@pytest.mark.anyio
+async def test_async_engine_streams_under_asyncio_and_trio(reference: dict[str, Any]) -> None:
+    budget = _budget_for_lru(DEMO, 1)
+    async with colibri.Engine.open(DEMO, ram_budget=budget) as engine:
+        toks = [
+            ev.token_id
+            async for ev in engine.generate(PROMPT, max_new_tokens=24)
+            if isinstance(ev, TokenEvent)
+        ]
+    assert toks == reference["tokens"]
+
+
+def test_read_error_is_clear_and_engine_keeps_serving(
+    reference: dict[str, Any], tmp_path: Path
+) -> None:
+    """Damage the model's expert shard under a running engine (a real OS-level short read), then
+    restore it: the failed request raises ReadError, the next one is correct."""
+    model = tmp_path / "model"
+    shutil.copytree(DEMO, model)
+    shard = model / "out-00000.safetensors"
+    good = shard.read_bytes()
+    c = Container.open(model)
+    cut = c.expert_extents()[16]  # layer 2, expert 0: everything after it goes
+    assert cut.path.name == shard.name
+    with colibri.open_model(model, ram_budget=_budget_for_lru(model, 0), reader="threads") as m:
+        with open(shard, "r+b") as fh:  # cut the file inside the expert region
+            fh.truncate(cut.start)
+        with pytest.raises(ReadError):
+            m.generate(PROMPT, max_new_tokens=4)
+        shard.write_bytes(good)
+        os.sync()
+        assert m.generate(PROMPT, max_new_tokens=24) == reference["tokens"]
+        assert m.stats()["experts"]["read_errors"] >= 1
