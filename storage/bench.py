@@ -1,0 +1,392 @@
+"""``coli bench storage``: expert-shaped random reads through each reader backend vs fio.
+
+Each pass reads ``reads`` random extents of ``block`` bytes (one expert: taken from the
+container's manifest when a model directory is given, else 19 MiB) from a cold cache, with
+``queue_depth`` reads in flight, through one backend. Backends and fio run interleaved
+(pass 1 of every backend, then pass 2, ...) because a virtual disk's bandwidth swings minute to
+minute; the medians are reported. ``figure`` is the best backend's median GB/s divided by fio's
+median GB/s for the same block size, queue depth and O_DIRECT (None, with a reason, without fio).
+
+    python -m storage.bench FILE_OR_MODEL_DIR [--reads 200] [--qd 1] [--repeats 3]
+
+prints one line per pass and the JSON result as the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import numpy as np
+
+from storage.aligned import ALIGN, aligned_empty, round_up
+from storage.manifest import read_manifest
+from storage.reader import (
+    Reader,
+    ReaderKind,
+    ReadRequest,
+    aligned_extent,
+    filesystem_type,
+    open_reader,
+    required_size,
+)
+
+__all__ = ["DEFAULT_BLOCK", "bench_storage", "main", "make_test_file"]
+
+DEFAULT_BLOCK = 19 * 1024 * 1024
+ALL_BACKENDS = ("uring", "uring-fixed", "threads", "buffered")
+
+
+def make_test_file(path: str | os.PathLike[str], nbytes: int) -> Path:
+    """Write ``nbytes`` of incompressible data to ``path`` (for benchmarking without a model)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    chunk = 64 << 20
+    rng = np.random.default_rng(0)
+    with open(p, "wb") as f:
+        left = nbytes
+        while left > 0:
+            n = min(chunk, left)
+            f.write(rng.integers(0, 256, n, dtype=np.uint8).tobytes())
+            left -= n
+        f.flush()
+        os.fsync(f.fileno())
+    return p
+
+
+def _targets(target: Path, block: int | None) -> tuple[list[tuple[Path, int, int]], int, str]:
+    """(candidate extents (path, offset, length), block, where they came from)."""
+    if target.is_dir():
+        man = read_manifest(target)
+        if man is not None and man.experts:
+            ext = [(target / e.shard, e.start, e.end - e.start) for e in man.experts]
+            size = block or max(n for _, _, n in ext)
+            if block is None:
+                return ext, size, f"{len(ext)} expert extents from the manifest"
+        files = sorted(p for p in target.iterdir() if p.suffix == ".safetensors")
+        if not files:
+            raise ValueError(f"{target}: no manifest experts and no .safetensors files to read")
+    else:
+        files = [target]
+    size = block or DEFAULT_BLOCK
+    ext = []
+    for f in files:
+        n = f.stat().st_size
+        if n >= size:
+            ext.append((f, n, size))  # (path, file size, block): offsets drawn per read
+    if not ext:
+        raise ValueError(f"no file under {target} holds one {size}-byte block")
+    return ext, size, "random 4 KiB-aligned offsets"
+
+
+def _plan(
+    ext: list[tuple[Path, int, int]], source: str, reads: int, seed: int
+) -> list[ReadRequest]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(reads):
+        path, a, b = ext[int(rng.integers(0, len(ext)))]
+        if source.startswith("random"):
+            off = int(rng.integers(0, (a - b) // ALIGN + 1)) * ALIGN
+            out.append(ReadRequest(path, off, b))
+        else:
+            out.append(ReadRequest(path, a, b))
+    return out
+
+
+def _drop_caches(files: Sequence[Path], as_root: bool) -> str:
+    """Make the next reads come from the device; returns how."""
+    if as_root:
+        try:
+            os.sync()
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("3\n")
+            return "dropped (echo 3 > /proc/sys/vm/drop_caches)"
+        except OSError:
+            pass
+    for p in files:
+        try:
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        except OSError:
+            return "not dropped (no root, fadvise failed)"
+    return "posix_fadvise DONTNEED per file (not root: other cached data stays)"
+
+
+async def _one_pass(reader: Reader, reqs: Sequence[ReadRequest], bufs: Sequence[Any]) -> float:
+    """Seconds for all ``reqs`` with ``len(bufs)`` reads in flight."""
+    todo = iter(reqs)
+
+    async def worker(buf: Any) -> None:
+        for req in todo:
+            await reader.read_into(req, buf)
+
+    t0 = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for b in bufs:
+            tg.start_soon(worker, b)
+    return time.perf_counter() - t0
+
+
+def _fio_engine() -> str:
+    try:
+        out = subprocess.run(["fio", "--enghelp"], capture_output=True, text=True, timeout=30)
+        names = out.stdout + out.stderr
+    except (OSError, subprocess.SubprocessError):
+        return "psync"
+    for eng in ("io_uring", "libaio"):
+        if eng in names:
+            return eng
+    return "psync"
+
+
+# fio's buffers come from malloc, without transparent huge pages; numpy's get them (and ours
+# are 2 MiB aligned), which on a virtio disk made fio look 25-40% slower than Python on the same
+# extents. glibc's tunable gives fio huge pages too, so the baseline is fair.
+FIO_ENV = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+
+
+def _fio(reqs: Sequence[ReadRequest], qd: int, engine: str, workdir: Path) -> dict[str, Any]:
+    """fio replaying exactly ``reqs`` (their aligned supersets) with O_DIRECT at depth ``qd``."""
+    log = workdir / "colibri.iolog"
+    files = sorted({r.path for r in reqs})
+    with open(log, "w", encoding="utf-8") as f:
+        f.write("fio version 2 iolog\n")
+        for p in files:
+            f.write(f"{p} add\n")
+        for p in files:
+            f.write(f"{p} open\n")
+        for r in reqs:
+            off, _, span = aligned_extent(r)
+            f.write(f"{r.path} read {off} {span}\n")
+        for p in files:
+            f.write(f"{p} close\n")
+    cmd = [
+        "fio", "--name=colibri", f"--read_iolog={log}", "--replay_no_stall=1", "--direct=1",
+        f"--ioengine={engine}", f"--iodepth={qd}", "--iomem_align=2097152",
+        "--output-format=json",
+    ]  # fmt: skip
+    t0 = time.perf_counter()
+    res = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=1800, env={**os.environ, **FIO_ENV}
+    )
+    wall = time.perf_counter() - t0
+    if res.returncode != 0:
+        raise RuntimeError(f"fio failed ({res.returncode}): {res.stderr.strip()[-300:]}")
+    job = json.loads(res.stdout[res.stdout.index("{") :])["jobs"][0]
+    rd = job["read"]
+    cpu = (float(job.get("usr_cpu", 0.0)) + float(job.get("sys_cpu", 0.0))) / 100.0
+    return {"gbps": rd["bw_bytes"] / 1e9, "bytes": rd["io_bytes"], "wall_s": wall, "cpu": cpu}
+
+
+def _machine(target: Path) -> dict[str, Any]:
+    model = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {
+        "cpu": model,
+        "cores": os.cpu_count(),
+        "kernel": platform.release(),
+        "fs": filesystem_type(target),
+        "python": platform.python_version(),
+    }
+
+
+async def bench_storage(
+    model_dir_or_file: str | os.PathLike[str],
+    *,
+    backends: Sequence[str] = ALL_BACKENDS,
+    reads: int = 200,
+    block: int | None = None,
+    queue_depth: int = 1,
+    repeats: int = 3,
+    drop_caches: bool | None = None,
+    fio: bool = True,
+    seed: int = 0,
+    log: Any = None,
+) -> dict[str, Any]:
+    """Benchmark reader backends (and fio) on expert-shaped cold random reads; see module doc.
+
+    ``backends`` may name ``uring``, ``uring-fixed`` (io_uring with registered buffers),
+    ``threads`` and ``buffered``. ``drop_caches`` defaults to True when running as root (else
+    per-file ``posix_fadvise(DONTNEED)``). ``log`` is called with one line per pass.
+    """
+    target = Path(model_dir_or_file)
+    ext, size, source = _targets(target, block)
+    files = sorted({p for p, _, _ in ext})
+    as_root = os.geteuid() == 0
+    dropping = as_root if drop_caches is None else drop_caches
+    say = log or (lambda _msg: None)
+
+    readers: dict[str, Reader] = {}
+    skipped: dict[str, str] = {}
+    bufs = [aligned_empty(round_up(size, ALIGN) + ALIGN) for _ in range(queue_depth)]
+    for name in backends:
+        kind: ReaderKind = "uring" if name == "uring-fixed" else name  # type: ignore[assignment]
+        try:
+            r = await open_reader(kind, probe_path=files[0], queue_depth=max(queue_depth, 1))
+        except Exception as exc:  # report, do not abort the whole benchmark
+            skipped[name] = str(exc)
+            continue
+        if name == "uring-fixed" and not r.register_buffers(bufs):
+            skipped[name] = f"fixed buffers refused: {r.reason}"
+            await r.aclose()
+            continue
+        readers[name] = r
+
+    fio_path = shutil.which("fio") if fio else None
+    fio_reason = "" if fio_path else ("fio not installed (apt-get install fio)" if fio else "off")
+    engine = _fio_engine() if fio_path else ""
+    runs: dict[str, list[dict[str, float]]] = {n: [] for n in readers}
+    fio_runs: list[dict[str, Any]] = []
+    cache_how = "not dropped"
+    try:
+        for rep in range(repeats):
+            reqs = _plan(ext, source, reads, seed + rep)
+            for req in reqs:
+                if required_size(req) > bufs[0].nbytes:
+                    raise ValueError(f"extent {req} larger than the block {size}")
+            names = [*readers, "fio"]
+            k = rep % len(names)  # rotate so no backend always goes first
+            for name in names[k:] + names[:k]:
+                if dropping or not as_root:
+                    cache_how = await anyio.to_thread.run_sync(_drop_caches, files, dropping)
+                if name != "fio":
+                    c0 = time.process_time()
+                    wall = await _one_pass(readers[name], reqs, bufs)
+                    cpu = (time.process_time() - c0) / wall
+                    gb = sum(q.length for q in reqs) / 1e9
+                    runs[name].append({"gbps": gb / wall, "wall_s": wall, "cpu": cpu})
+                    say(f"pass {rep + 1} {name:12s} {gb / wall:6.2f} GB/s  cpu {cpu:5.0%}")
+                    continue
+                if not fio_path:
+                    continue
+                try:
+                    with tempfile.TemporaryDirectory(prefix="colibri-fio-") as tmp:
+                        f = await anyio.to_thread.run_sync(
+                            _fio, reqs, queue_depth, engine, Path(tmp)
+                        )
+                except (RuntimeError, ValueError, OSError, subprocess.SubprocessError) as exc:
+                    fio_reason = str(exc)
+                    fio_path = None
+                else:
+                    fio_runs.append(f)
+                    say(f"pass {rep + 1} {'fio ' + engine:12s} {f['gbps']:6.2f} GB/s")
+    finally:
+        reasons = {n: r.reason for n, r in readers.items()}
+        directs = {n: r.direct for n, r in readers.items()}
+        for r in readers.values():
+            await r.aclose()
+
+    out_backends: dict[str, Any] = {}
+    for name, rs in runs.items():
+        out_backends[name] = {
+            "gbps_median": statistics.median(x["gbps"] for x in rs),
+            "gbps_runs": [round(x["gbps"], 3) for x in rs],
+            "cpu_median": statistics.median(x["cpu"] for x in rs),
+            "direct": directs[name],
+            "reason": reasons[name],
+        }
+    best = max(out_backends, key=lambda n: out_backends[n]["gbps_median"], default=None)
+    fio_out: dict[str, Any] | None = None
+    figure: float | None = None
+    if fio_runs:
+        fio_med = statistics.median(x["gbps"] for x in fio_runs)
+        fio_out = {
+            "engine": engine,
+            "env": FIO_ENV,
+            "extents": "the same extents as the backends (iolog replay), O_DIRECT",
+            "gbps_median": fio_med,
+            "gbps_runs": [round(x["gbps"], 3) for x in fio_runs],
+            "cpu_median": statistics.median(x["cpu"] for x in fio_runs),
+        }
+        if best is not None and fio_med > 0:
+            figure = out_backends[best]["gbps_median"] / fio_med
+            fio_reason = ""
+    elif not fio_reason:
+        fio_reason = "fio produced no result"
+    return {
+        "target": str(target),
+        "files": [str(p) for p in files],
+        "extents": source,
+        "block": size,
+        "reads": reads,
+        "queue_depth": queue_depth,
+        "repeats": repeats,
+        "cache": cache_how,
+        "machine": _machine(files[0]),
+        "backends": out_backends,
+        "skipped": skipped,
+        "fio": fio_out,
+        "best_backend": best,
+        "figure": figure,
+        "figure_reason": fio_reason or None,
+    }
+
+
+def _size(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(t)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m storage.bench``: run :func:`bench_storage`, JSON on the last line."""
+    ap = argparse.ArgumentParser(prog="python -m storage.bench", description=__doc__)
+    ap.add_argument("target", help="a model directory or any big file")
+    ap.add_argument("--backends", default=",".join(ALL_BACKENDS))
+    ap.add_argument("--reads", type=int, default=200)
+    ap.add_argument("--block", type=_size, default=None, help="bytes per read (e.g. 19MiB)")
+    ap.add_argument("--qd", type=int, default=1, help="reads in flight")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-drop-caches", action="store_true")
+    ap.add_argument("--no-fio", action="store_true")
+    ap.add_argument("--create", type=_size, default=None, help="first write a test file this big")
+    args = ap.parse_args(argv)
+    target = Path(args.target)
+    if args.create and not target.exists():
+        print(f"writing {args.create >> 20} MiB test file {target}", file=sys.stderr)
+        make_test_file(target, args.create)
+    result = anyio.run(
+        lambda: bench_storage(
+            target,
+            backends=[b for b in args.backends.split(",") if b],
+            reads=args.reads,
+            block=args.block,
+            queue_depth=args.qd,
+            repeats=args.repeats,
+            drop_caches=False if args.no_drop_caches else None,
+            fio=not args.no_fio,
+            log=lambda m: print(m, file=sys.stderr, flush=True),
+        )
+    )
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

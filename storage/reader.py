@@ -1,0 +1,1156 @@
+"""Expert reads: one async interface, three backends (io_uring, thread pool, buffered).
+
+A read request names any byte extent of a file. Backends reading with O_DIRECT fetch the
+4 KiB-aligned superset of the extent straight into the caller's aligned buffer and hand back the
+view ``buf[head : head + length]`` (``head = offset - aligned_offset``): the bytes land in their
+final place and are never copied. :func:`required_size` says how big ``buf`` must be.
+
+Backends (:func:`open_reader` picks one and says why in ``reader.reason``):
+
+- ``uring``: an io_uring ring driven from the event loop. Completions signal an eventfd
+  registered with the ring, awaited with :func:`anyio.wait_readable` (asyncio and trio alike), so
+  thousands of reads in flight cost no threads. The ring is set up with raw Linux syscalls
+  (``ctypes``, x86_64) by default: the PyPI ``liburing`` wheel (2026.3.30) is compiled with
+  AVX-512 instructions and dies with SIGILL on CPUs without them, so it is only used when asked
+  for (``uring_engine="liburing"``) and after a self-test in a child process passes. Registered
+  (fixed) buffers are used for reads into buffers passed to :meth:`register_buffers`.
+- ``threads``: O_DIRECT ``os.preadv`` on a small thread pool (``anyio.to_thread`` with its own
+  ``CapacityLimiter``): for kernels or sandboxes without io_uring (Docker's default seccomp).
+- ``buffered``: the same without O_DIRECT, for filesystems that refuse it, and for tmpfs where
+  the page cache *is* the storage.
+
+Every OS-level failure is mapped to :class:`~storage.errors.ReadError` in one place
+(:func:`_read_error`); a failed read leaves the reader usable. A cancelled read never returns
+its buffer to the caller while the kernel may still write into it: the io_uring backend asks the
+kernel to cancel and waits (shielded) for the completion; thread reads finish before the
+cancellation is delivered.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import importlib
+import mmap
+import os
+import platform
+import struct
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import anyio
+import anyio.to_thread
+import numpy as np
+import numpy.typing as npt
+import structlog
+
+from storage.aligned import ALIGN, aligned_empty, round_up
+from storage.errors import ReadError
+
+__all__ = [
+    "ReadRequest",
+    "Reader",
+    "ReaderKind",
+    "ReaderStats",
+    "aligned_extent",
+    "filesystem_type",
+    "open_reader",
+    "required_size",
+]
+
+ReaderKind = Literal["auto", "uring", "threads", "buffered"]
+UringEngine = Literal["auto", "syscall", "liburing"]
+U8Array = npt.NDArray[np.uint8]
+
+_log = structlog.get_logger(__name__)
+
+# Filesystems whose files live in RAM: O_DIRECT bypasses nothing there (and some refuse it).
+_MEMORY_FS = frozenset({"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"})
+
+
+# --------------------------------------------------------------------------- requests and stats
+@dataclass(frozen=True, slots=True)
+class ReadRequest:
+    """``length`` bytes of ``path`` starting at byte ``offset`` (any alignment)."""
+
+    path: Path
+    offset: int
+    length: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, Path):
+            object.__setattr__(self, "path", Path(self.path))
+        if self.offset < 0 or self.length < 0:
+            raise ValueError(f"bad extent offset={self.offset} length={self.length}")
+
+
+def aligned_extent(req: ReadRequest, align: int = ALIGN) -> tuple[int, int, int]:
+    """``(aligned_offset, head, span)``: the aligned superset read for ``req``.
+
+    The requested bytes are ``[head, head + length)`` of the ``span`` bytes read from
+    ``aligned_offset``.
+    """
+    aligned = req.offset - req.offset % align
+    head = req.offset - aligned
+    return aligned, head, round_up(head + req.length, align)
+
+
+def required_size(req: ReadRequest, align: int = ALIGN) -> int:
+    """Bytes the destination buffer of ``req`` must hold (its aligned superset)."""
+    return aligned_extent(req, align)[2]
+
+
+@dataclass
+class ReaderStats:
+    """Counters since the reader was opened.
+
+    ``busy_seconds`` is wall time with at least one read in flight; ``wait_seconds`` sums the
+    time each read call waited (it exceeds wall time when reads overlap).
+    """
+
+    reads: int = 0
+    bytes: int = 0
+    errors: int = 0
+    short_reads_resubmitted: int = 0
+    busy_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    in_flight_peak: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        """Plain dict for JSON / metrics."""
+        return dict(self.__dict__)
+
+
+@runtime_checkable
+class Reader(Protocol):
+    """The async read interface every backend implements."""
+
+    name: str
+    """``"uring"``, ``"threads"`` or ``"buffered"``."""
+    reason: str
+    """Why this backend (and these options) were chosen; for logs and ``coli doctor``."""
+    direct: bool
+    """True when files are opened with O_DIRECT."""
+    stats: ReaderStats
+
+    async def read_into(self, req: ReadRequest, buf: U8Array) -> U8Array:
+        """Read ``req`` into ``buf`` (>= :func:`required_size` bytes, 4 KiB-aligned for direct
+        readers); return the zero-copy view of ``buf`` holding exactly ``req.length`` bytes."""
+        ...
+
+    async def read_many(
+        self, reqs: Sequence[ReadRequest], bufs: Sequence[U8Array]
+    ) -> list[U8Array]:
+        """All reads in flight at once; views in request order. Raises :class:`ReadError`
+        (after every read has finished) if any failed."""
+        ...
+
+    def register_buffers(self, bufs: Sequence[U8Array]) -> bool:
+        """Offer long-lived buffers for faster (fixed) reads; False when not used."""
+        ...
+
+    async def aclose(self) -> None:
+        """Wait for reads in flight, then release the ring, threads and file descriptors."""
+        ...
+
+
+# --------------------------------------------------------------------------- the error boundary
+def _read_error(
+    backend: str, req: ReadRequest, exc: OSError | None = None, detail: str = ""
+) -> ReadError:
+    """The one place OS-level read failures become :class:`ReadError` (raise it ``from exc``)."""
+    what = f"{backend}: reading {req.length} bytes at offset {req.offset} of {req.path} failed"
+    if exc is not None:
+        code = exc.errno
+        text = os.strerror(code) if code else str(exc)
+        what += f": [Errno {code}] {text}"
+        if code == errno.EINVAL:
+            detail = detail or (
+                "the filesystem may refuse O_DIRECT or the buffer is misaligned; "
+                "try --reader buffered"
+            )
+        elif code == errno.ENOENT:
+            detail = detail or "the file is missing: is the model directory complete?"
+        elif code == errno.EISDIR:
+            detail = detail or "the path is a directory, not a shard file"
+        elif code == errno.EIO:
+            detail = detail or "the device reported an I/O error: check the disk (dmesg)"
+    if detail:
+        what += f" ({detail})"
+    return ReadError(what)
+
+
+def _short_read_detail(fd: int, req: ReadRequest) -> str:
+    try:
+        size = os.fstat(fd).st_size
+    except OSError:
+        size = -1
+    return (
+        f"short read: the file ends at byte {size} but the extent ends at "
+        f"{req.offset + req.length}; the shard is truncated or the extent is wrong "
+        "(re-download or re-convert the model)"
+    )
+
+
+def _check_buffer(req: ReadRequest, buf: U8Array, direct: bool) -> None:
+    """Programming errors (wrong buffer) are ValueError, not ReadError."""
+    if not isinstance(buf, np.ndarray) or buf.dtype != np.uint8 or buf.ndim != 1:
+        raise ValueError("read buffers must be 1-D uint8 numpy arrays")
+    if not buf.flags.c_contiguous or not buf.flags.writeable:
+        raise ValueError("read buffers must be contiguous and writeable")
+    need = required_size(req)
+    if buf.nbytes < need:
+        raise ValueError(f"buffer of {buf.nbytes} bytes < required_size {need} for {req}")
+    if direct and buf.ctypes.data % ALIGN:
+        raise ValueError(f"O_DIRECT needs a {ALIGN}-byte aligned buffer (use aligned_empty)")
+
+
+# --------------------------------------------------------------------------- open files
+class _FileCache:
+    """path -> fd, opened once (O_DIRECT when asked) and kept until the reader closes."""
+
+    def __init__(self, direct: bool) -> None:
+        self.direct = direct
+        self._fds: dict[Path, int] = {}
+
+    def get(self, path: Path) -> int | None:
+        return self._fds.get(path)
+
+    def open(self, path: Path) -> int:
+        """Blocking open (run it in a worker thread); raises OSError."""
+        known = self._fds.get(path)
+        if known is not None:
+            return known
+        flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if self.direct else 0)
+        try:
+            fd = os.open(path, flags)
+        except OSError as exc:
+            # ext4 refuses O_DIRECT on directories with EINVAL; say what it really is.
+            if exc.errno == errno.EINVAL and path.is_dir():
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path)) from exc
+            raise
+        known = self._fds.setdefault(path, fd)
+        if known != fd:  # another task opened it meanwhile
+            os.close(fd)
+        return known
+
+    def forget(self, path: Path, fd: int) -> None:
+        """Drop a descriptor the kernel called invalid (EBADF) so the next read reopens.
+
+        It is not closed: its number may already belong to another file."""
+        if self._fds.get(path) == fd:
+            del self._fds[path]
+
+    def close_all(self) -> None:
+        for fd in self._fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._fds.clear()
+
+
+# --------------------------------------------------------------------------- shared reader logic
+class _ReaderBase:
+    """Stats, validation, fd cache and :meth:`read_many` shared by all backends."""
+
+    name: str = "?"
+
+    def __init__(self, direct: bool, reason: str, threads: int) -> None:
+        self.direct = direct
+        self.reason = reason
+        self.stats = ReaderStats()
+        self._files = _FileCache(direct)
+        self._open_limiter = anyio.CapacityLimiter(threads)
+        self._inflight = 0
+        self._busy_since = 0.0
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name} direct={self.direct}: {self.reason}>"
+
+    async def __aenter__(self) -> _ReaderBase:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def _begin(self) -> float:
+        now = time.perf_counter()
+        if self._inflight == 0:
+            self._busy_since = now
+        self._inflight += 1
+        self.stats.in_flight_peak = max(self.stats.in_flight_peak, self._inflight)
+        return now
+
+    def _end(self, t0: float) -> None:
+        now = time.perf_counter()
+        self._inflight -= 1
+        self.stats.wait_seconds += now - t0
+        if self._inflight == 0:
+            self.stats.busy_seconds += now - self._busy_since
+
+    def _prepare(self, req: ReadRequest, buf: U8Array) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self.name} reader is closed")
+        _check_buffer(req, buf, self.direct)
+
+    async def _fd(self, req: ReadRequest) -> int:
+        fd = self._files.get(req.path)
+        if fd is not None:
+            return fd
+        try:
+            return await anyio.to_thread.run_sync(
+                self._files.open, req.path, limiter=self._open_limiter
+            )
+        except OSError as exc:
+            self.stats.errors += 1
+            raise _read_error(self.name, req, exc) from exc
+
+    async def read_into(self, req: ReadRequest, buf: U8Array) -> U8Array:
+        raise NotImplementedError
+
+    async def read_many(
+        self, reqs: Sequence[ReadRequest], bufs: Sequence[U8Array]
+    ) -> list[U8Array]:
+        """All reads in flight at once; waits for every one even when some fail."""
+        if len(reqs) != len(bufs):
+            raise ValueError(f"{len(reqs)} requests but {len(bufs)} buffers")
+        for r, b in zip(reqs, bufs, strict=True):
+            self._prepare(r, b)
+        if len(reqs) == 1:
+            return [await self.read_into(reqs[0], bufs[0])]
+        out: list[U8Array | None] = [None] * len(reqs)
+        failed: list[tuple[int, ReadError]] = []
+
+        async def one(i: int) -> None:
+            try:
+                out[i] = await self.read_into(reqs[i], bufs[i])
+            except ReadError as exc:
+                failed.append((i, exc))
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(reqs)):
+                tg.start_soon(one, i)
+        if failed:
+            failed.sort(key=lambda t: t[0])
+            first = failed[0][1]
+            if len(failed) == 1:
+                raise first
+            raise ReadError(f"{len(failed)} of {len(reqs)} reads failed; first: {first}") from first
+        return [v for v in out if v is not None]
+
+    def register_buffers(self, bufs: Sequence[U8Array]) -> bool:
+        return False
+
+    def _count(self, req: ReadRequest, resubmits: int) -> None:
+        self.stats.reads += 1
+        self.stats.bytes += req.length
+        self.stats.short_reads_resubmitted += resubmits
+
+    async def aclose(self) -> None:
+        self._closed = True
+        self._files.close_all()
+
+
+# --------------------------------------------------------------------------- threads / buffered
+def _pread_full(fd: int, view: memoryview, offset: int, need: int, direct: bool) -> tuple[int, int]:
+    """preadv until ``need`` bytes are in ``view`` or EOF; returns (bytes got, resubmits)."""
+    got = 0
+    resubmits = 0
+    while got < need:
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n <= 0:
+            break
+        got += n
+        if got < need:
+            if direct and n % ALIGN:  # O_DIRECT only stops mid-block at end of file
+                break
+            resubmits += 1
+    return got, resubmits
+
+
+class _ThreadReader(_ReaderBase):
+    """``os.preadv`` in worker threads (O_DIRECT for ``threads``, page cache for ``buffered``)."""
+
+    def __init__(self, name: str, direct: bool, reason: str, threads: int) -> None:
+        super().__init__(direct, reason, threads)
+        self.name = name
+        self._limiter = anyio.CapacityLimiter(threads)
+
+    async def read_into(self, req: ReadRequest, buf: U8Array) -> U8Array:
+        self._prepare(req, buf)
+        aligned, head, span = aligned_extent(req)
+        if req.length == 0:
+            self._count(req, 0)
+            return buf[head:head]
+        fd = await self._fd(req)
+        need = head + req.length
+        view = buf.data[: span if self.direct else need]
+        t0 = self._begin()
+        try:
+            # Not abandoned on cancel: the task waits for the thread, so the buffer is free
+            # again by the time a cancellation propagates.
+            got, resubmits = await anyio.to_thread.run_sync(
+                _pread_full, fd, view, aligned, need, self.direct, limiter=self._limiter
+            )
+        except OSError as exc:
+            self.stats.errors += 1
+            if exc.errno == errno.EBADF:
+                self._files.forget(req.path, fd)
+            raise _read_error(self.name, req, exc) from exc
+        finally:
+            view.release()
+            self._end(t0)
+        if got < need:
+            self.stats.errors += 1
+            raise _read_error(self.name, req, None, _short_read_detail(fd, req))
+        self._count(req, resubmits)
+        return buf[head : head + req.length]
+
+
+# --------------------------------------------------------------------------- io_uring engines
+_NR_IO_URING_SETUP, _NR_IO_URING_ENTER, _NR_IO_URING_REGISTER = 425, 426, 427
+_OP_NOP, _OP_READ_FIXED, _OP_ASYNC_CANCEL, _OP_READ = 0, 4, 14, 22
+_ENTER_GETEVENTS = 1
+_REGISTER_BUFFERS, _UNREGISTER_BUFFERS, _REGISTER_EVENTFD = 0, 1, 4
+_FEAT_SINGLE_MMAP = 1
+_OFF_SQ_RING, _OFF_CQ_RING, _OFF_SQES = 0, 0x8000000, 0x10000000
+_SQE = struct.Struct("<BBHiQQIiQHHiQQ")  # struct io_uring_sqe, 64 bytes
+_CQE = struct.Struct("<QiI")  # struct io_uring_cqe, 16 bytes
+_MAX_FIXED_BUFFER = 1 << 30  # the kernel's per-buffer limit for registration
+_U32 = 0xFFFFFFFF
+
+
+class _SyscallRing:
+    """A minimal io_uring (setup, mmap, submit, reap) over raw syscalls via ctypes.
+
+    Only what the reader needs: READ / READ_FIXED / ASYNC_CANCEL / NOP, an eventfd and fixed
+    buffers. Shared-ring head/tail words are read and written as aligned 32-bit numpy scalars
+    (single loads/stores); x86-64's store ordering publishes an SQE before the tail that names
+    it, which is why this engine is limited to x86-64.
+    """
+
+    engine = "syscall"
+
+    def __init__(self, entries: int) -> None:
+        if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+            raise OSError(errno.ENOSYS, "the raw io_uring engine supports Linux x86-64 only")
+        self._syscall = ctypes.CDLL(None, use_errno=True).syscall
+        self._syscall.restype = ctypes.c_long
+        params = ctypes.create_string_buffer(120)  # struct io_uring_params
+        self.fd = self._call(_NR_IO_URING_SETUP, ctypes.c_long(entries), params)
+        try:
+            self._map(bytes(params.raw))
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def _call(self, nr: int, *args: Any) -> int:
+        res = int(self._syscall(ctypes.c_long(nr), *args))
+        if res < 0:
+            code = ctypes.get_errno()
+            raise OSError(code, os.strerror(code))
+        return res
+
+    def _map(self, p: bytes) -> None:
+        sq_entries, cq_entries, _, _, _, features = struct.unpack_from("<6I", p, 0)
+        sq_off = struct.unpack_from("<8I", p, 40)  # head tail mask entries flags dropped array
+        cq_off = struct.unpack_from("<8I", p, 80)  # head tail mask entries overflow cqes flags
+        self.sq_entries, self.cq_entries = sq_entries, cq_entries
+        sq_size = sq_off[6] + sq_entries * 4
+        cq_size = cq_off[5] + cq_entries * _CQE.size
+        single = bool(features & _FEAT_SINGLE_MMAP)
+        if single:
+            sq_size = cq_size = max(sq_size, cq_size)
+        flags = mmap.MAP_SHARED | mmap.MAP_POPULATE
+        prot = mmap.PROT_READ | mmap.PROT_WRITE
+        self._sq_mm = mmap.mmap(self.fd, sq_size, flags, prot, offset=_OFF_SQ_RING)
+        self._cq_mm = (
+            self._sq_mm if single else mmap.mmap(self.fd, cq_size, flags, prot, offset=_OFF_CQ_RING)
+        )
+        self._sqe_mm = mmap.mmap(self.fd, sq_entries * _SQE.size, flags, prot, offset=_OFF_SQES)
+        self._sq32: npt.NDArray[np.uint32] = np.frombuffer(self._sq_mm, dtype=np.uint32)
+        self._cq32: npt.NDArray[np.uint32] = np.frombuffer(self._cq_mm, dtype=np.uint32)
+        self._sq_head_i, self._sq_tail_i = sq_off[0] // 4, sq_off[1] // 4
+        self._sq_mask = int(self._sq32[sq_off[2] // 4])
+        self._cq_head_i, self._cq_tail_i = cq_off[0] // 4, cq_off[1] // 4
+        self._cq_mask = int(self._cq32[cq_off[2] // 4])
+        self._cqes_off = cq_off[5]
+        array = sq_off[6] // 4
+        self._sq32[array : array + sq_entries] = np.arange(sq_entries, dtype=np.uint32)
+        self._sq_tail = int(self._sq32[self._sq_tail_i])
+        self._unsubmitted = 0
+
+    def _push(self, *fields: int) -> None:
+        head = int(self._sq32[self._sq_head_i])
+        if (self._sq_tail - head) & _U32 >= self.sq_entries:
+            raise OSError(errno.EBUSY, "io_uring submission queue full")
+        _SQE.pack_into(self._sqe_mm, (self._sq_tail & self._sq_mask) * _SQE.size, *fields)
+        self._sq_tail = (self._sq_tail + 1) & _U32
+        self._sq32[self._sq_tail_i] = self._sq_tail  # publish after the SQE bytes
+        self._unsubmitted += 1
+
+    def prep_read(
+        self, fd: int, buf: U8Array, offset: int, user_data: int, buf_index: int | None
+    ) -> None:
+        op = _OP_READ if buf_index is None else _OP_READ_FIXED
+        addr = buf.ctypes.data
+        self._push(op, 0, 0, fd, offset, addr, buf.nbytes, 0, user_data, buf_index or 0,
+                   0, 0, 0, 0)  # fmt: skip
+
+    def prep_cancel(self, target: int, user_data: int) -> None:
+        self._push(_OP_ASYNC_CANCEL, 0, 0, -1, 0, target, 0, 0, user_data, 0, 0, 0, 0, 0)
+
+    def prep_nop(self, user_data: int) -> None:
+        self._push(_OP_NOP, 0, 0, -1, 0, 0, 0, 0, user_data, 0, 0, 0, 0, 0)
+
+    @property
+    def unsubmitted(self) -> int:
+        return self._unsubmitted
+
+    def submit(self, wait_nr: int = 0) -> int:
+        """io_uring_enter: hand queued SQEs to the kernel (and optionally wait for CQEs)."""
+        flags = _ENTER_GETEVENTS if wait_nr else 0
+        n = self._call(
+            _NR_IO_URING_ENTER,
+            ctypes.c_long(self.fd),
+            ctypes.c_long(self._unsubmitted),
+            ctypes.c_long(wait_nr),
+            ctypes.c_long(flags),
+            ctypes.c_void_p(None),
+            ctypes.c_long(0),
+        )
+        self._unsubmitted -= n
+        return n
+
+    def reap(self) -> list[tuple[int, int]]:
+        """Every completion now in the CQ as (user_data, res)."""
+        head = int(self._cq32[self._cq_head_i])
+        tail = int(self._cq32[self._cq_tail_i])
+        out = []
+        while head != tail:
+            ud, res, _ = _CQE.unpack_from(self._cq_mm, self._cqes_off + (head & self._cq_mask) * 16)
+            out.append((ud, res))
+            head = (head + 1) & _U32
+        self._cq32[self._cq_head_i] = head  # give the slots back after reading them
+        return out
+
+    def _register(self, opcode: int, arg: Any, nr: int) -> int:
+        return self._call(
+            _NR_IO_URING_REGISTER,
+            ctypes.c_long(self.fd),
+            ctypes.c_long(opcode),
+            arg,
+            ctypes.c_long(nr),
+        )
+
+    def register_eventfd(self, efd: int) -> None:
+        box = ctypes.c_int(efd)
+        self._register(_REGISTER_EVENTFD, ctypes.byref(box), 1)
+
+    def register_buffers(self, regions: Sequence[tuple[int, int]]) -> None:
+        iov = (ctypes.c_uint64 * (2 * len(regions)))()
+        for i, (addr, n) in enumerate(regions):
+            iov[2 * i], iov[2 * i + 1] = addr, n
+        self._register(_REGISTER_BUFFERS, iov, len(regions))
+
+    def unregister_buffers(self) -> None:
+        self._register(_UNREGISTER_BUFFERS, ctypes.c_void_p(None), 0)
+
+    def close(self) -> None:
+        del self._sq32, self._cq32  # release the buffer exports before unmapping
+        for mm in {id(m): m for m in (self._sq_mm, self._cq_mm, self._sqe_mm)}.values():
+            mm.close()
+        os.close(self.fd)
+
+
+class _LiburingRing:
+    """The same engine interface over the PyPI ``liburing`` binding (readv of an ``Iovec``).
+
+    Opt-in only (``uring_engine="liburing"``), after :func:`_liburing_selftest` passed in a
+    child process: the 2026.3.30 wheel executes AVX-512 instructions and kills the process with
+    SIGILL on CPUs without them. Fixed buffers are not offered through this engine.
+    """
+
+    engine = "liburing"
+
+    def __init__(self, entries: int) -> None:
+        self._L: Any = importlib.import_module("liburing")
+        self._ring = self._L.Ring()
+        self._L.io_uring_queue_init(entries, self._ring)
+        self._cqe = self._L.Cqe()
+        self._keep: dict[int, tuple[Any, memoryview]] = {}  # user_data -> (Iovec, view)
+        self._unsubmitted = 0
+        self.sq_entries = entries
+
+    def _sqe(self) -> Any:
+        sqe = self._L.io_uring_get_sqe(self._ring)
+        if sqe is None:
+            raise OSError(errno.EBUSY, "io_uring submission queue full")
+        self._unsubmitted += 1
+        return sqe
+
+    def prep_read(
+        self, fd: int, buf: U8Array, offset: int, user_data: int, buf_index: int | None
+    ) -> None:
+        view = buf.data
+        iov = self._L.Iovec([view])
+        sqe = self._sqe()
+        self._L.io_uring_prep_readv(sqe, fd, iov, offset)
+        self._L.io_uring_sqe_set_data64(sqe, user_data)
+        self._keep[user_data] = (iov, view)
+
+    def prep_cancel(self, target: int, user_data: int) -> None:
+        sqe = self._sqe()
+        self._L.io_uring_prep_cancel64(sqe, target, 0)
+        self._L.io_uring_sqe_set_data64(sqe, user_data)
+
+    def prep_nop(self, user_data: int) -> None:
+        sqe = self._sqe()
+        self._L.io_uring_prep_nop(sqe)
+        self._L.io_uring_sqe_set_data64(sqe, user_data)
+
+    @property
+    def unsubmitted(self) -> int:
+        return self._unsubmitted
+
+    def submit(self, wait_nr: int = 0) -> int:
+        if wait_nr:
+            n = int(self._L.io_uring_submit_and_wait(self._ring, wait_nr))
+        else:
+            n = int(self._L.io_uring_submit(self._ring))
+        self._unsubmitted = max(0, self._unsubmitted - n)
+        return n
+
+    def reap(self) -> list[tuple[int, int]]:
+        out = []
+        while True:
+            try:
+                self._L.io_uring_peek_cqe(self._ring, self._cqe)
+            except BlockingIOError:
+                break
+            c = self._cqe[0]
+            if c is None:
+                break
+            ud, res = int(c.user_data), int(c.res or 0)
+            self._L.io_uring_cqe_seen(self._ring, c)
+            self._keep.pop(ud, None)
+            out.append((ud, res))
+        return out
+
+    def register_eventfd(self, efd: int) -> None:
+        self._L.io_uring_register_eventfd(self._ring, efd)
+
+    def register_buffers(self, regions: Sequence[tuple[int, int]]) -> None:
+        raise OSError(errno.EOPNOTSUPP, "fixed buffers are not used with the liburing engine")
+
+    def unregister_buffers(self) -> None:
+        return None
+
+    def close(self) -> None:
+        self._L.io_uring_queue_exit(self._ring)
+        self._keep.clear()
+
+
+_Ring = _SyscallRing | _LiburingRing
+
+
+def _liburing_selftest(path: str | None) -> int:
+    """Child-process check that the liburing engine runs here (0 = works).
+
+    NOP round trip signalled through the eventfd, then (given a file) a readv compared byte
+    for byte with a plain read.
+    """
+    import select
+
+    ring = _LiburingRing(8)
+    efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+    ring.register_eventfd(efd)
+    ring.prep_nop(7)
+    ring.submit()
+    if not select.select([efd], [], [], 5.0)[0] or ring.reap() != [(7, 0)]:
+        return 2
+    if path:
+        buf = aligned_empty(ALIGN)
+        fd = os.open(path, os.O_RDONLY)
+        ring.prep_read(fd, buf, 0, 8, None)
+        ring.submit()
+        select.select([efd], [], [], 5.0)
+        got = ring.reap()
+        want = os.pread(fd, ALIGN, 0)
+        os.close(fd)
+        if len(got) != 1 or got[0][1] != len(want) or bytes(buf[: len(want)]) != want:
+            return 3
+    ring.close()
+    return 0
+
+
+async def _liburing_usable(probe_file: Path | None) -> str | None:
+    """None when the liburing engine passes its self-test in a child process, else why not."""
+    root = str(Path(__file__).resolve().parents[1])
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); "
+        "from storage.reader import _liburing_selftest; "
+        "raise SystemExit(_liburing_selftest(sys.argv[2] or None))"
+    )
+    argv = [sys.executable, "-c", code, root, str(probe_file or "")]
+    try:
+        with anyio.fail_after(60):
+            proc = await anyio.run_process(argv, check=False)
+    except (OSError, TimeoutError) as exc:
+        return f"liburing self-test could not run: {exc}"
+    rc = proc.returncode
+    if rc == 0:
+        return None
+    if rc == -4:
+        return (
+            "liburing binding died with SIGILL (the wheel uses CPU instructions, e.g. AVX-512, "
+            "that this CPU lacks)"
+        )
+    tail = proc.stderr.decode(errors="replace").strip().splitlines()[-1:] or [""]
+    return f"liburing self-test failed (exit {rc}) {tail[0]}".strip()
+
+
+# --------------------------------------------------------------------------- io_uring reader
+class _Op:
+    """One request in flight: where it goes, how far it got, who waits for it."""
+
+    __slots__ = (
+        "aligned", "buf", "buf_index", "cancelled", "done", "errno", "fd", "got", "head",
+        "need", "req", "resubmits", "user_data", "waker", "want",
+    )  # fmt: skip
+
+    def __init__(self, req: ReadRequest, buf: U8Array, fd: int, direct: bool, ud: int) -> None:
+        self.req = req
+        self.fd = fd
+        self.buf = buf
+        self.user_data = ud
+        self.aligned, self.head, span = aligned_extent(req)
+        self.need = self.head + req.length
+        self.want = span if direct else self.need
+        self.got = 0
+        self.errno = 0
+        self.resubmits = 0
+        self.buf_index: int | None = None
+        self.cancelled = False
+        self.done = False
+        self.waker: anyio.Event | None = None
+
+
+class _UringReader(_ReaderBase):
+    """Reads submitted to an io_uring ring; completions reaped on the event loop.
+
+    There is no background task: whichever awaiting read finds nobody reaping becomes the
+    reaper (waits on the eventfd, drains the CQ, wakes finished reads) until its own read is
+    done, then hands the role to another waiting read.
+    """
+
+    name = "uring"
+
+    def __init__(self, ring: _Ring, depth: int, direct: bool, reason: str, threads: int) -> None:
+        super().__init__(direct, reason, threads)
+        self._ring = ring
+        self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        try:
+            ring.register_eventfd(self._efd)
+        except BaseException:
+            os.close(self._efd)
+            raise
+        self.depth = depth
+        self._slots = anyio.Semaphore(depth)
+        self._ops: dict[int, _Op] = {}
+        self._cancels: set[int] = set()
+        self._next_ud = 1
+        self._reaping = False
+        self._fixed: list[tuple[int, int]] = []  # registered (start, end) addresses by index
+        self._fixed_keep: list[U8Array] = []
+        self.fixed_buffers = False
+
+    @property
+    def engine(self) -> str:
+        """Which io_uring engine drives the ring (``syscall`` or ``liburing``)."""
+        return self._ring.engine
+
+    # ---- fixed buffers
+    def register_buffers(self, bufs: Sequence[U8Array]) -> bool:
+        """Register long-lived buffers; reads landing inside them use READ_FIXED.
+
+        Returns False (and says why in ``reason``) when the kernel refuses, e.g. ENOMEM when
+        RLIMIT_MEMLOCK is too small for an unprivileged user.
+        """
+        if self._ops:
+            raise RuntimeError("register_buffers() while reads are in flight")
+        regions: list[tuple[int, int]] = []
+        for b in bufs:
+            addr, n = b.ctypes.data, b.nbytes
+            for start in range(0, n, _MAX_FIXED_BUFFER):
+                regions.append((addr + start, min(_MAX_FIXED_BUFFER, n - start)))
+        if self._fixed:
+            self._ring.unregister_buffers()
+            self._fixed, self._fixed_keep, self.fixed_buffers = [], [], False
+        if not regions:
+            return False
+        try:
+            self._ring.register_buffers(regions)
+        except OSError as exc:
+            memlock = exc.errno == errno.ENOMEM
+            hint = " (RLIMIT_MEMLOCK too small: raise `ulimit -l`)" if memlock else ""
+            self.reason += f"; fixed buffers refused: {exc.strerror}{hint} -> plain reads"
+            _log.info("io_uring fixed buffers refused", error=str(exc))
+            return False
+        self._fixed = [(a, a + n) for a, n in regions]
+        self._fixed_keep = list(bufs)
+        self.fixed_buffers = True
+        total = sum(n for _, n in regions)
+        self.reason += f"; fixed buffers registered ({len(regions)} regions, {total >> 20} MiB)"
+        return True
+
+    def _fixed_index(self, addr: int, n: int) -> int | None:
+        for i, (lo, hi) in enumerate(self._fixed):
+            if lo <= addr and addr + n <= hi:
+                return i
+        return None
+
+    # ---- submission and completion
+    def _ud(self) -> int:
+        ud = self._next_ud
+        self._next_ud = (ud + 1) & ((1 << 62) - 1) or 1
+        return ud
+
+    def _prep(self, op: _Op) -> None:
+        part = op.buf[op.got : op.want]
+        if op.buf_index is None and self._fixed:
+            op.buf_index = self._fixed_index(op.buf.ctypes.data, op.want)
+        self._ring.prep_read(op.fd, part, op.aligned + op.got, op.user_data, op.buf_index)
+
+    def _flush(self) -> None:
+        """Submit queued SQEs; transient kernel refusals are retried by the next flush."""
+        while self._ring.unsubmitted:
+            try:
+                if self._ring.submit() == 0:
+                    return
+            except OSError as exc:
+                if exc.errno == errno.EINTR:
+                    continue
+                if exc.errno in (errno.EAGAIN, errno.EBUSY):
+                    return
+                raise
+
+    def _complete(self, ud: int, res: int) -> None:
+        if ud in self._cancels:
+            self._cancels.discard(ud)
+            return
+        op = self._ops.get(ud)
+        if op is None:
+            return
+        if res < 0:
+            op.errno = -res
+        elif res > 0:
+            op.got += res
+            short = op.got < op.need
+            # O_DIRECT stops mid-block only at end of file; 0 bytes is end of file too.
+            if short and not op.cancelled and not (self.direct and res % ALIGN):
+                op.resubmits += 1
+                self._prep(op)
+                return
+        del self._ops[ud]
+        op.done = True
+        if op.waker is not None:
+            op.waker.set()
+
+    def _reap(self) -> None:
+        for ud, res in self._ring.reap():
+            self._complete(ud, res)
+        self._flush()
+
+    def _drain_eventfd(self) -> None:
+        try:
+            os.eventfd_read(self._efd)
+        except BlockingIOError:
+            pass
+
+    async def _wait(self, op: _Op) -> None:
+        """Until ``op`` completes: follow the reaper, or be it."""
+        while not op.done:
+            if self._reaping:
+                op.waker = anyio.Event()
+                try:
+                    await op.waker.wait()
+                finally:
+                    op.waker = None
+                continue
+            self._reaping = True
+            try:
+                while not op.done:
+                    self._reap()
+                    if op.done:
+                        break
+                    if self._ring.unsubmitted:  # kernel said "busy": poll until it takes them
+                        with anyio.move_on_after(0.001):
+                            await anyio.wait_readable(self._efd)
+                    else:
+                        await anyio.wait_readable(self._efd)
+                    self._drain_eventfd()
+            finally:
+                self._reaping = False
+                self._hand_off()
+
+    async def _drain_all(self) -> None:
+        """Until no read is in flight (aclose racing reads that other tasks still await)."""
+        while self._ops:
+            if self._reaping:
+                await anyio.sleep(0.001)
+                continue
+            self._reaping = True
+            try:
+                self._reap()
+                if self._ops:
+                    with anyio.move_on_after(0.01):
+                        await anyio.wait_readable(self._efd)
+                    self._drain_eventfd()
+            finally:
+                self._reaping = False
+                self._hand_off()
+
+    def _hand_off(self) -> None:
+        for other in self._ops.values():
+            if other.waker is not None:
+                other.waker.set()
+                return
+
+    def _cancel(self, op: _Op) -> None:
+        op.cancelled = True
+        cud = self._ud()
+        self._cancels.add(cud)
+        self._ring.prep_cancel(op.user_data, cud)
+        self._flush()
+
+    async def read_into(self, req: ReadRequest, buf: U8Array) -> U8Array:
+        self._prepare(req, buf)
+        if req.length == 0:
+            head = aligned_extent(req)[1]
+            self._count(req, 0)
+            return buf[head:head]
+        fd = await self._fd(req)
+        async with self._slots:
+            op = _Op(req, buf, fd, self.direct, self._ud())
+            t0 = self._begin()
+            try:
+                self._ops[op.user_data] = op
+                try:
+                    self._prep(op)
+                    self._flush()
+                except OSError as exc:
+                    self._ops.pop(op.user_data, None)
+                    self.stats.errors += 1
+                    raise _read_error(self.name, req, exc, "io_uring submission failed") from exc
+                try:
+                    await self._wait(op)
+                except BaseException:
+                    # Cancelled (or the loop is going down): the kernel may still be writing
+                    # into buf, so ask it to stop and wait for the completion, shielded.
+                    with anyio.CancelScope(shield=True):
+                        if not op.done:
+                            self._cancel(op)
+                        await self._wait(op)
+                    raise
+            finally:
+                self._end(t0)
+        if op.errno:
+            self.stats.errors += 1
+            if op.errno == errno.EBADF:
+                self._files.forget(req.path, fd)
+            err = OSError(op.errno, os.strerror(op.errno))
+            raise _read_error(self.name, req, err) from err
+        if op.got < op.need:
+            self.stats.errors += 1
+            raise _read_error(self.name, req, None, _short_read_detail(fd, req))
+        self._count(req, op.resubmits)
+        return buf[op.head : op.head + req.length]
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            await self._drain_all()
+        if self._fixed:
+            try:
+                self._ring.unregister_buffers()
+            except OSError:
+                pass
+        self._ring.close()
+        os.close(self._efd)
+        self._files.close_all()
+
+
+# --------------------------------------------------------------------------- choosing a backend
+def filesystem_type(path: str | os.PathLike[str]) -> str:
+    """Filesystem type holding ``path`` (longest matching mount point in /proc/mounts)."""
+    try:
+        real = os.path.realpath(path)
+        best, fstype = "", "unknown"
+        with open("/proc/mounts", encoding="utf-8") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mnt = parts[1].replace("\\040", " ")
+                inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
+                if inside and len(mnt) >= len(best):
+                    best, fstype = mnt, parts[2]
+        return fstype
+    except OSError:
+        return "unknown"
+
+
+def _probe_file(probe_path: Path | None) -> Path | None:
+    """A regular, non-empty file at or under ``probe_path`` to try O_DIRECT on."""
+    if probe_path is None:
+        return None
+    if probe_path.is_file():
+        return probe_path
+    if probe_path.is_dir():
+        try:
+            names = sorted(probe_path.iterdir(), key=lambda p: (p.suffix != ".safetensors", p))
+        except OSError:
+            return None
+        for p in names:
+            try:
+                if p.is_file() and p.stat().st_size > 0:
+                    return p
+            except OSError:
+                continue
+    return None
+
+
+def _try_direct(path: Path) -> str | None:
+    """None when an O_DIRECT open + aligned read of ``path`` works, else the error text."""
+    buf = aligned_empty(ALIGN)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
+    except OSError as exc:
+        return f"O_DIRECT open refused ({exc.strerror})"
+    try:
+        os.preadv(fd, [buf.data], 0)
+    except OSError as exc:
+        return f"O_DIRECT read refused ({exc.strerror})"
+    finally:
+        os.close(fd)
+    return None
+
+
+def _open_ring(entries: int, engine: Literal["syscall", "liburing"]) -> _Ring:
+    ring: _Ring = _SyscallRing(entries) if engine == "syscall" else _LiburingRing(entries)
+    try:  # a NOP round trip proves submit + complete work (seccomp may allow setup only)
+        ring.prep_nop(0)
+        ring.submit(wait_nr=1)
+        if [ud for ud, _ in ring.reap()] != [0]:
+            raise OSError(errno.EIO, "io_uring NOP did not complete")
+    except BaseException:
+        ring.close()
+        raise
+    return ring
+
+
+async def open_reader(
+    kind: ReaderKind = "auto",
+    *,
+    direct: bool | None = None,
+    probe_path: Path | str | None = None,
+    queue_depth: int = 64,
+    threads: int = 4,
+    uring_engine: UringEngine = "auto",
+    fixed_buffers: Sequence[U8Array] = (),
+) -> Reader:
+    """Open a reader; ``kind="auto"`` picks the best backend that works on ``probe_path``.
+
+    ``probe_path`` (a shard or the model directory) is where O_DIRECT is tried: memory-backed
+    filesystems (tmpfs) get ``buffered``, a refused O_DIRECT open or read gets ``buffered``,
+    otherwise ``uring`` when an io_uring ring can be set up and completes a NOP, else
+    ``threads``. ``direct`` overrides the O_DIRECT decision. An explicit ``kind`` that cannot
+    work raises :class:`ReadError` naming why. The choice and the reason are logged and kept in
+    ``reader.reason``. ``fixed_buffers`` (e.g. a :class:`~storage.aligned.SlabPool` region)
+    are registered with the ring for READ_FIXED when the kernel allows.
+    """
+    if kind not in ("auto", "uring", "threads", "buffered"):
+        raise ValueError(f"unknown reader kind {kind!r}")
+    if kind == "buffered" and direct:
+        raise ValueError("the buffered reader never uses O_DIRECT")
+    if queue_depth < 1 or threads < 1:
+        raise ValueError("queue_depth and threads must be >= 1")
+    probe = Path(probe_path) if probe_path is not None else None
+    why: list[str] = []
+
+    if kind == "buffered":
+        direct = False
+        why.append("buffered reads requested")
+    elif direct is None:
+        pfile = _probe_file(probe)
+        fstype = filesystem_type(probe) if probe is not None else "unknown"
+        if probe is not None and fstype in _MEMORY_FS:
+            direct = False
+            why.append(f"{probe} is on {fstype} (RAM): O_DIRECT bypasses nothing there")
+        elif pfile is not None:
+            refused = await anyio.to_thread.run_sync(_try_direct, pfile)
+            direct = refused is None
+            why.append(
+                f"O_DIRECT works on {fstype} ({pfile.name})"
+                if direct
+                else f"{refused} on {fstype} ({pfile})"
+            )
+        else:
+            direct = True
+            why.append("O_DIRECT assumed (no file to probe)")
+    else:
+        why.append(f"O_DIRECT {'on' if direct else 'off'} as requested")
+
+    reader: _ReaderBase
+    want_ring = kind == "uring" or (kind == "auto" and direct)
+    ring_error = ""
+    if want_ring:
+        engines: list[Literal["syscall", "liburing"]] = (
+            ["liburing"] if uring_engine == "liburing" else ["syscall"]
+        )
+        for engine in engines:
+            if engine == "liburing":
+                broken = await _liburing_usable(_probe_file(probe))
+                if broken is not None:
+                    ring_error = broken
+                    continue
+            note = f"io_uring ring via {engine} engine, queue depth {queue_depth}"
+            try:
+                ring = _open_ring(2 * queue_depth, engine)
+            except (OSError, ImportError) as exc:
+                ring_error = f"io_uring ({engine}) unavailable: {exc}"
+                continue
+            try:
+                reader = _UringReader(
+                    ring, queue_depth, bool(direct), "; ".join([*why, note]), threads
+                )
+            except OSError as exc:  # eventfd creation or registration refused
+                ring.close()
+                ring_error = f"io_uring ({engine}) eventfd unavailable: {exc}"
+                continue
+            break
+        else:
+            if kind == "uring":
+                raise ReadError(f"{ring_error}; use --reader threads")
+            why.append(f"{ring_error} -> threads")
+            reader = _ThreadReader("threads", True, "; ".join(why), threads)
+    elif kind == "threads" or (kind == "auto" and direct):
+        why.append(f"thread pool of {threads}")
+        reader = _ThreadReader("threads", bool(direct), "; ".join(why), threads)
+    else:
+        why.append(f"page-cache reads on a thread pool of {threads}")
+        reader = _ThreadReader("buffered", False, "; ".join(why), threads)
+
+    if fixed_buffers:
+        reader.register_buffers(fixed_buffers)
+    _log.info("storage reader", backend=reader.name, direct=reader.direct, reason=reader.reason)
+    return reader

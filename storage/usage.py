@@ -1,0 +1,248 @@
+"""``.coli_usage``: cumulative routing counts per (layer, expert), kept beside the model.
+
+Text layout (the C engine's, so files move between the two)::
+
+    -1 <n_layers> <n_experts>
+    -2 <version=1> <engine id>
+    <layer> <expert> <count>        # one line per expert with a non-zero count
+
+Saves are atomic (temporary file in the same directory, fsync, rename, fsync of the directory),
+so a crash leaves the old file or the new one, never a mix. A file that does not parse, has other
+dimensions, another version or another engine id is never trusted: it is renamed aside to
+``<name>.bad-<timestamp>`` with a warning, and counting starts afresh.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import anyio.to_thread
+import numpy as np
+import numpy.typing as npt
+import structlog
+
+from storage.errors import UsageFileError
+
+__all__ = [
+    "USAGE_FILE",
+    "USAGE_VERSION",
+    "UsageCounts",
+    "asave_usage",
+    "format_usage",
+    "load_usage",
+    "parse_usage",
+    "save_usage",
+]
+
+USAGE_FILE = ".coli_usage"
+USAGE_VERSION = 1
+
+_log = structlog.get_logger(__name__)
+
+
+class UsageCounts:
+    """Selection counts ``counts[layer, expert]`` (int64), cumulative across sessions."""
+
+    def __init__(self, n_layers: int, n_experts: int) -> None:
+        if n_layers <= 0 or n_experts <= 0:
+            raise ValueError(f"need n_layers > 0 and n_experts > 0, got {n_layers}, {n_experts}")
+        self.n_layers = n_layers
+        self.n_experts = n_experts
+        self.counts: npt.NDArray[np.int64] = np.zeros((n_layers, n_experts), dtype=np.int64)
+
+    def __repr__(self) -> str:
+        return f"UsageCounts({self.n_layers}x{self.n_experts}, total={self.total})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, UsageCounts):
+            return NotImplemented
+        return self.counts.shape == other.counts.shape and bool(
+            np.array_equal(self.counts, other.counts)
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # mutable
+
+    def add(self, layer: int, expert_ids: npt.ArrayLike) -> None:
+        """Count one selection per id (repeats count repeatedly: one per routed token)."""
+        if not 0 <= layer < self.n_layers:
+            raise ValueError(f"layer {layer} outside [0, {self.n_layers})")
+        ids = np.asarray(expert_ids, dtype=np.int64).ravel()
+        if ids.size and (ids.min() < 0 or ids.max() >= self.n_experts):
+            raise ValueError(f"expert ids outside [0, {self.n_experts}) for layer {layer}")
+        self.counts[layer] += np.bincount(ids, minlength=self.n_experts)
+
+    @property
+    def total(self) -> int:
+        """All selections counted."""
+        return int(self.counts.sum())
+
+    def top(self, n: int) -> list[tuple[int, int, int]]:
+        """The ``n`` most selected ``(layer, expert, count)``; ties by (layer, expert)."""
+        flat = self.counts.ravel()
+        n = max(0, min(n, flat.size))
+        # lexsort's last key is primary: count descending, then flat index ascending
+        order = np.lexsort((np.arange(flat.size), -flat))[:n]
+        return [(int(i // self.n_experts), int(i % self.n_experts), int(flat[i])) for i in order]
+
+    def decay(self, factor: float) -> None:
+        """Multiply every count by ``factor`` in [0, 1] (rounding down) so old habits fade."""
+        if not 0.0 <= factor <= 1.0:
+            raise ValueError(f"decay factor must be in [0, 1], got {factor}")
+        self.counts = np.floor(self.counts * factor).astype(np.int64)
+
+    def copy(self) -> UsageCounts:
+        """An independent copy (e.g. a snapshot to save while counting goes on)."""
+        c = UsageCounts(self.n_layers, self.n_experts)
+        c.counts = self.counts.copy()
+        return c
+
+
+def _check_engine_id(engine_id: str) -> None:
+    if not engine_id or any(ch.isspace() for ch in engine_id):
+        raise ValueError(f"engine id must be non-empty without whitespace, got {engine_id!r}")
+
+
+def format_usage(counts: UsageCounts, engine_id: str) -> str:
+    """The file text for ``counts`` (non-zero entries only, in (layer, expert) order)."""
+    _check_engine_id(engine_id)
+    lines = [f"-1 {counts.n_layers} {counts.n_experts}", f"-2 {USAGE_VERSION} {engine_id}"]
+    layers, experts = np.nonzero(counts.counts)
+    vals = counts.counts[layers, experts]
+    lines += [f"{lay} {e} {c}" for lay, e, c in zip(layers, experts, vals, strict=True)]
+    return "\n".join(lines) + "\n"
+
+
+def parse_usage(text: str, n_layers: int, n_experts: int, engine_id: str) -> UsageCounts:
+    """Parse and validate file text; raises :class:`UsageFileError` saying what is wrong."""
+    if not text.endswith("\n"):
+        raise UsageFileError("the last line is incomplete (file truncated)")
+    lines = text.split("\n")[:-1]
+    if len(lines) < 2:
+        raise UsageFileError("missing header lines")
+    head = lines[0].split()
+    if len(head) != 3 or head[0] != "-1":
+        raise UsageFileError(f"line 1 should be '-1 <n_layers> <n_experts>', got {lines[0]!r}")
+    try:
+        dims = (int(head[1]), int(head[2]))
+    except ValueError:
+        raise UsageFileError(f"line 1 has non-integer dimensions: {lines[0]!r}") from None
+    if dims != (n_layers, n_experts):
+        raise UsageFileError(
+            f"dimensions {dims[0]}x{dims[1]} do not match this model's {n_layers}x{n_experts}"
+        )
+    ver = lines[1].split()
+    if len(ver) != 3 or ver[0] != "-2":
+        raise UsageFileError(f"line 2 should be '-2 <version> <engine id>', got {lines[1]!r}")
+    if ver[1] != str(USAGE_VERSION):
+        raise UsageFileError(f"version {ver[1]!r} is not {USAGE_VERSION}")
+    if ver[2] != engine_id:
+        raise UsageFileError(f"engine id {ver[2]!r} is not this model's {engine_id!r}")
+    counts = UsageCounts(n_layers, n_experts)
+    seen = np.zeros((n_layers, n_experts), dtype=bool)
+    for no, line in enumerate(lines[2:], start=3):
+        parts = line.split()
+        try:
+            if len(parts) != 3:
+                raise ValueError
+            layer, expert, count = (int(x) for x in parts)
+        except ValueError:
+            raise UsageFileError(f"line {no} is not '<layer> <expert> <count>': {line!r}") from None
+        if not (0 <= layer < n_layers and 0 <= expert < n_experts) or count < 0:
+            raise UsageFileError(f"line {no} is out of range: {line!r}")
+        if seen[layer, expert]:
+            raise UsageFileError(f"line {no} repeats layer {layer} expert {expert}")
+        seen[layer, expert] = True
+        counts.counts[layer, expert] = count
+    return counts
+
+
+def _set_aside(path: Path) -> Path | None:
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    for k in range(1000):
+        dest = path.with_name(f"{path.name}.bad-{stamp}" + (f"-{k}" if k else ""))
+        if not dest.exists():
+            try:
+                os.replace(path, dest)
+            except OSError:
+                return None
+            return dest
+    return None
+
+
+def load_usage(
+    path: str | os.PathLike[str], n_layers: int, n_experts: int, engine_id: str
+) -> UsageCounts | None:
+    """Counts from ``path``, or None (with a warning) when missing, unreadable or damaged.
+
+    A damaged or mismatched file is renamed aside to ``<name>.bad-<timestamp>`` so it is never
+    trusted and never silently overwritten.
+    """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="ascii")
+    except FileNotFoundError:
+        _log.warning("no usage history yet; counting starts now", path=str(p))
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        problem = f"unreadable: {exc}"
+    else:
+        try:
+            return parse_usage(text, n_layers, n_experts, engine_id)
+        except UsageFileError as exc:
+            problem = str(exc)
+    aside = _set_aside(p)
+    _log.warning(
+        "usage file ignored; counting starts afresh",
+        path=str(p),
+        problem=problem,
+        moved_to=str(aside) if aside else "(could not rename it)",
+    )
+    return None
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_usage(path: str | os.PathLike[str], counts: UsageCounts, engine_id: str) -> None:
+    """Write atomically: temp file in the same directory, fsync, rename, fsync the directory.
+
+    Raises :class:`UsageFileError` when the disk refuses (full, read-only, permissions).
+    """
+    p = Path(path)
+    text = format_usage(counts, engine_id)
+    tmp: str | None = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+        tmp = None
+        _fsync_dir(p.parent)
+    except OSError as exc:
+        raise UsageFileError(f"cannot save usage counts to {p}: {exc}") from exc
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+
+async def asave_usage(path: str | os.PathLike[str], counts: UsageCounts, engine_id: str) -> None:
+    """:func:`save_usage` in a worker thread so the event loop never waits on fsync.
+
+    The counts are snapshotted first, so counting may continue while the save runs. (anyio's
+    threads rather than aiofiles: aiofiles runs on asyncio only, the engine also runs on trio.)
+    """
+    snap = counts.copy()
+    await anyio.to_thread.run_sync(save_usage, path, snap, engine_id)

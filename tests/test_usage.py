@@ -1,0 +1,202 @@
+"""``.coli_usage``: round trip, crash safety under SIGKILL, damaged files set aside."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import structlog
+
+from storage.errors import UsageFileError
+from storage.usage import (
+    USAGE_FILE,
+    UsageCounts,
+    asave_usage,
+    format_usage,
+    load_usage,
+    parse_usage,
+    save_usage,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+L, E, ENGINE = 6, 16, "glm_moe_dsa-abc123"
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def _sample(seed: int = 0) -> UsageCounts:
+    rng = np.random.default_rng(seed)
+    u = UsageCounts(L, E)
+    for layer in range(L):
+        u.add(layer, rng.integers(0, E, 40))
+    return u
+
+
+def test_counts_add_total_top_decay() -> None:
+    u = UsageCounts(3, 4)
+    u.add(0, [1, 1, 2])
+    u.add(2, np.array([3]))
+    u.add(1, [])
+    assert u.total == 4
+    assert u.counts[0].tolist() == [0, 2, 1, 0]
+    assert u.top(2) == [(0, 1, 2), (0, 2, 1)]
+    assert u.top(3)[2] == (2, 3, 1)  # ties broken by (layer, expert)
+    assert len(u.top(100)) == 12
+    u.add(0, [1] * 9)
+    u.decay(0.5)
+    assert u.counts[0, 1] == 5 and u.counts[0, 2] == 0 and u.total == 5
+    with pytest.raises(ValueError):
+        u.add(3, [0])
+    with pytest.raises(ValueError):
+        u.add(0, [4])
+    with pytest.raises(ValueError):
+        u.decay(1.5)
+
+
+def test_round_trip(tmp_path: Path) -> None:
+    u = _sample()
+    p = tmp_path / USAGE_FILE
+    save_usage(p, u, ENGINE)
+    text = p.read_text()
+    assert text.startswith(f"-1 {L} {E}\n-2 1 {ENGINE}\n")
+    back = load_usage(p, L, E, ENGINE)
+    assert back == u
+    assert [x.name for x in tmp_path.iterdir()] == [USAGE_FILE]  # no temp file left
+    # an empty history is a valid file too
+    save_usage(p, UsageCounts(L, E), ENGINE)
+    assert load_usage(p, L, E, ENGINE) == UsageCounts(L, E)
+
+
+def test_c_engine_text_parses() -> None:
+    text = "-1 2 3\n-2 1 eng\n0 2 7\n1 0 12345678901\n"
+    u = parse_usage(text, 2, 3, "eng")
+    assert u.counts.tolist() == [[0, 0, 7], [12345678901, 0, 0]]
+    assert format_usage(u, "eng") == text
+
+
+@pytest.mark.anyio
+async def test_async_save(tmp_path: Path) -> None:
+    u = _sample(1)
+    p = tmp_path / USAGE_FILE
+    await asave_usage(p, u, ENGINE)
+    assert load_usage(p, L, E, ENGINE) == u
+
+
+def test_missing_file_is_none_with_warning(tmp_path: Path) -> None:
+    with structlog.testing.capture_logs() as logs:
+        assert load_usage(tmp_path / USAGE_FILE, L, E, ENGINE) is None
+    assert any("no usage history" in e["event"] for e in logs)
+
+
+def _damaged(good: str) -> dict[str, str]:
+    lines = good.split("\n")
+    return {
+        "truncated line": good[:-3],
+        "truncated count": "\n".join([*lines[:3], lines[3].rsplit(" ", 1)[0], ""]),
+        "wrong dims": good.replace(f"-1 {L} {E}", f"-1 {L} {E + 1}", 1),
+        "wrong version": good.replace(f"-2 1 {ENGINE}", f"-2 2 {ENGINE}", 1),
+        "other engine": good.replace(f"-2 1 {ENGINE}", "-2 1 other-model", 1),
+        "garbage": "\x00\x01garbage\nnot a usage file\n",
+        "binary": "\xff\xfe\xfd",
+        "out of range": good + f"{L} 0 5\n",
+        "negative": good + "0 0 -5\n",
+        "duplicate": good + lines[2] + "\n",
+        "empty": "",
+        "header only half": f"-1 {L} {E}\n",
+    }
+
+
+@pytest.mark.parametrize("case", list(_damaged("x\ny\nz\nw\n")))
+def test_damaged_files_are_set_aside(tmp_path: Path, case: str) -> None:
+    good = format_usage(_sample(2), ENGINE)
+    bad = _damaged(good)[case]
+    p = tmp_path / USAGE_FILE
+    p.write_bytes(bad.encode("latin-1"))
+    with structlog.testing.capture_logs() as logs:
+        assert load_usage(p, L, E, ENGINE) is None
+    assert not p.exists()
+    aside = [x for x in tmp_path.iterdir() if x.name.startswith(f"{USAGE_FILE}.bad-")]
+    assert len(aside) == 1 and aside[0].read_bytes() == bad.encode("latin-1")
+    warn = [e for e in logs if e["log_level"] == "warning"]
+    assert warn and warn[0]["problem"] and warn[0]["moved_to"] == str(aside[0])
+    # the engine then starts afresh and saves a good file
+    save_usage(p, _sample(3), ENGINE)
+    assert load_usage(p, L, E, ENGINE) == _sample(3)
+
+
+def test_parse_errors_say_what_is_wrong() -> None:
+    good = format_usage(_sample(2), ENGINE)
+    with pytest.raises(UsageFileError, match="do not match this model"):
+        parse_usage(good, L + 1, E, ENGINE)
+    with pytest.raises(UsageFileError, match="engine id"):
+        parse_usage(good, L, E, "another")
+    with pytest.raises(UsageFileError, match="truncated"):
+        parse_usage(good[:-1], L, E, ENGINE)
+
+
+def test_save_failure_is_usage_file_error(tmp_path: Path) -> None:
+    with pytest.raises(UsageFileError, match="cannot save"):
+        save_usage(tmp_path / "no-such-dir" / USAGE_FILE, _sample(), ENGINE)
+    with pytest.raises(ValueError):
+        save_usage(tmp_path / USAGE_FILE, _sample(), "has space")
+
+
+_WRITER = textwrap.dedent(
+    """
+    import sys, numpy as np
+    sys.path.insert(0, sys.argv[1])
+    from storage.usage import UsageCounts, save_usage
+    L, E = 75, 256
+    base = np.arange(1, L * E + 1, dtype=np.int64).reshape(L, E)
+    k = 1
+    while True:
+        u = UsageCounts(L, E)
+        u.counts = base * k
+        save_usage(sys.argv[2], u, "eng")
+        if k == 1:
+            print("saved", flush=True)
+        k += 1
+    """
+)
+
+
+def test_sigkill_during_save_never_leaves_a_broken_file(tmp_path: Path) -> None:
+    """A writer saving in a loop is SIGKILLed at random points: always an old or new file."""
+    p = tmp_path / USAGE_FILE
+    base = np.arange(1, 75 * 256 + 1, dtype=np.int64).reshape(75, 256)
+    rng = random.Random(42)
+    seen: set[int] = set()
+    for _ in range(10):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _WRITER, str(ROOT), str(p)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "saved"
+        try:
+            signal_at = rng.uniform(0.0, 0.05)
+            proc.wait(timeout=signal_at)
+        except subprocess.TimeoutExpired:
+            pass
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+        with structlog.testing.capture_logs() as logs:
+            u = load_usage(p, 75, 256, "eng")
+        assert u is not None, logs
+        k = int(u.counts[0, 0])
+        assert k >= 1 and np.array_equal(u.counts, base * k)
+        seen.add(k)
+    assert not [x for x in tmp_path.iterdir() if ".bad-" in x.name]
+    assert len(seen) > 1  # the kills really landed at different points
