@@ -9,6 +9,7 @@ COLI_MODEL         --model             model
 COLI_RAM           --ram               ram_budget
 COLI_READER        --reader            reader
 COLI_PREFETCH      --prefetch/--no-    prefetch
+COLI_STATE_DIR     --state-dir         state_dir
 COLI_LOG_FORMAT    --log-format        (logging: console|json)
 =================  ==================  ======================
 """
@@ -32,6 +33,7 @@ ENV_VARS = {
     "COLI_RAM": "ram_budget",
     "COLI_READER": "reader",
     "COLI_PREFETCH": "prefetch",
+    "COLI_STATE_DIR": "state_dir",
     "COLI_LOG_FORMAT": "log_format",
 }
 
@@ -72,6 +74,12 @@ class EngineOptions(BaseModel):
     reader: Literal["auto", "uring", "threads", "buffered"] = "auto"
     prefetch: bool = True
     kv_reserve_tokens: int = 4096
+    state_dir: Path | None = None
+    pin: bool = True
+    pin_fraction: float = 0.5
+    pin_min_selections: int = 5000
+    repin: bool = False
+    learn: bool = True
 
     @field_validator("ram_budget", mode="before")
     @classmethod
@@ -82,6 +90,16 @@ class EngineOptions(BaseModel):
 
     def resolved_model(self) -> Path:
         return self.model if self.model is not None else default_model_path()
+
+    def resolved_state_dir(self) -> Path:
+        """Where `.coli_usage` / `.coli_kv*` live: ``state_dir``, else the model directory when
+        writable, else ``~/.cache/colibri/<model dir name>``."""
+        if self.state_dir is not None:
+            return self.state_dir
+        model = self.resolved_model()
+        if os.access(model, os.W_OK) and model.resolve() != default_model_path():
+            return model
+        return Path.home() / ".cache" / "colibri" / model.resolve().name
 
 
 def env_defaults(environ: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -19,11 +19,16 @@ import anyio.from_thread
 import anyio.to_thread
 import numpy as np
 import numpy.typing as npt
-from storage.container import Container
+import structlog
 
 from colibri._config import EngineOptions
 from runtime.sampling import Sampler, SamplingParams, log_softmax
+from storage.container import Container
 from storage.errors import ColibriError, ModelError
+
+ENGINE_ID = "colibri-py-1"
+USAGE_FILE = ".coli_usage"
+_log = structlog.get_logger("colibri.engine")
 
 __all__ = ["DoneEvent", "Engine", "GenerationEvent", "SyncModel", "TokenEvent", "open_model"]
 
@@ -97,7 +102,7 @@ class Engine:
         if upd:
             opts = EngineOptions(**{**opts.model_dump(), **upd})
         container = await anyio.to_thread.run_sync(Container.open, opts.resolved_model())
-        model, plan = await _plan(container, opts)
+        model, plan, usage = await _plan(container, opts)
         store = None
         error: BaseException | None = None
         async with anyio.create_task_group() as tg:
@@ -106,6 +111,7 @@ class Engine:
                     store = await _start_store(container, model, opts, plan, tg)
                 engine = cls(container, model, opts)
                 engine._store = store
+                engine._learn(usage)
                 yield engine
             except BaseException as exc:  # re-raised below, unwrapped by the task group
                 error = exc
@@ -116,6 +122,34 @@ class Engine:
                 tg.cancel_scope.cancel()
         if error is not None:
             raise error
+
+    # ------------------------------------------------------------------ learning
+    def _learn(self, usage: Any) -> None:
+        """Count routing selections per (layer, expert) for `.coli_usage` (learned pinning)."""
+        self._usage = usage
+        if usage is None:
+            return
+
+        def observe(event: str, layer: int, arr: Any) -> None:
+            if event == "route" and layer < usage.n_layers:
+                usage.add(layer, np.asarray(arr).ravel())
+
+        self._model.observer = observe
+
+    async def _end_turn(self) -> None:
+        """Turn end: save `.coli_usage` atomically (off the loop) and, when enabled, re-pin."""
+        from storage.usage import asave_usage
+
+        if self._usage is None:
+            return
+        path = self.options.resolved_state_dir() / USAGE_FILE
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            await asave_usage(path, self._usage, ENGINE_ID)
+        except (ColibriError, OSError) as exc:
+            _log.warning("usage not saved", path=str(path), error=str(exc))
+        if self._store is not None and self.options.repin:
+            await self._store.repin(self._usage.counts)
 
     # ------------------------------------------------------------------ compute
     async def _run(self, fn: Any, *args: Any) -> Any:
@@ -181,6 +215,9 @@ class Engine:
             except anyio.get_cancelled_exc_class():
                 reason = "cancelled"
                 raise
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await self._end_turn()
         dt = time.perf_counter() - t0
         yield DoneEvent(
             reason,
@@ -203,36 +240,51 @@ class Engine:
                 "lru_slots_per_layer": store.layout.lru_slots_per_layer,
                 "pinned": len(store.layout.pinned),
                 "transient_slots": store.layout.transient_slots,
+                "fixed_buffers": store.fixed_buffers,
                 **store.stats.as_dict(),
             }
         return s
 
 
-async def _plan(container: Container, opts: EngineOptions) -> tuple[Any, Any]:
+async def _plan(container: Container, opts: EngineOptions) -> tuple[Any, Any, Any]:
     """Load the dense part and decide the expert tiers inside the RAM budget.
 
-    Returns (model, layout) where layout None means every expert is read into RAM now."""
+    Returns (model, layout, usage counts) where layout None means every expert is read into
+    RAM now; the pinned set comes from `.coli_usage` once it holds enough history."""
     from runtime.budget import kv_bytes_per_token, mem_available, resident_nbytes
     from runtime.experts import plan_layout
     from runtime.models import load_model
+    from runtime.policies import choose_pinned
     from runtime.weights import ResidentExperts
+    from storage.usage import load_usage
 
-    class _NoExperts:
-        """Placeholder until the tiers exist (the model is built before its experts)."""
-
-    model = await anyio.to_thread.run_sync(load_model, container, _NoExperts())
+    # No experts yet: the tiers are planned from the dense size, then attached below.
+    model = await anyio.to_thread.run_sync(load_model, container, ResidentExperts(container, []))
     arch = container.arch
     dense = resident_nbytes(model.weights)
     ctx = int(container.config.get("max_position_embeddings") or opts.kv_reserve_tokens)
     kv_reserve = kv_bytes_per_token(arch) * min(opts.kv_reserve_tokens, ctx)
     n_layers = len(container.expert_layers())
     all_experts = container.expert_nbytes * arch.n_routed_experts * n_layers
+    usage = None
+    if opts.learn:
+        usage = await anyio.to_thread.run_sync(
+            load_usage,
+            opts.resolved_state_dir() / USAGE_FILE,
+            arch.total_layers,
+            arch.n_routed_experts,
+            ENGINE_ID,
+        )
+        if usage is None:
+            from storage.usage import UsageCounts
+
+            usage = UsageCounts(arch.total_layers, arch.n_routed_experts)
     budget = opts.ram_budget
     if budget is None:
         avail = mem_available()
         if avail is None or dense + kv_reserve + all_experts <= 0.88 * avail:
             model.experts = await anyio.to_thread.run_sync(ResidentExperts, container)
-            return model, None
+            return model, None, usage
         budget = int(0.88 * avail)
     expert_budget = budget - dense - kv_reserve
     if expert_budget <= 0:
@@ -241,10 +293,23 @@ async def _plan(container: Container, opts: EngineOptions) -> tuple[Any, Any]:
             f"{dense / 2**20:.1f} MiB and the KV reserve {kv_reserve / 2**20:.1f} MiB; raise --ram"
         )
     top_k = int(container.config.get("num_experts_per_tok", 8))
+    pinned: list[tuple[int, int]] = []
+    if opts.pin and usage is not None:
+        probe = await anyio.to_thread.run_sync(
+            lambda: plan_layout(container, expert_budget, top_k=top_k)
+        )
+        streaming_floor = probe.transient_slots * probe.slot_bytes
+        max_pin = int(opts.pin_fraction * (expert_budget - streaming_floor))
+        pinned = choose_pinned(
+            usage.counts,
+            container.expert_layers(),
+            max(0, max_pin // probe.slot_bytes),
+            min_total=opts.pin_min_selections,
+        )
     layout = await anyio.to_thread.run_sync(
-        lambda: plan_layout(container, expert_budget, top_k=top_k)
+        lambda: plan_layout(container, expert_budget, top_k=top_k, pinned=pinned)
     )
-    return model, layout
+    return model, layout, usage
 
 
 async def _start_store(

@@ -58,7 +58,7 @@ def kv_bytes_per_token(cfg: Any) -> int:
     arch = cfg
     per_layer = arch.kv_lora_rank + arch.qk_rope_head_dim
     index = arch.index_head_dim if arch.model_type == "glm_moe_dsa" else 0
-    return 4 * arch.total_layers * (per_layer + index)
+    return int(4 * arch.total_layers * (per_layer + index))
 
 
 def mem_available() -> int | None:

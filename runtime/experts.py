@@ -58,11 +58,17 @@ class TierStats:
     evictions: int = 0
     bypass: int = 0  # misses served through a transient slot
     read_errors: int = 0
+    repins: int = 0
+    lookahead_predicted_hits: int = 0  # routed experts the lookahead had predicted
+    lookahead_routed: int = 0  # routed experts of layers that had a prediction
 
     def as_dict(self) -> dict[str, float]:
         d: dict[str, float] = dict(self.__dict__)
         looked = self.hits_pinned + self.hits_lru + self.misses
         d["hit_rate"] = (self.hits_pinned + self.hits_lru) / looked if looked else 0.0
+        d["lookahead_recall"] = (
+            self.lookahead_predicted_hits / self.lookahead_routed if self.lookahead_routed else 0.0
+        )
         return d
 
 
@@ -182,7 +188,9 @@ class ExpertStore:
         self.stats = TierStats()
         self._blob_bytes, self._scales_bytes = slot_sizes(container)
         self._pinned: dict[Key, _Slot] = {}
-        self._lru = {layer: LayerLru(layout.lru_slots_per_layer) for layer in container.expert_layers()}
+        self._lru = {
+            layer: LayerLru(layout.lru_slots_per_layer) for layer in container.expert_layers()
+        }
         self._cached: dict[Key, _Slot] = {}
         self._free_cache: dict[int, list[_Slot]] = {}
         self._transient_free: list[_Slot] = []
@@ -192,9 +200,11 @@ class ExpertStore:
         self._waiters: dict[Key, _Step] = {}
         self._held: dict[Key, _Slot] = {}  # transient slots handed to the compute thread
         self._lookahead_cached: set[Key] = set()  # lookahead reads that landed in a cache slot
+        self._predicted: dict[int, set[int]] = {}  # layer -> lookahead prediction (for recall)
         self._tg: Any = None
         self.prefill = prefill_admit
         self.nbytes = 0
+        self.fixed_buffers = False
 
     # ------------------------------------------------------------------ set-up
     async def start(self, tg: Any) -> None:
@@ -205,10 +215,51 @@ class ExpertStore:
             self._free_cache[layer] = [
                 self._new_slot() for _ in range(self.layout.lru_slots_per_layer)
             ]
-        for key in self.layout.pinned:
-            slot = self._new_slot()
+        pinned_slots = [self._new_slot() for _ in self.layout.pinned]
+        slots = (
+            self._transient_free
+            + [x for free in self._free_cache.values() for x in free]
+            + pinned_slots
+        )
+        # Registered (fixed) buffers save the kernel a page-table walk per read where allowed.
+        self.fixed_buffers = bool(
+            self.reader.register_buffers([b for x in slots for b in (x.blob, x.scales)])
+        )
+        for key, slot in zip(self.layout.pinned, pinned_slots, strict=True):
             await self._read_into(key, slot)
             self._pinned[key] = slot
+
+    async def repin(self, counts: npt.NDArray[np.int64]) -> int:
+        """Live re-pin between turns: swap cold pinned experts for hot ones (hysteresis, at
+        most a few swaps). Only speed changes. Returns the number of swaps made."""
+        from runtime.policies import repin_swaps
+
+        if not self._pinned:
+            return 0
+        score = {
+            (layer, e): float(counts[layer, e])
+            for layer in self._lru
+            for e in range(counts.shape[1])
+            if counts[layer, e] > 0 or (layer, e) in self._pinned
+        }
+        done = 0
+        for old, new in repin_swaps(list(self._pinned), score):
+            if new in self._inflight or new in self._pinned:
+                continue
+            cached = self._cached.pop(new, None)
+            if cached is not None:  # it was in the LRU: its slot goes back to the free list
+                self._lru[new[0]].discard(new[1])
+                self._free_cache[new[0]].append(cached)
+            slot = self._pinned.pop(old)
+            try:
+                with anyio.CancelScope(shield=True):
+                    await self._read_into(new, slot)
+            except ColibriError:
+                continue  # the slot is dropped from the pinned set; reads fall back to the LRU
+            self._pinned[new] = slot
+            done += 1
+        self.stats.repins += done
+        return done
 
     def _new_slot(self) -> _Slot:
         s = _Slot(self._blob_bytes, self._scales_bytes)
@@ -333,6 +384,10 @@ class ExpertStore:
         layer = step.layer
         lru = self._lru[layer]
         lru.protect(experts)
+        predicted = self._predicted.pop(layer, None)
+        if predicted is not None:
+            self.stats.lookahead_routed += len(experts)
+            self.stats.lookahead_predicted_hits += len(predicted.intersection(experts))
         ready: list[tuple[int, ExpertWeights]] = []
         for e in experts:
             key = (layer, e)
@@ -388,6 +443,7 @@ class ExpertStore:
     def _loop_prefetch(self, layer: int, experts: Sequence[int]) -> None:
         if not self.prefetch_enabled or layer not in self._lru:
             return
+        self._predicted[layer] = set(experts)
         for e in experts:
             key = (layer, e)
             if (

@@ -13,13 +13,14 @@ import numpy as np
 import pytest
 
 import colibri
-from colibri._engine import TokenEvent
+from colibri._engine import ENGINE_ID, TokenEvent
 from runtime.budget import kv_bytes_per_token, resident_nbytes
 from runtime.experts import plan_layout
 from runtime.models import load_model
 from runtime.weights import ResidentExperts
 from storage.container import Container
 from storage.errors import ColibriError, ReadError
+from storage.usage import UsageCounts, load_usage, save_usage
 
 DEMO = colibri.default_model_path()
 PROMPT = [5, 17, 99, 300, 12, 44, 8, 250, 31]
@@ -39,9 +40,17 @@ def _budget_for_lru(path: Path, lru_per_layer: int) -> int:
     return dense + kv + experts + probe.slot_bytes // 2
 
 
+@pytest.fixture(autouse=True)
+def _private_state(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each test learns into its own state dir (no `.coli_usage` shared through ~/.cache)."""
+    monkeypatch.setenv("HOME", str(tmp_path_factory.mktemp("home")))
+
+
 @pytest.fixture(scope="module")
 def reference() -> dict[str, Any]:
-    with colibri.open_model(DEMO) as m:
+    with colibri.open_model(DEMO, learn=False) as m:
         assert m.stats()["experts"]["mode"] == "resident"
         return {"tokens": m.generate(PROMPT, max_new_tokens=24), "logits": m.forward(PROMPT)}
 
@@ -89,6 +98,53 @@ def test_lookahead_prefetch_is_used(reference: dict[str, Any]) -> None:
     assert st["prefetch_issued"] > 0
     assert st["prefetch_used"] > 0
     assert st["prefetch_used"] + st["prefetch_wasted"] <= st["prefetch_issued"]
+
+
+@pytest.mark.parametrize("repin", [False, True])
+def test_learned_pinning_and_repin_do_not_change_output(
+    reference: dict[str, Any], tmp_path: Path, repin: bool
+) -> None:
+    """Learn routing counts into `.coli_usage`, reopen with a pinned set chosen from them (and
+    live re-pin between turns): same tokens, same logits, and the pinned tier is really used."""
+    state = tmp_path / "state"
+    budget = _budget_for_lru(DEMO, 3) + 20 * 80 * 1024
+    opts: dict[str, Any] = {"state_dir": state, "reader": "threads", "pin_min_selections": 10}
+    with colibri.open_model(DEMO, ram_budget=budget, **opts) as m:
+        assert m.generate(PROMPT, max_new_tokens=24) == reference["tokens"]
+    usage = state / ".coli_usage"
+    assert usage.exists()
+    # Invert the learned history (hot experts become cold) so the pinned set starts wrong and a
+    # live re-pin has real swaps to make.
+    counts = load_usage(usage, 5, 16, ENGINE_ID)
+    assert counts is not None and counts.total > 0
+    inverted = UsageCounts(5, 16)
+    for layer in range(1, 5):
+        row = counts.counts[layer]
+        inverted.counts[layer] = np.where(row > 0, 1, 6)
+    save_usage(usage, inverted, ENGINE_ID)
+    with colibri.open_model(DEMO, ram_budget=budget, repin=repin, **opts) as m:
+        st0 = m.stats()["experts"]
+        assert st0["pinned"] > 0
+        for _ in range(3):  # several turns: re-pin runs at each turn end
+            assert m.generate(PROMPT, max_new_tokens=24) == reference["tokens"]
+        assert np.array_equal(m.forward(PROMPT), reference["logits"])
+        st = m.stats()["experts"]
+        assert (st["repins"] > 0) == repin
+    with colibri.open_model(DEMO, ram_budget=budget, pin=False, **opts) as m:
+        assert m.stats()["experts"]["pinned"] == 0
+        assert m.generate(PROMPT, max_new_tokens=24) == reference["tokens"]
+
+
+def test_damaged_usage_file_is_set_aside_not_trusted(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / ".coli_usage").write_text("-1 99 99\ngarbage\n")
+    with colibri.open_model(DEMO, ram_budget="64MiB", state_dir=state, reader="threads") as m:
+        assert m.stats()["experts"]["pinned"] == 0
+        m.generate(PROMPT, max_new_tokens=2)
+    assert any(p.name.startswith(".coli_usage.bad") for p in state.iterdir())
+    text = (state / ".coli_usage").read_text()  # rewritten at turn end from fresh counts
+    assert text.startswith("-1 ")
 
 
 def test_budget_too_small_for_dense_is_a_clear_error() -> None:
