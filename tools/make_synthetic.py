@@ -158,8 +158,8 @@ def _norm_size(name: str, arch: ArchConfig) -> int:
     return arch.hidden_size
 
 
-def build(out: Path, moe_layers: int, experts: int, seed: int = 0) -> None:
-    cfg = synthetic_config(moe_layers, experts)
+def build(out: Path, moe_layers: int, experts: int, seed: int = 0, top_k: int = 8) -> None:
+    cfg = synthetic_config(moe_layers, experts, top_k)
     arch = ArchConfig.from_dict(cfg)
     if out.exists():
         shutil.rmtree(out)
@@ -197,9 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--moe-layers", type=int, default=3)
     ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
-    build(a.out, a.moe_layers, a.experts, a.seed)
+    build(a.out, a.moe_layers, a.experts, a.seed, a.top_k)
     return 0
 
 
