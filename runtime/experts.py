@@ -49,7 +49,8 @@ class TierStats:
     hits_pinned: int = 0
     hits_lru: int = 0
     misses: int = 0
-    reads: int = 0
+    reads: int = 0  # read requests (an expert's blob and its scales are separate requests)
+    experts_read: int = 0
     bytes_read: int = 0
     read_wait_s: float = 0.0
     prefetch_issued: int = 0
@@ -180,6 +181,7 @@ class ExpertStore:
         *,
         prefetch: bool = True,
         prefill_admit: bool = False,
+        read_depth: int = 2,
     ) -> None:
         self.c = container
         self.reader = reader
@@ -203,6 +205,11 @@ class ExpertStore:
         self._predicted: dict[int, set[int]] = {}  # layer -> lookahead prediction (for recall)
         self._tg: Any = None
         self.prefill = prefill_admit
+        self.read_depth = read_depth
+        self._io_inflight = 0
+        self._demand_queued = 0
+        self._io_changed = anyio.Event()
+        self._layer_gen: dict[int, int] = {}
         self.nbytes = 0
         self.fixed_buffers = False
 
@@ -292,6 +299,7 @@ class ExpertStore:
         finally:
             self.stats.read_wait_s += time.perf_counter() - t0
         self.stats.reads += 1 + len(sreqs)
+        self.stats.experts_read += 1
         self.stats.bytes_read += blob_req.length + sum(r.length for r in sreqs)
         blob = np.frombuffer(views[0], dtype=np.uint8)
         svs = [np.frombuffer(v, dtype=np.uint8) for v in views[1:]]
@@ -333,15 +341,57 @@ class ExpertStore:
         self._slot_freed.set()
         self._slot_freed = anyio.Event()
 
+    async def _gate(self, demand: bool) -> None:
+        """Admit one read: at most ``read_depth`` in flight, demand reads before lookahead.
+
+        A few reads in flight keep the disk busy; all misses at once would share the bandwidth
+        and land together at the end, leaving nothing to overlap compute with."""
+        queued = False
+        try:
+            while True:
+                # Lookahead reads only use an idle disk: they never delay a demand read.
+                if (demand and self._io_inflight < self.read_depth) or (
+                    not demand and self._io_inflight == 0 and self._demand_queued == 0
+                ):
+                    self._io_inflight += 1
+                    return
+                if demand and not queued:
+                    self._demand_queued += 1
+                    queued = True
+                await self._io_changed.wait()
+        finally:
+            if queued:
+                self._demand_queued -= 1
+
+    def _ungate(self) -> None:
+        self._io_inflight -= 1
+        self._io_changed.set()
+        self._io_changed = anyio.Event()
+
     async def _fetch(self, key: Key, *, demand: bool) -> None:
-        # A demand step may have started waiting on this key since the lookahead was queued.
-        got = await self._take_slot(key, demand=demand or key in self._waiters)
+        layer = key[0]
+        if not demand:
+            gen = self._layer_gen.get(layer, 0)
+            await self._gate(demand=False)
+            wanted = key in self._waiters
+            if not wanted and self._layer_gen.get(layer, 0) != gen:
+                # The layer's step came and went without this expert: skip the stale read.
+                self._ungate()
+                self._inflight.discard(key)
+                self.stats.prefetch_issued -= 1
+                return
+            demand = wanted
+            got = await self._take_slot(key, demand=demand)
+        else:
+            got = await self._take_slot(key, demand=True)
+            await self._gate(demand=True)
         if got is None:  # no spare room for a lookahead read: skip it
+            self._ungate()
             self._inflight.discard(key)
             self.stats.prefetch_issued -= 1
             return
         slot, cached = got
-        lru = self._lru[key[0]]
+        lru = self._lru[layer]
         if cached:
             lru.hold(key[1])
         err: ColibriError | None = None
@@ -351,6 +401,7 @@ class ExpertStore:
         except ColibriError as exc:
             err = exc
         finally:
+            self._ungate()
             self._inflight.discard(key)
             if cached:
                 lru.unhold(key[1])
@@ -433,6 +484,7 @@ class ExpertStore:
 
     def _loop_end(self, step: _Step) -> None:
         step.aborted = True  # late arrivals release their own transient slots
+        self._layer_gen[step.layer] = self._layer_gen.get(step.layer, 0) + 1
         self._lru[step.layer].unprotect()
         for key in [k for k, s in self._waiters.items() if s is step]:
             del self._waiters[key]

@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fraction", type=float, default=0.2, help="share of experts the budget holds")
     ap.add_argument("--reader", default="auto")
     ap.add_argument("--reads", type=int, default=60)
+    ap.add_argument("--no-prefetch", dest="prefetch", action="store_false")
     a = ap.parse_args(argv)
 
     if not (a.model / "config.json").exists():
@@ -106,11 +107,14 @@ def main(argv: list[str] | None = None) -> int:
 
     gb_before, backend = anyio.run(storage_gbps, c, a.reader, a.reads, 1)
     drop_caches()
-    with colibri.open_model(a.model, ram_budget=budget, reader=a.reader, learn=False) as m:
+    opts = {"reader": a.reader, "learn": False, "prefetch": a.prefetch}
+    with colibri.open_model(a.model, ram_budget=budget, **opts) as m:
         m.generate([1, 2, 3, 4], max_new_tokens=1)  # prefill + warm-up
         s0 = m.stats()["experts"]
         t0 = time.perf_counter()
-        toks = m.generate([1, 2, 3, 4], max_new_tokens=a.tokens + 1)
+        # Sampling at temperature 1 from a random model gives varied tokens and so varied
+        # routing (greedy decoding of random weights repeats itself and would hit the cache).
+        toks = m.generate([1, 2, 3, 4], max_new_tokens=a.tokens + 1, temperature=1.0, seed=3)
         dt = time.perf_counter() - t0
         s1 = m.stats()["experts"]
     gb_after, _ = anyio.run(storage_gbps, c, a.reader, a.reads, 2)
@@ -120,7 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     # the whole turn, so the bound and the achieved rate cover the same work.
     steps = len(toks)
     read = s1["bytes_read"] - s0["bytes_read"]
-    per_token = read / steps
+    # "Missed" bytes are those the decode needed: demand misses and lookahead reads it used.
+    # Lookahead reads it never used are counted apart (they cost bandwidth, not need).
+    expert_read = read / max(1, s1["experts_read"] - s0["experts_read"])
+    wasted = (s1["prefetch_wasted"] - s0["prefetch_wasted"]) * expert_read
+    per_token = (read - wasted) / steps
     achieved = steps / dt
     bound = gbps * 1e9 / per_token if per_token else float("inf")
     resident_share = (s1["lru_slots_per_layer"] * len(c.expert_layers()) + s1["pinned"]) / n_experts
@@ -130,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         "io_bound_tokens_per_s": round(bound, 3),
         "storage_gbps": round(gbps, 3),
         "storage_gbps_before_after": [round(gb_before, 3), round(gb_after, 3)],
-        "bytes_read_per_token": int(per_token),
+        "bytes_missed_per_token": int(per_token),
+        "bytes_read_per_token": int(read / steps),
         "hit_rate": round(s1["hit_rate"], 3),
         "lookahead_recall": round(s1["lookahead_recall"], 3),
         "prefetch_issued_used_wasted": [
@@ -145,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         "experts_resident_share": round(resident_share, 3),
         "experts_total_bytes": experts_bytes,
         "reader": backend,
+        "prefetch": a.prefetch,
         "machine": f"{os.cpu_count()} cpu, {platform.machine()}, {platform.release()}",
     }
     print(json.dumps(result))
