@@ -74,6 +74,8 @@ class EngineOptions(BaseModel):
     reader: Literal["auto", "uring", "threads", "buffered"] = "auto"
     prefetch: bool = True
     kv_reserve_tokens: int = 4096
+    prefill_chunk: int = 512
+    fast_prefill: bool = False
     state_dir: Path | None = None
     pin: bool = True
     pin_fraction: float = 0.5

@@ -22,6 +22,7 @@ import numpy.typing as npt
 import structlog
 
 from colibri._config import EngineOptions
+from runtime.kv import KVCache
 from runtime.sampling import Sampler, SamplingParams, log_softmax
 from storage.container import Container
 from storage.errors import ColibriError, ModelError
@@ -35,11 +36,13 @@ __all__ = ["DoneEvent", "Engine", "GenerationEvent", "SyncModel", "TokenEvent", 
 
 @dataclass(frozen=True, slots=True)
 class TokenEvent:
-    """One generated token."""
+    """One generated token. ``top``: the ``top_logprobs`` most likely (token id, logprob) pairs
+    at this position, most likely first (empty unless ``generate(top_logprobs=N)`` asked)."""
 
     token_id: int
     index: int
     logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +77,11 @@ class Engine:
         self._counters: dict[str, float] = {
             "forward_calls": 0,
             "prompt_tokens": 0,
+            "prefill_tokens": 0,
+            "prefill_chunks": 0,
+            "prefill_seconds": 0.0,
+            "prefill_bytes_read": 0,
+            "prompt_tokens_reused": 0,
             "generated_tokens": 0,
             "compute_seconds": 0.0,
         }
@@ -109,6 +117,9 @@ class Engine:
             try:
                 if plan is not None:
                     store = await _start_store(container, model, opts, plan, tg)
+                # Absorbed attention for every step keeps prefill chunks, decode and verify rows
+                # bit-identical (batch-invariant); reconstruction is faster for long prefills.
+                model.attention_mode = "auto" if opts.fast_prefill else "absorbed"
                 engine = cls(container, model, opts)
                 engine._store = store
                 engine._learn(usage)
@@ -180,8 +191,16 @@ class Engine:
         top_k: int = 0,
         seed: int | None = None,
         stop_token_ids: Sequence[int] | None = None,
+        cache: KVCache | None = None,
+        top_logprobs: int = 0,
     ) -> AsyncIterator[GenerationEvent]:
-        """Stream ``TokenEvent`` s, then one ``DoneEvent``."""
+        """Stream ``TokenEvent`` s, then one ``DoneEvent``.
+
+        ``cache`` (from :meth:`new_cache`) continues a kept context instead of a fresh one: its
+        longest common token prefix with ``prompt_ids`` (:meth:`reusable_prefix`) is reused, the
+        rest of the prompt is prefilled, and afterwards it holds the prompt and the generated
+        tokens (all but the last, which was never fed back). The caller owns it and must not use
+        it from two generations at once. ``top_logprobs`` > 0 fills ``TokenEvent.top``."""
         ids = _as_ids(prompt_ids)
         if max_new_tokens < 0:
             raise ModelError("max_new_tokens must be >= 0")
@@ -190,19 +209,29 @@ class Engine:
         out_tokens: list[int] = []
         reason: Literal["length", "stop", "cancelled"] = "length"
         t0 = time.perf_counter()
+        reused = 0
         async with self._lock:
-            cache = self._model.new_cache()
+            if cache is None:
+                cache = self._model.new_cache()
+            else:
+                reused = self.reusable_prefix(cache, ids)
+                cache.truncate(reused)
             self._counters["prompt_tokens"] += int(ids.size)
+            self._counters["prompt_tokens_reused"] += reused
             try:
                 if max_new_tokens > 0:
-                    out = await self._run(self._model.forward, ids, cache)
-                    logits = out.logits[-1]
+                    logits = await self._prefill(ids[reused:], cache)
                     for i in range(max_new_tokens):
                         tok = sampler.sample(logits)
-                        lp = float(log_softmax(logits)[tok])
+                        lsm = log_softmax(logits)  # [V]
+                        lp = float(lsm[tok])
+                        top: tuple[tuple[int, float], ...] = ()
+                        if top_logprobs > 0:
+                            best = np.argsort(-lsm, kind="stable")[:top_logprobs]
+                            top = tuple((int(t), float(lsm[t])) for t in best)
                         out_tokens.append(tok)
                         self._counters["generated_tokens"] += 1
-                        yield TokenEvent(tok, i, lp)
+                        yield TokenEvent(tok, i, lp, top)
                         if tok in stops:
                             reason = "stop"
                             break
@@ -222,12 +251,75 @@ class Engine:
         yield DoneEvent(
             reason,
             out_tokens,
-            {"seconds": dt, "tokens": len(out_tokens), "prompt_tokens": int(ids.size)},
+            {
+                "seconds": dt,
+                "tokens": len(out_tokens),
+                "prompt_tokens": int(ids.size),
+                "prompt_tokens_reused": reused,
+                "prompt_tokens_computed": int(ids.size) - reused,
+            },
         )
+
+    async def _prefill(
+        self, ids: npt.NDArray[np.int64], cache: KVCache
+    ) -> npt.NDArray[np.float32]:
+        """Prefill ``ids`` in chunks; returns the last position's logits [V].
+
+        Each chunk is one expert-major step per layer: every token of the chunk is routed, the
+        union of experts is read once and applied to all its rows. The KV of each chunk is
+        committed before the next, so an interrupted prefill keeps what it finished. While
+        prefilling, the LRU admits only into free slots (a chunk touches most experts once and
+        would otherwise flush the decode hot set)."""
+        chunk = max(1, self.options.prefill_chunk)
+        store = self._store
+        t0 = time.perf_counter()
+        before = store.stats.bytes_read if store is not None else 0
+        try:
+            if store is not None and ids.size > 1:
+                store.prefill = True
+            last: npt.NDArray[np.float32] | None = None
+            for i in range(0, int(ids.size), chunk):
+                part = ids[i : i + chunk]
+                out = await self._run(self._forward_last, part, cache)
+                last = out
+                self._counters["prefill_chunks"] += 1
+        finally:
+            if store is not None:
+                store.prefill = False
+        self._counters["prefill_tokens"] += int(ids.size)
+        self._counters["prefill_seconds"] += time.perf_counter() - t0
+        if store is not None:
+            self._counters["prefill_bytes_read"] += store.stats.bytes_read - before
+        assert last is not None
+        return last
+
+    def _forward_last(self, ids: npt.NDArray[np.int64], cache: KVCache) -> npt.NDArray[np.float32]:
+        logits: npt.NDArray[np.float32] = self._model.forward(ids, cache, last_only=True).logits[-1]
+        return logits
+
+    def new_cache(self) -> KVCache:
+        """An empty KV cache for :meth:`generate` (``cache=``): a context a caller keeps."""
+        cache: KVCache = self._model.new_cache()
+        return cache
+
+    @staticmethod
+    def reusable_prefix(cache: KVCache, prompt_ids: Sequence[int] | npt.NDArray[np.integer]) -> int:
+        """Tokens of ``prompt_ids`` that ``generate(cache=cache)`` takes from the cache: the
+        longest common prefix with ``cache.tokens``, less one when it covers the whole prompt
+        (the last prompt token must run again to give the next token's logits)."""
+        ids = _as_ids(prompt_ids)
+        held = cache.tokens
+        n = min(held.size, ids.size - 1)
+        diff = np.flatnonzero(held[:n] != ids[:n])
+        return int(diff[0]) if diff.size else int(n)
 
     def stats(self) -> dict[str, Any]:
         """Counters since open (compute, tokens, and the expert store's tiers when present)."""
         s: dict[str, Any] = dict(self._counters)
+        if s["prefill_seconds"]:
+            s["prefill_tokens_per_s"] = s["prefill_tokens"] / s["prefill_seconds"]
+        if s["prefill_tokens"]:
+            s["prefill_bytes_per_token"] = s["prefill_bytes_read"] / s["prefill_tokens"]
         store = self._store
         if store is None:
             s["experts"] = {"mode": "resident"}
@@ -244,6 +336,35 @@ class Engine:
                 **store.stats.as_dict(),
             }
         return s
+
+    def expert_map(self) -> dict[str, Any]:
+        """Where each routed expert lives now, and how often it was routed (for dashboards).
+
+        ``layers``: the MoE layer indices; ``tiers[i][e]``: "ram" (every expert resident),
+        "pinned", "lru" or "disk" (streaming); ``counts[i][e]``: routing selections from the
+        `.coli_usage` history (None when not kept)."""
+        layers = list(self.container.expert_layers())
+        n_experts = int(self.container.arch.n_routed_experts)
+        store = self._store
+        if store is None:
+            tiers = [["ram"] * n_experts for _ in layers]
+        else:
+            where = store.tiers()
+            tiers = [[where.get((layer, e), "disk") for e in range(n_experts)] for layer in layers]
+        usage = getattr(self, "_usage", None)
+        counts: list[list[int]] | None = None
+        if usage is not None:
+            counts = [
+                [int(c) for c in usage.counts[layer]] if layer < usage.n_layers else []
+                for layer in layers
+            ]
+        return {
+            "mode": "resident" if store is None else "streaming",
+            "layers": layers,
+            "n_experts": n_experts,
+            "tiers": tiers,
+            "counts": counts,
+        }
 
 
 async def _plan(container: Container, opts: EngineOptions) -> tuple[Any, Any, Any]:

@@ -302,8 +302,13 @@ class MLAMoEModel:
 
     # ------------------------------------------------------------------------------ forward
 
-    def forward(self, ids: npt.NDArray[np.integer], cache: KVCache) -> LogitsOut:
-        """Run ``ids`` [T] after the ``cache.length`` tokens already in ``cache``; commits them."""
+    def forward(
+        self, ids: npt.NDArray[np.integer], cache: KVCache, *, last_only: bool = False
+    ) -> LogitsOut:
+        """Run ``ids`` [T] after the ``cache.length`` tokens already in ``cache``; commits them.
+
+        ``last_only`` computes logits for the last row only ([1, V]: a prefill chunk needs no
+        more, and [T, V] is big for a large vocabulary); ``hidden`` is still [T, D]."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         t = ids.shape[0]
         if t == 0:
@@ -316,7 +321,8 @@ class MLAMoEModel:
         for i, lw in enumerate(self.weights.layers):
             h, selection = self._layer(i, i, lw, h, cache, start, cos, sin, selection)
         hidden = rms_norm(h, self.weights.norm, self.config.rms_norm_eps)  # [T, D]
-        logits = self.weights.lm_head(hidden)  # [T, V]
+        rows = hidden[-1:] if last_only else hidden  # [1 or T, D]
+        logits = self.weights.lm_head(np.ascontiguousarray(rows))  # [1 or T, V]
         cache.write_tokens(start, ids)
         cache.commit(start + t)
         return LogitsOut(logits, hidden)
