@@ -1,45 +1,111 @@
 """Text <-> token ids with the model directory's own tokenizer and chat template.
 
-Uses the ``tokenizers`` library (``tokenizer.json``) and renders ``chat_template`` from
-``tokenizer_config.json`` with jinja2 in a sandbox, as Hugging Face does.
+Uses the ``tokenizers`` library (``tokenizer.json``) and renders the chat template with jinja2
+in a sandbox, as Hugging Face ``transformers`` does: ``chat_template.jinja`` beside
+``tokenizer.json`` wins over ``chat_template`` in ``tokenizer_config.json``; templates get the
+same helpers (``raise_exception``, ``strftime_now``, a ``tojson`` that keeps non-ASCII and ``<``
+as is, ``{% break %}``/``{% continue %}`` and the ``{% generation %}`` block).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, nodes
+from jinja2.ext import Extension, loopcontrols
+from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from storage.errors import ConfigError
 
-__all__ = ["ChatTokenizer"]
+__all__ = ["CHAT_TEMPLATE_NAME", "ChatTokenizer", "TextStream"]
+
+CHAT_TEMPLATE_NAME = "chat_template.jinja"
 
 
 def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
 
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # jinja's own tojson escapes <, >, & and ' for HTML; chat templates expect plain JSON.
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _GenerationBlock(Extension):
+    """``{% generation %}...{% endgeneration %}`` (marks assistant text for training masks in
+    transformers): renders its body unchanged."""
+
+    tags = {"generation"}  # noqa: RUF012 (jinja declares it as an instance attribute)
+
+    def parse(self, parser: Parser) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Any) -> str:
+        return str(caller())
+
+
+def _token_text(v: object) -> str | None:
+    """A special token from tokenizer_config.json: a string or an AddedToken dict."""
+    if isinstance(v, str):
+        return v
+    if isinstance(v, dict) and isinstance(v.get("content"), str):
+        return str(v["content"])
+    return None
+
+
 class ChatTokenizer:
     """The model's tokenizer plus its chat template."""
 
     def __init__(self, tokenizer_file: Path, tokenizer_config: Mapping[str, Any]) -> None:
+        tokenizer_file = Path(tokenizer_file)
         try:
             self._tok = Tokenizer.from_file(str(tokenizer_file))
         except Exception as exc:  # tokenizers raises plain Exception subclasses
             raise ConfigError(f"{tokenizer_file}: cannot load tokenizer ({exc})") from exc
         self.config = dict(tokenizer_config)
-        template = self.config.get("chat_template")
+        template: object = self.config.get("chat_template")
+        where = f"{tokenizer_file.parent / 'tokenizer_config.json'}: chat_template"
+        jinja_file = tokenizer_file.parent / CHAT_TEMPLATE_NAME
+        if jinja_file.is_file():
+            try:
+                template = jinja_file.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ConfigError(f"{jinja_file}: cannot read: {exc}") from exc
+            where = str(jinja_file)
         if isinstance(template, list):  # HF allows a list of named templates
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default") or next(iter(named.values()), None)
         self._template_src: str | None = template if isinstance(template, str) else None
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationBlock]
+        )
+        env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
-        self._template = env.from_string(self._template_src) if self._template_src else None
+        env.globals["strftime_now"] = _strftime_now
+        try:
+            self._template = env.from_string(self._template_src) if self._template_src else None
+        except TemplateError as exc:
+            raise ConfigError(f"{where}: the chat template does not compile: {exc}") from exc
 
     @property
     def vocab_size(self) -> int:
@@ -59,6 +125,10 @@ class ChatTokenizer:
         tid = self._tok.token_to_id(token)
         return None if tid is None else int(tid)
 
+    def stream(self) -> TextStream:
+        """An incremental decoder for one generation (see :class:`TextStream`)."""
+        return TextStream(self)
+
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -73,15 +143,16 @@ class ChatTokenizer:
                 lines.append("assistant:")
             return "\n".join(lines)
         special = {
-            k: v for k, v in self.config.items() if k.endswith("_token") and isinstance(v, str)
+            k: t
+            for k, v in self.config.items()
+            if k.endswith("_token") and (t := _token_text(v)) is not None
         }
         try:
             return str(
                 self._template.render(
                     messages=list(messages),
                     add_generation_prompt=add_generation_prompt,
-                    **special,
-                    **extra,
+                    **{**special, **extra},
                 )
             )
         except TemplateError as exc:
@@ -89,3 +160,36 @@ class ChatTokenizer:
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], **extra: Any) -> list[int]:
         return self.encode(self.apply_chat_template(messages, **extra))
+
+
+class TextStream:
+    """Token ids in, text out, one token at a time, for printing a generation as it streams.
+
+    A character split over several byte-level tokens decodes as U+FFFD until its last byte
+    arrives: :meth:`push` holds such text back, so what it returns, concatenated, is exactly
+    ``decode(all ids)``. Decoding restarts from a recent token each time (not from the first),
+    which keeps the cost per token constant and spacing rules (a leading-space marker) right.
+    """
+
+    def __init__(self, tokenizer: ChatTokenizer) -> None:
+        self._tok = tokenizer
+        self._ids: list[int] = []
+        self._prefix = 0  # decoding window starts here (context for spacing rules)
+        self._read = 0  # text of ids[_prefix:_read] has been returned already
+
+    def push(self, token_id: int) -> str:
+        """Add one token; returns the text it completes ("" while a character is partial)."""
+        self._ids.append(int(token_id))
+        done = self._tok.decode(self._ids[self._prefix : self._read])
+        text = self._tok.decode(self._ids[self._prefix :])
+        if len(text) > len(done) and not text.endswith("\ufffd") and text.startswith(done):
+            self._prefix, self._read = self._read, len(self._ids)
+            return text[len(done) :]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back (a trailing partial character decodes as U+FFFD)."""
+        done = self._tok.decode(self._ids[self._prefix : self._read])
+        text = self._tok.decode(self._ids[self._prefix :])
+        self._prefix = self._read = len(self._ids)
+        return text[len(done) :] if text.startswith(done) else ""

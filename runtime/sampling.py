@@ -6,17 +6,24 @@ Same seed and same logits -> same tokens, on every machine (numpy PCG64, float64
 
 from __future__ import annotations
 
+import math
+import operator
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
+
+from storage.errors import ModelError
 
 __all__ = ["Sampler", "SamplingParams", "log_softmax"]
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """``temperature == 0`` means greedy (argmax; ties -> lowest id, like numpy/torch argmax)."""
+    """``temperature == 0`` means greedy (argmax; ties -> lowest id, like numpy/torch argmax).
+
+    ``top_k == 0`` and ``top_p == 1`` switch those filters off. ``seed`` None draws fresh
+    entropy. Bad values raise :class:`~storage.errors.ModelError` (a ``ColibriError``)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -24,22 +31,35 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
+        # `not (x >= 0)` also rejects NaN, which every plain comparison lets through.
+        if not math.isfinite(self.temperature) or not self.temperature >= 0:
+            raise ModelError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError("top_k must be >= 0")
+            raise ModelError(f"top_p must be in (0, 1], got {self.top_p}")
+        if _as_int(self.top_k) is None or self.top_k < 0:
+            raise ModelError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if self.seed is not None and (_as_int(self.seed) is None or self.seed < 0):
+            raise ModelError(f"seed must be an integer >= 0 or None, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
 
+def _as_int(x: object) -> int | None:
+    if isinstance(x, bool):
+        return None
+    try:
+        return operator.index(x)  # type: ignore[arg-type]  # int and numpy ints, not floats
+    except TypeError:
+        return None
+
+
 def log_softmax(logits: npt.NDArray[np.float32]) -> npt.NDArray[np.float64]:
     x = logits.astype(np.float64)  # [V]
     m = x.max()
-    return x - m - np.log(np.exp(x - m).sum())
+    out: npt.NDArray[np.float64] = x - m - np.log(np.exp(x - m).sum())
+    return out
 
 
 class Sampler:
@@ -47,14 +67,15 @@ class Sampler:
 
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
-        self._rng = np.random.Generator(np.random.PCG64(params.seed))
+        seed = None if params.seed is None else operator.index(params.seed)
+        self._rng = np.random.Generator(np.random.PCG64(seed))
 
     def probs(self, logits: npt.NDArray[np.float32]) -> npt.NDArray[np.float64]:
         """The distribution actually sampled from (after temperature, top-k, top-p)."""
         p = self.params
         x = logits.astype(np.float64) / max(p.temperature, 1e-6)  # [V]
         if p.top_k and p.top_k < x.size:
-            # kth largest value; keep ties at the boundary out beyond k by stable order
+            # keep exactly k; ties at the boundary go to the lowest ids (stable order)
             order = np.argsort(-x, kind="stable")
             mask = np.full(x.shape, -np.inf)
             mask[order[: p.top_k]] = 0.0
@@ -69,12 +90,18 @@ class Sampler:
             kept = np.zeros_like(probs)
             kept[order[:keep]] = probs[order[:keep]]
             probs = kept / kept.sum()
-        return probs
+        out: npt.NDArray[np.float64] = probs
+        return out
 
     def sample(self, logits: npt.NDArray[np.float32]) -> int:
         if self.params.greedy:
             return int(np.argmax(logits))
         probs = self.probs(logits)
+        cum = np.cumsum(probs)
         u = self._rng.random()
-        idx = int(np.searchsorted(np.cumsum(probs), u, side="right"))
-        return min(idx, probs.size - 1)
+        idx = int(np.searchsorted(cum, u, side="right"))
+        if idx >= probs.size:
+            # u landed in the rounding gap above cum[-1] (< 1): take the last token that has
+            # mass, never a filtered-out one
+            idx = int(np.flatnonzero(probs)[-1])
+        return idx

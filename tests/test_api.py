@@ -14,7 +14,7 @@ import pytest
 import colibri
 from colibri import DoneEvent, Engine, EngineOptions, TokenEvent
 from colibri.tokenizer import ChatTokenizer
-from runtime.models import load_model
+from runtime.models import Model, load_model
 from runtime.sampling import log_softmax
 from storage.container import Container
 from storage.errors import ColibriError, ConfigError, ContainerError, ModelError
@@ -36,7 +36,7 @@ def model(state_dir: Path) -> Iterator[colibri.SyncModel]:
 
 
 @pytest.fixture(scope="module")
-def reference_model() -> object:
+def reference_model() -> Model:
     """The same container loaded directly with the runtime, no engine in between."""
     return load_model(Container.open(DEMO))
 
@@ -66,7 +66,7 @@ def test_open_model_without_path_uses_the_bundled_demo(model: colibri.SyncModel)
 
 
 def test_forward_is_bit_identical_to_the_runtime_model(
-    model: colibri.SyncModel, reference_model: object
+    model: colibri.SyncModel, reference_model: Model
 ) -> None:
     ids = np.array(PROMPT, dtype=np.int64)
     logits = model.forward(PROMPT)
@@ -75,8 +75,8 @@ def test_forward_is_bit_identical_to_the_runtime_model(
     assert logits.shape == (len(PROMPT), vocab)
     # The engine runs absorbed attention everywhere (batch-invariant; EngineOptions.fast_prefill
     # switches to the auto choice), so the runtime model is compared in the same mode.
-    reference_model.attention_mode = "absorbed"  # type: ignore[attr-defined]
-    ref = reference_model.forward(ids, reference_model.new_cache()).logits  # type: ignore[attr-defined]
+    reference_model.attention_mode = "absorbed"
+    ref = reference_model.forward(ids, reference_model.new_cache()).logits
     np.testing.assert_array_equal(logits, ref)
     # a fresh context every call: same ids, same bits
     np.testing.assert_array_equal(model.forward(ids), logits)
@@ -187,7 +187,7 @@ def test_unknown_option_is_rejected() -> None:
     with pytest.raises(ValueError, match="no_such_option"):
         EngineOptions(no_such_option=1)  # type: ignore[call-arg]
     with pytest.raises(ColibriError, match="size"):
-        EngineOptions(ram_budget="lots")
+        EngineOptions(ram_budget="lots")  # type: ignore[arg-type]
 
 
 # ----------------------------------------------------------------------------- async engine
