@@ -11,7 +11,7 @@ V_ v_head_dim, C kv_lora_rank.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 

@@ -113,10 +113,11 @@ def _tensors_for_layer(
         fmt = QuantFormat("int8") if role.role == "io" else QuantFormat("int4", GS)
         nq, ns = fmt.weight_nbytes(o, i), fmt.n_scales(o, i)
         small.append((name + ".qs", "F32", (ns,), 1, _scales(ns, fmt, i)))
-        packed = (name, "U8", (nq,), 1, _bytes(nq))
+        maker = _int8_bytes(nq) if fmt.kind == "int8" else _nibbles(nq)
+        packed = (name, "U8", (nq,), 1, maker)
         if role.role == "expert":
             align = 4096 if role.proj == "down_proj" else 1
-            experts.append((name, "U8", (nq,), align, _bytes(nq)))
+            experts.append((name, "U8", (nq,), align, maker))
         else:
             small.append(packed)
     # down, gate, up per expert (alphabetical): the first one aligned, the three adjacent
@@ -132,13 +133,26 @@ def _const(n: int, v: float) -> Maker:
     return lambda rng: np.full(n, v, dtype=np.float32)
 
 
-def _bytes(n: int) -> Maker:
-    return lambda rng: rng.integers(0, 256, size=n, dtype=np.uint8)
+def _nibbles(n: int) -> Maker:
+    """Packed int4 bytes whose values are uniform over -7..7 (nibbles 1..15): zero-mean, so no
+    common-mode component makes every token route to the same experts."""
+
+    def make(rng: np.random.Generator) -> np.ndarray:
+        lo = rng.integers(1, 16, size=n, dtype=np.uint8)
+        hi = rng.integers(1, 16, size=n, dtype=np.uint8)
+        return lo | (hi << 4)
+
+    return make
+
+
+def _int8_bytes(n: int) -> Maker:
+    """int8 values uniform over -127..127 (zero-mean), as raw bytes."""
+    return lambda rng: rng.integers(-127, 128, size=n, dtype=np.int8).view(np.uint8)
 
 
 def _scales(n: int, fmt: QuantFormat, i: int) -> Maker:
-    # uniform nibbles (-8..7) have std ~4.6 and uniform int8 ~74: weights ~ N(0, 1/i)
-    spread = 4.6 if fmt.kind == "int4" else 74.0
+    # uniform -7..7 has std 4.3 and uniform -127..127 std 73: weights ~ N(0, 1/i)
+    spread = 4.3 if fmt.kind == "int4" else 73.0
     return lambda rng: np.full(n, 1.0 / (spread * np.sqrt(i)), dtype=np.float32)
 
 
