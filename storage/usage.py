@@ -184,7 +184,7 @@ def load_usage(
     try:
         text = p.read_text(encoding="ascii")
     except FileNotFoundError:
-        _log.warning("no usage history yet; counting starts now", path=str(p))
+        _log.info("no usage history yet; counting starts now", path=str(p))
         return None
     except (OSError, UnicodeDecodeError) as exc:
         problem = f"unreadable: {exc}"
