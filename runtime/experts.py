@@ -60,6 +60,7 @@ class TierStats:
     bypass: int = 0  # misses served through a transient slot
     read_errors: int = 0
     repins: int = 0
+    compute_stall_s: float = 0.0  # time the compute thread waited for an expert to land
     lookahead_predicted_hits: int = 0  # routed experts the lookahead had predicted
     lookahead_routed: int = 0  # routed experts of layers that had a prediction
 
@@ -555,7 +556,9 @@ class StreamingExperts:
                 yield e, w
                 anyio.from_thread.run_sync(st._loop_done_with, layer, e)
             for _ in range(len(experts) - len(ready)):
+                t0 = time.perf_counter()
                 item = step.out.get()
+                st.stats.compute_stall_s += time.perf_counter() - t0
                 if isinstance(item, BaseException):
                     raise item
                 yield item

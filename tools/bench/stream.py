@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             s1["prefetch_wasted"] - s0["prefetch_wasted"],
         ],
         "read_wait_s": round(s1["read_wait_s"] - s0["read_wait_s"], 3),
+        "compute_stall_s": round(s1["compute_stall_s"] - s0["compute_stall_s"], 3),
         "seconds": round(dt, 3),
         "tokens": steps,
         "ram_budget_bytes": budget,
