@@ -57,11 +57,40 @@ def _engine_options(fn: F) -> F:
         show_default=True,
         help="Expert read backend (env COLI_READER).",
     )(fn)
+    # The options below reach EngineOptions through the context (no command signature needs
+    # them): see _options.
+    fn = click.option(
+        "--prefetch/--no-prefetch",
+        default=env.get("prefetch", "1").lower() not in ("0", "false", "no", "off"),
+        show_default=True,
+        expose_value=False,
+        callback=_keep,
+        help="Lookahead reads of the next layer's predicted experts (env COLI_PREFETCH).",
+    )(fn)
+    fn = click.option(
+        "--state-dir",
+        type=click.Path(path_type=Path),
+        default=env.get("state_dir"),
+        expose_value=False,
+        callback=_keep,
+        help="Where .coli_usage and KV files live (env COLI_STATE_DIR; default: the model dir "
+        "if writable, else ~/.cache/colibri/<model>).",
+    )(fn)
     return _model_option(fn)
 
 
+def _keep(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    if param.name is not None and value is not None:
+        ctx.meta.setdefault("colibri.engine", {})[param.name] = value
+    return value
+
+
 def _options(model: Path | None, ram: str | None, reader: str) -> EngineOptions:
-    return EngineOptions(model=model, ram_budget=ram, reader=reader)  # type: ignore[arg-type]
+    extra: dict[str, Any] = {}
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None:
+        extra = dict(ctx.meta.get("colibri.engine", {}))
+    return EngineOptions(model=model, ram_budget=ram, reader=reader, **extra)  # type: ignore[arg-type]
 
 
 class _Group(click.Group):
@@ -89,6 +118,8 @@ def _hint_for(exc: ColibriError) -> str | None:
         return "see `coli convert --help`"
     if isinstance(exc, ContainerError):
         return "pass --model DIR pointing at a converted model, or omit it for the demo model"
+    if "RAM budget" in str(exc) and "too small" in str(exc):
+        return "`coli plan --ram SIZE` shows how a budget splits and the smallest that works"
     return None
 
 
@@ -153,12 +184,11 @@ def run(
         else:
             ids = tok.encode_chat([{"role": "user", "content": prompt}])
         t0 = time.perf_counter()
-        printed = ""
         toks: list[int] = []
         engine = m.engine
+        text = tok.stream()  # holds back half-decoded multi-byte characters
 
         async def stream() -> list[int]:
-            nonlocal printed
             async for ev in engine.generate(
                 ids,
                 max_new_tokens=max_tokens,
@@ -169,17 +199,90 @@ def run(
             ):
                 if isinstance(ev, TokenEvent):
                     toks.append(ev.token_id)
-                    text = tok.decode(toks)
-                    if text.startswith(printed):
-                        click.echo(text[len(printed) :], nl=False)
-                        printed = text
+                    click.echo(text.push(ev.token_id), nl=False)
             return toks
 
         m._portal.call(stream)
-        click.echo()
+        click.echo(text.flush())
         dt = time.perf_counter() - t0
         if show_stats:
             click.echo(json.dumps({"tokens": len(toks), "seconds": dt, **m.stats()}, default=str))
+
+
+# ---------------------------------------------------------------------------- serve
+
+
+@main.command()
+@_engine_options
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--port", default=8000, show_default=True, type=int, help="TCP port.")
+@click.option("--api-key", default=None, help="Require this key (Bearer or x-api-key).")
+@click.option(
+    "--api-key-file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Read the API key from this file (keeps it out of `ps`).",
+)
+@click.option("--served-model-name", default=None, help="Model id clients pass as `model`.")
+@click.option("--queue", default=8, show_default=True, help="Requests allowed to wait (429 past).")
+@click.option("--parallel", default=1, show_default=True, help="Generations admitted at once.")
+@click.option("--kv-slots", default=4, show_default=True, help="KV slots (`cache_slot` 0..N-1).")
+@click.option(
+    "--kv-dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    help="Where slot files .coli_kv.N live (default: the state dir, see --state-dir).",
+)
+@click.option(
+    "--kv-persist/--no-kv-persist", default=True, show_default=True, help="Save KV slots to disk."
+)
+@click.option("--cors-origin", "cors", multiple=True, help="Allow this browser origin (repeat).")
+@click.option("--allowed-host", "hosts", multiple=True, help="Accept this Host header (repeat).")
+def serve(
+    model: Path | None,
+    ram: str | None,
+    reader: str,
+    host: str,
+    port: int,
+    api_key: str | None,
+    api_key_file: Path | None,
+    served_model_name: str | None,
+    queue: int,
+    parallel: int,
+    kv_slots: int,
+    kv_dir: Path | None,
+    kv_persist: bool,
+    cors: tuple[str, ...],
+    hosts: tuple[str, ...],
+) -> None:
+    """Serve the model over HTTP: OpenAI and Anthropic APIs, /metrics, /profile, /experts."""
+    import anyio
+
+    from colibri.server import ServerConfig
+    from colibri.server import serve as run_server
+
+    if api_key_file is not None:
+        try:
+            api_key = api_key_file.read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise ColibriError(f"cannot read --api-key-file {api_key_file}: {exc}") from exc
+    try:
+        config = ServerConfig(
+            host=host,
+            port=port,
+            api_key=api_key or None,
+            served_model_name=served_model_name,
+            queue=queue,
+            parallel=parallel,
+            kv_slots=kv_slots,
+            kv_dir=kv_dir,
+            kv_persist=kv_persist,
+            cors_origins=cors,
+            allowed_hosts=hosts,
+        )
+    except ValueError as exc:
+        raise ColibriError(f"bad server option: {exc}") from exc
+    anyio.run(run_server, config, _options(model, ram, reader), backend="asyncio")
 
 
 # ---------------------------------------------------------------------------- convert
@@ -206,6 +309,7 @@ def convert(
 ) -> None:
     """Convert a Hugging Face checkpoint SRC into a colibri container DST (resumable)."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
     from storage.convert import DEFAULTS, ConvertOptions
     from storage.convert import convert as do_convert
 
@@ -253,6 +357,287 @@ def doctor(model: Path | None, as_json: bool) -> None:
     sys.exit(report.exit_code)
 
 
+# ---------------------------------------------------------------------------- chat
+
+
+def _session_name(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    from colibri._chat import SESSION_RE
+
+    if not SESSION_RE.fullmatch(value):
+        raise click.BadParameter("use 1-64 letters, digits, '.', '_' or '-'")
+    return value
+
+
+@main.command()
+@_engine_options
+@click.option("--max-tokens", "-n", default=512, show_default=True, help="Most tokens per reply.")
+@click.option("--temperature", "-t", default=0.7, show_default=True, help="0 = greedy.")
+@click.option("--top-p", default=1.0, show_default=True)
+@click.option("--top-k", default=0, show_default=True)
+@click.option("--seed", type=int, default=None, help="Sampling seed (turn k uses seed + k).")
+@click.option("--system", default=None, help="System prompt of a new conversation.")
+@click.option(
+    "--session",
+    default="default",
+    show_default=True,
+    callback=_session_name,
+    help="Conversation name: its messages and KV cache are kept in the state dir.",
+)
+@click.option("--ignore-eos", is_flag=True, help="Do not stop a reply at end-of-sequence tokens.")
+@click.option("--verbose", "-v", is_flag=True, help="Show prompt tokens reused vs computed.")
+def chat(
+    model: Path | None,
+    ram: str | None,
+    reader: str,
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    seed: int | None,
+    system: str | None,
+    session: str,
+    ignore_eos: bool,
+    verbose: bool,
+) -> None:
+    """Talk with the model: streamed replies, resumable sessions (:q quits, :reset clears)."""
+    from colibri._chat import ChatSettings, run_chat
+
+    settings = ChatSettings(
+        session=session,
+        system=system,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        ignore_eos=ignore_eos,
+        verbose=verbose,
+    )
+    run_chat(_options(model, ram, reader), settings)
+
+
+# ---------------------------------------------------------------------------- plan
+
+
+@main.command()
+@_model_option
+@click.option(
+    "--ram",
+    default=env_defaults().get("ram_budget", "auto"),
+    show_default=True,
+    help="RAM budget to plan for, e.g. 24GiB, or auto (env COLI_RAM).",
+)
+@click.option(
+    "--state-dir",
+    type=click.Path(path_type=Path),
+    default=env_defaults().get("state_dir"),
+    help="Where .coli_usage lives (pinned experts); env COLI_STATE_DIR.",
+)
+@click.option("--disk-gbps", type=float, default=None, help="Disk read speed (default: assumed).")
+@click.option(
+    "--compute-gbps", type=float, default=None, help="Matmul weight GB/s (default: assumed)."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def plan(
+    model: Path | None,
+    ram: str,
+    state_dir: Path | None,
+    disk_gbps: float | None,
+    compute_gbps: float | None,
+    as_json: bool,
+) -> None:
+    """How a RAM budget splits (dense, KV, expert tiers), projected hit rate, bottleneck."""
+    from colibri._config import parse_bytes
+    from colibri._engine import ENGINE_ID, USAGE_FILE
+    from runtime import planner
+    from storage.container import Container
+    from storage.usage import parse_usage
+
+    opts = EngineOptions(model=model, ram_budget=parse_bytes(ram), state_dir=state_dir)
+    c = Container.open(opts.resolved_model())
+    counts = None
+    try:  # read-only: a damaged history is ignored here (Engine.open sets it aside)
+        text = (opts.resolved_state_dir() / USAGE_FILE).read_text(encoding="ascii")
+        counts = parse_usage(
+            text, c.arch.total_layers, c.arch.n_routed_experts, ENGINE_ID
+        ).counts
+    except (OSError, UnicodeDecodeError, ColibriError, ValueError):
+        pass
+    p = planner.make_plan(
+        c,
+        opts.ram_budget,
+        kv_reserve_tokens=opts.kv_reserve_tokens,
+        pin=opts.pin,
+        pin_fraction=opts.pin_fraction,
+        pin_min_selections=opts.pin_min_selections,
+        usage_counts=counts,
+        disk_gbps=disk_gbps or planner.ASSUMED_DISK_GBPS,
+        compute_gbps=compute_gbps or planner.ASSUMED_COMPUTE_GBPS,
+    )
+    if as_json:
+        click.echo(json.dumps(p.to_json()))
+    else:
+        for line in p.render_lines():
+            click.echo(line)
+
+
+# ---------------------------------------------------------------------------- bench
+
+
+@main.group()
+def bench() -> None:
+    """Benchmarks; each prints its result as one JSON object on the last line."""
+
+
+def _bench_progress() -> Any:
+    """A rich progress display on a terminal (stderr); a no-op elsewhere."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    return Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+        disable=not sys.stderr.isatty(),
+    )
+
+
+@bench.command("storage")
+@click.option(
+    "--model",
+    "target",
+    type=click.Path(path_type=Path, exists=True),
+    default=env_defaults().get("model"),
+    help="Model directory (its expert extents) or any big file (default: the demo model).",
+)
+@click.option("--reads", default=200, show_default=True, help="Random reads per pass.")
+@click.option("--qd", default=1, show_default=True, help="Reads in flight.")
+@click.option("--repeats", default=3, show_default=True, help="Passes per backend.")
+@click.option("--block", default=None, help="Bytes per read, e.g. 19MiB (default: one expert).")
+@click.option(
+    "--backends",
+    default="uring,uring-fixed,threads,buffered",
+    show_default=True,
+    help="Comma-separated reader backends.",
+)
+@click.option("--no-fio", is_flag=True, help="Do not run fio (figure is then null).")
+@click.option("--no-drop-caches", is_flag=True, help="Keep the page cache between passes.")
+def bench_storage_cmd(
+    target: Path | None,
+    reads: int,
+    qd: int,
+    repeats: int,
+    block: str | None,
+    backends: str,
+    no_fio: bool,
+    no_drop_caches: bool,
+) -> None:
+    """Cold expert-shaped random reads through each reader backend, against fio."""
+    import anyio
+
+    from colibri._config import parse_bytes
+    from storage.bench import bench_storage
+
+    names = [b for b in backends.split(",") if b]
+    unknown = sorted(set(names) - {"uring", "uring-fixed", "threads", "buffered"})
+    if unknown:
+        raise click.BadParameter(
+            f"unknown backend(s) {', '.join(unknown)}", param_hint="--backends"
+        )
+    path = target or default_model_path()
+    with _bench_progress() as bar:
+        task = bar.add_task("reading", total=repeats * (len(names) + (0 if no_fio else 1)))
+
+        def log(line: str) -> None:
+            if bar.disable:
+                click.echo(line, err=True)
+            else:
+                bar.update(task, advance=1, description=line.strip())
+
+        result = anyio.run(
+            lambda: bench_storage(
+                path,
+                backends=names,
+                reads=reads,
+                block=parse_bytes(block),
+                queue_depth=qd,
+                repeats=repeats,
+                drop_caches=False if no_drop_caches else None,
+                fio=not no_fio,
+                log=log,
+            )
+        )
+    click.echo(json.dumps(result))
+
+
+def _bench_script(name: str, args: list[str], what: str) -> None:
+    """Run tools/bench/NAME.py (source checkouts only), its lines shown as they come."""
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "tools" / "bench" / f"{name}.py"
+    if not script.is_file():
+        raise ColibriError(
+            f"{script} not found: the benchmarks ship with the colibri source checkout"
+        )
+    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    lines: list[str] = []
+    with _bench_progress() as bar:
+        bar.add_task(what, total=None)
+        proc = subprocess.Popen(
+            [sys.executable, str(script), *args], stdout=subprocess.PIPE, text=True, env=env
+        )
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if bar.disable:
+                click.echo(lines[-1])
+            elif len(lines) > 1:  # one line behind: the last (the JSON) goes to stdout below
+                bar.console.print(lines[-2], markup=False, highlight=False)
+        rc = proc.wait()
+    if not bar.disable and lines:
+        click.echo(lines[-1])
+    if rc != 0:
+        raise ColibriError(f"{script.name} failed with exit status {rc}")
+
+
+@bench.command("kernels")
+@click.option("--rounds", default=15, show_default=True, help="Interleaved rounds.")
+def bench_kernels(rounds: int) -> None:
+    """numba int4/int8 matmul kernels against DRAM read bandwidth (about 10 s)."""
+    _bench_script("kernels", ["--rounds", str(rounds)], "kernel benchmark")
+
+
+@bench.command("stream")
+@click.option(
+    "--model",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Synthetic GLM-5-geometry model (built on first use; default /var/tmp/colibri-synth).",
+)
+@click.option("--tokens", default=24, show_default=True, help="Tokens to decode.")
+@click.option("--fraction", default=0.2, show_default=True, help="Share of experts in RAM.")
+@click.option(
+    "--reader",
+    type=click.Choice(["auto", "uring", "threads", "buffered"]),
+    default="auto",
+    show_default=True,
+)
+@click.option("--reads", default=60, show_default=True, help="Reads of the storage probe.")
+@click.option("--prefetch/--no-prefetch", default=True, show_default=True)
+def bench_stream(
+    model: Path | None, tokens: int, fraction: float, reader: str, reads: int, prefetch: bool
+) -> None:
+    """Streaming decode against its I/O bound (storage GB/s / bytes per token)."""
+    args = ["--tokens", str(tokens), "--fraction", str(fraction), "--reader", reader]
+    args += ["--reads", str(reads)] + ([] if prefetch else ["--no-prefetch"])
+    if model is not None:
+        args += ["--model", str(model)]
+    _bench_script("stream", args, "streaming benchmark")
+
+
 # ---------------------------------------------------------------------------- info
 
 
@@ -274,17 +659,43 @@ def info(model: Path | None, as_json: bool) -> None:
         "hidden": a.hidden_size,
         "vocab": a.vocab_size,
         "routed_experts_per_layer": a.n_routed_experts,
-        "moe_layers": len(experts),
+        "moe_layers": len([layer for layer in experts if layer < a.num_hidden_layers]),
         "expert_bytes": c.expert_nbytes,
-        "experts_total_bytes": c.expert_nbytes * a.n_routed_experts * len(experts),
+        "experts_total_bytes": sum(x.nbytes for x in c.expert_extents()),
         "cpu_count": os.cpu_count(),
         "ram_total_bytes": _mem_total(),
+        **_machine(c.path),
     }
     if as_json:
         click.echo(json.dumps(data, indent=2))
     else:
         for k, v in data.items():
             click.echo(f"{k:26} {v}")
+
+
+def _machine(model_dir: Path) -> dict[str, Any]:
+    """CPU model, available RAM, and the model directory's filesystem and free space."""
+    from runtime.budget import mem_available
+    from storage.reader import filesystem_type
+
+    cpu = None
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            names = (ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name"))
+            cpu = next(names, None)
+    except OSError:
+        pass
+    try:
+        st = os.statvfs(model_dir)
+        free: int | None = st.f_bavail * st.f_frsize
+    except OSError:
+        free = None
+    return {
+        "cpu_model": cpu,
+        "ram_available_bytes": mem_available(),
+        "model_fs_type": filesystem_type(model_dir),
+        "model_fs_free_bytes": free,
+    }
 
 
 def _mem_total() -> int | None:

@@ -1,0 +1,321 @@
+"""The app factory and ``coli serve``'s runner.
+
+:func:`create_app` builds one server around an open :class:`~colibri.Engine`: its state, its
+Prometheus registry, middleware (metrics -> CORS -> security) and routes. :func:`serve` opens the
+engine and runs uvicorn's ``Server.serve()`` inside the same anyio (asyncio) loop, so requests,
+the engine's compute threads and its expert reads share one scheduler.
+
+Routes: the OpenAI and Anthropic APIs (see their modules), ``GET /health``, ``GET /metrics``,
+``GET /experts`` (tier and routing heat per expert), ``GET /profile`` (recent turns, queue,
+slots, engine counters).
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import sys
+import threading
+from collections import deque
+from collections.abc import Generator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import structlog
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from colibri._config import EngineOptions, default_model_path
+from colibri._engine import Engine
+from colibri.server.anthropic_routes import anthropic_routes
+from colibri.server.errors import ApiError, error_response, is_anthropic
+from colibri.server.metrics import CONTENT_TYPE, Metrics
+from colibri.server.openai_routes import openai_routes, state_of
+from colibri.server.security import SecurityMiddleware, allowed_hosts, check_bind
+from colibri.server.slots import SlotPool
+from colibri.server.state import Admission, AppState, ServerConfig
+from colibri.tokenizer import ChatTokenizer
+from storage.errors import ColibriError
+from storage.kvfile import model_identity
+
+__all__ = ["ServerConfig", "create_app", "serve"]
+
+_log = structlog.get_logger(__name__)
+
+TIER_CODES = {"disk": 0, "lru": 1, "pinned": 2, "ram": 3}
+
+
+def default_model_name(model_dir: Path) -> str:
+    """The name clients pass as ``model``: the directory name (``colibri-demo`` for the bundled
+    demo model)."""
+    if model_dir.resolve() == default_model_path().resolve():
+        return "colibri-demo"
+    return model_dir.resolve().name
+
+
+# ------------------------------------------------------------------------------ middleware
+
+
+class _MetricsMiddleware:
+    """Counts every answered request by route template and status."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics, routes: frozenset[str]) -> None:
+        self.app = app
+        self._metrics = metrics
+        self._routes = routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = {"code": 0}
+
+        async def tap(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tap)
+        finally:
+            path = scope.get("path", "")
+            route = path if path in self._routes else "other"
+            if path.startswith("/v1/models/"):
+                route = "/v1/models/{model}"
+            self._metrics.requests.labels(route, str(status["code"] or 499)).inc()
+
+
+# ------------------------------------------------------------------------------ info routes
+
+
+async def health(request: Request) -> Response:
+    """``GET /health``: 200 while the server runs (no API key needed)."""
+    st = state_of(request)
+    return JSONResponse(
+        {
+            "status": "ok",
+            "model": st.model_name,
+            "running": st.admission.running,
+            "waiting": st.admission.waiting,
+        }
+    )
+
+
+async def metrics(request: Request) -> Response:
+    """``GET /metrics``: Prometheus text format."""
+    st = state_of(request)
+    return Response(st.metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def experts(request: Request) -> Response:
+    """``GET /experts``: per MoE layer and expert, its tier and routing heat."""
+    st = state_of(request)
+    m = st.engine.expert_map()
+    counts: list[list[int]] | None = m.get("counts")
+    codes: list[list[int]] = []
+    for i, row in enumerate(m["tiers"]):
+        heat = counts[i] if counts is not None and i < len(counts) else [0] * len(row)
+        codes.append(
+            [
+                (TIER_CODES.get(t, 0) << 6) | min(63, int(math.log2(h + 1)) if h > 0 else 0)
+                for t, h in zip(row, heat or [0] * len(row), strict=False)
+            ]
+        )
+    return JSONResponse({**m, "tier_codes": TIER_CODES, "codes": codes})
+
+
+async def profile(request: Request) -> Response:
+    """``GET /profile``: recent turns (newest first) with their time breakdown, the queue, the
+    KV slots and the engine's counters."""
+    st = state_of(request)
+    limit = request.query_params.get("limit")
+    turns = [t.as_dict() for t in reversed(st.turns)]
+    if limit is not None and limit.isdigit():
+        turns = turns[: int(limit)]
+    return JSONResponse(
+        {
+            "model": st.model_name,
+            "context_length": st.context_length,
+            "queue": {
+                "running": st.admission.running,
+                "waiting": st.admission.waiting,
+                "limit": st.admission.queue,
+                "parallel": st.admission.parallel,
+            },
+            "slots": st.slots.describe(),
+            "kv_dir": None if st.kv_dir is None else str(st.kv_dir),
+            "turns": turns,
+            "engine": st.engine.stats(),
+        }
+    )
+
+
+# ------------------------------------------------------------------------------ errors
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    if not isinstance(exc, ApiError):  # pragma: no cover - registered for ApiError only
+        return await _internal_error(request, exc)
+    return error_response(exc, anthropic=is_anthropic(request))
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    if not isinstance(exc, HTTPException):  # pragma: no cover - registered for it only
+        return await _internal_error(request, exc)
+    if exc.status_code == 404:
+        msg = f"no route {request.method} {request.url.path}"
+    elif exc.status_code == 405:
+        msg = f"method {request.method} is not allowed on {request.url.path}"
+    else:
+        msg = str(exc.detail)
+    err = ApiError(exc.status_code, msg, code="not_found" if exc.status_code == 404 else None)
+    return error_response(err, anthropic=is_anthropic(request))
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    _log.error("unhandled error", path=request.url.path, error=repr(exc), exc_info=exc)
+    err = ApiError(500, "internal server error (details are in the server log)")
+    return error_response(err, anthropic=is_anthropic(request))
+
+
+# ------------------------------------------------------------------------------ factory
+
+
+async def create_app(engine: Engine, config: ServerConfig | None = None) -> Starlette:
+    """One server around ``engine`` (which the caller keeps open while the app serves)."""
+    cfg = config or ServerConfig()
+    c = engine.container
+    tok_path = c.tokenizer_path()
+    if tok_path is None:
+        raise ColibriError(f"{c.path}: no tokenizer.json: the server needs one to read text")
+    tokenizer = await anyio.to_thread.run_sync(ChatTokenizer, tok_path, c.tokenizer_config())
+    name = cfg.served_model_name or default_model_name(c.path)
+    identity = await anyio.to_thread.run_sync(model_identity, c.path)
+    kv_dir: Path | None = None
+    if cfg.kv_slots and cfg.kv_persist:
+        kv_dir = cfg.kv_dir or engine.options.resolved_state_dir()
+        try:
+            await anyio.to_thread.run_sync(lambda: kv_dir.mkdir(parents=True, exist_ok=True))
+        except OSError as exc:
+            raise ColibriError(
+                f"cannot create the KV slot directory {kv_dir}: {exc.strerror or exc}; pass "
+                "--kv-dir DIR or --no-kv-persist"
+            ) from exc
+    vocab = int(c.arch.vocab_size)
+    slots = SlotPool(
+        cfg.kv_slots, engine.new_cache, vocab=vocab, identity=identity, directory=kv_dir
+    )
+    await slots.check_files()
+    m = Metrics(engine.stats)
+    template = getattr(tokenizer, "_template_src", None) or ""
+    state = AppState(
+        config=cfg,
+        engine=engine,
+        tokenizer=tokenizer,
+        model_name=name,
+        context_length=int(c.config.get("max_position_embeddings") or 4096),
+        vocab_size=vocab,
+        metrics=m,
+        admission=Admission(cfg.queue, cfg.parallel, m),
+        slots=slots,
+        turns=deque(maxlen=cfg.profile_turns),
+        think_template="<think>" in template,
+        engine_identity=f"{identity:08x}",
+        kv_dir=kv_dir,
+    )
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/experts", experts, methods=["GET"]),
+        Route("/profile", profile, methods=["GET"]),
+        *openai_routes(),
+        *anthropic_routes(),
+    ]
+    known = frozenset(r.path for r in routes)
+    middleware = [Middleware(_MetricsMiddleware, metrics=m, routes=known)]
+    if cfg.cors_origins:
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(cfg.cors_origins),
+                allow_methods=["GET", "POST", "OPTIONS"],
+                allow_headers=["authorization", "content-type", "x-api-key", "anthropic-version"],
+                expose_headers=["x-colibri-queue-wait-ms", "retry-after"],
+            )
+        )
+    middleware.append(
+        Middleware(
+            SecurityMiddleware,
+            api_key=cfg.api_key,
+            hosts=allowed_hosts(cfg.host, cfg.allowed_hosts),
+            max_body=cfg.max_body,
+        )
+    )
+    app = Starlette(
+        routes=routes,
+        middleware=middleware,
+        exception_handlers={
+            ApiError: _api_error,
+            HTTPException: _http_error,
+            Exception: _internal_error,
+        },
+    )
+    app.state.colibri = state
+    return app
+
+
+# ------------------------------------------------------------------------------ runner
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal re-raise: SIGINT/SIGTERM end ``serve()`` gracefully and the
+    engine then closes normally (usage saved, reads drained)."""
+
+    @contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        sigs = (signal.SIGINT, signal.SIGTERM)
+        old = {s: signal.signal(s, self.handle_exit) for s in sigs}
+        try:
+            yield
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            cfg = self.config
+            host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
+            print(f"colibri: serving on http://{host}:{cfg.port}", file=sys.stderr, flush=True)
+
+
+async def serve(config: ServerConfig, options: EngineOptions) -> None:
+    """Open the engine, build the app and serve until SIGINT/SIGTERM (asyncio only: uvicorn)."""
+    check_bind(config.host, config.api_key)
+    async with Engine.open(options=options) as engine:
+        app = await create_app(engine, config)
+        uv = uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            lifespan="off",
+            log_config=None,
+            access_log=False,
+            server_header=False,
+            ws="none",
+            timeout_graceful_shutdown=5,
+        )
+        await _Server(uv).serve()

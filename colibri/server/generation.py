@@ -1,0 +1,394 @@
+"""One generation request, API-neutral: the OpenAI and Anthropic routes both drive this.
+
+It iterates ``engine.generate`` (one call per request: whatever batching the engine does, the
+server needs nothing else), turns token ids into text incrementally, applies stop strings, the
+``<think>`` split and tool-call parsing, measures TTFT / inter-token latency / queue wait, runs
+in a KV slot when asked (prefix reuse, then the slot is saved before the response ends), and
+records the turn for ``/profile`` and ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncGenerator, Mapping, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any, Literal, cast
+
+import anyio
+
+from colibri._engine import DoneEvent, Engine, GenerationEvent, TokenEvent
+from colibri.server.errors import ApiError
+from colibri.server.state import AppState, Lease, Turn
+from colibri.server.textproc import (
+    ParsedToolCall,
+    StopMatcher,
+    ThinkSplitter,
+    ToolCallSplitter,
+)
+from storage.errors import ColibriError, ModelError
+
+__all__ = ["Delta", "GenParams", "Generation", "Result", "TokenLogprob", "check_prompt", "new_id"]
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex[:24]}"
+
+
+@dataclass
+class GenParams:
+    """What to generate (already validated and tokenized by a route)."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] | None = None  # None: the model's end-of-sequence ids
+    logprobs: bool = False
+    top_logprobs: int = 0
+    slot: int | None = None
+    think: bool = False  # split <think>...</think> into reasoning
+    think_open: bool = False  # the prompt ends inside a think section
+    tools: list[dict[str, Any]] | None = None  # parse tool-call blocks against these
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A generated token, its logprob and the most likely alternatives (id, text, logprob)."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: tuple[tuple[int, str, float], ...] = ()
+
+
+@dataclass
+class Delta:
+    """New text of one kind, with the logprobs of the tokens released since the last delta."""
+
+    kind: Literal["content", "reasoning"]
+    text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
+class Result:
+    """The finished generation."""
+
+    finish_reason: str  # stop | length | tool_calls | cancelled
+    stop_sequence: str | None
+    content: str
+    reasoning: str
+    tool_calls: list[ParsedToolCall]
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    turn: Turn
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.turn.prompt_tokens
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.turn.completion_tokens
+
+    def stats(self) -> dict[str, Any]:
+        """colibri's own counters for this request (the ``colibri`` field of responses)."""
+        t = self.turn.as_dict()
+        keys = (
+            "slot",
+            "prompt_tokens_computed",
+            "prompt_tokens_reused",
+            "queue_wait_ms",
+            "ttft_ms",
+            "prefill_ms",
+            "decode_tokens_per_s",
+            "total_ms",
+        )
+        return {k: t[k] for k in keys}
+
+
+def check_prompt(state: AppState, ids: list[int], max_tokens: int | None) -> int:
+    """Validate prompt ids against the vocabulary and context; returns max_tokens to use."""
+    if not ids:
+        raise ApiError(400, "the prompt is empty", param="messages", code="empty_prompt")
+    bad = [t for t in ids if not 0 <= t < state.vocab_size]
+    if bad:
+        raise ApiError(
+            400,
+            f"token id {bad[0]} is outside the vocabulary (0..{state.vocab_size - 1})",
+            param="prompt",
+            code="invalid_token",
+        )
+    ctx = state.context_length
+    if len(ids) >= ctx:
+        raise ApiError(
+            400,
+            f"this model's context is {ctx} tokens, but the prompt has {len(ids)} tokens; "
+            "shorten it",
+            param="messages",
+            code="context_length_exceeded",
+        )
+    if max_tokens is None:
+        return ctx - len(ids)
+    if len(ids) + max_tokens > ctx:
+        raise ApiError(
+            400,
+            f"this model's context is {ctx} tokens: {len(ids)} prompt tokens + max_tokens "
+            f"{max_tokens} exceed it; lower max_tokens to at most {ctx - len(ids)}",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return max_tokens
+
+
+class Generation:
+    """Run one request: ``gen.run(lease)`` streams deltas, ``gen.complete(lease)`` waits for the
+    :class:`Result` (also in ``gen.result`` afterwards)."""
+
+    def __init__(self, state: AppState, params: GenParams, route: str, request_id: str) -> None:
+        self.state = state
+        self.p = params
+        self.route = route
+        self.id = request_id
+        self.result: Result | None = None
+        self._tok = state.tokenizer
+        self._text_cache: dict[int, str] = {}
+
+    def _token_text(self, tid: int) -> str:
+        t = self._text_cache.get(tid)
+        if t is None:
+            t = self._text_cache[tid] = self._tok.decode([tid])
+        return t
+
+    def _logprob(self, ev: TokenEvent) -> TokenLogprob:
+        top = tuple((t, self._token_text(t), lp) for t, lp in ev.top)
+        return TokenLogprob(ev.token_id, self._token_text(ev.token_id), ev.logprob, top)
+
+    async def complete(self, lease: Lease) -> Result:
+        """Run to the end (non-streaming responses)."""
+        async with aclosing(self.run(lease)) as deltas:
+            async for _ in deltas:
+                pass
+        return self.final()
+
+    def final(self) -> Result:
+        """The result once :meth:`run` has finished."""
+        if self.result is None:  # pragma: no cover - run() sets it or raises
+            raise ApiError(500, "generation ended without a result")
+        return self.result
+
+    async def run(self, lease: Lease) -> AsyncGenerator[Delta, None]:
+        """Yield text deltas as they are final; ``self.result`` is set when it returns.
+
+        Consume it inside ``aclosing``: a consumer cancelled while this generator waits at a
+        ``yield`` must close it at once, which closes the engine's generator (its lock)."""
+        st, p = self.state, self.p
+        engine = st.engine
+        slot = lease.slot
+        cache = None if slot is None else slot.cache
+        reused = 0 if cache is None else Engine.reusable_prefix(cache, p.prompt_ids)
+        if slot is not None:
+            slot.persisted = min(slot.persisted, reused)  # rows past it are about to change
+        turn = Turn(
+            id=self.id,
+            route=self.route,
+            started=time.time() - lease.ticket.wait_s,
+            slot=p.slot,
+            prompt_tokens=len(p.prompt_ids),
+            prompt_tokens_computed=len(p.prompt_ids) - reused,
+            prompt_tokens_reused=reused,
+            max_tokens=p.max_tokens,
+            queue_wait_s=lease.ticket.wait_s,
+        )
+        stream = self._tok.stream()
+        stopper = StopMatcher(p.stop)
+        think = ThinkSplitter(enabled=p.think, inside=p.think_open)
+        tools = ToolCallSplitter(enabled=p.tools is not None)
+        content: list[str] = []
+        reasoning: list[str] = []
+        pending_lp: list[TokenLogprob] = []
+        all_lp: list[TokenLogprob] = []
+        ids: list[int] = []
+        reason = "cancelled"
+        t_admit = lease.ticket.admitted or time.perf_counter()
+        t_first: float | None = None
+        t_last: float | None = None
+        stops = p.stop_token_ids
+        metrics = st.metrics
+
+        def route(text: str, final: bool = False) -> list[Delta]:
+            parts = think.feed(text) + (think.flush() if final else [])
+            out: list[Delta] = []
+            for kind, t in parts:
+                if kind == "content":
+                    t = tools.feed(t)
+                if t:
+                    out.append(Delta("reasoning" if kind == "reasoning" else "content", t))
+            return out
+
+        def emit(deltas: list[Delta]) -> list[Delta]:
+            for d in deltas:
+                (content if d.kind == "content" else reasoning).append(d.text)
+            if deltas and pending_lp:
+                deltas[0].logprobs = pending_lp.copy()
+                pending_lp.clear()
+            return deltas
+
+        try:
+            # generate is declared an AsyncIterator; it is an async generator (aclose)
+            agen = cast(
+                AsyncGenerator[GenerationEvent, None],
+                engine.generate(
+                    p.prompt_ids,
+                    max_new_tokens=p.max_tokens,
+                    temperature=p.temperature,
+                    top_p=p.top_p,
+                    top_k=p.top_k,
+                    seed=p.seed,
+                    stop_token_ids=stops,
+                    cache=cache,
+                    top_logprobs=p.top_logprobs if p.logprobs else 0,
+                ),
+            )
+            hit = False
+            async with aclosing(agen):
+                async for ev in agen:
+                    if isinstance(ev, DoneEvent):
+                        reason = "stop" if ev.reason == "stop" else ev.reason
+                        continue
+                    now = time.perf_counter()
+                    if t_first is None:
+                        t_first = now
+                        turn.ttft_s = now - lease.ticket.arrived
+                        turn.prefill_s = now - t_admit
+                        metrics.ttft.observe(turn.ttft_s)
+                    elif t_last is not None:
+                        metrics.itl.observe(now - t_last)
+                    t_last = now
+                    turn.decode_s = now - t_first
+                    ids.append(ev.token_id)
+                    turn.completion_tokens = len(ids)
+                    if p.logprobs:
+                        lp = self._logprob(ev)
+                        pending_lp.append(lp)
+                        all_lp.append(lp)
+                    released, hit = stopper.feed(stream.push(ev.token_id))
+                    for d in emit(route(released)):
+                        yield d
+                    if hit:
+                        reason = "stop"
+                        break
+            if not hit:
+                tail, _ = stopper.feed(stream.flush())
+                tail += stopper.flush()
+            else:
+                tail = ""
+            final = emit(route(tail, final=True))
+            rest, calls = tools.finish(p.tools)
+            if rest:
+                final += emit([Delta("content", rest)])
+            if pending_lp:
+                final.append(Delta("content", "", pending_lp.copy()))
+                pending_lp.clear()
+            for d in final:
+                yield d
+            if calls:
+                reason = "tool_calls"
+            lease.release_compute()
+            if slot is not None:
+                slot.turns += 1
+                with anyio.CancelScope(shield=True):
+                    await st.slots.persist(slot)
+            self.result = Result(
+                finish_reason=reason,
+                stop_sequence=stopper.hit,
+                content="".join(content),
+                reasoning="".join(reasoning),
+                tool_calls=calls,
+                token_ids=ids,
+                logprobs=all_lp,
+                turn=turn,
+            )
+        except ModelError as exc:
+            reason = "error"
+            raise ApiError(400, str(exc), code="invalid_request") from exc
+        except ColibriError as exc:
+            reason = "error"
+            raise ApiError(503, f"the engine failed: {exc}", code="engine_error") from exc
+        except Exception:
+            reason = "error"
+            raise
+        finally:
+            turn.finish_reason = reason if self.result is not None else _aborted(reason)
+            turn.total_s = time.perf_counter() - lease.ticket.arrived
+            metrics.request_success.labels(turn.finish_reason).inc()
+            metrics.prompt_tokens.inc(turn.prompt_tokens)
+            metrics.prompt_tokens_cached.inc(turn.prompt_tokens_reused)
+            metrics.generation_tokens.inc(turn.completion_tokens)
+            metrics.e2e.observe(turn.total_s)
+            st.record(turn)
+
+
+def _aborted(reason: str) -> str:
+    return "error" if reason == "error" else "cancelled"
+
+
+def logprob_entry(lp: TokenLogprob, n_top: int) -> dict[str, Any]:
+    """OpenAI chat ``logprobs.content[i]``."""
+    return {
+        "token": lp.token,
+        "logprob": lp.logprob,
+        "bytes": list(lp.token.encode()),
+        "top_logprobs": [
+            {"token": t, "logprob": v, "bytes": list(t.encode())} for _, t, v in lp.top[:n_top]
+        ],
+    }
+
+
+def completion_logprobs(lps: list[TokenLogprob], n_top: int, offset: int = 0) -> dict[str, Any]:
+    """OpenAI legacy completions ``logprobs`` (tokens, token_logprobs, top_logprobs, offsets)."""
+    offsets: list[int] = []
+    pos = offset
+    for lp in lps:
+        offsets.append(pos)
+        pos += len(lp.token)
+    return {
+        "tokens": [lp.token for lp in lps],
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{t: v for _, t, v in lp.top[:n_top]} for lp in lps] if n_top else None,
+        "text_offset": offsets,
+    }
+
+
+def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as chat templates expect them (content a string, tool-call arguments dicts)."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        d = dict(m)
+        if d.get("content") is None:
+            d["content"] = ""
+        calls = d.get("tool_calls")
+        if calls:
+            fixed = []
+            for c in calls:
+                c = dict(c)
+                fn = dict(c.get("function") or {})
+                args = fn.get("arguments")
+                if isinstance(args, str):
+                    try:
+                        fn["arguments"] = json.loads(args) if args.strip() else {}
+                    except json.JSONDecodeError:
+                        pass
+                c["function"] = fn
+                c.setdefault("name", fn.get("name"))
+                c.setdefault("arguments", fn.get("arguments"))
+                fixed.append(c)
+            d["tool_calls"] = fixed
+        out.append(d)
+    return out

@@ -1,0 +1,164 @@
+"""Prometheus metrics for one app (its own registry: two apps in one process never mix).
+
+Names follow vLLM's (``vllm:`` -> ``colibri:``) so existing dashboards adapt by a prefix:
+request counters, time to first token, inter-token latency, queue time, end-to-end latency,
+prompt / cached-prompt / generation token counters, running / waiting gauges; plus, read from
+``engine.stats()`` at scrape time, the engine's counters and the expert tiers (hits per tier,
+misses, bytes read, read wait, prefetch issued / used / wasted, evictions, hit rate).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+__all__ = ["CONTENT_TYPE", "Metrics"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900)
+_ITL = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class _EngineCollector(Collector):
+    """Engine counters and expert-tier series, read from ``stats()`` on each scrape."""
+
+    def __init__(self, stats: Callable[[], Mapping[str, Any]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        yield _counter(
+            "colibri:engine_forward_calls", "Model forward calls", s.get("forward_calls")
+        )
+        yield _counter(
+            "colibri:engine_compute_seconds",
+            "Seconds spent in model forward calls",
+            s.get("compute_seconds"),
+        )
+        yield _counter(
+            "colibri:engine_prefill_tokens", "Prompt tokens prefilled", s.get("prefill_tokens")
+        )
+        yield _counter(
+            "colibri:engine_prefill_seconds", "Seconds spent prefilling", s.get("prefill_seconds")
+        )
+        yield _counter(
+            "colibri:engine_prefill_read_bytes",
+            "Expert bytes read while prefilling",
+            s.get("prefill_bytes_read"),
+        )
+        ex = s.get("experts") or {}
+        resident = GaugeMetricFamily(
+            "colibri:experts_streaming", "1 when routed experts stream from storage, 0 in RAM"
+        )
+        resident.add_metric([], 1.0 if ex.get("mode") == "streaming" else 0.0)
+        yield resident
+        if ex.get("mode") != "streaming":
+            return
+        hits = CounterMetricFamily(
+            "colibri:expert_hits", "Expert lookups served from memory, by tier", labels=["tier"]
+        )
+        hits.add_metric(["pinned"], float(ex.get("hits_pinned", 0)))
+        hits.add_metric(["lru"], float(ex.get("hits_lru", 0)))
+        yield hits
+        yield _counter(
+            "colibri:expert_misses", "Expert lookups read from storage", ex.get("misses")
+        )
+        yield _counter("colibri:expert_reads", "Expert reads issued", ex.get("reads"))
+        yield _counter("colibri:expert_read_bytes", "Bytes of experts read", ex.get("bytes_read"))
+        yield _counter(
+            "colibri:expert_read_wait_seconds",
+            "Seconds compute waited for expert reads",
+            ex.get("read_wait_s"),
+        )
+        pre = CounterMetricFamily(
+            "colibri:expert_prefetch", "Lookahead prefetches by outcome", labels=["outcome"]
+        )
+        for k in ("issued", "used", "wasted"):
+            pre.add_metric([k], float(ex.get(f"prefetch_{k}", 0)))
+        yield pre
+        yield _counter(
+            "colibri:expert_evictions", "Experts evicted from the LRU", ex.get("evictions")
+        )
+        yield _counter(
+            "colibri:expert_read_errors", "Expert reads that failed", ex.get("read_errors")
+        )
+        rate = GaugeMetricFamily("colibri:expert_hit_rate", "Expert lookups served from memory")
+        rate.add_metric([], float(ex.get("hit_rate", 0.0)))
+        yield rate
+        size = GaugeMetricFamily("colibri:expert_cache_bytes", "Bytes of expert slots in RAM")
+        size.add_metric([], float(ex.get("slots_bytes", 0)))
+        yield size
+
+
+def _counter(name: str, doc: str, value: Any) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=float(value or 0))
+
+
+class Metrics:
+    """Every metric of one server; ``render()`` gives the Prometheus text."""
+
+    def __init__(self, engine_stats: Callable[[], Mapping[str, Any]]) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "colibri:http_requests",
+            "HTTP requests answered, by route and status",
+            ["route", "status"],
+            registry=r,
+        )
+        self.request_success = Counter(
+            "colibri:request_success",
+            "Generations finished, by finish reason",
+            ["finished_reason"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "colibri:requests_rejected", "Requests refused, by reason", ["reason"], registry=r
+        )
+        self.prompt_tokens = Counter(
+            "colibri:prompt_tokens", "Prompt tokens of finished requests", registry=r
+        )
+        self.prompt_tokens_cached = Counter(
+            "colibri:prompt_tokens_cached",
+            "Prompt tokens taken from a KV slot instead of computed",
+            registry=r,
+        )
+        self.generation_tokens = Counter(
+            "colibri:generation_tokens", "Tokens generated", registry=r
+        )
+        self.ttft = Histogram(
+            "colibri:time_to_first_token_seconds",
+            "Request arrival to first token (queue wait included)",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "colibri:inter_token_latency_seconds",
+            "Time between consecutive tokens of one request",
+            buckets=_ITL,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "colibri:request_queue_time_seconds",
+            "Time waiting for admission (and for its KV slot)",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "colibri:e2e_request_latency_seconds",
+            "Request arrival to last token",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.running = Gauge("colibri:num_requests_running", "Generations running", registry=r)
+        self.waiting = Gauge(
+            "colibri:num_requests_waiting", "Generations waiting for admission", registry=r
+        )
+        r.register(_EngineCollector(engine_stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,178 @@
+"""Request bodies (pydantic): the OpenAI Chat Completions and Completions APIs, Anthropic's
+Messages API, and colibri's extension fields.
+
+Unknown fields are ignored (clients send newer fields than any server knows); known fields are
+type-checked (422 when malformed). Fields colibri knows but cannot honour (``n`` > 1, penalties,
+``logit_bias``, non-text ``response_format``) are refused with a 400 by the routes, never
+silently dropped.
+
+Extensions accepted in every generation request: ``cache_slot`` (KV slot index), ``top_k``,
+``ignore_eos``, ``stop_token_ids``, ``chat_template_kwargs``, ``enable_thinking``,
+``return_token_ids``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "AnthropicMessage",
+    "AnthropicTool",
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "Extensions",
+    "FunctionDef",
+    "MessagesRequest",
+    "StreamOptions",
+    "Tool",
+]
+
+
+class _Loose(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class Extensions(_Loose):
+    """colibri's extension fields, shared by every generation request."""
+
+    cache_slot: int | None = Field(
+        default=None, ge=0, description="KV slot: keep this conversation's cache between turns"
+    )
+    top_k: int | None = Field(default=None, ge=-1, description="Top-k sampling (0 or -1: off)")
+    ignore_eos: bool = Field(default=False, description="Do not stop at end-of-sequence tokens")
+    stop_token_ids: list[int] | None = Field(default=None, description="Extra stop token ids")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None, description="Extra variables for the chat template"
+    )
+    enable_thinking: bool | None = Field(
+        default=None, description="Passed to the chat template (models with a think section)"
+    )
+    return_token_ids: bool = Field(
+        default=False, description="Add the prompt and generated token ids to the response"
+    )
+
+
+class StreamOptions(_Loose):
+    include_usage: bool = False
+
+
+class FunctionDef(_Loose):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(_Loose):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class ToolCallFunction(_Loose):
+    name: str
+    arguments: str | dict[str, Any] = ""
+
+
+class ToolCall(_Loose):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ChatMessage(BaseModel):
+    """One chat message; extra keys are passed through to the chat template."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class ChatCompletionRequest(Extensions):
+    """``POST /v1/chat/completions``."""
+
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, ge=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(default=1, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    reasoning_effort: str | None = None
+    user: str | None = None
+
+
+class CompletionRequest(Extensions):
+    """``POST /v1/completions`` (the legacy text completion API)."""
+
+    model: str
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, ge=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(default=1, ge=1)
+    best_of: int | None = Field(default=None, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+
+class AnthropicMessage(_Loose):
+    role: Literal["user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+
+class AnthropicTool(_Loose):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    input_schema: dict[str, Any] = Field(default_factory=dict)
+
+
+class ThinkingConfig(_Loose):
+    type: Literal["enabled", "disabled", "adaptive"] = "disabled"
+    budget_tokens: int | None = None
+
+
+class MessagesRequest(Extensions):
+    """``POST /v1/messages`` (Anthropic Messages API)."""
+
+    model: str
+    max_tokens: int = Field(ge=1)
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: float | None = Field(default=None, ge=0, le=1)
+    top_p: float | None = Field(default=None, ge=0, le=1)
+    seed: int | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: ThinkingConfig | None = None
+    metadata: dict[str, Any] | None = None

@@ -1,0 +1,163 @@
+"""Safe defaults for a server that holds a model and the user's conversations.
+
+* Binds loopback by default; a non-loopback bind needs an API key (:func:`check_bind`).
+* ``Host`` allowlist against DNS rebinding: a web page cannot reach a loopback server through
+  a name that resolves to 127.0.0.1 (421 otherwise).
+* API key: ``Authorization: Bearer <key>`` or ``x-api-key: <key>``, compared in constant time;
+  every route but ``/health`` (and CORS pre-flights) needs it when a key is set (401).
+* Request bodies are capped (``Content-Length`` checked here, chunked bodies while reading): 413.
+* CORS is off unless origins are listed (Starlette's middleware, added by the app factory).
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+from collections.abc import Iterable
+
+from starlette.datastructures import Headers
+from starlette.requests import Request
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from colibri.server.errors import ApiError, error_response
+from storage.errors import ColibriError
+
+__all__ = [
+    "LOOPBACK_HOSTS",
+    "SecurityMiddleware",
+    "allowed_hosts",
+    "check_bind",
+    "is_loopback",
+    "read_body",
+]
+
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+_PUBLIC_PATHS = frozenset({"/health"})
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address) is only reachable from this machine."""
+    h = host.strip("[]").lower()
+    if h == "localhost" or h.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(host: str, api_key: str | None) -> None:
+    """Refuse a non-loopback bind without an API key (anyone on the network could use it)."""
+    if not is_loopback(host) and not api_key:
+        raise ColibriError(
+            f"refusing to listen on {host!r} without an API key: anyone who can reach this "
+            "machine could use the model and read conversations; pass --api-key KEY "
+            "(or --api-key-file FILE), or bind 127.0.0.1"
+        )
+
+
+def allowed_hosts(bind_host: str, extra: Iterable[str] = ()) -> frozenset[str] | None:
+    """Host names accepted in the ``Host`` header; None accepts any (a wildcard bind with a key
+    and no explicit list: the key is the protection there)."""
+    names = {h.strip("[]").lower() for h in extra if h}
+    wildcard = bind_host in ("0.0.0.0", "::", "")
+    if wildcard and not names:
+        return None
+    names.update(LOOPBACK_HOSTS)
+    if not wildcard:
+        names.add(bind_host.strip("[]").lower())
+    return frozenset(names)
+
+
+def _host_name(host_header: str) -> str:
+    h = host_header.strip().lower()
+    if h.startswith("["):  # [::1]:8000
+        return h[1 : h.find("]")] if "]" in h else h
+    if h.count(":") == 1:
+        return h.rsplit(":", 1)[0]
+    return h
+
+
+class SecurityMiddleware:
+    """Host allowlist, body-size pre-check and API key, before any route runs."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        api_key: str | None,
+        hosts: frozenset[str] | None,
+        max_body: int,
+    ) -> None:
+        self.app = app
+        self._key = api_key.encode() if api_key else None
+        self._hosts = hosts
+        self._max_body = max_body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        path = scope.get("path", "")
+        anthropic = path.startswith("/v1/messages")
+        try:
+            self._check(headers, path, scope.get("method", "GET"))
+        except ApiError as exc:
+            await error_response(exc, anthropic=anthropic)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _check(self, headers: Headers, path: str, method: str) -> None:
+        if self._hosts is not None:
+            host = _host_name(headers.get("host", ""))
+            if host not in self._hosts:
+                raise ApiError(
+                    421,
+                    f"Host {host or '(none)'!r} is not served here (DNS rebinding protection); "
+                    "start the server with --allowed-host NAME to accept it",
+                    code="invalid_host",
+                )
+        length = headers.get("content-length")
+        if length is not None:
+            try:
+                n = int(length)
+            except ValueError:
+                raise ApiError(400, "bad Content-Length header", code="bad_request") from None
+            if n > self._max_body:
+                raise ApiError(
+                    413,
+                    f"request body of {n} bytes exceeds the {self._max_body}-byte limit",
+                    code="request_too_large",
+                )
+        if self._key is None or path in _PUBLIC_PATHS or method == "OPTIONS":
+            return
+        given = headers.get("x-api-key")
+        auth = headers.get("authorization", "")
+        if given is None and auth[:7].lower() == "bearer ":
+            given = auth[7:].strip()
+        # compare_digest on equal-length digests: constant time whatever was sent
+        if given is None or not hmac.compare_digest(
+            hmac.digest(b"colibri", given.encode(), "sha256"),
+            hmac.digest(b"colibri", self._key, "sha256"),
+        ):
+            raise ApiError(
+                401,
+                "missing or wrong API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refusing (413) more than ``limit`` bytes even without Content-Length."""
+    chunks: list[bytes] = []
+    total = 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > limit:
+            raise ApiError(
+                413, f"request body exceeds the {limit}-byte limit", code="request_too_large"
+            )
+        chunks.append(chunk)
+    return b"".join(chunks)

@@ -1,0 +1,163 @@
+"""KV slots: conversations whose KV cache the server keeps between requests (and restarts).
+
+A request naming ``cache_slot`` i runs in slot i: the slot's cache keeps the previous turn's
+tokens, the engine reuses its longest common token prefix with the new prompt and prefills only
+the rest. One request at a time per slot (a lock). With a state directory, every finished turn
+is written to ``<dir>/.coli_kv.<i>`` before the response ends (records appended, count last),
+so a restarted server continues the conversation without prefilling it again, bit for bit as
+if it had never stopped. Files are checked at start-up and loaded on first use; a damaged or
+foreign file is reported, renamed aside and the slot starts empty.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import structlog
+
+from runtime.kv import KVCache
+from storage.errors import KVFileError
+from storage.kvfile import (
+    async_sync_kv,
+    header_for,
+    load_kv,
+    read_header,
+    set_aside,
+    slot_path,
+)
+
+__all__ = ["Slot", "SlotPool"]
+
+_log = structlog.get_logger(__name__)
+
+
+@dataclass
+class Slot:
+    """One KV slot. ``persisted``: leading cache rows known to equal the file's records."""
+
+    index: int
+    path: Path | None
+    lock: anyio.Lock = field(default_factory=anyio.Lock)
+    cache: KVCache | None = None
+    persisted: int = 0
+    loaded: bool = False
+    last_used: float = 0.0
+    turns: int = 0
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "slot": self.index,
+            "tokens": 0 if self.cache is None else int(self.cache.length),
+            "persisted_tokens": self.persisted,
+            "busy": self.lock.locked(),
+            "loaded": self.loaded,
+            "turns": self.turns,
+            "last_used": self.last_used or None,
+            "file": None if self.path is None else str(self.path),
+        }
+
+
+class SlotPool:
+    """``n`` slots over one engine; ``directory`` None keeps them in memory only."""
+
+    def __init__(
+        self,
+        n: int,
+        new_cache: Callable[[], KVCache],
+        *,
+        vocab: int,
+        identity: int,
+        directory: Path | None,
+    ) -> None:
+        self._new_cache = new_cache
+        self.vocab = vocab
+        self.identity = identity
+        self.directory = directory
+        self.slots = [
+            Slot(i, None if directory is None else slot_path(directory, i)) for i in range(n)
+        ]
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    async def check_files(self) -> None:
+        """Validate each slot file's header now (cheap); a bad one is reported and set aside."""
+        if self.directory is None:
+            return
+        expect = self._new_cache()
+
+        def check(path: Path) -> None:
+            if not path.exists():
+                return
+            want = header_for(expect, self.vocab, self.identity)
+            try:
+                h = read_header(path)
+                if h.dims() != want.dims() or (
+                    h.identity and self.identity and h.identity != self.identity
+                ):
+                    raise KVFileError(f"written for another model (header {h}, expected {want})")
+            except KVFileError as exc:
+                aside = set_aside(path)
+                _log.warning(
+                    "KV slot file ignored; the slot starts empty",
+                    path=str(path),
+                    problem=str(exc),
+                    moved_to=str(aside) if aside else "(could not rename it)",
+                )
+
+        for s in self.slots:
+            if s.path is not None:
+                await anyio.to_thread.run_sync(check, s.path)
+
+    async def _load(self, slot: Slot) -> None:
+        if slot.loaded:
+            return
+        cache: KVCache | None = None
+        if slot.path is not None:
+            path = slot.path
+            cache = await anyio.to_thread.run_sync(
+                lambda: load_kv(path, self._new_cache, self.vocab, self.identity)
+            )
+        if cache is not None:
+            slot.persisted = cache.length
+            _log.info("KV slot restored", slot=slot.index, tokens=cache.length)
+        slot.cache = cache if cache is not None else self._new_cache()
+        slot.loaded = True
+
+    @asynccontextmanager
+    async def use(self, index: int) -> AsyncIterator[Slot]:
+        """Hold slot ``index`` (waits for the request using it), loaded and ready."""
+        slot = self.slots[index]
+        async with slot.lock:
+            await self._load(slot)
+            slot.last_used = time.time()
+            yield slot
+
+    async def persist(self, slot: Slot) -> None:
+        """Write the slot's new rows to its file (off the loop); errors are logged, not raised:
+        the conversation goes on in memory."""
+        if slot.path is None or slot.cache is None:
+            return
+        if slot.persisted == slot.cache.length and slot.path.exists():
+            return
+        try:
+            slot.persisted = await async_sync_kv(
+                slot.path,
+                slot.cache,
+                valid=slot.persisted,
+                vocab=self.vocab,
+                identity=self.identity,
+            )
+        except KVFileError as exc:
+            slot.persisted = 0
+            _log.warning("KV slot not saved", slot=slot.index, error=str(exc))
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [s.describe() for s in self.slots]

@@ -1,0 +1,227 @@
+"""Everything one server instance holds: its settings, the engine, the tokenizer, the admission
+queue, KV slots, metrics and the recent-turn profile. Built by the app factory; nothing here is
+module-level state.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+from pydantic import BaseModel, ConfigDict, Field
+
+from colibri._engine import Engine
+from colibri.server.errors import ApiError
+from colibri.server.metrics import Metrics
+from colibri.server.slots import Slot, SlotPool
+from colibri.tokenizer import ChatTokenizer
+
+__all__ = ["Admission", "AppState", "Lease", "ServerConfig", "Ticket", "Turn"]
+
+MAX_BODY = 4 * 1024 * 1024
+
+
+class ServerConfig(BaseModel):
+    """Server settings (each is a ``coli serve`` flag)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    api_key: str | None = None
+    served_model_name: str | None = None
+    queue: int = Field(default=8, ge=0, description="requests allowed to wait; more get 429")
+    parallel: int = Field(default=1, ge=1, description="generations admitted at once")
+    kv_slots: int = Field(default=4, ge=0, le=256)
+    kv_dir: Path | None = None
+    kv_persist: bool = True
+    cors_origins: tuple[str, ...] = ()
+    allowed_hosts: tuple[str, ...] = ()
+    max_body: int = Field(default=MAX_BODY, ge=1024)
+    profile_turns: int = Field(default=64, ge=1)
+
+
+@dataclass
+class Ticket:
+    """A place in the admission queue, taken synchronously when the request arrives."""
+
+    arrived: float
+    waiting: bool = True
+    admitted: float | None = None
+
+    @property
+    def wait_s(self) -> float:
+        return (self.admitted if self.admitted is not None else time.perf_counter()) - self.arrived
+
+
+@dataclass
+class Lease:
+    """An admitted request: its KV slot (if any) and its compute place until released."""
+
+    ticket: Ticket
+    slot: Slot | None
+    _release: Any = None
+
+    def release_compute(self) -> None:
+        """Let the next request compute (this one still holds its slot, e.g. to save it)."""
+        if self._release is not None:
+            self._release()
+            self._release = None
+
+
+class Admission:
+    """At most ``parallel`` generations at once and ``queue`` waiting; more are refused with
+    429 and a Retry-After estimate. Waiting covers the KV slot too (one request per slot)."""
+
+    def __init__(self, queue: int, parallel: int, metrics: Metrics) -> None:
+        self.queue = queue
+        self.parallel = parallel
+        self._sem = anyio.Semaphore(parallel)
+        self._metrics = metrics
+        self.waiting = 0
+        self.running = 0
+        self._recent: deque[float] = deque(maxlen=16)  # seconds per finished generation
+
+    def reserve(self) -> Ticket:
+        """Join the queue now or raise 429 (synchronous: no await between check and join)."""
+        # a request that finds a free compute place is not really waiting
+        if self.waiting >= self.queue + max(0, self.parallel - self.running):
+            self._metrics.rejected.labels("queue_full").inc()
+            retry = self.retry_after()
+            raise ApiError(
+                429,
+                f"server busy: {self.running} generating and {self.waiting} waiting (queue "
+                f"limit {self.queue}); retry in about {retry} s",
+                code="queue_full",
+                headers={"Retry-After": str(retry)},
+            )
+        self.waiting += 1
+        self._metrics.waiting.set(self.waiting)
+        return Ticket(time.perf_counter())
+
+    def retry_after(self) -> int:
+        """Seconds until a place is likely free: recent generation time x queue ahead."""
+        per = sum(self._recent) / len(self._recent) if self._recent else 1.0
+        ahead = (self.waiting + self.running) / self.parallel
+        return max(1, min(600, math.ceil(per * max(1.0, ahead))))
+
+    def _leave_queue(self, ticket: Ticket) -> None:
+        if ticket.waiting:
+            ticket.waiting = False
+            self.waiting -= 1
+            self._metrics.waiting.set(self.waiting)
+
+    def cancel(self, ticket: Ticket) -> None:
+        """Give the place back without running (request failed before admission)."""
+        self._leave_queue(ticket)
+
+    @asynccontextmanager
+    async def enter(
+        self, ticket: Ticket, slots: SlotPool, slot: int | None
+    ) -> AsyncIterator[Lease]:
+        """Wait for the slot (if any), then for a compute place."""
+        try:
+            async with AsyncExitStack() as stack:
+                held = None if slot is None else await stack.enter_async_context(slots.use(slot))
+                await self._sem.acquire()
+                ticket.admitted = time.perf_counter()
+                self._leave_queue(ticket)
+                self.running += 1
+                self._metrics.running.set(self.running)
+                self._metrics.queue_time.observe(ticket.wait_s)
+                started = time.perf_counter()
+
+                def release() -> None:
+                    self.running -= 1
+                    self._metrics.running.set(self.running)
+                    self._recent.append(time.perf_counter() - started)
+                    self._sem.release()
+
+                lease = Lease(ticket, held, release)
+                try:
+                    yield lease
+                finally:
+                    lease.release_compute()
+        finally:
+            self._leave_queue(ticket)
+
+
+@dataclass
+class Turn:
+    """One generation, as ``/profile`` shows it."""
+
+    id: str
+    route: str
+    started: float  # unix time of arrival
+    slot: int | None
+    prompt_tokens: int
+    prompt_tokens_computed: int
+    prompt_tokens_reused: int
+    completion_tokens: int = 0
+    max_tokens: int = 0
+    finish_reason: str = "running"
+    queue_wait_s: float = 0.0
+    ttft_s: float | None = None
+    prefill_s: float | None = None
+    decode_s: float = 0.0
+    total_s: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        decode_tps = (
+            (self.completion_tokens - 1) / self.decode_s
+            if self.completion_tokens > 1 and self.decode_s > 0
+            else None
+        )
+        prefill_tps = (
+            self.prompt_tokens_computed / self.prefill_s
+            if self.prefill_s and self.prompt_tokens_computed
+            else None
+        )
+        return {
+            "id": self.id,
+            "route": self.route,
+            "started": self.started,
+            "slot": self.slot,
+            "prompt_tokens": self.prompt_tokens,
+            "prompt_tokens_computed": self.prompt_tokens_computed,
+            "prompt_tokens_reused": self.prompt_tokens_reused,
+            "completion_tokens": self.completion_tokens,
+            "max_tokens": self.max_tokens,
+            "finish_reason": self.finish_reason,
+            "queue_wait_ms": round(self.queue_wait_s * 1000, 3),
+            "ttft_ms": None if self.ttft_s is None else round(self.ttft_s * 1000, 3),
+            "prefill_ms": None if self.prefill_s is None else round(self.prefill_s * 1000, 3),
+            "prefill_tokens_per_s": prefill_tps,
+            "decode_tokens_per_s": decode_tps,
+            "total_ms": round(self.total_s * 1000, 3),
+        }
+
+
+@dataclass
+class AppState:
+    """One server's objects (``request.app.state.colibri``)."""
+
+    config: ServerConfig
+    engine: Engine
+    tokenizer: ChatTokenizer
+    model_name: str
+    context_length: int
+    vocab_size: int
+    metrics: Metrics
+    admission: Admission
+    slots: SlotPool
+    created: int = field(default_factory=lambda: int(time.time()))
+    turns: deque[Turn] = field(default_factory=lambda: deque(maxlen=64))
+    think_template: bool = False
+    engine_identity: str = "0"
+    kv_dir: Path | None = None
+
+    def record(self, turn: Turn) -> None:
+        self.turns.append(turn)

@@ -1,0 +1,259 @@
+"""Text post-processing of a generation as it streams: stop strings, a ``<think>`` section,
+tool-call blocks. Pure functions and small state machines; no I/O.
+
+Every stage holds back only the text that might still turn into a marker (a suffix that is a
+prefix of ``</think>``, of a stop string, ...), so what it releases, concatenated, is final.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "THINK_END",
+    "THINK_START",
+    "TOOL_CALL_START",
+    "ParsedToolCall",
+    "StopMatcher",
+    "ThinkSplitter",
+    "ToolCallSplitter",
+    "parse_tool_calls",
+]
+
+THINK_START = "<think>"
+THINK_END = "</think>"
+TOOL_CALL_START = "<tool_call>"
+TOOL_CALL_END = "</tool_call>"
+
+
+def _partial_suffix(text: str, markers: Sequence[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of some marker."""
+    best = 0
+    for m in markers:
+        for k in range(min(len(m) - 1, len(text)), best, -1):
+            if text.endswith(m[:k]):
+                best = k
+                break
+    return best
+
+
+class StopMatcher:
+    """Finds the first stop string in streamed text; the stop string itself is never released.
+
+    ``feed`` returns (text safe to release, whether a stop string was hit)."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self._pending = ""
+        self.hit: str | None = None
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        if self.hit is not None:
+            return "", True
+        self._pending += text
+        if not self.stops:
+            out, self._pending = self._pending, ""
+            return out, False
+        first: tuple[int, str] | None = None
+        for s in self.stops:
+            i = self._pending.find(s)
+            if i >= 0 and (first is None or i < first[0]):
+                first = (i, s)
+        if first is not None:
+            self.hit = first[1]
+            out, self._pending = self._pending[: first[0]], ""
+            return out, True
+        keep = _partial_suffix(self._pending, self.stops)
+        cut = len(self._pending) - keep
+        out, self._pending = self._pending[:cut], self._pending[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        """The held-back tail once the generation ended without completing a stop string."""
+        out, self._pending = ("" if self.hit is not None else self._pending), ""
+        return out
+
+
+class ThinkSplitter:
+    """Splits output into reasoning (inside ``<think>...</think>``) and content.
+
+    ``inside``: the prompt already opened the think section (the template ended the generation
+    prompt with ``<think>``). Otherwise a ``<think>`` at the very start of the output (after
+    whitespace) opens it. ``enabled`` False passes everything through as content."""
+
+    def __init__(self, *, enabled: bool, inside: bool = False) -> None:
+        self.enabled = enabled
+        self._state = "reasoning" if (enabled and inside) else ("start" if enabled else "content")
+        self._buf = ""
+
+    def feed(self, text: str) -> list[tuple[str, str]]:
+        """``[(kind, text)]`` with kind "reasoning" or "content", in order."""
+        out: list[tuple[str, str]] = []
+        self._buf += text
+        while self._buf:
+            if self._state == "content":
+                out.append(("content", self._buf))
+                self._buf = ""
+            elif self._state == "after":  # newlines right after </think> are layout, not text
+                self._buf = self._buf.lstrip("\n")
+                if self._buf:
+                    self._state = "content"
+            elif self._state == "start":
+                stripped = self._buf.lstrip()
+                if stripped.startswith(THINK_START):
+                    self._buf = stripped[len(THINK_START) :]
+                    self._state = "reasoning"
+                elif THINK_START.startswith(stripped):
+                    break  # could still become "<think>"
+                else:
+                    self._state = "content"
+            else:  # reasoning
+                i = self._buf.find(THINK_END)
+                if i >= 0:
+                    if i:
+                        out.append(("reasoning", self._buf[:i]))
+                    self._buf = self._buf[i + len(THINK_END) :]
+                    self._state = "after"
+                    continue
+                cut = len(self._buf) - _partial_suffix(self._buf, [THINK_END])
+                if cut:
+                    out.append(("reasoning", self._buf[:cut]))
+                self._buf = self._buf[cut:]
+                break
+        return out
+
+    def flush(self) -> list[tuple[str, str]]:
+        """What is held back, once the generation ended."""
+        kind = "reasoning" if self._state == "reasoning" else "content"
+        out = [(kind, self._buf)] if self._buf and self._state != "after" else []
+        self._buf = ""
+        return out
+
+
+class ToolCallSplitter:
+    """Holds back content from the first ``<tool_call>`` on (it is parsed at the end)."""
+
+    def __init__(self, *, enabled: bool) -> None:
+        self.enabled = enabled
+        self._buf = ""
+        self._calls = ""
+        self.seen = False
+
+    def feed(self, text: str) -> str:
+        """Content safe to release now."""
+        if not self.enabled:
+            return text
+        if self.seen:
+            self._calls += text
+            return ""
+        self._buf += text
+        i = self._buf.find(TOOL_CALL_START)
+        if i >= 0:
+            out, self._calls, self._buf = self._buf[:i], self._buf[i:], ""
+            self.seen = True
+            return out
+        keep = _partial_suffix(self._buf, [TOOL_CALL_START])
+        cut = len(self._buf) - keep
+        out, self._buf = self._buf[:cut], self._buf[cut:]
+        return out
+
+    def finish(
+        self, tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> tuple[str, list[ParsedToolCall]]:
+        """(remaining content, parsed tool calls) at the end of the generation."""
+        rest, self._buf = self._buf, ""
+        if not self.seen:
+            return rest, []
+        text, calls = parse_tool_calls(self._calls, tools)
+        return rest + text, calls
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedToolCall:
+    """A tool call found in the output: ``arguments`` is a JSON object text."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+_BLOCK = re.compile(
+    re.escape(TOOL_CALL_START) + r"(.*?)(?:" + re.escape(TOOL_CALL_END) + r"|$)", re.S
+)
+_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+
+
+def _param_types(tools: Sequence[Mapping[str, Any]] | None, name: str) -> dict[str, Any]:
+    for t in tools or ():
+        fn = t.get("function", t)
+        if isinstance(fn, Mapping) and fn.get("name") == name:
+            params = fn.get("parameters") or fn.get("input_schema") or {}
+            props = params.get("properties") if isinstance(params, Mapping) else None
+            return {k: v.get("type") for k, v in (props or {}).items() if isinstance(v, Mapping)}
+    return {}
+
+
+def _value(raw: str, declared: Any) -> Any:
+    if declared == "string":
+        return raw
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, ValueError):
+        return raw
+
+
+def parse_tool_calls(
+    text: str, tools: Sequence[Mapping[str, Any]] | None = None
+) -> tuple[str, list[ParsedToolCall]]:
+    """Tool-call blocks in ``text`` -> (the text outside them, calls).
+
+    Two block formats: GLM's ``<tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value>...
+    </tool_call>`` (values are JSON unless the tool's schema declares a string) and the
+    JSON one ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``. A block that parses
+    as neither stays in the text. An unclosed last block (cut by max_tokens) is parsed too."""
+    calls: list[ParsedToolCall] = []
+    kept: list[str] = []
+    pos = 0
+    for m in _BLOCK.finditer(text):
+        body = m.group(1).strip()
+        call = _parse_block(body, tools)
+        if call is None:
+            continue
+        kept.append(text[pos : m.start()])
+        pos = m.end()
+        calls.append(call)
+    kept.append(text[pos:])
+    return "".join(kept).strip() if calls else text, calls
+
+
+def _parse_block(body: str, tools: Sequence[Mapping[str, Any]] | None) -> ParsedToolCall | None:
+    call_id = f"call_{uuid.uuid4().hex[:24]}"
+    if body.startswith("{"):
+        try:
+            obj = json.loads(body)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return None
+        args = obj.get("arguments", obj.get("parameters", {}))
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                return None
+        if not isinstance(args, dict):
+            return None
+        return ParsedToolCall(call_id, obj["name"], json.dumps(args, ensure_ascii=False))
+    first, _, rest = body.partition("<arg_key>")
+    name = first.strip()
+    if not name or any(c.isspace() for c in name) or "<" in name:
+        return None
+    types = _param_types(tools, name)
+    args_text = "<arg_key>" + rest if rest else ""
+    args = {k.strip(): _value(v, types.get(k.strip())) for k, v in _ARG.findall(args_text)}
+    return ParsedToolCall(call_id, name, json.dumps(args, ensure_ascii=False))

@@ -1,0 +1,699 @@
+"""The HTTP server, for real: ``coli serve`` subprocesses on loopback driven by the official
+``openai`` and ``anthropic`` SDKs and httpx; outputs checked against the engine itself."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+import colibri
+from colibri._config import default_model_path
+from colibri.server.textproc import (
+    StopMatcher,
+    ThinkSplitter,
+    ToolCallSplitter,
+    parse_tool_calls,
+)
+from colibri.tokenizer import ChatTokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "colibri-demo"
+KEY = "sk-test-0123456789"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """A ``coli serve`` subprocess on a free loopback port."""
+
+    def __init__(self, log_dir: Path, *args: str) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log_dir / f"serve-{self.port}.log"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("COLI_")}
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+        with open(self.log, "wb") as fh:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "colibri.cli", "serve", "--port", str(self.port), *args],
+                cwd=ROOT,
+                env=env,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+            )
+
+    def wait_ready(self, timeout: float = 90.0) -> Server:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited {self.proc.returncode}: {self.log_text()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"server not ready in {timeout} s: {self.log_text()}")
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:]
+
+    def kill9(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+    def oai(self, key: str = "none") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+    def profile(self, key: str | None = None) -> dict[str, Any]:
+        headers = {"authorization": f"Bearer {key}"} if key else {}
+        data: dict[str, Any] = httpx.get(self.url + "/profile", headers=headers).json()
+        return data
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
+    """``main``: API key, 2 KV slots persisted; ``busy``: queue of 1, no key, no slots."""
+    d = tmp_path_factory.mktemp("servers")
+    main = Server(d, "--api-key", KEY, "--kv-slots", "2", "--kv-dir", str(d / "kv-main"))
+    busy = Server(d, "--queue", "1", "--kv-slots", "0")
+    try:
+        yield {"main": main.wait_ready(), "busy": busy.wait_ready()}
+    finally:
+        main.stop()
+        busy.stop()
+
+
+@pytest.fixture(scope="module")
+def ref() -> Iterator[tuple[colibri.SyncModel, ChatTokenizer]]:
+    """The engine itself (in this process) and the model's tokenizer."""
+    with colibri.open_model() as m:
+        c = m.container
+        tok_path = c.tokenizer_path()
+        assert tok_path is not None
+        yield m, ChatTokenizer(tok_path, c.tokenizer_config())
+
+
+def _chat_ids(tok: ChatTokenizer, messages: list[dict[str, str]]) -> list[int]:
+    return tok.encode_chat(messages)
+
+
+def _user(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+# ------------------------------------------------------------------------------ basics
+
+
+def test_refuses_a_public_bind_without_an_api_key() -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "colibri.cli", "serve", "--host", "0.0.0.0", "--port", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 1
+    assert "refusing to listen on '0.0.0.0' without an API key" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_health_models_and_api_key(servers: dict[str, Server]) -> None:
+    s = servers["main"]
+    assert httpx.get(s.url + "/health").json()["status"] == "ok"  # no key needed
+    r = httpx.get(s.url + "/v1/models")
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(s.url + "/v1/models", headers={"x-api-key": KEY}).status_code == 200
+    wrong = httpx.get(s.url + "/v1/models", headers={"authorization": "Bearer sk-wrong"})
+    assert wrong.status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        s.oai("sk-wrong").models.list()
+    models = s.oai(KEY).models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_chat_greedy_equals_the_engine(servers: dict[str, Server], ref: Any) -> None:
+    model, tok = ref
+    client = servers["main"].oai(KEY)
+    messages = _user("Hello there, how are you?")
+    want_ids = model.generate(_chat_ids(tok, messages), max_new_tokens=24)
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,  # type: ignore[arg-type]
+        temperature=0,
+        max_tokens=24,
+        extra_body={"return_token_ids": True},
+    )
+    choice = r.choices[0]
+    assert choice.model_extra is not None and choice.model_extra["token_ids"] == want_ids
+    assert choice.message.content == tok.decode(want_ids)
+    assert r.usage is not None and r.usage.completion_tokens == len(want_ids)
+    assert r.usage.prompt_tokens == len(_chat_ids(tok, messages))
+    assert choice.finish_reason == ("length" if len(want_ids) == 24 else "stop")
+    # streaming gives the same text, then a usage chunk
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,  # type: ignore[arg-type]
+            temperature=0,
+            max_tokens=24,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == len(want_ids)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
+
+
+def test_completions_text_and_token_prompts(servers: dict[str, Server], ref: Any) -> None:
+    model, tok = ref
+    client = servers["main"].oai(KEY)
+    ids = tok.encode("The quick brown fox")
+    want = model.generate(ids, max_new_tokens=12)
+    for prompt in ("The quick brown fox", ids):
+        r = client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=12,
+            temperature=0,
+            extra_body={"return_token_ids": True},
+        )
+        assert r.choices[0].model_extra is not None
+        assert r.choices[0].model_extra["token_ids"] == want
+        assert r.choices[0].text == tok.decode(want)
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=MODEL, prompt=ids, max_tokens=12, temperature=0, stream=True
+        )
+        if c.choices
+    )
+    assert streamed == tok.decode(want)
+
+
+def test_seed_gives_the_same_sample(servers: dict[str, Server]) -> None:
+    client = servers["main"].oai(KEY)
+
+    def sample(seed: int) -> str:
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=_user("Tell me a story"),  # type: ignore[arg-type]
+            temperature=1.0,
+            top_p=0.95,
+            max_tokens=20,
+            seed=seed,
+            extra_body={"ignore_eos": True, "top_k": 50},
+        )
+        return r.choices[0].message.content or ""
+
+    a, b, c = sample(7), sample(7), sample(8)
+    assert a == b
+    assert a != c
+
+
+def test_stop_strings_end_generation_and_are_removed(servers: dict[str, Server]) -> None:
+    client = servers["main"].oai(KEY)
+    kw: dict[str, Any] = dict(
+        model=MODEL,
+        messages=_user("List some words"),
+        temperature=0,
+        max_tokens=40,
+        extra_body={"ignore_eos": True},
+    )
+    full = client.chat.completions.create(**kw).choices[0].message.content or ""
+    m = re.search(r"[A-Za-z]{3}", full[6:])
+    assert m is not None, full
+    stop = m.group(0)
+    cut = full.find(stop)
+    r = client.chat.completions.create(**kw, stop=[stop, "zzzz-never"])
+    assert r.choices[0].message.content == full[:cut]
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage is not None and r.usage.completion_tokens < 40
+    streamed = client.chat.completions.create(**kw, stop=stop, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == full[:cut]
+
+
+def test_logprobs(servers: dict[str, Server]) -> None:
+    client = servers["main"].oai(KEY)
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=_user("Hi"),  # type: ignore[arg-type]
+        temperature=0,
+        max_tokens=8,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
+    lp = r.choices[0].logprobs
+    assert lp is not None and lp.content is not None and len(lp.content) == 8
+    for entry in lp.content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.logprob <= 0
+        # greedy: the chosen token is the most likely one
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+    streamed = client.chat.completions.create(
+        model=MODEL,
+        messages=_user("Hi"),  # type: ignore[arg-type]
+        temperature=0,
+        max_tokens=8,
+        logprobs=True,
+        top_logprobs=2,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    got = [
+        e.logprob for c in streamed if c.choices and c.choices[0].logprobs
+        for e in (c.choices[0].logprobs.content or [])
+    ]  # fmt: skip
+    assert got == pytest.approx([e.logprob for e in lp.content])
+
+
+def test_anthropic_messages_with_the_official_sdk(servers: dict[str, Server], ref: Any) -> None:
+    model, tok = ref
+    s = servers["main"]
+    client = anthropic.Anthropic(base_url=s.url, api_key=KEY, max_retries=0)
+    messages = [{"role": "user", "content": "Hello Claude-compatible server"}]
+    system = "You are terse."
+    want = model.generate(
+        _chat_ids(tok, [{"role": "system", "content": system}, *messages]), max_new_tokens=16
+    )
+    r = client.messages.create(
+        model=MODEL,
+        max_tokens=16,
+        system=system,
+        messages=messages,  # type: ignore[arg-type]
+        extra_body={"temperature": 0},
+    )
+    assert r.type == "message" and r.role == "assistant"
+    assert r.content[0].type == "text" and r.content[0].text == tok.decode(want)
+    assert r.usage.output_tokens == len(want)
+    assert r.stop_reason == ("max_tokens" if len(want) == 16 else "end_turn")
+    with client.messages.stream(
+        model=MODEL,
+        max_tokens=16,
+        system=system,
+        messages=messages,  # type: ignore[arg-type]
+        extra_body={"temperature": 0},
+    ) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == r.content[0].text
+    assert final.stop_reason == r.stop_reason and final.usage.output_tokens == len(want)
+    # raw event names, in order
+    with httpx.stream(
+        "POST",
+        s.url + "/v1/messages",
+        headers={"x-api-key": KEY},
+        json={"model": MODEL, "max_tokens": 4, "messages": messages, "stream": True},
+    ) as resp:
+        events = [ln[7:] for ln in resp.iter_lines() if ln.startswith("event: ")]
+    assert events[0] == "message_start" and events[-2:] == ["message_delta", "message_stop"]
+    assert {"content_block_start", "content_block_delta", "content_block_stop"} <= set(events)
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.create(model="claude-nope", max_tokens=4, messages=messages)  # type: ignore[arg-type]
+
+
+def test_error_responses(servers: dict[str, Server]) -> None:
+    s = servers["main"]
+    h = {"authorization": f"Bearer {KEY}"}
+    url = s.url + "/v1/chat/completions"
+    ok = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+    def post(body: Any, **kw: Any) -> httpx.Response:
+        return httpx.post(url, json=body, headers={**h, **kw.pop("headers", {})}, **kw)
+
+    def check(r: httpx.Response, status: int, param: str | None = None) -> dict[str, Any]:
+        assert r.status_code == status, r.text
+        err: dict[str, Any] = r.json()["error"]
+        assert set(err) >= {"message", "type", "param", "code"}
+        assert "Traceback" not in r.text
+        if param is not None:
+            assert err["param"] == param
+        return err
+
+    check(post({**ok, "model": "gpt-4"}), 404, "model")
+    check(httpx.get(s.url + "/v1/nothing", headers=h), 404)
+    check(post({**ok, "temperature": "hot"}), 422, "temperature")
+    check(post({**ok, "messages": []}), 422, "messages")
+    check(post({**ok, "max_tokens": 0}), 422, "max_tokens")
+    check(post({**ok, "n": 2}), 400, "n")
+    check(post({**ok, "cache_slot": 9}), 400, "cache_slot")
+    check(post({**ok, "max_tokens": 100000}), 400, "max_tokens")
+    long = {**ok, "messages": [{"role": "user", "content": "word " * 600}]}
+    assert check(post(long), 400)["code"] == "context_length_exceeded"
+    check(httpx.post(url, content=b"{not json", headers=h), 400)
+    big = b'{"model": "' + b"x" * (5 * 1024 * 1024) + b'"}'
+    check(httpx.post(url, content=big, headers=h), 413)
+    chunked = iter([b"x" * (1 << 20)] * 6)  # no Content-Length: counted while reading
+    check(httpx.post(url, content=chunked, headers=h), 413)
+    # Host header attack (DNS rebinding): refused before the key is even looked at
+    check(httpx.get(s.url + "/v1/models", headers={**h, "host": "attacker.example"}), 421)
+    assert httpx.get(s.url + "/health", headers={"host": f"localhost:{s.port}"}).status_code == 200
+    # Anthropic errors carry Anthropic's shape
+    r = httpx.post(s.url + "/v1/messages", json={"model": MODEL}, headers={"x-api-key": KEY})
+    assert r.status_code == 422
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
+    # the server is still fine
+    assert post(ok).status_code == 200
+
+
+# ------------------------------------------------------------------------------ concurrency
+
+
+def test_eight_concurrent_streams_match_their_solo_outputs(
+    servers: dict[str, Server], ref: Any
+) -> None:
+    model, tok = ref
+    s = servers["main"]
+    prompts = [f"Question number {i}: what is {i} plus {i}?" for i in range(8)]
+    want = [model.generate(_chat_ids(tok, _user(p)), max_new_tokens=16) for p in prompts]
+    start = threading.Barrier(8)
+
+    def run(p: str) -> tuple[str, float]:
+        client = s.oai(KEY)
+        start.wait()
+        with client.chat.completions.with_streaming_response.create(
+            model=MODEL,
+            messages=_user(p),  # type: ignore[arg-type]
+            temperature=0,
+            max_tokens=16,
+            stream=True,
+        ) as resp:
+            wait = float(resp.headers["x-colibri-queue-wait-ms"])
+            text = "".join(c.choices[0].delta.content or "" for c in resp.parse() if c.choices)
+        return text, wait
+
+    with cf.ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(run, prompts))
+    assert [g[0] for g in got] == [tok.decode(w) for w in want]
+    assert max(g[1] for g in got) > 50  # ms: some of them queued behind others
+    turns = s.profile(KEY)["turns"][:8]
+    assert all(t["finish_reason"] in ("stop", "length") for t in turns)
+
+
+def _wait_for(s: Server, key: str, value: int, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while httpx.get(s.url + "/health").json()[key] != value:
+        assert time.monotonic() < deadline, f"/health {key} never became {value}"
+        time.sleep(0.02)
+
+
+def test_queue_full_gets_429_and_a_disconnect_stops_generation(servers: dict[str, Server]) -> None:
+    s = servers["busy"]
+    url = s.url + "/v1/chat/completions"
+    long = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Write a very long essay"}],
+        "max_tokens": 480,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.Client(timeout=60) as c1, c1.stream("POST", url, json=long) as first:
+        lines = first.iter_lines()
+        got = [next(lines) for _ in range(6)]  # the generation is running
+        assert got[0].startswith("data: ")
+        # a client that gives up while queued frees its place at once
+        body = json.dumps({**long, "stream": False}).encode()
+        with socket.create_connection(("127.0.0.1", s.port)) as raw:
+            raw.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                b"Content-Type: application/json\r\nContent-Length: "
+                + str(len(body)).encode()
+                + b"\r\n\r\n"
+                + body
+            )
+            _wait_for(s, "waiting", 1)
+        _wait_for(s, "waiting", 0)
+        assert httpx.get(s.url + "/health").json()["running"] == 1
+        waiter = cf.ThreadPoolExecutor(1).submit(
+            httpx.post, url, json={**long, "stream": False, "max_tokens": 4}, timeout=60
+        )
+        _wait_for(s, "waiting", 1)
+        r = httpx.post(url, json={**long, "stream": False})
+        assert r.status_code == 429, r.text
+        assert int(r.headers["retry-after"]) >= 1
+        assert r.json()["error"]["code"] == "queue_full"
+        # leave the stream after a few chunks: closing the connection cancels the generation
+    queued = waiter.result(timeout=60)
+    assert queued.status_code == 200
+    assert float(queued.headers["x-colibri-queue-wait-ms"]) > 0
+    turns = s.profile()["turns"]
+    cancelled = [t for t in turns if t["max_tokens"] == 480]
+    assert cancelled and cancelled[0]["finish_reason"] == "cancelled"
+    assert cancelled[0]["completion_tokens"] < 480
+    metrics = httpx.get(s.url + "/metrics").text
+    assert 'colibri:request_success_total{finished_reason="cancelled"} 1.0' in metrics
+    assert 'colibri:requests_rejected_total{reason="queue_full"} 1.0' in metrics
+    assert httpx.get(s.url + "/health").json()["running"] == 0
+
+
+def test_metrics_experts_and_profile(servers: dict[str, Server]) -> None:
+    s = servers["main"]
+    h = {"authorization": f"Bearer {KEY}"}
+    assert httpx.get(s.url + "/metrics").status_code == 401
+    text = httpx.get(s.url + "/metrics", headers=h).text
+    for name in (
+        "colibri:time_to_first_token_seconds_bucket",
+        "colibri:inter_token_latency_seconds_bucket",
+        "colibri:request_queue_time_seconds_count",
+        "colibri:prompt_tokens_total",
+        "colibri:prompt_tokens_cached_total",
+        "colibri:generation_tokens_total",
+        "colibri:num_requests_running",
+        "colibri:engine_forward_calls_total",
+        'colibri:http_requests_total{route="/v1/chat/completions",status="200"}',
+    ):
+        assert name in text, name
+    ex = httpx.get(s.url + "/experts", headers=h).json()
+    assert ex["layers"] == [1, 2, 3, 4] and ex["n_experts"] == 16  # 4: the MTP layer
+    assert len(ex["tiers"]) == 4 and set(ex["tiers"][0]) == {"ram"}
+    assert len(ex["codes"][0]) == 16
+    prof = s.profile(KEY)
+    t = prof["turns"][0]
+    assert {"prompt_tokens", "completion_tokens", "ttft_ms", "queue_wait_ms"} <= set(t)
+    assert prof["queue"]["limit"] == 8 and len(prof["slots"]) == 2
+
+
+# ------------------------------------------------------------------------------ KV slots
+
+
+def _converse(server: Server, key: str, slot: int, turns: list[str]) -> list[dict[str, Any]]:
+    """Chat turn after turn in ``slot``; returns each response's colibri stats + content."""
+    client = server.oai(key)
+    messages: list[dict[str, str]] = []
+    out = []
+    for text in turns:
+        messages.append({"role": "user", "content": text})
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=messages,  # type: ignore[arg-type]
+            temperature=0,
+            max_tokens=12,
+            extra_body={"cache_slot": slot, "ignore_eos": True},
+        )
+        content = r.choices[0].message.content or ""
+        messages.append({"role": "assistant", "content": content})
+        extra = r.model_extra or {}
+        out.append({"content": content, **extra["colibri"]})
+    return out
+
+
+def test_kv_slot_survives_kill_9(servers: dict[str, Server], tmp_path: Path) -> None:
+    turns = ["My name is Ada.", "What is my name?", "And again, what is it?"]
+    # an uninterrupted server: all three turns in slot 1
+    whole = _converse(servers["main"], KEY, 1, turns)
+    assert whole[1]["prompt_tokens_reused"] > 0
+    kv = tmp_path / "kv"
+    first = Server(tmp_path, "--kv-slots", "1", "--kv-dir", str(kv)).wait_ready()
+    try:
+        before = _converse(first, "none", 0, turns[:2])
+    finally:
+        first.kill9()
+    assert [b["content"] for b in before] == [w["content"] for w in whole[:2]]
+    saved = (kv / ".coli_kv.0").stat().st_size
+    assert saved > 40
+    again = Server(tmp_path, "--kv-slots", "1", "--kv-dir", str(kv)).wait_ready()
+    try:
+        history = [
+            m
+            for t, b in zip(turns[:2], before, strict=True)
+            for m in (
+                {"role": "user", "content": t},
+                {"role": "assistant", "content": b["content"]},
+            )
+        ]
+        r = again.oai().chat.completions.create(
+            model=MODEL,
+            messages=[*history, {"role": "user", "content": turns[2]}],  # type: ignore[list-item]
+            temperature=0,
+            max_tokens=12,
+            extra_body={"cache_slot": 0, "ignore_eos": True},
+        )
+        stats = (r.model_extra or {})["colibri"]
+        slot = again.profile()["slots"][0]
+    finally:
+        again.stop()
+    # the persisted conversation was not prefilled again, and the answer is the same bytes
+    assert r.choices[0].message.content == whole[2]["content"]
+    assert stats["prompt_tokens_reused"] == whole[2]["prompt_tokens_reused"] > 20
+    assert stats["prompt_tokens_computed"] == whole[2]["prompt_tokens_computed"]
+    assert slot["persisted_tokens"] == slot["tokens"] > stats["prompt_tokens_reused"]
+    # and reuse is exact: the same conversation without a slot (all prefilled) agrees
+    fresh = (
+        servers["main"]
+        .oai(KEY)
+        .chat.completions.create(
+            model=MODEL,
+            messages=[*history, {"role": "user", "content": turns[2]}],  # type: ignore[list-item]
+            temperature=0,
+            max_tokens=12,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert fresh.choices[0].message.content == whole[2]["content"]
+
+
+# ------------------------------------------------------------------------------ tools, think
+
+
+_TOOLS_TEMPLATE = (
+    "{% if tools %}<|system|>\nTools:{% for t in tools %} {{ t.function.name }}{% endfor %}\n"
+    "{% endif %}"
+    "{% for m in messages %}{{ '<|' + m.role + '|>\\n' + m.content }}"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{{ c.function.name }}"
+    "{% for k, v in c.function.arguments.items() %}<arg_key>{{ k }}</arg_key>"
+    "<arg_value>{{ v }}</arg_value>{% endfor %}</tool_call>{% endfor %}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\\n<think>{% endif %}"
+)
+
+
+@pytest.mark.anyio
+async def test_tools_and_reasoning_plumbing(tmp_path: Path, anyio_backend: str) -> None:
+    """A model whose template renders tools and opens a think section (the demo model's does
+    neither): tools reach the prompt, tool calls in history render, and output inside the
+    unclosed think section comes back as reasoning_content. In process, on asyncio and trio."""
+    from colibri.server import ServerConfig, create_app
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    for f in default_model_path().iterdir():
+        if f.name != "tokenizer_config.json":
+            (model_dir / f.name).symlink_to(f)
+    cfg = json.loads((default_model_path() / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = _TOOLS_TEMPLATE
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
+    history = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    async with colibri.Engine.open(model_dir) as engine:
+        app = await create_app(engine, ServerConfig(kv_slots=0, served_model_name="m"))
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
+            base = {"model": "m", "messages": history, "max_tokens": 6, "temperature": 0}
+            plain = (await client.post("/v1/chat/completions", json=base)).json()
+            r = await client.post("/v1/chat/completions", json={**base, "tools": tools})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            none = await client.post(
+                "/v1/chat/completions", json={**base, "tools": tools, "tool_choice": "none"}
+            )
+            refused = await client.post(
+                "/v1/chat/completions", json={**base, "tools": tools, "tool_choice": "required"}
+            )
+    assert body["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"]
+    assert none.json()["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tool_choice"
+    msg = body["choices"][0]["message"]
+    assert msg["content"] == "" and msg["reasoning_content"]  # never left <think>
+
+
+def test_text_processing() -> None:
+    m = StopMatcher(["END", "xy"])
+    out = "".join(m.feed(ch)[0] for ch in "abcxEN")
+    rest, hit = m.feed("D tail")
+    assert out + rest == "abcx" and hit and m.hit == "END" and m.flush() == ""
+    t = ThinkSplitter(enabled=True)
+    parts = [p for ch in " <think>plan</think>\n\nanswer" for p in t.feed(ch)] + t.flush()
+    assert "".join(x for k, x in parts if k == "reasoning") == "plan"
+    assert "".join(x for k, x in parts if k == "content") == "answer"
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {
+                    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}
+                },
+            },
+        }
+    ]
+    glm = (
+        "Let me check.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>42</arg_value>"
+        "\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>"
+    )
+    text, calls = parse_tool_calls(glm, tools)
+    assert text == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "42", "days": 3})
+    ]
+    text, calls = parse_tool_calls('<tool_call>{"name": "f", "arguments": {"a": [1]}}</tool_call>')
+    assert text == "" and calls[0].name == "f" and json.loads(calls[0].arguments) == {"a": [1]}
+    assert parse_tool_calls("no calls <tool_call>not valid json{")[1] == []
+    split = ToolCallSplitter(enabled=True)
+    released = "".join(split.feed(ch) for ch in "Sure. <tool_call>f<arg_key>x</arg_key>")
+    rest, calls = split.finish()
+    assert released == "Sure. " and [c.name for c in calls] == ["f"]

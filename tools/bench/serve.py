@@ -1,0 +1,182 @@
+"""Serving benchmark: aggregate tokens/s and TTFT at 1, 2, 4 and 8 concurrent streams.
+
+    .venv/bin/python tools/bench/serve.py [--model DIR] [--url URL] [--tokens 64]
+                                          [--requests 16] [--levels 1,2,4,8]
+
+Starts a real ``coli serve`` on a free loopback port (the bundled demo model by default) or
+uses a running server (``--url``), then for each concurrency level runs that many streaming
+clients that share ``--requests`` chat requests (each client sends its share back to back;
+rotating prompts, greedy, ``ignore_eos`` so every request generates exactly ``--tokens``
+tokens: every level does the same work). Per level:
+generated tokens / wall seconds, and TTFT (request sent -> first content chunk, client side,
+queue wait included) p50 / p99. The last line printed is one JSON object whose ``figure`` is
+tokens/s at 8 streams divided by tokens/s at 1 stream (1.0 = concurrency adds no throughput).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _pct(xs: list[float], q: float) -> float:
+    """Percentile by nearest rank (q in [0, 100])."""
+    s = sorted(xs)
+    if not s:
+        return float("nan")
+    k = max(0, min(len(s) - 1, round(q / 100 * (len(s) - 1))))
+    return s[k]
+
+
+async def _one(
+    client: httpx.AsyncClient, url: str, model: str, prompt: str, tokens: int
+) -> tuple[float, int, float]:
+    """(ttft seconds, generated tokens, total seconds) of one streamed request."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.perf_counter()
+    ttft: float | None = None
+    n = 0
+    async with client.stream("POST", url, json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                n = int(chunk["usage"]["completion_tokens"])
+            for c in chunk.get("choices", []):
+                if ttft is None and c.get("delta", {}).get("content"):
+                    ttft = time.perf_counter() - t0
+    total = time.perf_counter() - t0
+    return (ttft if ttft is not None else total), n, total
+
+
+async def _level(
+    base: str, model: str, streams: int, per_stream: int, tokens: int
+) -> dict[str, Any]:
+    url = base + "/v1/chat/completions"
+    ttfts: list[float] = []
+    produced = 0
+    limits = httpx.Limits(max_connections=streams + 2)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+
+        async def stream(i: int) -> None:
+            nonlocal produced
+            for j in range(per_stream):
+                prompt = f"Request {i}.{j}: say something about the number {i * 31 + j}."
+                ttft, n, _ = await _one(client, url, model, prompt, tokens)
+                ttfts.append(ttft)
+                produced += n
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(stream(i) for i in range(streams)))
+        wall = time.perf_counter() - t0
+    return {
+        "streams": streams,
+        "requests": streams * per_stream,
+        "tokens": produced,
+        "seconds": round(wall, 3),
+        "tokens_per_s": round(produced / wall, 2),
+        "ttft_p50_ms": round(_pct(ttfts, 50) * 1000, 1),
+        "ttft_p99_ms": round(_pct(ttfts, 99) * 1000, 1),
+    }
+
+
+def _start(model: Path | None, queue: int) -> tuple[subprocess.Popen[bytes], str]:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "colibri.cli", "serve", "--port", str(port), "--kv-slots", "0"]
+    cmd += ["--queue", str(queue)]
+    if model is not None:
+        cmd += ["--model", str(model)]
+    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise SystemExit("server did not become ready in 120 s")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", type=Path, default=None, help="model dir (default: demo model)")
+    ap.add_argument("--url", default=None, help="use a running server instead of starting one")
+    ap.add_argument("--tokens", type=int, default=64, help="tokens per request")
+    ap.add_argument("--requests", type=int, default=16, help="requests per level")
+    ap.add_argument("--levels", default="1,2,4,8")
+    args = ap.parse_args()
+    levels = [int(x) for x in args.levels.split(",")]
+    proc = None
+    base = args.url
+    if base is None:
+        proc, base = _start(args.model, queue=max(levels) + 1)
+    try:
+        model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
+        asyncio.run(_level(base, model, 1, 2, args.tokens))  # warm-up (JIT, caches)
+        results = []
+        for n in levels:
+            per_stream = max(1, args.requests // n)
+            res = asyncio.run(_level(base, model, n, per_stream, args.tokens))
+            results.append(res)
+            print(
+                f"{n} stream(s): {res['tokens_per_s']} tok/s aggregate, TTFT p50 "
+                f"{res['ttft_p50_ms']} ms p99 {res['ttft_p99_ms']} ms ({res['requests']} requests)",
+                flush=True,
+            )
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
+    by = {r["streams"]: r for r in results}
+    lo, hi = by.get(1), by.get(max(levels))
+    figure = hi["tokens_per_s"] / lo["tokens_per_s"] if lo and hi else None
+    out = {
+        "figure": None if figure is None else round(figure, 3),
+        "figure_is": f"aggregate tokens/s at {max(levels)} streams / at 1 stream",
+        "model": model,
+        "tokens_per_request": args.tokens,
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "levels": results,
+    }
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
