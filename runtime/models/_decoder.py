@@ -19,7 +19,7 @@ Shape legend: T new tokens, S keys (cache + new), D hidden, V vocab, K experts p
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, NamedTuple, Self
 
@@ -327,6 +327,43 @@ class MLAMoEModel:
         cache.commit(start + t)
         return LogitsOut(logits, hidden)
 
+    def forward_batch(
+        self, batch: Sequence[npt.NDArray[np.integer]], caches: Sequence[KVCache]
+    ) -> list[LogitsOut]:
+        """Several sequences in one step: attention per sequence (each its own cache), the MLP /
+        MoE half on all their rows at once, so each layer reads the union of their experts once.
+
+        Row results are bit-identical to running each sequence alone through :meth:`forward`
+        (batch-invariant kernels, per-row MoE combination)."""
+        if len(batch) != len(caches) or not batch:
+            raise ModelError("forward_batch needs one cache per sequence and at least one")
+        seqs = []
+        for ids_in, cache in zip(batch, caches, strict=True):
+            ids = np.asarray(ids_in, dtype=np.int64).reshape(-1)
+            if ids.shape[0] == 0:
+                raise ModelError("forward needs at least one token")
+            start = cache.length
+            cos, sin = self.rope.cos_sin(np.arange(start, start + ids.shape[0]))  # [T, R/2]
+            cache.reserve(start + ids.shape[0])
+            seqs.append((ids, start, cos, sin))
+        hs = [embed_rows(self.weights.embed, ids) for ids, *_ in seqs]  # [T_j, D] each
+        sel: list[BoolArray | None] = [None] * len(seqs)
+        bounds = np.cumsum([0] + [ids.shape[0] for ids, *_ in seqs])
+        for i, lw in enumerate(self.weights.layers):
+            for j, ((_, start, cos, sin), cache) in enumerate(zip(seqs, caches, strict=True)):
+                hs[j], sel[j] = self._attention(i, i, lw, hs[j], cache, start, cos, sin, sel[j])
+            h = self._mlp(i, lw, np.concatenate(hs))  # [sum T_j, D]
+            hs = [h[bounds[j] : bounds[j + 1]] for j in range(len(seqs))]
+        hidden = rms_norm(np.concatenate(hs), self.weights.norm, self.config.rms_norm_eps)
+        logits = self.weights.lm_head(hidden)  # [sum T_j, V]
+        out = []
+        for j, ((ids, start, _, _), cache) in enumerate(zip(seqs, caches, strict=True)):
+            cache.write_tokens(start, ids)
+            cache.commit(start + ids.shape[0])
+            lo, hi = bounds[j], bounds[j + 1]
+            out.append(LogitsOut(logits[lo:hi], hidden[lo:hi]))
+        return out
+
     def mtp_forward(
         self, hidden: F32Array, next_ids: npt.NDArray[np.integer], mtp_cache: KVCache
     ) -> F32Array:
@@ -374,6 +411,22 @@ class MLAMoEModel:
         prev_selection: BoolArray | None,
     ) -> tuple[F32Array, BoolArray | None]:
         """One decoder layer; returns the new hidden [T, D] and its sparse selection."""
+        h, selection = self._attention(layer, slot, lw, h, cache, start, cos, sin, prev_selection)
+        return self._mlp(layer, lw, h), selection
+
+    def _attention(
+        self,
+        layer: int,
+        slot: int,
+        lw: LayerWeights,
+        h: F32Array,
+        cache: KVCache,
+        start: int,
+        cos: F32Array,
+        sin: F32Array,
+        prev_selection: BoolArray | None,
+    ) -> tuple[F32Array, BoolArray | None]:
+        """Attention half of a layer over one sequence's cache: h + attn(norm(h)) [T, D]."""
         c, d = self.config, self.dims
         t = h.shape[0]
         s = start + t
@@ -400,7 +453,12 @@ class MLAMoEModel:
             self.softmax_scale,
             absorbed,
         )  # [T, D]
-        x = rms_norm(h, lw.post_attention_layernorm, c.rms_norm_eps)  # [T, D]
+        return h, selection
+
+    def _mlp(self, layer: int, lw: LayerWeights, h: F32Array) -> F32Array:
+        """MLP / MoE half of a layer: h + mlp(norm(h)) [T, D]. Rows are independent, so rows of
+        several sequences can share one call (and one expert union)."""
+        x = rms_norm(h, lw.post_attention_layernorm, self.config.rms_norm_eps)  # [T, D]
         if lw.moe is not None:
             ids, gates = moe_ops.route(lw.moe, x)  # [T, K], [T, K]
             if self.observer is not None:
@@ -415,7 +473,7 @@ class MLAMoEModel:
             y = swiglu(x, lw.mlp)  # [T, D]
         else:
             raise ModelError(f"layer {layer} has neither an MLP nor a MoE block")
-        return h + y, selection
+        return h + y
 
     def _lookahead(self, layer: int, x: F32Array) -> None:
         """Predict layer L+1's experts by applying its router to layer L's post-attention state
