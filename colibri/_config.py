@@ -10,6 +10,8 @@ COLI_RAM           --ram               ram_budget
 COLI_READER        --reader            reader
 COLI_PREFETCH      --prefetch/--no-    prefetch
 COLI_STATE_DIR     --state-dir         state_dir
+COLI_MIRROR        --mirror (repeat)   mirror (os.pathsep-separated in the variable)
+COLI_DISK_WEIGHTS  --disk-weights      disk_weights
 COLI_LOG_FORMAT    --log-format        (logging: console|json)
 =================  ==================  ======================
 """
@@ -34,6 +36,8 @@ ENV_VARS = {
     "COLI_READER": "reader",
     "COLI_PREFETCH": "prefetch",
     "COLI_STATE_DIR": "state_dir",
+    "COLI_MIRROR": "mirror",
+    "COLI_DISK_WEIGHTS": "disk_weights",
     "COLI_LOG_FORMAT": "log_format",
 }
 
@@ -75,6 +79,7 @@ class EngineOptions(BaseModel):
     prefetch: bool = True
     kv_reserve_tokens: int = 4096
     prefill_chunk: int = 512
+    max_batch: int = 8
     fast_prefill: bool = False
     state_dir: Path | None = None
     pin: bool = True
@@ -82,6 +87,12 @@ class EngineOptions(BaseModel):
     pin_min_selections: int = 5000
     repin: bool = False
     learn: bool = True
+    # Several SSDs (storage/devices.py): read replicas, primary-first weights (None: probed),
+    # run-time adaptation of the weights, and striping of reads at least this large (0: off).
+    mirror: tuple[Path, ...] = ()
+    disk_weights: tuple[float, ...] | None = None
+    disk_adapt: bool = True
+    stripe_min_bytes: int = 0
 
     @field_validator("ram_budget", mode="before")
     @classmethod
@@ -89,6 +100,29 @@ class EngineOptions(BaseModel):
         if v is None or isinstance(v, int):
             return v
         return parse_bytes(str(v))
+
+    @field_validator("mirror", mode="before")
+    @classmethod
+    def _mirror(cls, v: object) -> object:
+        if isinstance(v, (str, os.PathLike)):  # COLI_MIRROR: dirs joined by os.pathsep
+            return tuple(p for p in os.fspath(v).split(os.pathsep) if p)
+        return v
+
+    @field_validator("disk_weights", mode="before")
+    @classmethod
+    def _disk_weights(cls, v: object) -> object:
+        if v is None or (isinstance(v, str) and v.strip().lower() in ("", "auto")):
+            return None
+        from storage.devices import parse_weights
+
+        return parse_weights(v if isinstance(v, str) else list(v))  # type: ignore[call-overload]
+
+    @field_validator("stripe_min_bytes", mode="before")
+    @classmethod
+    def _stripe(cls, v: object) -> int:
+        if isinstance(v, int):
+            return v
+        return parse_bytes(str(v)) or 0
 
     def resolved_model(self) -> Path:
         return self.model if self.model is not None else default_model_path()

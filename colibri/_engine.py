@@ -64,6 +64,15 @@ def _as_ids(token_ids: Sequence[int] | npt.NDArray[np.integer]) -> npt.NDArray[n
     return ids
 
 
+@dataclass(slots=True)
+class _DecodeRequest:
+    cache: KVCache
+    tok: int
+    done: anyio.Event
+    logits: npt.NDArray[np.float32] | None = None
+    error: BaseException | None = None
+
+
 class Engine:
     """A loaded model. Create with ``async with Engine.open(path) as engine``."""
 
@@ -74,10 +83,14 @@ class Engine:
         self._limiter = anyio.CapacityLimiter(1)
         self._lock = anyio.Lock()
         self._store: Any = None
+        self._pending: list[_DecodeRequest] = []
+        self._wake = anyio.Event()
         self._counters: dict[str, float] = {
             "forward_calls": 0,
             "prompt_tokens": 0,
             "prefill_tokens": 0,
+            "decode_batches": 0,
+            "decode_batched_rows": 0,
             "prefill_chunks": 0,
             "prefill_seconds": 0.0,
             "prefill_bytes_read": 0,
@@ -123,6 +136,7 @@ class Engine:
                 engine = cls(container, model, opts)
                 engine._store = store
                 engine._learn(usage)
+                tg.start_soon(engine._batcher)
                 yield engine
             except BaseException as exc:  # re-raised below, unwrapped by the task group
                 error = exc
@@ -160,7 +174,8 @@ class Engine:
         except (ColibriError, OSError) as exc:
             _log.warning("usage not saved", path=str(path), error=str(exc))
         if self._store is not None and self.options.repin:
-            await self._store.repin(self._usage.counts)
+            async with self._limiter:  # no forward may run while pinned slots change
+                await self._store.repin(self._usage.counts)
 
     # ------------------------------------------------------------------ compute
     async def _run(self, fn: Any, *args: Any) -> Any:
@@ -210,43 +225,41 @@ class Engine:
         reason: Literal["length", "stop", "cancelled"] = "length"
         t0 = time.perf_counter()
         reused = 0
-        async with self._lock:
-            if cache is None:
-                cache = self._model.new_cache()
-            else:
-                reused = self.reusable_prefix(cache, ids)
-                cache.truncate(reused)
-            self._counters["prompt_tokens"] += int(ids.size)
-            self._counters["prompt_tokens_reused"] += reused
-            try:
-                if max_new_tokens > 0:
-                    logits = await self._prefill(ids[reused:], cache)
-                    for i in range(max_new_tokens):
-                        tok = sampler.sample(logits)
-                        lsm = log_softmax(logits)  # [V]
-                        lp = float(lsm[tok])
-                        top: tuple[tuple[int, float], ...] = ()
-                        if top_logprobs > 0:
-                            best = np.argsort(-lsm, kind="stable")[:top_logprobs]
-                            top = tuple((int(t), float(lsm[t])) for t in best)
-                        out_tokens.append(tok)
-                        self._counters["generated_tokens"] += 1
-                        yield TokenEvent(tok, i, lp, top)
-                        if tok in stops:
-                            reason = "stop"
-                            break
-                        if i + 1 == max_new_tokens:
-                            break
-                        out = await self._run(
-                            self._model.forward, np.array([tok], dtype=np.int64), cache
-                        )
-                        logits = out.logits[-1]
-            except anyio.get_cancelled_exc_class():
-                reason = "cancelled"
-                raise
-            finally:
-                with anyio.CancelScope(shield=True):
-                    await self._end_turn()
+        # Compute is serialised by the engine's limiter; decode steps of concurrent
+        # generations are batched (see _decode_step).
+        if cache is None:
+            cache = self._model.new_cache()
+        else:
+            reused = self.reusable_prefix(cache, ids)
+            cache.truncate(reused)
+        self._counters["prompt_tokens"] += int(ids.size)
+        self._counters["prompt_tokens_reused"] += reused
+        try:
+            if max_new_tokens > 0:
+                logits = await self._prefill(ids[reused:], cache)
+                for i in range(max_new_tokens):
+                    tok = sampler.sample(logits)
+                    lsm = log_softmax(logits)  # [V]
+                    lp = float(lsm[tok])
+                    top: tuple[tuple[int, float], ...] = ()
+                    if top_logprobs > 0:
+                        best = np.argsort(-lsm, kind="stable")[:top_logprobs]
+                        top = tuple((int(t), float(lsm[t])) for t in best)
+                    out_tokens.append(tok)
+                    self._counters["generated_tokens"] += 1
+                    yield TokenEvent(tok, i, lp, top)
+                    if tok in stops:
+                        reason = "stop"
+                        break
+                    if i + 1 == max_new_tokens:
+                        break
+                    logits = await self._decode_step(cache, tok)
+        except anyio.get_cancelled_exc_class():
+            reason = "cancelled"
+            raise
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._end_turn()
         dt = time.perf_counter() - t0
         yield DoneEvent(
             reason,
@@ -259,6 +272,51 @@ class Engine:
                 "prompt_tokens_computed": int(ids.size) - reused,
             },
         )
+
+    async def _decode_step(self, cache: KVCache, tok: int) -> npt.NDArray[np.float32]:
+        """Logits [V] after feeding ``tok``. With ``max_batch`` > 1 the step joins the decode
+        steps of every other active generation in one forward (their expert reads unioned);
+        rows are bit-identical to a solo step."""
+        if self.options.max_batch <= 1:
+            solo: npt.NDArray[np.float32] = await self._run(
+                self._forward_last, np.array([tok], dtype=np.int64), cache
+            )
+            return solo
+        req = _DecodeRequest(cache, tok, anyio.Event())
+        self._pending.append(req)
+        self._wake.set()
+        await req.done.wait()
+        if req.error is not None:
+            raise req.error
+        assert req.logits is not None
+        return req.logits
+
+    async def _batcher(self) -> None:
+        """Runs queued decode steps together (one forward_batch per group of up to max_batch)."""
+        while True:
+            await self._wake.wait()
+            self._wake = anyio.Event()
+            for _ in range(3):  # let generations woken by the last step enqueue their next one
+                await anyio.sleep(0)
+            while self._pending:
+                batch = self._pending[: self.options.max_batch]
+                del self._pending[: len(batch)]
+                try:
+                    outs = await self._run(
+                        self._model.forward_batch,
+                        [np.array([r.tok], dtype=np.int64) for r in batch],
+                        [r.cache for r in batch],
+                    )
+                    for r, o in zip(batch, outs, strict=True):
+                        r.logits = o.logits[-1]
+                    self._counters["decode_batches"] += 1
+                    self._counters["decode_batched_rows"] += len(batch)
+                except Exception as exc:  # delivered to every generation of the batch
+                    for r in batch:
+                        r.error = exc
+                finally:
+                    for r in batch:
+                        r.done.set()
 
     async def _prefill(
         self, ids: npt.NDArray[np.int64], cache: KVCache
@@ -335,6 +393,9 @@ class Engine:
                 "fixed_buffers": store.fixed_buffers,
                 **store.stats.as_dict(),
             }
+            if store.placement is not None:  # per-copy telemetry (storage/devices.py)
+                s["experts"]["devices"] = store.placement.stats()
+                s["experts"]["placement"] = store.placement.summary()
         return s
 
     def expert_map(self) -> dict[str, Any]:
@@ -439,9 +500,21 @@ async def _start_store(
     from runtime.experts import ExpertStore, StreamingExperts
     from storage.reader import open_reader
 
+    from storage.devices import open_placement
+
     extents = container.expert_extents()
     reader = await open_reader(opts.reader, probe_path=extents[0].path if extents else None)
-    store = ExpertStore(container, reader, layout, prefetch=opts.prefetch)
+    # Which copy (primary or --mirror) serves each expert; a single copy without mirrors.
+    placement = await open_placement(
+        container,
+        opts.mirror,
+        weights=opts.disk_weights,
+        adapt=opts.disk_adapt,
+        stripe_min_bytes=opts.stripe_min_bytes,
+        state_dir=opts.resolved_state_dir() if opts.mirror else None,
+        direct=reader.direct,
+    )
+    store = ExpertStore(container, reader, layout, prefetch=opts.prefetch, placement=placement)
     await store.start(tg)
     model.experts = StreamingExperts(store)
     return store

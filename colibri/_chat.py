@@ -1,0 +1,520 @@
+"""``coli chat``: an interactive conversation with streamed replies that survives restarts.
+
+Each turn renders the whole conversation with the model's chat template and hands the token ids
+to ``Engine.generate(cache=...)``, which reuses the longest common prefix with the cache and
+prefills only the rest (normally the new user message). Assistant replies are spliced back in
+as the exact token ids the model generated (not re-tokenized text), so the history always
+matches the cache.
+
+At the end of every turn the session is saved in the state directory: the KV cache as
+``.coli_kv.chat.<name>`` (:mod:`storage.kvfile`: records appended, count written last) and the
+messages as ``.coli_chat.<name>.json`` (temporary file, fsync, rename). Starting ``coli chat``
+again with the same session loads both and continues without prefilling the history again;
+the continuation is bit-identical to a session that never stopped (per-turn seeds are
+``seed + turn``).
+
+Commands: ``:q`` (or Ctrl-D) quits, ``:reset`` starts over, ``:help``. Ctrl-C during a reply
+stops that reply and returns to the prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any, cast
+
+import anyio.from_thread
+import click
+import structlog
+
+from colibri._config import EngineOptions
+from colibri._engine import ENGINE_ID, DoneEvent, Engine, GenerationEvent, TokenEvent
+from colibri.tokenizer import ChatTokenizer
+from runtime.kv import KVCache
+from storage.errors import ColibriError, KVFileError
+from storage.kvfile import KV_FILE, load_kv, model_identity, set_aside, sync_kv
+
+__all__ = [
+    "SESSION_RE",
+    "ChatSettings",
+    "TurnResult",
+    "conversation_ids",
+    "format_footer",
+    "kv_path",
+    "printable",
+    "rss_bytes",
+    "run_chat",
+    "session_path",
+]
+
+_log = structlog.get_logger("colibri.chat")
+
+SESSION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+SESSION_FORMAT = "colibri-chat"
+SESSION_VERSION = 1
+PROMPT = "you> "
+_MARK = "\ue000colibri-{}\ue001"  # private-use code points: never in real text
+_MARK_RE = re.compile("\ue000colibri-(\\d+)\ue001")
+_END = object()
+HELP = ":q quits (or Ctrl-D), :reset starts over, Ctrl-C stops a reply"
+
+
+def session_path(state_dir: Path, name: str) -> Path:
+    """The messages file of session ``name``."""
+    return state_dir / f".coli_chat.{name}.json"
+
+
+def kv_path(state_dir: Path, name: str) -> Path:
+    """The ``.coli_kv`` file of session ``name``."""
+    return state_dir / f"{KV_FILE}.chat.{name}"
+
+
+def rss_bytes() -> int | None:
+    """Resident set size of this process (``VmRSS`` in /proc/self/status), None if unknown."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+_CONTROL = {c: "\ufffd" for c in [*range(0x20), *range(0x7F, 0xA0)] if chr(c) not in "\n\t"}
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters (other than newline and tab) shown as U+FFFD: a
+    model's output must not drive the terminal (escape sequences, bells, backspaces)."""
+    return text.translate(_CONTROL)
+
+
+def _plain(m: Mapping[str, Any]) -> dict[str, Any]:
+    return {"role": m["role"], "content": m["content"]}
+
+
+def conversation_ids(tok: ChatTokenizer, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    """Token ids of ``messages`` rendered with the chat template plus the generation prompt.
+
+    Assistant messages that carry ``tokens`` (the ids the model generated, stop token
+    excluded) are spliced in as those ids: the template is rendered with a placeholder in
+    their place and the text around it is encoded. When a template drops or alters the
+    placeholders, the whole rendering is encoded instead (the cache then reuses less)."""
+    spliced = {
+        i: [int(t) for t in m["tokens"]]
+        for i, m in enumerate(messages)
+        if m.get("role") == "assistant" and m.get("tokens") is not None
+    }
+    if spliced:
+        marked = [
+            {"role": m["role"], "content": _MARK.format(i)} if i in spliced else _plain(m)
+            for i, m in enumerate(messages)
+        ]
+        parts = _MARK_RE.split(tok.apply_chat_template(marked, add_generation_prompt=True))
+        found = [int(x) for x in parts[1::2]]
+        if found == sorted(spliced):
+            ids: list[int] = []
+            for k, text in enumerate(parts[0::2]):
+                if text:
+                    ids += tok.encode(text)
+                if k < len(found):
+                    ids += spliced[found[k]]
+            return ids
+    return tok.encode_chat([_plain(m) for m in messages])
+
+
+def format_footer(
+    tokens: int, tok_per_s: float, hit: float, rss: int | None, seconds: float
+) -> str:
+    """``N tok · X tok/s · hit Y % · RSS Z MiB · S s``."""
+    rss_text = "?" if rss is None else f"{rss / 2**20:.0f}"
+    return (
+        f"{tokens} tok · {tok_per_s:.1f} tok/s · hit {100 * hit:.0f} % · "
+        f"RSS {rss_text} MiB · {seconds:.1f} s"
+    )
+
+
+@dataclass(frozen=True)
+class ChatSettings:
+    """What ``coli chat`` was started with."""
+
+    session: str = "default"
+    system: str | None = None
+    max_tokens: int = 512
+    temperature: float = 0.7
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    ignore_eos: bool = False
+    verbose: bool = False
+
+
+@dataclass
+class TurnResult:
+    """One reply: its tokens (stop token excluded), why it ended, and its counters."""
+
+    tokens: list[int]
+    reason: str
+    seconds: float
+    decode_seconds: float
+    prompt_tokens: int
+    reused: int
+    hit_rate: float
+    error: BaseException | None = None
+
+    @property
+    def computed(self) -> int:
+        return self.prompt_tokens - self.reused
+
+    @property
+    def tok_per_s(self) -> float:
+        n = len(self.tokens)
+        if n >= 2 and self.decode_seconds > 0:
+            return (n - 1) / self.decode_seconds  # decode speed: the first token pays prefill
+        return n / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class _State:
+    """The conversation: messages, completed turns, and KV rows known to be on disk."""
+
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    turns: int = 0
+    persisted: int = 0
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def _hits(engine: Engine) -> tuple[int, int]:
+    e = engine.stats()["experts"]
+    return int(e.get("hits_pinned", 0)) + int(e.get("hits_lru", 0)), int(e.get("misses", 0))
+
+
+class _Chat:
+    """The REPL around one open engine (main thread; the engine runs on the portal's loop)."""
+
+    def __init__(
+        self,
+        portal: anyio.from_thread.BlockingPortal,
+        engine: Engine,
+        tok: ChatTokenizer,
+        settings: ChatSettings,
+        state_dir: Path,
+        echo: Callable[..., None],
+        color: bool,
+    ) -> None:
+        self.portal = portal
+        self.engine = engine
+        self.tok = tok
+        self.s = settings
+        self.state_dir = state_dir
+        self.echo = echo
+        self.color = color
+        c = engine.container
+        self.vocab = int(c.arch.vocab_size)
+        self.identity = model_identity(c.path)
+        self.json_path = session_path(state_dir, settings.session)
+        self.kv_path = kv_path(state_dir, settings.session)
+        self.cache: KVCache = engine.new_cache()
+        self.state = self._fresh()
+
+    # ------------------------------------------------------------------ session files
+    def _fresh(self) -> _State:
+        msgs = [{"role": "system", "content": self.s.system}] if self.s.system else []
+        return _State(messages=msgs)
+
+    def _set_aside(self, path: Path, problem: str) -> None:
+        aside = set_aside(path)
+        _log.warning(
+            "chat session file ignored; starting a new conversation",
+            path=str(path),
+            problem=problem,
+            moved_to=str(aside) if aside else "(could not rename it)",
+        )
+
+    def load(self) -> bool:
+        """Resume the saved session, if any; True when a conversation was resumed."""
+        if not self.json_path.exists():
+            return False
+        try:
+            data = json.loads(self.json_path.read_text(encoding="utf-8"))
+            if not isinstance(data, dict) or data.get("format") != SESSION_FORMAT:
+                raise ValueError("not a colibri chat session file")
+            if data.get("version") != SESSION_VERSION:
+                raise ValueError(f"version {data.get('version')} (this colibri reads 1)")
+            if data.get("identity") not in (0, self.identity):
+                raise ValueError("written for other model weights")
+            messages = data["messages"]
+            if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages
+            ):
+                raise ValueError("messages are damaged")
+            turns = int(data["turns"])
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+            self._set_aside(self.json_path, str(exc))
+            return False
+        cache = load_kv(self.kv_path, self.engine.new_cache, self.vocab, self.identity)
+        self.cache = cache if cache is not None else self.engine.new_cache()
+        self.state = _State(messages, turns, self.cache.length)
+        return True
+
+    def save(self, valid: int) -> None:
+        """Write the KV rows that changed (rows [0, valid) are already on disk), then the
+        messages. Errors are reported; the conversation goes on in memory."""
+        try:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            self.state.persisted = sync_kv(
+                self.kv_path,
+                self.cache,
+                valid=min(valid, self.state.persisted),
+                vocab=self.vocab,
+                identity=self.identity,
+            )
+            doc = {
+                "format": SESSION_FORMAT,
+                "version": SESSION_VERSION,
+                "engine": ENGINE_ID,
+                "model": str(self.engine.container.path),
+                "identity": self.identity,
+                "turns": self.state.turns,
+                "kv_tokens": self.cache.length,
+                "messages": self.state.messages,
+            }
+            _write_atomic(self.json_path, json.dumps(doc, ensure_ascii=False, indent=1) + "\n")
+        except (OSError, KVFileError) as exc:
+            self.state.persisted = 0
+            self.echo(f"warning: session not saved ({exc})", err=True)
+
+    def reset(self) -> None:
+        """Forget the conversation, in memory and on disk."""
+        self.cache = self.engine.new_cache()
+        self.state = self._fresh()
+        for p in (self.kv_path, self.json_path):
+            try:
+                p.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                self.echo(f"warning: cannot remove {p} ({exc})", err=True)
+
+    # ------------------------------------------------------------------ one turn
+    def turn(self, text: str) -> TurnResult:
+        """Add the user message, stream the reply, record it and save the session."""
+        self.state.messages.append({"role": "user", "content": text})
+        ids = conversation_ids(self.tok, self.state.messages)
+        reused = Engine.reusable_prefix(self.cache, ids) if ids else 0
+        stop = threading.Event()
+
+        def on_sigint(signum: int, frame: FrameType | None) -> None:
+            stop.set()
+
+        # Ctrl-C stops the reply (and never cuts the save that follows it short).
+        previous = signal.signal(signal.SIGINT, on_sigint)
+        try:
+            result = self._generate(ids, reused, stop)
+            if result.error is not None and not result.tokens:
+                self.state.messages.pop()  # nothing came of it: as if it was never sent
+                return result
+            content = self.tok.decode(result.tokens)
+            self.state.messages.append(
+                {"role": "assistant", "content": content, "tokens": result.tokens}
+            )
+            self.state.turns += 1
+            self.save(valid=reused)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        return result
+
+    def _generate(self, ids: list[int], reused: int, stop: threading.Event) -> TurnResult:
+        s = self.s
+        seed = None if s.seed is None else s.seed + self.state.turns
+        events: queue.SimpleQueue[object] = queue.SimpleQueue()
+        engine, cache = self.engine, self.cache
+
+        async def produce() -> None:
+            try:
+                gen = engine.generate(
+                    ids,
+                    max_new_tokens=s.max_tokens,
+                    temperature=s.temperature,
+                    top_p=s.top_p,
+                    top_k=s.top_k,
+                    seed=seed,
+                    stop_token_ids=[] if s.ignore_eos else None,
+                    cache=cache,
+                )
+                # generate() is an async generator: close it when the loop stops early.
+                agen = cast(AsyncGenerator[GenerationEvent, None], gen)
+                async with aclosing(agen) as stream:
+                    async for ev in stream:
+                        events.put(ev)
+                        if stop.is_set():
+                            break
+            except Exception as exc:  # handed to the REPL thread, which reports it
+                events.put(exc)
+            finally:
+                events.put(_END)
+
+        stops = set() if s.ignore_eos else set(self.engine.container.eos_token_ids)
+        tokens: list[int] = []
+        reason = "length"
+        error: BaseException | None = None
+        text = self.tok.stream()
+        h0, m0 = _hits(self.engine)
+        t0 = time.perf_counter()
+        t_first: float | None = None
+        t_last = t0
+        future = self.portal.start_task_soon(produce)
+        cancelled = False
+        while True:
+            try:
+                item = events.get(timeout=0.1)
+            except queue.Empty:
+                if stop.is_set() and not cancelled:
+                    future.cancel()  # no token for a while (a long prefill): cancel it
+                    cancelled = True
+                continue
+            if item is _END:
+                break
+            if isinstance(item, TokenEvent):
+                t_last = time.perf_counter()
+                t_first = t_first if t_first is not None else t_last
+                if item.token_id in stops:
+                    reason = "stop"
+                    continue
+                tokens.append(item.token_id)
+                piece = text.push(item.token_id)
+                if piece:
+                    self.echo(printable(piece), nl=False)
+            elif isinstance(item, DoneEvent):
+                reason = item.reason if reason != "stop" else reason
+            elif isinstance(item, BaseException):
+                error = item
+        self.echo(printable(text.flush()), nl=False)
+        self.echo("")
+        if stop.is_set():
+            reason = "interrupted"
+        h1, m1 = _hits(self.engine)
+        looked = (h1 - h0) + (m1 - m0)
+        dt = time.perf_counter() - t0
+        result = TurnResult(
+            tokens=tokens,
+            reason=reason,
+            seconds=dt,
+            decode_seconds=(t_last - t_first) if t_first is not None else 0.0,
+            prompt_tokens=len(ids),
+            reused=reused,
+            hit_rate=(h1 - h0) / looked if looked else 1.0,
+            error=error,
+        )
+        if error is not None:
+            # The reply so far is kept (the cache holds it); the user sees one line.
+            self.echo(f"error: {error}", err=True)
+        return result
+
+    # ------------------------------------------------------------------ the loop
+    def footer(self, r: TurnResult) -> None:
+        if r.reason == "interrupted":
+            self._dim("[stopped]")
+        self._dim(format_footer(len(r.tokens), r.tok_per_s, r.hit_rate, rss_bytes(), r.seconds))
+        if self.s.verbose:
+            self._dim(
+                f"prompt {r.prompt_tokens} tokens: {r.reused} reused, {r.computed} computed; "
+                f"context {self.cache.length} tokens; ended: {r.reason}"
+            )
+
+    def _dim(self, line: str) -> None:
+        self.echo(click.style(line, dim=True) if self.color else line)
+
+    def repl(self, read: Callable[[str], str]) -> None:
+        while True:
+            try:
+                line = read(PROMPT)
+            except EOFError:
+                self.echo("")
+                return
+            except KeyboardInterrupt:
+                self.echo("")
+                self._dim(f"({HELP})")
+                continue
+            cmd = line.strip()
+            if not cmd:
+                continue
+            if cmd in (":q", ":quit", ":exit"):
+                return
+            if cmd == ":reset":
+                self.reset()
+                self._dim("conversation cleared")
+                continue
+            if cmd in (":help", ":h", ":?"):
+                self._dim(HELP)
+                continue
+            if cmd.startswith(":") and " " not in cmd:
+                self._dim(f"unknown command {cmd} ({HELP})")
+                continue
+            self.footer(self.turn(line))
+
+
+def run_chat(opts: EngineOptions, settings: ChatSettings) -> None:
+    """Open the model and run the REPL on stdin/stdout until ``:q`` or end of input."""
+    color = sys.stdout.isatty() and "NO_COLOR" not in os.environ
+    if sys.stdin.isatty():
+        try:
+            import readline  # noqa: F401  (line editing and history for input())
+        except ImportError:
+            pass
+    state_dir = opts.resolved_state_dir()
+    with anyio.from_thread.start_blocking_portal() as portal:
+        with portal.wrap_async_context_manager(Engine.open(options=opts)) as engine:
+            c = engine.container
+            tok_path = c.tokenizer_path()
+            if tok_path is None:
+                raise ColibriError(f"{c.path}: no tokenizer.json, cannot turn text into tokens")
+            tok = ChatTokenizer(tok_path, c.tokenizer_config())
+            chat = _Chat(portal, engine, tok, settings, state_dir, click.echo, color)
+            mode = engine.stats()["experts"]["mode"]
+            chat._dim(
+                f"colibri chat · {c.path.name} · experts {mode} · session {settings.session}"
+                f" · {HELP}"
+            )
+            if chat.load():
+                chat._dim(
+                    f"resumed a conversation of {chat.state.turns} turns; :reset to start over"
+                )
+                if settings.system and chat.state.messages[:1] != [
+                    {"role": "system", "content": settings.system}
+                ]:
+                    chat._dim("note: --system differs from the resumed conversation's")
+            chat.repl(input)

@@ -1,0 +1,176 @@
+"""`coli chat` driven through a pseudo-terminal (pexpect): streamed turns with a footer,
+`:reset`, Ctrl-C stopping a reply (not the program), `:q`, and a session resumed after a
+restart without prefilling the history again, bit-identical to a session that never stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import colibri
+from colibri._chat import conversation_ids, kv_path, printable, session_path
+from colibri._engine import Engine
+from colibri.tokenizer import ChatTokenizer
+from storage.container import Container
+
+pexpect = pytest.importorskip("pexpect")
+
+DEMO = colibri.default_model_path()
+FOOTER = re.compile(r"(\d+) tok · ([\d.]+) tok/s · hit (\d+) % · RSS (\d+) MiB · ([\d.]+) s\r\n")
+VERBOSE = re.compile(r"prompt (\d+) tokens: (\d+) reused, (\d+) computed")
+PROMPT = "you> "
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Iterator[dict[str, str]]:
+    home = tmp_path / "home"
+    home.mkdir()
+    base = {k: v for k, v in os.environ.items() if not k.startswith("COLI_")}
+    yield {**base, "HOME": str(home), "NO_COLOR": "1"}
+
+
+def spawn(env: dict[str, str], state: Path, *args: str) -> Any:
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "colibri.cli", "chat", "--state-dir", str(state), "-v", *args],
+        env=env,
+        encoding="utf-8",
+        timeout=60,
+        dimensions=(50, 200),
+    )
+    child.expect_exact(PROMPT)
+    return child
+
+
+def say(child: Any, text: str) -> dict[str, Any]:
+    """One turn: the reply's footer numbers and the reused / computed prompt tokens."""
+    child.sendline(text)
+    child.expect_exact(text + "\r\n")
+    child.expect(FOOTER)
+    reply = child.before
+    tokens, rate, hit = int(child.match.group(1)), float(child.match.group(2)), child.match[3]
+    child.expect(VERBOSE)
+    out = {
+        "reply": reply,
+        "tokens": tokens,
+        "rate": rate,
+        "hit": int(hit),
+        "prompt": int(child.match.group(1)),
+        "reused": int(child.match.group(2)),
+        "computed": int(child.match.group(3)),
+    }
+    child.expect_exact(PROMPT)
+    return out
+
+
+def quit_(child: Any, how: str = ":q") -> int:
+    if how == "eof":
+        child.sendeof()
+    else:
+        child.sendline(how)
+    child.expect(pexpect.EOF)
+    child.close()
+    return int(child.exitstatus)
+
+
+def test_turns_footer_reset_and_quit(env: dict[str, str], tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    c = spawn(env, state, "--max-tokens", "8", "--temperature", "0")
+    first = say(c, "hello there")
+    assert 1 <= first["tokens"] <= 8 and first["hit"] == 100  # resident demo: no misses
+    assert first["reused"] == 0 and first["computed"] == first["prompt"]
+    second = say(c, "and again")
+    # The second turn prefills only what the cache does not hold (the new message).
+    assert second["reused"] >= first["prompt"] and second["computed"] < second["prompt"]
+    saved = json.loads(session_path(state, "default").read_text())
+    assert saved["turns"] == 2 and [m["role"] for m in saved["messages"]] == [
+        "user", "assistant", "user", "assistant"
+    ]  # fmt: skip
+    c.sendline(":reset")
+    c.expect_exact("conversation cleared")
+    c.expect_exact(PROMPT)
+    assert not session_path(state, "default").exists() and not kv_path(state, "default").exists()
+    third = say(c, "hello there")
+    assert third["reused"] == 0 and third["prompt"] == first["prompt"]
+    assert third["reply"] == first["reply"]  # greedy, fresh context: the same reply
+    assert quit_(c) == 0
+
+
+def test_ctrl_c_stops_the_reply_not_the_program(env: dict[str, str], tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    c = spawn(env, state, "--max-tokens", "4000", "--ignore-eos", "--temperature", "0")
+    for text in ("tell me a long story", "go on"):
+        c.sendline(text)
+        c.expect_exact(text + "\r\n")
+        c.expect(r"[^\r\n]")  # the reply has started
+        c.sendintr()
+        c.expect_exact("[stopped]")
+        c.expect(FOOTER)
+        assert int(c.match.group(1)) < 4000
+        c.expect(VERBOSE)
+        c.expect_exact(PROMPT)
+    saved = json.loads(session_path(state, "default").read_text())
+    assert saved["turns"] == 2  # stopped replies are kept (and the cache holds them)
+    assert quit_(c, "eof") == 0
+
+
+def _reference(turns: list[str], max_tokens: int, temperature: float, seed: int) -> list[Any]:
+    """The same conversation through the Python API in one uninterrupted session."""
+    c = Container.open(DEMO)
+    tok_path = c.tokenizer_path()
+    assert tok_path is not None
+    tok = ChatTokenizer(tok_path, c.tokenizer_config())
+    eos = set(c.eos_token_ids)
+    messages: list[dict[str, Any]] = []
+    out = []
+    with colibri.open_model(DEMO, learn=False) as m:
+        cache = m.engine.new_cache()
+        for k, text in enumerate(turns):
+            messages.append({"role": "user", "content": text})
+            ids = conversation_ids(tok, messages)
+            reused = Engine.reusable_prefix(cache, ids)
+            toks = m.generate(
+                ids, max_new_tokens=max_tokens, temperature=temperature, seed=seed + k, cache=cache
+            )
+            if toks and toks[-1] in eos:
+                toks = toks[:-1]
+            messages.append({"role": "assistant", "content": tok.decode(toks), "tokens": toks})
+            out.append({"tokens": toks, "reused": reused, "computed": len(ids) - reused,
+                        "text": tok.decode(toks)})  # fmt: skip
+    return out
+
+
+def test_restart_resumes_without_prefill_and_matches_uninterrupted(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    state = tmp_path / "state"
+    args = ("--session", "story", "--max-tokens", "12", "--temperature", "0.9", "--seed", "7")
+    turns = ["hello, who are you?", "tell me more", "and then?"]
+    c = spawn(env, state, *args)
+    say(c, turns[0])
+    say(c, turns[1])
+    assert quit_(c) == 0
+
+    c = spawn(env, state, *args)
+    assert "resumed a conversation of 2 turns; :reset to start over" in c.before
+    resumed = say(c, turns[2])
+    assert quit_(c) == 0
+
+    ref = _reference(turns, 12, 0.9, 7)
+    # No re-prefill: the restarted process computed exactly what the uninterrupted session
+    # computed for its third turn (the new message), and reused the whole history.
+    assert (resumed["reused"], resumed["computed"]) == (ref[2]["reused"], ref[2]["computed"])
+    assert resumed["reused"] > resumed["computed"]
+    saved = json.loads(session_path(state, "story").read_text())
+    assert saved["turns"] == 3
+    got = [m["tokens"] for m in saved["messages"] if m["role"] == "assistant"]
+    assert got == [r["tokens"] for r in ref]  # bit-identical continuation
+    shown = printable(ref[2]["text"]).replace("\n", "\r\n")
+    assert resumed["reply"].rstrip("\r\n") == shown.rstrip("\r\n")

@@ -1,0 +1,102 @@
+"""`coli bench storage`, `coli plan`, `coli info`'s machine summary and the one-line errors of
+`coli chat` / `coli plan`, run as real subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import colibri
+
+DEMO = colibri.default_model_path()
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("home")
+
+
+def coli(home: Path, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COLI_")}
+    return subprocess.run(
+        [sys.executable, "-m", "colibri.cli", *args],
+        capture_output=True,
+        text=True,
+        env={**env, "HOME": str(home)},
+        input=stdin,
+        timeout=120,
+    )
+
+
+def one_error(r: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, r.stderr
+    for n in needles:
+        assert n in errors[0], errors[0]
+    assert any(line.startswith("hint: ") for line in r.stderr.splitlines()), r.stderr
+
+
+def test_bench_storage_prints_json_with_a_figure(home: Path) -> None:
+    r = coli(home, "bench", "storage", "--model", str(DEMO), "--reads", "8", "--backends",
+             "threads", "--repeats", "1")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert "figure" in out  # null without fio
+    assert out["backends"]["threads"]["gbps_median"] > 0
+    assert out["reads"] == 8
+    bad = coli(home, "bench", "storage", "--backends", "floppy")
+    assert bad.returncode == 2 and "floppy" in bad.stderr
+
+
+def test_plan_json_on_the_demo(home: Path) -> None:
+    r = coli(home, "plan", "--json")
+    assert r.returncode == 0, r.stderr
+    p = json.loads(r.stdout)
+    assert p["mode"] == "resident" and p["projected_hit_rate"] == 1.0
+    assert p["dense_bytes"] == p["dense_stored_bytes"] + p["dense_derived_bytes"] > 0
+    for key in ("kv_reserve_bytes", "slot_bytes", "transient_slots", "bottleneck", "why",
+                "suggested", "min_ram_bytes", "per_token"):  # fmt: skip
+        assert key in p
+    small = json.loads(coli(home, "plan", "--json", "--ram", "5MiB").stdout)
+    assert small["mode"] == "streaming" and small["ram_budget_bytes"] == 5 * 2**20
+    assert 0 < small["projected_hit_rate"] < 1 and small["bottleneck"] == "memory"
+    text = coli(home, "plan", "--ram", "6MiB")
+    assert text.returncode == 0 and "bottleneck" in text.stdout and "hit rate" in text.stdout
+
+
+def test_too_small_budget_is_one_error_with_a_hint(home: Path) -> None:
+    one_error(coli(home, "plan", "--ram", "1MiB"), "too small", "minimum")
+    one_error(coli(home, "chat", "--ram", "1MiB", stdin=":q\n"), "too small")
+
+
+def test_chat_on_a_missing_model_dir(home: Path, tmp_path: Path) -> None:
+    one_error(coli(home, "chat", "--model", str(tmp_path / "nope"), stdin=""), "nope")
+    r = coli(home, "chat", "--frobnicate")
+    assert r.returncode == 2 and "frobnicate" in r.stderr
+    r = coli(home, "chat", "--session", "../escape")
+    assert r.returncode == 2 and "--session" in r.stderr
+
+
+def test_chat_reads_piped_input(home: Path, tmp_path: Path) -> None:
+    r = coli(home, "chat", "--state-dir", str(tmp_path), "-n", "4", "-t", "0", stdin="hi\n:q\n")
+    assert r.returncode == 0, r.stderr
+    assert " tok · " in r.stdout and "tok/s · hit 100 % · RSS" in r.stdout
+
+
+def test_info_has_a_machine_summary(home: Path) -> None:
+    r = coli(home, "info", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["cpu_count"] >= 1 and d["ram_total_bytes"] > 0
+    assert d["ram_available_bytes"] > 0 and d["model_fs_free_bytes"] > 0
+    assert isinstance(d["cpu_model"], str) and d["model_fs_type"]
+    text = coli(home, "info").stdout
+    for key in ("cpu_model", "ram_available_bytes", "model_fs_type", "model_fs_free_bytes"):
+        assert key in text

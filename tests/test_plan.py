@@ -1,0 +1,127 @@
+"""`coli plan` (runtime/planner.py) against what `Engine.open` really allocates, and its
+projected hit rate against the hit rate measured in a run with that plan."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import colibri
+from colibri._engine import ENGINE_ID
+from runtime.budget import resident_nbytes
+from runtime.planner import make_plan
+from storage.container import Container
+from storage.errors import ColibriError
+from storage.usage import USAGE_FILE, UsageCounts, save_usage
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = colibri.default_model_path()
+
+
+@pytest.fixture(autouse=True)
+def _private_home(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path_factory.mktemp("home")))
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """GLM-5 expert geometry (19 MB experts), 2 MoE layers x 32 experts, top-4."""
+    out = tmp_path_factory.mktemp("synth") / "model"
+    subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "make_synthetic.py"), "--out", str(out),
+         "--moe-layers", "2", "--experts", "32", "--top-k", "4"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return out
+
+
+def _engine_facts(path: Path, budget: int | None, **opts: Any) -> dict[str, Any]:
+    with colibri.open_model(path, ram_budget=budget, **opts) as m:
+        e = m.stats()["experts"]
+        return {"experts": e, "dense": resident_nbytes(m.engine._model.weights)}
+
+
+def _assert_same_layout(plan: Any, e: dict[str, Any]) -> None:
+    assert e["mode"] == plan.mode == "streaming"
+    assert e["lru_slots_per_layer"] == plan.lru_slots_per_layer
+    assert e["pinned"] == plan.pinned
+    assert e["transient_slots"] == plan.transient_slots
+    assert e["slots_bytes"] == plan.experts_slots_bytes
+
+
+def test_demo_plan_matches_engine_open(tmp_path: Path) -> None:
+    c = Container.open(DEMO)
+    auto = make_plan(c, None)
+    assert auto.mode == "resident" and auto.projected_hit_rate == 1.0
+    facts = _engine_facts(DEMO, None, learn=False)
+    assert facts["experts"]["mode"] == "resident"
+    # The dense estimate from the headers is the loaded arrays' size, to the byte.
+    assert auto.dense_bytes == facts["dense"]
+    for extra_slots in (0, 7, 30):
+        budget = auto.min_ram_bytes + extra_slots * auto.slot_bytes
+        plan = make_plan(c, budget)
+        e = _engine_facts(DEMO, budget, learn=False, state_dir=tmp_path)["experts"]
+        _assert_same_layout(plan, e)
+        layers = plan.moe_layers
+        assert plan.lru_slots_per_layer == min(16, extra_slots // layers)
+        want = plan.lru_slots_per_layer * layers / (16 * layers)
+        assert plan.projected_hit_rate == pytest.approx(want)
+
+
+def test_pinned_experts_planned_like_the_engine(tmp_path: Path) -> None:
+    """With a `.coli_usage` history the engine pins the hottest experts: the plan pins as many."""
+    c = Container.open(DEMO)
+    usage = UsageCounts(c.arch.total_layers, c.arch.n_routed_experts)
+    rng = np.random.default_rng(0)
+    for layer in c.expert_layers():
+        usage.add(layer, rng.zipf(1.5, 3000) % c.arch.n_routed_experts)
+    save_usage(tmp_path / USAGE_FILE, usage, ENGINE_ID)
+    base = make_plan(c, None)
+    budget = base.min_ram_bytes + 24 * base.slot_bytes
+    plan = make_plan(c, budget, usage_counts=usage.counts)
+    assert plan.pinned > 0
+    e = _engine_facts(DEMO, budget, state_dir=tmp_path, repin=False)["experts"]
+    _assert_same_layout(plan, e)
+
+
+def test_budget_below_the_dense_part_is_refused_by_both() -> None:
+    c = Container.open(DEMO)
+    base = make_plan(c, None)
+    small = base.dense_bytes // 2
+    with pytest.raises(ColibriError, match="minimum is"):
+        make_plan(c, small)
+    with pytest.raises(ColibriError, match="too small"):
+        _engine_facts(DEMO, small, learn=False)
+
+
+def test_synthetic_plan_and_projected_hit_rate_within_10_points(synthetic: Path) -> None:
+    c = Container.open(synthetic)
+    base = make_plan(c, None, available=1 << 30)  # as if RAM were short: a streaming plan
+    assert base.mode == "streaming"
+    budget = base.min_ram_bytes + 24 * base.slot_bytes  # 12 of 32 experts per layer
+    plan = make_plan(c, budget)
+    assert plan.lru_slots_per_layer == 12 and plan.projected_hit_rate == pytest.approx(12 / 32)
+    assert plan.bottleneck in ("disk misses", "compute", "memory") and plan.why
+    # Workload with varied routing (the projection assumes uniform routing): independent
+    # one-token contexts of random tokens, sampled at temperature 1. One long generation from
+    # this random-weight model routes most tokens to a few experts (its attention adds a
+    # component common to every position), which an LRU serves far better than uniform.
+    rng = np.random.default_rng(0)
+    with colibri.open_model(synthetic, ram_budget=budget, learn=False) as m:
+        for i in range(64):
+            tok = int(rng.integers(0, c.arch.vocab_size))
+            m.generate([tok], max_new_tokens=1, temperature=1.0, seed=i)
+        e = m.stats()["experts"]
+        dense = resident_nbytes(m.engine._model.weights)
+    _assert_same_layout(plan, e)
+    assert plan.dense_bytes == dense
+    measured = e["hit_rate"]
+    print(f"projected {plan.projected_hit_rate:.3f}, measured {measured:.3f}")
+    assert abs(measured - plan.projected_hit_rate) <= 0.10
