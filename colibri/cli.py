@@ -76,6 +76,50 @@ def _engine_options(fn: F) -> F:
         help="Where .coli_usage and KV files live (env COLI_STATE_DIR; default: the model dir "
         "if writable, else ~/.cache/colibri/<model>).",
     )(fn)
+    # Several SSDs (storage/devices.py, docs/tuning.md "Several SSDs").
+    fn = click.option(
+        "--mirror",
+        type=click.Path(path_type=Path),
+        multiple=True,
+        default=tuple(p for p in env.get("mirror", "").split(os.pathsep) if p),
+        expose_value=False,
+        callback=_keep,
+        help="A full or partial copy of the model dir on another drive; repeat for more "
+        f"(env COLI_MIRROR, dirs joined by {os.pathsep!r}).",
+    )(fn)
+    fn = click.option(
+        "--disk-weights",
+        default=env.get("disk_weights"),
+        expose_value=False,
+        callback=_keep,
+        help="Read shares per copy, primary first, e.g. 2,1 (env COLI_DISK_WEIGHTS; default: "
+        "probed read bandwidth).",
+    )(fn)
+    fn = click.option(
+        "--disk-adapt/--no-disk-adapt",
+        default=True,
+        show_default=True,
+        expose_value=False,
+        callback=_keep,
+        help="Adapt the disk weights to the read throughput each copy delivers.",
+    )(fn)
+    fn = click.option(
+        "--stripe-min",
+        "stripe_min_bytes",
+        default=None,
+        expose_value=False,
+        callback=_keep,
+        help="Split reads at least this large (e.g. 8MiB) over the copies (default: off).",
+    )(fn)
+    fn = click.option(
+        "--draft",
+        default=env.get("draft", "auto"),
+        show_default=True,
+        expose_value=False,
+        callback=_keep,
+        help="Speculative decoding: auto (drafts only when the cost model says they pay), off, "
+        "N drafts per step, or one source: mtp[:N] / lookup[:N] (env COLI_DRAFT).",
+    )(fn)
     return _model_option(fn)
 
 
@@ -225,7 +269,12 @@ def run(
 )
 @click.option("--served-model-name", default=None, help="Model id clients pass as `model`.")
 @click.option("--queue", default=8, show_default=True, help="Requests allowed to wait (429 past).")
-@click.option("--parallel", default=1, show_default=True, help="Generations admitted at once.")
+@click.option(
+    "--parallel",
+    default=8,
+    show_default=True,
+    help="Generations admitted at once (their decode steps are batched).",
+)
 @click.option("--kv-slots", default=4, show_default=True, help="KV slots (`cache_slot` 0..N-1).")
 @click.option(
     "--kv-dir",
@@ -707,6 +756,86 @@ def _mem_total() -> int | None:
     except OSError:
         return None
     return None
+
+
+# ----------------------------------------------------------------------------- coli mirror
+def _mirror_options(fn: F) -> F:
+    fn = click.option(
+        "--state-dir",
+        type=click.Path(path_type=Path),
+        default=env_defaults().get("state_dir"),
+        help="Where .coli_usage lives (default: as for `coli run`).",
+    )(fn)
+    fn = click.option(
+        "--budget", default=None, help="Bytes the mirror may use, e.g. 50GiB (default: free space)."
+    )(fn)
+    fn = click.option(
+        "--to",
+        "to",
+        type=click.Path(path_type=Path),
+        required=True,
+        help="The mirror directory (on the other drive).",
+    )(fn)
+    return _model_option(fn)
+
+
+def _mirror_plan(model: Path | None, to: Path, budget: str | None, state_dir: Path | None) -> Any:
+    from colibri._config import parse_bytes
+    from colibri._engine import ENGINE_ID, USAGE_FILE
+    from storage.mirror import plan_mirror
+
+    opts = EngineOptions(model=model, state_dir=state_dir)
+    return plan_mirror(
+        opts.resolved_model(),
+        to,
+        budget=parse_bytes(budget),
+        usage_path=opts.resolved_state_dir() / USAGE_FILE,
+        engine_id=ENGINE_ID,
+    )
+
+
+@main.group()
+def mirror() -> None:
+    """Put the hottest experts' shard files on a second drive (use it with --mirror DIR)."""
+
+
+@mirror.command("plan")
+@_mirror_options
+def mirror_plan(model: Path | None, to: Path, budget: str | None, state_dir: Path | None) -> None:
+    """Rank experts by .coli_usage and print (JSON) the shard files that fit the budget."""
+    plan = _mirror_plan(model, to, budget, state_dir)
+    click.echo(json.dumps(plan.to_json(), indent=1))
+
+
+@mirror.command("stage")
+@_mirror_options
+def mirror_stage(model: Path | None, to: Path, budget: str | None, state_dir: Path | None) -> None:
+    """Copy the planned shard files (atomic, checksummed, resumable); print a JSON report."""
+    from storage.mirror import stage_mirror
+
+    plan = _mirror_plan(model, to, budget, state_dir)
+    last = [""]
+
+    def progress(name: str, done: int, total: int) -> None:
+        if name != last[0] or done == total:
+            last[0] = name
+            click.echo(f"{name}: {done / 2**20:.1f}/{total / 2**20:.1f} MiB", err=True)
+
+    report = stage_mirror(plan, progress=progress)
+    click.echo(json.dumps({"plan_bytes": plan.nbytes, **report.to_json()}, indent=1))
+
+
+@mirror.command("verify")
+@_model_option
+@click.option("--to", "to", type=click.Path(path_type=Path), required=True, help="The mirror.")
+def mirror_verify(model: Path | None, to: Path) -> None:
+    """Re-check sizes, header bytes and sha256 of every shard in the mirror (exit 1 if bad)."""
+    from storage.mirror import verify_mirror
+
+    report = verify_mirror(EngineOptions(model=model).resolved_model(), to)
+    click.echo(json.dumps(report.to_json(), indent=1))
+    if not report.ok:
+        sys.exit(1)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -107,6 +107,8 @@ async def health(request: Request) -> Response:
             "model": st.model_name,
             "running": st.admission.running,
             "waiting": st.admission.waiting,
+            "decode_batches": int(st.engine.stats()["decode_batches"]),
+            "decode_batched_rows": int(st.engine.stats()["decode_batched_rows"]),
         }
     )
 

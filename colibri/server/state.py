@@ -38,7 +38,7 @@ class ServerConfig(BaseModel):
     api_key: str | None = None
     served_model_name: str | None = None
     queue: int = Field(default=8, ge=0, description="requests allowed to wait; more get 429")
-    parallel: int = Field(default=1, ge=1, description="generations admitted at once")
+    parallel: int = Field(default=8, ge=1, description="generations admitted at once")
     kv_slots: int = Field(default=4, ge=0, le=256)
     kv_dir: Path | None = None
     kv_persist: bool = True
