@@ -309,26 +309,14 @@ class MLAMoEModel:
 
         ``last_only`` computes logits for the last row only ([1, V]: a prefill chunk needs no
         more, and [T, V] is big for a large vocabulary); ``hidden`` is still [T, D]."""
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        t = ids.shape[0]
-        if t == 0:
-            raise ModelError("forward needs at least one token")
-        start = cache.length
-        cos, sin = self.rope.cos_sin(np.arange(start, start + t))  # [T, R/2] each
-        cache.reserve(start + t)
-        h = embed_rows(self.weights.embed, ids)  # [T, D]
-        selection: BoolArray | None = None
-        for i, lw in enumerate(self.weights.layers):
-            h, selection = self._layer(i, i, lw, h, cache, start, cos, sin, selection)
-        hidden = rms_norm(h, self.weights.norm, self.config.rms_norm_eps)  # [T, D]
-        rows = hidden[-1:] if last_only else hidden  # [1 or T, D]
-        logits = self.weights.lm_head(np.ascontiguousarray(rows))  # [1 or T, V]
-        cache.write_tokens(start, ids)
-        cache.commit(start + t)
-        return LogitsOut(logits, hidden)
+        return self.forward_batch([ids], [cache], last_only=last_only)[0]
 
     def forward_batch(
-        self, batch: Sequence[npt.NDArray[np.integer]], caches: Sequence[KVCache]
+        self,
+        batch: Sequence[npt.NDArray[np.integer]],
+        caches: Sequence[KVCache],
+        *,
+        last_only: bool = False,
     ) -> list[LogitsOut]:
         """Several sequences in one step: attention per sequence (each its own cache), the MLP /
         MoE half on all their rows at once, so each layer reads the union of their experts once.
@@ -355,13 +343,17 @@ class MLAMoEModel:
             h = self._mlp(i, lw, np.concatenate(hs))  # [sum T_j, D]
             hs = [h[bounds[j] : bounds[j + 1]] for j in range(len(seqs))]
         hidden = rms_norm(np.concatenate(hs), self.weights.norm, self.config.rms_norm_eps)
-        logits = self.weights.lm_head(hidden)  # [sum T_j, V]
+        if last_only:  # [n_seq, V]: one row per sequence (a prefill chunk needs no more)
+            logits = self.weights.lm_head(np.ascontiguousarray(hidden[bounds[1:] - 1]))
+        else:
+            logits = self.weights.lm_head(hidden)  # [sum T_j, V]
         out = []
         for j, ((ids, start, _, _), cache) in enumerate(zip(seqs, caches, strict=True)):
             cache.write_tokens(start, ids)
             cache.commit(start + ids.shape[0])
             lo, hi = bounds[j], bounds[j + 1]
-            out.append(LogitsOut(logits[lo:hi], hidden[lo:hi]))
+            rows = logits[j : j + 1] if last_only else logits[lo:hi]
+            out.append(LogitsOut(rows, hidden[lo:hi]))
         return out
 
     def mtp_forward(
