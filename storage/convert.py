@@ -43,6 +43,7 @@ import numpy as np
 import numpy.typing as npt
 
 from storage.arch import ArchConfig, TensorRole, classify, expected_tensors
+from storage.atomic import temp_target
 from storage.errors import ColibriError, ConfigError, ConversionError, UnknownQuantFormatError
 from storage.manifest import (
     MANIFEST_NAME,
@@ -939,7 +940,7 @@ def _check_disk(
 
 
 def _is_ours(name: str) -> bool:
-    base = name[:-4] if name.endswith(".tmp") else name
+    base = temp_target(name) or (name[:-4] if name.endswith(".tmp") else name)
     return bool(_SHARD_RE.match(base)) or base in (MANIFEST_NAME, STATE_NAME, *SIDE_FILES)
 
 

@@ -45,6 +45,7 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
+from storage.atomic import fsync_dir
 from storage.container import shard_paths
 from storage.errors import KVFileError
 
@@ -367,14 +368,6 @@ def load_kv(
 # ------------------------------------------------------------------------------------ writing
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_kv(
     path: str | os.PathLike[str], cache: KVCacheLike, vocab: int, identity: int = 0
 ) -> None:
@@ -391,7 +384,7 @@ def write_kv(
             os.fsync(fh.fileno())
         os.replace(tmp, p)
         tmp = None
-        _fsync_dir(p.parent)
+        fsync_dir(p.parent)
     except OSError as exc:
         raise KVFileError(f"cannot write {p}: {exc.strerror or exc}") from exc
     finally:

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from storage.atomic import atomic_write_bytes, fsync_dir
 from storage.errors import ConfigError
 
 __all__ = [
@@ -358,33 +359,6 @@ def sha256_file(path: str | os.PathLike[str], chunk: int = 8 << 20) -> str:
                 break
             h.update(b)
     return h.hexdigest()
-
-
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
-    """Replace ``path`` with ``data`` so a crash leaves either the old or the new file, never
-    a torn one: write ``<path>.tmp``, fsync, rename, fsync the directory."""
-    dst = Path(path)
-    tmp = dst.with_name(dst.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, dst)
-    fsync_dir(dst.parent)
-
-
-def fsync_dir(directory: str | os.PathLike[str]) -> None:
-    """Make renames inside ``directory`` durable (best effort where the OS refuses)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some filesystems refuse fsync on directories; the rename itself is still atomic
-    finally:
-        os.close(fd)
 
 
 # ----------------------------------------------------------------------------- json helpers

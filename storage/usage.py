@@ -15,7 +15,6 @@ dimensions, another version or another engine id is never trusted: it is renamed
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
+from storage.atomic import atomic_write_bytes
 from storage.errors import UsageFileError
 
 __all__ = [
@@ -203,39 +203,16 @@ def load_usage(
     return None
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_usage(path: str | os.PathLike[str], counts: UsageCounts, engine_id: str) -> None:
     """Write atomically: temp file in the same directory, fsync, rename, fsync the directory.
 
     Raises :class:`UsageFileError` when the disk refuses (full, read-only, permissions).
     """
     p = Path(path)
-    text = format_usage(counts, engine_id)
-    tmp: str | None = None
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
-        with os.fdopen(fd, "w", encoding="ascii") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-        tmp = None
-        _fsync_dir(p.parent)
+        atomic_write_bytes(p, format_usage(counts, engine_id).encode("ascii"))
     except OSError as exc:
         raise UsageFileError(f"cannot save usage counts to {p}: {exc}") from exc
-    finally:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
 
 
 async def asave_usage(path: str | os.PathLike[str], counts: UsageCounts, engine_id: str) -> None:

@@ -1,0 +1,54 @@
+"""Crash-safe file replacement: a reader sees the old file or the new one, never a torn one."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+__all__ = ["atomic_write_bytes", "fsync_dir", "temp_target"]
+
+
+def fsync_dir(directory: str | os.PathLike[str]) -> None:
+    """Make renames inside ``directory`` durable (best effort where the OS refuses)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on directories; the rename itself is still atomic
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Replace ``path`` with ``data``: a unique temp file in the same directory, fsync, rename,
+    fsync the directory. The temp file is removed if anything fails. OSError propagates: the
+    caller maps it to its own ColibriError."""
+    dst = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, dst)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    fsync_dir(dst.parent)
+
+
+def temp_target(name: str) -> str | None:
+    """The file name an :func:`atomic_write_bytes` leftover (``.<name>.<random>.tmp``, left by a
+    killed process) was meant to replace, or None for any other name."""
+    if not (name.startswith(".") and name.endswith(".tmp")):
+        return None
+    stem = name[1:-4]
+    base, sep, _rand = stem.rpartition(".")
+    return base if sep and base else None
