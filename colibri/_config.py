@@ -12,6 +12,7 @@ COLI_PREFETCH      --prefetch/--no-    prefetch
 COLI_STATE_DIR     --state-dir         state_dir
 COLI_MIRROR        --mirror (repeat)   mirror (os.pathsep-separated in the variable)
 COLI_DISK_WEIGHTS  --disk-weights      disk_weights
+COLI_DRAFT         --draft             draft (auto | off | N | mtp[:N] | lookup[:N])
 COLI_LOG_FORMAT    --log-format        (logging: console|json)
 =================  ==================  ======================
 """
@@ -38,6 +39,7 @@ ENV_VARS = {
     "COLI_STATE_DIR": "state_dir",
     "COLI_MIRROR": "mirror",
     "COLI_DISK_WEIGHTS": "disk_weights",
+    "COLI_DRAFT": "draft",
     "COLI_LOG_FORMAT": "log_format",
 }
 
@@ -93,6 +95,15 @@ class EngineOptions(BaseModel):
     disk_weights: tuple[float, ...] | None = None
     disk_adapt: bool = True
     stripe_min_bytes: int = 0
+    # Speculative decoding (runtime/speculative.py): "auto" lets the cost model decide.
+    draft: str = "auto"
+
+    @field_validator("draft", mode="before")
+    @classmethod
+    def _draft(cls, v: object) -> str:
+        from runtime.speculative import DraftPolicy
+
+        return str(DraftPolicy.parse(v))  # type: ignore[arg-type]
 
     @field_validator("ram_budget", mode="before")
     @classmethod

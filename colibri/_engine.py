@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,8 +22,10 @@ import numpy.typing as npt
 import structlog
 
 from colibri._config import EngineOptions
+from runtime.grammar import GrammarSpec, TokenGrammar
 from runtime.kv import KVCache
 from runtime.sampling import Sampler, SamplingParams, log_softmax
+from runtime.speculative import CostModel, DraftPolicy, SpecStats, SpeculativeDecoder
 from storage.container import Container
 from storage.errors import ColibriError, ModelError
 
@@ -64,6 +66,18 @@ def _as_ids(token_ids: Sequence[int] | npt.NDArray[np.integer]) -> npt.NDArray[n
     return ids
 
 
+def _token_event(
+    tok: int, index: int, logits: npt.NDArray[np.float32], top_logprobs: int
+) -> TokenEvent:
+    """The event for ``tok`` chosen from ``logits`` [V] (its logprob and the top list)."""
+    lsm = log_softmax(logits)  # [V]
+    top: tuple[tuple[int, float], ...] = ()
+    if top_logprobs > 0:
+        best = np.argsort(-lsm, kind="stable")[:top_logprobs]
+        top = tuple((int(t), float(lsm[t])) for t in best)
+    return TokenEvent(tok, index, float(lsm[tok]), top)
+
+
 @dataclass(slots=True)
 class _DecodeRequest:
     cache: KVCache
@@ -85,6 +99,11 @@ class Engine:
         self._store: Any = None
         self._pending: list[_DecodeRequest] = []
         self._wake = anyio.Event()
+        # speculative decoding: telemetry and the cost model live as long as the engine
+        self._spec_stats = SpecStats()
+        self._spec_cost: CostModel | None = None
+        self._grammar_tok: TokenGrammar | None = None
+        self._generating = 0  # generations in flight (drafting pauses while others decode)
         self._counters: dict[str, float] = {
             "forward_calls": 0,
             "prompt_tokens": 0,
@@ -208,6 +227,8 @@ class Engine:
         stop_token_ids: Sequence[int] | None = None,
         cache: KVCache | None = None,
         top_logprobs: int = 0,
+        grammar: GrammarSpec | None = None,
+        draft: str | int | None = None,
     ) -> AsyncIterator[GenerationEvent]:
         """Stream ``TokenEvent`` s, then one ``DoneEvent``.
 
@@ -215,7 +236,12 @@ class Engine:
         longest common token prefix with ``prompt_ids`` (:meth:`reusable_prefix`) is reused, the
         rest of the prompt is prefilled, and afterwards it holds the prompt and the generated
         tokens (all but the last, which was never fed back). The caller owns it and must not use
-        it from two generations at once. ``top_logprobs`` > 0 fills ``TokenEvent.top``."""
+        it from two generations at once. ``top_logprobs`` > 0 fills ``TokenEvent.top``.
+
+        ``grammar`` (a :class:`~runtime.grammar.GrammarSpec`: JSON object, JSON Schema, GBNF,
+        ...) constrains sampling: every token is drawn from the logits masked to what the
+        grammar allows, and spans it forces are verified as free drafts. ``draft`` overrides
+        ``EngineOptions.draft`` for this call (speculative decoding, docs/speculative.md)."""
         ids = _as_ids(prompt_ids)
         if max_new_tokens < 0:
             raise ModelError("max_new_tokens must be >= 0")
@@ -234,8 +260,32 @@ class Engine:
             cache.truncate(reused)
         self._counters["prompt_tokens"] += int(ids.size)
         self._counters["prompt_tokens_reused"] += reused
+        self._generating += 1
         try:
+            spec = None
             if max_new_tokens > 0:
+                spec = await self._speculator(ids, cache, sampler, stops, grammar, draft)
+            if spec is not None:
+                logits = await self._prefill(ids[reused:], cache, spec.prefill_hook)
+                rows = [(spec.first(logits), logits)]
+                i = 0
+                while rows:
+                    for tok, row in rows:
+                        out_tokens.append(tok)
+                        self._counters["generated_tokens"] += 1
+                        yield _token_event(tok, i, row, top_logprobs)
+                        i += 1
+                        if tok in stops:
+                            reason = "stop"
+                            break
+                    if reason == "stop" or i >= max_new_tokens:
+                        break
+                    if self.options.max_batch > 1 and self._generating > 1:
+                        # others are decoding: share their batched step, no drafts meanwhile
+                        rows = spec.plain(tok, await self._decode_step(cache, tok))
+                    else:
+                        rows = await self._run(spec.step, tok, max_new_tokens - i)
+            elif max_new_tokens > 0:
                 logits = await self._prefill(ids[reused:], cache)
                 for i in range(max_new_tokens):
                     tok = sampler.sample(logits)
@@ -258,6 +308,7 @@ class Engine:
             reason = "cancelled"
             raise
         finally:
+            self._generating -= 1
             with anyio.CancelScope(shield=True):
                 await self._end_turn()
         dt = time.perf_counter() - t0
@@ -319,7 +370,10 @@ class Engine:
                         r.done.set()
 
     async def _prefill(
-        self, ids: npt.NDArray[np.int64], cache: KVCache
+        self,
+        ids: npt.NDArray[np.int64],
+        cache: KVCache,
+        hook: Callable[[npt.NDArray[np.int64], npt.NDArray[np.float32]], None] | None = None,
     ) -> npt.NDArray[np.float32]:
         """Prefill ``ids`` in chunks; returns the last position's logits [V].
 
@@ -338,7 +392,7 @@ class Engine:
             last: npt.NDArray[np.float32] | None = None
             for i in range(0, int(ids.size), chunk):
                 part = ids[i : i + chunk]
-                out = await self._run(self._forward_last, part, cache)
+                out = await self._run(self._forward_last, part, cache, hook)
                 last = out
                 self._counters["prefill_chunks"] += 1
         finally:
@@ -351,9 +405,71 @@ class Engine:
         assert last is not None
         return last
 
-    def _forward_last(self, ids: npt.NDArray[np.int64], cache: KVCache) -> npt.NDArray[np.float32]:
-        logits: npt.NDArray[np.float32] = self._model.forward(ids, cache, last_only=True).logits[-1]
+    def _forward_last(
+        self,
+        ids: npt.NDArray[np.int64],
+        cache: KVCache,
+        hook: Callable[[npt.NDArray[np.int64], npt.NDArray[np.float32]], None] | None = None,
+    ) -> npt.NDArray[np.float32]:
+        """Last row's logits [V]; ``hook(ids, hidden [T, D])`` sees every row's hidden state
+        (the speculative decoder feeds prefill chunks to the MTP head)."""
+        out = self._model.forward(ids, cache, last_only=True)
+        if hook is not None:
+            hook(ids, out.hidden)
+        logits: npt.NDArray[np.float32] = out.logits[-1]
         return logits
+
+    async def _speculator(
+        self,
+        ids: npt.NDArray[np.int64],
+        cache: KVCache,
+        sampler: Sampler,
+        stops: set[int],
+        grammar: GrammarSpec | None,
+        draft: str | int | None,
+    ) -> SpeculativeDecoder | None:
+        """The round-by-round decoder for this generation, or None for plain decoding (drafting
+        off and no grammar)."""
+        policy = DraftPolicy.parse(self.options.draft if draft is None else draft)
+        if policy.mode == "off" and grammar is None:
+            return None
+        matcher = None
+        if grammar is not None:
+            if self._grammar_tok is None:
+                path = self.container.tokenizer_path()
+                if path is None:
+                    raise ModelError("structured output needs the model's tokenizer.json")
+                self._grammar_tok = await anyio.to_thread.run_sync(
+                    TokenGrammar,
+                    path,
+                    int(self._model.config.vocab_size),
+                    list(self.container.eos_token_ids),
+                )
+            matcher = self._grammar_tok.matcher(grammar)
+        if self._spec_cost is None:
+            cfg = self._model.config
+            self._spec_cost = CostModel(
+                top_k=int(cfg.num_experts_per_tok),
+                n_experts=int(cfg.n_routed_experts),
+                moe_layers=sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)),
+                max_k=DraftPolicy().k,
+            )
+        store = self._store
+        params = sampler.params
+        return SpeculativeDecoder(
+            self._model,
+            cache,
+            sampler,
+            prompt=ids,
+            policy=policy,
+            cost=self._spec_cost,
+            stats=self._spec_stats,
+            grammar=matcher,
+            stop_ids=sorted(stops),
+            store_stats=None if store is None else (lambda: store.stats),
+            # the auto schedule follows timings: seeded sampling must not depend on them
+            reproducible=policy.mode == "auto" and not params.greedy and params.seed is not None,
+        )
 
     def new_cache(self) -> KVCache:
         """An empty KV cache for :meth:`generate` (``cache=``): a context a caller keeps."""
@@ -378,6 +494,11 @@ class Engine:
             s["prefill_tokens_per_s"] = s["prefill_tokens"] / s["prefill_seconds"]
         if s["prefill_tokens"]:
             s["prefill_bytes_per_token"] = s["prefill_bytes_read"] / s["prefill_tokens"]
+        s["speculative"] = {
+            "policy": self.options.draft,
+            **self._spec_stats.as_dict(),
+            "cost_model": None if self._spec_cost is None else self._spec_cost.snapshot(),
+        }
         store = self._store
         if store is None:
             s["experts"] = {"mode": "resident"}
@@ -432,22 +553,16 @@ async def _plan(container: Container, opts: EngineOptions) -> tuple[Any, Any, An
     """Load the dense part and decide the expert tiers inside the RAM budget.
 
     Returns (model, layout, usage counts) where layout None means every expert is read into
-    RAM now; the pinned set comes from `.coli_usage` once it holds enough history."""
-    from runtime.budget import kv_bytes_per_token, mem_available, resident_nbytes
-    from runtime.experts import plan_layout
+    RAM now. The split is :func:`runtime.planner.make_plan`'s (what `coli plan` shows); the
+    pinned set comes from `.coli_usage` once it holds enough history."""
     from runtime.models import load_model
-    from runtime.policies import choose_pinned
+    from runtime.planner import make_plan
     from runtime.weights import ResidentExperts
-    from storage.usage import load_usage
+    from storage.usage import UsageCounts, load_usage
 
+    arch = container.arch
     # No experts yet: the tiers are planned from the dense size, then attached below.
     model = await anyio.to_thread.run_sync(load_model, container, ResidentExperts(container, []))
-    arch = container.arch
-    dense = resident_nbytes(model.weights)
-    ctx = int(container.config.get("max_position_embeddings") or opts.kv_reserve_tokens)
-    kv_reserve = kv_bytes_per_token(arch) * min(opts.kv_reserve_tokens, ctx)
-    n_layers = len(container.expert_layers())
-    all_experts = container.expert_nbytes * arch.n_routed_experts * n_layers
     usage = None
     if opts.learn:
         usage = await anyio.to_thread.run_sync(
@@ -458,49 +573,29 @@ async def _plan(container: Container, opts: EngineOptions) -> tuple[Any, Any, An
             ENGINE_ID,
         )
         if usage is None:
-            from storage.usage import UsageCounts
-
             usage = UsageCounts(arch.total_layers, arch.n_routed_experts)
-    budget = opts.ram_budget
-    if budget is None:
-        avail = mem_available()
-        if avail is None or dense + kv_reserve + all_experts <= 0.88 * avail:
-            model.experts = await anyio.to_thread.run_sync(ResidentExperts, container)
-            return model, None, usage
-        budget = int(0.88 * avail)
-    expert_budget = budget - dense - kv_reserve
-    if expert_budget <= 0:
-        raise ColibriError(
-            f"a RAM budget of {budget / 2**20:.1f} MiB is too small: the dense part needs "
-            f"{dense / 2**20:.1f} MiB and the KV reserve {kv_reserve / 2**20:.1f} MiB; raise --ram"
+    plan = await anyio.to_thread.run_sync(
+        lambda: make_plan(
+            container,
+            opts.ram_budget,
+            kv_reserve_tokens=opts.kv_reserve_tokens,
+            pin=opts.pin,
+            pin_fraction=opts.pin_fraction,
+            pin_min_selections=opts.pin_min_selections,
+            usage_counts=usage.counts if usage is not None else None,
         )
-    top_k = int(container.config.get("num_experts_per_tok", 8))
-    pinned: list[tuple[int, int]] = []
-    if opts.pin and usage is not None:
-        probe = await anyio.to_thread.run_sync(
-            lambda: plan_layout(container, expert_budget, top_k=top_k)
-        )
-        streaming_floor = probe.transient_slots * probe.slot_bytes
-        max_pin = int(opts.pin_fraction * (expert_budget - streaming_floor))
-        pinned = choose_pinned(
-            usage.counts,
-            container.expert_layers(),
-            max(0, max_pin // probe.slot_bytes),
-            min_total=opts.pin_min_selections,
-        )
-    layout = await anyio.to_thread.run_sync(
-        lambda: plan_layout(container, expert_budget, top_k=top_k, pinned=pinned)
     )
-    return model, layout, usage
+    if plan.layout is None:
+        model.experts = await anyio.to_thread.run_sync(ResidentExperts, container)
+    return model, plan.layout, usage
 
 
 async def _start_store(
     container: Container, model: Any, opts: EngineOptions, layout: Any, tg: Any
 ) -> Any:
     from runtime.experts import ExpertStore, StreamingExperts
-    from storage.reader import open_reader
-
     from storage.devices import open_placement
+    from storage.reader import open_reader
 
     extents = container.expert_extents()
     reader = await open_reader(opts.reader, probe_path=extents[0].path if extents else None)

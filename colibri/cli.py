@@ -331,7 +331,79 @@ def serve(
         )
     except ValueError as exc:
         raise ColibriError(f"bad server option: {exc}") from exc
-    anyio.run(run_server, config, _options(model, ram, reader), backend="asyncio")
+    opts = _options(model, ram, reader)
+    web = bool(click.get_current_context().meta.get("colibri.web"))  # set by `coli web`
+    anyio.run(lambda: run_server(config, opts, web=web), backend="asyncio")
+
+
+# ---------------------------------------------------------------------------- web
+
+
+def _web(**kwargs: Any) -> None:
+    """`coli serve` plus the dashboard (colibri/web) at /."""
+    click.get_current_context().meta["colibri.web"] = True
+    assert serve.callback is not None
+    serve.callback(**kwargs)
+
+
+main.add_command(
+    click.Command(
+        "web",
+        callback=_web,
+        params=list(serve.params),
+        help="Serve the API and the web dashboard (Chat, Runtime, Brain, Atlas) at / on one "
+        "port; the options are `coli serve`'s.",
+        short_help="Serve the API and the web dashboard on one port.",
+    )
+)
+
+
+# ---------------------------------------------------------------------------- atlas
+
+
+@main.command()
+@_engine_options
+@click.option(
+    "--server",
+    "server_url",
+    default=None,
+    help="Measure through a running `coli serve`/`coli web` at this URL (its /experts counts) "
+    "instead of loading the model here.",
+)
+@click.option("--api-key", default=None, help="API key of --server.")
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Output file (default: <state dir>/atlas.json, where GET /atlas finds it).",
+)
+@click.option(
+    "--tokens", default=0, show_default=True, help="Tokens to generate after each prompt."
+)
+def atlas(
+    model: Path | None,
+    ram: str | None,
+    reader: str,
+    server_url: str | None,
+    api_key: str | None,
+    out: Path | None,
+    tokens: int,
+) -> None:
+    """Map experts by topic: route bundled prompt sets, lay experts out in 3-D (PCA)."""
+    from colibri.atlas import atlas_from_model, atlas_from_server, write_atlas
+
+    opts = _options(model, ram, reader)
+    target = out or opts.resolved_state_dir() / "atlas.json"
+
+    def log(line: str) -> None:
+        click.echo(line, err=True)
+
+    if server_url:
+        data = atlas_from_server(server_url, api_key=api_key, tokens=tokens, log=log)
+    else:
+        data = atlas_from_model(opts, tokens=tokens, log=log)
+    write_atlas(target, data)
+    click.echo(json.dumps({"atlas": str(target), **data["summary"]}))
 
 
 # ---------------------------------------------------------------------------- convert

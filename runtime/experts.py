@@ -183,9 +183,13 @@ class ExpertStore:
         prefetch: bool = True,
         prefill_admit: bool = False,
         read_depth: int = 2,
+        placement: Any = None,
     ) -> None:
         self.c = container
         self.reader = reader
+        # storage.devices.Placement: which copy (primary or a mirror) serves each expert, with
+        # failover; None reads everything from the primary.
+        self.placement = placement
         self.layout = layout
         self.prefetch_enabled = prefetch
         self.stats = TierStats()
@@ -293,7 +297,10 @@ class ExpertStore:
             off += need
         t0 = time.perf_counter()
         try:
-            views = await self.reader.read_many([blob_req, *sreqs], bufs)
+            if self.placement is not None:  # the copy is chosen there; failover happens there
+                views = await self.placement.read_many(self.reader, key, [blob_req, *sreqs], bufs)
+            else:
+                views = await self.reader.read_many([blob_req, *sreqs], bufs)
         except ColibriError:
             self.stats.read_errors += 1
             raise

@@ -39,7 +39,7 @@ import numpy as np
 import numpy.typing as npt
 
 from runtime.budget import kv_bytes_per_token, mem_available
-from runtime.experts import plan_layout
+from runtime.experts import StoreLayout, plan_layout
 from runtime.policies import choose_pinned
 from storage.arch import classify
 from storage.container import Container
@@ -133,10 +133,13 @@ class Plan:
     why: str
     suggested: dict[str, Any]
     assumptions: dict[str, Any] = field(default_factory=dict)
+    layout: StoreLayout | None = field(default=None, repr=False)  # what the engine allocates
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict of every field."""
-        return asdict(self)
+        """A JSON-ready dict of every field (the slot layout itself excepted)."""
+        d = asdict(self)
+        d.pop("layout", None)
+        return d
 
     def render_lines(self) -> list[str]:
         """The plan for people, one fact per line."""
@@ -242,6 +245,7 @@ def make_plan(
     lru = n_e
     expert_budget: int | None = None
     slots_bytes = all_experts
+    layout: StoreLayout | None = None
     if not resident:
         assert budget is not None
         expert_budget = budget - dense - kv_reserve
@@ -259,6 +263,7 @@ def make_plan(
                 usage_counts, layers, max(0, max_pin // slot), min_total=pin_min_selections
             )
         layout = plan_layout(c, expert_budget, top_k=top_k, pinned=chosen)
+        assert layout is not None
         pinned = len(layout.pinned)
         lru = layout.lru_slots_per_layer
         slots_bytes = layout.nbytes
@@ -356,6 +361,7 @@ def make_plan(
             "routing": "uniform",
             "dense": "stored non-expert tensors + f32 copies (1-D, router, W_UK^T absorption)",
         },
+        layout=layout,
     )
 
 

@@ -92,10 +92,10 @@ async def test_async_save(tmp_path: Path) -> None:
     assert load_usage(p, L, E, ENGINE) == u
 
 
-def test_missing_file_is_none_with_warning(tmp_path: Path) -> None:
-    with structlog.testing.capture_logs() as logs:
-        assert load_usage(tmp_path / USAGE_FILE, L, E, ENGINE) is None
-    assert any("no usage history" in e["event"] for e in logs)
+def test_missing_file_is_none_and_nothing_is_created(tmp_path: Path) -> None:
+    # A first run is normal: an info line (not a warning), no file, nothing set aside.
+    assert load_usage(tmp_path / USAGE_FILE, L, E, ENGINE) is None
+    assert list(tmp_path.iterdir()) == []
 
 
 def _damaged(good: str) -> dict[str, str]:

@@ -7,7 +7,8 @@ the engine's compute threads and its expert reads share one scheduler.
 
 Routes: the OpenAI and Anthropic APIs (see their modules), ``GET /health``, ``GET /metrics``,
 ``GET /experts`` (tier and routing heat per expert), ``GET /profile`` (recent turns, queue,
-slots, engine counters).
+slots, engine counters, machine), ``GET /atlas`` (``coli atlas``'s layout); with ``web=True``
+the dashboard's files at ``/`` (:mod:`colibri.server.web`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from colibri.server.openai_routes import openai_routes, state_of
 from colibri.server.security import SecurityMiddleware, allowed_hosts, check_bind
 from colibri.server.slots import SlotPool
 from colibri.server.state import Admission, AppState, ServerConfig
+from colibri.server.web import WebAssets, atlas, machine_info
 from colibri.tokenizer import ChatTokenizer
 from storage.errors import ColibriError
 from storage.kvfile import model_identity
@@ -133,7 +135,14 @@ async def experts(request: Request) -> Response:
                 for t, h in zip(row, heat or [0] * len(row), strict=False)
             ]
         )
-    return JSONResponse({**m, "tier_codes": TIER_CODES, "codes": codes})
+    return JSONResponse(
+        {
+            **m,
+            "tier_codes": TIER_CODES,
+            "codes": codes,
+            "expert_bytes": int(st.engine.container.expert_nbytes),
+        }
+    )
 
 
 async def profile(request: Request) -> Response:
@@ -158,6 +167,7 @@ async def profile(request: Request) -> Response:
             "kv_dir": None if st.kv_dir is None else str(st.kv_dir),
             "turns": turns,
             "engine": st.engine.stats(),
+            "machine": machine_info(st.engine),
         }
     )
 
@@ -193,8 +203,11 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 # ------------------------------------------------------------------------------ factory
 
 
-async def create_app(engine: Engine, config: ServerConfig | None = None) -> Starlette:
-    """One server around ``engine`` (which the caller keeps open while the app serves)."""
+async def create_app(
+    engine: Engine, config: ServerConfig | None = None, *, web: bool = False
+) -> Starlette:
+    """One server around ``engine`` (which the caller keeps open while the app serves);
+    ``web``: also serve the dashboard (``colibri/web``) at ``/`` (``coli web``)."""
     cfg = config or ServerConfig()
     c = engine.container
     tok_path = c.tokenizer_path()
@@ -240,11 +253,15 @@ async def create_app(engine: Engine, config: ServerConfig | None = None) -> Star
         Route("/metrics", metrics, methods=["GET"]),
         Route("/experts", experts, methods=["GET"]),
         Route("/profile", profile, methods=["GET"]),
+        Route("/atlas", atlas, methods=["GET"]),
         *openai_routes(),
         *anthropic_routes(),
     ]
     known = frozenset(r.path for r in routes)
     middleware = [Middleware(_MetricsMiddleware, metrics=m, routes=known)]
+    if web:  # the dashboard's static files: no API key (the Host allowlist still applies)
+        hosts = allowed_hosts(cfg.host, cfg.allowed_hosts)
+        middleware.append(Middleware(WebAssets, hosts=hosts, max_body=cfg.max_body))
     if cfg.cors_origins:
         middleware.append(
             Middleware(
@@ -304,11 +321,12 @@ class _Server(uvicorn.Server):
             print(f"colibri: serving on http://{host}:{cfg.port}", file=sys.stderr, flush=True)
 
 
-async def serve(config: ServerConfig, options: EngineOptions) -> None:
-    """Open the engine, build the app and serve until SIGINT/SIGTERM (asyncio only: uvicorn)."""
+async def serve(config: ServerConfig, options: EngineOptions, *, web: bool = False) -> None:
+    """Open the engine, build the app and serve until SIGINT/SIGTERM (asyncio only: uvicorn);
+    ``web``: with the dashboard at ``/``."""
     check_bind(config.host, config.api_key)
     async with Engine.open(options=options) as engine:
-        app = await create_app(engine, config)
+        app = await create_app(engine, config, web=web)
         uv = uvicorn.Config(
             app,
             host=config.host,

@@ -1,0 +1,248 @@
+"""Structured output: a grammar as a real sampling constraint, and its forced spans as drafts.
+
+A :class:`GrammarSpec` says what the output must match: any JSON object (OpenAI
+``response_format: json_object``), a JSON Schema (``json_schema``), a GBNF grammar (llama.cpp
+syntax), a Lark grammar or a regular expression. :class:`TokenGrammar` compiles it against the
+model's own tokenizer (``tokenizer.json``) into a :class:`GrammarMatcher`, one per generation,
+which
+
+* masks logits before sampling (disallowed tokens get ``-inf``), so every sampler and the
+  speculative verifier draw from the constrained distribution;
+* consumes each emitted token, and ends in a state where only an end-of-sequence token remains;
+* reports *forced* tokens: where the grammar admits exactly one continuation, the tokens of that
+  continuation (``{"name":"`` after ``{`` in a schema with one required key). The speculative
+  decoder uses them as free drafts: one batched forward checks them all.
+
+The engine is `llguidance <https://github.com/guidance-ai/llguidance>`_ (Rust, CPU only, one
+small wheel, no dependencies; reads a Hugging Face ``tokenizer.json`` as is; computes a token
+mask lazily in microseconds; rollback and forced tokens built in). docs/speculative.md compares
+it with xgrammar and outlines-core.
+
+Shape legend: V vocab (the model's logits width; ids past the tokenizer's vocabulary are never
+allowed), W = ceil(V / 32) mask words.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from storage.errors import ModelError
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
+__all__ = ["GrammarError", "GrammarMatcher", "GrammarSpec", "TokenGrammar"]
+
+F32Array = npt.NDArray[np.float32]
+BoolArray = npt.NDArray[np.bool_]
+GrammarKind = Literal["json_object", "json_schema", "gbnf", "lark", "regex"]
+
+
+class GrammarError(ModelError):
+    """A grammar or schema that does not compile, or a token the grammar rejects."""
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    """What a generation's output must match. Build with the classmethods.
+
+    ``kind``: "json_object" (any JSON object), "json_schema" (``source`` is the schema, a dict
+    or its JSON text), "gbnf" (llama.cpp GBNF, e.g. ``root ::= "yes" | "no"``), "lark" or
+    "regex" (``source`` is the text)."""
+
+    kind: GrammarKind
+    source: str = ""
+
+    @classmethod
+    def json_object(cls) -> GrammarSpec:
+        return cls("json_object")
+
+    @classmethod
+    def json_schema(cls, schema: Mapping[str, Any] | str) -> GrammarSpec:
+        text = schema if isinstance(schema, str) else json.dumps(schema)
+        try:
+            parsed = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise GrammarError(f"the JSON schema is not valid JSON: {exc}") from exc
+        if not isinstance(parsed, dict):
+            raise GrammarError("a JSON schema must be a JSON object")
+        return cls("json_schema", text)
+
+    @classmethod
+    def gbnf(cls, text: str) -> GrammarSpec:
+        return cls("gbnf", text)
+
+    @classmethod
+    def lark(cls, text: str) -> GrammarSpec:
+        return cls("lark", text)
+
+    @classmethod
+    def regex(cls, text: str) -> GrammarSpec:
+        return cls("regex", text)
+
+    @classmethod
+    def from_response_format(cls, fmt: Mapping[str, Any] | None) -> GrammarSpec | None:
+        """An OpenAI-style ``response_format``: ``{"type": "text"}`` (None),
+        ``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema": {"schema": ...}}``,
+        or the extensions ``{"type": "gbnf" | "lark" | "regex", "grammar": "..."}``."""
+        if fmt is None:
+            return None
+        kind = fmt.get("type", "text")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return cls.json_object()
+        if kind == "json_schema":
+            inner = fmt.get("json_schema")
+            schema = inner.get("schema") if isinstance(inner, Mapping) else None
+            if schema is None:
+                schema = fmt.get("schema")
+            if not isinstance(schema, Mapping | str):
+                raise GrammarError("response_format json_schema needs json_schema.schema")
+            return cls.json_schema(schema)
+        if kind in ("gbnf", "lark", "regex"):
+            text = fmt.get("grammar")
+            if not isinstance(text, str) or not text.strip():
+                raise GrammarError(f"response_format {kind} needs a non-empty 'grammar' string")
+            return cls(kind, text)
+        raise GrammarError(
+            f"unknown response_format type {kind!r}: use text, json_object, json_schema, gbnf, "
+            "lark or regex"
+        )
+
+    def compile(self) -> str:
+        """The llguidance grammar text (not yet checked against a tokenizer)."""
+        import llguidance
+
+        # Compact JSON (no optional whitespace): a model cannot wander off into endless blanks,
+        # and a forced span such as '{"name":"' is one piece.
+        compact: JsonCompileOptions = {"whitespace_flexible": False}
+        try:
+            if self.kind == "json_object":
+                return llguidance.LLMatcher.grammar_from_json_schema(
+                    {"type": "object"}, defaults=compact
+                )
+            if self.kind == "json_schema":
+                return llguidance.LLMatcher.grammar_from_json_schema(self.source, defaults=compact)
+            if self.kind == "gbnf":
+                return llguidance.grammar_from("gbnf", self.source)
+            if self.kind == "lark":
+                return llguidance.LLMatcher.grammar_from_lark(self.source)
+            return llguidance.LLMatcher.grammar_from_regex(self.source)
+        except ValueError as exc:
+            raise GrammarError(f"the {self.kind} grammar does not compile: {exc}") from exc
+
+
+class TokenGrammar:
+    """The model's tokenizer as llguidance sees it; makes one :class:`GrammarMatcher` per
+    generation. Build once per engine (a large vocabulary takes a moment)."""
+
+    def __init__(
+        self, tokenizer_json: str | Path, vocab_size: int, eos_token_ids: Sequence[int]
+    ) -> None:
+        import llguidance
+
+        path = Path(tokenizer_json)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise GrammarError(f"{path}: cannot read the tokenizer ({exc})") from exc
+        if not eos_token_ids:
+            raise GrammarError("structured output needs an end-of-sequence token id")
+        try:
+            self._tok = llguidance.LLTokenizer(
+                text, n_vocab=int(vocab_size), eos_token=[int(t) for t in eos_token_ids]
+            )
+        except Exception as exc:  # the Rust side raises plain exceptions
+            raise GrammarError(f"{path}: llguidance cannot use this tokenizer ({exc})") from exc
+        self.vocab_size = int(vocab_size)
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+
+    def matcher(self, spec: GrammarSpec) -> GrammarMatcher:
+        """A fresh matcher at the start of ``spec``; raises :class:`GrammarError` if invalid."""
+        import llguidance
+
+        grammar = spec.compile()
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._tok)
+        if is_error:
+            raise GrammarError(f"the {spec.kind} grammar is invalid: {'; '.join(messages)}")
+        m = llguidance.LLMatcher(self._tok, grammar, log_level=0)
+        if m.is_error():
+            raise GrammarError(f"the {spec.kind} grammar is invalid: {m.get_error()}")
+        return GrammarMatcher(m, self.vocab_size)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self._tok.decode_str([int(i) for i in ids]))
+
+
+class GrammarMatcher:
+    """One generation's grammar state (wraps ``llguidance.LLMatcher``)."""
+
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
+        self._m = matcher
+        self._v = vocab_size
+        self._words = np.full((1, (vocab_size + 31) // 32), -1, dtype=np.int32)  # [1, W]
+        self._bits = np.arange(32, dtype=np.int32)  # [32]
+
+    def allowed(self) -> BoolArray:
+        """Tokens the grammar admits next [V] (end-of-sequence ids only once it is complete)."""
+        import llguidance.numpy as lnp
+
+        lnp.fill_next_token_bitmask(self._m, self._words)
+        self._check()
+        bits = (self._words[0][:, None] >> self._bits[None, :]) & 1  # [W, 32]
+        ok: BoolArray = bits.reshape(-1)[: self._v].astype(bool)  # [V]
+        return ok
+
+    def mask(self, logits: F32Array) -> F32Array:
+        """A copy of ``logits`` [V] with every disallowed token at ``-inf``."""
+        out = np.where(self.allowed(), logits, np.float32(-np.inf)).astype(np.float32)  # [V]
+        return out
+
+    def consume(self, token: int) -> None:
+        """Advance by one emitted token; a token outside the mask raises GrammarError."""
+        if not self._m.consume_token(int(token)):
+            raise GrammarError(f"token {token} breaks the grammar: {self._m.get_error()}")
+
+    def push(self, tokens: Sequence[int]) -> None:
+        """Advance tentatively by draft tokens (undo with :meth:`rollback`)."""
+        for t in tokens:
+            self.consume(t)
+
+    def rollback(self, n: int) -> None:
+        """Undo the last ``n`` consumed tokens."""
+        if n and not self._m.rollback(int(n)):
+            raise GrammarError(f"cannot roll the grammar back by {n}: {self._m.get_error()}")
+
+    def forced(self) -> list[int]:
+        """Tokens the grammar forces next (empty when more than one continuation is allowed)."""
+        if self._m.is_stopped():
+            return []
+        return [int(t) for t in self._m.compute_ff_tokens()]
+
+    def validate(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens`` the grammar accepts in order from the current state."""
+        if not tokens:
+            return 0
+        return int(self._m.validate_tokens([int(t) for t in tokens]))
+
+    @property
+    def accepting(self) -> bool:
+        """The output so far is a complete match (an end-of-sequence token may follow)."""
+        return bool(self._m.is_accepting())
+
+    @property
+    def stopped(self) -> bool:
+        """Nothing but an end-of-sequence token can follow."""
+        return bool(self._m.is_stopped())
+
+    def _check(self) -> None:
+        if self._m.is_error():
+            raise GrammarError(f"grammar state error: {self._m.get_error()}")

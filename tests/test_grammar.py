@@ -1,0 +1,213 @@
+"""Structured output (runtime/grammar.py): JSON Schema, json_object and GBNF outputs always
+parse and validate, even from the random demo model; forced grammar spans are verified as free
+drafts and do not change greedy output."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import colibri
+from colibri.tokenizer import ChatTokenizer
+from runtime.grammar import GrammarError, GrammarSpec, TokenGrammar
+from storage.container import Container
+
+jsonschema = pytest.importorskip("jsonschema")
+
+DEMO = colibri.default_model_path()
+PROMPT = [1, 40, 41, 42, 43, 3]
+
+SCHEMAS: list[dict[str, Any]] = [
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        },
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "color": {"enum": ["red", "green", "blue"]},
+            "ok": {"type": "boolean"},
+            "tags": {
+                "type": "array",
+                "items": {"type": "integer", "minimum": 0, "maximum": 9},
+                "maxItems": 3,
+            },
+        },
+        "required": ["color", "ok", "tags"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "point": {
+                "type": "object",
+                "properties": {
+                    "x": {"type": "integer", "minimum": -99, "maximum": 99},
+                    "y": {"type": "integer", "minimum": -99, "maximum": 99},
+                },
+                "required": ["x", "y"],
+                "additionalProperties": False,
+            },
+            "label": {"anyOf": [{"type": "string", "maxLength": 8}, {"type": "null"}]},
+        },
+        "required": ["point", "label"],
+        "additionalProperties": False,
+    },
+]
+# long required keys: the grammar forces most of the output
+FORCING = {
+    "type": "object",
+    "properties": {
+        "the_answer_to_the_question": {"type": "integer", "minimum": 0, "maximum": 99},
+        "how_sure_the_model_is": {"enum": ["very sure", "not sure"]},
+    },
+    "required": ["the_answer_to_the_question", "how_sure_the_model_is"],
+    "additionalProperties": False,
+}
+SAMPLING = [{"temperature": 0.0}, *({"temperature": 1.0, "seed": s} for s in range(3))]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[colibri.SyncModel]:
+    with colibri.open_model(state_dir=tmp_path_factory.mktemp("state"), learn=False) as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def tok() -> ChatTokenizer:
+    cont = Container.open(DEMO)
+    path = cont.tokenizer_path()
+    assert path is not None
+    return ChatTokenizer(path, cont.tokenizer_config())
+
+
+def _text(tok: ChatTokenizer, ids: list[int]) -> str:
+    return tok.decode([i for i in ids if i not in (0, 2)])
+
+
+def _generate(
+    model: colibri.SyncModel, spec: GrammarSpec, n: int = 200, **kw: Any
+) -> tuple[list[int], str]:
+    """(tokens, finish reason) of one constrained generation."""
+
+    async def run() -> tuple[list[int], str]:
+        from colibri._engine import DoneEvent
+
+        async for ev in model.engine.generate(PROMPT, max_new_tokens=n, grammar=spec, **kw):
+            if isinstance(ev, DoneEvent):
+                return ev.tokens, ev.reason
+        raise AssertionError("no DoneEvent")
+
+    result: tuple[list[int], str] = model._portal.call(run)
+    return result
+
+
+@pytest.mark.parametrize("schema_index", range(len(SCHEMAS)))
+def test_json_schema_output_always_validates(
+    schema_index: int, model: colibri.SyncModel, tok: ChatTokenizer
+) -> None:
+    schema = SCHEMAS[schema_index]
+    spec = GrammarSpec.json_schema(schema)
+    for kw in SAMPLING:
+        ids, reason = _generate(model, spec, **kw)
+        assert reason == "stop", (kw, _text(tok, ids))
+        value = json.loads(_text(tok, ids))
+        jsonschema.validate(value, schema)
+
+
+def test_json_object_mode(model: colibri.SyncModel, tok: ChatTokenizer) -> None:
+    """Any JSON object. A grammar cannot make a random model close its strings within the
+    token budget, so a run that hits the budget must be a valid prefix; one that stops must
+    parse."""
+    spec = GrammarSpec.from_response_format({"type": "json_object"})
+    assert spec == GrammarSpec.json_object()
+    path = DEMO / "tokenizer.json"
+    stopped = 0
+    for kw in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 3}, {"temperature": 1.0}):
+        ids, reason = _generate(model, spec, n=60, **kw)
+        if reason == "stop":
+            stopped += 1
+            assert isinstance(json.loads(_text(tok, ids)), dict)
+        else:
+            checker = TokenGrammar(path, 1000, [0, 2]).matcher(spec)
+            checker.push(ids)  # raises on any token outside the grammar
+            assert _text(tok, ids).startswith("{")
+    assert stopped >= 1
+
+
+def test_gbnf_yes_no(model: colibri.SyncModel, tok: ChatTokenizer) -> None:
+    spec = GrammarSpec.gbnf('root ::= "yes" | "no"')
+    seen = set()
+    for kw in [*SAMPLING, *({"temperature": 1.5, "seed": s} for s in range(3, 12))]:
+        ids, reason = _generate(model, spec, n=10, **kw)
+        assert reason == "stop"
+        seen.add(_text(tok, ids))
+    assert seen <= {"yes", "no"}
+
+
+def test_forced_spans_are_free_drafts_and_keep_greedy_output(model: colibri.SyncModel) -> None:
+    spec = GrammarSpec.json_schema(FORCING)
+    engine = model.engine
+    before = engine.stats()["speculative"]
+    ref, _ = _generate(model, spec, draft="off")
+    assert engine.stats()["speculative"]["proposed"]["grammar"] == before["proposed"]["grammar"]
+    for draft in ("auto", "2", "lookup:4"):
+        got, _ = _generate(model, spec, draft=draft)
+        assert got == ref, draft
+    after = engine.stats()["speculative"]
+    accepted = after["accepted"]["grammar"] - before["accepted"]["grammar"]
+    assert accepted >= 10  # the long keys came in verify steps, not one forward per token
+    assert after["tokens_per_forward"] > 1.0
+
+
+def test_mask_and_forced_tokens(tok: ChatTokenizer) -> None:
+    cont = Container.open(DEMO)
+    assert cont.tokenizer_path() is not None
+    g = TokenGrammar(Path(str(cont.tokenizer_path())), 1000, cont.eos_token_ids)
+    m = g.matcher(GrammarSpec.gbnf('root ::= "yes" | "no"'))
+    allowed = np.flatnonzero(m.allowed())
+    assert {g.decode([int(t)]) for t in allowed} <= {"y", "ye", "yes", "n", "no"}
+    logits = np.zeros(1000, np.float32)
+    masked = m.mask(logits)
+    assert np.isfinite(masked).sum() == allowed.size
+    m.consume(tok.encode("n")[0])
+    assert g.decode(m.forced()) == "o"
+    m.consume(m.forced()[0])
+    assert m.accepting
+    assert set(np.flatnonzero(m.allowed())) <= set(cont.eos_token_ids)
+    j = g.matcher(GrammarSpec.json_schema(FORCING))
+    assert g.decode(j.forced()).startswith('{"the_answer')
+
+
+def test_response_format_mapping_and_errors() -> None:
+    assert GrammarSpec.from_response_format(None) is None
+    assert GrammarSpec.from_response_format({"type": "text"}) is None
+    s = GrammarSpec.from_response_format(
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMAS[0]}}
+    )
+    assert s is not None and s.kind == "json_schema" and json.loads(s.source) == SCHEMAS[0]
+    g = GrammarSpec.from_response_format({"type": "gbnf", "grammar": 'root ::= "a"'})
+    assert g == GrammarSpec.gbnf('root ::= "a"')
+    for bad in (
+        {"type": "xml"},
+        {"type": "json_schema"},
+        {"type": "gbnf", "grammar": ""},
+    ):
+        with pytest.raises(GrammarError):
+            GrammarSpec.from_response_format(bad)
+    with pytest.raises(GrammarError):
+        GrammarSpec.json_schema("{not json")
+    cont_tok = TokenGrammar(DEMO / "tokenizer.json", 1000, [0, 2])
+    with pytest.raises(GrammarError):
+        cont_tok.matcher(GrammarSpec.gbnf("root ::= undefined_rule"))
+    assert isinstance(GrammarError("x"), colibri.ColibriError)

@@ -1,0 +1,496 @@
+"""Speculative decoding (runtime/speculative.py): greedy output and the KV cache are exactly
+those of plain decoding for MTP and prompt-lookup drafts, k = 1..4, three architectures,
+resident and streaming; the rejection sampler draws from the target distribution (chi-square);
+the cost model switches drafting off and back on; options, CLI flag and telemetry."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, NamedTuple
+
+import anyio
+import numpy as np
+import pytest
+
+import colibri
+from colibri._engine import DoneEvent, TokenEvent
+from runtime.kv import KVCache
+from runtime.models import load_model
+from runtime.sampling import Sampler, SamplingParams
+from runtime.speculative import (
+    CostModel,
+    DraftPolicy,
+    SpecStats,
+    SpeculativeDecoder,
+    accept_or_resample,
+    expected_tokens,
+    lookup_draft,
+    mtp_step,
+)
+from storage.container import Container
+from storage.errors import ModelError
+
+DEMO = colibri.default_model_path()
+EOS = (0, 2)
+N_TOKENS = 32
+POLICIES = ["1", "2", "3", "4", "lookup:1", "lookup:2", "lookup:3", "lookup:4", "auto"]
+
+
+@pytest.fixture(autouse=True)
+def _private_home(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path_factory.mktemp("home")))
+
+
+def _prompts(n: int) -> list[list[int]]:
+    """Random prompts, half of them with repeats so prompt lookup finds matches."""
+    rng = np.random.default_rng(11)
+    out = []
+    for i in range(n):
+        p = [int(x) for x in rng.integers(3, 999, size=6 + i % 5)]
+        out.append(p * 2 + p[:2] if i % 2 else p)
+    return out
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> dict:
+    """The demo model and the converted oracle glm_moe_dsa / deepseek_v3 (absorbed attention,
+    as the engine runs them)."""
+    from storage.convert import convert
+
+    out = {"demo": load_model(Container.open(DEMO))}
+    try:
+        oracle = request.getfixturevalue("oracle_dir")
+    except pytest.skip.Exception:
+        oracle = None
+    if oracle is not None:
+        for name in ("glm_moe_dsa", "deepseek_v3"):
+            dst = tmp_path_factory.mktemp(name) / name
+            convert(oracle / name, dst)
+            out[name] = load_model(Container.open(dst))
+    for m in out.values():
+        m.attention_mode = "absorbed"
+    return out
+
+
+class Run(NamedTuple):
+    tokens: list[int]
+    cache: KVCache
+    decoder: SpeculativeDecoder | None
+
+
+def _plain(model: Any, prompt: list[int], n: int) -> Run:
+    cache = model.new_cache()
+    logits = model.forward(np.array(prompt), cache).logits[-1]
+    out: list[int] = []
+    for i in range(n):
+        tok = int(np.argmax(logits))
+        out.append(tok)
+        if tok in EOS or i + 1 == n:
+            break
+        logits = model.forward(np.array([tok]), cache).logits[-1]
+    return Run(out, cache, None)
+
+
+def _speculative(
+    model: Any, prompt: list[int], n: int, policy: str, *, temperature: float = 0.0, seed: int = 0
+) -> Run:
+    cache = model.new_cache()
+    dec = SpeculativeDecoder(
+        model,
+        cache,
+        Sampler(SamplingParams(temperature=temperature, seed=seed)),
+        prompt=prompt,
+        policy=DraftPolicy.parse(policy),
+        cost=CostModel(top_k=model.config.num_experts_per_tok),
+        stats=SpecStats(),
+        stop_ids=EOS,
+    )
+    out = model.forward(np.array(prompt), cache)
+    dec.prefill_hook(np.array(prompt), out.hidden)
+    toks = [dec.first(out.logits[-1])]
+    while len(toks) < n and toks[-1] not in EOS:
+        toks += [t for t, _ in dec.step(toks[-1], n - len(toks))]
+    return Run(toks, cache, dec)
+
+
+def _same_cache(a: KVCache, b: KVCache) -> bool:
+    if a.length != b.length or not np.array_equal(a.tokens, b.tokens):
+        return False
+    for layer in range(a.n_layers):
+        if not np.array_equal(a.latent(layer), b.latent(layer)):
+            return False
+        if not np.array_equal(a.k_rope(layer), b.k_rope(layer)):
+            return False
+    return all(np.array_equal(a.index_keys(i), b.index_keys(i)) for i in a.indexed_layers)
+
+
+# ----------------------------------------------------------------------------- greedy identity
+
+
+@pytest.mark.parametrize("name", ["demo", "glm_moe_dsa", "deepseek_v3"])
+def test_greedy_speculative_equals_plain_decoding_and_its_cache(name: str, models: dict) -> None:
+    """10 prompts x 32 tokens; MTP and lookup drafts with k = 1..4 and auto, rotating over the
+    prompts (each model starts the rotation elsewhere)."""
+    if name not in models:
+        pytest.skip("oracle checkpoints need torch + transformers")
+    model = models[name]
+    assert model.has_mtp
+    shift = ["demo", "glm_moe_dsa", "deepseek_v3"].index(name) * 3
+    drafted = {"mtp": 0, "lookup": 0}
+    for i, prompt in enumerate(_prompts(10)):
+        ref = _plain(model, prompt, N_TOKENS)
+        policy = POLICIES[(i + shift) % len(POLICIES)]
+        got = _speculative(model, prompt, N_TOKENS, policy)
+        assert got.tokens == ref.tokens, (i, policy)
+        # rollback left exactly the rows plain decoding wrote (all but the last token)
+        assert _same_cache(got.cache, ref.cache), (i, policy)
+        assert got.decoder is not None
+        for src in drafted:
+            drafted[src] += got.decoder.stats.proposed[src]
+    assert drafted["mtp"] > 0 and drafted["lookup"] > 0
+
+
+def test_mtp_cache_holds_exactly_the_real_rows(models: dict) -> None:
+    """After speculative decoding (drafted rows rolled back, accepted ones re-run from the
+    verify hidden states) the MTP head's cache equals one pass of the head over the final
+    sequence."""
+    model = models["demo"]
+    prompt = _prompts(2)[1]
+    run = _speculative(model, prompt, 24, "mtp:3")
+    assert run.decoder is not None
+    head = run.decoder._mtp
+    assert head is not None and head.cache.length > len(prompt)
+    seq = np.array([*prompt, *run.tokens[:-1]])
+    n = head.cache.length
+    ref_cache = model.new_mtp_cache()
+    hidden = model.forward(seq, model.new_cache()).hidden  # [S, D]
+    model.mtp_forward(hidden[:n], seq[1 : n + 1], ref_cache)
+    assert np.array_equal(head.cache.tokens, ref_cache.tokens)
+    assert np.array_equal(head.cache.latent(0), ref_cache.latent(0))
+    assert np.array_equal(head.cache.k_rope(0), ref_cache.k_rope(0))
+
+
+def test_mtp_step_is_mtp_forward(models: dict) -> None:
+    model = models["demo"]
+    ids = np.array(_prompts(1)[0])
+    hidden = model.forward(ids, model.new_cache()).hidden
+    nxt = np.append(ids[1:], 7)
+    ref = model.mtp_forward(hidden, nxt, model.new_mtp_cache())
+    got, normed = mtp_step(model, hidden, nxt, model.new_mtp_cache(), last_only=False)
+    assert np.array_equal(got, ref)
+    last, _ = mtp_step(model, hidden, nxt, model.new_mtp_cache())
+    assert np.array_equal(last[0], ref[-1])
+    assert normed.shape == hidden.shape
+
+
+def _engine_runs(
+    opts: dict[str, Any], prompts: list[list[int]], drafts: list[str], n: int = N_TOKENS
+) -> tuple[dict[str, list[list[int]]], dict[str, Any]]:
+    """Greedy tokens per ``generate(draft=...)`` override, all in one engine, and its stats."""
+
+    async def main() -> tuple[dict[str, list[list[int]]], dict[str, Any]]:
+        options = colibri.EngineOptions(learn=False, reader="threads", **opts)
+        async with colibri.Engine.open(DEMO, options=options) as eng:
+            outs: dict[str, list[list[int]]] = {}
+            for draft in drafts:
+                for p in prompts:
+                    toks: list[int] = []
+                    async for ev in eng.generate(p, max_new_tokens=n, draft=draft):
+                        if isinstance(ev, TokenEvent):
+                            toks.append(ev.token_id)
+                        else:
+                            assert isinstance(ev, DoneEvent)
+                            assert ev.tokens == toks
+                    outs.setdefault(draft, []).append(toks)
+            return outs, eng.stats()
+
+    return anyio.run(main)
+
+
+@pytest.mark.parametrize("budget", [None, "4600KiB"])
+def test_engine_greedy_identical_resident_and_streaming(budget: str | None) -> None:
+    drafts = ["off", "auto", "3", "lookup:2"]
+    outs, st = _engine_runs({"ram_budget": budget}, _prompts(2), drafts, n=16)
+    for draft in drafts[1:]:
+        assert outs[draft] == outs["off"], draft
+    spec = st["speculative"]
+    assert spec["policy"] == "auto"  # the engine option; the calls overrode it
+    assert spec["tokens"] == sum(len(t) - 1 for d in drafts[1:] for t in outs[d])
+    assert spec["proposed"]["mtp"] > 0 and spec["proposed"]["lookup"] > 0
+    if budget is not None:
+        assert st["experts"]["mode"] == "streaming"
+        assert spec["cost_model"]["hit_rate"] < 1.0
+
+
+def test_engine_kept_cache_after_speculation_is_the_plain_one() -> None:
+    prompt = _prompts(2)[1]
+
+    async def main(draft: str) -> tuple[list[int], KVCache]:
+        async with colibri.Engine.open(DEMO, options=colibri.EngineOptions(learn=False)) as eng:
+            cache = eng.new_cache()
+            toks: list[int] = []
+            async for ev in eng.generate(prompt, max_new_tokens=20, cache=cache, draft=draft):
+                if isinstance(ev, TokenEvent):
+                    toks.append(ev.token_id)
+            return toks, cache
+
+    ref_toks, ref_cache = anyio.run(main, "off")
+    got_toks, got_cache = anyio.run(main, "4")
+    assert got_toks == ref_toks
+    assert got_cache.length == len(prompt) + len(ref_toks) - 1
+    assert _same_cache(got_cache, ref_cache)
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+def _chi2_pvalue(stat: float, df: int) -> float:
+    """Upper tail of the chi-square distribution: Q(df/2, stat/2) (regularized gamma)."""
+    a, x = df / 2.0, stat / 2.0
+    if x <= 0:
+        return 1.0
+    lg = math.lgamma(a)
+    if x < a + 1:  # series for P
+        term = total = 1.0 / a
+        n = a
+        for _ in range(1000):
+            n += 1
+            term *= x / n
+            total += term
+            if term < total * 1e-15:
+                break
+        return 1.0 - total * math.exp(-x + a * math.log(x) - lg)
+    # continued fraction for Q (Lentz)
+    b, c, d = x + 1 - a, 1e300, 1 / (x + 1 - a)
+    h = d
+    for i in range(1, 1000):
+        an = -i * (i - a)
+        b += 2
+        d = an * d + b
+        d = 1e-300 if abs(d) < 1e-300 else d
+        c = b + an / c
+        c = 1e-300 if abs(c) < 1e-300 else c
+        d = 1 / d
+        h *= d * c
+        if abs(d * c - 1) < 1e-15:
+            break
+    return math.exp(-x + a * math.log(x) - lg) * h
+
+
+def _chi2(counts: np.ndarray, probs: np.ndarray) -> float:
+    n = counts.sum()
+    keep = probs > 0
+    assert counts[~keep].sum() == 0, "a token with zero target probability was emitted"
+    exp = probs[keep] * n
+    stat = float(((counts[keep] - exp) ** 2 / exp).sum())
+    return _chi2_pvalue(stat, int(keep.sum()) - 1)
+
+
+def test_chi2_pvalue_reference_points() -> None:
+    assert _chi2_pvalue(3.841, 1) == pytest.approx(0.05, abs=1e-3)
+    assert _chi2_pvalue(18.307, 10) == pytest.approx(0.05, abs=1e-3)
+    assert _chi2_pvalue(2.0, 10) == pytest.approx(0.9963, abs=1e-3)
+
+
+@pytest.mark.parametrize("draft_kind", ["sampled", "deterministic"])
+def test_rejection_sampling_preserves_the_target_distribution(draft_kind: str) -> None:
+    """Draft x ~ q (or a fixed token), accept with min(1, p/q), else resample from
+    norm(max(0, p - q)): the result is distributed as p (chi-square p-value > 0.001)."""
+    rng = np.random.default_rng(1234)
+    p = np.array([0.05, 0.4, 0.0, 0.25, 0.2, 0.1])
+    q = np.array([0.3, 0.1, 0.2, 0.1, 0.3, 0.0])
+    counts = np.zeros(p.size, np.int64)
+    accepted = 0
+    n = 20_000
+    for i in range(n):
+        if draft_kind == "sampled":
+            d = int(rng.choice(p.size, p=q))
+            ok, tok = accept_or_resample(p, q, d, rng)
+        else:
+            d = i % 3 * 2  # tokens 0, 2, 4 (2 has p = 0)
+            ok, tok = accept_or_resample(p, None, d, rng)
+        counts[tok] += 1
+        accepted += ok
+    assert _chi2(counts, p) > 1e-3
+    if draft_kind == "sampled":  # acceptance rate is sum(min(p, q)) = 0.55
+        assert accepted / n == pytest.approx(np.minimum(p, q).sum(), abs=0.02)
+
+
+class _TableModel:
+    """A fake model for the sampling test: the next-token logits depend on the previous token
+    only (a fixed table), the KV cache only counts tokens. Same interface as MLAMoEModel."""
+
+    class _Config:
+        num_hidden_layers = 1
+
+    config = _Config()
+    has_mtp = False
+    observer = None
+
+    def __init__(self, vocab: int, seed: int) -> None:
+        self.table = np.random.default_rng(seed).normal(0, 1.5, (vocab, vocab)).astype(np.float32)
+
+    def new_cache(self) -> KVCache:
+        return KVCache(1, 1, 1)
+
+    def forward(self, ids: np.ndarray, cache: KVCache) -> Any:
+        start = cache.length
+        cache.write_tokens(start, ids)
+        cache.commit(start + ids.size)
+        logits = self.table[ids]  # [T, V]
+        return type("Out", (), {"logits": logits, "hidden": np.zeros((ids.size, 1), np.float32)})
+
+
+def test_speculative_sampling_end_to_end_matches_plain_distribution() -> None:
+    """Tokens 2 and 3 of a generation (after the first; the first round verifies 2 lookup
+    drafts): their joint distribution equals the model's (chi-square over the 36 pairs)."""
+    vocab = 6
+    model = _TableModel(vocab, seed=3)
+    prompt = [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 1]  # every token has a lookup continuation
+    params = SamplingParams(temperature=0.9)
+    probs = np.stack([Sampler(params).probs(model.table[t]) for t in range(vocab)])  # [V, V]
+    first = int(np.argmax(model.table[prompt[-1]]))
+    joint = probs[first][:, None] * probs  # P(t2, t3 | t1 = first) [V, V]
+    counts = np.zeros((vocab, vocab), np.int64)
+    drafted = 0
+    n = 3000
+    for seed in range(n):
+        cache = model.new_cache()
+        dec = SpeculativeDecoder(
+            model,
+            cache,
+            Sampler(SamplingParams(temperature=0.9, seed=seed)),
+            prompt=prompt,
+            policy=DraftPolicy.parse("lookup:2"),
+            cost=CostModel(),
+            stats=SpecStats(),
+        )
+        model.forward(np.array(prompt), cache)
+        toks = [first]
+        dec._commit(first)  # as if first() had sampled `first`
+        while len(toks) < 4:
+            toks += [t for t, _ in dec.step(toks[-1], 4 - len(toks))]
+        counts[toks[1], toks[2]] += 1
+        drafted += dec.stats.proposed["lookup"]
+        assert cache.length == len(prompt) + 3
+    assert drafted > 2 * n  # the rounds verified drafts
+    assert _chi2(counts.reshape(-1), joint.reshape(-1)) > 1e-3
+
+
+def test_seeded_sampling_reproducible_with_fixed_drafts() -> None:
+    model = load_model(Container.open(DEMO))
+    model.attention_mode = "absorbed"
+    prompt = _prompts(2)[1]
+    a = _speculative(model, prompt, 16, "lookup:3", temperature=1.0, seed=5)
+    b = _speculative(model, prompt, 16, "lookup:3", temperature=1.0, seed=5)
+    assert a.tokens == b.tokens
+
+
+# ----------------------------------------------------------------------------- cost model
+
+
+def test_cost_model_turns_drafting_off_and_back_on() -> None:
+    cm = CostModel(top_k=8, n_experts=256, moe_layers=4, max_k=4, probe_interval=8)
+    for _ in range(5):
+        cm.observe_step(1, 0.010)
+        cm.observe_step(4, 0.013)
+    assert cm.plan("mtp") > 0  # prior acceptance 0.6: drafting pays
+    for _ in range(12):  # the head misses every time
+        cm.observe_proposal("mtp", 3, 0)
+    assert cm.acceptance("mtp") < 0.1
+    plans = [cm.plan("mtp") for _ in range(24)]
+    # off; probed after 8 rounds, then after 16 (the gap doubles while probes find it off)
+    assert [i for i, k in enumerate(plans) if k] == [7, 23]
+    assert set(plans) == {0, 1}
+    for _ in range(24):  # acceptance rises (probes and drafts match)
+        cm.observe_proposal("mtp", 3, 3)
+    assert cm.acceptance("mtp") > 0.8
+    assert cm.plan("mtp") >= 3
+    assert cm.speedup("mtp", 3) > 2.0
+
+
+def test_cost_model_streaming_reads_can_make_drafting_lose() -> None:
+    """85% hits, one extra distinct expert set per row: the wider union costs more reads
+    than the accepted drafts save (the C engine measured -32% here)."""
+    cm = CostModel(top_k=8, n_experts=256, moe_layers=75, max_k=3)
+    cm.observe_step(1, 0.30, stall=0.25, misses=90, lookups=600)
+    cm.observe_proposal("mtp", 3, 2)
+    cm.hit_rate = 0.85
+    assert cm.union(4) == 32
+    assert cm.speedup("mtp", 3) < 1.0
+    assert cm.plan("mtp") == 0
+    # the routing of wider steps turns out to overlap a lot: drafting pays again
+    for _ in range(30):
+        cm.observe_union(4, 9.0)
+    assert cm.overlap < 0.1
+    assert cm.speedup("mtp", 3) > 1.0
+    cm.hit_rate = 1.0  # resident: only compute
+    assert cm.plan("mtp") > 0
+
+
+def test_expected_tokens() -> None:
+    assert expected_tokens(0.0, 3) == 1.0
+    assert expected_tokens(1.0, 3) == 4.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+# ----------------------------------------------------------------------------- drafts, options
+
+
+def test_lookup_draft() -> None:
+    assert lookup_draft([1, 2, 3, 4, 9, 2, 3], 3) == [4, 9, 2]  # "2 3" seen before
+    assert lookup_draft([5, 1, 2, 7, 1, 2], 2) == [7, 1]
+    assert lookup_draft([1, 2, 3], 2) == []
+    assert lookup_draft([4, 4], 3) == [4]
+    assert lookup_draft([1, 5, 1, 6, 1], 1) == [6]  # the latest match wins
+
+
+def test_draft_policy_parse() -> None:
+    assert str(DraftPolicy.parse("auto")) == "auto"
+    assert DraftPolicy.parse(None) == DraftPolicy()
+    assert DraftPolicy.parse("off").mode == "off"
+    assert DraftPolicy.parse(0).mode == "off"
+    assert DraftPolicy.parse(3) == DraftPolicy("fixed", 3, "any")
+    assert DraftPolicy.parse("lookup:2") == DraftPolicy("fixed", 2, "lookup")
+    assert str(DraftPolicy.parse("mtp")) == "mtp"
+    for bad in ("fast", "-1", "99", "mtp:x"):
+        with pytest.raises(ModelError):
+            DraftPolicy.parse(bad)
+    assert colibri.EngineOptions(draft=2).draft == "2"
+    assert colibri.EngineOptions(draft="LOOKUP:3").draft == "lookup:3"
+    with pytest.raises(ModelError):
+        colibri.EngineOptions(draft="sometimes")
+
+
+def test_draft_env_var_and_cli_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    from colibri._config import env_defaults
+    from colibri.cli import main
+
+    monkeypatch.setenv("COLI_DRAFT", "lookup:2")
+    assert env_defaults()["draft"] == "lookup:2"
+    monkeypatch.delenv("COLI_DRAFT")
+    res = CliRunner().invoke(
+        main, ["run", "hello", "--raw", "-n", "6", "--draft", "lookup:2", "--stats"]
+    )
+    assert res.exit_code == 0, res.output
+    stats = json.loads(res.output.strip().splitlines()[-1])
+    assert stats["speculative"]["policy"] == "lookup:2"
+    res = CliRunner().invoke(main, ["run", "hello", "--draft", "often"])
+    assert res.exit_code != 0
+    assert "draft" in res.output
+
+
+def test_stats_report_speculative_telemetry() -> None:
+    _, st = _engine_runs({"draft": "3"}, _prompts(2), ["3"], n=12)
+    spec = st["speculative"]
+    assert spec["policy"] == "3"
+    for key in ("proposed", "accepted", "acceptance", "tokens_per_forward", "estimated_speedup"):
+        assert key in spec
+    assert spec["proposed"]["mtp"] > 0
+    assert spec["tokens_per_forward"] >= 1.0
+    assert set(spec["cost_model"]["sources"]) == {"grammar", "mtp", "lookup"}

@@ -1,0 +1,648 @@
+"""The web dashboard (``coli web``) and the routing atlas (``coli atlas``).
+
+Browser tests drive Debian's headless chromium through Playwright against a real ``coli web``
+subprocess on loopback with the bundled demo model (skipped, with the reason, when either is
+missing): chat streaming and stop, Runtime, Brain updates and tooltip, Atlas rotation, a phone
+viewport, keyboard use and a server restart. Every page fails its test on a JavaScript error
+(``pageerror`` or a console error) and on any request to a host other than 127.0.0.1/localhost.
+Screenshots go to ``tests/.artifacts/web/``.
+
+The server side (static files, headers, ``/atlas``, the machine summary) and the atlas layout
+are also tested without a browser.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import httpx
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from colibri.atlas import TOPICS, build_atlas, layout, write_atlas
+
+ROOT = Path(__file__).resolve().parents[1]
+ARTIFACTS = ROOT / "tests" / ".artifacts" / "web"
+CHROMIUM = os.environ.get("COLI_TEST_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+DESKTOP = {"width": 1280, "height": 800}
+PHONE = {"width": 390, "height": 844}
+LOCAL_HOSTS = {"127.0.0.1", "localhost"}
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    """The in-process app tests run on asyncio only (the server's own loop)."""
+    return "asyncio"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COLI_")}
+    env["OMP_WAIT_POLICY"] = "PASSIVE"
+    return env
+
+
+class WebServer:
+    """A ``coli web`` subprocess on a loopback port."""
+
+    def __init__(self, log_dir: Path, state_dir: Path, *args: str, port: int | None = None):
+        self.port = port or _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.state_dir = state_dir
+        self.args = args
+        self.log = log_dir / f"web-{self.port}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    def start(self) -> WebServer:
+        cmd = [sys.executable, "-m", "colibri.cli", "web", "--port", str(self.port)]
+        cmd += ["--state-dir", str(self.state_dir), *self.args]
+        with open(self.log, "ab") as fh:
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=fh, stderr=fh)
+        return self
+
+    def wait_ready(self, timeout: float = 90.0) -> WebServer:
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"coli web exited {self.proc.returncode}: {self.log_text()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"coli web not ready in {timeout} s: {self.log_text()}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:]
+
+    def chat(self, max_tokens: int = 8) -> dict[str, Any]:
+        body = {
+            "model": "colibri-demo",
+            "messages": [{"role": "user", "content": "Tell me about experts."}],
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+        }
+        r = httpx.post(self.url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return dict(r.json())
+
+
+# ------------------------------------------------------------------------------ no browser
+
+
+def _atlas_counts() -> tuple[np.ndarray, np.ndarray]:
+    """Synthetic counts: 3 topics, 2 layers x 6 experts; topic t routes to experts 2t, 2t+1
+    of every layer, and expert 5 of layer 1 is never routed."""
+    delta = np.zeros((3, 2, 6), dtype=np.int64)
+    for t in range(3):
+        delta[t, :, 2 * t] = 40 + t
+        delta[t, :, 2 * t + 1] = 30
+        delta[t, :, (2 * t + 2) % 6] += 3  # a little cross-talk
+    delta[:, 1, 5] = 0
+    return delta, np.array([100, 120, 80])
+
+
+def test_atlas_layout_groups_experts_by_topic() -> None:
+    delta, tokens = _atlas_counts()
+    out = layout(delta, tokens)
+    pos, dom, aff = out["position"], out["dominant"], out["affinity"]
+    assert pos.shape == (12, 3) and aff.shape == (12, 3)
+    expected = [0, 0, 1, 1, 2, 2]
+    assert list(dom[:6]) == expected
+    assert list(dom[6:11]) == expected[:5] and dom[11] == -1
+    assert np.allclose(pos[11], 0) and np.allclose(aff[11], 0)  # never routed: the origin
+    routed = dom >= 0
+    assert np.allclose(aff[routed].sum(axis=1), 1)
+    assert np.sqrt((pos**2).sum(axis=1)).max() == pytest.approx(1.0)
+    # same topic -> close; different topics -> far
+    same = np.linalg.norm(pos[0] - pos[6])
+    other = np.linalg.norm(pos[0] - pos[2])
+    assert same < other / 3
+    assert 0 < sum(out["explained_variance"]) <= 1 + 1e-9
+    again = layout(delta, tokens)  # deterministic (signs fixed)
+    assert np.array_equal(again["position"], pos)
+
+
+def test_build_and_write_atlas(tmp_path: Path) -> None:
+    delta, tokens = _atlas_counts()
+    data = build_atlas(["a", "b", "c"], tokens, delta, [1, 2], model="m", source="model")
+    assert data["format"] == "colibri-atlas" and data["n_experts"] == 6
+    assert len(data["position"]) == 12 and data["summary"]["experts_routed"] == 11
+    path = tmp_path / "sub" / "atlas.json"
+    write_atlas(path, data)
+    assert json.loads(path.read_text())["topics"] == ["a", "b", "c"]
+    assert not list(path.parent.glob(".*tmp"))
+    assert set(TOPICS) >= {"code", "poetry", "law", "chinese", "sql", "chat"}
+    assert all(len(p) >= 3 for p in TOPICS.values())
+
+
+def test_coli_web_has_the_serve_options() -> None:
+    from colibri.cli import main
+
+    web = CliRunner().invoke(main, ["web", "--help"])
+    serve = CliRunner().invoke(main, ["serve", "--help"])
+    assert web.exit_code == 0, web.output
+    flags = set(re.findall(r"--[a-z][a-z-]+", serve.output))
+    assert flags and flags <= set(re.findall(r"--[a-z][a-z-]+", web.output))
+    assert "dashboard" in web.output
+    atlas = CliRunner().invoke(main, ["atlas", "--help"])
+    assert atlas.exit_code == 0 and "--server" in atlas.output
+
+
+@pytest.mark.anyio
+async def test_app_serves_dashboard_files_atlas_and_machine(tmp_path: Path) -> None:
+    import colibri
+    from colibri.server import ServerConfig, create_app
+
+    key = "sk-web-test"
+    opts = colibri.EngineOptions(state_dir=tmp_path)
+    async with colibri.Engine.open(options=opts) as engine:
+        app = await create_app(engine, ServerConfig(api_key=key), web=True)
+        plain = await create_app(engine, ServerConfig(), web=False)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as c:
+            r = await c.get("/")  # public files: no key needed
+            assert r.status_code == 200 and '<canvas id="brain"' in r.text
+            csp = r.headers["content-security-policy"]
+            assert "default-src 'self'" in csp and "connect-src 'self'" in csp
+            assert r.headers["x-frame-options"] == "DENY"
+            js = await c.get("/app.js")
+            assert js.status_code == 200 and js.headers["content-type"].startswith(
+                "text/javascript"
+            )
+            assert (await c.get("/style.css")).headers["content-type"].startswith("text/css")
+            assert (await c.head("/index.html")).status_code == 200
+            # nothing in the page refers to another host
+            for text in (r.text, js.text, (await c.get("/style.css")).text):
+                assert not re.search(
+                    r"(https?:)?//(?!127\.0\.0\.1|localhost)[a-z0-9.-]+\.[a-z]", text
+                )
+            # the API still needs the key
+            assert (await c.get("/profile")).status_code == 401
+            auth = {"authorization": f"Bearer {key}"}
+            prof = (await c.get("/profile", headers=auth)).json()
+            m = prof["machine"]
+            assert m["cpu_count"] == os.cpu_count() and m["ram_total_bytes"] > 0
+            assert m["expert_bytes"] > 0 and m["disks"][0]["role"] == "primary"
+            ex = (await c.get("/experts", headers=auth)).json()
+            assert ex["expert_bytes"] == m["expert_bytes"]
+            miss = await c.get("/atlas", headers=auth)
+            assert miss.status_code == 404 and miss.json()["error"]["code"] == "atlas_missing"
+            delta, tokens = _atlas_counts()
+            write_atlas(
+                tmp_path / "atlas.json",
+                build_atlas(["a", "b", "c"], tokens, delta, [1, 2], model="m", source="model"),
+            )
+            got = await c.get("/atlas", headers=auth)
+            assert got.status_code == 200 and got.json()["format"] == "colibri-atlas"
+            # DNS rebinding protection covers the files too; unknown paths are JSON 404s
+            assert (await c.get("/", headers={"host": "evil.example"})).status_code == 421
+            nope = await c.get("/nope.js")
+            assert nope.status_code == 401  # not a dashboard file: the API's rules apply
+            assert (await c.get("/nope.js", headers=auth)).status_code == 404
+        transport = httpx.ASGITransport(app=plain)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as c:
+            assert (await c.get("/")).status_code == 404  # `coli serve`: no dashboard
+            assert (await c.get("/app.js")).status_code == 404
+
+
+# ------------------------------------------------------------------------------ browser
+
+
+def _playwright() -> Any:
+    """The Playwright sync API, or skip with the reason."""
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} not found: install Debian's chromium (apt-get install chromium)")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.skip("the playwright package is not installed (pip install -e '.[test]')")
+    return sync_playwright
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    sync_playwright = _playwright()
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WebServer]:
+    _playwright()  # no server without a browser to drive it
+    base = tmp_path_factory.mktemp("web")
+    # a small RAM budget: experts stream, so the Brain shows several tiers
+    srv = WebServer(
+        base, base / "state", "--ram", "64MiB", "--reader", "threads", "--kv-slots", "2"
+    )
+    try:
+        yield srv.wait_ready()
+    finally:
+        srv.stop()
+
+
+class Page:
+    """A page on a fresh browser context with error and network guards."""
+
+    def __init__(self, browser: Any, viewport: dict[str, int], name: str) -> None:
+        self.name = name
+        self.errors: list[str] = []
+        self.external: list[str] = []
+        self.allowed: list[Callable[[str, str], bool]] = []
+        self.context = browser.new_context(viewport=viewport)
+        self.context.route("**/*", self._route)
+        self.page = self.context.new_page()
+        self.page.on("console", self._console)
+        self.page.on("pageerror", lambda exc: self.errors.append(f"pageerror: {exc}"))
+
+    def _route(self, route: Any) -> None:
+        host = urlparse(route.request.url).hostname or ""
+        if host in LOCAL_HOSTS:
+            route.continue_()
+        else:
+            self.external.append(route.request.url)
+            route.abort()
+
+    def _console(self, msg: Any) -> None:
+        if msg.type != "error":
+            return
+        url = (msg.location or {}).get("url", "")
+        if any(ok(msg.text, url) for ok in self.allowed):
+            return
+        self.errors.append(f"console: {msg.text} ({url})")
+
+    def shot(self, label: str) -> Path:
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        path = ARTIFACTS / f"{self.name}-{label}.png"
+        self.page.screenshot(path=str(path))
+        return path
+
+    def close(self) -> None:
+        self.context.close()
+        assert not self.external, f"requests to other hosts: {self.external}"
+        assert not self.errors, "JavaScript errors:\n" + "\n".join(self.errors)
+
+
+@pytest.fixture
+def open_page(browser: Any, request: pytest.FixtureRequest) -> Iterator[Callable[..., Page]]:
+    pages: list[Page] = []
+
+    def make(viewport: dict[str, int] = DESKTOP, name: str | None = None) -> Page:
+        p = Page(browser, viewport, name or request.node.name.removeprefix("test_"))
+        pages.append(p)
+        return p
+
+    yield make
+    for p in pages:
+        p.close()
+
+
+def _atlas_404(text: str, url: str) -> bool:
+    return url.endswith("/atlas") and "404" in text
+
+
+def _wait_done(page: Any, timeout: float = 30_000) -> Any:
+    page.wait_for_selector(".msg.assistant[data-done]", timeout=timeout)
+    return page.locator(".msg.assistant").last
+
+
+def test_chat_streams_tokens_keyboard_and_stop(server: WebServer, open_page: Any) -> None:
+    p = open_page()
+    p.allowed.append(_atlas_404)
+    page = p.page
+    page.goto(server.url + "/")
+    page.wait_for_selector("#conn.ok")
+    assert page.inner_text("#model-name") == "colibri-demo"
+    # keyboard: Tab reaches the message box, then the send button
+    page.locator("body").focus()
+    seen = []
+    for _ in range(30):
+        page.keyboard.press("Tab")
+        seen.append(page.evaluate("() => document.activeElement.id"))
+        if seen[-1] == "send":
+            break
+    assert "prompt" in seen and seen[-1] == "send", seen
+    assert seen.index("prompt") == len(seen) - 2
+    # count text updates inside the answer: a streamed answer arrives in many pieces
+    page.evaluate(
+        """() => { window.__updates = 0;
+        new MutationObserver((ms) => { window.__updates += ms.length; })
+          .observe(document.getElementById('messages'),
+                   {characterData: true, subtree: true, childList: true}); }"""
+    )
+    page.fill("#max-tokens", "40")
+    page.check("#ignore-eos")
+    page.select_option("#slot", "0")
+    page.focus("#prompt")
+    page.keyboard.type("Hello colibri")
+    page.keyboard.press("Enter")  # Enter sends
+    page.wait_for_function(
+        """() => { const m = document.querySelector('.msg.assistant:last-child');
+        return m && !m.dataset.done && m.querySelector('.body').textContent.length > 0; }""",
+        timeout=30_000,
+    )
+    p.shot("desktop-streaming")
+    msg = _wait_done(page)
+    assert msg.get_attribute("data-done") == "ok"
+    assert page.evaluate("() => window.__updates") >= 10
+    assert page.input_value("#prompt") == ""
+    stats = msg.locator(".stats").inner_text()
+    for part in ("TTFT", "tok/s", "queue wait", "in ", "out 40", "slot 0", "length"):
+        assert part in stats, stats
+    assert msg.locator(".body").inner_text().strip()
+    p.shot("desktop-chat")
+
+    # a long generation, stopped from the page: the server cancels it
+    page.fill("#max-tokens", "")
+    page.fill("#prompt", "Now write a very long story.")
+    page.click("#send")
+    assert page.is_enabled("#stop")
+    page.wait_for_function(
+        """() => { const m = document.querySelectorAll('.msg.assistant')[1];
+        return m && m.querySelector('.body').textContent.length > 40; }""",
+        timeout=30_000,
+    )
+    page.click("#stop")
+    page.wait_for_function(
+        "() => document.querySelectorAll('.msg.assistant[data-done]').length === 2", timeout=10_000
+    )
+    last = page.locator(".msg.assistant").last
+    assert last.get_attribute("data-done") == "stopped"
+    assert "stopped" in last.locator(".stats").inner_text()
+    assert page.is_enabled("#send") and not page.is_enabled("#stop")
+    p.shot("desktop-stopped")
+    deadline = time.monotonic() + 10
+    reasons: list[str] = []
+    while time.monotonic() < deadline:
+        turns = httpx.get(server.url + "/profile?limit=1", timeout=5).json()["turns"]
+        reasons = [t["finish_reason"] for t in turns]
+        if reasons == ["cancelled"]:
+            break
+        time.sleep(0.2)
+    assert reasons == ["cancelled"]
+
+
+def test_runtime_and_brain(server: WebServer, open_page: Any) -> None:
+    server.chat(8)  # at least one turn to show
+    p = open_page()
+    p.allowed.append(_atlas_404)
+    page = p.page
+    page.goto(server.url + "/#runtime")
+    page.wait_for_function("() => document.querySelector('#machine').textContent.includes('cores')")
+    page.wait_for_selector("#turns .turn")
+    page.wait_for_function(
+        "() => document.querySelector('#tier-legend').textContent.includes('RAM')"
+    )
+    machine = page.inner_text("#machine")
+    assert "streaming" in machine and "RAM" in machine
+    assert "primary" in page.inner_text("#disks")
+    assert "Expert reads" in page.inner_text("#expert-io")
+    page.wait_for_function("() => document.querySelector('#timebar').children.length === 4")
+    p.shot("desktop-runtime")
+
+    page.click("#tab-btn-brain")
+    assert page.url.endswith("#brain")
+    page.wait_for_function("() => Number(document.querySelector('#brain').dataset.updates) >= 1")
+    info = page.inner_text("#brain-title")
+    assert info == "4 MoE layers × 16 experts", info
+    page.wait_for_timeout(1300)  # let any earlier flash fade
+    before = page.evaluate("() => document.querySelector('#brain').toDataURL()")
+    updates = int(page.get_attribute("#brain", "data-updates") or 0)
+    server.chat(6)
+    page.wait_for_function(
+        f"""() => {{ const c = document.querySelector('#brain');
+        return Number(c.dataset.updates) > {updates} && Number(c.dataset.routed) > 0; }}""",
+        timeout=15_000,
+    )
+    after = page.evaluate("() => document.querySelector('#brain').toDataURL()")
+    assert after != before  # routed experts flash (and heat changes)
+    p.shot("desktop-brain-flash")
+    box = page.locator("#brain").bounding_box()
+    page.mouse.move(box["x"] + box["width"] * (5.5 / 16), box["y"] + box["height"] * (2.5 / 4))
+    tip = page.locator("#brain-tip")
+    tip.wait_for(state="visible")
+    text = tip.inner_text()
+    assert "layer 3 · expert 5" in text and "tier" in text and "selections" in text, text
+    p.shot("desktop-brain-hover")
+    page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] + 40)
+    tip.wait_for(state="hidden")
+
+    # GLM-5 scale: 76 layers x 256 experts = 19,456 cells, drawn from one ImageData
+    ms = page.evaluate(
+        """() => { const L = 76, E = 256, d = window.colibriDashboard;
+        const codes = [], tiers = [], counts = [];
+        const names = ['disk', 'lru', 'pinned', 'ram'];
+        for (let l = 0; l < L; l++) {
+          const c = [], t = [], n = [];
+          for (let e = 0; e < E; e++) {
+            const tier = (l * 7 + e * 13) % 10 < 6 ? 0 : (e % 3) + 1;
+            const heat = (l * 31 + e * 17) % 20;
+            c.push((tier << 6) | heat); t.push(names[tier]); n.push(2 ** heat);
+          }
+          codes.push(c); tiers.push(t); counts.push(n);
+        }
+        const layers = Array.from({length: L}, (_, i) => i + 3);
+        const ex = {mode: 'streaming', layers, n_experts: E, tiers, counts, codes,
+                    expert_bytes: 19e6, tier_codes: {disk: 0, lru: 1, pinned: 2, ram: 3}};
+        d.onExperts(ex);
+        counts[10][20] += 5; counts[40][200] += 1;
+        d.onExperts(ex);
+        const t0 = performance.now();
+        for (let i = 0; i < 20; i++) d.brain.draw();
+        return (performance.now() - t0) / 20; }"""
+    )
+    assert page.inner_text("#brain-title") == "76 MoE layers × 256 experts"
+    assert page.get_attribute("#brain", "data-routed") == "2"
+    assert ms < 50, f"a 19,456-cell frame took {ms:.1f} ms"
+    p.shot("desktop-brain-glm-scale")
+
+
+def test_atlas_missing_then_built_and_rotated(server: WebServer, open_page: Any) -> None:
+    p = open_page()
+    p.allowed.append(_atlas_404)
+    page = p.page
+    (server.state_dir / "atlas.json").unlink(missing_ok=True)
+    page.goto(server.url + "/#atlas")
+    page.wait_for_selector("#atlas-missing", state="visible")
+    assert "coli atlas" in page.inner_text("#atlas-missing")
+    p.shot("desktop-atlas-missing")
+
+    run = subprocess.run(
+        [
+            sys.executable,
+            "tools/atlas.py",
+            "--server",
+            server.url,
+            "--state-dir",
+            str(server.state_dir),
+        ],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    assert summary["atlas"] == str(server.state_dir / "atlas.json")
+    assert summary["experts"] == 64 and summary["experts_routed"] > 0
+    assert "code:" in run.stderr and "chinese:" in run.stderr
+
+    page.click("#atlas-retry")
+    page.wait_for_selector("#atlas-view", state="visible")
+    page.wait_for_function("() => document.querySelector('#atlas').dataset.yaw !== undefined")
+    legend = page.inner_text("#atlas-legend")
+    assert "code" in legend and "sql" in legend
+    yaw0 = float(page.get_attribute("#atlas", "data-yaw") or 0)
+    p.shot("desktop-atlas")
+    box = page.locator("#atlas").bounding_box()
+    cx, cy = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
+    page.mouse.move(cx, cy)
+    page.mouse.down()
+    for i in range(1, 9):
+        page.mouse.move(cx + 15 * i, cy + 4 * i)
+    page.mouse.up()
+    page.wait_for_function(
+        f"() => Math.abs(document.querySelector('#atlas').dataset.yaw - {yaw0}) > 1"
+    )
+    yaw1 = float(page.get_attribute("#atlas", "data-yaw") or 0)
+    assert yaw1 == pytest.approx(yaw0 + 1.2, abs=0.05)
+    p.shot("desktop-atlas-rotated")
+    # keyboard rotation
+    page.focus("#atlas")
+    page.keyboard.press("ArrowRight")
+    page.wait_for_function(f"() => Number(document.querySelector('#atlas').dataset.yaw) > {yaw1}")
+    # hover a routed expert: the tooltip names it and its topic
+    pt = page.evaluate(
+        """() => { const a = window.colibriDashboard.atlas, st = window.colibriDashboard.state;
+        const i = st.atlas.dominant.findIndex((d) => d >= 0);
+        const r = document.querySelector('#atlas').getBoundingClientRect();
+        const k = document.querySelector('#atlas').width / r.width;
+        return {x: r.left + a.sx[i] / k, y: r.top + a.sy[i] / k}; }"""
+    )
+    page.mouse.move(pt["x"], pt["y"])
+    tip = page.locator("#atlas-tip")
+    tip.wait_for(state="visible")
+    assert "topic" in tip.inner_text() and "layer" in tip.inner_text()
+    # the Brain's tooltip now shows topic affinity too
+    page.click("#tab-btn-brain")
+    page.wait_for_function("() => Number(document.querySelector('#brain').dataset.updates) >= 1")
+    box = page.locator("#brain").bounding_box()
+    page.mouse.move(box["x"] + box["width"] * (0.5 / 16), box["y"] + box["height"] * (0.5 / 4))
+    page.locator("#brain-tip").wait_for(state="visible")
+    assert "topic" in page.inner_text("#brain-tip")
+    # GLM-5 scale: 19,456 points still redraw fast enough to drag smoothly
+    page.click("#tab-btn-atlas")
+    ms = page.evaluate(
+        """() => { const n = 76 * 256, T = 8, d = window.colibriDashboard;
+        const a = {format: 'colibri-atlas', model: 'glm-5-like', created: 0,
+                   topics: ['code', 'poetry', 'law', 'chinese', 'sql', 'chat', 'math', 'med'],
+                   layers: Array.from({length: 76}, (_, i) => i + 3), n_experts: 256,
+                   position: [], dominant: [], affinity: [], selections: [],
+                   explained_variance: [0.3, 0.2, 0.1]};
+        let s = 7;
+        const rnd = () => (s = (s * 16807) % 2147483647) / 2147483647;
+        for (let i = 0; i < n; i++) {
+          const t = i % T, r = 0.3 + 0.6 * rnd();
+          const z = t / T - 0.5 + 0.3 * rnd();
+          a.position.push([Math.cos(t) * r + 0.2 * rnd(), Math.sin(t) * r, z]);
+          a.dominant.push(t); a.affinity.push(new Array(T).fill(1 / T));
+          a.selections.push(Math.floor(1000 * rnd()));
+        }
+        d.atlas.setData(a);
+        const t0 = performance.now();
+        for (let i = 0; i < 10; i++) { d.atlas.rotate(0.05, 0); d.atlas.draw(); }
+        return (performance.now() - t0) / 10; }"""
+    )
+    assert ms < 100, f"a 19,456-point atlas frame took {ms:.1f} ms"
+    p.shot("desktop-atlas-glm-scale")
+
+
+def test_phone_layout(server: WebServer, open_page: Any) -> None:
+    p = open_page(PHONE)
+    p.allowed.append(_atlas_404)
+    page = p.page
+    page.goto(server.url + "/")
+    page.wait_for_selector("#conn.ok")
+    page.fill("#max-tokens", "12")
+    page.fill("#prompt", "Hi")
+    page.press("#prompt", "Enter")
+    assert _wait_done(page).get_attribute("data-done") == "ok"
+    for tab in ("chat", "runtime", "brain", "atlas"):
+        page.click(f"#tab-btn-{tab}")
+        page.wait_for_timeout(600)
+        width = page.evaluate("() => document.documentElement.scrollWidth")
+        assert width <= PHONE["width"], f"{tab}: the page is {width} px wide"
+        p.shot(f"phone-{tab}")
+    assert page.locator("#tab-btn-atlas").bounding_box()["y"] < 120
+
+
+def test_page_survives_a_server_restart(open_page: Any, tmp_path: Path) -> None:
+    srv = WebServer(tmp_path, tmp_path / "state", "--kv-slots", "1").wait_ready()
+    try:
+        p = open_page()
+        p.allowed.append(_atlas_404)
+        page = p.page
+        page.goto(srv.url + "/#runtime")
+        page.wait_for_selector("#conn.ok")
+        page.wait_for_function(
+            "() => document.querySelector('#machine').textContent.includes('cores')"
+        )
+        # while it is down, failed requests are expected console noise
+        p.allowed.append(lambda text, url: "ERR_CONNECTION_REFUSED" in text)
+        srv.stop()
+        page.wait_for_selector("#banner", state="visible", timeout=10_000)
+        assert "not answering" in page.inner_text("#banner")
+        assert "offline" in page.inner_text("#conn")
+        p.shot("desktop-server-down")
+        srv.start().wait_ready()
+        page.wait_for_selector("#banner", state="hidden", timeout=25_000)
+        page.wait_for_selector("#conn.ok")
+        page.click("#tab-btn-chat")
+        page.fill("#max-tokens", "5")
+        page.fill("#prompt", "Back again?")
+        page.press("#prompt", "Enter")
+        assert _wait_done(page).get_attribute("data-done") == "ok"
+        p.shot("desktop-server-back")
+    finally:
+        srv.stop()
