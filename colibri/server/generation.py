@@ -55,6 +55,7 @@ class GenParams:
     think: bool = False  # split <think>...</think> into reasoning
     think_open: bool = False  # the prompt ends inside a think section
     tools: list[dict[str, Any]] | None = None  # parse tool-call blocks against these
+    grammar: Any = None  # runtime.grammar.GrammarSpec: structured output (response_format)
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,6 +255,7 @@ class Generation:
                     stop_token_ids=stops,
                     cache=cache,
                     top_logprobs=p.top_logprobs if p.logprobs else 0,
+                    grammar=p.grammar,
                 ),
             )
             hit = False

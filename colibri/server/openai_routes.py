@@ -200,6 +200,19 @@ def _message_dicts(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return template_messages(out)
 
 
+def _grammar_from(response_format: dict[str, Any] | None) -> Any:
+    """``response_format`` (text / json_object / json_schema, or the gbnf extension) -> a
+    sampling constraint; a bad schema or grammar is a 400."""
+    from runtime.grammar import GrammarSpec
+
+    if not response_format:
+        return None
+    try:
+        return GrammarSpec.from_response_format(response_format)
+    except ColibriError as exc:
+        raise ApiError(400, f"response_format: {exc}", param="response_format") from exc
+
+
 async def chat_completions(request: Request) -> Response:
     """``POST /v1/chat/completions``."""
     st = state_of(request)
@@ -211,12 +224,7 @@ async def chat_completions(request: Request) -> Response:
         presence_penalty=req.presence_penalty,
         logit_bias=req.logit_bias,
     )
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise ApiError(
-            400,
-            "response_format other than text is not supported yet",
-            param="response_format",
-        )
+    grammar = _grammar_from(req.response_format)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     choice = req.tool_choice
     if isinstance(choice, dict) or choice == "required":
@@ -256,6 +264,7 @@ async def chat_completions(request: Request) -> Response:
     params.think = st.think_template
     params.think_open = st.think_template and text.rstrip().endswith(THINK_START)
     params.tools = tools
+    params.grammar = grammar
     rid = new_id("chatcmpl-")
     gen = Generation(st, params, "/v1/chat/completions", rid)
     created = int(time.time())
