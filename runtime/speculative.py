@@ -43,9 +43,7 @@ import numpy as np
 import numpy.typing as npt
 
 from runtime.kv import KVCache
-from runtime.layers.rms_norm import rms_norm
 from runtime.sampling import Sampler
-from runtime.weights import embed_rows
 from storage.errors import ModelError
 
 __all__ = [
@@ -427,35 +425,9 @@ def mtp_step(
     *,
     last_only: bool = True,
 ) -> tuple[F32Array, F32Array]:
-    """``model.mtp_forward`` that also returns the head's normed output hidden [T, D] (the
-    input of the next chained draft) and, with ``last_only``, logits of the last row only
-    ([1, V]: prefilling the head over a long prompt needs no [T, V] logits).
-
-    Same math and kernels as ``MLAMoEModel.mtp_forward`` (tests compare the logits bit for
-    bit); kept here until the decoder exposes the head's hidden state."""
-    if not model.weights.mtp:
-        raise ModelError("this model has no MTP head (num_nextn_predict_layers / weights)")
-    mw = model.weights.mtp[0]
-    c = model.config
-    next_ids = np.asarray(next_ids, dtype=np.int64).reshape(-1)
-    t = next_ids.shape[0]
-    if hidden.shape != (t, c.hidden_size):
-        raise ModelError(f"hidden {hidden.shape} does not match next_ids [{t}]")
-    start = mtp_cache.length
-    cos, sin = model.rope.cos_sin(np.arange(start, start + t))  # [T, R/2]
-    mtp_cache.reserve(start + t)
-    e = embed_rows(mw.embed if mw.embed is not None else model.weights.embed, next_ids)  # [T, D]
-    eh = np.concatenate(
-        [rms_norm(e, mw.enorm, c.rms_norm_eps), rms_norm(hidden, mw.hnorm, c.rms_norm_eps)],
-        axis=-1,
-    )  # [T, 2D]
-    u = mw.eh_proj(eh)  # [T, D]
-    out, _ = model._layer(c.num_hidden_layers, 0, mw.layer, u, mtp_cache, start, cos, sin, None)
-    normed = rms_norm(out, mw.shared_head_norm, c.rms_norm_eps)  # [T, D]
-    rows = normed[-1:] if last_only else normed  # [1 or T, D]
-    logits = mw.shared_head(np.ascontiguousarray(rows))  # [1 or T, V]
-    mtp_cache.write_tokens(start, next_ids)
-    mtp_cache.commit(start + t)
+    """The model's MTP step: logits ([1, V] with ``last_only``) and the head's normed output
+    [T, D], the input of the next chained draft."""
+    logits, normed = model.mtp_step(hidden, next_ids, mtp_cache, last_only=last_only)
     return logits, normed
 
 

@@ -365,6 +365,18 @@ class MLAMoEModel:
         ``u = eh_proj(cat(enorm(embed(next)), hnorm(h)))``, the MTP decoder layer over u (its own
         cache, positions from ``mtp_cache.length``), then ``shared_head.head(shared_head.norm)``.
         """
+        return self.mtp_step(hidden, next_ids, mtp_cache, last_only=False)[0]
+
+    def mtp_step(
+        self,
+        hidden: F32Array,
+        next_ids: npt.NDArray[np.integer],
+        mtp_cache: KVCache,
+        *,
+        last_only: bool = True,
+    ) -> tuple[F32Array, F32Array]:
+        """:meth:`mtp_forward` that also returns the head's normed output [T, D] (the input of a
+        chained draft) and, with ``last_only``, logits of the last row only ([1, V])."""
         if not self.weights.mtp:
             raise ModelError("this model has no MTP head (num_nextn_predict_layers / weights)")
         mw = self.weights.mtp[0]
@@ -383,10 +395,12 @@ class MLAMoEModel:
         )  # [T, 2D]
         u = mw.eh_proj(eh)  # [T, D]
         out, _ = self._layer(c.num_hidden_layers, 0, mw.layer, u, mtp_cache, start, cos, sin, None)
-        logits = mw.shared_head(rms_norm(out, mw.shared_head_norm, c.rms_norm_eps))  # [T, V]
+        normed = rms_norm(out, mw.shared_head_norm, c.rms_norm_eps)  # [T, D]
+        rows = normed[-1:] if last_only else normed  # [1 or T, D]
+        logits = mw.shared_head(np.ascontiguousarray(rows))  # [1 or T, V]
         mtp_cache.write_tokens(start, next_ids)
         mtp_cache.commit(start + t)
-        return logits
+        return logits, normed
 
     # ------------------------------------------------------------------------------ layers
 
