@@ -745,3 +745,34 @@ def test_bad_response_format_is_a_400(servers: dict[str, Server]) -> None:
     )
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "response_format"
+
+
+def test_automatic_prefix_matching_without_cache_slot(servers: dict[str, Server], ref: Any) -> None:
+    """A request that names no slot reuses the longest cached prefix (agents resend the same
+    preamble): the second turn computes only its new tokens and answers as a fresh run would."""
+    model, tok = ref
+    client = servers["main"].oai(KEY)
+    preamble = "You are a careful assistant. " * 12
+    first = [{"role": "system", "content": preamble}, {"role": "user", "content": "One?"}]
+    r1 = client.chat.completions.create(
+        model=MODEL,
+        messages=first,  # type: ignore[arg-type]
+        temperature=0,
+        max_tokens=4,
+    )
+    second = [
+        *first,
+        {"role": "assistant", "content": r1.choices[0].message.content or ""},
+        {"role": "user", "content": "Two?"},
+    ]
+    r2 = client.chat.completions.create(
+        model=MODEL,
+        messages=second,  # type: ignore[arg-type]
+        temperature=0,
+        max_tokens=4,
+    )
+    details = r2.usage.prompt_tokens_details if r2.usage else None
+    cached = details.cached_tokens if details else 0
+    assert cached and cached >= 40
+    want = model.generate(_chat_ids(tok, second), max_new_tokens=4)
+    assert r2.choices[0].message.content == tok.decode(want)

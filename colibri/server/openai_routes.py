@@ -133,7 +133,7 @@ def common_params(
         seed=None if seed is None else seed % 2**64,
         stop=stops,
         stop_token_ids=stop_ids,
-        slot=req.cache_slot,
+        slot=req.cache_slot if req.cache_slot is not None else st.slots.pick(ids),
     )
 
 

@@ -12,7 +12,7 @@ foreign file is reported, renamed aside and the slot starts empty.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +20,7 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
+import numpy as np
 import structlog
 
 from runtime.kv import KVCache
@@ -158,6 +159,29 @@ class SlotPool:
         except KVFileError as exc:
             slot.persisted = 0
             _log.warning("KV slot not saved", slot=slot.index, error=str(exc))
+
+    def pick(self, prompt_ids: Sequence[int]) -> int | None:
+        """Automatic prefix matching for a request that names no ``cache_slot``: the free slot
+        whose tokens share the longest prefix with the prompt (agents resend the same long
+        preamble every turn), else the least recently used free slot; None when every slot is
+        busy (the request then runs on a fresh cache). Reuse never changes output."""
+        free = [s for s in self.slots if not s.lock.locked()]
+        if not free:
+            return None
+        ids = np.asarray(prompt_ids, dtype=np.int64)
+
+        def common(s: Slot) -> int:
+            if s.cache is None:
+                return 0
+            held = s.cache.tokens
+            n = min(held.size, ids.size)
+            diff = np.flatnonzero(held[:n] != ids[:n])
+            return int(diff[0]) if diff.size else int(n)
+
+        best = max(free, key=lambda s: (common(s), -s.last_used))
+        if common(best) > 0:
+            return best.index
+        return min(free, key=lambda s: s.last_used).index
 
     def describe(self) -> list[dict[str, Any]]:
         return [s.describe() for s in self.slots]
