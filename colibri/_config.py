@@ -19,6 +19,7 @@ COLI_LOG_FORMAT    --log-format        (logging: console|json)
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from collections.abc import Mapping
@@ -139,14 +140,14 @@ class EngineOptions(BaseModel):
         return self.model if self.model is not None else default_model_path()
 
     def resolved_state_dir(self) -> Path:
-        """Where `.coli_usage` / `.coli_kv*` live: ``state_dir``, else the model directory when
-        writable, else ``~/.cache/colibri/<model dir name>``."""
+        """Where `.coli_usage` / `.coli_kv*` live: ``state_dir``, else
+        ``~/.cache/colibri/<model dir name>-<hash of its path>``. The model directory itself is
+        never written by default: it may be read-only, shared, or one of several mirrors."""
         if self.state_dir is not None:
             return self.state_dir
-        model = self.resolved_model()
-        if os.access(model, os.W_OK) and model.resolve() != default_model_path():
-            return model
-        return Path.home() / ".cache" / "colibri" / model.resolve().name
+        model = self.resolved_model().resolve()
+        tag = hashlib.sha256(str(model).encode()).hexdigest()[:8]
+        return Path.home() / ".cache" / "colibri" / f"{model.name}-{tag}"
 
 
 def env_defaults(environ: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -73,8 +73,8 @@ def _engine_options(fn: F) -> F:
         default=env.get("state_dir"),
         expose_value=False,
         callback=_keep,
-        help="Where .coli_usage and KV files live (env COLI_STATE_DIR; default: the model dir "
-        "if writable, else ~/.cache/colibri/<model>).",
+        help="Where .coli_usage and KV files live (env COLI_STATE_DIR; default: "
+        "~/.cache/colibri/<model dir name>-<hash>).",
     )(fn)
     # Several SSDs (storage/devices.py, docs/tuning.md "Several SSDs").
     fn = click.option(

@@ -14,6 +14,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / "tests" / ".cache"
 
+# Tests run on the tiny model (see tests/_demo.py); `coli` subprocesses inherit it.
+os.environ.setdefault("COLI_MODEL", str(ROOT / "tests" / "data" / "tiny-glm"))
+
 
 def _tool_digest(*files: Path) -> str:
     h = hashlib.sha256()

@@ -10,6 +10,7 @@ from pathlib import Path
 import anyio
 import numpy as np
 import pytest
+from _demo import demo_model
 
 import colibri
 from colibri import DoneEvent, Engine, EngineOptions, TokenEvent
@@ -19,7 +20,7 @@ from runtime.sampling import log_softmax
 from storage.container import Container
 from storage.errors import ColibriError, ConfigError, ContainerError, ModelError
 
-DEMO = colibri.default_model_path()
+DEMO = demo_model()
 PROMPT = [5, 17, 99, 3, 250, 42]
 
 
@@ -31,7 +32,7 @@ def state_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def model(state_dir: Path) -> Iterator[colibri.SyncModel]:
-    with colibri.open_model(state_dir=state_dir) as m:
+    with colibri.open_model(DEMO, state_dir=state_dir) as m:
         yield m
 
 
@@ -58,11 +59,15 @@ def greedy_by_recompute(model: colibri.SyncModel, prompt: list[int], n: int) -> 
 # ----------------------------------------------------------------------------- sync facade
 
 
-def test_open_model_without_path_uses_the_bundled_demo(model: colibri.SyncModel) -> None:
-    assert DEMO.is_dir() and (DEMO / "config.json").is_file()
-    assert model.container.path.resolve() == DEMO.resolve()
-    assert model.container.arch.model_type == "glm_moe_dsa"
-    assert isinstance(model.engine, Engine)
+def test_open_model_without_path_uses_the_bundled_demo(state_dir: Path) -> None:
+    bundled = colibri.default_model_path()
+    assert bundled.is_dir() and (bundled / "config.json").is_file()
+    with colibri.open_model(state_dir=state_dir) as model:
+        assert model.container.path.resolve() == bundled.resolve()
+        assert model.container.arch.model_type == "glm_moe_dsa"
+        assert model.container.arch.num_mtp_layers == 1
+        assert isinstance(model.engine, Engine)
+        assert len(model.generate([5, 6, 7], max_new_tokens=4)) >= 1
 
 
 def test_forward_is_bit_identical_to_the_runtime_model(
@@ -116,7 +121,7 @@ def test_stop_token_ids_override_eos(model: colibri.SyncModel) -> None:
 
 def test_seeded_sampling_is_reproducible_across_sessions(state_dir: Path) -> None:
     def session(seed: int) -> list[int]:
-        with colibri.open_model(state_dir=state_dir) as m:
+        with colibri.open_model(DEMO, state_dir=state_dir) as m:
             return m.generate(PROMPT, max_new_tokens=16, temperature=0.8, seed=seed)
 
     a = session(7)
@@ -195,7 +200,7 @@ def test_unknown_option_is_rejected() -> None:
 
 @pytest.mark.anyio
 async def test_engine_open_streams_events(anyio_backend: str, state_dir: Path) -> None:
-    opts = EngineOptions(state_dir=state_dir)
+    opts = EngineOptions(model=DEMO, state_dir=state_dir)
     async with Engine.open(options=opts) as engine:
         assert engine.container.path.resolve() == DEMO.resolve()
         logits = await engine.forward(PROMPT)
@@ -232,7 +237,7 @@ async def test_engine_does_not_block_the_event_loop(anyio_backend: str, state_di
             await anyio.sleep(0.01)
             ticks += 1
 
-    async with Engine.open(options=EngineOptions(state_dir=state_dir)) as engine:
+    async with Engine.open(options=EngineOptions(model=DEMO, state_dir=state_dir)) as engine:
         await engine.forward([1])  # warm-up (kernel compilation is not the point)
         async with anyio.create_task_group() as tg:
             tg.start_soon(ticker)
@@ -255,7 +260,7 @@ async def test_engine_errors_under_both_backends(anyio_backend: str, tmp_path: P
     with pytest.raises(ContainerError, match=r"config\.json"):
         async with Engine.open(tmp_path):
             pass
-    async with Engine.open(options=EngineOptions(state_dir=tmp_path)) as engine:
+    async with Engine.open(options=EngineOptions(model=DEMO, state_dir=tmp_path)) as engine:
         with pytest.raises(ModelError):
             await engine.forward([])
         with pytest.raises(ModelError):

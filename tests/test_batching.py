@@ -9,11 +9,12 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
+from _demo import demo_model
 
 import colibri
 from colibri._engine import TokenEvent
 
-DEMO = colibri.default_model_path()
+DEMO = demo_model()
 PROMPTS = [
     [int(x) for x in np.random.default_rng(s).integers(3, 999, size=6 + s)] for s in range(8)
 ]

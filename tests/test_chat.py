@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _demo import demo_model
 
 import colibri
 from colibri._chat import conversation_ids, kv_path, printable, session_path
@@ -22,7 +23,7 @@ from storage.container import Container
 
 pexpect = pytest.importorskip("pexpect")
 
-DEMO = colibri.default_model_path()
+DEMO = demo_model()
 FOOTER = re.compile(r"(\d+) tok · ([\d.]+) tok/s · hit (\d+) % · RSS (\d+) MiB · ([\d.]+) s\r\n")
 VERBOSE = re.compile(r"prompt (\d+) tokens: (\d+) reused, (\d+) computed")
 PROMPT = "you> "
@@ -32,7 +33,9 @@ PROMPT = "you> "
 def env(tmp_path: Path) -> Iterator[dict[str, str]]:
     home = tmp_path / "home"
     home.mkdir()
-    base = {k: v for k, v in os.environ.items() if not k.startswith("COLI_")}
+    base = {k: v for k, v in os.environ.items() if not k.startswith("COLI_")} | {
+        "COLI_MODEL": str(demo_model())
+    }
     yield {**base, "HOME": str(home), "NO_COLOR": "1"}
 
 

@@ -10,10 +10,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _demo import demo_model
 
-import colibri
-
-DEMO = colibri.default_model_path()
+DEMO = demo_model()
 
 
 @pytest.fixture(scope="module", autouse=True)

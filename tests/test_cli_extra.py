@@ -10,10 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from _demo import demo_model
 
-import colibri
-
-DEMO = colibri.default_model_path()
+DEMO = demo_model()
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +21,9 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def coli(home: Path, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COLI_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COLI_")} | {
+        "COLI_MODEL": str(demo_model())
+    }
     return subprocess.run(
         [sys.executable, "-m", "colibri.cli", *args],
         capture_output=True,

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 import structlog
+from _demo import demo_model
 
 import colibri
 from runtime.budget import kv_bytes_per_token, resident_nbytes
@@ -47,7 +48,7 @@ from storage.manifest import Manifest, sha256_file
 from storage.reader import ReadRequest, required_size
 from storage.safetensors import PAD_PREFIX, TensorSpec, read_header, write_safetensors
 
-DEMO = colibri.default_model_path()
+DEMO = demo_model()
 PROMPT = [5, 17, 99, 300, 12, 44, 8, 250, 31]
 ROOT = Path(__file__).resolve().parents[1]
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.\w+\.weight(\.qs)?$")

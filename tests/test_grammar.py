@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _demo import demo_model
 
 import colibri
 from colibri.tokenizer import ChatTokenizer
@@ -19,7 +20,7 @@ from storage.container import Container
 
 jsonschema = pytest.importorskip("jsonschema")
 
-DEMO = colibri.default_model_path()
+DEMO = demo_model()
 PROMPT = [1, 40, 41, 42, 43, 3]
 
 SCHEMAS: list[dict[str, Any]] = [
@@ -79,7 +80,9 @@ SAMPLING = [{"temperature": 0.0}, *({"temperature": 1.0, "seed": s} for s in ran
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[colibri.SyncModel]:
-    with colibri.open_model(state_dir=tmp_path_factory.mktemp("state"), learn=False) as m:
+    with colibri.open_model(
+        demo_model(), state_dir=tmp_path_factory.mktemp("state"), learn=False
+    ) as m:
         yield m
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import structlog
+from _demo import demo_model
 
-from colibri._config import default_model_path
 from runtime.kv import KVCache
 from storage.errors import KVFileError
 from storage.kvfile import (
@@ -261,7 +261,7 @@ def test_kill_9_during_append_leaves_old_or_new_count(tmp_path: Path) -> None:
 
 
 def test_model_identity_tells_weights_apart(tmp_path: Path) -> None:
-    demo = default_model_path()
+    demo = demo_model()
     a = model_identity(demo)
     assert a == model_identity(demo) and 0 < a < 2**31
     copy = tmp_path / "m"

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _demo import demo_model
 
 import colibri
 from colibri._engine import ENGINE_ID
@@ -20,7 +21,7 @@ from storage.errors import ColibriError
 from storage.usage import USAGE_FILE, UsageCounts, save_usage
 
 ROOT = Path(__file__).resolve().parents[1]
-DEMO = colibri.default_model_path()
+DEMO = demo_model()
 
 
 @pytest.fixture(autouse=True)

@@ -9,13 +9,14 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
+from _demo import demo_model
 
 import colibri
 from colibri._engine import DoneEvent, TokenEvent
 from runtime.models import load_model
 from storage.container import Container
 
-DEMO = colibri.default_model_path()
+DEMO = demo_model()
 PROMPT = [int(x) for x in np.random.default_rng(7).integers(3, 999, size=70)]
 
 

@@ -21,9 +21,9 @@ import anthropic
 import httpx
 import openai
 import pytest
+from _demo import demo_model
 
 import colibri
-from colibri._config import default_model_path
 from colibri.server.textproc import (
     StopMatcher,
     ThinkSplitter,
@@ -33,7 +33,7 @@ from colibri.server.textproc import (
 from colibri.tokenizer import ChatTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = "colibri-demo"
+MODEL = demo_model().name  # the served name is the model directory name
 KEY = "sk-test-0123456789"
 
 
@@ -50,7 +50,9 @@ class Server:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log_dir / f"serve-{self.port}.log"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("COLI_")}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("COLI_")} | {
+            "COLI_MODEL": str(demo_model())
+        }
         env["OMP_WAIT_POLICY"] = "PASSIVE"
         with open(self.log, "wb") as fh:
             self.proc = subprocess.Popen(
@@ -115,7 +117,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serv
 @pytest.fixture(scope="module")
 def ref() -> Iterator[tuple[colibri.SyncModel, ChatTokenizer]]:
     """The engine itself (in this process) and the model's tokenizer."""
-    with colibri.open_model() as m:
+    with colibri.open_model(demo_model()) as m:
         c = m.container
         tok_path = c.tokenizer_path()
         assert tok_path is not None
@@ -613,10 +615,10 @@ async def test_tools_and_reasoning_plumbing(tmp_path: Path, anyio_backend: str) 
 
     model_dir = tmp_path / "model"
     model_dir.mkdir()
-    for f in default_model_path().iterdir():
+    for f in demo_model().iterdir():
         if f.name != "tokenizer_config.json":
             (model_dir / f.name).symlink_to(f)
-    cfg = json.loads((default_model_path() / "tokenizer_config.json").read_text())
+    cfg = json.loads((demo_model() / "tokenizer_config.json").read_text())
     cfg["chat_template"] = _TOOLS_TEMPLATE
     (model_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
     tools = [

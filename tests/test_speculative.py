@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 import anyio
 import numpy as np
 import pytest
+from _demo import demo_model
 
 import colibri
 from colibri._engine import DoneEvent, TokenEvent
@@ -31,7 +32,7 @@ from runtime.speculative import (
 from storage.container import Container
 from storage.errors import ModelError
 
-DEMO = colibri.default_model_path()
+DEMO = demo_model()
 EOS = (0, 2)
 N_TOKENS = 32
 POLICIES = ["1", "2", "3", "4", "lookup:1", "lookup:2", "lookup:3", "lookup:4", "auto"]

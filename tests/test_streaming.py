@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _demo import demo_model
 
 import colibri
 from colibri._engine import ENGINE_ID, TokenEvent
@@ -22,7 +23,7 @@ from storage.container import Container
 from storage.errors import ColibriError, ReadError
 from storage.usage import UsageCounts, load_usage, save_usage
 
-DEMO = colibri.default_model_path()
+DEMO = demo_model()
 PROMPT = [5, 17, 99, 300, 12, 44, 8, 250, 31]
 
 

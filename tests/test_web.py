@@ -28,6 +28,7 @@ from urllib.parse import urlparse
 import httpx
 import numpy as np
 import pytest
+from _demo import demo_model
 from click.testing import CliRunner
 
 from colibri.atlas import TOPICS, build_atlas, layout, write_atlas
@@ -61,7 +62,9 @@ def _free_port() -> int:
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COLI_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COLI_")} | {
+        "COLI_MODEL": str(demo_model())
+    }
     env["OMP_WAIT_POLICY"] = "PASSIVE"
     return env
 
@@ -113,7 +116,7 @@ class WebServer:
 
     def chat(self, max_tokens: int = 8) -> dict[str, Any]:
         body = {
-            "model": "colibri-demo",
+            "model": demo_model().name,
             "messages": [{"role": "user", "content": "Tell me about experts."}],
             "max_tokens": max_tokens,
             "ignore_eos": True,
@@ -352,7 +355,7 @@ def test_chat_streams_tokens_keyboard_and_stop(server: WebServer, open_page: Any
     page = p.page
     page.goto(server.url + "/")
     page.wait_for_selector("#conn.ok")
-    assert page.inner_text("#model-name") == "colibri-demo"
+    assert page.inner_text("#model-name") == demo_model().name
     # keyboard: Tab reaches the message box, then the send button
     page.locator("body").focus()
     seen = []
