@@ -194,3 +194,21 @@ def test_convert_bad_format_fails_cleanly(oracle_dir: Path, tmp_path: Path) -> N
 def test_convert_missing_source_fails_cleanly(tmp_path: Path) -> None:
     r = coli("convert", str(tmp_path / "no-src"), str(tmp_path / "dst"))
     assert_clean_error(r, "no-src")
+
+
+def test_bundled_demo_streams_most_experts_with_the_same_text(tmp_path: Path) -> None:
+    """`coli run --ram 16MiB` on the bundled trained model (cache slots for 7 of 32 experts per
+    layer: most experts stream from disk) prints exactly what the fully resident run prints."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COLI_")}
+    env["HOME"] = str(tmp_path)
+    args = [sys.executable, "-m", "colibri.cli", "run", "What is a list in Python?", "-n", "24"]
+    resident = subprocess.run(args, capture_output=True, text=True, env=env, check=True)
+    streamed = subprocess.run(
+        [*args, "--ram", "16MiB", "--stats"], capture_output=True, text=True, env=env, check=True
+    )
+    text, stats_line = streamed.stdout.rstrip("\n").rsplit("\n", 1)
+    assert text.strip() and text.strip() == resident.stdout.strip()
+    stats = json.loads(stats_line)
+    assert stats["experts"]["mode"] == "streaming"
+    assert stats["experts"]["lru_slots_per_layer"] < 32 // 2
+    assert stats["experts"]["bytes_read"] > 0
