@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, default=None, help="default: the bundled demo model")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--budget", default="4600KiB", help="RAM budget of the streaming run")
+    ap.add_argument("--budget", default="16MiB", help="RAM budget of the streaming run")
     args = ap.parse_args(argv)
     results = []
     for budget in (None, args.budget):
