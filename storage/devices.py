@@ -49,7 +49,7 @@ from storage.aligned import ALIGN, aligned_empty, round_up
 from storage.container import Container, ExpertExtent
 from storage.errors import ColibriError, ReadError
 from storage.manifest import atomic_write_bytes
-from storage.reader import Reader, ReadRequest, required_size
+from storage.reader import Reader, ReadRequest, direct_io_problem, required_size
 
 __all__ = [
     "ADAPT_THRESHOLD",
@@ -488,22 +488,6 @@ def probe_weights(
     return tuple(out)
 
 
-def _direct_refused(path: Path) -> str | None:
-    """None when an O_DIRECT open + aligned read of ``path`` works, else why not."""
-    buf = aligned_empty(ALIGN)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
-    except OSError as exc:
-        return f"O_DIRECT open refused ({exc.strerror})"
-    try:
-        os.preadv(fd, [buf.data], 0)
-    except OSError as exc:
-        return f"O_DIRECT read refused ({exc.strerror})"
-    finally:
-        os.close(fd)
-    return None
-
-
 # --------------------------------------------------------------------------- striping
 def stripe_pieces(
     req: ReadRequest, buf: U8Array, shares: Sequence[float]
@@ -892,7 +876,9 @@ async def open_placement(
         for r in replicas[1:]:
             sample = next(iter(r.files.values()), None)
             refused = (
-                None if sample is None else await anyio.to_thread.run_sync(_direct_refused, sample)
+                None
+                if sample is None
+                else await anyio.to_thread.run_sync(direct_io_problem, sample)
             )
             if refused is not None:
                 _log.warning(

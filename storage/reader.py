@@ -57,6 +57,7 @@ __all__ = [
     "ReaderKind",
     "ReaderStats",
     "aligned_extent",
+    "direct_io_problem",
     "filesystem_type",
     "open_reader",
     "required_size",
@@ -1029,7 +1030,7 @@ def _probe_file(probe_path: Path | None) -> Path | None:
     return None
 
 
-def _try_direct(path: Path) -> str | None:
+def direct_io_problem(path: Path) -> str | None:
     """None when an O_DIRECT open + aligned read of ``path`` works, else the error text."""
     buf = aligned_empty(ALIGN)
     try:
@@ -1097,7 +1098,7 @@ async def open_reader(
             direct = False
             why.append(f"{probe} is on {fstype} (RAM): O_DIRECT bypasses nothing there")
         elif pfile is not None:
-            refused = await anyio.to_thread.run_sync(_try_direct, pfile)
+            refused = await anyio.to_thread.run_sync(direct_io_problem, pfile)
             direct = refused is None
             why.append(
                 f"O_DIRECT works on {fstype} ({pfile.name})"
