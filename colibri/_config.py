@@ -11,8 +11,10 @@ COLI_READER        --reader            reader
 COLI_PREFETCH      --prefetch/--no-    prefetch
 COLI_STATE_DIR     --state-dir         state_dir
 COLI_MIRROR        --mirror (repeat)   mirror (os.pathsep-separated in the variable)
+COLI_MODEL_DIRS    --model-dir (rep.)  model_dirs (os.pathsep-separated in the variable)
 COLI_DISK_WEIGHTS  --disk-weights      disk_weights
 COLI_DRAFT         --draft             draft (auto | off | N | mtp[:N] | lookup[:N])
+COLI_THREADS       --threads           threads (compute threads for routed experts)
 COLI_LOG_FORMAT    --log-format        (logging: console|json)
 =================  ==================  ======================
 """
@@ -39,8 +41,10 @@ ENV_VARS = {
     "COLI_PREFETCH": "prefetch",
     "COLI_STATE_DIR": "state_dir",
     "COLI_MIRROR": "mirror",
+    "COLI_MODEL_DIRS": "model_dirs",
     "COLI_DISK_WEIGHTS": "disk_weights",
     "COLI_DRAFT": "draft",
+    "COLI_THREADS": "threads",
     "COLI_LOG_FORMAT": "log_format",
 }
 
@@ -81,9 +85,17 @@ class EngineOptions(BaseModel):
     reader: Literal["auto", "uring", "threads", "buffered"] = "auto"
     prefetch: bool = True
     kv_reserve_tokens: int = 4096
-    prefill_chunk: int = 512
+    # Prompt tokens per prefill step; None: runtime.planner.choose_prefill_chunk (512 when
+    # resident, up to 4096 when streaming, within 1/8 of the RAM budget).
+    prefill_chunk: int | None = None
     max_batch: int = 8
+    # Faster, not bit-exact prefill: attention form chosen per step and, for experts receiving
+    # at least fast_prefill_rows rows of a chunk, dequantized tiles + BLAS.
     fast_prefill: bool = False
+    fast_prefill_rows: int = 40
+    # Worker threads computing routed experts in parallel (None: one per CPU this process may
+    # use). Results are bit-identical for every count.
+    threads: int | None = None
     state_dir: Path | None = None
     pin: bool = True
     pin_fraction: float = 0.5
@@ -93,6 +105,8 @@ class EngineOptions(BaseModel):
     # Several SSDs (storage/devices.py): read replicas, primary-first weights (None: probed),
     # run-time adaptation of the weights, and striping of reads at least this large (0: off).
     mirror: tuple[Path, ...] = ()
+    # Shards spread over several directories (storage/container.py): searched after `model`.
+    model_dirs: tuple[Path, ...] = ()
     disk_weights: tuple[float, ...] | None = None
     disk_adapt: bool = True
     stripe_min_bytes: int = 0
@@ -106,6 +120,23 @@ class EngineOptions(BaseModel):
 
         return str(DraftPolicy.parse(v))  # type: ignore[arg-type]
 
+    @field_validator("threads", "prefill_chunk", mode="before")
+    @classmethod
+    def _positive(cls, v: object) -> object:
+        if isinstance(v, str):
+            v = None if v.strip().lower() in ("", "auto") else int(v)
+        if isinstance(v, int) and v < 1:
+            raise ValueError(f"must be >= 1 (or auto), got {v}")
+        return v
+
+    def resolved_threads(self) -> int:
+        if self.threads is not None:
+            return self.threads
+        try:
+            return max(1, len(os.sched_getaffinity(0)))
+        except AttributeError:  # not Linux
+            return max(1, os.cpu_count() or 1)
+
     @field_validator("ram_budget", mode="before")
     @classmethod
     def _budget(cls, v: object) -> int | None:
@@ -113,7 +144,7 @@ class EngineOptions(BaseModel):
             return v
         return parse_bytes(str(v))
 
-    @field_validator("mirror", mode="before")
+    @field_validator("mirror", "model_dirs", mode="before")
     @classmethod
     def _mirror(cls, v: object) -> object:
         if isinstance(v, (str, os.PathLike)):  # COLI_MIRROR: dirs joined by os.pathsep
@@ -137,7 +168,14 @@ class EngineOptions(BaseModel):
         return parse_bytes(str(v)) or 0
 
     def resolved_model(self) -> Path:
-        return self.model if self.model is not None else default_model_path()
+        """``model``; else the first of ``model_dirs`` holding config.json; else the demo."""
+        if self.model is not None:
+            return self.model
+        if self.model_dirs:
+            from storage.container import model_home
+
+            return model_home(self.model_dirs)
+        return default_model_path()
 
     def resolved_state_dir(self) -> Path:
         """Where `.coli_usage` / `.coli_kv*` live: ``state_dir``, else

@@ -22,8 +22,10 @@ import numpy.typing as npt
 import structlog
 
 from colibri._config import EngineOptions
+from runtime.compute import ExpertCompute
 from runtime.grammar import GrammarSpec, TokenGrammar
 from runtime.kv import KVCache
+from runtime.planner import PREFILL_CHUNK_RESIDENT, choose_prefill_chunk
 from runtime.sampling import Sampler, SamplingParams, log_softmax
 from runtime.speculative import CostModel, DraftPolicy, SpecStats, SpeculativeDecoder
 from storage.container import Container
@@ -97,6 +99,8 @@ class Engine:
         self._limiter = anyio.CapacityLimiter(1)
         self._lock = anyio.Lock()
         self._store: Any = None
+        self._prefill_compute: ExpertCompute = model.compute
+        self._prefill_chunk = options.prefill_chunk or PREFILL_CHUNK_RESIDENT
         self._pending: list[_DecodeRequest] = []
         self._wake = anyio.Event()
         # speculative decoding: telemetry and the cost model live as long as the engine
@@ -141,7 +145,9 @@ class Engine:
             upd["ram_budget"] = ram_budget
         if upd:
             opts = EngineOptions(**{**opts.model_dump(), **upd})
-        container = await anyio.to_thread.run_sync(Container.open, opts.resolved_model())
+        container = await anyio.to_thread.run_sync(
+            lambda: Container.open(opts.resolved_model(), shard_dirs=opts.model_dirs)
+        )
         model, plan, usage = await _plan(container, opts)
         store = None
         error: BaseException | None = None
@@ -152,7 +158,19 @@ class Engine:
                 # Absorbed attention for every step keeps prefill chunks, decode and verify rows
                 # bit-identical (batch-invariant); reconstruction is faster for long prefills.
                 model.attention_mode = "auto" if opts.fast_prefill else "absorbed"
+                model.compute = ExpertCompute(opts.resolved_threads())
                 engine = cls(container, model, opts)
+                engine._prefill_compute = (
+                    ExpertCompute(fast_min_rows=opts.fast_prefill_rows, share=model.compute)
+                    if opts.fast_prefill
+                    else model.compute
+                )
+                engine._prefill_chunk = opts.prefill_chunk or choose_prefill_chunk(
+                    container.arch.hidden_size,
+                    int(container.config.get("num_experts_per_tok", 8)),
+                    streaming=store is not None,
+                    ram_budget=opts.ram_budget,
+                )
                 engine._store = store
                 engine._learn(usage)
                 tg.start_soon(engine._batcher)
@@ -163,6 +181,7 @@ class Engine:
                 with anyio.CancelScope(shield=True):
                     if store is not None:
                         await store.reader.aclose()
+                    await anyio.to_thread.run_sync(model.compute.close)
                 tg.cancel_scope.cancel()
         if error is not None:
             raise error
@@ -382,7 +401,7 @@ class Engine:
         committed before the next, so an interrupted prefill keeps what it finished. While
         prefilling, the LRU admits only into free slots (a chunk touches most experts once and
         would otherwise flush the decode hot set)."""
-        chunk = max(1, self.options.prefill_chunk)
+        chunk = self._prefill_chunk
         store = self._store
         t0 = time.perf_counter()
         before = store.stats.bytes_read if store is not None else 0
@@ -392,7 +411,7 @@ class Engine:
             last: npt.NDArray[np.float32] | None = None
             for i in range(0, int(ids.size), chunk):
                 part = ids[i : i + chunk]
-                out = await self._run(self._forward_last, part, cache, hook)
+                out = await self._run(self._forward_last, part, cache, hook, True)
                 last = out
                 self._counters["prefill_chunks"] += 1
         finally:
@@ -410,10 +429,20 @@ class Engine:
         ids: npt.NDArray[np.int64],
         cache: KVCache,
         hook: Callable[[npt.NDArray[np.int64], npt.NDArray[np.float32]], None] | None = None,
+        prefill: bool = False,
     ) -> npt.NDArray[np.float32]:
         """Last row's logits [V]; ``hook(ids, hidden [T, D])`` sees every row's hidden state
-        (the speculative decoder feeds prefill chunks to the MTP head)."""
-        out = self._model.forward(ids, cache, last_only=True)
+        (the speculative decoder feeds prefill chunks to the MTP head). A ``prefill`` chunk
+        computes with the prefill compute (dequantize + BLAS under ``fast_prefill``); this runs
+        under the engine's limiter, so no other forward sees the swap."""
+        model = self._model
+        regular = model.compute
+        if prefill:
+            model.compute = self._prefill_compute
+        try:
+            out = model.forward(ids, cache, last_only=True)
+        finally:
+            model.compute = regular
         if hook is not None:
             hook(ids, out.hidden)
         logits: npt.NDArray[np.float32] = out.logits[-1]
@@ -518,6 +547,20 @@ class Engine:
                 s["experts"]["devices"] = store.placement.stats()
                 s["experts"]["placement"] = store.placement.summary()
         return s
+
+    async def enable_replica(self, which: int | str | os.PathLike[str]) -> dict[str, Any]:
+        """Re-enable a copy of the model that a read error demoted (see docs/tuning.md
+        "Several SSDs"): ``which`` is its index (0: the primary, then each mirror in order) or
+        its directory. It gets its declared/probed weight back and a fresh throughput estimate.
+        Returns that copy's entry of ``stats()["experts"]["devices"]``; ColibriError when the
+        experts do not stream or no copy matches."""
+        placement = None if self._store is None else self._store.placement
+        if placement is None:
+            raise ColibriError("the experts are resident in RAM: there is no copy to re-enable")
+        idx = placement.index_of(which)
+        placement.enable(idx)
+        stats: dict[str, Any] = placement.stats()[idx]
+        return stats
 
     def expert_map(self) -> dict[str, Any]:
         """Where each routed expert lives now, and how often it was routed (for dashboards).
@@ -656,6 +699,11 @@ class SyncModel:
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
+
+    def enable_replica(self, which: int | str | os.PathLike[str]) -> dict[str, Any]:
+        """Re-enable a demoted copy (see :meth:`Engine.enable_replica`)."""
+        result: dict[str, Any] = self._portal.call(self.engine.enable_replica, which)
+        return result
 
 
 @contextmanager

@@ -88,6 +88,17 @@ def _engine_options(fn: F) -> F:
         f"(env COLI_MIRROR, dirs joined by {os.pathsep!r}).",
     )(fn)
     fn = click.option(
+        "--model-dir",
+        "model_dirs",
+        type=click.Path(path_type=Path),
+        multiple=True,
+        default=tuple(p for p in env.get("model_dirs", "").split(os.pathsep) if p),
+        expose_value=False,
+        callback=_keep,
+        help="Another directory holding some of the model's shard files, searched after "
+        f"--model; repeat for more (env COLI_MODEL_DIRS, dirs joined by {os.pathsep!r}).",
+    )(fn)
+    fn = click.option(
         "--disk-weights",
         default=env.get("disk_weights"),
         expose_value=False,
@@ -119,6 +130,33 @@ def _engine_options(fn: F) -> F:
         callback=_keep,
         help="Speculative decoding: auto (drafts only when the cost model says they pay), off, "
         "N drafts per step, or one source: mtp[:N] / lookup[:N] (env COLI_DRAFT).",
+    )(fn)
+    fn = click.option(
+        "--threads",
+        type=click.IntRange(min=1),
+        default=env.get("threads"),
+        expose_value=False,
+        callback=_keep,
+        help="Threads computing routed experts in parallel; output is identical for every "
+        "count (env COLI_THREADS; default: one per usable CPU).",
+    )(fn)
+    fn = click.option(
+        "--prefill-chunk",
+        type=click.IntRange(min=1),
+        default=None,
+        expose_value=False,
+        callback=_keep,
+        help="Prompt tokens per prefill step (default: planned; 512 resident, up to 4096 "
+        "streaming). Output is identical for every size.",
+    )(fn)
+    fn = click.option(
+        "--fast-prefill",
+        is_flag=True,
+        default=None,
+        expose_value=False,
+        callback=_keep,
+        help="Faster long prompts: dequantized tiles + BLAS for experts with many rows of a "
+        "chunk. Logits then match the exact path to float rounding, not bit for bit.",
     )(fn)
     return _model_option(fn)
 

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import queue
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import anyio.from_thread
@@ -39,6 +40,7 @@ from storage.reader import ReadRequest, required_size
 __all__ = ["ExpertStore", "StoreLayout", "StreamingExperts", "TierStats", "plan_layout"]
 
 Key = tuple[int, int]
+R = TypeVar("R")
 ALIGN = 4096
 
 
@@ -169,6 +171,14 @@ class _Step:
     layer: int
     out: queue.SimpleQueue[Any] = field(default_factory=queue.SimpleQueue)
     aborted: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class _Done:
+    """A worker finished computing with ``expert`` (its buffer may be recycled)."""
+
+    expert: int
+    future: Future[Any]
 
 
 class ExpertStore:
@@ -579,6 +589,67 @@ class StreamingExperts:
                     break
                 if not isinstance(item, BaseException):
                     anyio.from_thread.run_sync(st._loop_done_with, layer, item[0])
+
+    def map_arrivals(
+        self,
+        layer: int,
+        experts: Sequence[int],
+        fn: Callable[[int, ExpertWeights], R],
+        pool: Executor,
+    ) -> dict[int, R]:
+        """``{e: fn(e, weights)}`` with each expert computed on ``pool`` as soon as it arrives.
+
+        The compute thread only dispatches: it waits on one queue for the next arrival or the
+        next finished computation, and gives an expert's transient buffer back once its
+        computation finished (so reads go on landing while workers compute). On an error every
+        started computation is awaited before any buffer is recycled."""
+        st = self.store
+        step = _Step(layer)
+        ready = anyio.from_thread.run_sync(st._loop_begin, step, list(experts))
+        results: dict[int, R] = {}
+        pending = 0
+        to_arrive = len(experts) - len(ready)
+
+        def submit(e: int, w: ExpertWeights) -> None:
+            fut = pool.submit(fn, e, w)
+            fut.add_done_callback(lambda f: step.out.put(_Done(e, f)))
+
+        try:
+            for e, w in ready:
+                submit(e, w)
+                pending += 1
+            while to_arrive or pending:
+                t0 = time.perf_counter()
+                item = step.out.get()
+                if not pending:  # nothing computing: the compute side stalls on the read
+                    st.stats.compute_stall_s += time.perf_counter() - t0
+                if isinstance(item, _Done):
+                    pending -= 1
+                    anyio.from_thread.run_sync(st._loop_done_with, layer, item.expert)
+                    results[item.expert] = item.future.result()
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    to_arrive -= 1
+                    submit(*item)
+                    pending += 1
+        finally:
+            while pending:  # an error: no buffer may be recycled under a running computation
+                item = step.out.get()
+                if isinstance(item, _Done):
+                    pending -= 1
+                    anyio.from_thread.run_sync(st._loop_done_with, layer, item.expert)
+                elif not isinstance(item, BaseException):
+                    anyio.from_thread.run_sync(st._loop_done_with, layer, item[0])
+            anyio.from_thread.run_sync(st._loop_end, step)
+            while True:  # arrivals queued before the abort: give their slots back
+                try:
+                    left = step.out.get_nowait()
+                except queue.Empty:
+                    break
+                if not isinstance(left, (BaseException, _Done)):
+                    anyio.from_thread.run_sync(st._loop_done_with, layer, left[0])
+        return results
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
         """Lookahead hint: queue reads for ``layer`` (lower priority, may be skipped)."""

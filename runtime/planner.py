@@ -368,3 +368,35 @@ def make_plan(
 def _embed_bytes(c: Container) -> int:
     name = "model.embed_tokens.weight"
     return c.entry(name).nbytes if c.has(name) else 0
+
+
+#: Prefill chunk when every expert is resident (no reads to save: larger chunks only cost memory).
+PREFILL_CHUNK_RESIDENT = 512
+#: Largest automatic prefill chunk.
+PREFILL_CHUNK_MAX = 4096
+
+
+def activation_bytes_per_token(hidden_size: int, top_k: int) -> int:
+    """Float32 bytes a prefill chunk holds per token at its widest point (the MoE step): the
+    residual, normed input and attention output rows plus one [K, D] row of routed-expert
+    outputs awaiting their fixed-order sum, with headroom for temporaries (x 2)."""
+    return 4 * hidden_size * (4 + top_k) * 2
+
+
+def choose_prefill_chunk(
+    hidden_size: int, top_k: int, *, streaming: bool, ram_budget: int | None
+) -> int:
+    """Tokens per prefill chunk (the engine's default; ``prefill_chunk`` overrides it).
+
+    Streaming, a chunk reads every expert it routes to once, so a bigger chunk reads less per
+    prompt token and gives each expert more rows per matmul: take the largest power of two up to
+    :data:`PREFILL_CHUNK_MAX` whose activations fit an allowance of 1/8 of the RAM budget (at
+    least 256 MiB). Resident, :data:`PREFILL_CHUNK_RESIDENT`."""
+    if not streaming:
+        return PREFILL_CHUNK_RESIDENT
+    allowance = max(256 << 20, (ram_budget or 0) // 8)
+    per_token = activation_bytes_per_token(hidden_size, top_k)
+    chunk = PREFILL_CHUNK_RESIDENT
+    while chunk * 2 <= PREFILL_CHUNK_MAX and chunk * 2 * per_token <= allowance:
+        chunk *= 2
+    return chunk

@@ -11,9 +11,10 @@ V_ v_head_dim, C kv_lora_rank.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -43,6 +44,7 @@ __all__ = [
 ]
 
 F32Array = npt.NDArray[np.float32]
+R = TypeVar("R")
 
 # A routed expert is a SwiGLU MLP; the name says where it came from.
 ExpertWeights = MLPWeights
@@ -303,6 +305,17 @@ class ResidentExperts:
 
     def arrivals(self, layer: int, experts: Sequence[int]) -> Iterator[tuple[int, ExpertWeights]]:
         yield from self.get(layer, experts).items()
+
+    def map_arrivals(
+        self,
+        layer: int,
+        experts: Sequence[int],
+        fn: Callable[[int, ExpertWeights], R],
+        pool: Executor,
+    ) -> dict[int, R]:
+        """``{e: fn(e, weights)}`` computed on ``pool`` (every expert is already resident)."""
+        futures = {e: pool.submit(fn, e, w) for e, w in self.get(layer, experts).items()}
+        return {e: f.result() for e, f in futures.items()}
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
         """Everything is resident: nothing to do."""

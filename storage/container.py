@@ -13,6 +13,14 @@ Layout (the public colibri int4 container opens as-is, and so does a plain HF bf
 * padding tensors ``__pad__.*`` (our aligned writer) are ignored;
 * a routed expert's three matrices are byte-adjacent in one shard, so one read fetches it.
 
+The shards may be spread over several directories (``Container.open(path, shard_dirs=...)``,
+``--model-dir`` on the command line): config and tokenizer files come from ``path``, each shard is
+looked up in ``path`` and then in every other directory, and a shard present in two directories
+must be an identical copy (same size, same header bytes:
+:func:`storage.replicas.compare_replica_file`) or the later one is refused with one warning. A
+shard the manifest (or an HF ``model.safetensors.index.json``) lists but no directory holds is
+an error naming the file and every directory searched.
+
 Every problem a user can cause is a :class:`~storage.errors.ColibriError` naming the file (and the
 tensor) and what to do. ``Container.open(path)`` is strict: the first problem raises.
 ``Container.open(path, strict=False)`` (used by ``coli doctor``) records per-shard and per-tensor
@@ -24,7 +32,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
@@ -33,6 +41,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import structlog
 
 from storage.arch import ArchConfig, TensorRole, classify
 from storage.errors import (
@@ -44,6 +53,7 @@ from storage.errors import (
     TensorNotFoundError,
 )
 from storage.quant import QTensor, QuantFormat, bf16_to_f32, dequantize, infer_format
+from storage.replicas import compare_replica_file
 from storage.safetensors import PAD_PREFIX, ShardHeader, TensorInfo, read_header, read_tensor
 
 __all__ = [
@@ -57,6 +67,8 @@ __all__ = [
     "Container",
     "ExpertExtent",
     "TensorEntry",
+    "find_shards",
+    "model_home",
     "shard_paths",
 ]
 
@@ -65,6 +77,7 @@ GENERATION_CONFIG_NAME = "generation_config.json"
 TOKENIZER_NAME = "tokenizer.json"
 TOKENIZER_CONFIG_NAME = "tokenizer_config.json"
 MANIFEST_NAME = "colibri-manifest.json"
+HF_INDEX_NAME = "model.safetensors.index.json"
 SCALES_SUFFIX = ".qs"
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 
@@ -74,6 +87,8 @@ _FLOAT_DTYPES = ("F32", "BF16", "F16")
 _QUANT_DTYPES = ("U8", "I8")
 
 F32Array = npt.NDArray[np.float32]
+
+_log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -175,15 +190,92 @@ def shard_paths(model_dir: str | os.PathLike[str]) -> list[Path]:
     except OSError as exc:
         raise ContainerError(f"{d}: cannot list the directory: {exc.strerror or exc}") from exc
     files = [p for p in files if not p.name.startswith(".") and p.is_file()]
+    return sorted(files, key=_shard_rank)
 
-    def rank(p: Path) -> tuple[int, str]:
-        if _MAIN_SHARD.match(p.name):
-            return (0, p.name)
-        if _MTP_SHARD.match(p.name):
-            return (1, p.name)
-        return (2, p.name)
 
-    return sorted(files, key=rank)
+def _shard_rank(p: Path) -> tuple[int, str]:
+    if _MAIN_SHARD.match(p.name):
+        return (0, p.name)
+    if _MTP_SHARD.match(p.name):
+        return (1, p.name)
+    return (2, p.name)
+
+
+def model_home(dirs: Sequence[str | os.PathLike[str]]) -> Path:
+    """The directory of ``dirs`` that holds ``config.json`` (the first one that does), else the
+    first directory: where config, tokenizer and manifest are read from."""
+    if not dirs:
+        raise ContainerError("no model directory given")
+    for d in dirs:
+        if (Path(d) / CONFIG_NAME).is_file():
+            return Path(d)
+    return Path(dirs[0])
+
+
+def _unique_dirs(dirs: Sequence[Path]) -> list[Path]:
+    out: list[Path] = []
+    for d in dirs:
+        if any(d == o or (d.exists() and o.exists() and os.path.samefile(d, o)) for o in out):
+            continue
+        out.append(d)
+    return out
+
+
+def find_shards(
+    dirs: Sequence[str | os.PathLike[str]], expected: Sequence[str] | None = None
+) -> tuple[list[Path], list[ColibriError]]:
+    """The shard files of a model spread over ``dirs`` (searched in order), in container order,
+    and the problems found (a missing directory, a shard in ``expected`` that no directory holds).
+
+    A shard name found in several directories is taken from the first; a later copy is ignored
+    when it is an identical copy (same size and header bytes) and refused with one warning when
+    it is not (it cannot be told which one is stale)."""
+    paths = _unique_dirs([Path(d) for d in dirs])
+    problems: list[ColibriError] = []
+    found: dict[str, Path] = {}
+    for d in paths:
+        if not d.is_dir():
+            what = "does not exist" if not d.exists() else "is not a directory"
+            problems.append(ContainerError(f"model directory {d} {what}"))
+            continue
+        for p in shard_paths(d):
+            first = found.get(p.name)
+            if first is None:
+                found[p.name] = p
+                continue
+            why = compare_replica_file(first, p)
+            if why is not None:
+                _log.warning("shard copy refused", file=str(p), used=str(first), reason=why)
+    searched = ", ".join(str(d) for d in paths)
+    for name in expected or ():
+        if name not in found:
+            problems.append(
+                ContainerError(
+                    f"shard {name} is in none of the model directories searched ({searched}); "
+                    "copy it into one of them or add the directory that holds it (--model-dir)"
+                )
+            )
+    return sorted(found.values(), key=_shard_rank), problems
+
+
+def _expected_shards(
+    d: Path, manifest: Mapping[str, Any] | None, problems: _Problems
+) -> list[str] | None:
+    """Shard file names the manifest (else an HF index) says the model has; None if unknown."""
+    if manifest is not None:
+        shards = manifest.get("shards")
+        if isinstance(shards, list):
+            names = [s.get("file") for s in shards if isinstance(s, dict)]
+            return [n for n in names if isinstance(n, str) and n]
+    try:
+        index = _load_json(d / HF_INDEX_NAME, required=False)
+    except ConfigError as exc:
+        problems.add(exc)
+        return None
+    wmap = None if index is None else index.get("weight_map")
+    if not isinstance(wmap, dict):
+        return None
+    return sorted({v for v in wmap.values() if isinstance(v, str) and v})
 
 
 def _load_json(path: Path, *, required: bool) -> dict[str, Any] | None:
@@ -241,11 +333,13 @@ class Container:
 
     Attributes: ``path``, ``config`` (raw config.json), ``arch``, ``generation_config`` ({} if
     absent), ``eos_token_ids`` (union of config and generation_config, sorted), ``shards`` (each
-    validated), ``manifest`` (parsed ``colibri-manifest.json`` or None) and ``problems`` (always
-    empty when opened strict).
+    validated; a shard's path is the file in whichever directory holds it), ``dirs`` (the
+    directories searched for shards, ``path`` first), ``manifest`` (parsed
+    ``colibri-manifest.json`` or None) and ``problems`` (always empty when opened strict).
     """
 
     path: Path
+    dirs: tuple[Path, ...]
     config: dict[str, Any]
     arch: ArchConfig
     generation_config: dict[str, Any]
@@ -269,9 +363,11 @@ class Container:
         experts: dict[tuple[int, int], ExpertExtent],
         bad_experts: dict[tuple[int, int], ColibriError],
         problems: list[ColibriError],
+        dirs: tuple[Path, ...] = (),
     ) -> None:
         """Internal: use :meth:`Container.open`."""
         self.path = path
+        self.dirs = dirs or (path,)
         self.config = config
         self.arch = arch
         self.generation_config = generation_config
@@ -287,12 +383,20 @@ class Container:
     # ------------------------------------------------------------------------------ opening
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str], *, strict: bool = True) -> Container:
+    def open(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        strict: bool = True,
+        shard_dirs: Sequence[str | os.PathLike[str]] = (),
+    ) -> Container:
         """Open a model directory: parse config.json, every shard header, infer every matrix's
         format and index every routed expert.
 
-        ``strict=False`` still raises for an unusable directory or config.json, but records
-        shard, tensor and expert problems in :attr:`problems` instead of raising them.
+        ``shard_dirs``: more directories holding some of the shards (see the module docstring);
+        ``path`` holds config.json and is searched first. ``strict=False`` still raises for an
+        unusable directory or config.json, but records shard, tensor and expert problems in
+        :attr:`problems` instead of raising them.
         """
         d = Path(path)
         if not d.is_dir():
@@ -329,16 +433,25 @@ class Container:
             problems.add(exc)
 
         shards: list[ShardHeader] = []
-        paths = shard_paths(d)
+        if shard_dirs:
+            dirs = tuple(_unique_dirs([d, *(Path(x) for x in shard_dirs)]))
+            paths, missing = find_shards(dirs, _expected_shards(d, manifest, problems))
+            for err in missing:
+                problems.add(err)
+        else:
+            dirs = (d,)
+            paths = shard_paths(d)
         for p in paths:
             try:
                 shards.append(read_header(p))
             except ColibriError as exc:
                 problems.add(exc)
         if not paths:
+            where = ", ".join(str(x) for x in dirs)
             problems.add(
                 ContainerError(
-                    f"{d}: no *.safetensors shards found; the download or conversion is incomplete"
+                    f"{where}: no *.safetensors shards found; the download or conversion is "
+                    "incomplete"
                 )
             )
 
@@ -357,6 +470,7 @@ class Container:
             experts=experts,
             bad_experts=bad_experts,
             problems=problems.items,
+            dirs=dirs,
         )
 
     @property

@@ -355,6 +355,47 @@ def test_truncated_mirror_fails_over_to_the_primary(
     assert st2["devices"][1]["failovers"] == mir["failovers"]
 
 
+def test_a_demoted_copy_can_be_enabled_again(
+    models: dict[str, Any], reference: dict[str, Any], tmp_path: Path
+) -> None:
+    """A mirror demoted by real short reads serves nothing; once its files are whole again,
+    ``enable_replica`` (by directory, or by index) gives it back its declared weight and it
+    serves reads again; the output never changes."""
+    primary = models["primary"]
+    mirror = Path(shutil.copytree(primary, tmp_path / "mirror"))
+    names = expert_shards(primary)
+    saved = {n: (mirror / n).read_bytes() for n in names}
+    with colibri.open_model(
+        primary, ram_budget=models["budget"], mirror=[mirror], disk_weights="0,1",
+        reader="threads", learn=False, disk_adapt=False,
+    ) as m:  # fmt: skip
+        for n in names:
+            with open(mirror / n, "r+b") as fh:
+                fh.truncate(read_header(mirror / n).data_start)
+        assert m.generate(PROMPT, max_new_tokens=24) == reference["tokens"]
+        demoted = m.stats()["experts"]["devices"][1]
+        assert demoted["demoted"] and demoted["weight"] == 0.0
+        assert m.generate(PROMPT, max_new_tokens=24) == reference["tokens"]
+        assert m.stats()["experts"]["devices"][1]["bytes"] == demoted["bytes"]  # unused
+        for n in names:  # repaired (same files, same inodes)
+            (mirror / n).write_bytes(saved[n])
+        got = m.enable_replica(mirror)
+        assert got["index"] == 1 and not got["demoted"] and got["weight"] == 1.0
+        assert m.enable_replica(1)["weight"] == 1.0  # by index; enabling twice is harmless
+        assert m.generate(PROMPT, max_new_tokens=24) == reference["tokens"]
+        assert np.array_equal(m.forward(PROMPT), reference["logits"])
+        after = m.stats()["experts"]["devices"]
+        with pytest.raises(ColibriError, match="no copy 5"):
+            m.enable_replica(5)
+        with pytest.raises(ColibriError, match="none of the model's copies"):
+            m.enable_replica(tmp_path / "elsewhere")
+    assert after[1]["bytes"] > demoted["bytes"] and not after[1]["demoted"]
+    assert after[1]["failovers"] == demoted["failovers"]  # no new failure
+    with colibri.open_model(primary, learn=False) as m:  # resident: nothing to enable
+        with pytest.raises(ColibriError, match="resident"):
+            m.enable_replica(0)
+
+
 def test_read_error_only_when_every_copy_failed(
     models: dict[str, Any], reference: dict[str, Any], tmp_path: Path
 ) -> None:

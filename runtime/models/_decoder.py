@@ -26,6 +26,7 @@ from typing import Any, ClassVar, Literal, NamedTuple, Self
 import numpy as np
 import numpy.typing as npt
 
+from runtime.compute import ExpertCompute
 from runtime.kv import KVCache
 from runtime.layers import mla
 from runtime.layers import moe as moe_ops
@@ -33,7 +34,6 @@ from runtime.layers.mla import MLADims
 from runtime.layers.moe_router import RouterConfig
 from runtime.layers.rms_norm import rms_norm
 from runtime.layers.rope import Rope, RopeParameters, mla_softmax_scale
-from runtime.layers.swiglu import swiglu
 from runtime.linear import Linear
 from runtime.weights import (
     ContainerLike,
@@ -218,6 +218,8 @@ class MLAMoEModel:
         self.softmax_scale = mla_softmax_scale(self.dims.qk_head_dim, config.rope_parameters)
         self.attention_mode: AttentionMode = "auto"
         self.observer: Observer | None = None
+        # Threads and matmul choice for routed experts (serial, exact kernels by default).
+        self.compute = ExpertCompute()
 
     # ------------------------------------------------------------------------------ building
 
@@ -470,13 +472,18 @@ class MLAMoEModel:
             if self.observer is not None:
                 self.observer("route", layer, ids)
             self._lookahead(layer, x)
-            outputs = {
-                e: moe_ops.expert_output(x, ids, gates, e, w)
-                for e, w in self.experts.arrivals(layer, moe_ops.union(ids))
-            }
-            y = moe_ops.combine(x, ids, outputs) + moe_ops.shared(lw.moe, x)
+            comp = self.compute
+            outputs = comp.run(
+                self.experts,
+                layer,
+                moe_ops.union(ids),
+                lambda e, w: comp.expert_output(x, ids, gates, e, w),
+                macs=ids.size * 3 * self.config.hidden_size * self.config.moe_intermediate_size,
+            )
+            shared = comp.swiglu(x, lw.moe.shared) if lw.moe.shared is not None else 0
+            y = moe_ops.combine(x, ids, outputs) + shared
         elif lw.mlp is not None:
-            y = swiglu(x, lw.mlp)  # [T, D]
+            y = self.compute.swiglu(x, lw.mlp)  # [T, D]
         else:
             raise ModelError(f"layer {layer} has neither an MLP nor a MoE block")
         return h + y

@@ -1,0 +1,154 @@
+# T tokens (rows), D hidden, F intermediate, K experts per token
+"""How a MoE layer computes its routed experts: on how many threads, and with which matmul.
+
+:class:`ExpertCompute` is owned by a model (``model.compute``); it holds no process-wide state
+besides the BLAS thread limit it sets for the duration of a parallel fast step.
+
+* **Threads.** Routed experts are independent, so with ``threads > 1`` each arrived expert is
+  computed on a worker thread while the compute thread waits for the next read (numba kernels
+  and BLAS release the GIL). Outputs are summed afterwards in ascending expert id, exactly as
+  the serial path does, so results are bit-identical for every thread count. Small steps (the
+  multiply-adds of the step below ``parallel_min_macs``: decode on a tiny model) stay serial:
+  handing work to a thread would cost more than it saves.
+* **Fast matmul** (``fast_min_rows > 0``, the opt-in ``fast_prefill``). An expert that receives
+  at least that many rows is dequantized into a float32 scratch (one projection at a time) and
+  multiplied by BLAS, several times faster than the streaming int4 kernel for large prefill
+  chunks. BLAS sums in its own order: rows agree with the exact kernels to float rounding, not
+  bit for bit, which is why it is opt-in and never used for decode (rows < threshold).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from runtime.kernels.dequant import dequantize
+from runtime.layers.swiglu import MLPWeights, silu, swiglu
+from runtime.linear import Linear
+
+__all__ = ["ExpertCompute"]
+
+F32Array = npt.NDArray[np.float32]
+R = TypeVar("R")
+
+
+class _ArrivalSource(Protocol):
+    def arrivals(self, layer: int, experts: Sequence[int]) -> Iterator[tuple[int, MLPWeights]]: ...
+
+
+class ExpertCompute:
+    """Thread pool + matmul choice for routed experts (and the fast path for dense MLPs)."""
+
+    def __init__(
+        self,
+        threads: int = 1,
+        *,
+        fast_min_rows: int = 0,
+        parallel_min_macs: int = 1 << 24,
+        share: ExpertCompute | None = None,
+    ) -> None:
+        """``share``: use that instance's thread pool (which it keeps owning) instead of
+        starting one; ``threads`` is then ignored."""
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        self.parallel_min_macs = parallel_min_macs
+        self.fast_min_rows = max(0, fast_min_rows)
+        self._owns_pool = share is None
+        self.threads: int
+        self._pool: ThreadPoolExecutor | None
+        if share is not None:
+            self.threads = share.threads
+            self._pool = share._pool
+        else:
+            self.threads = threads
+            self._pool = (
+                ThreadPoolExecutor(threads, thread_name_prefix="colibri-expert")
+                if threads > 1
+                else None
+            )
+        self._scratch = threading.local()  # per worker thread: one dequantized projection
+        self._lock = threading.Lock()
+        self.fast_calls = 0  # projections computed by dequantize + BLAS
+        self.parallel_steps = 0  # MoE steps spread over the pool
+
+    def close(self) -> None:
+        """Stop the pool (when this instance started it); later steps run serially."""
+        if self._pool is not None and self._owns_pool:
+            self._pool.shutdown(wait=True)
+        self._pool = None
+
+    # ------------------------------------------------------------------ matmul choice
+    def _dense(self, x: F32Array, lin: Linear) -> F32Array:
+        """``x @ W.T`` through a dequantized scratch and BLAS."""
+        n = lin.out_features * lin.in_features
+        buf: F32Array | None = getattr(self._scratch, "buf", None)
+        if buf is None or buf.size < n:
+            buf = np.empty(n, dtype=np.float32)
+            self._scratch.buf = buf
+        w = dequantize(lin.q, buf)  # [O, I]
+        y: F32Array = np.matmul(x, w.T)  # [T, O]
+        with self._lock:
+            self.fast_calls += 1
+        return y
+
+    def swiglu(self, x: F32Array, w: MLPWeights) -> F32Array:
+        """``down(silu(gate(x)) * up(x))`` [T, D]; BLAS when fast and ``T >= fast_min_rows``."""
+        if not self.fast_min_rows or x.shape[0] < self.fast_min_rows:
+            return swiglu(x, w)
+        xx = np.ascontiguousarray(x, dtype=np.float32)
+        h = silu(self._dense(xx, w.gate)) * self._dense(xx, w.up)  # [T, F]
+        return self._dense(np.ascontiguousarray(h, dtype=np.float32), w.down)  # [T, D]
+
+    def expert_output(
+        self, x: F32Array, ids: npt.NDArray[np.int64], gates: F32Array, e: int, w: MLPWeights
+    ) -> tuple[npt.NDArray[np.intp], F32Array]:
+        """Expert ``e`` on the rows routed to it: (rows [n], gate-weighted output [n, D])."""
+        rows, slot = np.nonzero(ids == e)  # [n], [n]
+        xe = np.ascontiguousarray(x[rows])  # [n, D]
+        return rows, self.swiglu(xe, w) * gates[rows, slot][:, None]
+
+    # ------------------------------------------------------------------ scheduling
+    @contextlib.contextmanager
+    def _blas_single(self) -> Iterator[None]:
+        """Workers each run single-threaded BLAS (the pool is the parallelism)."""
+        if not self.fast_min_rows:
+            yield
+            return
+        from threadpoolctl import threadpool_limits
+
+        with threadpool_limits(limits=1, user_api="blas"):
+            yield
+
+    def run(
+        self,
+        source: _ArrivalSource,
+        layer: int,
+        experts: Sequence[int],
+        fn: Callable[[int, MLPWeights], R],
+        macs: int,
+    ) -> dict[int, R]:
+        """``{e: fn(e, weights_e)}`` for every expert of the step, as they arrive from
+        ``source``; on the pool when there is one and the step has ``macs >= parallel_min_macs``
+        multiply-adds and the source can release buffers out of order (``map_arrivals``)."""
+        mapper: Any = getattr(source, "map_arrivals", None)
+        if self._pool is None or macs < self.parallel_min_macs or mapper is None:
+            return {e: fn(e, w) for e, w in source.arrivals(layer, experts)}
+        with self._lock:
+            self.parallel_steps += 1
+        with self._blas_single():
+            out: dict[int, R] = mapper(layer, experts, fn, self._pool)
+        return out
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "threads": self.threads,
+            "fast_min_rows": self.fast_min_rows,
+            "fast_calls": self.fast_calls,
+            "parallel_steps": self.parallel_steps,
+        }

@@ -1,0 +1,222 @@
+"""Copies of a model's shard files: which device a path lives on, and whether a file can stand in
+for another (same size, same safetensors header bytes).
+
+A *replica* is one directory holding (some of) the model's shard files; :func:`open_replicas`
+checks each file against the primary's and keeps only those that match, with one warning per
+refused file. :func:`compare_replica_file` is also the rule for a shard found in two
+``--model-dir`` directories (:meth:`storage.container.Container.open`).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+__all__ = [
+    "DeviceId",
+    "Replica",
+    "compare_replica_file",
+    "device_of",
+    "header_bytes",
+    "open_replicas",
+]
+
+_MAX_HEADER = 100 * 1024 * 1024
+
+_log = structlog.get_logger(__name__)
+
+
+# --------------------------------------------------------------------------- device identity
+@dataclass(frozen=True, slots=True)
+class DeviceId:
+    """Which device a path lives on: ``st_dev`` plus the mount's source and mount point from
+    ``/proc/self/mountinfo`` (empty strings when unavailable)."""
+
+    st_dev: int
+    name: str
+    mount: str
+    fstype: str
+
+    @property
+    def key(self) -> str:
+        """A stable text id: ``<source>@<major>:<minor>``."""
+        return f"{self.name or '?'}@{os.major(self.st_dev)}:{os.minor(self.st_dev)}"
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain dict for JSON."""
+        return {
+            "st_dev": self.st_dev,
+            "name": self.name,
+            "mount": self.mount,
+            "fstype": self.fstype,
+            "key": self.key,
+        }
+
+
+def _unescape_mount(text: str) -> str:
+    """mountinfo escapes space, tab, newline and backslash as 3-digit octal."""
+    out, i = [], 0
+    while i < len(text):
+        if text[i] == "\\" and text[i + 1 : i + 4].isdigit() and i + 4 <= len(text):
+            out.append(chr(int(text[i + 1 : i + 4], 8)))
+            i += 4
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
+
+
+def device_of(path: str | os.PathLike[str], mountinfo: str = "/proc/self/mountinfo") -> DeviceId:
+    """The :class:`DeviceId` of ``path`` (``OSError`` if it cannot be stat'ed)."""
+    st = os.stat(path)
+    real = os.path.realpath(path)
+    majmin = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    best: tuple[int, int, str, str, str] | None = None  # (same dev, len, mount, fstype, source)
+    try:
+        with open(mountinfo, encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                parts = line.split()
+                try:
+                    sep = parts.index("-")
+                except ValueError:
+                    continue
+                if sep < 5 or len(parts) < sep + 3:
+                    continue
+                mnt = _unescape_mount(parts[4])
+                if not (real == mnt or real.startswith(mnt.rstrip("/") + "/")):
+                    continue
+                cand = (int(parts[2] == majmin), len(mnt), mnt, parts[sep + 1], parts[sep + 2])
+                if best is None or cand[:2] >= best[:2]:
+                    best = cand
+    except OSError:
+        best = None
+    if best is None:
+        return DeviceId(st.st_dev, "", "", "")
+    return DeviceId(st.st_dev, _unescape_mount(best[4]), best[2], best[3])
+
+
+# --------------------------------------------------------------------------- replica files
+def header_bytes(path: str | os.PathLike[str]) -> bytes:
+    """The safetensors header of ``path``: the 8-byte length prefix plus the ``N`` JSON bytes.
+
+    Raises ``OSError`` when unreadable and ``ValueError`` when it is not a safetensors file."""
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise ValueError("shorter than a safetensors length prefix")
+        (n,) = struct.unpack("<Q", head)
+        if n > _MAX_HEADER:
+            raise ValueError(f"header length {n} is implausible")
+        body = fh.read(n)
+        if len(body) != n:
+            raise ValueError(f"header of {n} bytes runs past the end of the file")
+    return head + body
+
+
+def compare_replica_file(primary: Path, replica: Path) -> str | None:
+    """None when ``replica`` can stand in for ``primary`` (same size, same header bytes), else
+    why not, in words."""
+    try:
+        want = primary.stat().st_size
+        got = replica.stat().st_size
+    except OSError as exc:
+        return f"cannot stat: {exc.strerror or exc}"
+    if got != want:
+        return f"size {got} differs from the primary's {want} bytes"
+    try:
+        a = header_bytes(primary)
+        b = header_bytes(replica)
+    except (OSError, ValueError) as exc:
+        return f"header unreadable: {exc}"
+    if a != b:
+        first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+        where = f" (first difference at byte {first})" if first is not None else ""
+        return f"header bytes differ from the primary's{where}"
+    return None
+
+
+@dataclass(frozen=True)
+class Replica:
+    """One copy of (some of) the model's shard files on one device.
+
+    ``files`` maps each primary shard path this replica can serve to its own file; ``skipped``
+    names the files (or the whole directory, under ``"*"``) it cannot serve, and why."""
+
+    index: int
+    root: Path
+    device: DeviceId | None
+    files: Mapping[Path, Path]
+    skipped: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def role(self) -> str:
+        """``"primary"`` or ``"mirror"``."""
+        return "primary" if self.index == 0 else "mirror"
+
+    def holds(self, primary_paths: Sequence[Path]) -> bool:
+        """Whether every one of ``primary_paths`` has a usable copy here."""
+        return all(p in self.files for p in primary_paths)
+
+
+def _safe_device(path: Path) -> DeviceId | None:
+    try:
+        return device_of(path)
+    except OSError:
+        return None
+
+
+def open_replicas(
+    primary: Path, shard_files: Sequence[Path], mirrors: Sequence[Path]
+) -> list[Replica]:
+    """The primary (index 0) and one :class:`Replica` per mirror directory, in order (blocking).
+
+    A mirror file is used only when its size and header bytes equal the primary's; a mismatch is
+    logged once (a warning naming the file and why) and the file is left unused. A mirror
+    directory that is missing, or the primary itself, yields a replica holding no files."""
+    out = [Replica(0, primary, _safe_device(primary), {p: p for p in shard_files})]
+    for i, m in enumerate(mirrors, start=1):
+        root = Path(m)
+        if not root.is_dir():
+            what = "does not exist" if not root.exists() else "is not a directory"
+            _log.warning("mirror unused", mirror=str(root), reason=f"the mirror {what}")
+            out.append(Replica(i, root, None, {}, {"*": f"the mirror {what}"}))
+            continue
+        try:
+            same = os.path.samefile(root, primary)
+        except OSError:
+            same = False
+        if same:
+            _log.warning("mirror unused", mirror=str(root), reason="it is the primary directory")
+            out.append(Replica(i, root, _safe_device(root), {}, {"*": "the primary itself"}))
+            continue
+        files: dict[Path, Path] = {}
+        skipped: dict[str, str] = {}
+        for p in shard_files:
+            q = root / p.name
+            if not q.exists():
+                skipped[p.name] = "absent (partial mirror)"
+                continue
+            try:
+                if os.path.samefile(p, q):
+                    why: str | None = "the same file as the primary's (a link)"
+                else:
+                    why = compare_replica_file(p, q)
+            except OSError as exc:
+                why = f"cannot stat: {exc.strerror or exc}"
+            if why is not None:
+                _log.warning("mirror file refused", file=str(q), reason=why)
+                skipped[p.name] = why
+                continue
+            files[p] = q
+        if not files:
+            _log.warning(
+                "mirror unused", mirror=str(root), reason="it holds none of the model's shards"
+            )
+        out.append(Replica(i, root, _safe_device(root), files, skipped))
+    return out

@@ -1,0 +1,207 @@
+"""Expert compute: threads never change a bit, the fast prefill path (dequantize + BLAS) stays
+within float rounding of the exact kernels, and a failing expert computation gives every
+streamed buffer back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+from _demo import demo_model
+
+import colibri
+from colibri._config import EngineOptions
+from colibri._engine import TokenEvent
+from runtime.compute import ExpertCompute
+from runtime.kernels.dequant import dequantize
+from runtime.linear import Linear
+from runtime.models import load_model
+from runtime.planner import PREFILL_CHUNK_MAX, PREFILL_CHUNK_RESIDENT, choose_prefill_chunk
+from storage.container import Container
+from storage.quant import dequantize as reference_dequantize
+from storage.quant import quantize
+
+DEMO = demo_model()
+PROMPT = [int(x) for x in np.random.default_rng(11).integers(3, 999, size=90)]
+
+
+@pytest.fixture(autouse=True)
+def _private_home(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path_factory.mktemp("home")))
+
+
+@pytest.mark.parametrize(
+    ("fmt", "shape"),
+    [
+        ("int4-g64", (37, 192)),
+        ("int4-g32", (5, 99)),  # odd width: the last byte holds one column
+        ("int4-g48", (33, 101)),  # group of 48: a multiple of 16, not of 64
+        ("int4-g17", (9, 70)),  # odd group: groups end mid-byte
+        ("int4-row", (21, 77)),
+        ("int8", (13, 40)),
+        ("bf16", (7, 33)),
+        ("f16", (7, 33)),
+        ("f32", (7, 33)),
+    ],
+)
+def test_dequantize_matches_the_format_definition(fmt: str, shape: tuple[int, int]) -> None:
+    w = np.random.default_rng(3).standard_normal(shape).astype(np.float32)
+    q = quantize(w, fmt)
+    ref = reference_dequantize(q)
+    assert np.array_equal(dequantize(q), ref)
+    scratch = np.full(shape[0] * shape[1] + 5, np.nan, dtype=np.float32)
+    assert np.array_equal(dequantize(q, scratch), ref)  # into a larger reused scratch
+
+
+def test_dequantize_rejects_a_small_scratch() -> None:
+    q = quantize(np.ones((4, 8), np.float32), "int8")
+    with pytest.raises(ValueError, match="32 elements"):
+        dequantize(q, np.empty(31, np.float32))
+
+
+def test_fast_matmul_agrees_with_the_exact_kernel() -> None:
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((96, 256)).astype(np.float32)
+    lin = Linear(quantize(w, "int4-g64"))
+    x = rng.standard_normal((40, 256)).astype(np.float32)
+    comp = ExpertCompute(fast_min_rows=1)
+    got = comp._dense(x, lin)
+    exact = lin(x)
+    assert comp.fast_calls == 1
+    np.testing.assert_allclose(got, exact, rtol=1e-5, atol=1e-4)
+
+
+def test_threads_give_bit_identical_rows_resident() -> None:
+    c = Container.open(DEMO)
+    m = load_model(c)
+    m.attention_mode = "absorbed"
+    ids = np.array(PROMPT, dtype=np.int64)
+    ref = m.forward(ids, m.new_cache()).logits
+    m.compute = ExpertCompute(3, parallel_min_macs=0)
+    try:
+        got = m.forward(ids, m.new_cache()).logits
+        assert m.compute.parallel_steps > 0  # the pool really ran the experts
+    finally:
+        m.compute.close()
+    assert np.array_equal(got, ref)
+
+
+async def _stream(opts: EngineOptions, compute: Any = None) -> tuple[list[int], dict[str, Any]]:
+    async with colibri.Engine.open(options=opts) as eng:
+        if compute is not None:
+            eng._model.compute.close()
+            eng._model.compute = compute(eng)
+            eng._prefill_compute = eng._model.compute
+        toks: list[int] = []
+        lps: list[float] = []
+        async for ev in eng.generate(PROMPT, max_new_tokens=12):
+            if isinstance(ev, TokenEvent):
+                toks.append(ev.token_id)
+                lps.append(ev.logprob)
+        st = eng.stats()
+        st["compute"] = eng._model.compute.as_dict()
+        st["logprobs"] = lps
+        eng._model.compute.close()
+        return toks, st
+
+
+def test_threads_give_identical_output_streaming() -> None:
+    base = dict(model=DEMO, ram_budget="4600KiB", learn=False, pin=False, reader="threads")
+    ref, st_ref = anyio.run(_stream, EngineOptions(**base, threads=1))
+    got, st = anyio.run(
+        _stream,
+        EngineOptions(**base),
+        lambda eng: ExpertCompute(2, parallel_min_macs=0),
+    )
+    assert st["compute"]["parallel_steps"] > 0
+    assert st["experts"]["misses"] > 0  # experts really streamed through map_arrivals
+    assert got == ref
+    assert st["logprobs"] == st_ref["logprobs"]
+
+
+def test_fast_prefill_keeps_the_greedy_tokens() -> None:
+    base = dict(model=DEMO, learn=False, pin=False, prefill_chunk=64)
+    ref, st_ref = anyio.run(_stream, EngineOptions(**base))
+    got, st = anyio.run(
+        _stream, EngineOptions(**base, fast_prefill=True, fast_prefill_rows=2, threads=2)
+    )
+    assert got == ref
+    np.testing.assert_allclose(st["logprobs"], st_ref["logprobs"], atol=1e-3)
+
+
+def test_fast_prefill_uses_blas_only_while_prefilling() -> None:
+    async def main() -> tuple[int, int]:
+        opts = EngineOptions(
+            model=DEMO, learn=False, pin=False, fast_prefill=True, fast_prefill_rows=2
+        )
+        async with colibri.Engine.open(options=opts) as eng:
+            async for _ in eng.generate(PROMPT, max_new_tokens=1):
+                pass
+            after_prefill = eng._prefill_compute.fast_calls
+            async for _ in eng.generate([5], max_new_tokens=6):  # decode: one row per step
+                pass
+            return after_prefill, eng._model.compute.fast_calls
+
+    prefill_calls, decode_calls = anyio.run(main)
+    assert prefill_calls > 0
+    assert decode_calls == 0
+
+
+def test_a_failing_expert_computation_returns_every_buffer() -> None:
+    async def main() -> None:
+        opts = EngineOptions(
+            model=DEMO, ram_budget="4600KiB", learn=False, pin=False, reader="threads"
+        )
+        async with colibri.Engine.open(options=opts) as eng:
+            store = eng._store
+            source = eng._model.experts
+            layer = min(store._lru)
+            comp = ExpertCompute(2, parallel_min_macs=0)
+
+            def fn(e: int, w: Any) -> int:
+                if e == 3:
+                    raise RuntimeError("injected")
+                return e
+
+            def call() -> Any:
+                return comp.run(source, layer, list(range(12)), fn, macs=1)
+
+            try:
+                with pytest.raises(RuntimeError, match="injected"):
+                    await eng._run(call)
+                ok = await eng._run(
+                    lambda: comp.run(source, layer, [0, 1, 2], lambda e, w: e, macs=1)
+                )
+            finally:
+                comp.close()
+            assert ok == {0: 0, 1: 1, 2: 2}
+            assert not store._held
+            assert len(store._transient_free) == store.layout.transient_slots
+
+    anyio.run(main)
+
+
+def test_planned_prefill_chunk() -> None:
+    assert choose_prefill_chunk(6144, 8, streaming=False, ram_budget=None) == 512
+    assert PREFILL_CHUNK_RESIDENT == 512
+    # GLM-5 geometry: 576 KiB of activations per token; 1/8 of 24 GiB (3 GiB) holds 4096 tokens.
+    assert choose_prefill_chunk(6144, 8, streaming=True, ram_budget=24 << 30) == PREFILL_CHUNK_MAX
+    assert choose_prefill_chunk(6144, 8, streaming=True, ram_budget=16 << 30) == 2048
+    assert choose_prefill_chunk(6144, 8, streaming=True, ram_budget=4 << 30) == 512
+    assert choose_prefill_chunk(6144, 8, streaming=True, ram_budget=1 << 30) == 512
+    assert choose_prefill_chunk(256, 4, streaming=True, ram_budget=1 << 20) == PREFILL_CHUNK_MAX
+
+
+def test_threads_option_and_flag(tmp_path: Path) -> None:
+    assert EngineOptions(threads="auto").threads is None
+    assert EngineOptions(threads="3").resolved_threads() == 3
+    assert EngineOptions().resolved_threads() >= 1
+    with pytest.raises(ValueError, match=">= 1"):
+        EngineOptions(threads=0)
+    with pytest.raises(ValueError, match=">= 1"):
+        EngineOptions(prefill_chunk=0)
