@@ -523,6 +523,16 @@ class Engine:
             s["prefill_tokens_per_s"] = s["prefill_tokens"] / s["prefill_seconds"]
         if s["prefill_tokens"]:
             s["prefill_bytes_per_token"] = s["prefill_bytes_read"] / s["prefill_tokens"]
+        comp = self._model.compute
+        s["compute"] = {
+            "threads": comp.threads,
+            "parallel_steps": comp.parallel_steps + (
+                0 if self._prefill_compute is comp else self._prefill_compute.parallel_steps
+            ),
+            "prefill_chunk": self._prefill_chunk,
+            "fast_prefill": self.options.fast_prefill,
+            "fast_prefill_matmuls": self._prefill_compute.fast_calls,
+        }
         s["speculative"] = {
             "policy": self.options.draft,
             **self._spec_stats.as_dict(),

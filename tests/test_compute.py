@@ -205,3 +205,30 @@ def test_threads_option_and_flag(tmp_path: Path) -> None:
         EngineOptions(threads=0)
     with pytest.raises(ValueError, match=">= 1"):
         EngineOptions(prefill_chunk=0)
+
+
+def test_cli_flags_reach_the_engine() -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+
+    def run(*flags: str) -> tuple[str, dict[str, Any]]:
+        p = subprocess.run(
+            [sys.executable, "-m", "colibri.cli", "run", "--raw", "-n", "6", "--stats",
+             "--model", str(DEMO), *flags, "one two three four five six seven"],
+            capture_output=True, text=True, env=env, timeout=300, check=True,
+        )  # fmt: skip
+        lines = p.stdout.strip().splitlines()
+        return "\n".join(lines[:-1]), json.loads(lines[-1])
+
+    text1, st1 = run("--threads", "1", "--prefill-chunk", "512")
+    text3, st3 = run("--threads", "3", "--prefill-chunk", "2")
+    assert text1 == text3
+    assert st1["compute"]["threads"] == 1 and st3["compute"]["threads"] == 3
+    assert st1["compute"]["prefill_chunk"] == 512 and st3["compute"]["prefill_chunk"] == 2
+    assert st3["prefill_chunks"] > st1["prefill_chunks"]
+    _, fast = run("--fast-prefill")
+    assert fast["compute"]["fast_prefill"] is True
