@@ -617,9 +617,7 @@ def plan(
     counts = None
     try:  # read-only: a damaged history is ignored here (Engine.open sets it aside)
         text = (opts.resolved_state_dir() / USAGE_FILE).read_text(encoding="ascii")
-        counts = parse_usage(
-            text, c.arch.total_layers, c.arch.n_routed_experts, ENGINE_ID
-        ).counts
+        counts = parse_usage(text, c.arch.total_layers, c.arch.n_routed_experts, ENGINE_ID).counts
     except (OSError, UnicodeDecodeError, ColibriError, ValueError):
         pass
     p = planner.make_plan(
@@ -869,7 +867,21 @@ def _mem_total() -> int | None:
 
 
 # ----------------------------------------------------------------------------- coli mirror
+def _mirror_model_dirs(fn: F) -> F:
+    """``--model-dir`` as for the engine: the model's shards may be spread over directories."""
+    return click.option(
+        "--model-dir",
+        "model_dirs",
+        type=click.Path(path_type=Path),
+        multiple=True,
+        default=tuple(p for p in env_defaults().get("model_dirs", "").split(os.pathsep) if p),
+        help="Another directory holding some of the model's shard files, searched after "
+        f"--model; repeat for more (env COLI_MODEL_DIRS, dirs joined by {os.pathsep!r}).",
+    )(fn)
+
+
 def _mirror_options(fn: F) -> F:
+    fn = _mirror_model_dirs(fn)
     fn = click.option(
         "--state-dir",
         type=click.Path(path_type=Path),
@@ -889,18 +901,25 @@ def _mirror_options(fn: F) -> F:
     return _model_option(fn)
 
 
-def _mirror_plan(model: Path | None, to: Path, budget: str | None, state_dir: Path | None) -> Any:
+def _mirror_plan(
+    model: Path | None,
+    to: Path,
+    budget: str | None,
+    state_dir: Path | None,
+    model_dirs: tuple[Path, ...] = (),
+) -> Any:
     from colibri._config import parse_bytes
     from colibri._engine import ENGINE_ID, USAGE_FILE
     from storage.mirror import plan_mirror
 
-    opts = EngineOptions(model=model, state_dir=state_dir)
+    opts = EngineOptions(model=model, state_dir=state_dir, model_dirs=model_dirs)
     return plan_mirror(
         opts.resolved_model(),
         to,
         budget=parse_bytes(budget),
         usage_path=opts.resolved_state_dir() / USAGE_FILE,
         engine_id=ENGINE_ID,
+        model_dirs=opts.model_dirs,
     )
 
 
@@ -911,19 +930,31 @@ def mirror() -> None:
 
 @mirror.command("plan")
 @_mirror_options
-def mirror_plan(model: Path | None, to: Path, budget: str | None, state_dir: Path | None) -> None:
+def mirror_plan(
+    model: Path | None,
+    to: Path,
+    budget: str | None,
+    state_dir: Path | None,
+    model_dirs: tuple[Path, ...],
+) -> None:
     """Rank experts by .coli_usage and print (JSON) the shard files that fit the budget."""
-    plan = _mirror_plan(model, to, budget, state_dir)
+    plan = _mirror_plan(model, to, budget, state_dir, model_dirs)
     click.echo(json.dumps(plan.to_json(), indent=1))
 
 
 @mirror.command("stage")
 @_mirror_options
-def mirror_stage(model: Path | None, to: Path, budget: str | None, state_dir: Path | None) -> None:
+def mirror_stage(
+    model: Path | None,
+    to: Path,
+    budget: str | None,
+    state_dir: Path | None,
+    model_dirs: tuple[Path, ...],
+) -> None:
     """Copy the planned shard files (atomic, checksummed, resumable); print a JSON report."""
     from storage.mirror import stage_mirror
 
-    plan = _mirror_plan(model, to, budget, state_dir)
+    plan = _mirror_plan(model, to, budget, state_dir, model_dirs)
     last = [""]
 
     def progress(name: str, done: int, total: int) -> None:
@@ -937,12 +968,14 @@ def mirror_stage(model: Path | None, to: Path, budget: str | None, state_dir: Pa
 
 @mirror.command("verify")
 @_model_option
+@_mirror_model_dirs
 @click.option("--to", "to", type=click.Path(path_type=Path), required=True, help="The mirror.")
-def mirror_verify(model: Path | None, to: Path) -> None:
+def mirror_verify(model: Path | None, to: Path, model_dirs: tuple[Path, ...]) -> None:
     """Re-check sizes, header bytes and sha256 of every shard in the mirror (exit 1 if bad)."""
     from storage.mirror import verify_mirror
 
-    report = verify_mirror(EngineOptions(model=model).resolved_model(), to)
+    opts = EngineOptions(model=model, model_dirs=model_dirs)
+    report = verify_mirror(opts.resolved_model(), to, model_dirs=opts.model_dirs)
     click.echo(json.dumps(report.to_json(), indent=1))
     if not report.ok:
         sys.exit(1)

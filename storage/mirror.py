@@ -1,6 +1,6 @@
 """Partial mirrors: put the shard files holding the hottest experts on a second drive.
 
-``coli mirror plan|stage|verify --model DIR --to DIR2 [--budget 50GiB]``.
+``coli mirror plan|stage|verify --model DIR [--model-dir DIR ...] --to DIR2 [--budget 50GiB]``.
 
 A partial mirror is a directory holding *whole* shard files of the model (byte-identical
 copies): the engine (``--mirror DIR2``, see :mod:`storage.devices`) uses a mirror file only when
@@ -16,6 +16,10 @@ its size and header bytes equal the primary's, and reads the other experts from 
   resumes a ``.part`` file after checking its copied prefix against the source. Verified
   checksums are recorded in ``colibri-mirror.json`` in the mirror.
 - :func:`verify_mirror` re-checks every shard file of a mirror: size, header bytes, sha256.
+
+A model whose shards are spread over several directories (``--model-dir``) is read through the
+container's shard lookup (:func:`storage.container.find_shards`, ``Container.dirs``): each
+source file is taken from whichever directory holds it, and the mirror may be none of them.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
-from storage.container import Container
+from storage.container import Container, find_shards
 from storage.devices import compare_replica_file
 from storage.errors import ColibriError, UsageFileError
 from storage.manifest import Manifest, atomic_write_bytes, fsync_dir, read_manifest, sha256_file
@@ -99,6 +103,12 @@ class MirrorPlan:
     selections_covered: int
     experts_total: int
     experts_covered: int
+    dirs: tuple[Path, ...] = ()  # every directory searched for shards, ``model`` first
+    sources: dict[str, Path] = field(default_factory=dict)  # shard name -> the file to copy
+
+    def source(self, name: str) -> Path:
+        """The model's file ``name`` (in whichever of :attr:`dirs` holds it)."""
+        return self.sources.get(name, self.model / name)
 
     @property
     def nbytes(self) -> int:
@@ -110,6 +120,7 @@ class MirrorPlan:
         cov = self.selections_covered / self.selections_total if self.selections_total else None
         return {
             "model": str(self.model),
+            "model_dirs": [str(d) for d in self.dirs if d != self.model],
             "to": str(self.to),
             "budget_bytes": self.budget,
             "planned_bytes": self.nbytes,
@@ -122,7 +133,11 @@ class MirrorPlan:
             "experts_covered": self.experts_covered,
             "selection_coverage": cov,
             "files": [
-                {**f.to_json(), "status": _status(self.model / f.file, self.to / f.file)}
+                {
+                    **f.to_json(),
+                    "source": str(self.source(f.file)),
+                    "status": _status(self.source(f.file), self.to / f.file),
+                }
                 for f in self.files
             ],
             "left_out": [f.to_json() for f in self.left_out],
@@ -173,14 +188,17 @@ def plan_mirror(
     budget: int | None = None,
     usage_path: str | os.PathLike[str] | None = None,
     engine_id: str = "colibri-py-1",
+    model_dirs: Sequence[str | os.PathLike[str]] = (),
 ) -> MirrorPlan:
     """Plan a (partial) mirror of ``model`` in ``to`` within ``budget`` bytes.
 
     ``usage_path`` is the ``.coli_usage`` to rank experts by (hottest first); without it, or when
     it does not parse, experts are ranked in file order. ``budget`` None means the free space
-    on ``to``'s drive (see :func:`default_budget`)."""
-    c = Container.open(model)
+    on ``to``'s drive (see :func:`default_budget`). ``model_dirs``: more directories holding
+    some of the model's shards (``--model-dir``); each file is copied from the one holding it."""
+    c = Container.open(model, shard_dirs=model_dirs)
     src, dst = Path(model), Path(to)
+    paths = {s.path.name: s.path for s in c.shards}
     manifest = read_manifest(src)
     sums = {s.file: s.sha256 for s in manifest.shards} if manifest is not None else {}
     n_e = c.arch.n_routed_experts
@@ -214,7 +232,7 @@ def plan_mirror(
         present = sum(
             sizes[n]
             for n in per_file
-            if (dst / n).exists() and _status(src / n, dst / n) == "present"
+            if (dst / n).exists() and _status(paths[n], dst / n) == "present"
         )
         budget = default_budget(dst, present)
     chosen: list[str] = []
@@ -242,6 +260,8 @@ def plan_mirror(
         selections_covered=covered_sel,
         experts_total=len(extents),
         experts_covered=covered_exp,
+        dirs=tuple(c.dirs),
+        sources=paths,
     )
 
 
@@ -257,11 +277,12 @@ def _load_record(to: Path) -> dict[str, Any]:
     return dict(files) if isinstance(files, dict) else {}
 
 
-def _save_record(to: Path, model: Path, files: dict[str, Any]) -> None:
+def _save_record(to: Path, model: Path, files: dict[str, Any], dirs: Sequence[Path] = ()) -> None:
     doc = {
         "format": MIRROR_FORMAT,
         "version": MIRROR_VERSION,
         "model": str(model.resolve()),
+        "model_dirs": [str(d.resolve()) for d in dirs if d != model],
         "files": dict(sorted(files.items())),
     }
     atomic_write_bytes(to / MIRROR_RECORD, (json.dumps(doc, indent=1) + "\n").encode())
@@ -315,9 +336,15 @@ def _same_prefix(src: Path, part: Path, n: int, chunk: int, h: Any) -> bool:
 
 
 def _copy(
-    src: Path, dst: Path, expected: str | None, chunk: int, progress: Progress | None
+    src: Path,
+    dst: Path,
+    expected: str | None,
+    chunk: int,
+    progress: Progress | None,
+    model: Path | None = None,
 ) -> tuple[str, bool]:
-    """Copy ``src`` to ``dst`` through ``.<name>.part``; returns (sha256, resumed)."""
+    """Copy ``src`` to ``dst`` through ``.<name>.part``; returns (sha256, resumed). ``model``:
+    the model directory to name in a hint (default: ``src``'s directory)."""
     part = dst.with_name(f".{dst.name}.part")
     size = src.stat().st_size
     for attempt in range(2):
@@ -354,7 +381,7 @@ def _copy(
             raise ColibriError(
                 f"{src}: sha256 {digest[:16]}... does not match colibri-manifest.json "
                 f"({expected[:16]}...); the model itself is damaged: run `coli doctor --model "
-                f"{src.parent}`"
+                f"{model or src.parent}`"
             )
         # What landed on disk must be what was read (and the header what the engine checks).
         if sha256_file(part) != digest or compare_replica_file(src, part) is not None:
@@ -392,11 +419,14 @@ def stage_mirror(
         raise ValueError("chunk_bytes must be > 0")
     to = plan.to
     to.mkdir(parents=True, exist_ok=True)
-    try:
-        if os.path.samefile(to, plan.model):
-            raise ColibriError(f"{to} is the model directory itself; pick another drive")
-    except OSError:
-        pass
+    for d in dict.fromkeys((plan.model, *plan.dirs)):
+        try:
+            same = os.path.samefile(to, d)
+        except OSError:
+            continue
+        if same:
+            what = "the model directory itself" if d == plan.model else "one of the model's dirs"
+            raise ColibriError(f"{to} is {what} ({d}); pick a directory on another drive")
     manifest = read_manifest(plan.model)
     record = _load_record(to)
     report = StageReport(to)
@@ -408,7 +438,7 @@ def stage_mirror(
             f"{free / 2**30:.2f} GiB free; lower --budget"
         )
     for f in plan.files:
-        src, dst = plan.model / f.file, to / f.file
+        src, dst = plan.source(f.file), to / f.file
         expected = _expected_sha(f.file, manifest)
         if dst.exists():
             problem, got = _verify_file(src, dst, expected)
@@ -419,14 +449,14 @@ def stage_mirror(
             _log.warning("mirror file replaced", file=str(dst), reason=problem)
             report.replaced.append(f.file)
             dst.unlink()
-        digest, resumed = _copy(src, dst, expected, chunk_bytes, progress)
+        digest, resumed = _copy(src, dst, expected, chunk_bytes, progress, plan.model)
         report.copied.append(f.file)
         if resumed:
             report.resumed.append(f.file)
         report.bytes_copied += f.size
         record[f.file] = {"size": f.size, "sha256": digest}
-        _save_record(to, plan.model, record)
-    _save_record(to, plan.model, record)
+        _save_record(to, plan.model, record, plan.dirs)
+    _save_record(to, plan.model, record, plan.dirs)
     return report
 
 
@@ -457,13 +487,22 @@ class VerifyReport:
 
 
 def verify_mirror(
-    model: str | os.PathLike[str], to: str | os.PathLike[str], *, checksums: bool = True
+    model: str | os.PathLike[str],
+    to: str | os.PathLike[str],
+    *,
+    checksums: bool = True,
+    model_dirs: Sequence[str | os.PathLike[str]] = (),
 ) -> VerifyReport:
     """Re-check every ``*.safetensors`` in the mirror ``to`` against the model: size and header
-    bytes, and (``checksums``) sha256 against the model's manifest, else the model's own file."""
+    bytes, and (``checksums``) sha256 against the model's manifest, else the model's own file.
+    ``model_dirs``: more directories holding some of the model's shards (``--model-dir``)."""
     src_dir, to_dir = Path(model), Path(to)
     if not to_dir.is_dir():
         raise ColibriError(f"{to_dir}: no such mirror directory")
+    found, problems = find_shards([src_dir, *model_dirs])
+    if problems:
+        raise problems[0]
+    sources = {p.name: p for p in found}
     manifest = read_manifest(src_dir)
     report = VerifyReport(src_dir, to_dir)
     names: Sequence[Path] = sorted(
@@ -472,9 +511,9 @@ def verify_mirror(
         if p.name.endswith(".safetensors") and not p.name.startswith(".")
     )
     for dst in names:
-        src = src_dir / dst.name
+        src = sources.get(dst.name, src_dir / dst.name)
         row: dict[str, Any] = {"file": dst.name, "size": dst.stat().st_size, "sha256": None}
-        if not src.is_file():
+        if dst.name not in sources or not src.is_file():
             row["problem"] = "not a shard of the model"
             report.files.append(row)
             continue
@@ -482,6 +521,7 @@ def verify_mirror(
         # mirror could be stale if the model changed under it).
         expected = _expected_sha(dst.name, manifest)
         problem, got = _verify_file(src, dst, expected, checksums=checksums)
+        row["source"] = str(src)
         row["problem"] = problem
         row["sha256"] = got
         report.files.append(row)

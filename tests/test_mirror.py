@@ -1,6 +1,7 @@
 """``coli mirror plan|stage|verify``: the plan ranks shard files by routing history within a
 budget, staging is atomic and resumable (a real kill -9 mid-copy), verify catches a corrupted
-byte, and the engine reads the staged partial mirror with bit-identical output."""
+byte, and the engine reads the staged partial mirror with bit-identical output; all of it also
+from a model whose shards are spread over several directories (``--model-dir``)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,12 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from test_devices import DEMO, budget_for_lru, expert_shards, reshard, run_model
+from test_shards import spread
 
 from colibri._engine import ENGINE_ID
 from colibri.cli import main
 from storage.container import Container
+from storage.errors import ColibriError
 from storage.mirror import MIRROR_RECORD, plan_mirror, stage_mirror, verify_mirror
 from storage.usage import UsageCounts, save_usage
 
@@ -171,6 +174,80 @@ def test_engine_reads_the_staged_partial_mirror(model: dict[str, Any], tmp_path:
     toks, logits, st = run_model(
         model["primary"], ram_budget=budget, mirror=[to], disk_weights="0,1", disk_adapt=False
     )
+    assert toks == ref_toks and np.array_equal(logits, ref_logits)
+    prim, mir = st["devices"]
+    assert mir["files"] == 2 and mir["bytes"] > 0 and prim["bytes"] > 0
+    assert st["placement"]["failovers"] == 0
+
+
+def test_stage_and_verify_from_shards_spread_over_model_dirs(
+    model: dict[str, Any], tmp_path: Path
+) -> None:
+    """The model's shards spread over three directories (``--model-dir``), none holding them
+    all: plan, stage and verify find each source file where it lives, and the engine reading
+    the split model with that mirror gives the single-directory output bit for bit."""
+    primary = model["primary"]
+    experts = expert_shards(primary)
+    rest = sorted(p.name for p in primary.glob("*.safetensors") if p.name not in experts)
+    dirs = spread(primary, tmp_path / "split", [rest, experts[0::2], experts[1::2]])
+    home, others = dirs[0], dirs[1:]
+    assert not any((home / n).exists() for n in model["hot"])
+    to = tmp_path / "mirror"
+    size = model["shard_size"]
+    base = ["--model", str(home), "--model-dir", str(others[0]), "--model-dir", str(others[1])]
+    res = CliRunner().invoke(
+        main,
+        ["mirror", "plan", *base, "--to", str(to), "--budget", str(2 * size),
+         "--state-dir", str(model["state"])],
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output)
+    assert [f["file"] for f in doc["files"]] == model["hot"][:2]
+    assert doc["model_dirs"] == [str(d) for d in others]
+    for f in doc["files"]:
+        src = Path(f["source"])
+        assert src.parent in others and src.name == f["file"] and f["status"] == "missing"
+
+    res = CliRunner().invoke(
+        main,
+        ["mirror", "stage", *base, "--to", str(to), "--budget", str(2 * size),
+         "--state-dir", str(model["state"])],
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert sorted(p.name for p in to.glob("*.safetensors")) == sorted(model["hot"][:2])
+    assert {n: (primary / n).read_bytes() for n in _tree(to)} == _tree(to)
+    record = json.loads((to / MIRROR_RECORD).read_text())
+    assert record["model_dirs"] == [str(d.resolve()) for d in others]
+
+    res = CliRunner().invoke(main, ["mirror", "verify", *base, "--to", str(to)])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.output)["files"]
+    assert [r["problem"] for r in rows] == [None, None]
+    assert all(Path(r["source"]).parent in others and r["sha256"] for r in rows)
+    # Without the directories that hold them the mirror's files are no shards of the model.
+    res = CliRunner().invoke(main, ["mirror", "verify", "--model", str(home), "--to", str(to)])
+    assert res.exit_code == 1
+    assert {r["problem"] for r in json.loads(res.output)["files"]} == {"not a shard of the model"}
+    # A corrupted byte in the staged copy is caught against the file in its model dir.
+    victim = to / model["hot"][0]
+    raw = bytearray(victim.read_bytes())
+    raw[len(raw) // 2] ^= 0x40
+    victim.write_bytes(bytes(raw))
+    bad = verify_mirror(home, to, model_dirs=others)
+    assert [r["file"] for r in bad.files if r["problem"]] == [victim.name]
+    stage_mirror(plan_mirror(home, to, budget=2 * size, usage_path=model["usage"],
+                             engine_id=ENGINE_ID, model_dirs=others))  # fmt: skip
+    assert verify_mirror(home, to, model_dirs=others).ok
+    # The mirror may not be one of the model's own directories.
+    with pytest.raises(ColibriError, match="one of the model's dirs"):
+        stage_mirror(plan_mirror(home, others[1], budget=2 * size, model_dirs=others))
+
+    budget = budget_for_lru(primary, 0)
+    ref_toks, ref_logits, _ = run_model(primary, ram_budget=budget)
+    toks, logits, st = run_model(
+        home, model_dirs=others, ram_budget=budget, mirror=[to], disk_weights="0,1",
+        disk_adapt=False,
+    )  # fmt: skip
     assert toks == ref_toks and np.array_equal(logits, ref_logits)
     prim, mir = st["devices"]
     assert mir["files"] == 2 and mir["bytes"] > 0 and prim["bytes"] > 0

@@ -7,8 +7,10 @@ the engine's compute threads and its expert reads share one scheduler.
 
 Routes: the OpenAI and Anthropic APIs (see their modules), ``GET /health``, ``GET /metrics``,
 ``GET /experts`` (tier and routing heat per expert), ``GET /profile`` (recent turns, queue,
-slots, engine counters, machine), ``GET /atlas`` (``coli atlas``'s layout); with ``web=True``
-the dashboard's files at ``/`` (:mod:`colibri.server.web`).
+slots, engine counters, machine), ``GET /atlas`` (``coli atlas``'s layout),
+``POST /admin/replicas/{index}/enable`` (re-enable a copy of the model a read error demoted:
+:meth:`~colibri.Engine.enable_replica`); with ``web=True`` the dashboard's files at ``/``
+(:mod:`colibri.server.web`).
 """
 
 from __future__ import annotations
@@ -94,6 +96,8 @@ class _MetricsMiddleware:
             route = path if path in self._routes else "other"
             if path.startswith("/v1/models/"):
                 route = "/v1/models/{model}"
+            elif path.startswith("/admin/replicas/") and path.endswith("/enable"):
+                route = "/admin/replicas/{index}/enable"
             self._metrics.requests.labels(route, str(status["code"] or 499)).inc()
 
 
@@ -170,6 +174,42 @@ async def profile(request: Request) -> Response:
             "machine": machine_info(st.engine),
         }
     )
+
+
+async def enable_replica(request: Request) -> Response:
+    """``POST /admin/replicas/{index}/enable``: re-enable a copy of the model (0: the primary,
+    then each ``--mirror`` in order) that a read error demoted; answers its entry of
+    ``stats()["experts"]["devices"]`` plus ``re_enabled`` (false when it was not demoted)."""
+    st = state_of(request)
+    raw = str(request.path_params["index"])
+    devices = st.engine.stats().get("experts", {}).get("devices")
+    if not devices:
+        raise ApiError(
+            400,
+            "the experts are resident in RAM: there is no copy of the model to re-enable (copies "
+            "serve streamed experts only; see --ram and --mirror)",
+            code="not_streaming",
+        )
+    try:
+        index = int(raw)
+    except ValueError:
+        index = -1
+    if index < 0 or index >= len(devices) or not raw.isdigit():
+        raise ApiError(
+            404,
+            f"no copy {raw!r}: the model has {len(devices)} (index 0 is the primary, then each "
+            f"--mirror in order: 0..{len(devices) - 1})",
+            param="index",
+            code="replica_not_found",
+        )
+    was_demoted = bool(devices[index].get("demoted"))
+    try:
+        entry = await st.engine.enable_replica(index)
+    except ColibriError as exc:
+        raise ApiError(400, str(exc), param="index", code="replica_error") from exc
+    if was_demoted:
+        _log.info("copy re-enabled by request", replica=index, root=entry.get("root"))
+    return JSONResponse({**entry, "re_enabled": was_demoted})
 
 
 # ------------------------------------------------------------------------------ errors
@@ -254,6 +294,7 @@ async def create_app(
         Route("/experts", experts, methods=["GET"]),
         Route("/profile", profile, methods=["GET"]),
         Route("/atlas", atlas, methods=["GET"]),
+        Route("/admin/replicas/{index}/enable", enable_replica, methods=["POST"]),
         *openai_routes(),
         *anthropic_routes(),
     ]

@@ -4,12 +4,14 @@ Names follow vLLM's (``vllm:`` -> ``colibri:``) so existing dashboards adapt by 
 request counters, time to first token, inter-token latency, queue time, end-to-end latency,
 prompt / cached-prompt / generation token counters, running / waiting gauges; plus, read from
 ``engine.stats()`` at scrape time, the engine's counters and the expert tiers (hits per tier,
-misses, bytes read, read wait, prefetch issued / used / wasted, evictions, hit rate).
+misses, bytes read, read wait, prefetch issued / used / wasted, evictions, hit rate) and, when
+the experts stream, one series per copy of the model (``colibri:expert_device_*{index, role,
+root}``: bytes, reads, weight, failovers, demoted, ...; see docs/api.md "Metrics").
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -93,6 +95,68 @@ class _EngineCollector(Collector):
         size = GaugeMetricFamily("colibri:expert_cache_bytes", "Bytes of expert slots in RAM")
         size.add_metric([], float(ex.get("slots_bytes", 0)))
         yield size
+        devices = ex.get("devices")
+        if devices:
+            yield from _device_metrics(devices)
+
+
+# Per-copy series (storage/devices.py): (name, help, type, key in a ``devices`` entry).
+_DEVICE_SERIES: tuple[tuple[str, str, str, str], ...] = (
+    ("colibri:expert_device_read_bytes", "Bytes of experts read from this copy", "c", "bytes"),
+    ("colibri:expert_device_reads", "Expert reads served by this copy", "c", "reads"),
+    ("colibri:expert_device_read_seconds", "Seconds of reads on this copy", "c", "seconds"),
+    (
+        "colibri:expert_device_busy_seconds",
+        "Wall seconds this copy had at least one read in flight",
+        "c",
+        "busy_seconds",
+    ),
+    ("colibri:expert_device_errors", "Failed reads on this copy", "c", "errors"),
+    (
+        "colibri:expert_device_failovers",
+        "Reads that failed on this copy and were retried on another",
+        "c",
+        "failovers",
+    ),
+    (
+        "colibri:expert_device_served_failovers",
+        "Retried reads this copy served for a failed one",
+        "c",
+        "served_failovers",
+    ),
+    ("colibri:expert_device_weight", "Read weight in use for this copy", "g", "weight"),
+    (
+        "colibri:expert_device_base_weight",
+        "Declared or probed read weight of this copy",
+        "g",
+        "base_weight",
+    ),
+    (
+        "colibri:expert_device_throughput_bytes_per_second",
+        "Throughput estimate of this copy (EWMA over busy time; absent before one)",
+        "g",
+        "throughput_bytes_per_s",
+    ),
+    ("colibri:expert_device_demoted", "1 when a read error demoted this copy", "g", "demoted"),
+)
+_DEVICE_LABELS = ["index", "role", "root"]
+
+
+def _device_metrics(devices: Sequence[Mapping[str, Any]]) -> Iterator[Metric]:
+    """One series per copy of the model (0: the primary, then each ``--mirror``) and metric."""
+    for name, doc, kind, key in _DEVICE_SERIES:
+        fam: CounterMetricFamily | GaugeMetricFamily
+        if kind == "c":
+            fam = CounterMetricFamily(name, doc, labels=_DEVICE_LABELS)
+        else:
+            fam = GaugeMetricFamily(name, doc, labels=_DEVICE_LABELS)
+        for d in devices:
+            v = d.get(key)
+            if v is None:
+                continue
+            labels = [str(d.get("index", "")), str(d.get("role", "")), str(d.get("root", ""))]
+            fam.add_metric(labels, float(v))
+        yield fam
 
 
 def _counter(name: str, doc: str, value: Any) -> CounterMetricFamily:
