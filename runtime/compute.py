@@ -20,6 +20,7 @@ besides the BLAS thread limit it sets for the duration of a parallel fast step.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +34,8 @@ from runtime.layers.swiglu import MLPWeights, silu, swiglu
 from runtime.linear import Linear
 
 __all__ = ["ExpertCompute"]
+
+_WORKER_PREFIX = "colibri-expert"
 
 F32Array = npt.NDArray[np.float32]
 R = TypeVar("R")
@@ -68,7 +71,7 @@ class ExpertCompute:
         else:
             self.threads = threads
             self._pool = (
-                ThreadPoolExecutor(threads, thread_name_prefix="colibri-expert")
+                ThreadPoolExecutor(threads, thread_name_prefix=_WORKER_PREFIX)
                 if threads > 1
                 else None
             )
@@ -97,10 +100,36 @@ class ExpertCompute:
             self.fast_calls += 1
         return y
 
+    def row_blocks(self, n_rows: int, macs_per_row: int) -> list[tuple[int, int]] | None:
+        """Row ranges to run on the pool, one per thread, or None when one thread should do it
+        (no pool, few rows, or less work than ``parallel_min_macs``). Only for the compute
+        thread: a worker must not wait on the pool it runs in."""
+        if (
+            self._pool is None
+            or n_rows < 2 * self.threads
+            or n_rows * macs_per_row < self.parallel_min_macs
+            or threading.current_thread().name.startswith(_WORKER_PREFIX)
+        ):
+            return None
+        edges = np.linspace(0, n_rows, self.threads + 1).astype(int)
+        return [(int(a), int(b)) for a, b in itertools.pairwise(edges) if b > a]
+
+    def map_rows(self, blocks: Sequence[tuple[int, int]], fn: Callable[[int, int], R]) -> list[R]:
+        """``[fn(a, b) for each block]`` on the pool (in block order)."""
+        assert self._pool is not None
+        futures = [self._pool.submit(fn, a, b) for a, b in blocks]
+        return [f.result() for f in futures]
+
     def swiglu(self, x: F32Array, w: MLPWeights) -> F32Array:
-        """``down(silu(gate(x)) * up(x))`` [T, D]; BLAS when fast and ``T >= fast_min_rows``."""
+        """``down(silu(gate(x)) * up(x))`` [T, D]; BLAS when fast and ``T >= fast_min_rows``,
+        else the exact kernels, with the rows split over the pool when that pays (bit-identical:
+        the kernels are batch-invariant, a row's result does not depend on the other rows)."""
         if not self.fast_min_rows or x.shape[0] < self.fast_min_rows:
-            return swiglu(x, w)
+            blocks = self.row_blocks(x.shape[0], 3 * w.gate.in_features * w.gate.out_features)
+            if blocks is None:
+                return swiglu(x, w)
+            xx = np.ascontiguousarray(x, dtype=np.float32)
+            return np.concatenate(self.map_rows(blocks, lambda a, b: swiglu(xx[a:b], w)))
         xx = np.ascontiguousarray(x, dtype=np.float32)
         h = silu(self._dense(xx, w.gate)) * self._dense(xx, w.up)  # [T, F]
         return self._dense(np.ascontiguousarray(h, dtype=np.float32), w.down)  # [T, D]

@@ -81,14 +81,21 @@ def test_threads_give_bit_identical_rows_resident() -> None:
     m = load_model(c)
     m.attention_mode = "absorbed"
     ids = np.array(PROMPT, dtype=np.int64)
-    ref = m.forward(ids, m.new_cache()).logits
+    def chunked(size: int) -> np.ndarray:
+        cache = m.new_cache()
+        return np.concatenate(
+            [m.forward(ids[i : i + size], cache).logits for i in range(0, ids.size, size)]
+        )
+
+    ref = chunked(1)  # token by token: nothing to split
     m.compute = ExpertCompute(3, parallel_min_macs=0)
     try:
-        got = m.forward(ids, m.new_cache()).logits
+        # whole prompt, and chunks after a prefix (row blocks of later chunks see the cache)
+        for size in (ids.size, 31):
+            assert np.array_equal(chunked(size), ref), size
         assert m.compute.parallel_steps > 0  # the pool really ran the experts
     finally:
         m.compute.close()
-    assert np.array_equal(got, ref)
 
 
 async def _stream(opts: EngineOptions, compute: Any = None) -> tuple[list[int], dict[str, Any]]:

@@ -161,11 +161,15 @@ def attend(
     allowed: BoolArray,
     scale: float,
     absorbed: bool,
+    *,
+    rows_after: int = 0,
 ) -> F32Array:
     """Attention of the new queries over all keys -> o_proj output [T, D].
 
     ``latent`` [S, C] and ``k_rope`` [S, R] include the new rows; ``allowed`` [T, S] is the
-    causal mask, narrowed by the DSA selection where the model has one.
+    causal mask, narrowed by the DSA selection where the model has one. ``rows_after``: how many
+    new rows follow these T (absorbed form only: a block of a step's rows computed on its own,
+    with exactly the products the whole step would run for them).
     """
     t, nh = p.q_nope.shape[0], d.num_attention_heads
     sc = np.float32(scale)
@@ -180,7 +184,7 @@ def attend(
         o_lat = np.empty((t, nh, d.kv_lora_rank), dtype=np.float32)  # [T, NH, C]
         s_all = latent.shape[0]
         for i in range(t):
-            end = s_all - t + i + 1  # keys [0, end) are causal for row i
+            end = s_all - rows_after - t + i + 1  # keys [0, end) are causal for row i
             lat = latent[:end]  # [S_i, C]
             scores = (q_lat[i] @ lat.T + p.q_rope[i] @ k_rope[:end].T) * sc  # [NH, S_i]
             probs = softmax(scores, allowed[i, None, :end])  # [NH, S_i]
@@ -189,6 +193,8 @@ def attend(
         for h in range(nh):
             out[:, h, :] = w.w_uv[h](np.ascontiguousarray(o_lat[:, h, :]))  # [T, V]
     else:
+        if rows_after:
+            raise ValueError("rows_after applies to the absorbed form only")
         # Head-major GEMMs: the fast order for a prefill chunk (rows may depend on T by
         # rounding; prefill and decode are held to a tolerance, not bit identity).
         s = latent.shape[0]

@@ -439,7 +439,7 @@ class MLAMoEModel:
         t = h.shape[0]
         s = start + t
         x = rms_norm(h, lw.input_layernorm, c.rms_norm_eps)  # [T, D]
-        proj = mla.project(lw.attn, d, x, cos, sin, self.rope.interleave)
+        proj = self._project(lw, x, cos, sin)
         cache.write(slot, start, proj.latent, proj.k_rope)
         allowed = mla.causal_mask(t, s)  # [T, S]
         selection = self._sparse_selection(
@@ -451,17 +451,47 @@ class MLAMoEModel:
             absorbed = mla.prefer_absorbed(d, t, s)
         else:
             absorbed = self.attention_mode == "absorbed"
-        h = h + mla.attend(
-            lw.attn,
-            d,
-            proj,
-            cache.latent(slot, s),
-            cache.k_rope(slot, s),
-            allowed,
-            self.softmax_scale,
-            absorbed,
-        )  # [T, D]
-        return h, selection
+        latent, k_rope = cache.latent(slot, s), cache.k_rope(slot, s)
+        blocks = self.compute.row_blocks(t, s * d.num_attention_heads * d.kv_lora_rank * 4)
+        if absorbed and blocks is not None:
+            # Rows are independent in the absorbed form: blocks on the pool, bit-identical.
+            def rows(a: int, b: int) -> F32Array:
+                part = mla.MLAProjection(
+                    *(None if v is None else v[a:b] for v in proj)  # type: ignore[arg-type]
+                )
+                return mla.attend(
+                    lw.attn, d, part, latent, k_rope, allowed[a:b], self.softmax_scale, True,
+                    rows_after=t - b,
+                )  # fmt: skip
+
+            out = np.concatenate(self.compute.map_rows(blocks, rows))
+        else:
+            out = mla.attend(
+                lw.attn, d, proj, latent, k_rope, allowed, self.softmax_scale, absorbed
+            )
+        return h + out, selection  # [T, D]
+
+    def _project(self, lw: LayerWeights, x: F32Array, cos: F32Array, sin: F32Array) -> Any:
+        """:func:`mla.project`, rows split over the compute pool for a long chunk (every row
+        is projected on its own: bit-identical)."""
+        d, w, il = self.dims, lw.attn, self.rope.interleave
+        per_row = sum(
+            lin.in_features * lin.out_features
+            for lin in (w.q_a_proj, w.q_b_proj, w.q_proj, w.kv_a_proj_with_mqa)
+            if lin is not None
+        )
+        blocks = self.compute.row_blocks(x.shape[0], per_row)
+        if blocks is None:
+            return mla.project(w, d, x, cos, sin, il)
+        parts = self.compute.map_rows(
+            blocks, lambda a, b: mla.project(w, d, x[a:b], cos[a:b], sin[a:b], il)
+        )
+        return mla.MLAProjection(
+            *(  # type: ignore[arg-type]
+                None if parts[0][k] is None else np.concatenate([p[k] for p in parts])
+                for k in range(len(parts[0]))
+            )
+        )
 
     def _mlp(self, layer: int, lw: LayerWeights, h: F32Array) -> F32Array:
         """MLP / MoE half of a layer: h + mlp(norm(h)) [T, D]. Rows are independent, so rows of
