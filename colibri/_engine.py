@@ -117,6 +117,7 @@ class Engine:
             "prefill_chunks": 0,
             "prefill_seconds": 0.0,
             "prefill_bytes_read": 0,
+            "prefill_expert_reads": 0,
             "prompt_tokens_reused": 0,
             "generated_tokens": 0,
             "compute_seconds": 0.0,
@@ -405,6 +406,7 @@ class Engine:
         store = self._store
         t0 = time.perf_counter()
         before = store.stats.bytes_read if store is not None else 0
+        reads_before = store.stats.experts_read if store is not None else 0
         try:
             if store is not None and ids.size > 1:
                 store.prefill = True
@@ -421,6 +423,7 @@ class Engine:
         self._counters["prefill_seconds"] += time.perf_counter() - t0
         if store is not None:
             self._counters["prefill_bytes_read"] += store.stats.bytes_read - before
+            self._counters["prefill_expert_reads"] += store.stats.experts_read - reads_before
         assert last is not None
         return last
 
@@ -523,12 +526,13 @@ class Engine:
             s["prefill_tokens_per_s"] = s["prefill_tokens"] / s["prefill_seconds"]
         if s["prefill_tokens"]:
             s["prefill_bytes_per_token"] = s["prefill_bytes_read"] / s["prefill_tokens"]
+        if s["prefill_chunks"]:
+            s["prefill_expert_reads_per_chunk"] = s["prefill_expert_reads"] / s["prefill_chunks"]
         comp = self._model.compute
         s["compute"] = {
             "threads": comp.threads,
-            "parallel_steps": comp.parallel_steps + (
-                0 if self._prefill_compute is comp else self._prefill_compute.parallel_steps
-            ),
+            "parallel_steps": comp.parallel_steps
+            + (0 if self._prefill_compute is comp else self._prefill_compute.parallel_steps),
             "prefill_chunk": self._prefill_chunk,
             "fast_prefill": self.options.fast_prefill,
             "fast_prefill_matmuls": self._prefill_compute.fast_calls,

@@ -96,6 +96,10 @@ def test_expert_major_prefill_reads_each_expert_once_per_chunk() -> None:
     moe_layers, experts = 3, 16  # the demo model's main MoE layers (MTP is not run here)
     assert w["prefill_bytes_read"] <= moe_layers * experts * per_expert + 1
     assert w["prefill_bytes_read"] * 3 < s["prefill_bytes_read"]
+    # telemetry: one chunk, at most one read per (layer, expert) in it
+    assert w["prefill_chunks"] == 1
+    assert 0 < w["prefill_expert_reads_per_chunk"] <= moe_layers * experts
+    assert s["prefill_expert_reads"] > 3 * w["prefill_expert_reads"]
 
 
 def test_prefill_does_not_flush_the_decode_hot_set() -> None:
