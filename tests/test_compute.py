@@ -81,6 +81,7 @@ def test_threads_give_bit_identical_rows_resident() -> None:
     m = load_model(c)
     m.attention_mode = "absorbed"
     ids = np.array(PROMPT, dtype=np.int64)
+
     def chunked(size: int) -> np.ndarray:
         cache = m.new_cache()
         return np.concatenate(

@@ -1,0 +1,30 @@
+"""The code standards hold on every commit: ruff-clean (lint and format) everywhere, mypy strict
+on storage/ and colibri/ (configured in pyproject.toml)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PY_DIRS = ("storage", "runtime", "colibri", "tests", "tools")
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+
+
+@pytest.mark.parametrize("cmd", [("ruff", "check", "."), ("ruff", "format", "--check", *PY_DIRS)])
+def test_ruff(cmd: tuple[str, ...]) -> None:
+    p = _run(*cmd)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_mypy_strict_storage_and_colibri() -> None:
+    p = _run("mypy", "storage", "colibri")
+    assert p.returncode == 0, p.stdout + p.stderr
