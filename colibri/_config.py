@@ -110,7 +110,7 @@ class EngineOptions(BaseModel):
     disk_weights: tuple[float, ...] | None = None
     disk_adapt: bool = True
     stripe_min_bytes: int = 0
-    # Speculative decoding (runtime/speculative.py): "auto" lets the cost model decide.
+    # Speculative decoding (runtime/speculative/): "auto" lets the cost model decide.
     draft: str = "auto"
 
     @field_validator("draft", mode="before")

@@ -1,7 +1,8 @@
-"""Speculative decoding (runtime/speculative.py): greedy output and the KV cache are exactly
+"""Speculative decoding (runtime/speculative/): greedy output and the KV cache are exactly
 those of plain decoding for MTP and prompt-lookup drafts, k = 1..4, three architectures,
 resident and streaming; the rejection sampler draws from the target distribution (chi-square);
-the cost model switches drafting off and back on; options, CLI flag and telemetry."""
+the cost model keeps acceptance per draft position, picks the source and k of the best
+tokens/s per round, switches drafting off and back on; options, CLI flag and telemetry."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from runtime.speculative import (
     accept_or_resample,
     expected_tokens,
     lookup_draft,
+    lookup_match,
     mtp_step,
 )
 from storage.container import Container
@@ -436,6 +438,104 @@ def test_expected_tokens() -> None:
     assert expected_tokens(0.0, 3) == 1.0
     assert expected_tokens(1.0, 3) == 4.0
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    # per position: 1 + a1 + a1 a2 + a1 a2 a3 (the last value repeats)
+    assert expected_tokens([0.8, 0.5], 3) == pytest.approx(1 + 0.8 + 0.4 + 0.2)
+
+
+def _timed(cm: CostModel, t1: float = 0.0065, t_row: float = 0.0013) -> CostModel:
+    for _ in range(3):
+        cm.observe_step(1, t1)
+        cm.observe_step(3, t1 + 2 * t_row)
+    return cm
+
+
+def test_cost_model_acceptance_per_position_sets_k() -> None:
+    """An MTP head whose first draft (from real hidden states) matches 85% of the time but
+    whose chained drafts rarely do: one draft pays, more do not. A single pooled acceptance
+    (old model: 0.6 over all drafts) would pick k = 2..3."""
+    cm = _timed(CostModel(top_k=4, n_experts=32, moe_layers=5, max_k=4))
+    cm.observe_draft_parts("mtp", 0.0015, 2, 0.0030)
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        if rng.random() < 0.85:
+            cm.observe_proposal("mtp", 3, 1 + int(rng.random() < 0.2))
+        else:
+            cm.observe_proposal("mtp", 3, 0)
+    assert cm.acceptance("mtp", 1) > 0.75
+    assert cm.acceptance("mtp", 2) < 0.35
+    assert cm.draft_seconds("mtp", 3) == pytest.approx(0.0015 + 2 * 0.0015)
+    k, s = cm.best("mtp")
+    assert k == 1 and s > 1.1
+    assert cm.expected("mtp", 1) == pytest.approx(1 + cm.acceptance("mtp", 1))
+
+
+def test_cost_model_chooses_best_rate_across_sources() -> None:
+    """Per round: a 3-gram lookup match (almost always right, free) beats the MTP head; a
+    1-gram match that is mostly wrong loses to it; nothing paying gives a plain step, and a
+    probe once the gap is up."""
+    cm = _timed(CostModel(top_k=4, n_experts=32, moe_layers=5, max_k=4, probe_interval=4))
+    cm.observe_draft_parts("mtp", 0.0015, 1, 0.0015)
+    cm.observe_draft("lookup", 1, 0.00005)
+    for _ in range(40):
+        cm.observe_proposal("mtp", 2, 1)
+        cm.observe_proposal("lookup-3", 4, 4)
+        cm.observe_proposal("lookup-1", 1, 0)
+    assert cm.choose({"mtp": 4, "lookup-3": 4}) == ("lookup-3", 4, False)
+    assert cm.choose({"mtp": 4, "lookup-3": 2}) == ("lookup-3", 2, False)
+    assert cm.choose({"mtp": 4, "lookup-1": 4}) == ("mtp", 1, False)
+    # the head stops matching: lookup-1 and mtp are both off, plain steps, then one probe
+    for _ in range(40):
+        cm.observe_proposal("mtp", 1, 0)
+    picks = [cm.choose({"mtp": 4, "lookup-1": 4}) for _ in range(4)]
+    assert picks[:3] == [(None, 0, False)] * 3
+    assert picks[3][1:] == (1, True)
+
+
+def test_mtp_draft_cost_split_first_and_chained(models: dict) -> None:
+    """A fixed mtp:3 run teaches the cost model the head's first-draft and chained-draft
+    seconds separately (both measured, both > 0)."""
+    run = _speculative(models["demo"], _prompts(2)[1], 24, "mtp:3")
+    assert run.decoder is not None
+    cost = run.decoder.cost
+    assert cost.draft_cost["mtp"] > 0 and cost.chain_cost["mtp"] > 0
+    assert cost.draft_seconds("mtp", 3) == pytest.approx(
+        cost.draft_cost["mtp"] + 2 * cost.chain_cost["mtp"]
+    )
+
+
+def test_auto_combines_lookup_and_mtp_in_one_generation(models: dict) -> None:
+    """With a cost model that has seen 3-gram lookup matches and the MTP head pay, auto drafts
+    from prompt lookup where a 3-gram matches (the repeated prompt) and from the head elsewhere,
+    within one generation; greedy output and cache stay exactly plain decoding's."""
+    model = models["demo"]
+    cm = _timed(CostModel(top_k=model.config.num_experts_per_tok, n_experts=32, moe_layers=5))
+    cm.observe_draft_parts("mtp", 0.0015, 1, 0.0015)
+    for _ in range(30):
+        cm.observe_proposal("mtp", 2, 1)
+        cm.observe_proposal("lookup-3", 4, 4)
+    rng = np.random.default_rng(3)
+    head = [int(x) for x in rng.integers(3, 999, size=10)]
+    prompt = head * 3
+    ref = _plain(model, prompt, N_TOKENS)
+    cache = model.new_cache()
+    dec = SpeculativeDecoder(
+        model,
+        cache,
+        Sampler(SamplingParams()),
+        prompt=prompt,
+        policy=DraftPolicy.parse("auto"),
+        cost=cm,
+        stats=SpecStats(),
+        stop_ids=EOS,
+    )
+    out = model.forward(np.array(prompt), cache)
+    dec.prefill_hook(np.array(prompt), out.hidden)
+    toks = [dec.first(out.logits[-1])]
+    while len(toks) < N_TOKENS and toks[-1] not in EOS:
+        toks += [t for t, _ in dec.step(toks[-1], N_TOKENS - len(toks))]
+    assert toks == ref.tokens
+    assert _same_cache(cache, ref.cache)
+    assert dec.stats.proposed["lookup"] > 0 and dec.stats.proposed["mtp"] > 0
 
 
 # ----------------------------------------------------------------------------- drafts, options
@@ -447,6 +547,9 @@ def test_lookup_draft() -> None:
     assert lookup_draft([1, 2, 3], 2) == []
     assert lookup_draft([4, 4], 3) == [4]
     assert lookup_draft([1, 5, 1, 6, 1], 1) == [6]  # the latest match wins
+    assert lookup_match([1, 2, 3, 4, 9, 2, 3], 3) == ([4, 9, 2], 2)  # the n-gram length too
+    assert lookup_match([7, 1, 2, 3, 8, 1, 2, 3], 2) == ([8, 1], 3)
+    assert lookup_match([1, 2, 3], 2) == ([], 0)
 
 
 def test_draft_policy_parse() -> None:
@@ -494,4 +597,5 @@ def test_stats_report_speculative_telemetry() -> None:
         assert key in spec
     assert spec["proposed"]["mtp"] > 0
     assert spec["tokens_per_forward"] >= 1.0
-    assert set(spec["cost_model"]["sources"]) == {"grammar", "mtp", "lookup"}
+    assert {"grammar", "mtp", "lookup"} <= set(spec["cost_model"]["sources"])
+    assert len(spec["cost_model"]["sources"]["mtp"]["acceptance_by_position"]) == 4

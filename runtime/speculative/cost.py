@@ -1,0 +1,247 @@
+"""The cost model: does drafting pay this round, from which source, and how many tokens?"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.speculative._common import SOURCES
+from runtime.speculative.acceptance import expected_tokens
+
+# Acceptance priors (probability that a draft matches) before any telemetry: MTP heads reach
+# 2.2-2.8 tokens/forward at k=3 when they pay; lookup is a guess; a forced grammar span only
+# misses where another tokenization of the same bytes is allowed.
+_PRIORS: dict[str, float] = {"grammar": 0.95, "mtp": 0.6, "lookup": 0.4}
+_PRIOR_WEIGHT = 2.0  # pseudo-proposals behind each prior
+POSITIONS = 4  # acceptance is kept per draft position 1..4 (later positions share the 4th)
+
+
+def base_source(key: str) -> str:
+    """The source of a cost-model key: ``lookup-3`` (a 3-gram lookup match) -> ``lookup``."""
+    return key.split("-", 1)[0]
+
+
+def _ewma(old: float | None, new: float, w: float) -> float:
+    return new if old is None else old + w * (new - old)
+
+
+@dataclass
+class CostModel:
+    """When does drafting pay? ``choose({key: max_k, ..})`` -> (key, k, probe) for this round.
+
+    Keys are sources (``grammar``, ``mtp``) or finer contexts of one (``lookup-3``: a lookup
+    draft from a 3-gram match). A round with k drafts emits ``E(k) = 1 + a1 + a1 a2 + .. +
+    a1..ak`` tokens, where ``ai`` is the key's acceptance at draft position i (given the
+    earlier drafts matched: an MTP head's first draft, from real hidden states, is right far
+    more often than its chained ones). It costs ``step(k + 1) + draft(k)`` seconds against
+    ``step(1)`` per plain token, where ``draft(k) = first + (k - 1) * chain`` (an MTP head runs
+    the newly accepted positions for its first draft, then one row per further draft),
+    ``step(r) = t1 + t_row * (r - 1) + misses(r) * t_miss`` and ``misses(r) = moe_layers *
+    U(r) * (1 - hit_rate)`` with ``U(r) = min(E, K + (r - 1) * K * overlap)`` distinct experts
+    per layer (``overlap`` 1 until routing of wider steps is seen). The round's choice is the
+    key and k of the highest tokens per second, when that beats plain decoding by ``margin``.
+    Acceptance per position is A / (A + R) over exponentially decayed counts (window
+    ~``window`` checks). When nothing pays, a key that is off gets a k=1 probe after
+    ``probe_interval`` such rounds, the gap doubling (up to ``max_probe_interval``) while
+    probes find it still off."""
+
+    top_k: int = 8
+    n_experts: int = 256
+    moe_layers: int = 1
+    max_k: int = 4
+    window: int = 24
+    probe_interval: int = 16
+    max_probe_interval: int = 256
+    margin: float = 0.03
+    ewma: float = 0.2
+    t1: float | None = None  # compute seconds of a one-row step
+    t_row: float | None = None  # extra compute seconds per extra row
+    t_miss: float | None = None  # stall seconds per missed expert
+    hit_rate: float = 1.0  # resident: every expert is a hit
+    overlap: float = 1.0  # new distinct experts per extra row, as a fraction of K
+    draft_cost: dict[str, float] = field(default_factory=dict)  # seconds of a first draft
+    chain_cost: dict[str, float] = field(default_factory=dict)  # seconds per further draft
+    _acc: dict[str, list[list[float]]] = field(default_factory=dict)  # key -> [A, R] per pos
+    _since_probe: dict[str, int] = field(default_factory=dict)
+    _gap: dict[str, int] = field(default_factory=dict)
+
+    # ---- telemetry in
+    def observe_proposal(self, source: str, proposed: int, accepted: int) -> None:
+        """``proposed`` drafts of ``source`` (a key) were checked: the first ``accepted``
+        matched, and when ``accepted < proposed`` draft ``accepted + 1`` did not."""
+        if proposed <= 0:
+            return
+        counts = self._counts(source)
+        d = 1.0 - 1.0 / self.window
+        for i in range(min(proposed, accepted + 1)):
+            c = counts[min(i, POSITIONS - 1)]
+            ok = i < accepted
+            c[0] = c[0] * d + (1.0 if ok else 0.0)
+            c[1] = c[1] * d + (0.0 if ok else 1.0)
+
+    def observe_step(
+        self, rows: int, seconds: float, *, stall: float = 0.0, misses: int = 0, lookups: int = 0
+    ) -> None:
+        """A verify (or plain) step of ``rows`` rows took ``seconds``, ``stall`` of them waiting
+        for ``misses`` expert reads, out of ``lookups`` expert look-ups (streaming)."""
+        w = self.ewma
+        compute = max(seconds - stall, 1e-9)
+        if rows == 1:
+            self.t1 = _ewma(self.t1, compute, w)
+        elif self.t1 is not None:
+            self.t_row = _ewma(self.t_row, max(compute - self.t1, 0.0) / (rows - 1), w)
+        if misses > 0:
+            self.t_miss = _ewma(self.t_miss, stall / misses, w)
+        if lookups > 0:
+            self.hit_rate = _ewma(self.hit_rate, 1.0 - misses / lookups, w)
+
+    def observe_union(self, rows: int, union_per_layer: float) -> None:
+        """Mean distinct routed experts per MoE layer seen in a step of ``rows`` rows."""
+        if rows <= 1 or self.top_k <= 0:
+            return
+        ov = (union_per_layer - self.top_k) / ((rows - 1) * self.top_k)
+        self.overlap = _ewma(self.overlap, min(max(ov, 0.0), 1.0), self.ewma)
+
+    def observe_draft(self, source: str, tokens: int, seconds: float) -> None:
+        """Drafting ``tokens`` tokens from ``source`` took ``seconds`` (split evenly)."""
+        if tokens > 0:
+            self.observe_draft_parts(
+                source, seconds / tokens, tokens - 1, seconds - seconds / tokens
+            )
+
+    def observe_draft_parts(
+        self, source: str, first: float | None, chained: int, chain_seconds: float
+    ) -> None:
+        """A round's first draft from ``source`` took ``first`` seconds (None: unknown, e.g.
+        it included a one-off catch-up over a backlog), ``chained`` further drafts
+        ``chain_seconds``."""
+        if first is not None:
+            self.draft_cost[source] = _ewma(self.draft_cost.get(source), first, 0.3)
+        if chained > 0:
+            self.chain_cost[source] = _ewma(
+                self.chain_cost.get(source), chain_seconds / chained, 0.3
+            )
+
+    # ---- estimates
+    def acceptance(self, source: str, position: int = 1) -> float:
+        """Acceptance of ``source``'s draft at ``position`` (1-based) given the earlier ones
+        matched."""
+        a, r = self._counts(source)[min(max(position, 1), POSITIONS) - 1]
+        return a / (a + r) if a + r > 0 else 0.0
+
+    def expected(self, source: str, k: int) -> float:
+        """Expected tokens of a round with ``k`` drafts from ``source``."""
+        return expected_tokens([self.acceptance(source, i + 1) for i in range(POSITIONS)], k)
+
+    def draft_seconds(self, source: str, k: int) -> float:
+        """Estimated seconds to draft ``k`` tokens from ``source``."""
+        if k <= 0:
+            return 0.0
+        base = base_source(source)
+        first = self.draft_cost.get(source, self.draft_cost.get(base, 0.0))
+        chain = self.chain_cost.get(source, self.chain_cost.get(base, first))
+        return first + (k - 1) * chain
+
+    def union(self, rows: int) -> float:
+        return min(float(self.n_experts), self.top_k * (1.0 + (rows - 1) * self.overlap))
+
+    def step_cost(self, rows: int) -> float:
+        """Estimated seconds of a step with ``rows`` rows."""
+        t1 = self.t1 if self.t1 is not None else 1.0
+        t_row = self.t_row if self.t_row is not None else 0.1 * t1
+        t_miss = self.t_miss if self.t_miss is not None else 0.0
+        misses = self.moe_layers * self.union(rows) * (1.0 - self.hit_rate)
+        return t1 + t_row * (rows - 1) + misses * t_miss
+
+    def speedup(self, source: str, k: int) -> float:
+        """Estimated tokens/s with k drafts from ``source`` over plain decoding."""
+        if k <= 0:
+            return 1.0
+        cost = self.step_cost(k + 1) + self.draft_seconds(source, k)
+        return self.expected(source, k) * self.step_cost(1) / cost
+
+    def best(self, source: str, max_k: int | None = None) -> tuple[int, float]:
+        """(k, speed-up) of the best k in 1..max_k."""
+        top = self.max_k if max_k is None else max_k
+        best_k, best_s = 0, 1.0
+        for k in range(1, top + 1):
+            s = self.speedup(source, k)
+            if s > best_s:
+                best_k, best_s = k, s
+        return best_k, best_s
+
+    def pays(self, source: str) -> bool:
+        return self.best(source)[1] >= 1.0 + self.margin
+
+    def choose(self, options: Mapping[str, int]) -> tuple[str | None, int, bool]:
+        """This round's drafts: ``options`` maps each key that has drafts now to how many it
+        can give; returns (key, k, probe), (None, 0, False) for a plain step. The key and k
+        of the best estimated tokens/s win when they beat plain decoding by ``margin``; when
+        nothing pays, a due probe (k = 1) replaces the plain step."""
+        best_key: str | None = None
+        best_k, best_s = 0, 1.0 + self.margin
+        paying = []
+        for key, top in options.items():
+            if top <= 0:
+                continue
+            k, s = self.best(key, top)
+            if s >= 1.0 + self.margin:
+                paying.append(key)
+                if s >= best_s:
+                    best_key, best_k, best_s = key, k, s
+        if best_key is not None:
+            for key in paying:
+                self._since_probe[key] = 0
+                self._gap[key] = self.probe_interval
+            return best_key, best_k, False
+        probe: str | None = None
+        for key, top in options.items():
+            if top <= 0:
+                continue
+            n = self._since_probe.get(key, 0) + 1
+            gap = self._gap.get(key, self.probe_interval)
+            if probe is None and n >= gap:
+                # probes cost too: each one that finds the key still off doubles the gap
+                self._since_probe[key] = 0
+                self._gap[key] = min(2 * gap, self.max_probe_interval)
+                probe = key
+            else:
+                self._since_probe[key] = n
+        return (probe, 1, True) if probe is not None else (None, 0, False)
+
+    def plan(self, source: str, max_k: int | None = None) -> int:
+        """Drafts to propose from ``source`` alone this round (0: not now), probes included."""
+        top = self.max_k if max_k is None else max_k
+        return self.choose({source: top})[1] if top > 0 else 0
+
+    def snapshot(self) -> dict[str, Any]:
+        """The model's state for ``stats()``."""
+        keys = list(SOURCES) + sorted(k for k in self._acc if k not in SOURCES)
+        return {
+            "t1_s": self.t1,
+            "t_row_s": self.t_row,
+            "t_miss_s": self.t_miss,
+            "hit_rate": self.hit_rate,
+            "overlap": self.overlap,
+            "draft_cost_s": dict(self.draft_cost),
+            "chain_cost_s": dict(self.chain_cost),
+            "sources": {
+                s: {
+                    "acceptance": self.acceptance(s),
+                    "acceptance_by_position": [self.acceptance(s, i + 1) for i in range(POSITIONS)],
+                    "best_k": self.best(s)[0],
+                    "speedup": self.best(s)[1],
+                    "on": self.pays(s),
+                }
+                for s in keys
+            },
+        }
+
+    def _counts(self, source: str) -> list[list[float]]:
+        if source not in self._acc:
+            prior = _PRIORS.get(base_source(source), 0.5)
+            self._acc[source] = [
+                [prior * _PRIOR_WEIGHT, (1.0 - prior) * _PRIOR_WEIGHT] for _ in range(POSITIONS)
+            ]
+        return self._acc[source]

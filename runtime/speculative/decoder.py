@@ -1,0 +1,379 @@
+"""The round-by-round speculative decoder: draft, verify in one forward, accept, roll back."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from runtime.kv import KVCache
+from runtime.sampling import Sampler
+from runtime.speculative._common import (
+    SOURCES,
+    Emitted,
+    F32Array,
+    F64Array,
+    Source,
+    TokenConstraint,
+)
+from runtime.speculative.acceptance import accept_or_resample, sample_from
+from runtime.speculative.cost import CostModel
+from runtime.speculative.drafts import MtpDrafter, lookup_match
+from runtime.speculative.policy import DraftPolicy
+from runtime.speculative.stats import SpecStats
+
+_MAX_FORCED = 16  # a forced grammar span is drafted whole, up to this many tokens per step
+
+
+@dataclass
+class _Draft:
+    tokens: list[int] = field(default_factory=list)
+    sources: list[Source] = field(default_factory=list)
+    q: list[F64Array | None] = field(default_factory=list)  # [V] each, None = one-hot
+    keys: dict[str, str] = field(default_factory=dict)  # source -> its cost-model key
+    probe: bool = False
+
+    def add(self, tokens: Sequence[int], source: Source, key: str) -> None:
+        for t in tokens:
+            self.tokens.append(int(t))
+            self.sources.append(source)
+            self.q.append(None)
+        self.keys[source] = key
+
+
+class SpeculativeDecoder:
+    """Decodes one generation round by round (runs in the engine's compute thread).
+
+    ``first(logits)`` samples the first token after prefill; ``step(last, remaining)`` emits
+    1..k+1 tokens and leaves ``cache`` holding everything emitted except the final token (as
+    plain decoding does). ``prefill_hook`` feeds prefill chunks to the MTP head."""
+
+    def __init__(
+        self,
+        model: Any,
+        cache: KVCache,
+        sampler: Sampler,
+        *,
+        prompt: Sequence[int] | npt.NDArray[np.integer],
+        policy: DraftPolicy,
+        cost: CostModel,
+        stats: SpecStats,
+        grammar: TokenConstraint | None = None,
+        stop_ids: Sequence[int] = (),
+        store_stats: Callable[[], Any] | None = None,
+        reproducible: bool = False,
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        self.sampler = sampler
+        self.policy = policy
+        self.cost = cost
+        self.stats = stats
+        self.grammar = grammar
+        self.stops = frozenset(int(t) for t in stop_ids)
+        self._store_stats = store_stats
+        seed = sampler.params.seed
+        # The acceptance draws have their own stream: the sampler's stays as plain decoding.
+        self._rng = np.random.Generator(np.random.PCG64(None if seed is None else [seed, 7]))
+        self._history: list[int] = [int(x) for x in np.asarray(prompt).reshape(-1)]
+        self._n_main = int(model.config.num_hidden_layers)
+        # reproducible (seeded sampling under "auto"): no choice may follow timings, so model
+        # drafts stay off and forced grammar spans are always drafted
+        self._fixed = policy.mode == "fixed" or reproducible
+        drafts_on = policy.mode != "off" and not reproducible
+        self._mtp: MtpDrafter | None = None
+        if drafts_on and policy.source in ("any", "mtp") and getattr(model, "has_mtp", False):
+            self._mtp = MtpDrafter(model)
+        # prompt lookup: pinned, or where there is no head, or (auto) next to the head
+        self._lookup = drafts_on and (
+            policy.source == "lookup"
+            or (policy.source == "any" and (self._mtp is None or not self._fixed))
+        )
+        self._grammar_drafts = policy.mode != "off" and grammar is not None
+
+    # ---- entry points
+    def prefill_hook(self, ids: npt.NDArray[np.integer], hidden: F32Array) -> None:
+        """After each prefill chunk (compute thread): queue the chunk's rows for the MTP head.
+        The head runs over them only when it first drafts (prefill itself reads and computes
+        nothing more), over the latest ``MAX_PENDING`` prompt positions."""
+        if self._mtp is not None:
+            self._mtp.observe(ids, hidden)
+
+    def first(self, logits: F32Array) -> int:
+        """Sample the first generated token from the prefill's last logits [V]."""
+        tok = self.sampler.sample(self._masked(logits))
+        self._commit(tok)
+        return tok
+
+    def step(self, last: int, remaining: int) -> list[Emitted]:
+        """One round after ``last`` (emitted, not yet in the cache); at most ``remaining``
+        tokens come back, cut after the first stop token."""
+        if remaining <= 0:
+            return []
+        t0 = time.perf_counter()
+        start = self.cache.length
+        draft = self._propose(last, remaining - 1)
+        t_draft = time.perf_counter() - t0
+        ids = np.array([last, *draft.tokens], dtype=np.int64)  # [k + 1]
+        before = self._store_snapshot()
+        t1 = time.perf_counter()
+        logits, hidden, unions = self._forward(ids)  # [k + 1, V], [k + 1, D]
+        t_fwd = time.perf_counter() - t1
+        emitted, acc = self._accept(draft, logits)
+        m = len(emitted)
+        self.cache.truncate(start + m)  # keep last, e1..e(m-1): the rejected rows are gone
+        if self._mtp is not None:
+            self._mtp.observe(ids[:m], hidden[:m])
+        self._telemetry(draft, ids.size, m, acc, t0, t_draft, t_fwd, before, unions)
+        return emitted
+
+    def plain(self, last: int, logits: F32Array) -> list[Emitted]:
+        """A round without drafts whose one-row forward of ``last`` ran elsewhere (the engine's
+        batched decode step, shared with other generations): sample from ``logits`` [V]."""
+        t0 = time.perf_counter()
+        if self._mtp is not None:
+            self._mtp.forget()
+        tok = self.sampler.sample(self._masked(logits))
+        self._commit(tok)
+        st = self.stats
+        st.rounds += 1
+        st.tokens += 1
+        st.plain_steps += 1
+        dt = time.perf_counter() - t0
+        st.plain_seconds += dt
+        st.seconds += dt
+        st.model_seconds += self.cost.step_cost(1)
+        return [(tok, logits)]
+
+    # ---- drafting
+    def _propose(self, last: int, room: int) -> _Draft:
+        d = _Draft()
+        if room <= 0:
+            return d
+        fixed = self._fixed
+        cap = min(room, self.policy.k)
+        if self._grammar_drafts and self.grammar is not None:
+            forced = self.grammar.forced()[:_MAX_FORCED]
+            if forced:
+                kg = len(forced) if fixed else self.cost.plan("grammar", len(forced))
+                kg = min(kg, room)
+                d.add(forced[:kg], "grammar", "grammar")
+                cap = min(room, max(cap, kg))
+        left = cap - len(d.tokens)
+        if left <= 0 or (d.tokens and d.tokens[-1] in self.stops):
+            return d
+        if self._mtp is None and not self._lookup:
+            return d
+        # prompt lookup costs next to nothing: its draft (if any) is known before choosing
+        look: list[int] = []
+        look_key = "lookup"
+        if self._lookup:
+            t0 = time.perf_counter()
+            toks, n = lookup_match([*self._history, *d.tokens], left)
+            look = self._legal(d.tokens, toks)
+            look_key = f"lookup-{n}"
+            self.cost.observe_draft("lookup", 1, time.perf_counter() - t0)
+        if fixed:
+            # a pinned source, or "N": the MTP head when the model has one, else lookup
+            if self._mtp is not None:
+                self._draft_mtp(d, last, left)
+            else:
+                d.add(look, "lookup", look_key)
+            return d
+        # auto: the key and k of the best estimated tokens/s (lookup from this match, or the
+        # head), plain when neither pays, or a due probe
+        options: dict[str, int] = {}
+        if self._mtp is not None:
+            options["mtp"] = left
+        if look:
+            options[look_key] = len(look)
+        key, want, d.probe = self.cost.choose(options)
+        if key == "mtp":
+            self._draft_mtp(d, last, want)
+        elif key is not None:
+            d.add(look[:want], "lookup", key)
+        return d
+
+    def _draft_mtp(self, d: _Draft, last: int, want: int) -> None:
+        """Chain ``want`` MTP drafts after ``d``'s tokens and tell the cost model what the
+        first draft (the head over the positions accepted since it last ran) and the chained
+        ones cost; a first draft that caught the head up on a backlog (the prompt, rows from
+        rounds it sat out) is a one-off the estimate leaves out."""
+        assert self._mtp is not None
+        head = self._mtp
+        d.keys["mtp"] = "mtp"
+        t0 = time.perf_counter()
+        backlog = len(head.pend_t) > self.cost.max_k + 1
+        real = head.flush(last)
+        if real is None:
+            return
+        z, g = real  # [V], [D]
+        real_len = head.cache.length
+        pushed = 0
+        t_first: float | None = None
+        chained = 0
+        try:
+            # chain through the forced tokens already drafted, then draft `want` new ones
+            for t in d.tokens:
+                if self.grammar is not None:
+                    self.grammar.push([t])
+                    pushed += 1
+                z, g = head.chain(g, t)
+            for i in range(want):
+                zm = self._masked(z)
+                if not np.isfinite(zm).any():
+                    break
+                q: F64Array | None = None
+                if self.sampler.params.greedy:
+                    tok = int(np.argmax(zm))
+                else:
+                    q = self.sampler.probs(zm)
+                    tok = sample_from(q, self._rng)
+                d.tokens.append(tok)
+                d.sources.append("mtp")
+                d.q.append(q)
+                if t_first is None:
+                    t_first = time.perf_counter() - t0
+                if tok in self.stops or i + 1 == want:
+                    break
+                if self.grammar is not None:
+                    self.grammar.push([tok])
+                    pushed += 1
+                z, g = head.chain(g, tok)
+                chained += 1
+        finally:
+            if self.grammar is not None:
+                self.grammar.rollback(pushed)
+            head.cache.truncate(real_len)  # chained rows are drafts, never history
+        if t_first is not None:
+            rest = time.perf_counter() - t0 - t_first
+            self.cost.observe_draft_parts("mtp", None if backlog else t_first, chained, rest)
+
+    def _legal(self, before: list[int], toks: list[int]) -> list[int]:
+        """``toks`` (drafted after ``before``) cut at the first token the grammar rejects and
+        after the first stop token."""
+        if self.grammar is not None and toks:
+            self.grammar.push(before)
+            try:
+                toks = toks[: self.grammar.validate(toks)]
+            finally:
+                self.grammar.rollback(len(before))
+        for i, t in enumerate(toks):
+            if t in self.stops:
+                return toks[: i + 1]
+        return toks
+
+    # ---- verify and accept
+    def _forward(self, ids: npt.NDArray[np.int64]) -> tuple[F32Array, F32Array, list[int]]:
+        unions: list[int] = []
+        model = self.model
+        if ids.size == 1 or self._store_stats is None:
+            out = model.forward(ids, self.cache)
+            return out.logits, out.hidden, unions
+        prev = model.observer
+        n_main = self._n_main
+
+        def observe(event: str, layer: int, arr: Any) -> None:
+            if event == "route" and layer < n_main:
+                unions.append(int(np.unique(arr).size))
+            if prev is not None:
+                prev(event, layer, arr)
+
+        model.observer = observe
+        try:
+            out = model.forward(ids, self.cache)
+        finally:
+            model.observer = prev
+        return out.logits, out.hidden, unions
+
+    def _accept(self, d: _Draft, logits: F32Array) -> tuple[list[Emitted], int]:
+        """Walk the verify rows; returns the emitted (token, raw logits row) pairs and how many
+        drafts were accepted."""
+        out: list[Emitted] = []
+        acc = 0
+        greedy = self.sampler.params.greedy
+        k = len(d.tokens)
+        for i in range(k + 1):
+            z = logits[i]  # [V]
+            zm = self._masked(z)
+            if i == k:
+                tok = self.sampler.sample(zm)  # the bonus row (or a plain step)
+                ok = False
+            elif greedy:
+                tok = int(np.argmax(zm))
+                ok = tok == d.tokens[i]
+            else:
+                ok, tok = accept_or_resample(self.sampler.probs(zm), d.q[i], d.tokens[i], self._rng)
+            out.append((tok, z))
+            acc += int(ok)
+            self._commit(tok)
+            if tok in self.stops or not ok:
+                break
+        return out, acc
+
+    # ---- helpers
+    def _masked(self, logits: F32Array) -> F32Array:
+        return logits if self.grammar is None else self.grammar.mask(logits)
+
+    def _commit(self, tok: int) -> None:
+        if self.grammar is not None and tok not in self.stops:
+            self.grammar.consume(tok)
+        self._history.append(int(tok))
+
+    def _store_snapshot(self) -> tuple[float, int, int] | None:
+        if self._store_stats is None:
+            return None
+        st = self._store_stats()
+        stall = float(getattr(st, "compute_stall_s", getattr(st, "read_wait_s", 0.0)))
+        looked = int(st.hits_pinned + st.hits_lru + st.misses)
+        return stall, int(st.misses), looked
+
+    def _telemetry(
+        self,
+        d: _Draft,
+        rows: int,
+        m: int,
+        acc: int,
+        t0: float,
+        t_draft: float,
+        t_fwd: float,
+        before: tuple[float, int, int] | None,
+        unions: list[int],
+    ) -> None:
+        st, cost = self.stats, self.cost
+        k = len(d.tokens)
+        # row `acc` rejected its draft when it emitted a token (not cut by a stop or the budget)
+        missed = acc if acc < k and acc < m else -1
+        for src in SOURCES:
+            idx = [i for i, s in enumerate(d.sources) if s == src]
+            if not idx:
+                continue
+            st.proposed[src] += len(idx)
+            took = sum(1 for i in idx if i < acc)
+            st.accepted[src] += took
+            # acceptance per position: drafts before the first miss, and the miss, were checked
+            cost.observe_proposal(d.keys.get(src, src), took + int(missed in idx), took)
+        stall_s, misses, looked = 0.0, 0, 0
+        after = self._store_snapshot()
+        if before is not None and after is not None:
+            stall_s = after[0] - before[0]
+            misses, looked = after[1] - before[1], after[2] - before[2]
+        cost.observe_step(rows, t_fwd, stall=stall_s, misses=misses, lookups=looked)
+        if unions:
+            cost.observe_union(rows, sum(unions) / len(unions))
+        st.rounds += 1
+        st.tokens += m
+        if k:
+            st.verify_steps += 1
+            st.probes += int(d.probe)
+        dt = time.perf_counter() - t0
+        if not k:
+            st.plain_steps += 1
+            st.plain_seconds += dt
+        st.seconds += dt
+        st.draft_seconds += t_draft
+        st.model_seconds += m * cost.step_cost(1)

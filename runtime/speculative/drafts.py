@@ -1,0 +1,114 @@
+"""Draft sources: prompt lookup (no model) and the model's MTP head."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from runtime.kv import KVCache
+from runtime.speculative._common import F32Array
+
+MAX_PENDING = 128  # MTP rows kept while the head is off (older history is dropped)
+
+
+def lookup_match(
+    history: Sequence[int] | npt.NDArray[np.integer], k: int, *, max_ngram: int = 3
+) -> tuple[list[int], int]:
+    """Prompt lookup: up to ``k`` tokens that followed the latest earlier occurrence of the
+    longest suffix n-gram (n = ``max_ngram`` .. 1) of ``history``, and that n; ([], 0) when
+    none matches. (The cost model keeps acceptance per n: a 3-gram match is far more often
+    right than a 1-gram one.)"""
+    t = np.asarray(history, dtype=np.int64).reshape(-1)  # [N]
+    n_tok = t.size
+    if k <= 0 or n_tok < 2:
+        return [], 0
+    for n in range(min(max_ngram, n_tok - 1), 0, -1):
+        pat = t[n_tok - n :]  # [n]
+        # windows starting at i < N - n (strictly earlier than the suffix itself)
+        win = np.lib.stride_tricks.sliding_window_view(t[: n_tok - 1], n)  # [N - n, n]
+        hit = np.flatnonzero((win == pat).all(axis=1))
+        if hit.size:
+            i = int(hit[-1])
+            return [int(x) for x in t[i + n : i + n + k]], n
+    return [], 0
+
+
+def lookup_draft(
+    history: Sequence[int] | npt.NDArray[np.integer], k: int, *, max_ngram: int = 3
+) -> list[int]:
+    """Prompt-lookup draft: the tokens of :func:`lookup_match`; [] when none matches."""
+    return lookup_match(history, k, max_ngram=max_ngram)[0]
+
+
+def mtp_step(
+    model: Any,
+    hidden: F32Array,
+    next_ids: npt.NDArray[np.integer],
+    mtp_cache: KVCache,
+    *,
+    last_only: bool = True,
+) -> tuple[F32Array, F32Array]:
+    """The model's MTP step: logits ([1, V] with ``last_only``) and the head's normed output
+    [T, D], the input of the next chained draft."""
+    logits, normed = model.mtp_step(hidden, next_ids, mtp_cache, last_only=last_only)
+    return logits, normed
+
+
+class MtpDrafter:
+    """The MTP head's cache and the main hidden states it has not seen yet.
+
+    Invariant: ``cache`` holds rows (h_j, token j+1) for real main positions only, in order; the
+    pending rows continue them; ``wait`` is the main hidden of the last fed position, whose next
+    token is not known yet."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.cache: KVCache = model.new_mtp_cache()
+        self.pend_h: list[F32Array] = []  # P rows of [D]
+        self.pend_t: list[int] = []  # P next tokens
+        self.wait: F32Array | None = None  # [D]
+
+    def observe(self, ids: npt.NDArray[np.integer], hidden: F32Array) -> None:
+        """Main rows ``ids`` [T] were run, giving ``hidden`` [T, D]: queue their pairs."""
+        toks = [int(x) for x in np.asarray(ids).reshape(-1)]
+        if self.wait is not None:
+            self.pend_h.append(self.wait)
+            self.pend_t.append(toks[0])
+        for j in range(len(toks) - 1):
+            self.pend_h.append(hidden[j])
+            self.pend_t.append(toks[j + 1])
+        self.wait = np.array(hidden[len(toks) - 1], dtype=np.float32)  # [D]
+        if len(self.pend_t) > MAX_PENDING:  # the head is off: keep recent history only
+            del self.pend_h[:-MAX_PENDING]
+            del self.pend_t[:-MAX_PENDING]
+
+    def flush(self, last: int | None) -> tuple[F32Array, F32Array] | None:
+        """Run the pending rows (plus (wait, ``last``) when given) through the head; returns
+        the last row's (logits [V], normed output [D]), or None when nothing was pending."""
+        h, t = list(self.pend_h), list(self.pend_t)
+        if last is not None and self.wait is not None:
+            h.append(self.wait)
+            t.append(int(last))
+        if not t:
+            return None
+        logits, normed = mtp_step(self.model, np.stack(h), np.array(t, np.int64), self.cache)
+        self.pend_h.clear()
+        self.pend_t.clear()
+        if last is not None:
+            self.wait = None
+        return logits[-1], normed[-1]
+
+    def forget(self) -> None:
+        """A main step ran without giving hidden states (a batched plain step): the head's
+        history continues after a gap."""
+        self.pend_h.clear()
+        self.pend_t.clear()
+        self.wait = None
+
+    def chain(self, g: F32Array, token: int) -> tuple[F32Array, F32Array]:
+        """One chained draft row from the head's own output ``g`` [D] and ``token``."""
+        logits, normed = mtp_step(self.model, g[None, :], np.array([token], np.int64), self.cache)
+        return logits[-1], normed[-1]
