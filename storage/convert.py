@@ -42,8 +42,16 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from storage.arch import ArchConfig, TensorRole, classify, expected_tensors
 from storage.atomic import temp_target
+from storage.convert_source import (
+    FP8_BLOCK,
+    SIDE_FILES,
+    _build_catalog,
+    _Catalog,
+    _Item,
+    _load_source,
+    _Source,
+)
 from storage.errors import ColibriError, ConfigError, ConversionError, UnknownQuantFormatError
 from storage.manifest import (
     MANIFEST_NAME,
@@ -51,7 +59,6 @@ from storage.manifest import (
     Manifest,
     ShardEntry,
     ShardKind,
-    SourceFile,
     SourceIdentity,
     atomic_write_bytes,
     fsync_dir,
@@ -62,11 +69,9 @@ from storage.quant import QuantFormat, bf16_to_f32, fp8_block_dequantize, quanti
 from storage.safetensors import (
     DTYPE_SIZES,
     PAD_PREFIX,
-    ShardHeader,
     TensorInfo,
     TensorSpec,
     plan_layout,
-    read_header,
     read_tensor,
     write_safetensors,
 )
@@ -91,18 +96,7 @@ STATE_NAME = ".colibri-convert.json"
 ALIGN = 4096  # O_DIRECT-safe on every common device (this box enforces 512)
 DEFAULT_SHARD_SIZE = 2 << 30
 FREE_DISK_FLOOR = 64 << 20  # leave room for the manifest, logs and the filesystem's own needs
-SIDE_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-)
-SCALE_SUFFIX = "_scale_inv"
-FP8_BLOCK = (128, 128)
 _ROW_CHUNK_BYTES = 64 << 20  # float32 working set per row block of a big matrix
-INDEX_NAME = "model.safetensors.index.json"
 PROJ_ORDER = ("down_proj", "gate_proj", "up_proj")  # alphabetical, as the public container has it
 ROLE_FLAGS = ("experts", "dense", "io", "mtp")
 
@@ -110,8 +104,6 @@ ProgressFn = Callable[[int, int, str], None]
 F32Array = npt.NDArray[np.float32]
 
 _SHARD_RE = re.compile(r"^out-(?:mtp-)?\d{5}\.safetensors$")
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
-_FLOAT_INPUTS = ("F32", "BF16", "F16", "F64")
 
 
 # ----------------------------------------------------------------------------- public API
@@ -232,250 +224,6 @@ def convert(
         raise ConversionError(f"{dst_p}: cannot create: {exc.strerror or exc}") from exc
     with _dir_lock(dst_p):
         return _run(source, catalog, plans, total, rec, dst_p, force, report)
-
-
-# ----------------------------------------------------------------------------- source
-
-
-@dataclass(frozen=True)
-class _Source:
-    root: Path
-    arch: ArchConfig
-    tensors: dict[str, TensorInfo]
-    identity: SourceIdentity
-    side_files: tuple[str, ...]
-
-
-def _load_source(src: Path) -> _Source:
-    if not src.is_dir():
-        raise ConversionError(f"{src}: source is not a directory (expected a Hugging Face dir)")
-    cfg_path = src / "config.json"
-    if not cfg_path.is_file():
-        raise ConversionError(f"{cfg_path}: missing; SRC must be a Hugging Face checkpoint dir")
-    try:
-        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConversionError(f"{cfg_path}: cannot read JSON ({exc})") from exc
-    if not isinstance(cfg, dict):
-        raise ConversionError(f"{cfg_path}: expected a JSON object")
-    try:
-        arch = ArchConfig.from_dict(cfg, str(cfg_path))
-    except ConfigError as exc:
-        raise ConversionError(f"cannot convert: {exc}") from exc
-
-    files = _shard_files(src)
-    headers: list[ShardHeader] = [read_header(p) for p in files]  # SafetensorsError names file
-    tensors: dict[str, TensorInfo] = {}
-    for h in headers:
-        for name, info in h.tensors.items():
-            if name.startswith(PAD_PREFIX):
-                raise ConversionError(
-                    f"{h.path}: tensor {name!r}: names starting with {PAD_PREFIX!r} are reserved "
-                    "for padding (is SRC already a colibri container?)"
-                )
-            if name in tensors:
-                raise ConversionError(
-                    f"tensor {name!r} appears in both {tensors[name].path.name} and "
-                    f"{h.path.name}; the checkpoint is inconsistent"
-                )
-            tensors[name] = info
-    ident_files = [cfg_path, *([src / INDEX_NAME] if (src / INDEX_NAME).exists() else []), *files]
-    side = tuple(n for n in SIDE_FILES if (src / n).is_file())
-    return _Source(src, arch, tensors, _fingerprint(src, ident_files), side)
-
-
-def _shard_files(src: Path) -> list[Path]:
-    index = src / INDEX_NAME
-    if index.exists():
-        try:
-            doc = json.loads(index.read_text(encoding="utf-8"))
-            wmap = doc["weight_map"]
-            names = sorted({str(v) for v in wmap.values()})
-        except (
-            OSError,
-            UnicodeDecodeError,
-            json.JSONDecodeError,
-            KeyError,
-            TypeError,
-            AttributeError,
-        ) as exc:
-            raise ConversionError(f"{index}: not a valid safetensors index ({exc})") from exc
-        missing = [n for n in names if not (src / n).is_file()]
-        if missing:
-            raise ConversionError(
-                f"{index} lists {len(missing)} shard(s) missing from {src}: "
-                f"{', '.join(missing[:3])}; is the download complete?"
-            )
-        return [src / n for n in names]
-    files = sorted(p for p in src.glob("*.safetensors") if not p.name.startswith("."))
-    if not files:
-        raise ConversionError(f"{src}: no *.safetensors shards found")
-    return files
-
-
-def _fingerprint(root: Path, files: Sequence[Path]) -> SourceIdentity:
-    """Fast identity: names, sizes, the first MiB (headers live there) and last 64 KiB of each
-    file. Reading all of a 700 GB checkpoint just to resume would defeat the purpose."""
-    h = hashlib.sha256()
-    out: list[SourceFile] = []
-    for p in files:
-        try:
-            with open(p, "rb") as fh:
-                size = os.fstat(fh.fileno()).st_size
-                name = p.relative_to(root).as_posix()
-                h.update(f"{name}\0{size}\0".encode())
-                h.update(fh.read(1 << 20))
-                if size > 1 << 20:
-                    fh.seek(max(1 << 20, size - (64 << 10)))
-                    h.update(fh.read())
-        except OSError as exc:
-            raise ConversionError(f"{p}: cannot read: {exc.strerror or exc}") from exc
-        out.append(SourceFile(name, size))
-    return SourceIdentity(h.hexdigest(), tuple(out))
-
-
-# ----------------------------------------------------------------------------- catalog
-
-
-@dataclass(frozen=True)
-class _Item:
-    """One source tensor and how it is written. ``fmt`` None = copy verbatim (unknown name)."""
-
-    name: str
-    info: TensorInfo
-    fmt: QuantFormat | None
-    scale: TensorInfo | None = None  # FP8 block scales (``<name>_scale_inv``)
-    layer: int | None = None
-    expert: int | None = None
-    proj: str | None = None
-
-    def specs(self) -> list[TensorSpec]:
-        """Output tensors in write order (weight, then ``.qs`` for quantized formats)."""
-        i = self.info
-        if self.fmt is None:
-            return [TensorSpec(self.name, i.dtype, i.shape, _natural(i.dtype))]
-        f = self.fmt
-        if f.kind == "f32":
-            return [TensorSpec(self.name, "F32", i.shape, 4)]
-        o, n = i.shape  # catalog guarantees a matrix for non-f32 formats
-        if f.kind in ("bf16", "f16"):
-            return [TensorSpec(self.name, f.kind.upper(), (o, n), 2)]
-        return [
-            TensorSpec(self.name, "U8", (f.weight_nbytes(o, n),)),
-            TensorSpec(self.name + ".qs", "F32", (f.n_scales(o, n),), 4),
-        ]
-
-
-@dataclass(frozen=True)
-class _Catalog:
-    arch: ArchConfig
-    items: tuple[_Item, ...]
-    unknown: tuple[str, ...]
-    notes: tuple[str, ...]
-
-
-def _build_catalog(source: _Source, options: ConvertOptions) -> _Catalog:
-    arch, tensors = source.arch, source.tensors
-    items: list[_Item] = []
-    unknown: list[str] = []
-    consumed: set[str] = set()
-    for name in sorted(tensors):
-        if name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in tensors:
-            continue  # decided with its base tensor below
-        info = tensors[name]
-        role = classify(name, arch)
-        if role is None:
-            continue
-        scale = _check_tensor(info, role)
-        if scale is not None:
-            scale_info = tensors.get(scale)
-            if scale_info is None:
-                raise ConversionError(
-                    f"{info.path}: tensor {name!r} is FP8 (F8_E4M3) but its block scales "
-                    f"{scale!r} are in no shard; they are needed to dequantize it"
-                )
-            _check_scale(info, scale_info)
-            consumed.add(scale)
-        else:
-            scale_info = None
-        items.append(
-            _Item(
-                name,
-                info,
-                options.format_for(role.role),
-                scale_info,
-                role.layer,
-                role.expert,
-                role.proj,
-            )
-        )
-    for name in sorted(tensors):
-        if name in consumed or classify(name, arch) is not None:
-            continue
-        # Unknown names are kept verbatim (same dtype and shape) so nothing is silently lost.
-        m = _LAYER_RE.match(name)
-        items.append(_Item(name, tensors[name], None, None, int(m.group(1)) if m else None))
-        unknown.append(name)
-
-    notes: list[str] = []
-    missing = [n for n in expected_tensors(arch) if n not in tensors]
-    if missing:
-        mtp_names = {
-            n for n in expected_tensors(arch) if _layer_of(n, -1) >= arch.num_hidden_layers
-        }
-        core = [n for n in missing if n not in mtp_names]
-        if core or len(missing) != len(mtp_names):
-            raise ConversionError(
-                f"{source.root}: {len(missing)} tensor(s) the architecture needs are in no shard, "
-                f"e.g. {', '.join(missing[:3])}; is the download complete?"
-            )
-        notes.append(
-            "the source has no MTP layer weights although config.json declares "
-            f"{arch.num_mtp_layers}; the container has none (speculative decoding unavailable)"
-        )
-    return _Catalog(arch, tuple(items), tuple(unknown), tuple(notes))
-
-
-def _check_tensor(info: TensorInfo, role: TensorRole) -> str | None:
-    """Validate dtype and shape against the config; returns the FP8 scale name if one is needed."""
-    where = f"{info.path}: tensor {info.name!r}"
-    if role.shape is not None:
-        if info.shape != role.shape:
-            raise ConversionError(
-                f"{where}: shape {list(info.shape)} disagrees with config.json, which implies "
-                f"{list(role.shape)}; the checkpoint and its config do not match"
-            )
-    elif len(info.shape) != 1:
-        raise ConversionError(f"{where}: expected a 1-D tensor, got shape {list(info.shape)}")
-    if info.dtype in _FLOAT_INPUTS:
-        return None
-    if info.dtype == "F8_E4M3":
-        if len(info.shape) != 2:
-            raise ConversionError(f"{where}: FP8 is supported for 2-D weights only")
-        return info.name + SCALE_SUFFIX
-    raise ConversionError(
-        f"{where}: dtype {info.dtype} is not supported (expected F32, BF16, F16, or F8_E4M3 "
-        f"with {info.name + SCALE_SUFFIX})"
-    )
-
-
-def _check_scale(info: TensorInfo, scale: TensorInfo) -> None:
-    o, i = info.shape
-    want = (-(-o // FP8_BLOCK[0]), -(-i // FP8_BLOCK[1]))
-    if scale.shape != want or scale.dtype not in ("F32", "BF16"):
-        raise ConversionError(
-            f"{scale.path}: tensor {scale.name!r}: {scale.dtype} {list(scale.shape)} is not the "
-            f"F32 {list(want)} of 128x128 block scales that {info.name!r} {list(info.shape)} needs"
-        )
-
-
-def _layer_of(name: str, default: int) -> int:
-    m = _LAYER_RE.match(name)
-    return int(m.group(1)) if m else default
-
-
-def _natural(dtype: str) -> int:
-    return min(DTYPE_SIZES[dtype], 8)
 
 
 # ----------------------------------------------------------------------------- planning
