@@ -18,8 +18,10 @@ import platform
 import struct
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+import anyio
 import numpy as np
 import numpy.typing as npt
 
@@ -301,3 +303,29 @@ def _liburing_selftest(path: str | None) -> int:
             return 3
     ring.close()
     return 0
+
+
+async def _liburing_usable(probe_file: Path | None) -> str | None:
+    """None when the liburing engine passes its self-test in a child process, else why not."""
+    root = str(Path(__file__).resolve().parents[1])
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); "
+        "from storage.uring_ring import _liburing_selftest; "
+        "raise SystemExit(_liburing_selftest(sys.argv[2] or None))"
+    )
+    argv = [sys.executable, "-c", code, root, str(probe_file or "")]
+    try:
+        with anyio.fail_after(60):
+            proc = await anyio.run_process(argv, check=False)
+    except (OSError, TimeoutError) as exc:
+        return f"liburing self-test could not run: {exc}"
+    rc = proc.returncode
+    if rc == 0:
+        return None
+    if rc == -4:
+        return (
+            "liburing binding died with SIGILL (the wheel uses CPU instructions, e.g. AVX-512, "
+            "that this CPU lacks)"
+        )
+    tail = proc.stderr.decode(errors="replace").strip().splitlines()[-1:] or [""]
+    return f"liburing self-test failed (exit {rc}) {tail[0]}".strip()

@@ -1,0 +1,297 @@
+"""The io_uring backend of :mod:`storage.reader`: a ring (:mod:`storage.uring_ring`) driven
+from the event loop, completions signalled through an eventfd awaited with
+:func:`anyio.wait_readable`, fixed buffers for registered slots, shielded cancellation (a
+cancelled read waits for the kernel's completion before its buffer is handed back)."""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Sequence
+
+import anyio
+
+from storage.aligned import ALIGN
+from storage.reader import (
+    ReadRequest,
+    U8Array,
+    _log,
+    _read_error,
+    _ReaderBase,
+    _short_read_detail,
+    aligned_extent,
+)
+from storage.uring_ring import _MAX_FIXED_BUFFER, _Ring
+
+
+# --------------------------------------------------------------------------- io_uring reader
+class _Op:
+    """One request in flight: where it goes, how far it got, who waits for it."""
+
+    __slots__ = (
+        "aligned", "buf", "buf_index", "cancelled", "done", "errno", "fd", "got", "head",
+        "need", "req", "resubmits", "user_data", "waker", "want",
+    )  # fmt: skip
+
+    def __init__(self, req: ReadRequest, buf: U8Array, fd: int, direct: bool, ud: int) -> None:
+        self.req = req
+        self.fd = fd
+        self.buf = buf
+        self.user_data = ud
+        self.aligned, self.head, span = aligned_extent(req)
+        self.need = self.head + req.length
+        self.want = span if direct else self.need
+        self.got = 0
+        self.errno = 0
+        self.resubmits = 0
+        self.buf_index: int | None = None
+        self.cancelled = False
+        self.done = False
+        self.waker: anyio.Event | None = None
+
+
+class _UringReader(_ReaderBase):
+    """Reads submitted to an io_uring ring; completions reaped on the event loop.
+
+    There is no background task: whichever awaiting read finds nobody reaping becomes the
+    reaper (waits on the eventfd, drains the CQ, wakes finished reads) until its own read is
+    done, then hands the role to another waiting read.
+    """
+
+    name = "uring"
+
+    def __init__(self, ring: _Ring, depth: int, direct: bool, reason: str, threads: int) -> None:
+        super().__init__(direct, reason, threads)
+        self._ring = ring
+        self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        try:
+            ring.register_eventfd(self._efd)
+        except BaseException:
+            os.close(self._efd)
+            raise
+        self.depth = depth
+        self._slots = anyio.Semaphore(depth)
+        self._ops: dict[int, _Op] = {}
+        self._cancels: set[int] = set()
+        self._next_ud = 1
+        self._reaping = False
+        self._fixed: list[tuple[int, int]] = []  # registered (start, end) addresses by index
+        self._fixed_keep: list[U8Array] = []
+        self.fixed_buffers = False
+
+    @property
+    def engine(self) -> str:
+        """Which io_uring engine drives the ring (``syscall`` or ``liburing``)."""
+        return self._ring.engine
+
+    # ---- fixed buffers
+    def register_buffers(self, bufs: Sequence[U8Array]) -> bool:
+        """Register long-lived buffers; reads landing inside them use READ_FIXED.
+
+        Returns False (and says why in ``reason``) when the kernel refuses, e.g. ENOMEM when
+        RLIMIT_MEMLOCK is too small for an unprivileged user.
+        """
+        if self._ops:
+            raise RuntimeError("register_buffers() while reads are in flight")
+        regions: list[tuple[int, int]] = []
+        for b in bufs:
+            addr, n = b.ctypes.data, b.nbytes
+            for start in range(0, n, _MAX_FIXED_BUFFER):
+                regions.append((addr + start, min(_MAX_FIXED_BUFFER, n - start)))
+        if self._fixed:
+            self._ring.unregister_buffers()
+            self._fixed, self._fixed_keep, self.fixed_buffers = [], [], False
+        if not regions:
+            return False
+        try:
+            self._ring.register_buffers(regions)
+        except OSError as exc:
+            memlock = exc.errno == errno.ENOMEM
+            hint = " (RLIMIT_MEMLOCK too small: raise `ulimit -l`)" if memlock else ""
+            self.reason += f"; fixed buffers refused: {exc.strerror}{hint} -> plain reads"
+            _log.info("io_uring fixed buffers refused", error=str(exc))
+            return False
+        self._fixed = [(a, a + n) for a, n in regions]
+        self._fixed_keep = list(bufs)
+        self.fixed_buffers = True
+        total = sum(n for _, n in regions)
+        self.reason += f"; fixed buffers registered ({len(regions)} regions, {total >> 20} MiB)"
+        return True
+
+    def _fixed_index(self, addr: int, n: int) -> int | None:
+        for i, (lo, hi) in enumerate(self._fixed):
+            if lo <= addr and addr + n <= hi:
+                return i
+        return None
+
+    # ---- submission and completion
+    def _ud(self) -> int:
+        ud = self._next_ud
+        self._next_ud = (ud + 1) & ((1 << 62) - 1) or 1
+        return ud
+
+    def _prep(self, op: _Op) -> None:
+        part = op.buf[op.got : op.want]
+        if op.buf_index is None and self._fixed:
+            op.buf_index = self._fixed_index(op.buf.ctypes.data, op.want)
+        self._ring.prep_read(op.fd, part, op.aligned + op.got, op.user_data, op.buf_index)
+
+    def _flush(self) -> None:
+        """Submit queued SQEs; transient kernel refusals are retried by the next flush."""
+        while self._ring.unsubmitted:
+            try:
+                if self._ring.submit() == 0:
+                    return
+            except OSError as exc:
+                if exc.errno == errno.EINTR:
+                    continue
+                if exc.errno in (errno.EAGAIN, errno.EBUSY):
+                    return
+                raise
+
+    def _complete(self, ud: int, res: int) -> None:
+        if ud in self._cancels:
+            self._cancels.discard(ud)
+            return
+        op = self._ops.get(ud)
+        if op is None:
+            return
+        if res < 0:
+            op.errno = -res
+        elif res > 0:
+            op.got += res
+            short = op.got < op.need
+            # O_DIRECT stops mid-block only at end of file; 0 bytes is end of file too.
+            if short and not op.cancelled and not (self.direct and res % ALIGN):
+                op.resubmits += 1
+                self._prep(op)
+                return
+        del self._ops[ud]
+        op.done = True
+        if op.waker is not None:
+            op.waker.set()
+
+    def _reap(self) -> None:
+        for ud, res in self._ring.reap():
+            self._complete(ud, res)
+        self._flush()
+
+    def _drain_eventfd(self) -> None:
+        try:
+            os.eventfd_read(self._efd)
+        except BlockingIOError:
+            pass
+
+    async def _wait(self, op: _Op) -> None:
+        """Until ``op`` completes: follow the reaper, or be it."""
+        while not op.done:
+            if self._reaping:
+                op.waker = anyio.Event()
+                try:
+                    await op.waker.wait()
+                finally:
+                    op.waker = None
+                continue
+            self._reaping = True
+            try:
+                while not op.done:
+                    self._reap()
+                    if op.done:
+                        break
+                    if self._ring.unsubmitted:  # kernel said "busy": poll until it takes them
+                        with anyio.move_on_after(0.001):
+                            await anyio.wait_readable(self._efd)
+                    else:
+                        await anyio.wait_readable(self._efd)
+                    self._drain_eventfd()
+            finally:
+                self._reaping = False
+                self._hand_off()
+
+    async def _drain_all(self) -> None:
+        """Until no read is in flight (aclose racing reads that other tasks still await)."""
+        while self._ops:
+            if self._reaping:
+                await anyio.sleep(0.001)
+                continue
+            self._reaping = True
+            try:
+                self._reap()
+                if self._ops:
+                    with anyio.move_on_after(0.01):
+                        await anyio.wait_readable(self._efd)
+                    self._drain_eventfd()
+            finally:
+                self._reaping = False
+                self._hand_off()
+
+    def _hand_off(self) -> None:
+        for other in self._ops.values():
+            if other.waker is not None:
+                other.waker.set()
+                return
+
+    def _cancel(self, op: _Op) -> None:
+        op.cancelled = True
+        cud = self._ud()
+        self._cancels.add(cud)
+        self._ring.prep_cancel(op.user_data, cud)
+        self._flush()
+
+    async def read_into(self, req: ReadRequest, buf: U8Array) -> U8Array:
+        self._prepare(req, buf)
+        if req.length == 0:
+            head = aligned_extent(req)[1]
+            self._count(req, 0)
+            return buf[head:head]
+        fd = await self._fd(req)
+        async with self._slots:
+            op = _Op(req, buf, fd, self.direct, self._ud())
+            t0 = self._begin()
+            try:
+                self._ops[op.user_data] = op
+                try:
+                    self._prep(op)
+                    self._flush()
+                except OSError as exc:
+                    self._ops.pop(op.user_data, None)
+                    self.stats.errors += 1
+                    raise _read_error(self.name, req, exc, "io_uring submission failed") from exc
+                try:
+                    await self._wait(op)
+                except BaseException:
+                    # Cancelled (or the loop is going down): the kernel may still be writing
+                    # into buf, so ask it to stop and wait for the completion, shielded.
+                    with anyio.CancelScope(shield=True):
+                        if not op.done:
+                            self._cancel(op)
+                        await self._wait(op)
+                    raise
+            finally:
+                self._end(t0)
+        if op.errno:
+            self.stats.errors += 1
+            if op.errno == errno.EBADF:
+                self._files.forget(req.path, fd)
+            err = OSError(op.errno, os.strerror(op.errno))
+            raise _read_error(self.name, req, err) from err
+        if op.got < op.need:
+            self.stats.errors += 1
+            raise _read_error(self.name, req, None, _short_read_detail(fd, req))
+        self._count(req, op.resubmits)
+        return buf[op.head : op.head + req.length]
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            await self._drain_all()
+        if self._fixed:
+            try:
+                self._ring.unregister_buffers()
+            except OSError:
+                pass
+        self._ring.close()
+        os.close(self._efd)
+        self._files.close_all()
