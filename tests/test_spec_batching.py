@@ -155,7 +155,7 @@ def test_seeded_sampling_with_fixed_drafts_same_batched_or_alone() -> None:
 
 def test_cancelling_one_generation_mid_batch_leaves_the_others_intact() -> None:
     prompts = _prompts(4)
-    drafts = ["lookup:3", "mtp:2", "auto", "3"]
+    drafts = ["lookup:3", "lookup:2", "off", "lookup:4"]  # the MTP head: one generation's
     ref = _solo([(p, {"draft": "off"}) for p in prompts])
 
     async def main() -> tuple[list[list[int]], list[int], KVCache, dict[str, Any]]:
@@ -174,15 +174,46 @@ def test_cancelling_one_generation_mid_batch_leaves_the_others_intact() -> None:
                         if len(cut) >= 5:
                             scope.cancel()
 
+            # cancelled while its verify rows are in a running step: only this generation drafts
+            # with the MTP head, so the head's routing (seen on the compute thread, while the
+            # batcher prepares its rows) says its round is in the step about to run
+            kept2 = eng.new_cache()
+            cut2: list[int] = []
+            scope2 = anyio.CancelScope()
+            hits: list[int] = []
+            n_main = int(eng._model.config.num_hidden_layers)
+
+            def observe(event: str, layer: int, arr: Any) -> None:
+                if event == "route" and layer >= n_main and len(cut2) >= 4 and not hits:
+                    hits.append(len(cut2))
+                    anyio.from_thread.run_sync(scope2.cancel)
+
+            eng._model.observer = observe
+
+            async def victim2() -> None:
+                with scope2:
+                    async for ev in eng.generate(
+                        prompts[2], max_new_tokens=N, draft="mtp:3", cache=kept2
+                    ):
+                        if isinstance(ev, TokenEvent):
+                            cut2.append(ev.token_id)
+
             async def one(i: int) -> None:
                 out[i] = await _gen(eng, prompts[i], draft=drafts[i])
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(victim)
+                tg.start_soon(victim2)
                 for i in range(len(prompts)):
                     tg.start_soon(one, i)
-            # the engine goes on serving after the cancellation
+            eng._model.observer = None
+            # the engine goes on serving after the cancellations
             out.append(await _gen(eng, prompts[1], draft="mtp:2"))
+            assert hits and len(cut2) == hits[0] < N  # cancelled mid-step, no token after
+            assert cut2 == ref[2][: len(cut2)]
+            # its cache holds the prompt and what it emitted, no unchecked drafts
+            assert [int(t) for t in kept2.tokens] == (prompts[2] + ref[2])[: kept2.length]
+            assert kept2.length == len(prompts[2]) + len(cut2)
             return out, cut, kept, eng.stats()
 
     out, cut, kept, st = anyio.run(main)
