@@ -80,12 +80,19 @@ def _token_event(
     return TokenEvent(tok, index, float(lsm[tok]), top)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # compared by identity (leaving the queue)
 class _DecodeRequest:
+    """One generation's rows for the batched step: ``ids`` [T] (one token for a plain decode
+    step, the last token and its drafts for a speculative verify), or ``prepare`` to compute
+    them on the compute thread just before the step (a speculative round drafts there)."""
+
     cache: KVCache
-    tok: int
     done: anyio.Event
-    logits: npt.NDArray[np.float32] | None = None
+    ids: npt.NDArray[np.int64] | None = None
+    prepare: Callable[[], npt.NDArray[np.int64]] | None = None
+    logits: npt.NDArray[np.float32] | None = None  # [T, V]
+    hidden: npt.NDArray[np.float32] | None = None  # [T, D]
+    shared: bool = False  # other generations' rows were in the same forward
     error: BaseException | None = None
 
 
@@ -107,13 +114,14 @@ class Engine:
         self._spec_stats = SpecStats()
         self._spec_cost: CostModel | None = None
         self._grammar_tok: TokenGrammar | None = None
-        self._generating = 0  # generations in flight (drafting pauses while others decode)
+        self._generating = 0  # generations in flight (over 1: speculative rounds verify batched)
         self._counters: dict[str, float] = {
             "forward_calls": 0,
             "prompt_tokens": 0,
             "prefill_tokens": 0,
             "decode_batches": 0,
             "decode_batched_rows": 0,
+            "decode_batched_sequences": 0,
             "prefill_chunks": 0,
             "prefill_seconds": 0.0,
             "prefill_bytes_read": 0,
@@ -301,8 +309,8 @@ class Engine:
                     if reason == "stop" or i >= max_new_tokens:
                         break
                     if self.options.max_batch > 1 and self._generating > 1:
-                        # others are decoding: share their batched step, no drafts meanwhile
-                        rows = spec.plain(tok, await self._decode_step(cache, tok))
+                        # others are decoding: draft, then verify in their batched step
+                        rows = await self._batched_round(spec, cache, tok, max_new_tokens - i)
                     else:
                         rows = await self._run(spec.step, tok, max_new_tokens - i)
             elif max_new_tokens > 0:
@@ -353,17 +361,50 @@ class Engine:
                 self._forward_last, np.array([tok], dtype=np.int64), cache
             )
             return solo
-        req = _DecodeRequest(cache, tok, anyio.Event())
+        req = _DecodeRequest(cache, anyio.Event(), ids=np.array([tok], dtype=np.int64))
+        await self._submit(req)
+        assert req.logits is not None
+        row: npt.NDArray[np.float32] = req.logits[-1]
+        return row
+
+    async def _batched_round(
+        self, spec: SpeculativeDecoder, cache: KVCache, tok: int, remaining: int
+    ) -> list[tuple[int, npt.NDArray[np.float32]]]:
+        """A speculative round while others decode: its drafts are computed on the compute
+        thread right before the batched step, its k + 1 verify rows run in that step next to
+        the other generations' rows (bit-identical to running them alone), then acceptance."""
+        start = cache.length
+        req = _DecodeRequest(cache, anyio.Event(), prepare=lambda: spec.draft(tok, remaining))
+        try:
+            await self._submit(req)
+        except BaseException:
+            spec.abandon()
+            if req.ids is not None and cache.length > start + 1:
+                cache.truncate(start + 1)  # keep `tok` (emitted), never unchecked drafts
+            raise
+        assert req.logits is not None and req.hidden is not None
+        return spec.accept(req.logits, req.hidden, shared=req.shared)
+
+    async def _submit(self, req: _DecodeRequest) -> None:
+        """Queue ``req`` for the batcher and wait for its rows. A cancelled caller leaves the
+        queue, or (its step already running) waits for the step to finish with its cache."""
         self._pending.append(req)
         self._wake.set()
-        await req.done.wait()
+        try:
+            await req.done.wait()
+        except BaseException:
+            if req in self._pending:
+                self._pending.remove(req)
+            else:
+                with anyio.CancelScope(shield=True):
+                    await req.done.wait()
+            raise
         if req.error is not None:
             raise req.error
-        assert req.logits is not None
-        return req.logits
 
     async def _batcher(self) -> None:
-        """Runs queued decode steps together (one forward_batch per group of up to max_batch)."""
+        """Runs queued decode steps together (one forward_batch per group of up to max_batch
+        generations; each contributes one row, or a speculative round's verify rows)."""
         while True:
             await self._wake.wait()
             self._wake = anyio.Event()
@@ -373,21 +414,40 @@ class Engine:
                 batch = self._pending[: self.options.max_batch]
                 del self._pending[: len(batch)]
                 try:
-                    outs = await self._run(
-                        self._model.forward_batch,
-                        [np.array([r.tok], dtype=np.int64) for r in batch],
-                        [r.cache for r in batch],
-                    )
-                    for r, o in zip(batch, outs, strict=True):
-                        r.logits = o.logits[-1]
+                    live = await self._run(self._batch_step, batch)
                     self._counters["decode_batches"] += 1
-                    self._counters["decode_batched_rows"] += len(batch)
+                    self._counters["decode_batched_sequences"] += len(live)
+                    self._counters["decode_batched_rows"] += sum(
+                        0 if r.ids is None else int(r.ids.size) for r in live
+                    )
                 except Exception as exc:  # delivered to every generation of the batch
                     for r in batch:
-                        r.error = exc
+                        if r.error is None:
+                            r.error = exc
                 finally:
                     for r in batch:
                         r.done.set()
+
+    def _batch_step(self, batch: list[_DecodeRequest]) -> list[_DecodeRequest]:
+        """Compute thread: prepare each request's rows (a failed draft fails only its own
+        generation), then one ``forward_batch`` over all of them; returns those that ran."""
+        live: list[_DecodeRequest] = []
+        for r in batch:
+            if r.prepare is not None:
+                try:
+                    r.ids = r.prepare()
+                except Exception as exc:
+                    r.error = exc
+                    continue
+            live.append(r)
+        if not live:
+            return live
+        outs = self._model.forward_batch([r.ids for r in live], [r.cache for r in live])
+        for r, o in zip(live, outs, strict=True):
+            r.logits = o.logits
+            r.hidden = o.hidden
+            r.shared = len(live) > 1
+        return live
 
     async def _prefill(
         self,

@@ -45,6 +45,18 @@ class _Draft:
         self.keys[source] = key
 
 
+@dataclass
+class _Round:
+    """A drafted round waiting for its verify forward."""
+
+    draft: _Draft
+    ids: npt.NDArray[np.int64]  # [k + 1]: last, then the drafts
+    start: int  # cache length before the verify rows
+    t0: float
+    t_draft: float
+    before: tuple[float, int, int] | None  # store counters before the forward
+
+
 class SpeculativeDecoder:
     """Decodes one generation round by round (runs in the engine's compute thread).
 
@@ -94,6 +106,7 @@ class SpeculativeDecoder:
             or (policy.source == "any" and (self._mtp is None or not self._fixed))
         )
         self._grammar_drafts = policy.mode != "off" and grammar is not None
+        self._round: _Round | None = None
 
     # ---- entry points
     def prefill_hook(self, ids: npt.NDArray[np.integer], hidden: F32Array) -> None:
@@ -111,43 +124,59 @@ class SpeculativeDecoder:
 
     def step(self, last: int, remaining: int) -> list[Emitted]:
         """One round after ``last`` (emitted, not yet in the cache); at most ``remaining``
-        tokens come back, cut after the first stop token."""
+        tokens come back, cut after the first stop token: :meth:`draft`, the verify forward
+        alone, :meth:`accept`."""
         if remaining <= 0:
             return []
-        t0 = time.perf_counter()
-        start = self.cache.length
-        draft = self._propose(last, remaining - 1)
-        t_draft = time.perf_counter() - t0
-        ids = np.array([last, *draft.tokens], dtype=np.int64)  # [k + 1]
-        before = self._store_snapshot()
+        ids = self.draft(last, remaining)
         t1 = time.perf_counter()
         logits, hidden, unions = self._forward(ids)  # [k + 1, V], [k + 1, D]
-        t_fwd = time.perf_counter() - t1
-        emitted, acc = self._accept(draft, logits)
+        return self.accept(logits, hidden, t_fwd=time.perf_counter() - t1, unions=unions)
+
+    def draft(self, last: int, remaining: int) -> npt.NDArray[np.int64]:
+        """Plan a round after ``last`` (emitted, not yet in the cache) that emits at most
+        ``remaining`` (>= 1) tokens: returns its verify rows ``[last, *drafts]`` [k + 1]. Their
+        forward runs next over ``cache`` (alone, or in the engine's batched step with other
+        generations' rows), then :meth:`accept` takes its logits and hidden rows. Compute
+        thread (MTP drafting runs the head)."""
+        t0 = time.perf_counter()
+        start = self.cache.length
+        d = self._propose(last, max(0, remaining - 1))
+        t_draft = time.perf_counter() - t0
+        ids = np.array([last, *d.tokens], dtype=np.int64)  # [k + 1]
+        self._round = _Round(d, ids, start, t0, t_draft, self._store_snapshot())
+        return ids
+
+    def accept(
+        self,
+        logits: F32Array,
+        hidden: F32Array,
+        *,
+        t_fwd: float | None = None,
+        unions: Sequence[int] = (),
+        shared: bool = False,
+    ) -> list[Emitted]:
+        """Finish the round :meth:`draft` planned from its verify rows' ``logits`` [k + 1, V]
+        and ``hidden`` [k + 1, D] (already in the cache): accept or resample the drafts, cut
+        the cache to what was emitted (all but the final token), feed the MTP head. ``t_fwd``:
+        the forward's seconds when it ran alone (the cost model learns from it; None for a
+        batched step, whose time the other rows share); ``shared``: other generations' rows
+        were in the same forward."""
+        r = self._round
+        if r is None:
+            raise RuntimeError("accept() without a drafted round")
+        self._round = None
+        emitted, acc = self._accept(r.draft, logits)
         m = len(emitted)
-        self.cache.truncate(start + m)  # keep last, e1..e(m-1): the rejected rows are gone
+        self.cache.truncate(r.start + m)  # keep last, e1..e(m-1): the rejected rows are gone
         if self._mtp is not None:
-            self._mtp.observe(ids[:m], hidden[:m])
-        self._telemetry(draft, ids.size, m, acc, t0, t_draft, t_fwd, before, unions)
+            self._mtp.observe(r.ids[:m], hidden[:m])
+        self._telemetry(r, m, acc, t_fwd, list(unions), shared)
         return emitted
 
-    def plain(self, last: int, logits: F32Array) -> list[Emitted]:
-        """A round without drafts whose one-row forward of ``last`` ran elsewhere (the engine's
-        batched decode step, shared with other generations): sample from ``logits`` [V]."""
-        t0 = time.perf_counter()
-        if self._mtp is not None:
-            self._mtp.forget()
-        tok = self.sampler.sample(self._masked(logits))
-        self._commit(tok)
-        st = self.stats
-        st.rounds += 1
-        st.tokens += 1
-        st.plain_steps += 1
-        dt = time.perf_counter() - t0
-        st.plain_seconds += dt
-        st.seconds += dt
-        st.model_seconds += self.cost.step_cost(1)
-        return [(tok, logits)]
+    def abandon(self) -> None:
+        """Drop a drafted round whose forward will not be accepted (a cancelled generation)."""
+        self._round = None
 
     # ---- drafting
     def _propose(self, last: int, room: int) -> _Draft:
@@ -334,18 +363,16 @@ class SpeculativeDecoder:
 
     def _telemetry(
         self,
-        d: _Draft,
-        rows: int,
+        r: _Round,
         m: int,
         acc: int,
-        t0: float,
-        t_draft: float,
-        t_fwd: float,
-        before: tuple[float, int, int] | None,
+        t_fwd: float | None,
         unions: list[int],
+        shared: bool,
     ) -> None:
-        st, cost = self.stats, self.cost
+        st, cost, d = self.stats, self.cost, r.draft
         k = len(d.tokens)
+        rows = k + 1
         # row `acc` rejected its draft when it emitted a token (not cut by a stop or the budget)
         missed = acc if acc < k and acc < m else -1
         for src in SOURCES:
@@ -357,23 +384,31 @@ class SpeculativeDecoder:
             st.accepted[src] += took
             # acceptance per position: drafts before the first miss, and the miss, were checked
             cost.observe_proposal(d.keys.get(src, src), took + int(missed in idx), took)
-        stall_s, misses, looked = 0.0, 0, 0
-        after = self._store_snapshot()
-        if before is not None and after is not None:
-            stall_s = after[0] - before[0]
-            misses, looked = after[1] - before[1], after[2] - before[2]
-        cost.observe_step(rows, t_fwd, stall=stall_s, misses=misses, lookups=looked)
-        if unions:
-            cost.observe_union(rows, sum(unions) / len(unions))
+        if t_fwd is not None:  # a batched step's time and reads belong to all its rows
+            stall_s, misses, looked = 0.0, 0, 0
+            after = self._store_snapshot()
+            if r.before is not None and after is not None:
+                stall_s = after[0] - r.before[0]
+                misses, looked = after[1] - r.before[1], after[2] - r.before[2]
+            cost.observe_step(rows, t_fwd, stall=stall_s, misses=misses, lookups=looked)
+            if unions:
+                cost.observe_union(rows, sum(unions) / len(unions))
         st.rounds += 1
         st.tokens += m
         if k:
             st.verify_steps += 1
             st.probes += int(d.probe)
-        dt = time.perf_counter() - t0
+        if shared:
+            st.batched_rounds += 1
+            st.batched_tokens += m
+            if k:
+                st.batched_verify_rounds += 1
+                st.batched_proposed += k
+                st.batched_accepted += acc
+        dt = time.perf_counter() - r.t0
         if not k:
             st.plain_steps += 1
             st.plain_seconds += dt
         st.seconds += dt
-        st.draft_seconds += t_draft
+        st.draft_seconds += r.t_draft
         st.model_seconds += m * cost.step_cost(1)

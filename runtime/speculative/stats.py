@@ -21,6 +21,12 @@ class SpecStats:
     draft_seconds: float = 0.0
     plain_seconds: float = 0.0  # wall time of the rounds without drafts
     model_seconds: float = 0.0  # the cost model's estimate of all tokens decoded plainly
+    # rounds whose verify forward shared the engine's batched step with other generations
+    batched_rounds: int = 0
+    batched_verify_rounds: int = 0  # of those, rounds with drafts
+    batched_tokens: int = 0
+    batched_proposed: int = 0
+    batched_accepted: int = 0
     proposed: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
     accepted: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
 
@@ -34,6 +40,11 @@ class SpecStats:
             "probes": self.probes,
             "seconds": self.seconds,
             "draft_seconds": self.draft_seconds,
+            "batched_rounds": self.batched_rounds,
+            "batched_verify_rounds": self.batched_verify_rounds,
+            "batched_tokens": self.batched_tokens,
+            "batched_proposed": self.batched_proposed,
+            "batched_accepted": self.batched_accepted,
             "proposed": dict(self.proposed),
             "accepted": dict(self.accepted),
             "acceptance": {
