@@ -432,7 +432,7 @@ class ExpertStore:
             self._lookahead_cached.add(key)
         if step is None or step.aborted:
             if not cached:
-                if err is None and step is None:
+                if err is None and step is None and not demand:
                     self._prefetched[key] = slot  # parked for the demand step of that layer
                 else:
                     self._release_transient(slot)

@@ -188,7 +188,11 @@ def test_a_failing_expert_computation_returns_every_buffer() -> None:
             finally:
                 comp.close()
             assert ok == {0: 0, 1: 1, 2: 2}
+            with anyio.fail_after(30):  # reads the aborted step had queued still land
+                while store._inflight:
+                    await anyio.sleep(0.01)
             assert not store._held
+            assert not store._prefetched  # an aborted step's demand reads are not parked
             assert len(store._transient_free) == store.layout.transient_slots
 
     anyio.run(main)
