@@ -30,6 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from runtime.kernels.dequant import dequantize
+from runtime.layers import moe as moe_ops
 from runtime.layers.swiglu import MLPWeights, silu, swiglu
 from runtime.linear import Linear
 
@@ -138,9 +139,7 @@ class ExpertCompute:
         self, x: F32Array, ids: npt.NDArray[np.int64], gates: F32Array, e: int, w: MLPWeights
     ) -> tuple[npt.NDArray[np.intp], F32Array]:
         """Expert ``e`` on the rows routed to it: (rows [n], gate-weighted output [n, D])."""
-        rows, slot = np.nonzero(ids == e)  # [n], [n]
-        xe = np.ascontiguousarray(x[rows])  # [n, D]
-        return rows, self.swiglu(xe, w) * gates[rows, slot][:, None]
+        return moe_ops.expert_output(x, ids, gates, e, w, self.swiglu)
 
     # ------------------------------------------------------------------ scheduling
     @contextlib.contextmanager

@@ -10,7 +10,7 @@ Shape legend: T tokens, D hidden, E routed experts, K experts per token.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,14 +50,20 @@ def union(ids: I64Array) -> list[int]:
 
 
 def expert_output(
-    x: F32Array, ids: I64Array, weights: F32Array, e: int, w: MLPWeights
+    x: F32Array,
+    ids: I64Array,
+    weights: F32Array,
+    e: int,
+    w: MLPWeights,
+    mlp: Callable[[F32Array, MLPWeights], F32Array] = swiglu,
 ) -> tuple[npt.NDArray[np.intp], F32Array]:
     """One routed expert applied to the rows routed to it: (rows [n], weighted output [n, D]).
 
-    Independent of every other expert, so experts can be computed in any (arrival) order."""
+    Independent of every other expert, so experts can be computed in any (arrival) order.
+    ``mlp`` computes the SwiGLU (the compute's choice of threads and matmul)."""
     rows, slot = np.nonzero(ids == e)  # [n], [n]
     xe = np.ascontiguousarray(x[rows])  # [n, D]
-    return rows, swiglu(xe, w) * weights[rows, slot][:, None]  # [n, D]
+    return rows, mlp(xe, w) * weights[rows, slot][:, None]  # [n, D]
 
 
 def combine(
@@ -82,8 +88,10 @@ def apply_experts(
     return combine(x, ids, outputs)
 
 
-def shared(w: MoEWeights, x: F32Array) -> F32Array:
+def shared(
+    w: MoEWeights, x: F32Array, mlp: Callable[[F32Array, MLPWeights], F32Array] = swiglu
+) -> F32Array:
     """Shared experts' output [T, D] (zeros when the layer has none)."""
     if w.shared is None:
         return np.zeros_like(x)
-    return swiglu(x, w.shared)
+    return mlp(x, w.shared)

@@ -510,8 +510,7 @@ class MLAMoEModel:
                 lambda e, w: comp.expert_output(x, ids, gates, e, w),
                 macs=ids.size * 3 * self.config.hidden_size * self.config.moe_intermediate_size,
             )
-            shared = comp.swiglu(x, lw.moe.shared) if lw.moe.shared is not None else 0
-            y = moe_ops.combine(x, ids, outputs) + shared
+            y = moe_ops.combine(x, ids, outputs) + moe_ops.shared(lw.moe, x, comp.swiglu)
         elif lw.mlp is not None:
             y = self.compute.swiglu(x, lw.mlp)  # [T, D]
         else:
