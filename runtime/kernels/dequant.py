@@ -7,8 +7,9 @@ cache-blocked) is several times faster than the streaming int4 kernel. BLAS sums
 order, so results agree with :mod:`.quant_matmul` to float rounding, not bit for bit; the exact
 (default) path never calls this module.
 
-The values are exactly those :mod:`storage.quant` defines: int4 ``(nibble - 8) * scale`` (per row
-or per group), int8 ``q * scale``, bf16 / f16 widened, f32 as is.
+The values are exactly those of :func:`storage.quant.dequantize`, which serves every format but
+int4; int4 (``(nibble - 8) * scale``, per row or per group), the expert format, has a numba
+kernel here that writes into a reusable scratch.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy.typing as npt
 from numba import njit
 
 from storage.quant import QTensor
+from storage.quant import dequantize as reference_dequantize
 
 __all__ = ["dequantize"]
 
@@ -78,25 +80,13 @@ def dequantize(q: QTensor, out: F32Array | None = None) -> F32Array:
         if out.dtype != np.float32 or not out.flags.c_contiguous or out.size < o * i:
             raise ValueError(f"out must be C-contiguous float32 with >= {o * i} elements")
         dst = out.reshape(-1)[: o * i].reshape(o, i)
-    data = np.asarray(q.data)
-    kind = q.fmt.kind
-    if kind == "f32":
-        dst[...] = data.reshape(o, i)
-        return dst
-    if kind == "bf16":
-        bits = np.ascontiguousarray(data).view(np.uint16).reshape(o, i)
-        dst.view(np.uint32)[...] = bits.astype(np.uint32) << 16
-        return dst
-    if kind == "f16":
-        dst[...] = np.ascontiguousarray(data).view(np.float16).reshape(o, i)
+    if q.fmt.kind != "int4":  # storage.quant computes it (a temporary, copied into dst)
+        dst[...] = reference_dequantize(q)
         return dst
     if q.scales is None:
         raise ValueError(f"{q.fmt.name} weight without scales")
     scales = np.ascontiguousarray(q.scales, dtype=np.float32).reshape(-1)
-    raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-    if kind == "int8":
-        np.multiply(raw.view(np.int8).reshape(o, i), scales[:o, None], out=dst)
-        return dst
+    raw = np.ascontiguousarray(q.data).reshape(-1).view(np.uint8)
     nb = (i + 1) // 2
     gs = q.fmt.group_size
     flat = dst.reshape(-1)
