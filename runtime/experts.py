@@ -581,14 +581,7 @@ class StreamingExperts:
                 yield item
                 anyio.from_thread.run_sync(st._loop_done_with, layer, item[0])
         finally:
-            anyio.from_thread.run_sync(st._loop_end, step)
-            while True:  # arrivals queued before the abort: give their slots back
-                try:
-                    item = step.out.get_nowait()
-                except queue.Empty:
-                    break
-                if not isinstance(item, BaseException):
-                    anyio.from_thread.run_sync(st._loop_done_with, layer, item[0])
+            self._end_step(step)
 
     def map_arrivals(
         self,
@@ -641,15 +634,21 @@ class StreamingExperts:
                     anyio.from_thread.run_sync(st._loop_done_with, layer, item.expert)
                 elif not isinstance(item, BaseException):
                     anyio.from_thread.run_sync(st._loop_done_with, layer, item[0])
-            anyio.from_thread.run_sync(st._loop_end, step)
-            while True:  # arrivals queued before the abort: give their slots back
-                try:
-                    left = step.out.get_nowait()
-                except queue.Empty:
-                    break
-                if not isinstance(left, (BaseException, _Done)):
-                    anyio.from_thread.run_sync(st._loop_done_with, layer, left[0])
+            self._end_step(step)
         return results
+
+    def _end_step(self, step: _Step) -> None:
+        """End ``step`` on the loop, then give back the slots of arrivals it queued before the
+        end and nobody took (late ones release their own: the step is marked aborted)."""
+        st = self.store
+        anyio.from_thread.run_sync(st._loop_end, step)
+        while True:
+            try:
+                item = step.out.get_nowait()
+            except queue.Empty:
+                break
+            if not isinstance(item, (BaseException, _Done)):
+                anyio.from_thread.run_sync(st._loop_done_with, step.layer, item[0])
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
         """Lookahead hint: queue reads for ``layer`` (lower priority, may be skipped)."""
