@@ -11,7 +11,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -77,27 +77,14 @@ def _engine_options(fn: F) -> F:
         "~/.cache/colibri/<model dir name>-<hash>).",
     )(fn)
     # Several SSDs (storage/devices.py, docs/tuning.md "Several SSDs").
-    fn = click.option(
+    fn = _dirs_option(
         "--mirror",
-        type=click.Path(path_type=Path),
-        multiple=True,
-        default=tuple(p for p in env.get("mirror", "").split(os.pathsep) if p),
-        expose_value=False,
-        callback=_keep,
-        help="A full or partial copy of the model dir on another drive; repeat for more "
+        "mirror",
+        env,
+        "A full or partial copy of the model dir on another drive; repeat for more "
         f"(env COLI_MIRROR, dirs joined by {os.pathsep!r}).",
     )(fn)
-    fn = click.option(
-        "--model-dir",
-        "model_dirs",
-        type=click.Path(path_type=Path),
-        multiple=True,
-        default=tuple(p for p in env.get("model_dirs", "").split(os.pathsep) if p),
-        expose_value=False,
-        callback=_keep,
-        help="Another directory holding some of the model's shard files, searched after "
-        f"--model; repeat for more (env COLI_MODEL_DIRS, dirs joined by {os.pathsep!r}).",
-    )(fn)
+    fn = _dirs_option("--model-dir", "model_dirs", env, _MODEL_DIR_HELP)(fn)
     fn = click.option(
         "--disk-weights",
         default=env.get("disk_weights"),
@@ -159,6 +146,30 @@ def _engine_options(fn: F) -> F:
         "chunk. Logits then match the exact path to float rounding, not bit for bit.",
     )(fn)
     return _model_option(fn)
+
+
+_MODEL_DIR_HELP = (
+    "Another directory holding some of the model's shard files, searched after "
+    f"--model; repeat for more (env COLI_MODEL_DIRS, dirs joined by {os.pathsep!r})."
+)
+
+
+def _dirs_option(
+    flag: str, field: str, env: Mapping[str, str], help: str, *, keep: bool = True
+) -> Callable[[F], F]:
+    """A repeatable directory option for EngineOptions ``field``, its default from the field's
+    variable (directories joined by os.pathsep). ``keep``: collected for the engine options
+    (see _options) rather than passed to the command."""
+    return click.option(
+        flag,
+        field,
+        type=click.Path(path_type=Path),
+        multiple=True,
+        default=tuple(p for p in env.get(field, "").split(os.pathsep) if p),
+        expose_value=not keep,
+        callback=_keep if keep else None,
+        help=help,
+    )
 
 
 def _keep(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
@@ -867,17 +878,10 @@ def _mem_total() -> int | None:
 
 
 # ----------------------------------------------------------------------------- coli mirror
-def _mirror_model_dirs(fn: F) -> F:
-    """``--model-dir`` as for the engine: the model's shards may be spread over directories."""
-    return click.option(
-        "--model-dir",
-        "model_dirs",
-        type=click.Path(path_type=Path),
-        multiple=True,
-        default=tuple(p for p in env_defaults().get("model_dirs", "").split(os.pathsep) if p),
-        help="Another directory holding some of the model's shard files, searched after "
-        f"--model; repeat for more (env COLI_MODEL_DIRS, dirs joined by {os.pathsep!r}).",
-    )(fn)
+# --model-dir as for the engine: the model's shards may be spread over directories.
+_mirror_model_dirs = _dirs_option(
+    "--model-dir", "model_dirs", env_defaults(), _MODEL_DIR_HELP, keep=False
+)
 
 
 def _mirror_options(fn: F) -> F:
