@@ -50,3 +50,10 @@ def env_clean(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
+
+
+@pytest.fixture
+def private_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """HOME in a fresh temporary directory: the engine's default state dir
+    (~/.cache/colibri/...) starts empty and the user's is never touched."""
+    monkeypatch.setenv("HOME", str(tmp_path_factory.mktemp("home")))

@@ -20,11 +20,7 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _private_home(
-    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("HOME", str(tmp_path_factory.mktemp("home")))
+pytestmark = pytest.mark.usefixtures("private_home")
 
 
 async def _collect(engine: colibri.Engine, prompt: list[int], out: dict[int, list[int]], k: int,

@@ -24,11 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEMO = demo_model()
 
 
-@pytest.fixture(autouse=True)
-def _private_home(
-    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("HOME", str(tmp_path_factory.mktemp("home")))
+pytestmark = pytest.mark.usefixtures("private_home")
 
 
 @pytest.fixture(scope="module")

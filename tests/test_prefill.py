@@ -20,11 +20,7 @@ DEMO = demo_model()
 PROMPT = [int(x) for x in np.random.default_rng(7).integers(3, 999, size=70)]
 
 
-@pytest.fixture(autouse=True)
-def _private_home(
-    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("HOME", str(tmp_path_factory.mktemp("home")))
+pytestmark = pytest.mark.usefixtures("private_home")
 
 
 def _generate(path: Path, **opts: Any) -> tuple[list[int], list[float], dict[str, Any]]:

@@ -19,11 +19,7 @@ DEMO = demo_model()
 N = 24
 
 
-@pytest.fixture(autouse=True)
-def _private_home(
-    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("HOME", str(tmp_path_factory.mktemp("home")))
+pytestmark = pytest.mark.usefixtures("private_home")
 
 
 def _prompts(n: int) -> list[list[int]]:

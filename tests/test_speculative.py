@@ -40,11 +40,7 @@ N_TOKENS = 32
 POLICIES = ["1", "2", "3", "4", "lookup:1", "lookup:2", "lookup:3", "lookup:4", "auto"]
 
 
-@pytest.fixture(autouse=True)
-def _private_home(
-    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("HOME", str(tmp_path_factory.mktemp("home")))
+pytestmark = pytest.mark.usefixtures("private_home")
 
 
 def _prompts(n: int) -> list[list[int]]:
