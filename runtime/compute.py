@@ -24,7 +24,7 @@ import itertools
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -33,6 +33,7 @@ from runtime.kernels.dequant import dequantize
 from runtime.layers import moe as moe_ops
 from runtime.layers.swiglu import MLPWeights, silu, swiglu
 from runtime.linear import Linear
+from runtime.weights import ExpertSource
 
 __all__ = ["ExpertCompute"]
 
@@ -40,10 +41,6 @@ _WORKER_PREFIX = "colibri-expert"
 
 F32Array = npt.NDArray[np.float32]
 R = TypeVar("R")
-
-
-class _ArrivalSource(Protocol):
-    def arrivals(self, layer: int, experts: Sequence[int]) -> Iterator[tuple[int, MLPWeights]]: ...
 
 
 class ExpertCompute:
@@ -155,7 +152,7 @@ class ExpertCompute:
 
     def run(
         self,
-        source: _ArrivalSource,
+        source: ExpertSource,
         layer: int,
         experts: Sequence[int],
         fn: Callable[[int, MLPWeights], R],
