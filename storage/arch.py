@@ -15,12 +15,15 @@ from typing import Any, Literal
 from storage.errors import ConfigError
 
 __all__ = [
+    "INDEXER_TENSORS",
     "SUPPORTED_MODEL_TYPES",
     "ArchConfig",
     "Role",
     "TensorRole",
     "classify",
+    "default_indexer_types",
     "expected_tensors",
+    "optional_tensors",
 ]
 
 SUPPORTED_MODEL_TYPES = ("glm_moe_dsa", "deepseek_v3")
@@ -29,6 +32,41 @@ SUPPORTED_MODEL_TYPES = ("glm_moe_dsa", "deepseek_v3")
 # indexer); io: embed_tokens / lm_head; mtp: matrices of the MTP layer(s); f32: norms, router,
 # biases and everything 1-D (kept float32).
 Role = Literal["expert", "dense", "io", "mtp", "f32"]
+
+# The DSA lightning indexer of one layer (suffixes after ``model.layers.L.``).
+INDEXER_TENSORS = (
+    "self_attn.indexer.wq_b.weight",
+    "self_attn.indexer.wk.weight",
+    "self_attn.indexer.k_norm.weight",
+    "self_attn.indexer.k_norm.bias",
+    "self_attn.indexer.weights_proj.weight",
+)
+
+
+def default_indexer_types(cfg: Mapping[str, Any], n_layers: int) -> list[str]:
+    """``indexer_types`` for a GLM-5 config that does not list them, by transformers' rule:
+    ``index_topk_pattern`` ("FSSF..." or a list), else every ``index_topk_freq``-th layer from
+    ``index_skip_topk_offset`` on is "full" and the rest "shared" (freq 1: every layer full).
+
+    This is the one place the rule lives; the storage checks and the runtime both use it."""
+    pattern = cfg.get("index_topk_pattern")
+    if pattern is not None:
+        if isinstance(pattern, str):
+            try:
+                return [{"F": "full", "S": "shared"}[ch] for ch in pattern]
+            except KeyError as exc:
+                raise ConfigError(
+                    f"config.json: index_topk_pattern {pattern!r} may hold only F and S"
+                ) from exc
+        if not isinstance(pattern, list):
+            raise ConfigError("config.json: index_topk_pattern must be a string or a list")
+        return [str(p) for p in pattern]
+    try:
+        freq = max(int(cfg.get("index_topk_freq") or 1), 1)
+        offset = int(cfg.get("index_skip_topk_offset", 2))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"config.json: a DSA key has a bad value ({exc})") from exc
+    return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n_layers)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,10 +124,12 @@ class ArchConfig:
                     f"{where}: mlp_layer_types must list 'dense' or 'sparse' for each of the "
                     f"{n_layers} layers, got {mlp_types!r}"
                 )
-            idx_types = cfg.get("indexer_types") or []
+            is_dsa = mt == "glm_moe_dsa"
+            idx_types = cfg.get("indexer_types") or (
+                default_indexer_types(cfg, n_layers) if is_dsa else []
+            )
             if not isinstance(idx_types, list):
                 raise ConfigError(f"{where}: indexer_types must be a list, got {idx_types!r}")
-            is_dsa = mt == "glm_moe_dsa"
             return ArchConfig(
                 model_type=mt,
                 hidden_size=int(need("hidden_size")),
@@ -126,10 +166,12 @@ class ArchConfig:
         return self.mlp_layer_types[layer] == "sparse"
 
     def has_indexer(self, layer: int) -> bool:
+        """Whether layer ``layer`` runs its own DSA indexer: a "full" main layer, or an MTP
+        layer (whose indexer is optional on disk: see :func:`optional_tensors`)."""
         if self.model_type != "glm_moe_dsa":
             return False
         if layer < len(self.indexer_types):
-            return self.indexer_types[layer] != "shared"
+            return self.indexer_types[layer] == "full"
         return True
 
 
@@ -218,10 +260,24 @@ def _matrix_shape(rest: str, layer: int, a: ArchConfig) -> tuple[int, int] | Non
     return table.get(rest)
 
 
-def expected_tensors(arch: ArchConfig) -> list[str]:
-    """Every tensor name the runtime needs (MTP layers included when the config declares them).
+def optional_tensors(arch: ArchConfig) -> frozenset[str]:
+    """Names of :func:`expected_tensors` a complete container may lack: the DSA indexer of the
+    MTP layer(s). The public converter never writes it (its MTP pass skips indexer tensors),
+    and without it the MTP layer attends densely, as the C engine does; that only changes
+    drafts, which the main model verifies. A main layer's indexer is never optional."""
+    return frozenset(
+        f"model.layers.{layer}.{t}"
+        for layer in range(arch.num_hidden_layers, arch.total_layers)
+        if arch.has_indexer(layer)
+        for t in INDEXER_TENSORS
+    )
 
-    Optional tensors (a separate MTP ``embed_tokens``, attention biases) are not listed."""
+
+def expected_tensors(arch: ArchConfig) -> list[str]:
+    """Every tensor name of the full model (MTP layers included when the config declares them),
+    the MTP indexer too although it is optional (:func:`optional_tensors`).
+
+    Other optional tensors (a separate MTP ``embed_tokens``, attention biases) are not listed."""
     names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
     for layer in range(arch.total_layers):
         p = f"model.layers.{layer}."
@@ -234,9 +290,7 @@ def expected_tensors(arch: ArchConfig) -> list[str]:
         attn += ["self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_layernorm.weight",
                  "self_attn.kv_b_proj.weight", "self_attn.o_proj.weight"]  # fmt: skip
         if arch.has_indexer(layer):
-            attn += ["self_attn.indexer.wq_b.weight", "self_attn.indexer.wk.weight",
-                     "self_attn.indexer.k_norm.weight", "self_attn.indexer.k_norm.bias",
-                     "self_attn.indexer.weights_proj.weight"]  # fmt: skip
+            attn += list(INDEXER_TENSORS)
         if arch.is_moe_layer(layer):
             attn += ["mlp.gate.weight", "mlp.gate.e_score_correction_bias"]
             if arch.n_shared_experts:

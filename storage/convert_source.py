@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from storage.arch import ArchConfig, TensorRole, classify, expected_tensors
+from storage.arch import ArchConfig, TensorRole, classify, expected_tensors, optional_tensors
 from storage.errors import ConfigError, ConversionError
 from storage.manifest import SourceFile, SourceIdentity
 from storage.quant import QuantFormat
@@ -226,6 +226,10 @@ def _build_catalog(source: _Source, options: ConvertOptions) -> _Catalog:
 
     notes: list[str] = []
     missing = [n for n in expected_tensors(arch) if n not in tensors]
+    optional = optional_tensors(arch)
+    if optional and set(missing) == optional:  # an MTP layer without its (optional) indexer
+        missing = []
+        notes.append("the source has no DSA indexer for the MTP layer: it will attend densely")
     if missing:
         mtp_names = {
             n for n in expected_tensors(arch) if _layer_of(n, -1) >= arch.num_hidden_layers

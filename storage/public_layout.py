@@ -14,6 +14,15 @@ What it reproduces:
 * no alignment, no padding tensors, no manifest;
 * shards split at layer boundaries once over ``shard_bytes`` (an expert never straddles shards;
   a single layer larger than ``shard_bytes`` gets a shard of its own).
+
+:func:`write_converter_passes` reproduces the directory the public converter leaves after its
+three passes over a Hugging Face checkpoint of ``N`` source shards, numbered as it numbers them:
+
+* main pass: ``out-{i:05d}`` for *every* source shard ``i`` (an empty shard, header ``{}``, when
+  source shard ``i`` held only MTP or indexer tensors), main layers and globals, no indexer;
+* MTP pass: ``out-mtp-{j:05d}`` over the source shards holding layer ``num_hidden_layers``, in
+  source order, **without the MTP layer's DSA indexer**;
+* indexer pass: ``out-idx-{k:05d}`` over the source shards holding a main layer's indexer.
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ from storage.errors import ConfigError, ContainerError
 from storage.quant import QTensor
 from storage.safetensors import TensorSpec, write_safetensors
 
-__all__ = ["dtype_sort_key", "write_public_container"]
+__all__ = ["dtype_sort_key", "write_converter_passes", "write_public_container"]
 
 # The safetensors library sorts a shard's tensors by its Dtype enum, descending, then by name.
 _DTYPE_ORDER = (
@@ -143,6 +152,89 @@ def write_public_container(
         (dst / GENERATION_CONFIG_NAME).write_text(json.dumps(generation_config, indent=2) + "\n")
     for fname, data in (tokenizer_files or {}).items():
         (dst / fname).write_bytes(data)
+
+
+def _source_units(names: list[str], n_layers: int) -> list[list[str]]:
+    """The checkpoint's tensors in source order as indivisible units: one tensor, or one
+    expert's three matrices (a source shard never splits an expert). Order: embed, the main
+    layers, the final norm and lm_head, then the MTP layer (so the last source shards hold
+    nothing but MTP tensors, as in the GLM-5 checkpoints)."""
+
+    def key(name: str) -> tuple[int, int, str]:
+        m = _LAYER.match(name)
+        if m:
+            layer = int(m.group(1))
+            return (3 if layer >= n_layers else 1, layer, name)
+        return (0 if name.startswith("model.embed_tokens.") else 2, 0, name)
+
+    units: dict[tuple[int, int, str], list[str]] = {}
+    for name in sorted(names, key=key):
+        k = key(name)
+        e = re.match(r"^(model\.layers\.\d+\.mlp\.experts\.\d+)\.", name)
+        unit_key = (k[0], k[1], e.group(1)) if e else k
+        units.setdefault(unit_key, []).append(name)
+    return list(units.values())
+
+
+def write_converter_passes(
+    dst: Path,
+    config: dict[str, Any],
+    tensors: Mapping[str, QTensor | npt.NDArray[Any]],
+    *,
+    source_shard_bytes: int,
+    tokenizer_files: Mapping[str, bytes] | None = None,
+    generation_config: dict[str, Any] | None = None,
+) -> list[str]:
+    """Write ``tensors`` (already in the formats the passes chose) the way the public
+    converter's main, MTP and indexer passes lay out a checkpoint whose source shards are cut
+    every ``source_shard_bytes`` (in stored bytes, at unit boundaries). The MTP layer's indexer
+    tensors, if given, are dropped as that converter drops them. Returns the shard names."""
+    dst = Path(dst)
+    n_layers = int(config["num_hidden_layers"])
+    dst.mkdir(parents=True, exist_ok=True)
+    if shard_paths(dst):
+        raise ContainerError(f"{dst}: already holds *.safetensors shards; use an empty directory")
+    sources: list[list[str]] = [[]]
+    size = 0
+    for unit in _source_units(list(tensors), n_layers):
+        u_size = sum(s.nbytes for n in unit for s, _ in _items(n, tensors[n]))
+        if sources[-1] and size + u_size > source_shard_bytes:
+            sources.append([])
+            size = 0
+        sources[-1].extend(unit)
+        size += u_size
+
+    def layer(name: str) -> int:
+        m = _LAYER.match(name)
+        return int(m.group(1)) if m else -1
+
+    def indexer(name: str) -> bool:
+        return ".indexer." in name
+
+    passes: list[tuple[str, Any]] = [
+        ("out-", lambda n: layer(n) < n_layers and not indexer(n)),
+        ("out-mtp-", lambda n: layer(n) == n_layers and not indexer(n)),
+        ("out-idx-", lambda n: 0 <= layer(n) < n_layers and indexer(n)),
+    ]
+    written: list[str] = []
+    for prefix, keep in passes:
+        chosen = [[n for n in src if keep(n)] for src in sources]
+        if prefix != "out-":  # only the main pass writes one output per source shard
+            chosen = [c for c in chosen if c]
+        for i, names in enumerate(chosen):
+            items = sorted(
+                (it for n in names for it in _items(n, tensors[n])),
+                key=lambda it: dtype_sort_key(it[0].dtype, it[0].name),
+            )
+            fname = f"{prefix}{i:05d}.safetensors"
+            write_safetensors(dst / fname, [s for s, _ in items], (a for _, a in items))
+            written.append(fname)
+    (dst / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+    if generation_config is not None:
+        (dst / GENERATION_CONFIG_NAME).write_text(json.dumps(generation_config, indent=2) + "\n")
+    for fname, data in (tokenizer_files or {}).items():
+        (dst / fname).write_bytes(data)
+    return written
 
 
 def _write_shard(dst: Path, kind: int, counters: list[int], items: list[Item]) -> None:

@@ -575,6 +575,24 @@ def test_missing_tensor_and_missing_mtp_layer(tmp_path: Path) -> None:
     assert not any(s.kind == "mtp" for s in result.manifest.shards)
 
 
+def test_source_without_an_mtp_indexer_converts(tmp_path: Path) -> None:
+    """The MTP layer's DSA indexer is optional (the public converter never writes one)."""
+    cfg = tiny_config()
+    arch = ArchConfig.from_dict(cfg)
+    from storage.arch import optional_tensors
+
+    skip = tuple(sorted(optional_tensors(arch)))
+    assert skip and all(n.startswith("model.layers.2.self_attn.indexer.") for n in skip)
+    make_checkpoint(tmp_path / "src", cfg, skip=skip)
+    result = convert(tmp_path / "src", tmp_path / "dst", ConvertOptions(shard_size=SMALL))
+    assert any("no DSA indexer for the MTP layer" in n for n in result.notes)
+    assert any(s.kind == "mtp" for s in result.manifest.shards)
+    # one piece of it missing is an incomplete download, not an optional absence
+    make_checkpoint(tmp_path / "src2", cfg, skip=skip[1:])
+    with pytest.raises(ConversionError, match="in no shard"):
+        convert(tmp_path / "src2", tmp_path / "dst2")
+
+
 def test_defaults_are_the_precision_policy() -> None:
     assert DEFAULTS.recorded() == {
         "experts": "int4-g64",

@@ -10,7 +10,9 @@ Differences from the shared stack:
   forward. With ``index_topk >= S`` the selection is a no-op and is skipped (index keys are
   still cached for later, longer steps). MTP layers (index >= num_hidden_layers) are full.
 * containers without indexer weights (the public int4 one ships them separately) still run
-  sequences up to ``index_topk`` tokens, where DSA changes nothing.
+  sequences up to ``index_topk`` tokens, where DSA changes nothing; longer ones are an error.
+  The MTP layer's indexer is optional (the public converter never writes it): without it the
+  MTP layer attends densely at any length, as the C engine does. That changes drafts only.
 
 Shape legend: T new tokens, S keys (cache + new), D hidden.
 """
@@ -29,24 +31,13 @@ from runtime.layers import dsa_indexer as dsa
 from runtime.layers.mla import MLAProjection
 from runtime.models._decoder import MLAMoEConfig, MLAMoEModel
 from runtime.weights import ContainerLike, ExpertSource, LayerWeights, ModelWeights
+from storage.arch import default_indexer_types
 from storage.errors import ConfigError, ModelError
 
 __all__ = ["GlmMoeDsa", "GlmMoeDsaConfig"]
 
 F32Array = npt.NDArray[np.float32]
 BoolArray = npt.NDArray[np.bool_]
-
-
-def _default_indexer_types(cfg: Mapping[str, Any], n_layers: int) -> list[str]:
-    """transformers' default: ``index_topk_pattern`` ("FSSF..."), else a freq/offset rule."""
-    pattern = cfg.get("index_topk_pattern")
-    if pattern is not None:
-        if isinstance(pattern, str):
-            return [{"F": "full", "S": "shared"}[ch] for ch in pattern]
-        return [str(p) for p in pattern]
-    freq = max(int(cfg.get("index_topk_freq") or 1), 1)
-    offset = int(cfg.get("index_skip_topk_offset", 2))
-    return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n_layers)]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,7 +60,7 @@ class GlmMoeDsaConfig(MLAMoEConfig):
             kw["index_n_heads"] = int(cfg.get("index_n_heads") or 64)
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"config.json: a DSA key has a bad value ({exc})") from exc
-        types = cfg.get("indexer_types") or _default_indexer_types(cfg, n)
+        types = cfg.get("indexer_types") or default_indexer_types(cfg, n)
         kw["indexer_types"] = tuple(str(t) for t in types)
         dense = min(kw["first_k_dense_replace"], n)
         mlp = cfg.get("mlp_layer_types") or ["dense"] * dense + ["sparse"] * (n - dense)
@@ -133,7 +124,13 @@ class GlmMoeDsa(MLAMoEModel):
         return container.has(f"model.layers.{layer}.self_attn.indexer.wq_b.weight")
 
     def _caches_index_keys(self, layer: int) -> bool:
+        if layer >= self.config.num_hidden_layers:
+            return self._mtp_has_indexer()
         return self.config.runs_indexer(layer)
+
+    def _mtp_has_indexer(self) -> bool:
+        """The public container has no MTP indexer: the MTP layer then attends densely."""
+        return bool(self.weights.mtp) and self.weights.mtp[0].layer.indexer is not None
 
     @property
     def _index_head_dim(self) -> int:
@@ -158,6 +155,10 @@ class GlmMoeDsa(MLAMoEModel):
         s = start + t
         topk = self.indexer_dims.index_topk
         if lw.indexer is None:
+            if layer >= self.config.num_hidden_layers:
+                # MTP layer without indexer weights (the public converter writes none): dense,
+                # as the C engine runs it. Only drafts change; the main layers verify them.
+                return None
             if s > topk:
                 raise ModelError(
                     f"layer {layer}: the sequence has {s} tokens, more than index_topk={topk}, "
