@@ -87,21 +87,34 @@ def index_scores(
     r = d.qk_rope_head_dim
     q = w.wq_b(q_resid).reshape(t, d.index_n_heads, d.index_head_dim)  # [T, HI, DI]
     q = np.concatenate([apply_rope(q[:, :, :r], cos, sin, d.interleave), q[:, :, r:]], axis=-1)
-    dots = (q @ keys.T) * np.float32(d.index_head_dim**-0.5)  # [T, HI, S]
-    relu = np.maximum(dots, np.float32(0.0))  # [T, HI, S]
     hw = w.weights_proj(x) * np.float32(d.index_n_heads**-0.5)  # [T, HI]
-    scores: F32Array = (hw[:, None, :] @ relu)[:, 0, :].astype(np.float32)  # [T, S]
-    future = np.arange(s)[None, :] > (np.arange(t) + (s - t))[:, None]  # [T, S]
-    scores[future] = -np.inf
+    scale = np.float32(d.index_head_dim**-0.5)
+    scores = np.full((t, s), -np.inf, dtype=np.float32)  # [T, S]; future keys stay -inf
+    for i in range(t):
+        # One query at a time over its causal keys only: the same products, with the same
+        # shapes, as a one-token decode at this position (batch-invariant scores).
+        end = s - t + i + 1
+        relu = np.maximum((q[i] @ keys[:end].T) * scale, np.float32(0.0))  # [HI, S_i]
+        scores[i, :end] = hw[i : i + 1] @ relu  # [1, S_i]
     return scores
 
 
 def select(scores: F32Array, topk: int) -> BoolArray | None:
-    """Keys kept per query [T, S] (True = visible), or None when ``topk >= S`` (no-op)."""
+    """Keys kept per query [T, S] (True = visible), or None when ``topk >= S`` (no-op).
+
+    Query i (the last T of S positions) chooses among its own causal keys only, with
+    ``torch.topk``'s tie-breaking over exactly those ``S - T + i + 1`` scores: the choice a
+    one-token decode at that position makes, whatever T and S are (batch-invariant). A query
+    with at most ``topk`` causal keys keeps them all."""
     t, s = scores.shape
     if topk >= s:
         return None
-    keep = torch_topk_indices(scores, topk)  # [T, topk]
-    mask = np.zeros((t, s), dtype=bool)  # [T, S]
-    np.put_along_axis(mask, keep, True, axis=1)
+    n_keys = np.arange(t) + (s - t) + 1  # [T] causal keys per query
+    mask: BoolArray = np.arange(s)[None, :] < n_keys[:, None]  # [T, S] every causal key
+    long = np.flatnonzero(n_keys > topk)  # queries that must choose
+    if long.size:
+        keep = torch_topk_indices(scores[long], topk, lengths=n_keys[long])  # [L, topk]
+        chosen = np.zeros((long.size, s), dtype=bool)  # [L, S]
+        np.put_along_axis(chosen, keep, True, axis=1)
+        mask[long] = chosen
     return mask

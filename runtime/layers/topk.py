@@ -30,11 +30,22 @@ F32Array = npt.NDArray[np.float32]
 I64Array = npt.NDArray[np.int64]
 
 
-def torch_topk_indices(values: F32Array, k: int, *, exact_masked_ties: bool = False) -> I64Array:
+def torch_topk_indices(
+    values: F32Array,
+    k: int,
+    *,
+    exact_masked_ties: bool = False,
+    lengths: npt.NDArray[np.integer] | None = None,
+) -> I64Array:
     """Indices [R, k] of the k largest values of each row of ``values`` [R, N].
 
     The set per row equals ``torch.topk(values, k, dim=-1).indices`` (CPU); the order within a
     row is unspecified. ``k`` is clipped to N (torch would raise; callers clip first anyway).
+
+    ``lengths`` [R]: row r's candidates are its first ``lengths[r]`` values only (each >= k; the
+    rest must be -inf, a causally masked tail). The set is then ``torch.topk`` of that prefix,
+    ties included, so it does not depend on how long the masked tail is: a query's selection
+    in a long prefill equals the one a one-token decode at its position makes.
     """
     v = np.asarray(values, dtype=np.float32)
     r, n = v.shape
@@ -51,7 +62,8 @@ def torch_topk_indices(values: F32Array, k: int, *, exact_masked_ties: bool = Fa
     if not exact_masked_ties:
         tied &= ~np.isneginf(kth)
     for row in np.flatnonzero(tied):
-        out[row] = _libstdcxx_topk(v[row].tolist(), k)
+        n_row = n if lengths is None else int(lengths[row])
+        out[row] = _libstdcxx_topk(v[row, :n_row].tolist(), k)
     return out
 
 

@@ -9,9 +9,12 @@ Code path choices (one code path for every T; the numbers differ only by roundin
 
 * every forward continues from ``cache.length``: new rows are written to the cache first, then
   the new queries attend over cache + new keys with a causal mask;
-* MLA evaluation order per call: ``attention_mode`` "auto" picks the cheaper of reconstructing
-  K/V (fresh prefill) or absorbing ``kv_b_proj`` into q/o (decode, T == 1) by multiply-add
-  count (``runtime.layers.mla.prefer_absorbed``); "absorbed"/"reconstruct" force one.
+* MLA evaluation order: ``attention_mode`` "absorbed" (the default) computes every query row
+  on its own over its causal keys, so a token's rows (KV, index keys, hidden, logits) are
+  bit-identical whether it runs alone, in a prefill chunk of any size, in a speculative verify
+  block or in a batched step with other sequences. "auto" (the labelled ``--fast-prefill``)
+  picks the cheaper of reconstructing K/V (fresh prefill) or absorbing per call by
+  multiply-add count (``runtime.layers.mla.prefer_absorbed``): equal up to rounding only.
 * MoE: route -> union -> ``experts.get(layer, union)`` once per layer per call -> apply + shared.
 
 Shape legend: T new tokens, S keys (cache + new), D hidden, V vocab, K experts per token.
@@ -216,7 +219,9 @@ class MLAMoEModel:
             config.interleaved_rope(),
         )
         self.softmax_scale = mla_softmax_scale(self.dims.qk_head_dim, config.rope_parameters)
-        self.attention_mode: AttentionMode = "auto"
+        # One evaluation order for every call shape (batch-invariant); "auto" picks the faster
+        # order per call and is what the labelled --fast-prefill uses.
+        self.attention_mode: AttentionMode = "absorbed"
         self.observer: Observer | None = None
         # Threads and matmul choice for routed experts (serial, exact kernels by default).
         self.compute = ExpertCompute()
