@@ -162,10 +162,12 @@ async def messages(request: Request) -> Response:
     if thinking is not None:
         extra["enable_thinking"] = thinking
     try:
-        text = st.tokenizer.apply_chat_template(to_template_messages(req), **extra)
+        text = await st.off_loop(
+            lambda: st.tokenizer.apply_chat_template(to_template_messages(req), **extra)
+        )
     except ColibriError as exc:
         raise ApiError(400, str(exc), param="messages", code="template_error") from exc
-    ids = st.tokenizer.encode(text)
+    ids = await st.off_loop(st.tokenizer.encode, text)
     params = common_params(
         st,
         req,

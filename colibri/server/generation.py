@@ -118,14 +118,6 @@ def check_prompt(state: AppState, ids: list[int], max_tokens: int | None) -> int
     """Validate prompt ids against the vocabulary and context; returns max_tokens to use."""
     if not ids:
         raise ApiError(400, "the prompt is empty", param="messages", code="empty_prompt")
-    bad = [t for t in ids if not 0 <= t < state.vocab_size]
-    if bad:
-        raise ApiError(
-            400,
-            f"token id {bad[0]} is outside the vocabulary (0..{state.vocab_size - 1})",
-            param="prompt",
-            code="invalid_token",
-        )
     ctx = state.context_length
     if len(ids) >= ctx:
         raise ApiError(
@@ -134,6 +126,15 @@ def check_prompt(state: AppState, ids: list[int], max_tokens: int | None) -> int
             "shorten it",
             param="messages",
             code="context_length_exceeded",
+        )
+    # after the context check: an over-long prompt is refused without a scan of its ids
+    bad = [t for t in ids if not 0 <= t < state.vocab_size]
+    if bad:
+        raise ApiError(
+            400,
+            f"token id {bad[0]} is outside the vocabulary (0..{state.vocab_size - 1})",
+            param="prompt",
+            code="invalid_token",
         )
     if max_tokens is None:
         return ctx - len(ids)

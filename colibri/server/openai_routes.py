@@ -59,12 +59,48 @@ async def parse_body(request: Request, model: type[M]) -> M:
         data = json.loads(raw or b"null")
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise ApiError(
+            400, f"the body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json"
+        ) from None
     if not isinstance(data, dict):
         raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    problem = check_json_text(data)
+    if problem is not None:
+        raise ApiError(400, problem, code="invalid_json")
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         raise validation_error(exc) from None
+
+
+MAX_JSON_DEPTH = 64  # arrays and objects inside each other; real requests need a handful
+
+
+def check_json_text(data: Any) -> str | None:
+    """Why a decoded body cannot be served, or None: nesting beyond :data:`MAX_JSON_DEPTH`, or
+    a string (value or key) that is not valid Unicode text (a lone UTF-16 surrogate from a
+    ``\\ud800`` escape: no tokenizer can encode it). Iterative, so depth costs no stack."""
+    stack: list[tuple[Any, int, str]] = [(data, 1, "$")]
+    while stack:
+        node, depth, path = stack.pop()
+        if isinstance(node, str):
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError:
+                return f"{path}: the text holds a lone UTF-16 surrogate (not valid Unicode)"
+            continue
+        if not isinstance(node, (dict, list)):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            return f"the body nests deeper than {MAX_JSON_DEPTH} levels (at {path})"
+        if isinstance(node, dict):
+            for k, v in node.items():
+                stack.append((k, depth, f"{path} (a key)"))
+                stack.append((v, depth + 1, f"{path}.{k}"))
+        else:
+            stack.extend((v, depth + 1, f"{path}[{i}]") for i, v in enumerate(node))
+    return None
 
 
 def check_model(st: AppState, name: str) -> None:
@@ -245,10 +281,10 @@ async def chat_completions(request: Request) -> Response:
         extra["reasoning_effort"] = req.reasoning_effort
     messages = _message_dicts(req)
     try:
-        text = st.tokenizer.apply_chat_template(messages, **extra)
+        text = await st.off_loop(lambda: st.tokenizer.apply_chat_template(messages, **extra))
     except ColibriError as exc:
         raise ApiError(400, str(exc), param="messages", code="template_error") from exc
-    ids = st.tokenizer.encode(text)
+    ids = await st.off_loop(st.tokenizer.encode, text)
     params = common_params(
         st,
         req,
@@ -428,7 +464,7 @@ async def completions(request: Request) -> Response:
     else:
         ids = [int(t) for t in prompt if isinstance(t, int)]
     if prompt_text is not None:
-        ids = st.tokenizer.encode(prompt_text)
+        ids = await st.off_loop(st.tokenizer.encode, prompt_text)
     params = common_params(
         st,
         req,
@@ -448,7 +484,9 @@ async def completions(request: Request) -> Response:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     echo = ""
     if req.echo:
-        echo = prompt_text if prompt_text is not None else st.tokenizer.decode(ids)
+        echo = (
+            prompt_text if prompt_text is not None else await st.off_loop(st.tokenizer.decode, ids)
+        )
     ticket = st.admission.reserve()
 
     def base() -> dict[str, Any]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 __all__ = [
     "AnthropicMessage",
@@ -29,6 +29,10 @@ __all__ = [
     "StreamOptions",
     "Tool",
 ]
+
+
+# Template variables a request may not set through chat_template_kwargs.
+RESERVED_TEMPLATE_KEYS = frozenset({"messages", "add_generation_prompt"})
 
 
 class _Loose(BaseModel):
@@ -53,6 +57,16 @@ class Extensions(_Loose):
     return_token_ids: bool = Field(
         default=False, description="Add the prompt and generated token ids to the response"
     )
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_reserved_template_keys(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        # The server sets these itself; letting a request override them would render another
+        # conversation than the one it sent (or fail inside the template).
+        bad = sorted(set(v or {}) & RESERVED_TEMPLATE_KEYS)
+        if bad:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(bad)}")
+        return v
 
 
 class StreamOptions(_Loose):
@@ -111,7 +125,7 @@ class ChatCompletionRequest(Extensions):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[Tool] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
@@ -175,4 +189,12 @@ class MessagesRequest(Extensions):
     tools: list[AnthropicTool] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: ThinkingConfig | None = None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_type(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None and v.get("type") not in ("auto", "any", "tool", "none"):
+            raise ValueError("tool_choice.type must be one of 'auto', 'any', 'tool', 'none'")
+        return v
+
     metadata: dict[str, Any] | None = None

@@ -8,11 +8,11 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 from pydantic import BaseModel, ConfigDict, Field
@@ -22,6 +22,8 @@ from colibri.server.errors import ApiError
 from colibri.server.metrics import Metrics
 from colibri.server.slots import Slot, SlotPool
 from colibri.tokenizer import ChatTokenizer
+
+T = TypeVar("T")
 
 __all__ = ["Admission", "AppState", "Lease", "ServerConfig", "Ticket", "Turn"]
 
@@ -222,6 +224,15 @@ class AppState:
     think_template: bool = False
     engine_identity: str = "0"
     kv_dir: Path | None = None
+    _text_limiter: anyio.CapacityLimiter | None = None
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run CPU work on request text (template rendering, tokenization, detokenization) in
+        a worker thread: a 4 MB prompt takes seconds to tokenize and must not stall the loop
+        (``/health``, other streams). Two threads at most, beside the compute limiter."""
+        if self._text_limiter is None:
+            self._text_limiter = anyio.CapacityLimiter(2)
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self._text_limiter)
 
     def record(self, turn: Turn) -> None:
         self.turns.append(turn)
