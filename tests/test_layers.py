@@ -404,7 +404,20 @@ def test_indexer_selection_matches_transformers() -> None:
     attn = layer.self_attn
     with torch.no_grad():
         q_resid = attn.q_a_layernorm(attn.q_a_proj(xt))
-        want = attn.indexer(xt, q_resid, pe, _causal(t)[:, 0], pos)[0].numpy()  # [T, k]
+        # What transformers selects for query `row` when it is the newest token (a KV-cached
+        # decode step: its row holds exactly row + 1 scores). colibri selects that for every
+        # query of every call (batch-invariant); a full forward of T rows pads each row with -inf
+        # to T, which can move torch's pick among exactly tied keys.
+        want = [
+            attn.indexer(
+                xt[:, : row + 1],
+                q_resid[:, : row + 1],
+                tuple(e[:, : row + 1] for e in pe),
+                _causal(row + 1)[:, 0],
+                pos[:, : row + 1],
+            )[0][row].numpy()
+            for row in range(t)
+        ]  # T x [k]
     d = _dims(cfg)
     idims = dsa.IndexerDims(cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk,
                             cfg.qk_rope_head_dim)  # fmt: skip
