@@ -68,6 +68,16 @@ def _as_ids(token_ids: Sequence[int] | npt.NDArray[np.integer]) -> npt.NDArray[n
     return ids
 
 
+def _check_finite(logits: npt.NDArray[np.float32], i: int) -> None:
+    """NaN or inf logits mean damaged weights (or a kernel bug): stop instead of emitting a
+    token drawn from garbage."""
+    if not np.isfinite(logits).all():
+        raise ModelError(
+            f"the model produced non-finite logits (NaN or inf) for output token {i}: the "
+            "weights are probably damaged; check them with `coli doctor --verify`"
+        )
+
+
 def _token_event(
     tok: int, index: int, logits: npt.NDArray[np.float32], top_logprobs: int
 ) -> TokenEvent:
@@ -299,6 +309,7 @@ class Engine:
                 i = 0
                 while rows:
                     for tok, row in rows:
+                        _check_finite(row, i)
                         out_tokens.append(tok)
                         self._counters["generated_tokens"] += 1
                         yield _token_event(tok, i, row, top_logprobs)
@@ -316,6 +327,7 @@ class Engine:
             elif max_new_tokens > 0:
                 logits = await self._prefill(ids[reused:], cache)
                 for i in range(max_new_tokens):
+                    _check_finite(logits, i)
                     tok = sampler.sample(logits)
                     lsm = log_softmax(logits)  # [V]
                     lp = float(lsm[tok])

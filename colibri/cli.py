@@ -514,11 +514,34 @@ def convert(
 @main.command()
 @_model_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
-def doctor(model: Path | None, as_json: bool) -> None:
+@click.option(
+    "--verify",
+    is_flag=True,
+    help="Also read every byte: shards against the manifest's sha256 (or, without a manifest, "
+    "every float tensor and scale scanned for NaN/inf).",
+)
+def doctor(model: Path | None, as_json: bool, verify: bool) -> None:
     """Read-only health check of a model directory."""
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
     from storage.doctor import run_doctor
 
-    report = run_doctor(model or default_model_path())
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=True,
+        disable=not (verify and sys.stderr.isatty()),
+    ) as bar:
+        task = bar.add_task("verifying", total=None)
+
+        def progress(done: int, total: int, what: str) -> None:
+            bar.update(task, completed=done, total=total, description=what[-40:])
+
+        report = run_doctor(model or default_model_path(), verify=verify, progress=progress)
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2))
     else:

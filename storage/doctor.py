@@ -9,6 +9,10 @@ becomes a ``fail`` line, so one run lists them all (the container is opened with
 Checks, in order: ``config``, ``tokenizer``, ``shards``, ``tensors``, ``experts``, ``mtp``,
 ``names``. When config.json itself is unusable only ``config``, ``tokenizer`` and ``shards``
 run (the others need the architecture).
+
+``verify=True`` (``coli doctor --verify``) adds a ``verify`` check that reads every byte: each
+shard against its sha256 in ``colibri-manifest.json``; a container without a manifest (the
+public C-engine one) gets every float tensor and every scale array scanned for NaN / inf.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+import numpy as np
 
 from storage.arch import expected_tensors, optional_tensors
 from storage.container import (
@@ -36,7 +42,8 @@ from storage.errors import (
     SafetensorsError,
     TensorNotFoundError,
 )
-from storage.safetensors import read_header
+from storage.manifest import MANIFEST_NAME, read_manifest, sha256_file
+from storage.safetensors import read_header, read_tensor
 
 __all__ = ["Check", "DoctorReport", "Status", "run_doctor"]
 
@@ -90,8 +97,16 @@ class DoctorReport:
         return [f"{c.status.upper():<4} {c.name:<{width}} {c.message}" for c in self.checks]
 
 
-def run_doctor(path: str | Path) -> DoctorReport:
-    """Check the model directory ``path``; never raises for a broken model."""
+# (bytes done, bytes in all, what is being read) while ``verify`` reads the data
+Progress = Callable[[int, int, str], None]
+
+
+def run_doctor(
+    path: str | Path, *, verify: bool = False, progress: Progress | None = None
+) -> DoctorReport:
+    """Check the model directory ``path``; never raises for a broken model. ``verify`` also
+    reads all data (checksums, or a NaN/inf scan without a manifest), reporting to
+    ``progress``."""
     d = Path(path)
     report = DoctorReport(d)
     add = report.checks.append
@@ -115,6 +130,8 @@ def run_doctor(path: str | Path) -> DoctorReport:
     add(_guard("experts", container, _check_experts))
     add(_guard("mtp", container, _check_mtp))
     add(_guard("names", container, _check_names))
+    if verify:
+        add(_guard("verify", container, lambda c: _check_verify(c, progress)))
     return report
 
 
@@ -366,3 +383,68 @@ def _check_names(c: Container) -> Check:
             f"{len(unknown)} tensor name(s) colibri does not know (ignored): {_listed(unknown)}",
         )
     return Check("pass", "names", "every tensor name is known")
+
+
+def _check_verify(c: Container, progress: Progress | None) -> Check:
+    report = progress or (lambda done, total, what: None)
+    manifest = read_manifest(c.path)
+    if manifest is not None:
+        total = sum(s.size for s in manifest.shards)
+        done = 0
+        bad: list[str] = []
+        where = {sh.path.name: sh.path for sh in c.shards}  # shards may sit in several dirs
+        for s in manifest.shards:
+            p = where.get(s.file, c.path / s.file)
+            report(done, total, s.file)
+            try:
+                got = sha256_file(p)
+            except OSError as exc:
+                bad.append(f"{s.file}: cannot read ({exc.strerror or exc})")
+                continue
+            finally:
+                done += s.size
+            if got != s.sha256:
+                bad.append(f"{s.file}: sha256 {got[:12]}..., manifest says {s.sha256[:12]}...")
+        report(total, total, "done")
+        if bad:
+            return Check(
+                "fail",
+                "verify",
+                f"{len(bad)} of {len(manifest.shards)} shards are damaged (their tensors cannot "
+                f"be trusted; re-copy or reconvert them): {_listed(bad, 3)}",
+            )
+        return Check(
+            "pass",
+            "verify",
+            f"{len(manifest.shards)} shards match the manifest's sha256 ({_size(total)} read)",
+        )
+    # No manifest (a public container): no checksums to compare, but damage that turns a float
+    # into NaN / inf (most bit flips in an exponent) shows in the float tensors and the scales.
+    infos = [
+        i
+        for n in c.names()
+        for i in (c.entry(n).weight, c.entry(n).scales)
+        if i is not None and i.dtype in ("F32", "F16", "BF16")
+    ]
+    total = sum(i.nbytes for i in infos)
+    done = 0
+    bad = []
+    for i in infos:
+        report(done, total, i.name)
+        a = read_tensor(i)
+        if i.dtype == "BF16":
+            a = (a.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        if not np.isfinite(a).all():
+            bad.append(f"{i.name} ({i.path.name})")
+        done += i.nbytes
+    report(total, total, "done")
+    if bad:
+        return Check(
+            "fail", "verify", f"{len(bad)} tensors hold NaN or inf (damaged): {_listed(bad, 3)}"
+        )
+    return Check(
+        "warn",
+        "verify",
+        f"no {MANIFEST_NAME}: no checksums to compare; {len(infos)} float tensors and scale "
+        f"arrays ({_size(total)}) scanned, all finite (quantized bytes cannot be checked)",
+    )

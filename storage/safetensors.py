@@ -134,6 +134,7 @@ def read_header(path: str | os.PathLike[str]) -> ShardHeader:
     for name, ent in doc.items():
         tensors[name] = _entry(p, name, ent, data_start, size)
     _check_overlaps(p, tensors.values())
+    _check_coverage(p, tensors.values(), data_start, size)
     return ShardHeader(
         p, n, data_start, size, tensors, {str(k): str(v) for k, v in meta_raw.items()}
     )
@@ -174,6 +175,22 @@ def _check_overlaps(p: Path, infos: Iterable[TensorInfo]) -> None:
             )
         if prev is None or t.end > prev.end:
             prev = t
+
+
+def _check_coverage(p: Path, infos: Iterable[TensorInfo], data_start: int, size: int) -> None:
+    """The tensors must tile the data section exactly, as the safetensors format requires.
+    A header length that is off by a few bytes (the header's trailing spaces absorb it, so the
+    JSON still parses) shifts every tensor: this is where it shows, as bytes at the start or
+    the end of the data that no tensor owns."""
+    data_bytes = size - data_start
+    covered = sum(t.end - t.start for t in infos)  # no overlaps (checked before)
+    first = min((t.start - data_start for t in infos if t.end > t.start), default=None)
+    if covered != data_bytes or (first is not None and first != 0):
+        gap = "" if first in (None, 0) else f"; the first tensor starts {first} bytes in"
+        raise SafetensorsError(
+            f"{p}: the tensors cover {covered} of the {data_bytes} data bytes{gap}: the header "
+            "length or the offsets are wrong, or the file was cut or extended; re-download it"
+        )
 
 
 def _entry(p: Path, name: str, ent: object, data_start: int, size: int) -> TensorInfo:

@@ -166,3 +166,20 @@ def test_unknown_names_warn(copy: Path) -> None:
     r = run_doctor(copy)
     status, msg = by_name(r)["names"]
     assert status == "warn" and "model.vision_tower.proj.weight" in msg and r.exit_code == 0
+
+
+def test_header_length_ten_bytes_short_fails(tmp_path: Path) -> None:
+    """A padded header shortened by 10 bytes still parses but shifts every tensor: doctor must
+    fail it (it passed before, and `run` printed a blank line)."""
+    import struct
+
+    path, _, _ = make_container(tmp_path / "m")
+    shard = path / "out-00000.safetensors"
+    raw = bytearray(shard.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    js = bytes(raw[8 : 8 + n]) + b" " * 16  # pad the header with spaces, as converters do
+    shard.write_bytes(struct.pack("<Q", len(js) - 10) + js + bytes(raw[8 + n :]))
+    r = run_doctor(path)
+    status, msg = by_name(r)["shards"]
+    assert status == "fail" and r.exit_code == 1
+    assert "data bytes" in msg and str(shard) in msg

@@ -268,3 +268,38 @@ def test_read_tensor_short_read_after_truncation(tmp_path: Path) -> None:
     _assert_names(exc2, path, "t.weight")
     with pytest.raises(SafetensorsError, match="cannot read"):
         read_header(tmp_path / "missing.safetensors")
+
+
+@pytest.mark.parametrize("shift", [-10, -1, 8])
+def test_header_length_off_by_a_few_bytes_is_caught(tmp_path: Path, shift: int) -> None:
+    """A padded header absorbs a wrong length (its trailing spaces still parse): every tensor
+    then reads shifted. The tensors must tile the data section, so it is an error instead."""
+    p = tmp_path / "s.safetensors"
+    a = np.arange(1024, dtype=np.float32)
+    write_safetensors(p, [TensorSpec("a", "F32", (1024,), 4096)], [a])
+    raw = bytearray(p.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    assert raw[8 + n - 12 : 8 + n] == b" " * 12  # padded with spaces
+    if shift > 0:  # a longer header swallows data bytes: spaces-only data keeps JSON valid
+        raw[8 + n : 8 + n + shift] = b" " * shift
+    raw[:8] = struct.pack("<Q", n + shift)
+    p.write_bytes(bytes(raw))
+    with pytest.raises(SafetensorsError, match=r"cover .* data bytes|outside the file"):
+        read_header(p)
+
+
+def test_data_past_the_last_tensor_is_caught(tmp_path: Path) -> None:
+    p = tmp_path / "s.safetensors"
+    save_file({"a": np.ones(16, dtype=np.float32)}, str(p))
+    read_header(p)
+    with open(p, "ab") as fh:
+        fh.write(b"\0" * 64)
+    with pytest.raises(SafetensorsError, match="cover 64 of the 128 data bytes"):
+        read_header(p)
+    gap = _raw_shard(
+        tmp_path / "gap.safetensors",
+        {"a": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}},
+        b"\0" * 16,
+    )
+    with pytest.raises(SafetensorsError, match="starts 8 bytes in"):
+        read_header(gap)

@@ -1,0 +1,91 @@
+"""Damaged weights never run silently: ``coli doctor --verify`` reads every byte, and NaN / inf
+logits stop a generation with a clear error instead of emitting a token drawn from garbage."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _demo import TINY
+from helpers_storage import make_container
+
+import colibri
+from storage.container import Container
+from storage.doctor import run_doctor
+from storage.errors import ModelError
+
+
+def _status(path: Path, verify: bool) -> dict[str, tuple[str, str]]:
+    r = run_doctor(path, verify=verify)
+    return {c.name: (c.status, c.message) for c in r.checks}
+
+
+def _flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        b = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([b[0] ^ 0x10]))
+
+
+def test_verify_catches_one_flipped_bit_in_an_expert(tmp_path: Path) -> None:
+    d = Path(shutil.copytree(TINY, tmp_path / "m"))
+    c = Container.open(d)
+    x = c.expert(2, 5)
+    _flip(x.path, x.start + 1000)  # one nibble of one int4 weight: no header sees it
+    plain = _status(d, verify=False)
+    assert all(s == "pass" for s, _ in plain.values()), plain  # headers are all fine
+    status, msg = _status(d, verify=True)["verify"]
+    assert status == "fail" and x.path.name in msg and "damaged" in msg
+    seen: list[tuple[int, int, str]] = []
+    r = run_doctor(d, verify=True, progress=lambda a, b, w: seen.append((a, b, w)))
+    assert r.exit_code == 1
+    assert seen and seen[-1][0] == seen[-1][1] > 0  # progress ends at the total
+
+
+def test_verify_passes_an_intact_container_and_the_cli_exit_codes(tmp_path: Path) -> None:
+    assert _status(TINY, verify=True)["verify"][0] == "pass"
+    d = Path(shutil.copytree(TINY, tmp_path / "m"))
+    x = Container.open(d).expert(1, 0)
+    _flip(x.path, x.start)
+    for path, want in ((TINY, 0), (d, 1)):
+        p = subprocess.run(
+            [sys.executable, "-m", "colibri.cli", "doctor", "--verify", "--model", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert p.returncode == want, p.stdout + p.stderr
+        assert ("FAIL verify" in p.stdout) == bool(want)
+
+
+def test_verify_without_a_manifest_scans_floats_for_nan(tmp_path: Path) -> None:
+    path, _, stored = make_container(tmp_path / "pub")  # public layout: no manifest
+    status, msg = _status(path, verify=True)["verify"]
+    assert status == "warn" and "no colibri-manifest.json" in msg and "all finite" in msg
+    c = Container.open(path)
+    scales = c.entry("model.layers.1.self_attn.o_proj.weight").scales
+    assert scales is not None
+    with open(scales.path, "r+b") as fh:  # one scale becomes NaN (exponent bits all set)
+        fh.seek(scales.start + 4 * 3)
+        fh.write(np.array([np.nan], dtype=np.float32).tobytes())
+    status, msg = _status(path, verify=True)["verify"]
+    assert status == "fail" and "model.layers.1.self_attn.o_proj.weight.qs" in msg
+
+
+def test_nan_logits_stop_the_generation(tmp_path: Path, private_home: None) -> None:
+    d = Path(shutil.copytree(TINY, tmp_path / "m"))
+    norm = Container.open(d).entry("model.norm.weight").weight
+    with open(norm.path, "r+b") as fh:  # the final norm: every logit becomes NaN
+        fh.seek(norm.start)
+        fh.write(np.full(4, np.nan, dtype=np.float32).tobytes())
+    with colibri.open_model(d, draft="off") as m:
+        with pytest.raises(ModelError, match="non-finite logits .* doctor --verify"):
+            m.generate([5, 6, 7], max_new_tokens=4)
+    with colibri.open_model(d, draft="mtp:2") as m:
+        with pytest.raises(ModelError, match="non-finite logits"):
+            m.generate([5, 6, 7], max_new_tokens=4)
