@@ -64,7 +64,7 @@ def test_verify_passes_an_intact_container_and_the_cli_exit_codes(tmp_path: Path
 
 
 def test_verify_without_a_manifest_scans_floats_for_nan(tmp_path: Path) -> None:
-    path, _, stored = make_container(tmp_path / "pub")  # public layout: no manifest
+    path = make_container(tmp_path / "pub")[0]  # public layout: no manifest
     status, msg = _status(path, verify=True)["verify"]
     assert status == "warn" and "no colibri-manifest.json" in msg and "all finite" in msg
     c = Container.open(path)
@@ -84,7 +84,7 @@ def test_nan_logits_stop_the_generation(tmp_path: Path, private_home: None) -> N
         fh.seek(norm.start)
         fh.write(np.full(4, np.nan, dtype=np.float32).tobytes())
     with colibri.open_model(d, draft="off") as m:
-        with pytest.raises(ModelError, match="non-finite logits .* doctor --verify"):
+        with pytest.raises(ModelError, match=r"non-finite logits .* doctor --verify"):
             m.generate([5, 6, 7], max_new_tokens=4)
     with colibri.open_model(d, draft="mtp:2") as m:
         with pytest.raises(ModelError, match="non-finite logits"):
