@@ -25,7 +25,6 @@ import queue
 import re
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
@@ -43,6 +42,7 @@ from colibri._config import EngineOptions
 from colibri._engine import ENGINE_ID, DoneEvent, Engine, GenerationEvent, TokenEvent
 from colibri.tokenizer import ChatTokenizer
 from runtime.kv import KVCache
+from storage.atomic import atomic_write_bytes
 from storage.errors import ColibriError, KVFileError
 from storage.kvfile import KV_FILE, load_kv, model_identity, set_aside, sync_kv
 
@@ -196,27 +196,6 @@ class _State:
     persisted: int = 0
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
-
-
 def _hits(engine: Engine) -> tuple[int, int]:
     e = engine.stats()["experts"]
     return int(e.get("hits_pinned", 0)) + int(e.get("hits_lru", 0)), int(e.get("misses", 0))
@@ -312,7 +291,9 @@ class _Chat:
                 "kv_tokens": self.cache.length,
                 "messages": self.state.messages,
             }
-            _write_atomic(self.json_path, json.dumps(doc, ensure_ascii=False, indent=1) + "\n")
+            atomic_write_bytes(
+                self.json_path, (json.dumps(doc, ensure_ascii=False, indent=1) + "\n").encode()
+            )
         except (OSError, KVFileError) as exc:
             self.state.persisted = 0
             self.echo(f"warning: session not saved ({exc})", err=True)

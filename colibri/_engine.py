@@ -28,6 +28,7 @@ from runtime.kv import KVCache
 from runtime.planner import PREFILL_CHUNK_RESIDENT, choose_prefill_chunk
 from runtime.sampling import Sampler, SamplingParams, log_softmax
 from runtime.speculative import CostModel, DraftPolicy, SpecStats, SpeculativeDecoder
+from storage.atomic import remove_leftovers
 from storage.container import Container
 from storage.errors import ColibriError, ModelError
 
@@ -693,6 +694,9 @@ async def _plan(container: Container, opts: EngineOptions) -> tuple[Any, Any, An
     # No experts yet: the tiers are planned from the dense size, then attached below.
     model = await anyio.to_thread.run_sync(load_model, container, ResidentExperts(container, []))
     usage = None
+    removed = await anyio.to_thread.run_sync(remove_leftovers, opts.resolved_state_dir())
+    if removed:
+        _log.info("removed temp files of interrupted saves", files=[p.name for p in removed])
     if opts.learn:
         usage = await anyio.to_thread.run_sync(
             load_usage,

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from pathlib import Path
 
-__all__ = ["atomic_write_bytes", "fsync_dir", "temp_target"]
+__all__ = ["atomic_write_bytes", "fsync_dir", "remove_leftovers", "temp_target"]
+
+# A temp file this old is no writer's: a live one touches its mtime with every write.
+LEFTOVER_AGE_S = 300.0
 
 
 def fsync_dir(directory: str | os.PathLike[str]) -> None:
@@ -52,3 +56,31 @@ def temp_target(name: str) -> str | None:
     stem = name[1:-4]
     base, sep, _rand = stem.rpartition(".")
     return base if sep and base else None
+
+
+def remove_leftovers(
+    directory: str | os.PathLike[str], *, min_age_s: float = LEFTOVER_AGE_S
+) -> list[Path]:
+    """Delete the temp files that killed saves left in ``directory`` (``.<name>.<random>.tmp``,
+    see :func:`temp_target`) once they are ``min_age_s`` old; returns what was removed. A
+    missing or unreadable directory removes nothing; a file that cannot be removed stays."""
+    d = Path(directory)
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return []
+    removed = []
+    now = time.time()
+    for name in names:
+        if temp_target(name) is None:
+            continue
+        p = d / name
+        try:
+            st = p.lstat()
+            if now - st.st_mtime < min_age_s or not p.is_file():
+                continue
+            p.unlink()
+        except OSError:
+            continue
+        removed.append(p)
+    return removed

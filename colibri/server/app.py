@@ -49,6 +49,7 @@ from colibri.server.slots import SlotPool
 from colibri.server.state import Admission, AppState, ServerConfig
 from colibri.server.web import WebAssets, atlas, machine_info
 from colibri.tokenizer import ChatTokenizer
+from storage.atomic import remove_leftovers
 from storage.errors import ColibriError
 from storage.kvfile import model_identity
 
@@ -266,6 +267,8 @@ async def create_app(
                 f"cannot create the KV slot directory {kv_dir}: {exc.strerror or exc}; pass "
                 "--kv-dir DIR or --no-kv-persist"
             ) from exc
+    if kv_dir is not None and kv_dir != engine.options.resolved_state_dir():
+        await anyio.to_thread.run_sync(remove_leftovers, kv_dir)  # killed slot saves
     vocab = int(c.arch.vocab_size)
     slots = SlotPool(
         cfg.kv_slots, engine.new_cache, vocab=vocab, identity=identity, directory=kv_dir
