@@ -309,12 +309,31 @@ def run(
 @_engine_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
 @click.option("--port", default=8000, show_default=True, type=int, help="TCP port.")
-@click.option("--api-key", default=None, help="Require this key (Bearer or x-api-key).")
+@click.option(
+    "--api-key",
+    "api_keys",
+    multiple=True,
+    help="Require this key (Bearer or x-api-key); repeat for several clients, each its own tenant.",
+)
 @click.option(
     "--api-key-file",
     type=click.Path(path_type=Path, dir_okay=False),
     default=None,
-    help="Read the API key from this file (keeps it out of `ps`).",
+    help="Read API keys from this file, one per line (keeps them out of `ps`).",
+)
+@click.option(
+    "--prefix-reuse",
+    type=click.Choice(["auto", "key", "all", "off"]),
+    default="auto",
+    show_default=True,
+    help="Automatic prefix matching for requests without cache_slot: among requests with the "
+    "same key, all clients, or never (auto: 'key' with several keys, else 'all').",
+)
+@click.option(
+    "--kv-persist-auto/--no-kv-persist-auto",
+    default=False,
+    show_default=True,
+    help="Also save to disk the slots that requests without cache_slot used.",
 )
 @click.option("--served-model-name", default=None, help="Model id clients pass as `model`.")
 @click.option("--queue", default=8, show_default=True, help="Requests allowed to wait (429 past).")
@@ -342,8 +361,10 @@ def serve(
     reader: str,
     host: str,
     port: int,
-    api_key: str | None,
+    api_keys: tuple[str, ...],
     api_key_file: Path | None,
+    prefix_reuse: str,
+    kv_persist_auto: bool,
     served_model_name: str | None,
     queue: int,
     parallel: int,
@@ -359,16 +380,23 @@ def serve(
     from colibri.server import ServerConfig
     from colibri.server import serve as run_server
 
+    keys = [k for k in api_keys if k]
     if api_key_file is not None:
         try:
-            api_key = api_key_file.read_text(encoding="utf-8").strip()
+            text = api_key_file.read_text(encoding="utf-8")
         except OSError as exc:
             raise ColibriError(f"cannot read --api-key-file {api_key_file}: {exc}") from exc
+        keys += [k for line in text.splitlines() if (k := line.strip()) and k[0] != "#"]
+        if not keys:
+            raise ColibriError(f"--api-key-file {api_key_file} holds no key")
     try:
         config = ServerConfig(
             host=host,
             port=port,
-            api_key=api_key or None,
+            api_key=keys[0] if keys else None,
+            api_keys=tuple(keys[1:]),
+            prefix_reuse=prefix_reuse,  # type: ignore[arg-type]  # click.Choice checked it
+            kv_persist_auto=kv_persist_auto,
             served_model_name=served_model_name,
             queue=queue,
             parallel=parallel,

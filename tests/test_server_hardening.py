@@ -156,3 +156,70 @@ def test_health_answers_while_a_4mb_prompt_is_tokenized(server: Server, tmp_path
     # far above this noisy machine's jitter (and the ~0.3 s the tokenizer holds the GIL to hand
     # back 10^6 ids) and far below that stall.
     assert waits[-1] < 1.0, waits[-5:]
+
+
+# ----------------------------------------------------------------------------- tenants
+
+KEY_A, KEY_B = "sk-tenant-a-0123456789", "sk-tenant-b-9876543210"
+PROBES = [f"sk-probe-{i}-5555555555" for i in range(3)]  # one fresh client per guess
+
+
+@pytest.fixture(scope="module")
+def two_keys(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Path]]:
+    d = tmp_path_factory.mktemp("tenants")
+    keys = d / "keys.txt"
+    keys.write_text("# one key per client\n" + "\n".join([KEY_A, "", KEY_B, *PROBES]) + "\n")
+    kv = d / "kv"
+    s = Server(d, "--api-key-file", str(keys), "--kv-slots", "2", "--kv-dir", str(kv))
+    try:
+        yield s.wait_ready(), kv
+    finally:
+        s.stop()
+
+
+def _cached(c: httpx.Client, key: str, messages: list[dict[str, str]], **extra: Any) -> int:
+    r = c.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": messages, "max_tokens": 2, "temperature": 0, **extra},
+        headers={"authorization": f"Bearer {key}"},
+    )
+    assert r.status_code == 200, r.text
+    return int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def test_cached_tokens_never_reveal_another_keys_conversation(
+    two_keys: tuple[Server, Path],
+) -> None:
+    """The probe: B guesses 0, 5 or 20 tokens of A's cached conversation and watches
+    cached_tokens. Scoped to the key, B always sees 0; A keeps its reuse."""
+    server, kv = two_keys
+    secret = "the launch code is " + " ".join(f"w{i}" for i in range(3, 40))
+    a_msgs = [{"role": "user", "content": secret}]
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        _cached(c, KEY_A, a_msgs)
+        assert _cached(c, KEY_A, a_msgs) > 10  # A reuses its own prefix
+        words = secret.split()
+        seen = []
+        for n, probe in zip((0, 5, 20), PROBES, strict=True):
+            _cached(c, KEY_A, a_msgs)  # A's conversation is cached
+            guess = [{"role": "user", "content": " ".join(words[:n] + ["zz"] * 8)}]
+            seen.append(_cached(c, probe, guess))
+        # Shared across keys (--prefix-reuse all) this read [2, 10, 49]: the guess leaked.
+        assert seen == [0, 0, 0], seen
+        assert _cached(c, KEY_A, a_msgs) > 10  # ... and still does after B's requests
+        # a wrong key is still refused
+        r = c.get("/v1/models", headers={"authorization": "Bearer nope"})
+        assert r.status_code == 401
+    # requests without cache_slot are kept in memory only, never written to disk
+    assert not list(kv.glob(".coli_kv*"))
+
+
+def test_explicit_slot_of_another_key_starts_empty(two_keys: tuple[Server, Path]) -> None:
+    server, kv = two_keys
+    msgs = [{"role": "user", "content": "slot secret " + " ".join(f"w{i}" for i in range(40))}]
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        _cached(c, KEY_A, msgs, cache_slot=1)
+        assert _cached(c, KEY_A, msgs, cache_slot=1) > 10
+        assert _cached(c, KEY_B, msgs, cache_slot=1) == 0  # B takes the slot over, emptied
+        assert _cached(c, KEY_A, msgs, cache_slot=1) == 0  # and A's copy is gone with it
+    assert (kv / ".coli_kv.1").exists()  # a named slot is persisted

@@ -22,6 +22,7 @@ from colibri.server.errors import ApiError
 from colibri.server.generation import Generation, Result, new_id, template_messages
 from colibri.server.openai_routes import check_model, common_params, parse_body, state_of
 from colibri.server.schemas import MessagesRequest
+from colibri.server.security import tenant_of
 from colibri.server.sse import GenerationResponse, Responder, sse
 from colibri.server.textproc import THINK_START
 from storage.errors import ColibriError
@@ -172,6 +173,7 @@ async def messages(request: Request) -> Response:
         st,
         req,
         ids=ids,
+        tenant=tenant_of(request),
         max_tokens=req.max_tokens,
         temperature=req.temperature,
         top_p=req.top_p,

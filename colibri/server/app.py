@@ -320,6 +320,7 @@ async def create_app(
         Middleware(
             SecurityMiddleware,
             api_key=cfg.api_key,
+            more_keys=cfg.api_keys,
             hosts=allowed_hosts(cfg.host, cfg.allowed_hosts),
             max_body=cfg.max_body,
         )
@@ -368,7 +369,7 @@ class _Server(uvicorn.Server):
 async def serve(config: ServerConfig, options: EngineOptions, *, web: bool = False) -> None:
     """Open the engine, build the app and serve until SIGINT/SIGTERM (asyncio only: uvicorn);
     ``web``: with the dashboard at ``/``."""
-    check_bind(config.host, config.api_key)
+    check_bind(config.host, config.keys[0] if config.keys else None)
     async with Engine.open(options=options) as engine:
         app = await create_app(engine, config, web=web)
         uv = uvicorn.Config(

@@ -52,6 +52,8 @@ class GenParams:
     logprobs: bool = False
     top_logprobs: int = 0
     slot: int | None = None
+    slot_explicit: bool = False  # named by the request (cache_slot), not matched automatically
+    tenant: str | None = None  # the API key it came with (security.tenant_of)
     think: bool = False  # split <think>...</think> into reasoning
     think_open: bool = False  # the prompt ends inside a think section
     tools: list[dict[str, Any]] | None = None  # parse tool-call blocks against these
@@ -194,6 +196,13 @@ class Generation:
         engine = st.engine
         slot = lease.slot
         cache = None if slot is None else slot.cache
+        if slot is not None and cache is not None:
+            # Another key's conversation is emptied before use, so nothing of it is reused (a
+            # slot restored from disk has no known key: a request naming it claims it).
+            foreign = slot.tenant != p.tenant and (slot.tenant is not None or not p.slot_explicit)
+            if st.config.reuse_scope == "key" and foreign:
+                cache.truncate(0)
+            slot.tenant = p.tenant
         reused = 0 if cache is None else Engine.reusable_prefix(cache, p.prompt_ids)
         if slot is not None:
             slot.persisted = min(slot.persisted, reused)  # rows past it are about to change
@@ -306,8 +315,9 @@ class Generation:
             lease.release_compute()
             if slot is not None:
                 slot.turns += 1
-                with anyio.CancelScope(shield=True):
-                    await st.slots.persist(slot)
+                if p.slot_explicit or st.config.kv_persist_auto:
+                    with anyio.CancelScope(shield=True):
+                        await st.slots.persist(slot)
             self.result = Result(
                 finish_reason=reason,
                 stop_sequence=stopper.hit,

@@ -35,7 +35,7 @@ from colibri.server.schemas import (
     CompletionRequest,
     Extensions,
 )
-from colibri.server.security import read_body
+from colibri.server.security import read_body, tenant_of
 from colibri.server.sse import GenerationResponse, Responder, Runner, sse
 from colibri.server.state import AppState, Ticket
 from colibri.server.textproc import THINK_START
@@ -129,6 +129,7 @@ def common_params(
     req: Extensions,
     *,
     ids: list[int],
+    tenant: str | None = None,
     max_tokens: int | None,
     temperature: float | None,
     top_p: float | None,
@@ -169,8 +170,19 @@ def common_params(
         seed=None if seed is None else seed % 2**64,
         stop=stops,
         stop_token_ids=stop_ids,
-        slot=req.cache_slot if req.cache_slot is not None else st.slots.pick(ids),
+        slot=req.cache_slot if req.cache_slot is not None else _auto_slot(st, ids, tenant),
+        slot_explicit=req.cache_slot is not None,
+        tenant=tenant,
     )
+
+
+def _auto_slot(st: AppState, ids: list[int], tenant: str | None) -> int | None:
+    """The slot a request without ``cache_slot`` runs in (automatic prefix matching), per
+    ``--prefix-reuse``: None (a fresh cache) when it is off."""
+    scope = st.config.reuse_scope
+    if scope == "off":
+        return None
+    return st.slots.pick(ids, tenant=tenant if scope == "key" else None, scoped=scope == "key")
 
 
 def _refuse_unsupported(
@@ -289,6 +301,7 @@ async def chat_completions(request: Request) -> Response:
         st,
         req,
         ids=ids,
+        tenant=tenant_of(request),
         max_tokens=req.max_completion_tokens or req.max_tokens,
         temperature=req.temperature,
         top_p=req.top_p,
@@ -469,6 +482,7 @@ async def completions(request: Request) -> Response:
         st,
         req,
         ids=ids,
+        tenant=tenant_of(request),
         max_tokens=req.max_tokens,
         temperature=req.temperature,
         top_p=req.top_p,

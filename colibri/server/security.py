@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from starlette.datastructures import Headers
 from starlette.requests import Request
@@ -29,10 +29,12 @@ __all__ = [
     "check_bind",
     "is_loopback",
     "read_body",
+    "tenant_of",
 ]
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 _PUBLIC_PATHS = frozenset({"/health"})
+TENANT_KEY = "colibri_tenant"  # request.state attribute: which API key a request used
 
 
 def is_loopback(host: str) -> bool:
@@ -88,9 +90,12 @@ class SecurityMiddleware:
         api_key: str | None,
         hosts: frozenset[str] | None,
         max_body: int,
+        more_keys: Sequence[str] = (),
     ) -> None:
         self.app = app
-        self._key = api_key.encode() if api_key else None
+        keys = [k for k in (api_key, *more_keys) if k]
+        # Digests of the keys, compared in constant time; a key's tenant is its position.
+        self._keys = [hmac.digest(b"colibri", k.encode(), "sha256") for k in keys]
         self._hosts = hosts
         self._max_body = max_body
 
@@ -102,13 +107,16 @@ class SecurityMiddleware:
         path = scope.get("path", "")
         anthropic = path.startswith("/v1/messages")
         try:
-            self._check(headers, path, scope.get("method", "GET"))
+            tenant = self._check(headers, path, scope.get("method", "GET"))
         except ApiError as exc:
             await error_response(exc, anthropic=anthropic)(scope, receive, send)
             return
+        scope.setdefault("state", {})[TENANT_KEY] = tenant
         await self.app(scope, receive, send)
 
-    def _check(self, headers: Headers, path: str, method: str) -> None:
+    def _check(self, headers: Headers, path: str, method: str) -> str | None:
+        """Raise for a refused request; else the tenant: which API key it used ("key-0",
+        "key-1", ...), None on a server without keys or a public path."""
         if self._hosts is not None:
             host = _host_name(headers.get("host", ""))
             if host not in self._hosts:
@@ -130,23 +138,34 @@ class SecurityMiddleware:
                     f"request body of {n} bytes exceeds the {self._max_body}-byte limit",
                     code="request_too_large",
                 )
-        if self._key is None or path in _PUBLIC_PATHS or method == "OPTIONS":
-            return
+        if not self._keys or path in _PUBLIC_PATHS or method == "OPTIONS":
+            return None
         given = headers.get("x-api-key")
         auth = headers.get("authorization", "")
         if given is None and auth[:7].lower() == "bearer ":
             given = auth[7:].strip()
-        # compare_digest on equal-length digests: constant time whatever was sent
-        if given is None or not hmac.compare_digest(
-            hmac.digest(b"colibri", given.encode(), "sha256"),
-            hmac.digest(b"colibri", self._key, "sha256"),
-        ):
+        match = None
+        if given is not None:
+            # compare_digest on equal-length digests, against every key (no early exit):
+            # constant time whatever was sent and whichever key it is
+            digest = hmac.digest(b"colibri", given.encode(), "sha256")
+            for i, k in enumerate(self._keys):
+                if hmac.compare_digest(digest, k) and match is None:
+                    match = i
+        if match is None:
             raise ApiError(
                 401,
                 "missing or wrong API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
                 code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"},
             )
+        return f"key-{match}"
+
+
+def tenant_of(request: Request) -> str | None:
+    """The tenant :class:`SecurityMiddleware` found for this request (see ``_check``)."""
+    t = getattr(request.state, TENANT_KEY, None)
+    return t if isinstance(t, str) else None
 
 
 async def read_body(request: Request, limit: int) -> bytes:

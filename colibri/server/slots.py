@@ -51,6 +51,7 @@ class Slot:
     loaded: bool = False
     last_used: float = 0.0
     turns: int = 0
+    tenant: str | None = None  # the API key of its last request (None: none, or from disk)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -160,18 +161,23 @@ class SlotPool:
             slot.persisted = 0
             _log.warning("KV slot not saved", slot=slot.index, error=str(exc))
 
-    def pick(self, prompt_ids: Sequence[int]) -> int | None:
+    def pick(
+        self, prompt_ids: Sequence[int], *, tenant: str | None = None, scoped: bool = False
+    ) -> int | None:
         """Automatic prefix matching for a request that names no ``cache_slot``: the free slot
         whose tokens share the longest prefix with the prompt (agents resend the same long
         preamble every turn), else the least recently used free slot; None when every slot is
-        busy (the request then runs on a fresh cache). Reuse never changes output."""
+        busy (the request then runs on a fresh cache). Reuse never changes output.
+
+        ``scoped``: only slots whose last request came with ``tenant``'s API key count as a
+        match (another key's slot may still be taken over, emptied first: see generation)."""
         free = [s for s in self.slots if not s.lock.locked()]
         if not free:
             return None
         ids = np.asarray(prompt_ids, dtype=np.int64)
 
         def common(s: Slot) -> int:
-            if s.cache is None:
+            if s.cache is None or (scoped and s.tenant != tenant):
                 return 0
             held = s.cache.tokens
             n = min(held.size, ids.size)

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import anyio
 from pydantic import BaseModel, ConfigDict, Field
@@ -38,6 +38,20 @@ class ServerConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     api_key: str | None = None
+    api_keys: tuple[str, ...] = Field(
+        default=(), description="more API keys; each is its own tenant (with api_key the first)"
+    )
+    prefix_reuse: Literal["auto", "key", "all", "off"] = Field(
+        default="auto",
+        description="automatic prefix matching for requests without cache_slot: 'all' across "
+        "every client, 'key' only among requests with the same API key, 'off' never; 'auto' "
+        "is 'key' with several keys, else 'all'",
+    )
+    kv_persist_auto: bool = Field(
+        default=False,
+        description="also save slots used by automatic prefix matching (requests without "
+        "cache_slot) to disk; off: they are kept in memory only",
+    )
     served_model_name: str | None = None
     queue: int = Field(default=8, ge=0, description="requests allowed to wait; more get 429")
     parallel: int = Field(default=8, ge=1, description="generations admitted at once")
@@ -48,6 +62,18 @@ class ServerConfig(BaseModel):
     allowed_hosts: tuple[str, ...] = ()
     max_body: int = Field(default=MAX_BODY, ge=1024)
     profile_turns: int = Field(default=64, ge=1)
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """Every accepted API key, ``api_key`` first."""
+        return tuple(k for k in (self.api_key, *self.api_keys) if k)
+
+    @property
+    def reuse_scope(self) -> Literal["key", "all", "off"]:
+        """``prefix_reuse`` with "auto" decided."""
+        if self.prefix_reuse == "auto":
+            return "key" if len(self.keys) > 1 else "all"
+        return self.prefix_reuse
 
 
 @dataclass
