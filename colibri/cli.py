@@ -355,6 +355,28 @@ def run(
 )
 @click.option("--cors-origin", "cors", multiple=True, help="Allow this browser origin (repeat).")
 @click.option("--allowed-host", "hosts", multiple=True, help="Accept this Host header (repeat).")
+@click.option(
+    "--header-timeout",
+    default=10.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Seconds a connection has to send a request's headers.",
+)
+@click.option(
+    "--keep-alive-timeout",
+    default=5,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Seconds an idle keep-alive connection stays open.",
+)
+@click.option(
+    "--send-timeout",
+    default=30.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Seconds a client has to take each response chunk; a client that stops reading "
+    "loses its request (the generation is cancelled).",
+)
 def serve(
     model: Path | None,
     ram: str | None,
@@ -373,6 +395,9 @@ def serve(
     kv_persist: bool,
     cors: tuple[str, ...],
     hosts: tuple[str, ...],
+    header_timeout: float,
+    keep_alive_timeout: int,
+    send_timeout: float,
 ) -> None:
     """Serve the model over HTTP: OpenAI and Anthropic APIs, /metrics, /profile, /experts."""
     import anyio
@@ -405,6 +430,9 @@ def serve(
             kv_persist=kv_persist,
             cors_origins=cors,
             allowed_hosts=hosts,
+            header_timeout=header_timeout,
+            keep_alive_timeout=keep_alive_timeout,
+            send_timeout=send_timeout,
         )
     except ValueError as exc:
         raise ColibriError(f"bad server option: {exc}") from exc

@@ -7,6 +7,7 @@ on a huge prompt (tokenization) runs off the loop so ``/health`` keeps answering
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -223,3 +224,93 @@ def test_explicit_slot_of_another_key_starts_empty(two_keys: tuple[Server, Path]
         assert _cached(c, KEY_B, msgs, cache_slot=1) == 0  # B takes the slot over, emptied
         assert _cached(c, KEY_A, msgs, cache_slot=1) == 0  # and A's copy is gone with it
     assert (kv / ".coli_kv.1").exists()  # a named slot is persisted
+
+
+# ----------------------------------------------------------------------------- timeouts
+
+
+@pytest.fixture(scope="module")
+def strict(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    s = Server(
+        tmp_path_factory.mktemp("strict"),
+        "--kv-slots", "0", "--parallel", "1", "--queue", "4",
+        "--header-timeout", "1", "--keep-alive-timeout", "1", "--send-timeout", "2",
+    )  # fmt: skip
+    try:
+        yield s.wait_ready()
+    finally:
+        s.stop()
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> bool:
+    """Whether the server closes ``sock`` within ``seconds`` (reads and drops any reply)."""
+    sock.settimeout(seconds)
+    try:
+        while sock.recv(4096):
+            pass
+        return True
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+@pytest.mark.parametrize("sent", [b"", b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n"])
+def test_connections_without_complete_headers_are_closed(strict: Server, sent: bytes) -> None:
+    with socket.create_connection(("127.0.0.1", strict.port)) as sock:
+        sock.sendall(sent)  # nothing, or headers that never end (slowloris)
+        assert _closed_within(sock, 15)
+    with socket.create_connection(("127.0.0.1", strict.port)) as sock:  # a complete one is served
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        sock.settimeout(15)
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+        assert _closed_within(sock, 15)  # ... and the idle keep-alive ends too
+
+
+def _generated(server: Server) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    lines = [ln for ln in text.splitlines() if ln.startswith("colibri:generation_tokens_total")]
+    return float(lines[0].split()[-1]) if lines else 0.0
+
+
+@pytest.mark.slow
+def test_a_client_that_stops_reading_loses_its_place(strict: Server) -> None:
+    """--parallel 1: a client that stops reading fills the socket buffers, its response blocks
+    in send and holds the only compute place, until the send timeout cancels its generation;
+    the next request is then served (without the timeout it would wait forever)."""
+    body = json.dumps(
+        {"model": MODEL, "prompt": "w5 w6 w7", "max_tokens": 400, "stream": True,
+         "logprobs": 20, "ignore_eos": True}
+    ).encode()  # fmt: skip
+    one = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+        + f"\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    # Enough pipelined responses (~330 KB each) to fill the kernel's largest send buffer twice.
+    wmem_max = int(Path("/proc/sys/net/ipv4/tcp_wmem").read_text().split()[2])
+    n = 2 + 2 * wmem_max // 300_000
+    slow = socket.socket()
+    slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: a small window
+    slow.connect(("127.0.0.1", strict.port))
+    try:
+        slow.sendall(one * n)  # ... and never read
+        # Wait until the server is stuck sending: no request finished for 8 s (one takes ~3 s;
+        # the token counter moves when a request ends).
+        last, still, deadline = -1.0, 0.0, time.monotonic() + 300
+        while still < 8.0 and time.monotonic() < deadline:
+            now = _generated(strict)
+            still = still + 0.25 if now == last else 0.0
+            last = now
+            time.sleep(0.25)
+        assert still >= 8.0, "the slow client's responses never stalled"
+        assert last < n * 400, "every response was sent: the buffers never filled"
+        r = httpx.post(
+            strict.url + "/v1/completions",
+            json={"model": MODEL, "prompt": "w5", "max_tokens": 2},
+            timeout=90,
+        )
+        assert r.status_code == 200, r.text
+        assert _closed_within(slow, 30)  # the stalled response was dropped with its connection
+    finally:
+        slow.close()

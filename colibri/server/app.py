@@ -1,9 +1,10 @@
 """The app factory and ``coli serve``'s runner.
 
 :func:`create_app` builds one server around an open :class:`~colibri.Engine`: its state, its
-Prometheus registry, middleware (metrics -> CORS -> security) and routes. :func:`serve` opens the
-engine and runs uvicorn's ``Server.serve()`` inside the same anyio (asyncio) loop, so requests,
-the engine's compute threads and its expert reads share one scheduler.
+Prometheus registry, middleware (send timeout -> metrics -> CORS -> security) and routes.
+:func:`serve` opens the engine and runs uvicorn's ``Server.serve()`` (with the deadlines of
+``timeouts.py``) inside the same anyio (asyncio) loop, so requests, the engine's compute threads
+and its expert reads share one scheduler.
 
 Routes: the OpenAI and Anthropic APIs (see their modules), ``GET /health``, ``GET /metrics``,
 ``GET /experts`` (tier and routing heat per expert), ``GET /profile`` (recent turns, queue,
@@ -47,6 +48,7 @@ from colibri.server.openai_routes import openai_routes, state_of
 from colibri.server.security import SecurityMiddleware, allowed_hosts, check_bind
 from colibri.server.slots import SlotPool
 from colibri.server.state import Admission, AppState, ServerConfig
+from colibri.server.timeouts import SendTimeoutMiddleware, guarded_protocol
 from colibri.server.web import WebAssets, atlas, machine_info
 from colibri.tokenizer import ChatTokenizer
 from storage.atomic import remove_leftovers
@@ -302,7 +304,11 @@ async def create_app(
         *anthropic_routes(),
     ]
     known = frozenset(r.path for r in routes)
-    middleware = [Middleware(_MetricsMiddleware, metrics=m, routes=known)]
+    middleware = [
+        # outermost: a client that stops reading ends its request wherever it is
+        Middleware(SendTimeoutMiddleware, timeout=cfg.send_timeout),
+        Middleware(_MetricsMiddleware, metrics=m, routes=known),
+    ]
     if web:  # the dashboard's static files: no API key (the Host allowlist still applies)
         hosts = allowed_hosts(cfg.host, cfg.allowed_hosts)
         middleware.append(Middleware(WebAssets, hosts=hosts, max_body=cfg.max_body))
@@ -382,5 +388,7 @@ async def serve(config: ServerConfig, options: EngineOptions, *, web: bool = Fal
             server_header=False,
             ws="none",
             timeout_graceful_shutdown=5,
+            http=guarded_protocol(config.header_timeout),
+            timeout_keep_alive=config.keep_alive_timeout,
         )
         await _Server(uv).serve()

@@ -62,6 +62,18 @@ class ServerConfig(BaseModel):
     allowed_hosts: tuple[str, ...] = ()
     max_body: int = Field(default=MAX_BODY, ge=1024)
     profile_turns: int = Field(default=64, ge=1)
+    header_timeout: float = Field(
+        default=10.0, gt=0, description="seconds a connection has to send a request's headers"
+    )
+    keep_alive_timeout: int = Field(
+        default=5, ge=1, description="seconds an idle keep-alive connection stays open"
+    )
+    send_timeout: float = Field(
+        default=30.0,
+        gt=0,
+        description="seconds a client has to take each response chunk; past it the request "
+        "ends (its generation is cancelled)",
+    )
 
     @property
     def keys(self) -> tuple[str, ...]:
