@@ -200,6 +200,15 @@ class _Group(click.Group):
         except KeyboardInterrupt:
             click.echo("", err=True)
             sys.exit(130)
+        except OSError as exc:  # outside the error tree: permissions, a vanished file, ...
+            if ctx.obj and ctx.obj.get("debug"):
+                raise
+            where = f"{exc.filename}: " if exc.filename else ""
+            hint = None
+            if isinstance(exc, PermissionError):
+                hint = "make the model directory searchable and its files readable (chmod a+rX)"
+            _fail(f"{where}{exc.strerror or exc}", hint)
+            sys.exit(1)
 
 
 def _hint_for(exc: ColibriError) -> str | None:

@@ -189,7 +189,13 @@ def shard_paths(model_dir: str | os.PathLike[str]) -> list[Path]:
         files = [p for p in d.iterdir() if p.name.endswith(".safetensors")]
     except OSError as exc:
         raise ContainerError(f"{d}: cannot list the directory: {exc.strerror or exc}") from exc
-    files = [p for p in files if not p.name.startswith(".") and p.is_file()]
+    try:
+        files = [p for p in files if not p.name.startswith(".") and p.is_file()]
+    except OSError as exc:  # listable but not searchable (mode r-- without x)
+        raise ContainerError(
+            f"{d}: cannot look at its files ({exc.strerror or exc}); make the directory "
+            "searchable (chmod a+x)"
+        ) from exc
     return sorted(files, key=_shard_rank)
 
 

@@ -121,7 +121,10 @@ def run_doctor(
         add(_guard("config", container, _check_config))
     if not d.is_dir():
         return report  # nothing else to look at
-    add(_check_tokenizer(d))
+    try:
+        add(_check_tokenizer(d))
+    except OSError as exc:  # e.g. a directory that can be listed but not searched
+        add(Check("fail", "tokenizer", f"{d / TOKENIZER_NAME}: {exc.strerror or exc}"))
     if container is None:
         add(_check_shards_raw(d))
         return report

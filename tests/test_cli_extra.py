@@ -10,7 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from _demo import demo_model
+from _demo import TINY, demo_model
+
+ROOT = Path(__file__).resolve().parents[1]
 
 DEMO = demo_model()
 
@@ -101,3 +103,55 @@ def test_info_has_a_machine_summary(home: Path) -> None:
     text = coli(home, "info").stdout
     for key in ("cpu_model", "ram_available_bytes", "model_fs_type", "model_fs_free_bytes"):
         assert key in text
+
+
+def _as_nobody() -> list[str] | None:
+    """A command prefix running Python as user nobody (permission bits apply to it), or None.
+    Root ignores permission bits, so this needs root (to switch users) and a system Python of
+    the same minor version that nobody may execute (the venv's interpreter may live under
+    /root)."""
+    import shutil as sh
+
+    py = f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"
+    if os.geteuid() != 0 or sh.which("setpriv") is None or not os.access(py, os.X_OK):
+        return None
+    site = next(p for p in sys.path if p.endswith("site-packages"))
+    return [
+        "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+        "env", "HOME=/tmp", f"PYTHONPATH={ROOT}:{site}", "NUMBA_CACHE_DIR=/tmp/colibri-nb-nobody",
+        py, "-m", "colibri.cli",
+    ]  # fmt: skip
+
+
+@pytest.mark.root
+def test_unreadable_model_dir_is_one_error_line() -> None:
+    prefix = _as_nobody()
+    if prefix is None:
+        pytest.skip("needs root, setpriv and a system Python of this version (to run as nobody)")
+    import shutil as sh
+    import tempfile
+
+    top = Path(tempfile.mkdtemp(prefix="colibri-perm-", dir="/tmp"))  # nobody can reach it
+    top.chmod(0o755)
+    m = top / "m"
+    sh.copytree(TINY, m)
+    for f in m.iterdir():
+        f.chmod(0o644)
+    try:
+        ok = subprocess.run(
+            [*prefix, "doctor", "--model", str(m)], capture_output=True, text=True, timeout=300
+        )
+        assert ok.returncode == 0, ok.stdout + ok.stderr  # readable: nobody can use it
+        for mode in (0o744, 0o711):  # listable but not searchable; searchable but not listable
+            m.chmod(mode)
+            for cmd in (["run", "hi"], ["doctor"], ["info"]):
+                p = subprocess.run(
+                    [*prefix, *cmd, "--model", str(m)], capture_output=True, text=True, timeout=300
+                )
+                out = p.stdout + p.stderr
+                assert p.returncode in (1, 2), (mode, cmd, out)  # 2: click refused --model
+                assert "Traceback" not in out, (mode, cmd, out)
+                assert "Permission denied" in out or "not readable" in out, (mode, cmd, out)
+    finally:
+        m.chmod(0o755)
+        sh.rmtree(top, ignore_errors=True)
