@@ -187,7 +187,7 @@ class Engine:
                 )
                 engine._prefill_chunk = opts.prefill_chunk or choose_prefill_chunk(
                     container.arch.hidden_size,
-                    int(container.config.get("num_experts_per_tok", 8)),
+                    container.arch.top_k,
                     streaming=store is not None,
                     ram_budget=opts.ram_budget,
                 )

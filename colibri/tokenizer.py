@@ -1,69 +1,26 @@
 """Text <-> token ids with the model directory's own tokenizer and chat template.
 
 Uses the ``tokenizers`` library (``tokenizer.json``) and renders the chat template with jinja2
-in a sandbox, as Hugging Face ``transformers`` does: ``chat_template.jinja`` beside
-``tokenizer.json`` wins over ``chat_template`` in ``tokenizer_config.json``; templates get the
-same helpers (``raise_exception``, ``strftime_now``, a ``tojson`` that keeps non-ASCII and ``<``
-as is, ``{% break %}``/``{% continue %}`` and the ``{% generation %}`` block).
+in a sandbox, as Hugging Face ``transformers`` does (:mod:`storage.chat_template` finds and
+compiles it: ``chat_template.jinja`` beside ``tokenizer.json`` wins over ``chat_template`` in
+``tokenizer_config.json``).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from jinja2 import TemplateError, nodes
-from jinja2.ext import Extension, loopcontrols
-from jinja2.parser import Parser
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2 import TemplateError
 from tokenizers import Tokenizer
 
+from storage.chat_template import CHAT_TEMPLATE_NAME, chat_template_source, compile_chat_template
 from storage.errors import ConfigError
 
 __all__ = ["CHAT_TEMPLATE_NAME", "ChatTokenizer", "TextStream"]
 
 _LONG_TEXT = 1 << 16  # characters; shorter texts take the cheaper single-text call
-
-CHAT_TEMPLATE_NAME = "chat_template.jinja"
-
-
-def _raise_exception(message: str) -> None:
-    raise TemplateError(message)
-
-
-def _tojson(
-    x: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    # jinja's own tojson escapes <, >, & and ' for HTML; chat templates expect plain JSON.
-    return json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-class _GenerationBlock(Extension):
-    """``{% generation %}...{% endgeneration %}`` (marks assistant text for training masks in
-    transformers): renders its body unchanged."""
-
-    tags = {"generation"}  # noqa: RUF012 (jinja declares it as an instance attribute)
-
-    def parse(self, parser: Parser) -> nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-    def _body(self, caller: Any) -> str:
-        return str(caller())
 
 
 def _token_text(v: object) -> str | None:
@@ -85,29 +42,10 @@ class ChatTokenizer:
         except Exception as exc:  # tokenizers raises plain Exception subclasses
             raise ConfigError(f"{tokenizer_file}: cannot load tokenizer ({exc})") from exc
         self.config = dict(tokenizer_config)
-        template: object = self.config.get("chat_template")
-        where = f"{tokenizer_file.parent / 'tokenizer_config.json'}: chat_template"
-        jinja_file = tokenizer_file.parent / CHAT_TEMPLATE_NAME
-        if jinja_file.is_file():
-            try:
-                template = jinja_file.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as exc:
-                raise ConfigError(f"{jinja_file}: cannot read: {exc}") from exc
-            where = str(jinja_file)
-        if isinstance(template, list):  # HF allows a list of named templates
-            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-            template = named.get("default") or next(iter(named.values()), None)
-        self._template_src: str | None = template if isinstance(template, str) else None
-        env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationBlock]
+        self._template_src, where = chat_template_source(tokenizer_file.parent, self.config)
+        self._template = (
+            compile_chat_template(self._template_src, where) if self._template_src else None
         )
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = _strftime_now
-        try:
-            self._template = env.from_string(self._template_src) if self._template_src else None
-        except TemplateError as exc:
-            raise ConfigError(f"{where}: the chat template does not compile: {exc}") from exc
 
     @property
     def vocab_size(self) -> int:

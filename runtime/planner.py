@@ -219,7 +219,7 @@ def make_plan(
     layers = c.expert_layers()
     n_layers = len(layers)
     n_e = int(arch.n_routed_experts)
-    top_k = int(c.config.get("num_experts_per_tok", 8))
+    top_k = c.arch.top_k
     all_experts = c.expert_nbytes * n_e * n_layers  # Engine.open's residency test
     avail = mem_available() if available is None else available
     full = plan_layout(c, None, top_k=top_k)  # slot size, transient count; nothing allocated

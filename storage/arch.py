@@ -43,6 +43,31 @@ INDEXER_TENSORS = (
 )
 
 
+def check_router(
+    n_routed_experts: int, n_group: int, topk_group: int, num_experts_per_tok: int
+) -> None:
+    """The routing keys must describe a router that can run (one rule for every reader of
+    config.json: ``coli doctor``, the converter and the runtime)."""
+    if n_routed_experts <= 0:
+        return  # a dense model: nothing is routed
+    if not 1 <= num_experts_per_tok <= n_routed_experts:
+        raise ConfigError(
+            f"config.json: num_experts_per_tok {num_experts_per_tok} outside 1..n_routed_experts "
+            f"({n_routed_experts})"
+        )
+    if n_group < 1 or n_routed_experts % n_group:
+        raise ConfigError(
+            f"config.json: n_routed_experts {n_routed_experts} is not divisible into "
+            f"n_group {n_group} groups"
+        )
+    if not 1 <= topk_group <= n_group:
+        raise ConfigError(f"config.json: topk_group {topk_group} outside 1..n_group")
+    if num_experts_per_tok > topk_group * (n_routed_experts // n_group):
+        raise ConfigError(
+            "config.json: num_experts_per_tok exceeds the experts in topk_group groups"
+        )
+
+
 def default_indexer_types(cfg: Mapping[str, Any], n_layers: int) -> list[str]:
     """``indexer_types`` for a GLM-5 config that does not list them, by transformers' rule:
     ``index_topk_pattern`` ("FSSF..." or a list), else every ``index_topk_freq``-th layer from
@@ -82,6 +107,9 @@ class ArchConfig:
     moe_intermediate_size: int
     n_routed_experts: int
     n_shared_experts: int
+    num_experts_per_tok: int | None  # None: absent (the runtime needs it; doctor says so)
+    n_group: int
+    topk_group: int
     num_attention_heads: int
     q_lora_rank: int | None
     kv_lora_rank: int
@@ -124,6 +152,12 @@ class ArchConfig:
                     f"{where}: mlp_layer_types must list 'dense' or 'sparse' for each of the "
                     f"{n_layers} layers, got {mlp_types!r}"
                 )
+            top_k = cfg.get("num_experts_per_tok")
+            n_group = int(cfg.get("n_group") or 1)
+            topk_group = int(cfg.get("topk_group") or 1)
+            n_routed = int(need("n_routed_experts"))
+            if top_k is not None:
+                check_router(n_routed, n_group, topk_group, int(top_k))
             is_dsa = mt == "glm_moe_dsa"
             idx_types = cfg.get("indexer_types") or (
                 default_indexer_types(cfg, n_layers) if is_dsa else []
@@ -138,8 +172,11 @@ class ArchConfig:
                 num_mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0),
                 intermediate_size=int(need("intermediate_size")),
                 moe_intermediate_size=int(need("moe_intermediate_size")),
-                n_routed_experts=int(need("n_routed_experts")),
+                n_routed_experts=n_routed,
                 n_shared_experts=int(cfg.get("n_shared_experts") or 0),
+                num_experts_per_tok=None if top_k is None else int(top_k),
+                n_group=n_group,
+                topk_group=topk_group,
                 num_attention_heads=int(need("num_attention_heads")),
                 q_lora_rank=None if cfg.get("q_lora_rank") is None else int(cfg["q_lora_rank"]),
                 kv_lora_rank=int(need("kv_lora_rank")),
@@ -154,6 +191,13 @@ class ArchConfig:
             )
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"{where}: a numeric key has a bad value ({exc})") from exc
+
+    @property
+    def top_k(self) -> int:
+        """``num_experts_per_tok``; a ConfigError naming the key when config.json lacks it."""
+        if self.num_experts_per_tok is None:
+            raise ConfigError("config.json: missing required key 'num_experts_per_tok'")
+        return self.num_experts_per_tok
 
     @property
     def total_layers(self) -> int:

@@ -27,6 +27,7 @@ from typing import Any, Literal
 import numpy as np
 
 from storage.arch import expected_tensors, optional_tensors
+from storage.chat_template import chat_template_source, compile_chat_template
 from storage.container import (
     TOKENIZER_CONFIG_NAME,
     TOKENIZER_NAME,
@@ -184,7 +185,7 @@ def _problems(c: Container, kind: str) -> list[str]:
 def _check_config(c: Container) -> Check:
     a = c.arch
     n_moe = sum(1 for i in range(a.num_hidden_layers) if a.is_moe_layer(i))
-    top_k = c.config.get("num_experts_per_tok")
+    top_k = a.num_experts_per_tok
     msg = (
         f"{a.model_type}, {a.num_hidden_layers} layers ({a.num_hidden_layers - n_moe} dense, "
         f"{n_moe} MoE) + {a.num_mtp_layers} MTP, hidden {a.hidden_size}, "
@@ -192,6 +193,8 @@ def _check_config(c: Container) -> Check:
         + f" + {a.n_shared_experts} shared, vocab {a.vocab_size}, eos {c.eos_token_ids}"
     )  # fmt: skip
     bad = _problems(c, "config")
+    if a.n_routed_experts and top_k is None:
+        bad.append("config.json lacks num_experts_per_tok (the runtime needs it)")
     if bad:
         return Check("fail", "config", f"{msg}; but {_listed(bad, 2)}")
     return Check("pass", "config", msg)
@@ -223,8 +226,15 @@ def _check_tokenizer(d: Path) -> Check:
         except (OSError, ValueError) as exc:
             return Check("fail", "tokenizer", f"{tc}: not valid ({exc}); re-download it")
         cfg_note = f", {TOKENIZER_CONFIG_NAME} ok"
-        if "chat_template" not in doc and not (d / "chat_template.jinja").is_file():
-            cfg_note += " (no chat template)"
+        try:
+            src, where = chat_template_source(d, doc)
+            if src is None:
+                cfg_note += " (no chat template)"
+            else:
+                compile_chat_template(src, where)  # what `coli chat` and the server will run
+                cfg_note += ", chat template compiles"
+        except ConfigError as exc:
+            return Check("fail", "tokenizer", f"{exc}; fix the template or remove it")
     else:
         cfg_note = f", no {TOKENIZER_CONFIG_NAME}"
     return Check("pass", "tokenizer", f"{TOKENIZER_NAME}: {n} tokens{cfg_note}")

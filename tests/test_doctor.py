@@ -183,3 +183,26 @@ def test_header_length_ten_bytes_short_fails(tmp_path: Path) -> None:
     status, msg = by_name(r)["shards"]
     assert status == "fail" and r.exit_code == 1
     assert "data bytes" in msg and str(shard) in msg
+
+
+def test_doctor_refuses_what_run_refuses(tmp_path: Path) -> None:
+    """A chat template that does not compile and routing keys the runtime rejects fail the
+    doctor too (it passed them before, and `run` then stopped)."""
+    path, _, _ = make_container(tmp_path / "m")
+    (path / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }")
+    status, msg = by_name(run_doctor(path))["tokenizer"]
+    assert status == "fail" and "does not compile" in msg and "chat_template.jinja" in msg
+    (path / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}"
+    )
+    assert by_name(run_doctor(path))["tokenizer"][0] == "pass"  # transformers' extensions
+    cfg = json.loads((path / "config.json").read_text())
+    for bad, want in ((0, "outside 1..n_routed_experts"), (9, "outside 1..n_routed_experts")):
+        (path / "config.json").write_text(json.dumps({**cfg, "num_experts_per_tok": bad}))
+        r = run_doctor(path)
+        status, msg = by_name(r)["config"]
+        assert status == "fail" and want in msg and r.exit_code == 1
+    del cfg["num_experts_per_tok"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    status, msg = by_name(run_doctor(path))["config"]
+    assert status == "fail" and "num_experts_per_tok" in msg

@@ -48,6 +48,7 @@ from runtime.weights import (
     load_layer,
     load_mtp,
 )
+from storage.arch import check_router
 from storage.errors import ConfigError, ModelError
 
 __all__ = ["AttentionMode", "LogitsOut", "MLAMoEConfig", "MLAMoEModel", "Observer"]
@@ -151,17 +152,7 @@ class MLAMoEConfig:
     def __post_init__(self) -> None:
         if self.hidden_act != "silu":
             raise ConfigError(f"config.json: hidden_act {self.hidden_act!r} (only silu)")
-        if self.n_group < 1 or self.n_routed_experts % self.n_group:
-            raise ConfigError(
-                f"config.json: n_routed_experts {self.n_routed_experts} is not divisible into "
-                f"n_group {self.n_group} groups"
-            )
-        if not 1 <= self.topk_group <= self.n_group:
-            raise ConfigError(f"config.json: topk_group {self.topk_group} outside 1..n_group")
-        if self.num_experts_per_tok > self.topk_group * (self.n_routed_experts // self.n_group):
-            raise ConfigError(
-                "config.json: num_experts_per_tok exceeds the experts in topk_group groups"
-            )
+        check_router(self.n_routed_experts, self.n_group, self.topk_group, self.num_experts_per_tok)
 
     def is_moe_layer(self, layer: int) -> bool:
         """MoE or dense MLP (MTP layers, index >= num_hidden_layers, are MoE)."""
