@@ -39,12 +39,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from colibri import __version__
 from colibri._config import EngineOptions, default_model_path
 from colibri._engine import Engine
 from colibri.server.anthropic_routes import anthropic_routes
 from colibri.server.errors import ApiError, error_response, is_anthropic
 from colibri.server.metrics import CONTENT_TYPE, Metrics
 from colibri.server.openai_routes import openai_routes, state_of
+from colibri.server.openapi import openapi_route
 from colibri.server.security import SecurityMiddleware, allowed_hosts, check_bind
 from colibri.server.slots import SlotPool
 from colibri.server.state import Admission, AppState, ServerConfig
@@ -294,6 +296,7 @@ async def create_app(
         kv_dir=kv_dir,
     )
     routes = [
+        Route("/openapi.json", openapi_route(name, __version__), methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/experts", experts, methods=["GET"]),
