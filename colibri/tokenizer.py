@@ -16,9 +16,9 @@ from jinja2 import TemplateError
 from tokenizers import Tokenizer
 
 from storage.chat_template import CHAT_TEMPLATE_NAME, chat_template_source, compile_chat_template
-from storage.errors import ConfigError
+from storage.errors import ColibriError, ConfigError
 
-__all__ = ["CHAT_TEMPLATE_NAME", "ChatTokenizer", "TextStream"]
+__all__ = ["CHAT_TEMPLATE_NAME", "ChatTokenizer", "PromptTooLongError", "TextStream"]
 
 _LONG_TEXT = 1 << 16  # characters; shorter texts take the cheaper single-text call
 
@@ -30,6 +30,15 @@ def _token_text(v: object) -> str | None:
     if isinstance(v, dict) and isinstance(v.get("content"), str):
         return str(v["content"])
     return None
+
+
+class PromptTooLongError(ColibriError):
+    """A text has more tokens than allowed (:meth:`ChatTokenizer.encode` with ``limit``)."""
+
+    def __init__(self, n_tokens: int, limit: int) -> None:
+        super().__init__(f"the text has {n_tokens} tokens, more than {limit}")
+        self.n_tokens = n_tokens
+        self.limit = limit
 
 
 class ChatTokenizer:
@@ -55,13 +64,20 @@ class ChatTokenizer:
     def has_chat_template(self) -> bool:
         return self._template is not None
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, limit: int | None = None) -> list[int]:
+        """Token ids of ``text``. ``limit``: raise :class:`PromptTooLongError` instead of
+        returning more ids than that (counted before the ids become a Python list, which for
+        a huge text holds the GIL for a noticeable time)."""
         if len(text) > _LONG_TEXT:
             # encode_batch releases the GIL while it works (encode holds it for the whole call:
             # seconds for a 4 MB prompt, during which no other thread, the event loop included,
             # runs). Same pipeline, same ids.
-            return list(self._tok.encode_batch([text], add_special_tokens=False)[0].ids)
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+            enc = self._tok.encode_batch([text], add_special_tokens=False)[0]
+        else:
+            enc = self._tok.encode(text, add_special_tokens=False)
+        if limit is not None and len(enc) > limit:
+            raise PromptTooLongError(len(enc), limit)
+        return list(enc.ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=True))

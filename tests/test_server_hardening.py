@@ -153,10 +153,10 @@ def test_health_answers_while_a_4mb_prompt_is_tokenized(server: Server, tmp_path
     waits.sort()
     print(f"/health during a 4 MB prompt ({busy:.1f} s): median {waits[len(waits) // 2] * 1e3:.1f}"
           f" ms, max {waits[-1] * 1e3:.1f} ms over {len(waits)} calls")  # fmt: skip
-    # Blocking the loop made /health wait for the whole tokenization (4-9 s here). The bound is
-    # far above this noisy machine's jitter (and the ~0.3 s the tokenizer holds the GIL to hand
-    # back 10^6 ids) and far below that stall.
-    assert waits[-1] < 1.0, waits[-5:]
+    # Blocking the loop made /health wait for the whole tokenization (4-9 s here). 95% of the
+    # answers within 100 ms; the worst one bounded well above this noisy machine's jitter.
+    assert waits[int(0.95 * len(waits))] < 0.1, waits[-5:]
+    assert waits[-1] < 0.5, waits[-5:]
 
 
 # ----------------------------------------------------------------------------- tenants

@@ -168,7 +168,7 @@ async def messages(request: Request) -> Response:
         )
     except ColibriError as exc:
         raise ApiError(400, str(exc), param="messages", code="template_error") from exc
-    ids = await st.off_loop(st.tokenizer.encode, text)
+    ids = await st.encode_prompt(text)
     params = common_params(
         st,
         req,

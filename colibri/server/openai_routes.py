@@ -296,7 +296,7 @@ async def chat_completions(request: Request) -> Response:
         text = await st.off_loop(lambda: st.tokenizer.apply_chat_template(messages, **extra))
     except ColibriError as exc:
         raise ApiError(400, str(exc), param="messages", code="template_error") from exc
-    ids = await st.off_loop(st.tokenizer.encode, text)
+    ids = await st.encode_prompt(text)
     params = common_params(
         st,
         req,
@@ -477,7 +477,7 @@ async def completions(request: Request) -> Response:
     else:
         ids = [int(t) for t in prompt if isinstance(t, int)]
     if prompt_text is not None:
-        ids = await st.off_loop(st.tokenizer.encode, prompt_text)
+        ids = await st.encode_prompt(prompt_text, "prompt")
     params = common_params(
         st,
         req,

@@ -21,7 +21,7 @@ from colibri._engine import Engine
 from colibri.server.errors import ApiError
 from colibri.server.metrics import Metrics
 from colibri.server.slots import Slot, SlotPool
-from colibri.tokenizer import ChatTokenizer
+from colibri.tokenizer import ChatTokenizer, PromptTooLongError
 
 T = TypeVar("T")
 
@@ -271,6 +271,22 @@ class AppState:
         if self._text_limiter is None:
             self._text_limiter = anyio.CapacityLimiter(2)
         return await anyio.to_thread.run_sync(fn, *args, limiter=self._text_limiter)
+
+    async def encode_prompt(self, text: str, param: str = "messages") -> list[int]:
+        """``text``'s ids, tokenized off the loop; a prompt longer than the context is a 400
+        found before its ids are materialized."""
+        try:
+            return await self.off_loop(
+                lambda: self.tokenizer.encode(text, limit=self.context_length)
+            )
+        except PromptTooLongError as exc:
+            raise ApiError(
+                400,
+                f"this model's context is {self.context_length} tokens, but the prompt has "
+                f"{exc.n_tokens} tokens; shorten it",
+                param=param,
+                code="context_length_exceeded",
+            ) from None
 
     def record(self, turn: Turn) -> None:
         self.turns.append(turn)
