@@ -15,6 +15,7 @@ COLI_MODEL_DIRS    --model-dir (rep.)  model_dirs (os.pathsep-separated in the v
 COLI_DISK_WEIGHTS  --disk-weights      disk_weights
 COLI_DRAFT         --draft             draft (auto | off | N | mtp[:N] | lookup[:N])
 COLI_THREADS       --threads           threads (compute threads for routed experts)
+COLI_VERIFY_READS  --verify-reads      verify_reads (CRC-32 of every expert read)
 COLI_LOG_FORMAT    --log-format        (logging: console|json)
 =================  ==================  ======================
 """
@@ -45,6 +46,7 @@ ENV_VARS = {
     "COLI_DISK_WEIGHTS": "disk_weights",
     "COLI_DRAFT": "draft",
     "COLI_THREADS": "threads",
+    "COLI_VERIFY_READS": "verify_reads",
     "COLI_LOG_FORMAT": "log_format",
 }
 
@@ -112,6 +114,9 @@ class EngineOptions(BaseModel):
     stripe_min_bytes: int = 0
     # Speculative decoding (runtime/speculative/): "auto" lets the cost model decide.
     draft: str = "auto"
+    # Every expert read checked against the manifest's CRC-32s (storage/integrity.py); resident
+    # experts are checked once as they load.
+    verify_reads: bool = False
 
     @field_validator("draft", mode="before")
     @classmethod

@@ -719,7 +719,14 @@ async def _plan(container: Container, opts: EngineOptions) -> tuple[Any, Any, An
         )
     )
     if plan.layout is None:
-        model.experts = await anyio.to_thread.run_sync(ResidentExperts, container)
+        checksums = None
+        if opts.verify_reads:
+            from storage.integrity import load_checksums
+
+            checksums = await anyio.to_thread.run_sync(load_checksums, container.path)
+        model.experts = await anyio.to_thread.run_sync(
+            lambda: ResidentExperts(container, checksums=checksums)
+        )
     return model, plan.layout, usage
 
 
@@ -742,7 +749,19 @@ async def _start_store(
         state_dir=opts.resolved_state_dir() if opts.mirror else None,
         direct=reader.direct,
     )
-    store = ExpertStore(container, reader, layout, prefetch=opts.prefetch, placement=placement)
+    checksums = None
+    if opts.verify_reads:
+        from storage.integrity import load_checksums
+
+        checksums = await anyio.to_thread.run_sync(load_checksums, container.path)
+    store = ExpertStore(
+        container,
+        reader,
+        layout,
+        prefetch=opts.prefetch,
+        placement=placement,
+        checksums=checksums,
+    )
     await store.start(tg)
     model.experts = StreamingExperts(store)
     return store

@@ -145,6 +145,16 @@ def _engine_options(fn: F) -> F:
         help="Faster long prompts: dequantized tiles + BLAS for experts with many rows of a "
         "chunk. Logits then match the exact path to float rounding, not bit for bit.",
     )(fn)
+    fn = click.option(
+        "--verify-reads/--no-verify-reads",
+        default=env.get("verify_reads", "0").lower() in ("1", "true", "yes", "on"),
+        show_default=True,
+        expose_value=False,
+        callback=_keep,
+        help="Check every expert read against the manifest's CRC-32: a damaged copy is an "
+        "error naming the expert and file (or, with --mirror, is demoted and another copy "
+        "serves the read) instead of a wrong token (env COLI_VERIFY_READS).",
+    )(fn)
     return _model_option(fn)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import queue
 import time
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
@@ -34,7 +35,8 @@ from runtime.policies.lru import LayerLru
 from runtime.weights import ExpertWeights
 from storage.aligned import aligned_empty
 from storage.container import Container, ExpertExtent
-from storage.errors import ColibriError
+from storage.errors import ColibriError, ReadError
+from storage.integrity import Check, ExpertChecksums, crc_check
 from storage.reader import ReadRequest, required_size
 
 __all__ = ["ExpertStore", "StoreLayout", "StreamingExperts", "TierStats", "plan_layout"]
@@ -194,8 +196,11 @@ class ExpertStore:
         prefill_admit: bool = False,
         read_depth: int = 2,
         placement: Any = None,
+        checksums: ExpertChecksums | None = None,
     ) -> None:
         self.c = container
+        # --verify-reads: every read checked against the manifest's CRC-32s (None: unchecked)
+        self.checksums = checksums
         self.reader = reader
         # storage.devices.Placement: which copy (primary or a mirror) serves each expert, with
         # failover; None reads everything from the primary.
@@ -305,12 +310,21 @@ class ExpertStore:
             need = required_size(r)
             bufs.append(slot.scales[off : off + need])
             off += need
+        checks = self._checks(key, x, sreqs)
         t0 = time.perf_counter()
         try:
             if self.placement is not None:  # the copy is chosen there; failover happens there
-                views = await self.placement.read_many(self.reader, key, [blob_req, *sreqs], bufs)
+                views = await self.placement.read_many(
+                    self.reader, key, [blob_req, *sreqs], bufs, checks
+                )
             else:
                 views = await self.reader.read_many([blob_req, *sreqs], bufs)
+                for v, check in zip(views, checks or (), strict=False):
+                    problem = None if check is None else await anyio.to_thread.run_sync(check, v)
+                    if problem is not None:
+                        raise ReadError(problem)
+            if self.checksums is not None and len(sreqs) > 1:  # scales in several pieces
+                self._check_scales(key, x, views[1:])
         except ColibriError:
             self.stats.read_errors += 1
             raise
@@ -323,6 +337,34 @@ class ExpertStore:
         svs = [np.frombuffer(v, dtype=np.uint8) for v in views[1:]]
         slot.weights = _weights_from(x, blob, sreqs, svs)
         slot.key = key
+
+    def _checks(
+        self, key: Key, x: ExpertExtent, sreqs: Sequence[ReadRequest]
+    ) -> list[Check | None] | None:
+        """One check per request of this expert's read (blob, then scales), or None."""
+        if self.checksums is None:
+            return None
+        want = self.checksums.get(*key)
+        if want is None:
+            raise ReadError(f"layer {key[0]} expert {key[1]}: no checksum in the manifest")
+        where = f"layer {key[0]} expert {key[1]} in {x.path.name} [{x.start}, {x.end})"
+        checks: list[Check | None] = [crc_check(want[0], where)]
+        if want[1] is not None and len(sreqs) == 1:
+            checks.append(crc_check(want[1], f"the scales of {where}"))
+        return checks + [None] * (1 + len(sreqs) - len(checks))
+
+    def _check_scales(self, key: Key, x: ExpertExtent, views: Sequence[Any]) -> None:
+        want = self.checksums.get(*key) if self.checksums is not None else None
+        if want is None or want[1] is None:
+            return
+        crc = 0
+        for v in views:
+            crc = zlib.crc32(np.ascontiguousarray(v).data, crc)
+        if crc != want[1]:
+            raise ReadError(
+                f"the scales of layer {key[0]} expert {key[1]} in {x.path.name}: checksum "
+                "mismatch: this copy on disk is damaged; run `coli doctor --verify`"
+            )
 
     async def _take_slot(self, key: Key, *, demand: bool) -> tuple[_Slot, bool] | None:
         """A cache slot when the layer's LRU can take the expert, else a transient slot.

@@ -11,6 +11,7 @@ V_ v_head_dim, C kv_lora_rank.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -25,7 +26,8 @@ from runtime.layers.moe import MoEWeights
 from runtime.layers.moe_router import RouterConfig
 from runtime.layers.swiglu import MLPWeights
 from runtime.linear import Linear
-from storage.errors import ModelError
+from storage.errors import ModelError, ReadError
+from storage.integrity import ExpertChecksums, crc_check
 from storage.quant import QTensor, QuantFormat, dequantize
 
 __all__ = [
@@ -273,13 +275,49 @@ def load_mtp(
 # ----------------------------------------------------------------------------- experts
 
 
+def _verify_resident(
+    checksums: ExpertChecksums,
+    layer: int,
+    e: int,
+    ext: Any,
+    blob: npt.NDArray[np.uint8],
+    scales: Mapping[str, F32Array | None],
+) -> None:
+    want = checksums.get(layer, e)
+    where = f"layer {layer} expert {e} in {ext.path.name} [{ext.start}, {ext.end})"
+    if want is None:
+        raise ReadError(f"{where}: no checksum in the manifest")
+    problem = crc_check(want[0], where)(blob)
+    if problem is None and want[1] is not None:
+        on_disk = sorted(  # the scale tensors in file order: the manifest's [qs_start, qs_end)
+            ((proj, info.start) for proj, info in ext.scales.items() if info is not None),
+            key=lambda t: t[1],
+        )
+        crc = 0
+        for proj, _ in on_disk:
+            arr = scales[proj]
+            if arr is not None:
+                crc = zlib.crc32(np.ascontiguousarray(arr).view(np.uint8).data, crc)
+        if crc != want[1]:
+            problem = f"the scales of {where}: checksum mismatch: this copy on disk is damaged"
+    if problem is not None:
+        raise ReadError(problem)
+
+
 class ResidentExperts:
     """Every routed expert read once at open (one pread of its blob plus its scales) and kept.
 
     For models that fit in RAM and for tests; ``get`` never blocks on I/O.
     """
 
-    def __init__(self, container: ContainerLike, layers: Iterable[int] | None = None) -> None:
+    def __init__(
+        self,
+        container: ContainerLike,
+        layers: Iterable[int] | None = None,
+        *,
+        checksums: ExpertChecksums | None = None,
+    ) -> None:
+        """``checksums`` (``--verify-reads``): each expert's bytes are checked as they load."""
         self._experts: dict[tuple[int, int], ExpertWeights] = {}
         self.nbytes = 0
         n_experts = int(container.config["n_routed_experts"])
@@ -287,7 +325,10 @@ class ResidentExperts:
             for e in range(n_experts):
                 ext = container.expert(layer, e)
                 blob = ext.read_blob()  # [end - start] uint8
-                q = ext.qtensors(blob, ext.read_scales())
+                scales = ext.read_scales()
+                if checksums is not None:
+                    _verify_resident(checksums, layer, e, ext, blob, scales)
+                q = ext.qtensors(blob, scales)
                 self._experts[(layer, e)] = ExpertWeights(
                     gate=Linear(q["gate_proj"]),
                     up=Linear(q["up_proj"]),

@@ -64,6 +64,7 @@ from storage.manifest import (
     fsync_dir,
     sha256_file,
     verify_shards,
+    with_checksums,
 )
 from storage.quant import QuantFormat, bf16_to_f32, fp8_block_dequantize, quantize
 from storage.safetensors import (
@@ -625,7 +626,8 @@ def _run(
         options=rec,
         source=source.identity,
         shards=tuple(done[p.file] for p in plans),
-        experts=tuple(e for p in plans for e in p.experts),
+        # per-expert CRC-32s, read back from the finished shards (what --verify-reads checks)
+        experts=tuple(with_checksums(e, dst / p.file) for p in plans for e in p.experts),
         unknown_tensors=catalog.unknown,
     )
     manifest.save(dst)  # last: its presence means "complete"

@@ -33,8 +33,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import zlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -52,10 +53,12 @@ __all__ = [
     "SourceFile",
     "SourceIdentity",
     "atomic_write_bytes",
+    "crc32_range",
     "fsync_dir",
     "read_manifest",
     "sha256_file",
     "verify_shards",
+    "with_checksums",
 ]
 
 MANIFEST_NAME = "colibri-manifest.json"
@@ -140,9 +143,13 @@ class ExpertEntry:
     end: int
     qs_start: int | None = None
     qs_end: int | None = None
+    # zlib CRC-32 of the bytes [start, end) and [qs_start, qs_end): what ``--verify-reads``
+    # checks every read against (None: a manifest written before they were recorded).
+    crc32: int | None = None
+    qs_crc32: int | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "layer": self.layer,
             "expert": self.expert,
             "shard": self.shard,
@@ -151,6 +158,10 @@ class ExpertEntry:
             "qs_start": self.qs_start,
             "qs_end": self.qs_end,
         }
+        if self.crc32 is not None:
+            out["crc32"] = self.crc32
+            out["qs_crc32"] = self.qs_crc32
+        return out
 
     @staticmethod
     def from_json(doc: object, where: str) -> ExpertEntry:
@@ -166,6 +177,8 @@ class ExpertEntry:
             _int(d, "end", where),
             None if qs0 is None else _int(d, "qs_start", where),
             None if qs1 is None else _int(d, "qs_end", where),
+            None if d.get("crc32") is None else _int(d, "crc32", where),
+            None if d.get("qs_crc32") is None else _int(d, "qs_crc32", where),
         )
 
 
@@ -349,6 +362,29 @@ def verify_shards(
     return problems
 
 
+def crc32_range(path: str | os.PathLike[str], start: int, end: int, chunk: int = 8 << 20) -> int:
+    """zlib CRC-32 of the bytes ``[start, end)`` of a file, read in bounded chunks."""
+    crc = 0
+    with open(path, "rb") as fh:
+        fh.seek(start)
+        left = end - start
+        while left > 0:
+            b = fh.read(min(chunk, left))
+            if not b:
+                raise OSError(f"{path}: ends before byte {end}")
+            crc = zlib.crc32(b, crc)
+            left -= len(b)
+    return crc
+
+
+def with_checksums(e: ExpertEntry, path: str | os.PathLike[str]) -> ExpertEntry:
+    """``e`` with the CRC-32s of its blob and scales as they are in the shard at ``path``."""
+    qs = None
+    if e.qs_start is not None and e.qs_end is not None:
+        qs = crc32_range(path, e.qs_start, e.qs_end)
+    return replace(e, crc32=crc32_range(path, e.start, e.end), qs_crc32=qs)
+
+
 def sha256_file(path: str | os.PathLike[str], chunk: int = 8 << 20) -> str:
     """Hex sha256 of a whole file, read in bounded chunks."""
     h = hashlib.sha256()
@@ -389,3 +425,32 @@ def _int(d: Mapping[str, Any], key: str, where: str) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
         raise ConfigError(f"{where}: {key!r} must be a non-negative integer")
     return v
+
+
+def add_checksums(directory: str | os.PathLike[str]) -> Manifest:
+    """Record per-expert CRC-32s in the manifest of a container converted before they existed.
+
+    Every shard is first checked against the manifest's sha256, so the checksums describe the
+    bytes the converter wrote, not damage that happened since."""
+    d = Path(directory)
+    m = read_manifest(d)
+    if m is None:
+        raise ConfigError(f"{d}: no {MANIFEST_NAME} (only converted containers have one)")
+    bad = verify_shards(d, m, checksums=True)
+    if bad:
+        raise ConfigError(f"{d}: shards differ from the manifest: {'; '.join(bad)}")
+    fresh = replace(m, experts=tuple(with_checksums(e, d / e.shard) for e in m.experts))
+    fresh.save(d)
+    return fresh
+
+
+if __name__ == "__main__":  # python -m storage.manifest add-checksums DIR
+    import sys
+
+    if len(sys.argv) != 3 or sys.argv[1] != "add-checksums":
+        sys.exit("usage: python -m storage.manifest add-checksums DIR")
+    try:
+        done = add_checksums(sys.argv[2])
+    except ConfigError as exc:
+        sys.exit(f"error: {exc}")
+    print(f"{sys.argv[2]}: CRC-32 recorded for {len(done.experts)} experts")

@@ -26,6 +26,7 @@ import structlog
 from storage.aligned import ALIGN
 from storage.container import ExpertExtent
 from storage.errors import ColibriError, ReadError
+from storage.integrity import Check
 from storage.reader import Reader, ReadRequest, required_size
 from storage.replicas import Replica
 
@@ -206,6 +207,17 @@ class _Piece:
     order: list[int]
     view: U8Array | None = None
     error: ReadError | None = None
+    check: Check | None = None  # verifies the bytes a copy returned (--verify-reads)
+
+
+async def _verify(views: Sequence[U8Array | None], checks: Sequence[Check | None]) -> None:
+    """Run the checks of requests read without failover; the first failure raises."""
+    for v, check in zip(views, checks, strict=True):
+        if v is None or check is None:
+            continue
+        problem = await anyio.to_thread.run_sync(check, v)
+        if problem is not None:
+            raise ReadError(problem)
 
 
 class Placement:
@@ -302,16 +314,22 @@ class Placement:
         key: Key,
         reqs: Sequence[ReadRequest],
         bufs: Sequence[U8Array],
+        checks: Sequence[Check | None] | None = None,
     ) -> list[U8Array]:
         """Read one expert's requests (primary paths) from the copies :meth:`order` names.
 
         Views come back in request order, exactly as ``reader.read_many`` would return them.
         Raises :class:`ReadError` (after every read has finished) only when every copy holding
-        some request failed."""
+        some request failed. ``checks`` (one per request, or None) verify the bytes: a copy
+        whose bytes fail is treated like a copy whose read failed (demoted, the next one
+        tried); a striped request can only be checked once assembled (no retry then)."""
         if len(reqs) != len(bufs):
             raise ValueError(f"{len(reqs)} requests but {len(bufs)} buffers")
+        checks = list(checks) if checks is not None else [None] * len(reqs)
         if len(self.replicas) == 1:  # no mirror: the reader as is, plus the counters
-            return await self._read_single(reader, reqs, bufs)
+            got = await self._read_single(reader, reqs, bufs)
+            await _verify(got, checks)
+            return got
         order = list(self.order(key[0], key[1], [r.path for r in reqs]))
         pieces: list[_Piece] = []
         striped: set[int] = set()
@@ -326,7 +344,7 @@ class Placement:
                         _Piece(n, piece, pbuf, [first] + [i for i in order if i != first])
                     )
             else:
-                pieces.append(_Piece(n, r, b, order))
+                pieces.append(_Piece(n, r, b, order, check=checks[n]))
         if striped:
             self.striped_reads += len(striped)
         if len(pieces) == 1:
@@ -350,6 +368,7 @@ class Placement:
                 v = next(p.view for p in pieces if p.index == n)
                 assert v is not None  # every piece either has a view or an error
                 views.append(v)
+        await _verify([v if n in striped else None for n, v in enumerate(views)], checks)
         return views
 
     async def _read_single(
@@ -388,6 +407,14 @@ class Placement:
                 c.inflight -= 1
                 if not c.inflight:
                     c.busy += t1 - c.busy_since
+            if p.check is not None:
+                problem = await anyio.to_thread.run_sync(p.check, p.view)
+                if problem is not None:
+                    bad = ReadError(f"{req.path}: {problem}")
+                    errors.append(bad)
+                    self._failed(idx, bad, retry=k + 1 < len(p.order))
+                    p.view = None
+                    continue
             self._observe(idx, req.length, t1 - t0, t1)
             if errors:
                 self._counters[idx].served_failovers += 1

@@ -298,7 +298,9 @@ class _ReaderBase:
 
     def _prepare(self, req: ReadRequest, buf: U8Array) -> None:
         if self._closed:
-            raise RuntimeError(f"{self.name} reader is closed")
+            # A ReadError, not a crash: a read queued before shutdown (a lookahead, a demand
+            # read of an aborted step) may start after the engine closed its reader.
+            raise ReadError(f"{self.name} reader is closed (the engine is shutting down)")
         _check_buffer(req, buf, self.direct)
 
     async def _fd(self, req: ReadRequest) -> int:
