@@ -59,7 +59,7 @@ def test_damaged_expert_is_an_error_not_a_wrong_token(
     (shard,) = set(_damage_layer(d, LAYER))
     budget = budget_for_lru(d, 0)
     # Unchecked, the damage runs silently: other logits, no error (what --verify-reads is for).
-    toks, logits, _ = run_model(d, ram_budget=budget)
+    _, logits, _ = run_model(d, ram_budget=budget)
     assert not np.array_equal(logits, reference[1])
     with pytest.raises(ReadError, match=rf"layer {LAYER} expert \d+ in {shard}.*checksum"):
         run_model(d, ram_budget=budget, verify_reads=True)
