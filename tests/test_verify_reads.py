@@ -90,5 +90,5 @@ def test_damaged_mirror_copy_is_demoted_and_the_output_unchanged(
 def test_verify_reads_needs_checksums(tmp_path: Path, private_home: None) -> None:
     d = Path(shutil.copytree(TINY, tmp_path / "m"))
     (d / "colibri-manifest.json").unlink()  # as a public C-engine container
-    with pytest.raises(ConfigError, match="needs colibri-manifest.json"):
+    with pytest.raises(ConfigError, match=r"needs colibri-manifest\.json"):
         run_model(d, verify_reads=True)
