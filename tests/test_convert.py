@@ -457,6 +457,7 @@ def _inode(p: Path) -> int | None:
         return None
 
 
+@pytest.mark.reliability
 @pytest.mark.slow
 def test_sigkill_at_random_points_then_resume_is_byte_identical(
     tmp_path: Path, tmp_path_factory: pytest.TempPathFactory

@@ -18,6 +18,8 @@ from storage.container import Container
 from storage.doctor import run_doctor
 from storage.errors import ModelError
 
+pytestmark = pytest.mark.reliability
+
 
 def _status(path: Path, verify: bool) -> dict[str, tuple[str, str]]:
     r = run_doctor(path, verify=verify)

@@ -226,6 +226,7 @@ _CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.reliability
 def test_kill_9_during_append_leaves_old_or_new_count(tmp_path: Path) -> None:
     """The writer appends ~1.9 MB batches (and now and then drops records) until SIGKILL: the
     file always loads with the last printed count, the next one, or the kept prefix, and every

@@ -6,10 +6,13 @@ import os
 import time
 from pathlib import Path
 
+import pytest
 from _demo import TINY
 
 import colibri
 from storage.atomic import atomic_write_bytes, remove_leftovers
+
+pytestmark = pytest.mark.reliability
 
 
 def _leftover(d: Path, name: str, age_s: float, size: int = 1024) -> Path:

@@ -537,6 +537,7 @@ def _converse(server: Server, key: str, slot: int, turns: list[str]) -> list[dic
     return out
 
 
+@pytest.mark.reliability
 def test_kv_slot_survives_kill_9(servers: dict[str, Server], tmp_path: Path) -> None:
     turns = ["My name is Ada.", "What is my name?", "And again, what is it?"]
     # an uninterrupted server: all three turns in slot 1

@@ -16,6 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from test_server import MODEL, Server
 
+pytestmark = pytest.mark.reliability
+
 schemathesis = pytest.importorskip("schemathesis", reason="the fuzz test needs schemathesis")
 
 KEY = "sk-fuzz-0123456789"

@@ -18,6 +18,8 @@ import httpx
 import pytest
 from test_server import MODEL, Server
 
+pytestmark = pytest.mark.reliability
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:

@@ -170,6 +170,7 @@ _WRITER = textwrap.dedent(
 )
 
 
+@pytest.mark.reliability
 def test_sigkill_during_save_never_leaves_a_broken_file(tmp_path: Path) -> None:
     """A writer saving in a loop is SIGKILLed at random points: always an old or new file."""
     p = tmp_path / USAGE_FILE
