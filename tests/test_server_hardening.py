@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -316,3 +318,20 @@ def test_a_client_that_stops_reading_loses_its_place(strict: Server) -> None:
         assert _closed_within(slow, 30)  # the stalled response was dropped with its connection
     finally:
         slow.close()
+
+
+def test_a_taken_port_is_one_error_before_the_model_loads() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        p = subprocess.run(
+            [sys.executable, "-m", "colibri.cli", "serve", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    assert p.returncode == 1, p.stderr
+    assert "Address already in use" in p.stderr and "pick another --port" in p.stderr
+    assert "Traceback" not in p.stderr and "Errno" not in p.stderr
+    assert "storage reader" not in p.stderr + p.stdout  # it stopped before opening the model

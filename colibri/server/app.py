@@ -16,8 +16,10 @@ slots, engine counters, machine), ``GET /atlas`` (``coli atlas``'s layout),
 
 from __future__ import annotations
 
+import errno
 import math
 import signal
+import socket
 import sys
 import threading
 from collections import deque
@@ -379,6 +381,7 @@ async def serve(config: ServerConfig, options: EngineOptions, *, web: bool = Fal
     """Open the engine, build the app and serve until SIGINT/SIGTERM (asyncio only: uvicorn);
     ``web``: with the dashboard at ``/``."""
     check_bind(config.host, config.keys[0] if config.keys else None)
+    sock = _listen(config.host, config.port)  # before the (long) model load: fail fast
     async with Engine.open(options=options) as engine:
         app = await create_app(engine, config, web=web)
         uv = uvicorn.Config(
@@ -394,4 +397,24 @@ async def serve(config: ServerConfig, options: EngineOptions, *, web: bool = Fal
             http=guarded_protocol(config.header_timeout),
             timeout_keep_alive=config.keep_alive_timeout,
         )
-        await _Server(uv).serve()
+        await _Server(uv).serve(sockets=[sock])
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The listening socket, bound now: a taken port or a bad address is one clear error
+    before anything is loaded (uvicorn would report it only after the model load)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise ColibriError(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+            + ("; another server runs there: stop it or pick another --port"
+               if exc.errno == errno.EADDRINUSE else "")
+        ) from exc  # fmt: skip
+    sock.set_inheritable(True)
+    return sock
