@@ -8,6 +8,7 @@ traceback.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -243,15 +244,23 @@ def _hint_for(exc: ColibriError) -> str | None:
     default=env_defaults().get("log_format", "console"),
     help="Structured log output (env COLI_LOG_FORMAT).",
 )
+@click.option(
+    "-v", "--verbose", count=True, help="More log lines: -v info, -vv debug (default: warnings)."
+)
 @click.version_option(package_name="colibri")
 @click.pass_context
-def main(ctx: click.Context, debug: bool, log_format: str) -> None:
+def main(ctx: click.Context, debug: bool, log_format: str, verbose: int) -> None:
     """colibri: run giant Mixture-of-Experts models on ordinary machines."""
     from colibri._logging import configure_logging
 
     ctx.ensure_object(dict)
     ctx.obj["debug"] = debug
-    configure_logging(log_format)
+    ctx.obj["log_format"] = log_format
+    ctx.obj["log_level"] = _LEVELS[min(verbose, 2)]
+    configure_logging(log_format, ctx.obj["log_level"])
+
+
+_LEVELS = (logging.WARNING, logging.INFO, logging.DEBUG)
 
 
 # ---------------------------------------------------------------------------- run
@@ -456,7 +465,13 @@ def serve(
     except ValueError as exc:
         raise ColibriError(f"bad server option: {exc}") from exc
     opts = _options(model, ram, reader)
-    web = bool(click.get_current_context().meta.get("colibri.web"))  # set by `coli web`
+    ctx = click.get_current_context()
+    web = bool(ctx.meta.get("colibri.web"))  # set by `coli web`
+    obj = ctx.find_root().obj or {}
+    if obj.get("log_level", logging.WARNING) > logging.INFO:  # a server talks: access lines
+        from colibri._logging import configure_logging
+
+        configure_logging(obj.get("log_format", "console"), logging.INFO)
     anyio.run(lambda: run_server(config, opts, web=web), backend="asyncio")
 
 

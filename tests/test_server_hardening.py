@@ -335,3 +335,23 @@ def test_a_taken_port_is_one_error_before_the_model_loads() -> None:
     assert "Address already in use" in p.stderr and "pick another --port" in p.stderr
     assert "Traceback" not in p.stderr and "Errno" not in p.stderr
     assert "storage reader" not in p.stderr + p.stdout  # it stopped before opening the model
+
+
+def test_one_access_line_per_request(server: Server) -> None:
+    """The server talks: each request gets one structured line, a generation's with its tokens,
+    cache hits, TTFT and speed (console format here; --log-format json gives JSON lines)."""
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        assert c.post("/v1/chat/completions", json=_chat("w5 w6 w7")).status_code == 200
+        assert c.post("/v1/completions", json={"model": "nope", "prompt": "x"}).status_code == 404
+    deadline = time.monotonic() + 10
+    lines: list[str] = []
+    while time.monotonic() < deadline:
+        lines = [ln for ln in server.log_text().splitlines() if "request" in ln and "route=" in ln]
+        if any("status=404" in ln for ln in lines):
+            break
+        time.sleep(0.1)
+    gen = [ln for ln in lines if "route=/v1/chat/completions" in ln and "status=200" in ln]
+    assert gen, lines
+    for field in ("prompt_tokens=", "completion_tokens=2", "cached_tokens=", "ttft_ms=", "ms="):
+        assert field in gen[-1], gen[-1]
+    assert any("route=/v1/completions" in ln and "status=404" in ln for ln in lines), lines

@@ -22,6 +22,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Generator
 from contextlib import contextmanager
@@ -51,7 +52,7 @@ from colibri.server.openai_routes import openai_routes, state_of
 from colibri.server.openapi import openapi_route
 from colibri.server.security import SecurityMiddleware, allowed_hosts, check_bind
 from colibri.server.slots import SlotPool
-from colibri.server.state import Admission, AppState, ServerConfig
+from colibri.server.state import ACCESS, Admission, AppState, ServerConfig
 from colibri.server.timeouts import SendTimeoutMiddleware, guarded_protocol
 from colibri.server.web import WebAssets, atlas, machine_info
 from colibri.tokenizer import ChatTokenizer
@@ -96,16 +97,51 @@ class _MetricsMiddleware:
                 status["code"] = int(message["status"])
             await send(message)
 
+        access: dict[str, Any] = {}
+        token = ACCESS.set(access)
+        t0 = time.perf_counter()
         try:
             await self.app(scope, receive, tap)
         finally:
+            ACCESS.reset(token)
             path = scope.get("path", "")
             route = path if path in self._routes else "other"
             if path.startswith("/v1/models/"):
                 route = "/v1/models/{model}"
             elif path.startswith("/admin/replicas/") and path.endswith("/enable"):
                 route = "/admin/replicas/{index}/enable"
-            self._metrics.requests.labels(route, str(status["code"] or 499)).inc()
+            code = status["code"] or 499
+            self._metrics.requests.labels(route, str(code)).inc()
+            _access_line(scope, route, code, time.perf_counter() - t0, access.get("turn"))
+
+
+_access = structlog.get_logger("colibri.access")
+_QUIET_ROUTES = frozenset({"/health", "/metrics", "/experts", "/profile"})  # polled: debug level
+
+
+def _access_line(scope: Scope, route: str, status: int, seconds: float, turn: Any) -> None:
+    """One structured line per request; a generation's adds its tokens, cache hits and speed."""
+    fields: dict[str, Any] = {
+        "method": scope.get("method", ""),
+        "route": route,
+        "status": status,
+        "ms": round(seconds * 1e3, 1),
+    }
+    if turn is not None:
+        d = turn.as_dict()
+        fields.update(
+            prompt_tokens=d["prompt_tokens"],
+            cached_tokens=d["prompt_tokens_reused"],
+            completion_tokens=d["completion_tokens"],
+            ttft_ms=None if d["ttft_ms"] is None else round(d["ttft_ms"], 1),
+            tok_per_s=None if d.get("decode_tokens_per_s") is None
+            else round(d["decode_tokens_per_s"], 1),
+            finish=d["finish_reason"],
+        )  # fmt: skip
+    if route in _QUIET_ROUTES and status < 400:
+        _access.debug("request", **fields)
+    else:
+        _access.info("request", **fields)
 
 
 # ------------------------------------------------------------------------------ info routes

@@ -5,6 +5,7 @@ module-level state.
 
 from __future__ import annotations
 
+import contextvars
 import math
 import time
 from collections import deque
@@ -24,6 +25,10 @@ from colibri.server.slots import Slot, SlotPool
 from colibri.tokenizer import ChatTokenizer, PromptTooLongError
 
 T = TypeVar("T")
+
+# Filled while a request runs (the access-log middleware sets a fresh dict per request): the
+# turn a generation recorded, so the request's one access line can report its tokens.
+ACCESS: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("colibri_access")
 
 __all__ = ["Admission", "AppState", "Lease", "ServerConfig", "Ticket", "Turn"]
 
@@ -290,3 +295,6 @@ class AppState:
 
     def record(self, turn: Turn) -> None:
         self.turns.append(turn)
+        access = ACCESS.get(None)
+        if access is not None:  # the request's access line (app.py) reports the generation
+            access["turn"] = turn
