@@ -268,7 +268,17 @@ _LEVELS = (logging.WARNING, logging.INFO, logging.DEBUG)
 
 @main.command()
 @_engine_options
-@click.argument("prompt")
+@click.argument("prompt", required=False)
+@click.option(
+    "--file",
+    "prompt_file",
+    type=click.File("r", encoding="utf-8"),
+    default=None,
+    help="Read the prompt from this file ('-': standard input); PROMPT '-' does the same.",
+)
+@click.option(
+    "--quiet", "-q", is_flag=True, help="No summary line (tokens, tok/s, TTFT) on stderr."
+)
 @click.option("--max-tokens", "-n", default=64, show_default=True, help="Tokens to generate.")
 @click.option("--temperature", "-t", default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-p", default=1.0, show_default=True)
@@ -280,7 +290,9 @@ def run(
     model: Path | None,
     ram: str | None,
     reader: str,
-    prompt: str,
+    prompt: str | None,
+    prompt_file: Any,
+    quiet: bool,
     max_tokens: int,
     temperature: float,
     top_p: float,
@@ -289,10 +301,21 @@ def run(
     raw: bool,
     show_stats: bool,
 ) -> None:
-    """Generate a completion for PROMPT and print it as it streams."""
+    """Generate a completion for PROMPT (or --file, or '-' for stdin) and print it as it
+    streams; a summary line (tokens, tok/s, time to first token) follows on stderr."""
     from colibri._engine import TokenEvent, open_model
     from colibri.tokenizer import ChatTokenizer
 
+    if prompt_file is not None and prompt is not None:
+        raise click.UsageError("give PROMPT or --file, not both")
+    if prompt_file is not None:
+        prompt = prompt_file.read()
+    elif prompt == "-":
+        prompt = sys.stdin.read()
+    if prompt is None:
+        raise click.UsageError("give a PROMPT (or --file PATH, or '-' to read standard input)")
+    if not prompt.strip():
+        raise click.UsageError("the prompt is empty")
     opts = _options(model, ram, reader)
     with open_model(**opts.model_dump()) as m:
         c = m.container
@@ -306,6 +329,7 @@ def run(
             ids = tok.encode_chat([{"role": "user", "content": prompt}])
         t0 = time.perf_counter()
         toks: list[int] = []
+        first: list[float] = []
         engine = m.engine
         text = tok.stream()  # holds back half-decoded multi-byte characters
 
@@ -319,6 +343,8 @@ def run(
                 seed=seed,
             ):
                 if isinstance(ev, TokenEvent):
+                    if not first:
+                        first.append(time.perf_counter())
                     toks.append(ev.token_id)
                     click.echo(text.push(ev.token_id), nl=False)
             return toks
@@ -326,6 +352,14 @@ def run(
         m._portal.call(stream)
         click.echo(text.flush())
         dt = time.perf_counter() - t0
+        if not quiet and toks:
+            ttft = first[0] - t0
+            rate = (len(toks) - 1) / (dt - ttft) if len(toks) > 1 and dt > ttft else None
+            speed = f", {rate:.1f} tok/s" if rate is not None else ""
+            click.echo(
+                f"{len(toks)} tokens{speed}, first after {ttft:.2f} s ({len(ids)} prompt tokens)",
+                err=True,
+            )
         if show_stats:
             click.echo(json.dumps({"tokens": len(toks), "seconds": dt, **m.stats()}, default=str))
 

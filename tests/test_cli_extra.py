@@ -155,3 +155,29 @@ def test_unreadable_model_dir_is_one_error_line() -> None:
     finally:
         m.chmod(0o755)
         sh.rmtree(top, ignore_errors=True)
+
+
+def _run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "colibri.cli", "run", "--model", str(TINY), "--raw", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_run_reads_the_prompt_from_stdin_or_a_file_and_reports_speed(tmp_path: Path) -> None:
+    want = _run("w5 w6 w7", "-n", "6")
+    assert want.returncode == 0, want.stderr
+    summary = want.stderr.strip().splitlines()[-1]
+    assert summary.startswith("6 tokens, ") and "tok/s" in summary and "first after" in summary
+    piped = _run("-", "-n", "6", stdin="w5 w6 w7")
+    assert piped.returncode == 0 and piped.stdout == want.stdout
+    f = tmp_path / "prompt.txt"
+    f.write_text("w5 w6 w7")
+    from_file = _run("--file", str(f), "-n", "6", "--quiet")
+    assert from_file.returncode == 0 and from_file.stdout == want.stdout
+    assert "tok/s" not in from_file.stderr
+    none = _run("-n", "2")
+    assert none.returncode == 2 and "give a PROMPT" in none.stderr
