@@ -291,8 +291,10 @@ class _Chat:
                 "kv_tokens": self.cache.length,
                 "messages": self.state.messages,
             }
-            atomic_write_bytes(
-                self.json_path, (json.dumps(doc, ensure_ascii=False, indent=1) + "\n").encode()
+            atomic_write_bytes(  # a conversation: readable by its owner only
+                self.json_path,
+                (json.dumps(doc, ensure_ascii=False, indent=1) + "\n").encode(),
+                mode=0o600,
             )
         except (OSError, KVFileError) as exc:
             self.state.persisted = 0

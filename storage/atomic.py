@@ -27,13 +27,27 @@ def fsync_dir(directory: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+def _umask() -> int:
+    """The process umask, read without changing it (os.umask would, for every thread)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, mode: int = 0o644) -> None:
     """Replace ``path`` with ``data``: a unique temp file in the same directory, fsync, rename,
     fsync the directory. The temp file is removed if anything fails. OSError propagates: the
-    caller maps it to its own ColibriError."""
+    caller maps it to its own ColibriError. ``mode``: the file's permissions (a temp file is
+    created 0600; model files are for everyone to read, private ones pass 0o600)."""
     dst = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
     try:
+        os.fchmod(fd, mode & ~_umask())
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()

@@ -45,3 +45,19 @@ def test_engine_start_removes_old_leftovers_in_the_state_dir(tmp_path: Path) -> 
     with colibri.open_model(TINY, state_dir=state) as m:
         m.generate([5, 6], max_new_tokens=1)
     assert not big.exists()
+
+
+def test_atomic_writes_get_normal_permissions(tmp_path: Path) -> None:
+    """Converted config and tokenizer files are readable by others (mkstemp alone gives 0600);
+    private files (a chat session) ask for 0600."""
+    old = os.umask(0o022)
+    try:
+        atomic_write_bytes(tmp_path / "config.json", b"{}")
+        atomic_write_bytes(tmp_path / "secret.json", b"{}", mode=0o600)
+        os.umask(0o077)  # a user who wants everything private gets it
+        atomic_write_bytes(tmp_path / "private.json", b"{}")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "config.json").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "secret.json").stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "private.json").stat().st_mode & 0o777 == 0o600
