@@ -966,6 +966,7 @@ def info(model: Path | None, as_json: bool) -> None:
     c = Container.open(model or default_model_path())
     a = c.arch
     experts = c.expert_layers()
+    moe_layers = len([layer for layer in experts if layer < a.num_hidden_layers])
     data: dict[str, Any] = {
         "model": str(c.path),
         "model_type": a.model_type,
@@ -973,8 +974,12 @@ def info(model: Path | None, as_json: bool) -> None:
         "mtp_layers": a.num_mtp_layers,
         "hidden": a.hidden_size,
         "vocab": a.vocab_size,
+        "context": c.config.get("max_position_embeddings"),
         "routed_experts_per_layer": a.n_routed_experts,
-        "moe_layers": len([layer for layer in experts if layer < a.num_hidden_layers]),
+        "experts_per_token": a.num_experts_per_tok,
+        "moe_layers": moe_layers,
+        **_parameters(c, moe_layers),
+        "quantization": _formats(c),
         "expert_bytes": c.expert_nbytes,
         "experts_total_bytes": sum(x.nbytes for x in c.expert_extents()),
         "cpu_count": os.cpu_count(),
@@ -985,7 +990,70 @@ def info(model: Path | None, as_json: bool) -> None:
         click.echo(json.dumps(data, indent=2))
     else:
         for k, v in data.items():
-            click.echo(f"{k:26} {v}")
+            click.echo(f"{k:26} {_human(k, v)}")
+
+
+def _parameters(c: Any, moe_layers: int) -> dict[str, int]:
+    """Parameters of every tensor (MTP included), and those one token of the main model uses:
+    everything but the routed experts, plus top-k experts in each MoE layer."""
+    import math
+
+    total = expert = mtp = 0
+    per_expert = 0
+    for n in c.names():
+        e = c.entry(n)
+        k = math.prod(e.shape)
+        total += k
+        if e.role == "expert":
+            expert += k
+        elif e.role == "mtp":
+            mtp += k
+    n_experts = len(c.expert_extents())
+    if n_experts:
+        per_expert = expert // n_experts
+    top_k = c.arch.num_experts_per_tok or 0
+    return {
+        "parameters": total,
+        "active_parameters": total - expert - mtp + top_k * per_expert * moe_layers,
+    }
+
+
+def _formats(c: Any) -> dict[str, str]:
+    """Storage formats per role ("expert": "int4-g64", ...), the most common first."""
+    from collections import Counter
+
+    seen: dict[str, Counter[str]] = {}
+    for n in c.names():
+        e = c.entry(n)
+        if e.fmt is not None and e.role is not None:
+            seen.setdefault(e.role, Counter())[e.fmt.name] += 1
+    return {role: "/".join(f for f, _ in cnt.most_common()) for role, cnt in seen.items()}
+
+
+def _human(key: str, value: Any) -> str:
+    """A value of `coli info` for people: binary units for bytes, B/M for parameter counts."""
+    if value is None:
+        return "-"
+    if key.endswith("bytes") and isinstance(value, int):
+        return _binary(value)
+    if key.endswith("parameters") and isinstance(value, int):
+        for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+            if value >= div:
+                return f"{value / div:.2f}{unit} ({value})"
+        return str(value)
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={v}" for k, v in value.items())
+    return str(value)
+
+
+def _binary(n: int) -> str:
+    """Bytes in binary units, one decimal (18.0 MiB): the one way the CLI sizes things."""
+    x = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if x < 1024 or unit == "TiB":
+            return f"{int(x)} B" if unit == "B" else f"{x:.1f} {unit}"
+        x /= 1024
+    return f"{x:.1f} TiB"  # pragma: no cover
 
 
 def _machine(model_dir: Path) -> dict[str, Any]:

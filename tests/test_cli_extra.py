@@ -103,6 +103,14 @@ def test_info_has_a_machine_summary(home: Path) -> None:
     text = coli(home, "info").stdout
     for key in ("cpu_model", "ram_available_bytes", "model_fs_type", "model_fs_free_bytes"):
         assert key in text
+    # the model in numbers people read: parameters, formats, context, binary units
+    assert d["parameters"] > d["active_parameters"] > 0
+    assert d["quantization"]["expert"].startswith("int4")
+    assert d["context"] and d["experts_per_token"]
+    lines = dict(ln.split(None, 1) for ln in text.splitlines() if ln.strip())
+    assert lines["expert_bytes"].endswith("KiB") and lines["ram_total_bytes"].endswith("GiB")
+    assert lines["parameters"].rstrip().endswith(f"({d['parameters']})")
+    assert "expert=int4" in lines["quantization"]
 
 
 def _as_nobody() -> list[str] | None:
