@@ -196,7 +196,7 @@ def test_batched_steps_equal_each_sequence_alone(
 # ----------------------------------------------------------------------------- greedy tokens
 
 N_PROMPTS = 40
-NEW = 10
+NEW = 8
 
 
 def _demo_prompts() -> list[list[int]]:
