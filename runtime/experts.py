@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import queue
 import time
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
@@ -36,7 +35,7 @@ from runtime.weights import ExpertWeights
 from storage.aligned import aligned_empty
 from storage.container import Container, ExpertExtent
 from storage.errors import ColibriError, ReadError
-from storage.integrity import Check, ExpertChecksums, crc_check
+from storage.integrity import Check, ExpertChecksums, crc32_of, crc_check
 from storage.reader import ReadRequest, required_size
 
 __all__ = ["ExpertStore", "StoreLayout", "StreamingExperts", "TierStats", "plan_layout"]
@@ -357,10 +356,7 @@ class ExpertStore:
         want = self.checksums.get(*key) if self.checksums is not None else None
         if want is None or want[1] is None:
             return
-        crc = 0
-        for v in views:
-            crc = zlib.crc32(np.ascontiguousarray(v).data, crc)
-        if crc != want[1]:
+        if crc32_of(views) != want[1]:
             raise ReadError(
                 f"the scales of layer {key[0]} expert {key[1]} in {x.path.name}: checksum "
                 "mismatch: this copy on disk is damaged; run `coli doctor --verify`"

@@ -11,7 +11,6 @@ V_ v_head_dim, C kv_lora_rank.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from runtime.layers.moe_router import RouterConfig
 from runtime.layers.swiglu import MLPWeights
 from runtime.linear import Linear
 from storage.errors import ModelError, ReadError
-from storage.integrity import ExpertChecksums, crc_check
+from storage.integrity import ExpertChecksums, crc32_of, crc_check
 from storage.quant import QTensor, QuantFormat, dequantize
 
 __all__ = [
@@ -293,12 +292,8 @@ def _verify_resident(
             ((proj, info.start) for proj, info in ext.scales.items() if info is not None),
             key=lambda t: t[1],
         )
-        crc = 0
-        for proj, _ in on_disk:
-            arr = scales[proj]
-            if arr is not None:
-                crc = zlib.crc32(np.ascontiguousarray(arr).view(np.uint8).data, crc)
-        if crc != want[1]:
+        parts = [a for a in (scales[proj] for proj, _ in on_disk) if a is not None]
+        if crc32_of(parts) != want[1]:
             problem = f"the scales of {where}: checksum mismatch: this copy on disk is damaged"
     if problem is not None:
         raise ReadError(problem)

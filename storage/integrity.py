@@ -10,9 +10,10 @@ Shape legend: B bytes of one read.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -20,7 +21,7 @@ import numpy.typing as npt
 from storage.errors import ConfigError
 from storage.manifest import MANIFEST_NAME, read_manifest
 
-__all__ = ["Check", "ExpertChecksums", "crc_check", "load_checksums"]
+__all__ = ["Check", "ExpertChecksums", "crc32_of", "crc_check", "load_checksums"]
 
 U8Array = npt.NDArray[np.uint8]
 # A check of one read's bytes [B]: None when they are right, else what is wrong.
@@ -55,11 +56,19 @@ def load_checksums(model_dir: str | Path) -> ExpertChecksums:
     return ExpertChecksums({(e.layer, e.expert): (e.crc32 or 0, e.qs_crc32) for e in m.experts})
 
 
+def crc32_of(parts: Iterable[npt.NDArray[Any]]) -> int:
+    """zlib CRC-32 of the bytes of ``parts`` one after the other (any dtype, as stored)."""
+    crc = 0
+    for a in parts:
+        crc = zlib.crc32(np.ascontiguousarray(a).view(np.uint8).data, crc)
+    return crc
+
+
 def crc_check(want: int, what: str) -> Check:
     """A check that the bytes have CRC-32 ``want``; ``what`` names them in the message."""
 
     def check(data: U8Array) -> str | None:
-        got = zlib.crc32(np.ascontiguousarray(data).data)
+        got = crc32_of([data])
         if got == want:
             return None
         return (
