@@ -35,7 +35,7 @@ from runtime.weights import ExpertWeights
 from storage.aligned import aligned_empty
 from storage.container import Container, ExpertExtent
 from storage.errors import ColibriError, ReadError
-from storage.integrity import Check, ExpertChecksums, crc32_of, crc_check
+from storage.integrity import Check, ExpertChecksums, crc32_of, crc_check, verify_views
 from storage.reader import ReadRequest, required_size
 
 __all__ = ["ExpertStore", "StoreLayout", "StreamingExperts", "TierStats", "plan_layout"]
@@ -318,10 +318,8 @@ class ExpertStore:
                 )
             else:
                 views = await self.reader.read_many([blob_req, *sreqs], bufs)
-                for v, check in zip(views, checks or (), strict=False):
-                    problem = None if check is None else await anyio.to_thread.run_sync(check, v)
-                    if problem is not None:
-                        raise ReadError(problem)
+                if checks is not None:
+                    await verify_views(views, checks)
             if self.checksums is not None and len(sreqs) > 1:  # scales in several pieces
                 self._check_scales(key, x, views[1:])
         except ColibriError:

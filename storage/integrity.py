@@ -10,18 +10,26 @@ Shape legend: B bytes of one read.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import anyio
 import numpy as np
 import numpy.typing as npt
 
-from storage.errors import ConfigError
+from storage.errors import ConfigError, ReadError
 from storage.manifest import MANIFEST_NAME, read_manifest
 
-__all__ = ["Check", "ExpertChecksums", "crc32_of", "crc_check", "load_checksums"]
+__all__ = [
+    "Check",
+    "ExpertChecksums",
+    "crc32_of",
+    "crc_check",
+    "load_checksums",
+    "verify_views",
+]
 
 U8Array = npt.NDArray[np.uint8]
 # A check of one read's bytes [B]: None when they are right, else what is wrong.
@@ -77,3 +85,14 @@ def crc_check(want: int, what: str) -> Check:
         )
 
     return check
+
+
+async def verify_views(views: Sequence[U8Array | None], checks: Sequence[Check | None]) -> None:
+    """Run each read's check (off the event loop); the first failure raises ReadError.
+    A None view or check is skipped."""
+    for v, check in zip(views, checks, strict=True):
+        if v is None or check is None:
+            continue
+        problem = await anyio.to_thread.run_sync(check, v)
+        if problem is not None:
+            raise ReadError(problem)

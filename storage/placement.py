@@ -26,7 +26,7 @@ import structlog
 from storage.aligned import ALIGN
 from storage.container import ExpertExtent
 from storage.errors import ColibriError, ReadError
-from storage.integrity import Check
+from storage.integrity import Check, verify_views
 from storage.reader import Reader, ReadRequest, required_size
 from storage.replicas import Replica
 
@@ -210,16 +210,6 @@ class _Piece:
     check: Check | None = None  # verifies the bytes a copy returned (--verify-reads)
 
 
-async def _verify(views: Sequence[U8Array | None], checks: Sequence[Check | None]) -> None:
-    """Run the checks of requests read without failover; the first failure raises."""
-    for v, check in zip(views, checks, strict=True):
-        if v is None or check is None:
-            continue
-        problem = await anyio.to_thread.run_sync(check, v)
-        if problem is not None:
-            raise ReadError(problem)
-
-
 class Placement:
     """Which copy serves each read, and what happened (see the module docstring).
 
@@ -328,7 +318,7 @@ class Placement:
         checks = list(checks) if checks is not None else [None] * len(reqs)
         if len(self.replicas) == 1:  # no mirror: the reader as is, plus the counters
             got = await self._read_single(reader, reqs, bufs)
-            await _verify(got, checks)
+            await verify_views(got, checks)
             return got
         order = list(self.order(key[0], key[1], [r.path for r in reqs]))
         pieces: list[_Piece] = []
@@ -368,7 +358,7 @@ class Placement:
                 v = next(p.view for p in pieces if p.index == n)
                 assert v is not None  # every piece either has a view or an error
                 views.append(v)
-        await _verify([v if n in striped else None for n, v in enumerate(views)], checks)
+        await verify_views([v if n in striped else None for n, v in enumerate(views)], checks)
         return views
 
     async def _read_single(
