@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 import anyio.from_thread
@@ -23,14 +23,20 @@ import structlog
 
 from colibri._config import EngineOptions
 from runtime.compute import ExpertCompute
+from runtime.context import Observer, StepContext
 from runtime.grammar import GrammarSpec, TokenGrammar
 from runtime.kv import KVCache
-from runtime.planner import PREFILL_CHUNK_RESIDENT, choose_prefill_chunk
+from runtime.planner import choose_prefill_chunk
 from runtime.sampling import Sampler, SamplingParams, log_softmax
+from runtime.scheduler import Scheduler
 from runtime.speculative import CostModel, DraftPolicy, SpecStats, SpeculativeDecoder
 from storage.atomic import remove_leftovers
 from storage.container import Container
 from storage.errors import ColibriError, ModelError
+from storage.usage import UsageCounts
+
+if TYPE_CHECKING:
+    from runtime.experts import ExpertStore
 
 ENGINE_ID = "colibri-py-1"
 USAGE_FILE = ".coli_usage"
@@ -91,55 +97,27 @@ def _token_event(
     return TokenEvent(tok, index, float(lsm[tok]), top)
 
 
-@dataclass(slots=True, eq=False)  # compared by identity (leaving the queue)
-class _DecodeRequest:
-    """One generation's rows for the batched step: ``ids`` [T] (one token for a plain decode
-    step, the last token and its drafts for a speculative verify), or ``prepare`` to compute
-    them on the compute thread just before the step (a speculative round drafts there)."""
-
-    cache: KVCache
-    done: anyio.Event
-    ids: npt.NDArray[np.int64] | None = None
-    prepare: Callable[[], npt.NDArray[np.int64]] | None = None
-    logits: npt.NDArray[np.float32] | None = None  # [T, V]
-    hidden: npt.NDArray[np.float32] | None = None  # [T, D]
-    shared: bool = False  # other generations' rows were in the same forward
-    error: BaseException | None = None
-
-
 class Engine:
     """A loaded model. Create with ``async with Engine.open(path) as engine``."""
 
-    def __init__(self, container: Container, model: Any, options: EngineOptions) -> None:
+    def __init__(
+        self, container: Container, model: Any, options: EngineOptions, scheduler: Scheduler
+    ) -> None:
         self.container = container
         self.options = options
         self._model = model
-        self._limiter = anyio.CapacityLimiter(1)
+        self._scheduler = scheduler
         self._lock = anyio.Lock()
-        self._store: Any = None
-        self._prefill_compute: ExpertCompute = model.compute
-        self._prefill_chunk = options.prefill_chunk or PREFILL_CHUNK_RESIDENT
-        self._pending: list[_DecodeRequest] = []
-        self._wake = anyio.Event()
+        self._store: ExpertStore | None = scheduler.store
+        self._usage: UsageCounts | None = None
         # speculative decoding: telemetry and the cost model live as long as the engine
         self._spec_stats = SpecStats()
         self._spec_cost: CostModel | None = None
         self._grammar_tok: TokenGrammar | None = None
-        self._generating = 0  # generations in flight (over 1: speculative rounds verify batched)
         self._counters: dict[str, float] = {
-            "forward_calls": 0,
             "prompt_tokens": 0,
-            "prefill_tokens": 0,
-            "decode_batches": 0,
-            "decode_batched_rows": 0,
-            "decode_batched_sequences": 0,
-            "prefill_chunks": 0,
-            "prefill_seconds": 0.0,
-            "prefill_bytes_read": 0,
-            "prefill_expert_reads": 0,
             "prompt_tokens_reused": 0,
             "generated_tokens": 0,
-            "compute_seconds": 0.0,
         }
 
     # ------------------------------------------------------------------ lifecycle
@@ -172,28 +150,41 @@ class Engine:
         store = None
         error: BaseException | None = None
         async with anyio.create_task_group() as tg:
+            compute = ExpertCompute(opts.resolved_threads())
             try:
                 if plan is not None:
                     store = await _start_store(container, model, opts, plan, tg)
                 # Absorbed attention for every step keeps prefill chunks, decode and verify rows
                 # bit-identical (batch-invariant); reconstruction is faster for long prefills.
-                model.attention_mode = "auto" if opts.fast_prefill else "absorbed"
-                model.compute = ExpertCompute(opts.resolved_threads())
-                engine = cls(container, model, opts)
-                engine._prefill_compute = (
-                    ExpertCompute(fast_min_rows=opts.fast_prefill_rows, share=model.compute)
+                ctx = StepContext(
+                    compute, attention_mode="auto" if opts.fast_prefill else "absorbed"
+                )
+                if usage is not None:
+                    ctx = ctx.observing(_usage_observer(usage))
+                prefill_ctx = (
+                    ctx.replace(
+                        compute=ExpertCompute(fast_min_rows=opts.fast_prefill_rows, share=compute)
+                    )
                     if opts.fast_prefill
-                    else model.compute
+                    else ctx
                 )
-                engine._prefill_chunk = opts.prefill_chunk or choose_prefill_chunk(
-                    container.arch.hidden_size,
-                    container.arch.top_k,
-                    streaming=store is not None,
-                    ram_budget=opts.ram_budget,
+                scheduler = Scheduler(
+                    model,
+                    ctx=ctx,
+                    prefill_ctx=prefill_ctx,
+                    prefill_chunk=opts.prefill_chunk
+                    or choose_prefill_chunk(
+                        container.arch.hidden_size,
+                        container.arch.top_k,
+                        streaming=store is not None,
+                        ram_budget=opts.ram_budget,
+                    ),
+                    max_batch=opts.max_batch,
+                    store=store,
                 )
-                engine._store = store
-                engine._learn(usage)
-                tg.start_soon(engine._batcher)
+                engine = cls(container, model, opts, scheduler)
+                engine._usage = usage
+                tg.start_soon(scheduler.serve)
                 yield engine
             except BaseException as exc:  # re-raised below, unwrapped by the task group
                 error = exc
@@ -201,24 +192,12 @@ class Engine:
                 with anyio.CancelScope(shield=True):
                     if store is not None:
                         await store.reader.aclose()
-                    await anyio.to_thread.run_sync(model.compute.close)
+                    await anyio.to_thread.run_sync(compute.close)
                 tg.cancel_scope.cancel()
         if error is not None:
             raise error
 
     # ------------------------------------------------------------------ learning
-    def _learn(self, usage: Any) -> None:
-        """Count routing selections per (layer, expert) for `.coli_usage` (learned pinning)."""
-        self._usage = usage
-        if usage is None:
-            return
-
-        def observe(event: str, layer: int, arr: Any) -> None:
-            if event == "route" and layer < usage.n_layers:
-                usage.add(layer, np.asarray(arr).ravel())
-
-        self._model.observer = observe
-
     async def _end_turn(self) -> None:
         """Turn end: save `.coli_usage` atomically (off the loop) and, when enabled, re-pin."""
         from storage.usage import asave_usage
@@ -232,26 +211,17 @@ class Engine:
         except (ColibriError, OSError) as exc:
             _log.warning("usage not saved", path=str(path), error=str(exc))
         if self._store is not None and self.options.repin:
-            async with self._limiter:  # no forward may run while pinned slots change
+            async with self._scheduler.limiter:  # no forward may run while pinned slots change
                 await self._store.repin(self._usage.counts)
 
     # ------------------------------------------------------------------ compute
-    async def _run(self, fn: Any, *args: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
-        finally:
-            self._counters["compute_seconds"] += time.perf_counter() - t0
-            self._counters["forward_calls"] += 1
-
     async def forward(
         self, token_ids: Sequence[int] | npt.NDArray[np.integer]
     ) -> npt.NDArray[np.float32]:
         """Logits float32 [T, vocab] for ``token_ids`` in a fresh context."""
         ids = _as_ids(token_ids)
         async with self._lock:
-            cache = self._model.new_cache()
-            out = await self._run(self._model.forward, ids, cache)
+            out = await self._scheduler.forward(ids, self._model.new_cache())
         return np.asarray(out.logits, dtype=np.float32)
 
     async def generate(
@@ -290,8 +260,9 @@ class Engine:
         reason: Literal["length", "stop", "cancelled"] = "length"
         t0 = time.perf_counter()
         reused = 0
-        # Compute is serialised by the engine's limiter; decode steps of concurrent
-        # generations are batched (see _decode_step).
+        # Compute is serialised by the scheduler; decode steps of concurrent generations are
+        # batched (runtime/scheduler.py).
+        sched = self._scheduler
         if cache is None:
             cache = self._model.new_cache()
         else:
@@ -299,57 +270,47 @@ class Engine:
             cache.truncate(reused)
         self._counters["prompt_tokens"] += int(ids.size)
         self._counters["prompt_tokens_reused"] += reused
-        self._generating += 1
         try:
             spec = None
             if max_new_tokens > 0:
                 spec = await self._speculator(ids, cache, sampler, stops, grammar, draft)
             if spec is not None:
-                logits = await self._prefill(ids[reused:], cache, spec.prefill_hook)
+                logits = await sched.prefill(ids[reused:], cache, spec.prefill_hook)
                 rows = [(spec.first(logits), logits)]
                 i = 0
-                while rows:
-                    for tok, row in rows:
-                        _check_finite(row, i)
+                async with sched.decoding():
+                    while rows:
+                        for tok, row in rows:
+                            _check_finite(row, i)
+                            out_tokens.append(tok)
+                            self._counters["generated_tokens"] += 1
+                            yield _token_event(tok, i, row, top_logprobs)
+                            i += 1
+                            if tok in stops:
+                                reason = "stop"
+                                break
+                        if reason == "stop" or i >= max_new_tokens:
+                            break
+                        rows = await sched.speculative_round(spec, cache, tok, max_new_tokens - i)
+            elif max_new_tokens > 0:
+                logits = await sched.prefill(ids[reused:], cache)
+                async with sched.decoding():
+                    for i in range(max_new_tokens):
+                        _check_finite(logits, i)
+                        tok = sampler.sample(logits)
                         out_tokens.append(tok)
                         self._counters["generated_tokens"] += 1
-                        yield _token_event(tok, i, row, top_logprobs)
-                        i += 1
+                        yield _token_event(tok, i, logits, top_logprobs)
                         if tok in stops:
                             reason = "stop"
                             break
-                    if reason == "stop" or i >= max_new_tokens:
-                        break
-                    if self.options.max_batch > 1 and self._generating > 1:
-                        # others are decoding: draft, then verify in their batched step
-                        rows = await self._batched_round(spec, cache, tok, max_new_tokens - i)
-                    else:
-                        rows = await self._run(spec.step, tok, max_new_tokens - i)
-            elif max_new_tokens > 0:
-                logits = await self._prefill(ids[reused:], cache)
-                for i in range(max_new_tokens):
-                    _check_finite(logits, i)
-                    tok = sampler.sample(logits)
-                    lsm = log_softmax(logits)  # [V]
-                    lp = float(lsm[tok])
-                    top: tuple[tuple[int, float], ...] = ()
-                    if top_logprobs > 0:
-                        best = np.argsort(-lsm, kind="stable")[:top_logprobs]
-                        top = tuple((int(t), float(lsm[t])) for t in best)
-                    out_tokens.append(tok)
-                    self._counters["generated_tokens"] += 1
-                    yield TokenEvent(tok, i, lp, top)
-                    if tok in stops:
-                        reason = "stop"
-                        break
-                    if i + 1 == max_new_tokens:
-                        break
-                    logits = await self._decode_step(cache, tok)
+                        if i + 1 == max_new_tokens:
+                            break
+                        logits = await sched.decode(cache, tok)
         except anyio.get_cancelled_exc_class():
             reason = "cancelled"
             raise
         finally:
-            self._generating -= 1
             with anyio.CancelScope(shield=True):
                 await self._end_turn()
         dt = time.perf_counter() - t0
@@ -364,165 +325,6 @@ class Engine:
                 "prompt_tokens_computed": int(ids.size) - reused,
             },
         )
-
-    async def _decode_step(self, cache: KVCache, tok: int) -> npt.NDArray[np.float32]:
-        """Logits [V] after feeding ``tok``. With ``max_batch`` > 1 the step joins the decode
-        steps of every other active generation in one forward (their expert reads unioned);
-        rows are bit-identical to a solo step."""
-        if self.options.max_batch <= 1:
-            solo: npt.NDArray[np.float32] = await self._run(
-                self._forward_last, np.array([tok], dtype=np.int64), cache
-            )
-            return solo
-        req = _DecodeRequest(cache, anyio.Event(), ids=np.array([tok], dtype=np.int64))
-        await self._submit(req)
-        assert req.logits is not None
-        row: npt.NDArray[np.float32] = req.logits[-1]
-        return row
-
-    async def _batched_round(
-        self, spec: SpeculativeDecoder, cache: KVCache, tok: int, remaining: int
-    ) -> list[tuple[int, npt.NDArray[np.float32]]]:
-        """A speculative round while others decode: its drafts are computed on the compute
-        thread right before the batched step, its k + 1 verify rows run in that step next to
-        the other generations' rows (bit-identical to running them alone), then acceptance."""
-        start = cache.length
-        req = _DecodeRequest(cache, anyio.Event(), prepare=lambda: spec.draft(tok, remaining))
-        try:
-            await self._submit(req)
-        except BaseException:
-            spec.abandon()
-            if req.ids is not None and cache.length > start + 1:
-                cache.truncate(start + 1)  # keep `tok` (emitted), never unchecked drafts
-            raise
-        assert req.logits is not None and req.hidden is not None
-        return spec.accept(req.logits, req.hidden, shared=req.shared)
-
-    async def _submit(self, req: _DecodeRequest) -> None:
-        """Queue ``req`` for the batcher and wait for its rows. A cancelled caller leaves the
-        queue, or (its step already running) waits for the step to finish with its cache."""
-        self._pending.append(req)
-        self._wake.set()
-        try:
-            await req.done.wait()
-        except BaseException:
-            if req in self._pending:
-                self._pending.remove(req)
-            else:
-                with anyio.CancelScope(shield=True):
-                    await req.done.wait()
-            raise
-        if req.error is not None:
-            raise req.error
-
-    async def _batcher(self) -> None:
-        """Runs queued decode steps together (one forward_batch per group of up to max_batch
-        generations; each contributes one row, or a speculative round's verify rows)."""
-        while True:
-            await self._wake.wait()
-            self._wake = anyio.Event()
-            for _ in range(3):  # let generations woken by the last step enqueue their next one
-                await anyio.sleep(0)
-            while self._pending:
-                batch = self._pending[: self.options.max_batch]
-                del self._pending[: len(batch)]
-                try:
-                    live = await self._run(self._batch_step, batch)
-                    self._counters["decode_batches"] += 1
-                    self._counters["decode_batched_sequences"] += len(live)
-                    self._counters["decode_batched_rows"] += sum(
-                        0 if r.ids is None else int(r.ids.size) for r in live
-                    )
-                except Exception as exc:  # delivered to every generation of the batch
-                    for r in batch:
-                        if r.error is None:
-                            r.error = exc
-                finally:
-                    for r in batch:
-                        r.done.set()
-
-    def _batch_step(self, batch: list[_DecodeRequest]) -> list[_DecodeRequest]:
-        """Compute thread: prepare each request's rows (a failed draft fails only its own
-        generation), then one ``forward_batch`` over all of them; returns those that ran."""
-        live: list[_DecodeRequest] = []
-        for r in batch:
-            if r.prepare is not None:
-                try:
-                    r.ids = r.prepare()
-                except Exception as exc:
-                    r.error = exc
-                    continue
-            live.append(r)
-        if not live:
-            return live
-        outs = self._model.forward_batch([r.ids for r in live], [r.cache for r in live])
-        for r, o in zip(live, outs, strict=True):
-            r.logits = o.logits
-            r.hidden = o.hidden
-            r.shared = len(live) > 1
-        return live
-
-    async def _prefill(
-        self,
-        ids: npt.NDArray[np.int64],
-        cache: KVCache,
-        hook: Callable[[npt.NDArray[np.int64], npt.NDArray[np.float32]], None] | None = None,
-    ) -> npt.NDArray[np.float32]:
-        """Prefill ``ids`` in chunks; returns the last position's logits [V].
-
-        Each chunk is one expert-major step per layer: every token of the chunk is routed, the
-        union of experts is read once and applied to all its rows. The KV of each chunk is
-        committed before the next, so an interrupted prefill keeps what it finished. While
-        prefilling, the LRU admits only into free slots (a chunk touches most experts once and
-        would otherwise flush the decode hot set)."""
-        chunk = self._prefill_chunk
-        store = self._store
-        t0 = time.perf_counter()
-        before = store.stats.bytes_read if store is not None else 0
-        reads_before = store.stats.experts_read if store is not None else 0
-        try:
-            if store is not None and ids.size > 1:
-                store.prefill = True
-            last: npt.NDArray[np.float32] | None = None
-            for i in range(0, int(ids.size), chunk):
-                part = ids[i : i + chunk]
-                out = await self._run(self._forward_last, part, cache, hook, True)
-                last = out
-                self._counters["prefill_chunks"] += 1
-        finally:
-            if store is not None:
-                store.prefill = False
-        self._counters["prefill_tokens"] += int(ids.size)
-        self._counters["prefill_seconds"] += time.perf_counter() - t0
-        if store is not None:
-            self._counters["prefill_bytes_read"] += store.stats.bytes_read - before
-            self._counters["prefill_expert_reads"] += store.stats.experts_read - reads_before
-        assert last is not None
-        return last
-
-    def _forward_last(
-        self,
-        ids: npt.NDArray[np.int64],
-        cache: KVCache,
-        hook: Callable[[npt.NDArray[np.int64], npt.NDArray[np.float32]], None] | None = None,
-        prefill: bool = False,
-    ) -> npt.NDArray[np.float32]:
-        """Last row's logits [V]; ``hook(ids, hidden [T, D])`` sees every row's hidden state
-        (the speculative decoder feeds prefill chunks to the MTP head). A ``prefill`` chunk
-        computes with the prefill compute (dequantize + BLAS under ``fast_prefill``); this runs
-        under the engine's limiter, so no other forward sees the swap."""
-        model = self._model
-        regular = model.compute
-        if prefill:
-            model.compute = self._prefill_compute
-        try:
-            out = model.forward(ids, cache, last_only=True)
-        finally:
-            model.compute = regular
-        if hook is not None:
-            hook(ids, out.hidden)
-        logits: npt.NDArray[np.float32] = out.logits[-1]
-        return logits
 
     async def _speculator(
         self,
@@ -574,6 +376,7 @@ class Engine:
             store_stats=None if store is None else (lambda: store.stats),
             # the auto schedule follows timings: seeded sampling must not depend on them
             reproducible=policy.mode == "auto" and not params.greedy and params.seed is not None,
+            ctx=self._scheduler.ctx,
         )
 
     def new_cache(self) -> KVCache:
@@ -594,21 +397,15 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         """Counters since open (compute, tokens, and the expert store's tiers when present)."""
-        s: dict[str, Any] = dict(self._counters)
-        if s["prefill_seconds"]:
-            s["prefill_tokens_per_s"] = s["prefill_tokens"] / s["prefill_seconds"]
-        if s["prefill_tokens"]:
-            s["prefill_bytes_per_token"] = s["prefill_bytes_read"] / s["prefill_tokens"]
-        if s["prefill_chunks"]:
-            s["prefill_expert_reads_per_chunk"] = s["prefill_expert_reads"] / s["prefill_chunks"]
-        comp = self._model.compute
+        sched = self._scheduler
+        s: dict[str, Any] = {**sched.stats.as_dict(), **self._counters}
+        comp, pre = sched.ctx.compute, sched.prefill_ctx.compute
         s["compute"] = {
             "threads": comp.threads,
-            "parallel_steps": comp.parallel_steps
-            + (0 if self._prefill_compute is comp else self._prefill_compute.parallel_steps),
-            "prefill_chunk": self._prefill_chunk,
+            "parallel_steps": comp.parallel_steps + (0 if pre is comp else pre.parallel_steps),
+            "prefill_chunk": sched.prefill_chunk,
             "fast_prefill": self.options.fast_prefill,
-            "fast_prefill_matmuls": self._prefill_compute.fast_calls,
+            "fast_prefill_matmuls": pre.fast_calls,
         }
         s["speculative"] = {
             "policy": self.options.draft,
@@ -663,7 +460,7 @@ class Engine:
         else:
             where = store.tiers()
             tiers = [[where.get((layer, e), "disk") for e in range(n_experts)] for layer in layers]
-        usage = getattr(self, "_usage", None)
+        usage = self._usage
         counts: list[list[int]] | None = None
         if usage is not None:
             counts = [
@@ -677,6 +474,16 @@ class Engine:
             "tiers": tiers,
             "counts": counts,
         }
+
+
+def _usage_observer(usage: UsageCounts) -> Observer:
+    """Counts routing selections per (layer, expert) for `.coli_usage` (learned pinning)."""
+
+    def observe(event: str, layer: int, arr: npt.NDArray[Any]) -> None:
+        if event == "route" and layer < usage.n_layers:
+            usage.add(layer, np.asarray(arr).ravel())
+
+    return observe
 
 
 async def _plan(container: Container, opts: EngineOptions) -> tuple[Any, Any, Any]:

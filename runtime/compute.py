@@ -24,7 +24,7 @@ import itertools
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -160,15 +160,13 @@ class ExpertCompute:
     ) -> dict[int, R]:
         """``{e: fn(e, weights_e)}`` for every expert of the step, as they arrive from
         ``source``; on the pool when there is one and the step has ``macs >= parallel_min_macs``
-        multiply-adds and the source can release buffers out of order (``map_arrivals``)."""
-        mapper: Any = getattr(source, "map_arrivals", None)
-        if self._pool is None or macs < self.parallel_min_macs or mapper is None:
+        multiply-adds (``source.map_arrivals``), else serially in arrival order."""
+        if self._pool is None or macs < self.parallel_min_macs:
             return {e: fn(e, w) for e, w in source.arrivals(layer, experts)}
         with self._lock:
             self.parallel_steps += 1
         with self._blas_single():
-            out: dict[int, R] = mapper(layer, experts, fn, self._pool)
-        return out
+            return source.map_arrivals(layer, experts, fn, self._pool)
 
     def as_dict(self) -> dict[str, int]:
         return {

@@ -52,12 +52,31 @@ ExpertWeights = MLPWeights
 
 
 class ExpertSource(Protocol):
-    """Where routed experts come from (resident RAM, tiered cache + SSD reads, ...)."""
+    """Where routed experts come from (resident RAM, tiered cache + SSD reads, ...).
+
+    Implementations: :class:`ResidentExperts` (everything in RAM) and
+    :class:`runtime.experts.StreamingExperts` (the tiered store on the event loop)."""
+
+    @property
+    def wants_lookahead(self) -> bool:
+        """Whether :meth:`prefetch` hints can pay (False when everything is resident)."""
+        ...
 
     def arrivals(self, layer: int, experts: Sequence[int]) -> Iterator[tuple[int, ExpertWeights]]:
         """Yield ``(expert, weights)`` for each of ``experts`` (sorted, unique) of ``layer`` in
         the order they become available. The caller finishes computing with one expert before
         resuming the iterator (a streaming source recycles that expert's buffer then)."""
+        ...
+
+    def map_arrivals(
+        self,
+        layer: int,
+        experts: Sequence[int],
+        fn: Callable[[int, ExpertWeights], R],
+        pool: Executor,
+    ) -> dict[int, R]:
+        """``{e: fn(e, weights_e)}`` with each expert computed on ``pool`` as it arrives (a
+        streaming source recycles an expert's buffer once its computation finished)."""
         ...
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
@@ -352,6 +371,10 @@ class ResidentExperts:
         """``{e: fn(e, weights)}`` computed on ``pool`` (every expert is already resident)."""
         futures = {e: pool.submit(fn, e, w) for e, w in self.get(layer, experts).items()}
         return {e: f.result() for e, f in futures.items()}
+
+    @property
+    def wants_lookahead(self) -> bool:
+        return False  # everything is resident
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
         """Everything is resident: nothing to do."""

@@ -79,8 +79,7 @@ def test_forward_is_bit_identical_to_the_runtime_model(
     assert logits.dtype == np.float32
     assert logits.shape == (len(PROMPT), vocab)
     # The engine runs absorbed attention everywhere (batch-invariant; EngineOptions.fast_prefill
-    # switches to the auto choice), so the runtime model is compared in the same mode.
-    reference_model.attention_mode = "absorbed"
+    # switches to the auto choice), as a call without a StepContext does.
     ref = reference_model.forward(ids, reference_model.new_cache()).logits
     np.testing.assert_array_equal(logits, ref)
     # a fresh context every call: same ids, same bits

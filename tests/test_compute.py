@@ -16,6 +16,7 @@ import colibri
 from colibri._config import EngineOptions
 from colibri._engine import TokenEvent
 from runtime.compute import ExpertCompute
+from runtime.context import StepContext
 from runtime.kernels.dequant import dequantize
 from runtime.linear import Linear
 from runtime.models import load_model
@@ -75,32 +76,31 @@ def test_fast_matmul_agrees_with_the_exact_kernel() -> None:
 def test_threads_give_bit_identical_rows_resident() -> None:
     c = Container.open(DEMO)
     m = load_model(c)
-    m.attention_mode = "absorbed"
     ids = np.array(PROMPT, dtype=np.int64)
 
-    def chunked(size: int) -> np.ndarray:
+    def chunked(size: int, ctx: StepContext) -> np.ndarray:
         cache = m.new_cache()
         return np.concatenate(
-            [m.forward(ids[i : i + size], cache).logits for i in range(0, ids.size, size)]
+            [m.forward(ids[i : i + size], cache, ctx=ctx).logits for i in range(0, ids.size, size)]
         )
 
-    ref = chunked(1)  # token by token: nothing to split
-    m.compute = ExpertCompute(3, parallel_min_macs=0)
+    ref = chunked(1, StepContext())  # token by token: nothing to split
+    pool = StepContext(ExpertCompute(3, parallel_min_macs=0))
     try:
         # whole prompt, and chunks after a prefix (row blocks of later chunks see the cache)
         for size in (ids.size, 31):
-            assert np.array_equal(chunked(size), ref), size
-        assert m.compute.parallel_steps > 0  # the pool really ran the experts
+            assert np.array_equal(chunked(size, pool), ref), size
+        assert pool.compute.parallel_steps > 0  # the pool really ran the experts
     finally:
-        m.compute.close()
+        pool.compute.close()
 
 
 async def _stream(opts: EngineOptions, compute: Any = None) -> tuple[list[int], dict[str, Any]]:
     async with colibri.Engine.open(options=opts) as eng:
-        if compute is not None:
-            eng._model.compute.close()
-            eng._model.compute = compute(eng)
-            eng._prefill_compute = eng._model.compute
+        sched = eng._scheduler
+        if compute is not None:  # the scheduler's contexts are replaced between calls
+            sched.ctx = sched.ctx.replace(compute=compute(eng))
+            sched.prefill_ctx = sched.ctx
         toks: list[int] = []
         lps: list[float] = []
         async for ev in eng.generate(PROMPT, max_new_tokens=12):
@@ -108,9 +108,10 @@ async def _stream(opts: EngineOptions, compute: Any = None) -> tuple[list[int], 
                 toks.append(ev.token_id)
                 lps.append(ev.logprob)
         st = eng.stats()
-        st["compute"] = eng._model.compute.as_dict()
+        st["compute"] = sched.ctx.compute.as_dict()
         st["logprobs"] = lps
-        eng._model.compute.close()
+        if compute is not None:
+            sched.ctx.compute.close()
         return toks, st
 
 
@@ -146,10 +147,11 @@ def test_fast_prefill_uses_blas_only_while_prefilling() -> None:
         async with colibri.Engine.open(options=opts) as eng:
             async for _ in eng.generate(PROMPT, max_new_tokens=1):
                 pass
-            after_prefill = eng._prefill_compute.fast_calls
+            sched = eng._scheduler
+            after_prefill = sched.prefill_ctx.compute.fast_calls
             async for _ in eng.generate([5], max_new_tokens=6):  # decode: one row per step
                 pass
-            return after_prefill, eng._model.compute.fast_calls
+            return after_prefill, sched.ctx.compute.fast_calls
 
     prefill_calls, decode_calls = anyio.run(main)
     assert prefill_calls > 0
@@ -177,8 +179,8 @@ def test_a_failing_expert_computation_returns_every_buffer() -> None:
 
             try:
                 with pytest.raises(RuntimeError, match="injected"):
-                    await eng._run(call)
-                ok = await eng._run(
+                    await eng._scheduler.run(call)
+                ok = await eng._scheduler.run(
                     lambda: comp.run(source, layer, [0, 1, 2], lambda e, w: e, macs=1)
                 )
             finally:

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from runtime.context import StepContext
 from runtime.layers import mla
 from runtime.models import MLAMoEModel, load_model
 from runtime.weights import ResidentExperts
@@ -141,12 +142,11 @@ def test_f32_forced_attention_orders_agree(
 ) -> None:
     m, ref = models(name), _ref(oracle_dir, name)
     i = _prompts(ref)[-1]
-    auto = m.forward(ref[f"prompt_{i}"], m.new_cache()).logits
-    m.attention_mode = mode
-    try:
-        forced = m.forward(ref[f"prompt_{i}"], m.new_cache()).logits
-    finally:
-        m.attention_mode = "auto"
+    auto = m.forward(ref[f"prompt_{i}"], m.new_cache(), ctx=StepContext(attention_mode="auto"))
+    forced = m.forward(
+        ref[f"prompt_{i}"], m.new_cache(), ctx=StepContext(attention_mode=mode)
+    ).logits
+    auto = auto.logits
     assert np.abs(forced - auto).max() <= DECODE_TOL
     assert np.abs(forced - ref[f"logits_{i}"]).max() <= LOGIT_TOL
 
@@ -236,14 +236,12 @@ def test_f32_decode_after_prefill_equals_full_forward(
         prompt = ref[f"prompt_{i}"]
         seq = np.concatenate([prompt, ref[f"greedy_{i}"][:-1]])
         full_rec, dec_rec = Recorder(), Recorder()
-        m.observer = full_rec
-        full = m.forward(seq, m.new_cache()).logits
-        m.observer = dec_rec
+        full = m.forward(seq, m.new_cache(), ctx=StepContext(observer=full_rec)).logits
+        dec_ctx = StepContext(observer=dec_rec)
         cache = m.new_cache()
-        rows = [m.forward(prompt, cache).logits]
+        rows = [m.forward(prompt, cache, ctx=dec_ctx).logits]
         for tok in seq[len(prompt) :]:
-            rows.append(m.forward(np.array([tok]), cache).logits)
-        m.observer = None
+            rows.append(m.forward(np.array([tok]), cache, ctx=dec_ctx).logits)
         dec = np.concatenate(rows)
         limit = len(seq)  # positions compared: before the first DSA selection difference
         for (event, layer), sels in dec_rec.events.items():
@@ -277,12 +275,9 @@ def test_f32_dsa_selections_match_oracle(oracle_dir: Path, models: Any) -> None:
     for i in _prompts(ref):
         prompt = ref[f"prompt_{i}"]
         rec = Recorder()
-        m.observer = rec
-        try:
-            out = m.forward(prompt, m.new_cache())
-            m.mtp_forward(out.hidden[:-1], prompt[1:], m.new_mtp_cache())
-        finally:
-            m.observer = None
+        ctx = StepContext(observer=rec)
+        out = m.forward(prompt, m.new_cache(), ctx=ctx)
+        m.mtp_forward(out.hidden[:-1], prompt[1:], m.new_mtp_cache(), ctx=ctx)
         for key in [k for k in ref if k.startswith(f"dsa_topk_{i}_")]:
             tag = key[len(f"dsa_topk_{i}_") :]
             layer = n_layers if tag == "mtp" else int(tag.split("_")[1])
@@ -355,17 +350,24 @@ def test_expert_source_called_once_per_layer_with_sorted_union(
     calls: list[tuple[int, list[int]]] = []
 
     class Spy:
+        wants_lookahead = False
+
         def arrivals(self, layer: int, experts: Any) -> Any:
             calls.append((layer, list(experts)))
             return inner.arrivals(layer, experts)
+
+        def map_arrivals(self, *args: Any) -> Any:
+            raise AssertionError("a serial context computes experts in arrival order")
 
         def prefetch(self, layer: int, experts: Any) -> None:
             raise AssertionError("no lookahead for a source that does not ask for it")
 
     m = load_model(c, Spy())
     route: dict[int, np.ndarray] = {}
-    m.observer = lambda ev, layer, arr: route.__setitem__(layer, arr) if ev == "route" else None
-    m.forward(_ref(oracle_dir, name)["prompt_1"], m.new_cache())
+    ctx = StepContext(
+        observer=lambda ev, layer, arr: route.__setitem__(layer, arr) if ev == "route" else None
+    )
+    m.forward(_ref(oracle_dir, name)["prompt_1"], m.new_cache(), ctx=ctx)
     moe_layers = [i for i in range(m.config.num_hidden_layers) if m.config.is_moe_layer(i)]
     assert [layer for layer, _ in calls] == moe_layers
     for layer, experts in calls:

@@ -184,8 +184,6 @@ def test_cancelling_one_generation_mid_batch_leaves_the_others_intact() -> None:
                     hits.append(len(cut2))
                     anyio.from_thread.run_sync(scope2.cancel)
 
-            eng._model.observer = observe
-
             async def victim2() -> None:
                 with scope2:
                     async for ev in eng.generate(
@@ -197,12 +195,12 @@ def test_cancelling_one_generation_mid_batch_leaves_the_others_intact() -> None:
             async def one(i: int) -> None:
                 out[i] = await _gen(eng, prompts[i], draft=drafts[i])
 
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(victim)
-                tg.start_soon(victim2)
-                for i in range(len(prompts)):
-                    tg.start_soon(one, i)
-            eng._model.observer = None
+            with eng._scheduler.observing(observe):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(victim)
+                    tg.start_soon(victim2)
+                    for i in range(len(prompts)):
+                        tg.start_soon(one, i)
             # the engine goes on serving after the cancellations
             out.append(await _gen(eng, prompts[1], draft="mtp:2"))
             assert hits and len(cut2) == hits[0] < N  # cancelled mid-step, no token after

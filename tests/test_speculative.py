@@ -69,9 +69,7 @@ def models(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequ
             dst = tmp_path_factory.mktemp(name) / name
             convert(oracle / name, dst)
             out[name] = load_model(Container.open(dst))
-    for m in out.values():
-        m.attention_mode = "absorbed"
-    return out
+    return out  # the default StepContext runs absorbed attention, as the engine does
 
 
 class Run(NamedTuple):
@@ -327,7 +325,6 @@ class _TableModel:
 
     config = _Config()
     has_mtp = False
-    observer = None
 
     def __init__(self, vocab: int, seed: int) -> None:
         self.table = np.random.default_rng(seed).normal(0, 1.5, (vocab, vocab)).astype(np.float32)
@@ -335,7 +332,7 @@ class _TableModel:
     def new_cache(self) -> KVCache:
         return KVCache(1, 1, 1)
 
-    def forward(self, ids: np.ndarray, cache: KVCache) -> Any:
+    def forward(self, ids: np.ndarray, cache: KVCache, *, ctx: Any = None) -> Any:
         start = cache.length
         cache.write_tokens(start, ids)
         cache.commit(start + ids.size)
@@ -381,7 +378,6 @@ def test_speculative_sampling_end_to_end_matches_plain_distribution() -> None:
 
 def test_seeded_sampling_reproducible_with_fixed_drafts() -> None:
     model = load_model(Container.open(DEMO))
-    model.attention_mode = "absorbed"
     prompt = _prompts(2)[1]
     a = _speculative(model, prompt, 16, "lookup:3", temperature=1.0, seed=5)
     b = _speculative(model, prompt, 16, "lookup:3", temperature=1.0, seed=5)

@@ -9,35 +9,40 @@ Code path choices (one code path for every T; the numbers differ only by roundin
 
 * every forward continues from ``cache.length``: new rows are written to the cache first, then
   the new queries attend over cache + new keys with a causal mask;
-* MLA evaluation order: ``attention_mode`` "absorbed" (the default) computes every query row
-  on its own over its causal keys, so a token's rows (KV, index keys, hidden, logits) are
-  bit-identical whether it runs alone, in a prefill chunk of any size, in a speculative verify
-  block or in a batched step with other sequences. "auto" (the labelled ``--fast-prefill``)
-  picks the cheaper of reconstructing K/V (fresh prefill) or absorbing per call by
-  multiply-add count (``runtime.layers.mla.prefer_absorbed``): equal up to rounding only.
-* MoE: route -> union -> ``experts.get(layer, union)`` once per layer per call -> apply + shared.
+* MLA evaluation order: the call's ``StepContext.attention_mode`` "absorbed" (the default)
+  computes every query row on its own over its causal keys, so a token's rows (KV, index keys,
+  hidden, logits) are bit-identical whether it runs alone, in a prefill chunk of any size, in a
+  speculative verify block or in a batched step with other sequences. "auto" (the labelled
+  ``--fast-prefill``) picks the cheaper of reconstructing K/V (fresh prefill) or absorbing per
+  call by multiply-add count (``runtime.layers.mla.prefer_absorbed``): equal up to rounding only.
+* MoE: :func:`runtime.scheduler.moe_step` (route -> union -> place -> compute as arrivals land
+  -> combine) once per layer per call, then the shared expert.
+
+Every call takes a frozen :class:`~runtime.context.StepContext` (compute pool, observer,
+attention mode); the model itself holds only config, weights and its expert source.
 
 Shape legend: T new tokens, S keys (cache + new), D hidden, V vocab, K experts per token.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, NamedTuple, Self
+from typing import Any, ClassVar, NamedTuple, Self
 
 import numpy as np
 import numpy.typing as npt
 
-from runtime.compute import ExpertCompute
+from runtime.context import AttentionMode, Observer, StepContext
 from runtime.kv import KVCache
 from runtime.layers import mla
-from runtime.layers import moe as moe_ops
 from runtime.layers.mla import MLADims
+from runtime.layers.moe import MoEWeights
 from runtime.layers.moe_router import RouterConfig
 from runtime.layers.rms_norm import rms_norm
 from runtime.layers.rope import Rope, RopeParameters, mla_softmax_scale
 from runtime.linear import Linear
+from runtime.scheduler import moe_step
 from runtime.weights import (
     ContainerLike,
     ExpertSource,
@@ -51,15 +56,18 @@ from runtime.weights import (
 from storage.arch import check_router
 from storage.errors import ConfigError, ModelError
 
-__all__ = ["AttentionMode", "LogitsOut", "MLAMoEConfig", "MLAMoEModel", "Observer"]
+__all__ = [
+    "AttentionMode",
+    "LogitsOut",
+    "MLAMoEConfig",
+    "MLAMoEModel",
+    "Observer",
+    "SeqState",
+    "StepContext",
+]
 
 F32Array = npt.NDArray[np.float32]
 BoolArray = npt.NDArray[np.bool_]
-AttentionMode = Literal["auto", "absorbed", "reconstruct"]
-# observer(event, layer, array): "route" (expert ids [T, K]), "dsa_scores" ([T, S]),
-# "dsa_select" (kept keys [T, S] bool); for telemetry and tests. MTP layers report their own
-# layer index (num_hidden_layers + i).
-Observer = Callable[[str, int, npt.NDArray[Any]], None]
 
 
 class LogitsOut(NamedTuple):
@@ -74,6 +82,15 @@ def _need(cfg: Mapping[str, Any], key: str) -> Any:
     if val is None:
         raise ConfigError(f"config.json: missing required key {key!r}")
     return val
+
+
+class SeqState(NamedTuple):
+    """One sequence of a call: its cache, its first new position, rope tables [T, R/2]."""
+
+    cache: KVCache
+    start: int
+    cos: F32Array
+    sin: F32Array
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -191,9 +208,8 @@ class MLAMoEModel:
     ``forward`` continues a sequence held in a :class:`KVCache`; ``mtp_forward`` runs the
     multi-token-prediction head (when the container has one) with its own cache.
 
-    Attributes a caller may set: ``attention_mode`` ("auto" | "absorbed" | "reconstruct", see
-    the module docstring) and ``observer`` (an :data:`Observer` called with routing and DSA
-    decisions; None by default).
+    The model holds config, weights and its expert source; how a call computes (threads,
+    observer, attention order) comes with the call as a :class:`StepContext`.
     """
 
     config_class: ClassVar[type[MLAMoEConfig]] = MLAMoEConfig
@@ -210,12 +226,6 @@ class MLAMoEModel:
             config.interleaved_rope(),
         )
         self.softmax_scale = mla_softmax_scale(self.dims.qk_head_dim, config.rope_parameters)
-        # One evaluation order for every call shape (batch-invariant); "auto" picks the faster
-        # order per call and is what the labelled --fast-prefill uses.
-        self.attention_mode: AttentionMode = "absorbed"
-        self.observer: Observer | None = None
-        # Threads and matmul choice for routed experts (serial, exact kernels by default).
-        self.compute = ExpertCompute()
 
     # ------------------------------------------------------------------------------ building
 
@@ -301,13 +311,19 @@ class MLAMoEModel:
     # ------------------------------------------------------------------------------ forward
 
     def forward(
-        self, ids: npt.NDArray[np.integer], cache: KVCache, *, last_only: bool = False
+        self,
+        ids: npt.NDArray[np.integer],
+        cache: KVCache,
+        *,
+        last_only: bool = False,
+        ctx: StepContext | None = None,
     ) -> LogitsOut:
         """Run ``ids`` [T] after the ``cache.length`` tokens already in ``cache``; commits them.
 
         ``last_only`` computes logits for the last row only ([1, V]: a prefill chunk needs no
-        more, and [T, V] is big for a large vocabulary); ``hidden`` is still [T, D]."""
-        return self.forward_batch([ids], [cache], last_only=last_only)[0]
+        more, and [T, V] is big for a large vocabulary); ``hidden`` is still [T, D]. ``ctx``:
+        the call's settings (default: serial, exact, absorbed)."""
+        return self.forward_batch([ids], [cache], last_only=last_only, ctx=ctx)[0]
 
     def forward_batch(
         self,
@@ -315,6 +331,7 @@ class MLAMoEModel:
         caches: Sequence[KVCache],
         *,
         last_only: bool = False,
+        ctx: StepContext | None = None,
     ) -> list[LogitsOut]:
         """Several sequences in one step: attention per sequence (each its own cache), the MLP /
         MoE half on all their rows at once, so each layer reads the union of their experts once.
@@ -323,7 +340,9 @@ class MLAMoEModel:
         (batch-invariant kernels, per-row MoE combination)."""
         if len(batch) != len(caches) or not batch:
             raise ModelError("forward_batch needs one cache per sequence and at least one")
-        seqs = []
+        ctx = ctx if ctx is not None else StepContext()
+        seqs: list[SeqState] = []
+        all_ids = []
         for ids_in, cache in zip(batch, caches, strict=True):
             ids = np.asarray(ids_in, dtype=np.int64).reshape(-1)
             if ids.shape[0] == 0:
@@ -331,14 +350,15 @@ class MLAMoEModel:
             start = cache.length
             cos, sin = self.rope.cos_sin(np.arange(start, start + ids.shape[0]))  # [T, R/2]
             cache.reserve(start + ids.shape[0])
-            seqs.append((ids, start, cos, sin))
-        hs = [embed_rows(self.weights.embed, ids) for ids, *_ in seqs]  # [T_j, D] each
+            seqs.append(SeqState(cache, start, cos, sin))
+            all_ids.append(ids)
+        hs = [embed_rows(self.weights.embed, ids) for ids in all_ids]  # [T_j, D] each
         sel: list[BoolArray | None] = [None] * len(seqs)
-        bounds = np.cumsum([0] + [ids.shape[0] for ids, *_ in seqs])
+        bounds = np.cumsum([0] + [ids.shape[0] for ids in all_ids])
         for i, lw in enumerate(self.weights.layers):
-            for j, ((_, start, cos, sin), cache) in enumerate(zip(seqs, caches, strict=True)):
-                hs[j], sel[j] = self._attention(i, i, lw, hs[j], cache, start, cos, sin, sel[j])
-            h = self._mlp(i, lw, np.concatenate(hs))  # [sum T_j, D]
+            for j, seq in enumerate(seqs):
+                hs[j], sel[j] = self._attention(ctx, i, i, lw, hs[j], seq, sel[j])
+            h = self._mlp(ctx, i, lw, np.concatenate(hs))  # [sum T_j, D]
             hs = [h[bounds[j] : bounds[j + 1]] for j in range(len(seqs))]
         hidden = rms_norm(np.concatenate(hs), self.weights.norm, self.config.rms_norm_eps)
         if last_only:  # [n_seq, V]: one row per sequence (a prefill chunk needs no more)
@@ -346,16 +366,21 @@ class MLAMoEModel:
         else:
             logits = self.weights.lm_head(hidden)  # [sum T_j, V]
         out = []
-        for j, ((ids, start, _, _), cache) in enumerate(zip(seqs, caches, strict=True)):
-            cache.write_tokens(start, ids)
-            cache.commit(start + ids.shape[0])
+        for j, (ids, seq) in enumerate(zip(all_ids, seqs, strict=True)):
+            seq.cache.write_tokens(seq.start, ids)
+            seq.cache.commit(seq.start + ids.shape[0])
             lo, hi = bounds[j], bounds[j + 1]
             rows = logits[j : j + 1] if last_only else logits[lo:hi]
             out.append(LogitsOut(rows, hidden[lo:hi]))
         return out
 
     def mtp_forward(
-        self, hidden: F32Array, next_ids: npt.NDArray[np.integer], mtp_cache: KVCache
+        self,
+        hidden: F32Array,
+        next_ids: npt.NDArray[np.integer],
+        mtp_cache: KVCache,
+        *,
+        ctx: StepContext | None = None,
     ) -> F32Array:
         """MTP logits [T, V] from main final-normed ``hidden`` [T, D] and ``next_ids`` [T].
 
@@ -363,7 +388,7 @@ class MLAMoEModel:
         ``u = eh_proj(cat(enorm(embed(next)), hnorm(h)))``, the MTP decoder layer over u (its own
         cache, positions from ``mtp_cache.length``), then ``shared_head.head(shared_head.norm)``.
         """
-        return self.mtp_step(hidden, next_ids, mtp_cache, last_only=False)[0]
+        return self.mtp_step(hidden, next_ids, mtp_cache, last_only=False, ctx=ctx)[0]
 
     def mtp_step(
         self,
@@ -372,11 +397,13 @@ class MLAMoEModel:
         mtp_cache: KVCache,
         *,
         last_only: bool = True,
+        ctx: StepContext | None = None,
     ) -> tuple[F32Array, F32Array]:
         """:meth:`mtp_forward` that also returns the head's normed output [T, D] (the input of a
         chained draft) and, with ``last_only``, logits of the last row only ([1, V])."""
         if not self.weights.mtp:
             raise ModelError("this model has no MTP head (num_nextn_predict_layers / weights)")
+        ctx = ctx if ctx is not None else StepContext()
         mw = self.weights.mtp[0]
         c = self.config
         next_ids = np.asarray(next_ids, dtype=np.int64).reshape(-1)
@@ -392,7 +419,10 @@ class MLAMoEModel:
             axis=-1,
         )  # [T, 2D]
         u = mw.eh_proj(eh)  # [T, D]
-        out, _ = self._layer(c.num_hidden_layers, 0, mw.layer, u, mtp_cache, start, cos, sin, None)
+        seq = SeqState(mtp_cache, start, cos, sin)
+        n = c.num_hidden_layers
+        h, _ = self._attention(ctx, n, 0, mw.layer, u, seq, None)
+        out = self._mlp(ctx, n, mw.layer, h)
         normed = rms_norm(out, mw.shared_head_norm, c.rms_norm_eps)  # [T, D]
         rows = normed[-1:] if last_only else normed  # [1 or T, D]
         logits = mw.shared_head(np.ascontiguousarray(rows))  # [1 or T, V]
@@ -402,53 +432,35 @@ class MLAMoEModel:
 
     # ------------------------------------------------------------------------------ layers
 
-    def _layer(
-        self,
-        layer: int,
-        slot: int,
-        lw: LayerWeights,
-        h: F32Array,
-        cache: KVCache,
-        start: int,
-        cos: F32Array,
-        sin: F32Array,
-        prev_selection: BoolArray | None,
-    ) -> tuple[F32Array, BoolArray | None]:
-        """One decoder layer; returns the new hidden [T, D] and its sparse selection."""
-        h, selection = self._attention(layer, slot, lw, h, cache, start, cos, sin, prev_selection)
-        return self._mlp(layer, lw, h), selection
-
     def _attention(
         self,
+        ctx: StepContext,
         layer: int,
         slot: int,
         lw: LayerWeights,
         h: F32Array,
-        cache: KVCache,
-        start: int,
-        cos: F32Array,
-        sin: F32Array,
+        seq: SeqState,
         prev_selection: BoolArray | None,
     ) -> tuple[F32Array, BoolArray | None]:
-        """Attention half of a layer over one sequence's cache: h + attn(norm(h)) [T, D]."""
+        """Attention half of a layer over one sequence's cache: h + attn(norm(h)) [T, D] and the
+        layer's sparse selection (None: dense)."""
         c, d = self.config, self.dims
         t = h.shape[0]
-        s = start + t
+        s = seq.start + t
         x = rms_norm(h, lw.input_layernorm, c.rms_norm_eps)  # [T, D]
-        proj = self._project(lw, x, cos, sin)
-        cache.write(slot, start, proj.latent, proj.k_rope)
+        proj = self._project(ctx, lw, x, seq.cos, seq.sin)
+        seq.cache.write(slot, seq.start, proj.latent, proj.k_rope)
         allowed = mla.causal_mask(t, s)  # [T, S]
-        selection = self._sparse_selection(
-            layer, slot, lw, x, proj, cache, start, cos, sin, prev_selection
-        )
+        selection = self._sparse_selection(ctx, layer, slot, lw, x, proj, seq, prev_selection)
         if selection is not None:
             allowed &= selection
-        if self.attention_mode == "auto":
+        if ctx.attention_mode == "auto":
             absorbed = mla.prefer_absorbed(d, t, s)
         else:
-            absorbed = self.attention_mode == "absorbed"
-        latent, k_rope = cache.latent(slot, s), cache.k_rope(slot, s)
-        blocks = self.compute.row_blocks(t, s * d.num_attention_heads * d.kv_lora_rank * 4)
+            absorbed = ctx.attention_mode == "absorbed"
+        latent, k_rope = seq.cache.latent(slot, s), seq.cache.k_rope(slot, s)
+        comp = ctx.compute
+        blocks = comp.row_blocks(t, s * d.num_attention_heads * d.kv_lora_rank * 4)
         if absorbed and blocks is not None:
             # Rows are independent in the absorbed form: blocks on the pool, bit-identical.
             def rows(a: int, b: int) -> F32Array:
@@ -460,14 +472,16 @@ class MLAMoEModel:
                     rows_after=t - b,
                 )  # fmt: skip
 
-            out = np.concatenate(self.compute.map_rows(blocks, rows))
+            out = np.concatenate(comp.map_rows(blocks, rows))
         else:
             out = mla.attend(
                 lw.attn, d, proj, latent, k_rope, allowed, self.softmax_scale, absorbed
             )
         return h + out, selection  # [T, D]
 
-    def _project(self, lw: LayerWeights, x: F32Array, cos: F32Array, sin: F32Array) -> Any:
+    def _project(
+        self, ctx: StepContext, lw: LayerWeights, x: F32Array, cos: F32Array, sin: F32Array
+    ) -> Any:
         """:func:`mla.project`, rows split over the compute pool for a long chunk (every row
         is projected on its own: bit-identical)."""
         d, w, il = self.dims, lw.attn, self.rope.interleave
@@ -476,10 +490,11 @@ class MLAMoEModel:
             for lin in (w.q_a_proj, w.q_b_proj, w.q_proj, w.kv_a_proj_with_mqa)
             if lin is not None
         )
-        blocks = self.compute.row_blocks(x.shape[0], per_row)
+        comp = ctx.compute
+        blocks = comp.row_blocks(x.shape[0], per_row)
         if blocks is None:
             return mla.project(w, d, x, cos, sin, il)
-        parts = self.compute.map_rows(
+        parts = comp.map_rows(
             blocks, lambda a, b: mla.project(w, d, x[a:b], cos[a:b], sin[a:b], il)
         )
         return mla.MLAProjection(
@@ -489,56 +504,37 @@ class MLAMoEModel:
             )
         )
 
-    def _mlp(self, layer: int, lw: LayerWeights, h: F32Array) -> F32Array:
+    def _mlp(self, ctx: StepContext, layer: int, lw: LayerWeights, h: F32Array) -> F32Array:
         """MLP / MoE half of a layer: h + mlp(norm(h)) [T, D]. Rows are independent, so rows of
         several sequences can share one call (and one expert union)."""
         x = rms_norm(h, lw.post_attention_layernorm, self.config.rms_norm_eps)  # [T, D]
         if lw.moe is not None:
-            ids, gates = moe_ops.route(lw.moe, x)  # [T, K], [T, K]
-            if self.observer is not None:
-                self.observer("route", layer, ids)
-            self._lookahead(layer, x)
-            comp = self.compute
-            outputs = comp.run(
-                self.experts,
-                layer,
-                moe_ops.union(ids),
-                lambda e, w: comp.expert_output(x, ids, gates, e, w),
-                macs=ids.size * 3 * self.config.hidden_size * self.config.moe_intermediate_size,
-            )
-            y = moe_ops.combine(x, ids, outputs) + moe_ops.shared(lw.moe, x, comp.swiglu)
+            c = self.config
+            macs = 3 * c.hidden_size * c.moe_intermediate_size  # one row through one expert
+            y = moe_step(ctx, self.experts, layer, lw.moe, x, macs, self._next_router(layer))
         elif lw.mlp is not None:
-            y = self.compute.swiglu(x, lw.mlp)  # [T, D]
+            y = ctx.compute.swiglu(x, lw.mlp)  # [T, D]
         else:
             raise ModelError(f"layer {layer} has neither an MLP nor a MoE block")
         return h + y
 
-    def _lookahead(self, layer: int, x: F32Array) -> None:
-        """Predict layer L+1's experts by applying its router to layer L's post-attention state
-        and hint the expert source (71.6% top-8 recall on GLM-5.2 in the C engine). Skipped when
-        the source keeps everything resident. Never changes a result: it only queues reads."""
-        if not getattr(self.experts, "wants_lookahead", False):
-            return
+    def _next_router(self, layer: int) -> MoEWeights | None:
+        """Layer L+1's MoE weights (its router predicts the next layer's experts for the
+        lookahead), or None when L+1 is not a main MoE layer."""
         nxt = layer + 1
         if nxt >= len(self.weights.layers):
-            return
-        moe = self.weights.layers[nxt].moe
-        if moe is None:
-            return
-        ids, _ = moe_ops.route(moe, x)  # [T, K]
-        self.experts.prefetch(nxt, moe_ops.union(ids))
+            return None
+        return self.weights.layers[nxt].moe
 
     def _sparse_selection(
         self,
+        ctx: StepContext,
         layer: int,
         slot: int,
         lw: LayerWeights,
         x: F32Array,
         proj: mla.MLAProjection,
-        cache: KVCache,
-        start: int,
-        cos: F32Array,
-        sin: F32Array,
+        seq: SeqState,
         prev_selection: BoolArray | None,
     ) -> BoolArray | None:
         """Keys each new query may attend to beyond causality [T, S]; None = all (dense MLA)."""

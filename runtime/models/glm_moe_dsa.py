@@ -26,10 +26,10 @@ from typing import Any, ClassVar
 import numpy as np
 import numpy.typing as npt
 
-from runtime.kv import KVCache
+from runtime.context import StepContext
 from runtime.layers import dsa_indexer as dsa
 from runtime.layers.mla import MLAProjection
-from runtime.models._decoder import MLAMoEConfig, MLAMoEModel
+from runtime.models._decoder import MLAMoEConfig, MLAMoEModel, SeqState
 from runtime.weights import ContainerLike, ExpertSource, LayerWeights, ModelWeights
 from storage.arch import default_indexer_types
 from storage.errors import ConfigError, ModelError
@@ -138,19 +138,18 @@ class GlmMoeDsa(MLAMoEModel):
 
     def _sparse_selection(
         self,
+        ctx: StepContext,
         layer: int,
         slot: int,
         lw: LayerWeights,
         x: F32Array,
         proj: MLAProjection,
-        cache: KVCache,
-        start: int,
-        cos: F32Array,
-        sin: F32Array,
+        seq: SeqState,
         prev_selection: BoolArray | None,
     ) -> BoolArray | None:
         if not self.config.runs_indexer(layer):
             return prev_selection  # "shared": the previous full layer's keys
+        cache, start, cos, sin = seq
         t = x.shape[0]
         s = start + t
         topk = self.indexer_dims.index_topk
@@ -175,8 +174,7 @@ class GlmMoeDsa(MLAMoEModel):
             lw.indexer, self.indexer_dims, x, proj.q_resid, cache.index_keys(slot, s), cos, sin
         )  # [T, S]
         selection = dsa.select(scores, topk)  # [T, S]
-        if self.observer is not None:
-            self.observer("dsa_scores", layer, scores)
-            if selection is not None:
-                self.observer("dsa_select", layer, selection)
+        ctx.observe("dsa_scores", layer, scores)
+        if selection is not None:
+            ctx.observe("dsa_select", layer, selection)
         return selection

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from runtime.context import StepContext
 from runtime.kv import KVCache
 from runtime.sampling import Sampler
 from runtime.speculative._common import (
@@ -78,8 +79,11 @@ class SpeculativeDecoder:
         stop_ids: Sequence[int] = (),
         store_stats: Callable[[], Any] | None = None,
         reproducible: bool = False,
+        ctx: StepContext | None = None,
     ) -> None:
+        """``ctx``: how the rounds compute (the engine's decode context)."""
         self.model = model
+        self.ctx = ctx if ctx is not None else StepContext()
         self.cache = cache
         self.sampler = sampler
         self.policy = policy
@@ -98,8 +102,8 @@ class SpeculativeDecoder:
         self._fixed = policy.mode == "fixed" or reproducible
         drafts_on = policy.mode != "off" and not reproducible
         self._mtp: MtpDrafter | None = None
-        if drafts_on and policy.source in ("any", "mtp") and getattr(model, "has_mtp", False):
-            self._mtp = MtpDrafter(model)
+        if drafts_on and policy.source in ("any", "mtp") and model.has_mtp:
+            self._mtp = MtpDrafter(model, self.ctx)
         # prompt lookup: pinned, or where there is no head, or (auto) next to the head
         self._lookup = drafts_on and (
             policy.source == "lookup"
@@ -301,22 +305,15 @@ class SpeculativeDecoder:
         unions: list[int] = []
         model = self.model
         if ids.size == 1 or self._store_stats is None:
-            out = model.forward(ids, self.cache)
+            out = model.forward(ids, self.cache, ctx=self.ctx)
             return out.logits, out.hidden, unions
-        prev = model.observer
         n_main = self._n_main
 
         def observe(event: str, layer: int, arr: Any) -> None:
             if event == "route" and layer < n_main:
                 unions.append(int(np.unique(arr).size))
-            if prev is not None:
-                prev(event, layer, arr)
 
-        model.observer = observe
-        try:
-            out = model.forward(ids, self.cache)
-        finally:
-            model.observer = prev
+        out = model.forward(ids, self.cache, ctx=self.ctx.observing(observe))
         return out.logits, out.hidden, unions
 
     def _accept(self, d: _Draft, logits: F32Array) -> tuple[list[Emitted], int]:

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from runtime.context import StepContext
 from runtime.kv import KVCache
 from runtime.speculative._common import F32Array
 
@@ -50,10 +51,11 @@ def mtp_step(
     mtp_cache: KVCache,
     *,
     last_only: bool = True,
+    ctx: StepContext | None = None,
 ) -> tuple[F32Array, F32Array]:
     """The model's MTP step: logits ([1, V] with ``last_only``) and the head's normed output
     [T, D], the input of the next chained draft."""
-    logits, normed = model.mtp_step(hidden, next_ids, mtp_cache, last_only=last_only)
+    logits, normed = model.mtp_step(hidden, next_ids, mtp_cache, last_only=last_only, ctx=ctx)
     return logits, normed
 
 
@@ -64,8 +66,9 @@ class MtpDrafter:
     pending rows continue them; ``wait`` is the main hidden of the last fed position, whose next
     token is not known yet."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, ctx: StepContext | None = None) -> None:
         self.model = model
+        self.ctx = ctx
         self.cache: KVCache = model.new_mtp_cache()
         self.pend_h: list[F32Array] = []  # P rows of [D]
         self.pend_t: list[int] = []  # P next tokens
@@ -94,7 +97,9 @@ class MtpDrafter:
             t.append(int(last))
         if not t:
             return None
-        logits, normed = mtp_step(self.model, np.stack(h), np.array(t, np.int64), self.cache)
+        logits, normed = mtp_step(
+            self.model, np.stack(h), np.array(t, np.int64), self.cache, ctx=self.ctx
+        )
         self.pend_h.clear()
         self.pend_t.clear()
         if last is not None:
@@ -110,5 +115,7 @@ class MtpDrafter:
 
     def chain(self, g: F32Array, token: int) -> tuple[F32Array, F32Array]:
         """One chained draft row from the head's own output ``g`` [D] and ``token``."""
-        logits, normed = mtp_step(self.model, g[None, :], np.array([token], np.int64), self.cache)
+        logits, normed = mtp_step(
+            self.model, g[None, :], np.array([token], np.int64), self.cache, ctx=self.ctx
+        )
         return logits[-1], normed[-1]

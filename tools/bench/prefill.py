@@ -77,12 +77,12 @@ async def run_prefill(
                 rows[0] = int(np.asarray(arr).shape[0])
             per_chunk[-1].update((layer, int(e)) for e in np.unique(arr))
 
-        eng._model.observer = observe
         s0 = dict(store.stats.as_dict())
         t0 = time.perf_counter()
-        async for ev in eng.generate(prompt, max_new_tokens=1):
-            if isinstance(ev, TokenEvent):
-                ttft = time.perf_counter() - t0
+        with eng._scheduler.observing(observe):
+            async for ev in eng.generate(prompt, max_new_tokens=1):
+                if isinstance(ev, TokenEvent):
+                    ttft = time.perf_counter() - t0
         s1 = store.stats.as_dict()
         per_expert = (s1["bytes_read"] - s0["bytes_read"]) / max(
             1, s1["experts_read"] - s0["experts_read"]
@@ -98,9 +98,9 @@ async def run_prefill(
         "distinct_expert_bytes": int(distinct * per_expert),
         "ratio_read_to_distinct": round(read / (distinct * per_expert), 3) if distinct else None,
         "chunks": st["prefill_chunks"],
-        "chunk": eng._prefill_chunk,
+        "chunk": eng._scheduler.prefill_chunk,
         "fast_prefill": fast,
-        "threads": eng._model.compute.threads,
+        "threads": eng._scheduler.ctx.compute.threads,
         "hit_rate": round(s1["hit_rate"], 3),
     }
 

@@ -1,0 +1,383 @@
+"""The token path: one MoE step, and the batcher that gathers steps into forward calls.
+
+Read this file top to bottom to follow a token.
+
+1. :func:`moe_step` is the MoE half of one layer for every row of a call (a decode token, a
+   prefill chunk, speculative verify rows, the rows of several sequences at once):
+   route -> union -> place -> compute as arrivals land -> combine (+ the shared expert).
+2. :class:`Scheduler` owns the compute thread: one forward at a time under its limiter, prefill
+   in chunks, and the decode steps of every active generation gathered into one
+   ``forward_batch`` (each step contributes one row, or a speculative round's verify rows), so
+   each layer reads the union of their experts once. Rows are bit-identical to solo decoding.
+
+The model supplies the math (``forward_batch``), the expert source the bytes (resident RAM or the
+tiered store on the event loop), :class:`~runtime.context.StepContext` how to compute. The
+engine (``colibri/_engine.py``) keeps lifecycle, sampling and the public API.
+
+Shape legend: T rows of the call, D hidden, K experts per token, V vocab.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+import anyio
+import anyio.to_thread
+import numpy as np
+import numpy.typing as npt
+
+from runtime.kv import KVCache
+from runtime.layers import moe as moe_ops
+
+if TYPE_CHECKING:
+    from runtime.context import Observer, StepContext
+    from runtime.experts import ExpertStore
+    from runtime.layers.moe import MoEWeights
+    from runtime.speculative import SpeculativeDecoder
+    from runtime.weights import ExpertSource
+
+__all__ = ["BatchModel", "Scheduler", "SchedulerStats", "StepRequest", "moe_step"]
+
+F32Array = npt.NDArray[np.float32]
+R = TypeVar("R")
+
+
+def moe_step(
+    ctx: StepContext,
+    experts: ExpertSource,
+    layer: int,
+    moe: MoEWeights,
+    x: F32Array,
+    expert_macs: int,
+    next_moe: MoEWeights | None = None,
+) -> F32Array:
+    """The MoE half of ``layer`` for rows ``x`` [T, D] (post-attention normed): [T, D].
+
+    1. **Route**: the router picks K experts per row and their gate weights.
+    2. **Lookahead**: when the source wants it, layer L+1's router (``next_moe``) applied to
+       this layer's state predicts the next layer's experts and queues their reads (a hint:
+       it never changes a result).
+    3. **Union**: the unique experts over all rows are requested once.
+    4. **Place + compute as arrivals land**: the source yields resident experts first, then
+       misses as their reads complete; each is applied to its rows (on the compute pool when
+       the step is big enough). ``expert_macs`` is one row's multiply-adds per expert.
+    5. **Combine**: routed outputs summed per row in ascending expert id, then the shared
+       expert, so neither arrival order nor thread count changes a bit.
+    """
+    ids, gates = moe_ops.route(moe, x)  # [T, K], [T, K]
+    ctx.observe("route", layer, ids)
+    if next_moe is not None and experts.wants_lookahead:
+        nxt, _ = moe_ops.route(next_moe, x)  # [T, K]
+        experts.prefetch(layer + 1, moe_ops.union(nxt))
+    comp = ctx.compute
+    outputs = comp.run(
+        experts,
+        layer,
+        moe_ops.union(ids),
+        lambda e, w: comp.expert_output(x, ids, gates, e, w),
+        macs=ids.size * expert_macs,
+    )
+    return moe_ops.combine(x, ids, outputs) + moe_ops.shared(moe, x, comp.swiglu)
+
+
+# ----------------------------------------------------------------------------- the batcher
+
+# How many event-loop turns the batcher waits, without a new request, for the other decoding
+# generations to queue their next step (each needs a few turns: wake, sample, hand the token to
+# its consumer) before it runs the requests it has.
+GATHER_TURNS = 3
+
+
+@dataclass
+class SchedulerStats:
+    """Compute-side counters since open (``Engine.stats()`` reports them)."""
+
+    forward_calls: int = 0
+    compute_seconds: float = 0.0
+    prefill_tokens: int = 0
+    prefill_chunks: int = 0
+    prefill_seconds: float = 0.0
+    prefill_bytes_read: int = 0
+    prefill_expert_reads: int = 0
+    decode_batches: int = 0
+    decode_batched_rows: int = 0
+    decode_batched_sequences: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        d: dict[str, float] = dataclasses.asdict(self)
+        if self.prefill_seconds:
+            d["prefill_tokens_per_s"] = self.prefill_tokens / self.prefill_seconds
+        if self.prefill_tokens:
+            d["prefill_bytes_per_token"] = self.prefill_bytes_read / self.prefill_tokens
+        if self.prefill_chunks:
+            d["prefill_expert_reads_per_chunk"] = self.prefill_expert_reads / self.prefill_chunks
+        return d
+
+
+class BatchModel(Protocol):
+    """What the scheduler needs of a model (``runtime.models``' classes are one)."""
+
+    def forward_batch(
+        self,
+        batch: Sequence[npt.NDArray[np.integer]],
+        caches: Sequence[KVCache],
+        *,
+        last_only: bool = False,
+        ctx: StepContext | None = None,
+    ) -> list[Any]: ...
+
+
+@dataclass(eq=False)
+class StepRequest:
+    """One generation's rows for the next batched step: ``ids`` (a decode token), or
+    ``prepare`` (a speculative round drafts on the compute thread right before the step)."""
+
+    cache: KVCache
+    done: anyio.Event
+    ids: npt.NDArray[np.int64] | None = None
+    prepare: Callable[[], npt.NDArray[np.int64]] | None = None
+    logits: F32Array | None = None  # [T, V]
+    hidden: F32Array | None = None  # [T, D]
+    shared: bool = False  # other generations' rows were in the same forward
+    error: BaseException | None = None
+
+
+PrefillHook = Callable[[npt.NDArray[np.int64], F32Array], None]
+
+
+class Scheduler:
+    """Runs every forward of one model: one at a time on the compute thread, prefill in chunks,
+    concurrent decode steps batched. Start :meth:`serve` in a task group before decoding."""
+
+    def __init__(
+        self,
+        model: BatchModel,
+        *,
+        ctx: StepContext,
+        prefill_ctx: StepContext | None = None,
+        prefill_chunk: int,
+        max_batch: int = 1,
+        store: ExpertStore | None = None,
+    ) -> None:
+        """``ctx`` computes decode steps, verify rows and whole-sequence forwards;
+        ``prefill_ctx`` (default ``ctx``) prefill chunks (``--fast-prefill``'s BLAS path).
+        ``store``: the streaming expert store, when experts stream (prefill admission and
+        prefill read counters)."""
+        self.model = model
+        self.ctx = ctx
+        self.prefill_ctx = prefill_ctx if prefill_ctx is not None else ctx
+        self.prefill_chunk = prefill_chunk
+        self.max_batch = max_batch
+        self.store = store
+        self.stats = SchedulerStats()
+        self.limiter = anyio.CapacityLimiter(1)
+        self._pending: list[StepRequest] = []
+        self._wake = anyio.Event()
+        self._decoding = 0  # generations in their decode loop (they may queue steps)
+
+    @contextlib.contextmanager
+    def observing(self, observer: Observer) -> Iterator[None]:
+        """Forwards started inside also call ``observer`` (telemetry, tests, benchmarks)."""
+        ctx, pre = self.ctx, self.prefill_ctx
+        self.ctx = ctx.observing(observer)
+        self.prefill_ctx = self.ctx if pre is ctx else pre.observing(observer)
+        try:
+            yield
+        finally:
+            self.ctx, self.prefill_ctx = ctx, pre
+
+    # ---- the compute thread
+    async def run(self, fn: Callable[..., R], *args: Any) -> R:
+        """``fn(*args)`` on the compute thread, after every forward queued before it."""
+        t0 = time.perf_counter()
+        try:
+            return await anyio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+        finally:
+            self.stats.compute_seconds += time.perf_counter() - t0
+            self.stats.forward_calls += 1
+
+    async def forward(self, ids: npt.NDArray[np.int64], cache: KVCache) -> Any:
+        """Every row of ``ids`` after ``cache`` (logits [T, V], hidden [T, D])."""
+        return await self.run(lambda: self.model.forward_batch([ids], [cache], ctx=self.ctx)[0])
+
+    # ---- prefill
+    async def prefill(
+        self, ids: npt.NDArray[np.int64], cache: KVCache, hook: PrefillHook | None = None
+    ) -> F32Array:
+        """Prefill ``ids`` in chunks; returns the last position's logits [V].
+
+        Each chunk is one expert-major step per layer: every token of the chunk is routed, the
+        union of experts is read once and applied to all its rows. The KV of each chunk is
+        committed before the next, so an interrupted prefill keeps what it finished. While
+        prefilling, the LRU admits only into free slots (a chunk touches most experts once and
+        would otherwise flush the decode hot set). ``hook(ids, hidden [T, D])`` sees every
+        chunk (the speculative decoder feeds them to the MTP head)."""
+        store, st = self.store, self.stats
+        t0 = time.perf_counter()
+        bytes0 = store.stats.bytes_read if store is not None else 0
+        reads0 = store.stats.experts_read if store is not None else 0
+        last: F32Array | None = None
+        try:
+            if store is not None and ids.size > 1:
+                store.prefill = True
+            for i in range(0, int(ids.size), self.prefill_chunk):
+                part = ids[i : i + self.prefill_chunk]
+                last = await self.run(self._last_row, part, cache, hook, self.prefill_ctx)
+                st.prefill_chunks += 1
+        finally:
+            if store is not None:
+                store.prefill = False
+        st.prefill_tokens += int(ids.size)
+        st.prefill_seconds += time.perf_counter() - t0
+        if store is not None:
+            st.prefill_bytes_read += store.stats.bytes_read - bytes0
+            st.prefill_expert_reads += store.stats.experts_read - reads0
+        assert last is not None
+        return last
+
+    def _last_row(
+        self,
+        ids: npt.NDArray[np.int64],
+        cache: KVCache,
+        hook: PrefillHook | None,
+        ctx: StepContext,
+    ) -> F32Array:
+        """Compute thread: the last row's logits [V] (``last_only``); ``hook`` gets the rows'
+        hidden states."""
+        out = self.model.forward_batch([ids], [cache], last_only=True, ctx=ctx)[0]
+        if hook is not None:
+            hook(ids, out.hidden)
+        logits: F32Array = out.logits[-1]
+        return logits
+
+    # ---- decode
+    @contextlib.asynccontextmanager
+    async def decoding(self) -> AsyncIterator[None]:
+        """Held by a generation while it decodes: the batcher waits for its next step."""
+        self._decoding += 1
+        try:
+            yield
+        finally:
+            self._decoding -= 1
+
+    @property
+    def batching(self) -> bool:
+        """Whether steps go through the batcher now (batching on, others decoding)."""
+        return self.max_batch > 1 and self._decoding > 1
+
+    async def decode(self, cache: KVCache, tok: int) -> F32Array:
+        """Logits [V] after feeding ``tok``. With ``max_batch`` > 1 the step joins the decode
+        steps of every other active generation in one forward (their expert reads unioned);
+        rows are bit-identical to a solo step."""
+        ids = np.array([tok], dtype=np.int64)
+        if self.max_batch <= 1:
+            return await self.run(self._last_row, ids, cache, None, self.ctx)
+        req = StepRequest(cache, anyio.Event(), ids=ids)
+        await self._submit(req)
+        assert req.logits is not None
+        row: F32Array = req.logits[-1]
+        return row
+
+    async def speculative_round(
+        self, spec: SpeculativeDecoder, cache: KVCache, tok: int, remaining: int
+    ) -> list[tuple[int, F32Array]]:
+        """One speculative round of ``spec``: alone on the compute thread, or (others decoding)
+        its drafts computed right before the batched step and its k + 1 verify rows in that
+        step next to the other generations' rows (bit-identical to running them alone)."""
+        if not self.batching:
+            return await self.run(spec.step, tok, remaining)
+        start = cache.length
+        req = StepRequest(cache, anyio.Event(), prepare=lambda: spec.draft(tok, remaining))
+        try:
+            await self._submit(req)
+        except BaseException:
+            spec.abandon()
+            if req.ids is not None and cache.length > start + 1:
+                cache.truncate(start + 1)  # keep `tok` (emitted), never unchecked drafts
+            raise
+        assert req.logits is not None and req.hidden is not None
+        return spec.accept(req.logits, req.hidden, shared=req.shared)
+
+    async def _submit(self, req: StepRequest) -> None:
+        """Queue ``req`` for the batcher and wait for its rows. A cancelled caller leaves the
+        queue, or (its step already running) waits for the step to finish with its cache."""
+        self._pending.append(req)
+        self._wake.set()
+        try:
+            await req.done.wait()
+        except BaseException:
+            if req in self._pending:
+                self._pending.remove(req)
+            else:
+                with anyio.CancelScope(shield=True):
+                    await req.done.wait()
+            raise
+        if req.error is not None:
+            raise req.error
+
+    async def serve(self) -> None:
+        """The batcher: runs queued steps together, one ``forward_batch`` per group of up to
+        ``max_batch`` generations (run it in a task group for the model's lifetime)."""
+        while True:
+            await self._wake.wait()
+            self._wake = anyio.Event()
+            await self._gather()
+            while self._pending:
+                batch = self._pending[: self.max_batch]
+                del self._pending[: len(batch)]
+                try:
+                    live = await self.run(self._batch_step, batch)
+                    self.stats.decode_batches += 1
+                    self.stats.decode_batched_sequences += len(live)
+                    self.stats.decode_batched_rows += sum(
+                        0 if r.ids is None else int(r.ids.size) for r in live
+                    )
+                except Exception as exc:  # delivered to every generation of the batch
+                    for r in batch:
+                        if r.error is None:
+                            r.error = exc
+                finally:
+                    for r in batch:
+                        r.done.set()
+
+    async def _gather(self) -> None:
+        """Let the generations woken by the last step queue their next one: wait until every
+        decoding generation has queued (or a full batch is there), or until ``GATHER_TURNS``
+        loop turns passed without a new request."""
+        quiet = 0
+        while quiet < GATHER_TURNS:
+            n = len(self._pending)
+            if n >= min(self._decoding, self.max_batch):
+                return
+            await anyio.sleep(0)
+            quiet = 0 if len(self._pending) > n else quiet + 1
+
+    def _batch_step(self, batch: list[StepRequest]) -> list[StepRequest]:
+        """Compute thread: prepare each request's rows (a failed draft fails only its own
+        generation), then one ``forward_batch`` over all of them; returns those that ran."""
+        live: list[StepRequest] = []
+        for r in batch:
+            if r.prepare is not None:
+                try:
+                    r.ids = r.prepare()
+                except Exception as exc:
+                    r.error = exc
+                    continue
+            live.append(r)
+        if not live:
+            return live
+        ids = []
+        for r in live:
+            assert r.ids is not None  # set at creation or by prepare
+            ids.append(r.ids)
+        outs = self.model.forward_batch(ids, [r.cache for r in live], ctx=self.ctx)
+        for r, o in zip(live, outs, strict=True):
+            r.logits = o.logits
+            r.hidden = o.hidden
+            r.shared = len(live) > 1
+        return live
