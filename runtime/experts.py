@@ -9,6 +9,10 @@ they land. Arrival order only changes *when* an expert is computed, never the re
 block combines expert outputs in a fixed order, so output is bit-identical for every budget,
 policy, prefetch setting and reader backend.
 
+Decisions (which tier, which slot, which read next, which lookahead to drop) are made by the
+pure :class:`runtime.policies.tiers.TierPolicy`; :class:`ExpertStore` runs them: it owns the
+slots and the reads, and follows what the policy says.
+
 Thread model: methods prefixed ``_loop_`` and coroutines run on the event loop; the
 :class:`StreamingExperts` facade is called from the compute thread (one started by
 ``anyio.to_thread.run_sync``) and reaches the loop through ``anyio.from_thread`` plus a
@@ -30,51 +34,19 @@ import numpy as np
 import numpy.typing as npt
 
 from runtime.linear import Linear
-from runtime.policies.lru import LayerLru
+from runtime.policies.tiers import Placement, StepHandle, TierPolicy, TierStats
 from runtime.weights import ExpertWeights
 from storage.aligned import aligned_empty
 from storage.container import Container, ExpertExtent
 from storage.errors import ColibriError, ReadError
 from storage.integrity import Check, ExpertChecksums, crc32_of, crc_check, verify_views
-from storage.reader import ReadRequest, required_size
+from storage.reader import Reader, ReadRequest, required_size
 
 __all__ = ["ExpertStore", "StoreLayout", "StreamingExperts", "TierStats", "plan_layout"]
 
 Key = tuple[int, int]
 R = TypeVar("R")
 ALIGN = 4096
-
-
-@dataclass
-class TierStats:
-    """Counters since open (the engine adds them to ``stats()``)."""
-
-    hits_pinned: int = 0
-    hits_lru: int = 0
-    misses: int = 0
-    reads: int = 0  # read requests (an expert's blob and its scales are separate requests)
-    experts_read: int = 0
-    bytes_read: int = 0
-    read_wait_s: float = 0.0
-    prefetch_issued: int = 0
-    prefetch_used: int = 0
-    prefetch_wasted: int = 0
-    evictions: int = 0
-    bypass: int = 0  # misses served through a transient slot
-    read_errors: int = 0
-    repins: int = 0
-    compute_stall_s: float = 0.0  # time the compute thread waited for an expert to land
-    lookahead_predicted_hits: int = 0  # routed experts the lookahead had predicted
-    lookahead_routed: int = 0  # routed experts of layers that had a prediction
-
-    def as_dict(self) -> dict[str, float]:
-        d: dict[str, float] = dict(self.__dict__)
-        looked = self.hits_pinned + self.hits_lru + self.misses
-        d["hit_rate"] = (self.hits_pinned + self.hits_lru) / looked if looked else 0.0
-        d["lookahead_recall"] = (
-            self.lookahead_predicted_hits / self.lookahead_routed if self.lookahead_routed else 0.0
-        )
-        return d
 
 
 @dataclass(frozen=True)
@@ -165,13 +137,11 @@ class _Slot:
         return int(self.blob.nbytes + self.scales.nbytes)
 
 
-@dataclass
-class _Step:
-    """One layer's request from the compute thread."""
+@dataclass(eq=False)
+class _Step(StepHandle):
+    """One layer's request from the compute thread, with the queue its arrivals come through."""
 
-    layer: int
     out: queue.SimpleQueue[Any] = field(default_factory=queue.SimpleQueue)
-    aborted: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,12 +153,12 @@ class _Done:
 
 
 class ExpertStore:
-    """Owns the slots, the tiers and the reads. Lives on the event loop."""
+    """Owns the slots and the reads and runs the :class:`TierPolicy`. Lives on the event loop."""
 
     def __init__(
         self,
         container: Container,
-        reader: Any,
+        reader: Reader,
         layout: StoreLayout,
         *,
         prefetch: bool = True,
@@ -196,6 +166,7 @@ class ExpertStore:
         read_depth: int = 2,
         placement: Any = None,
         checksums: ExpertChecksums | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.c = container
         # --verify-reads: every read checked against the manifest's CRC-32s (None: unchecked)
@@ -205,39 +176,57 @@ class ExpertStore:
         # failover; None reads everything from the primary.
         self.placement = placement
         self.layout = layout
-        self.prefetch_enabled = prefetch
-        self.stats = TierStats()
+        self.policy = TierPolicy(
+            container.expert_layers(),
+            lru_slots=layout.lru_slots_per_layer,
+            transient_slots=layout.transient_slots,
+            read_depth=read_depth,
+            prefetch=prefetch,
+        )
+        self.policy.prefill = prefill_admit
+        self.stats: TierStats = self.policy.stats
+        self._clock = clock
         self._blob_bytes, self._scales_bytes = slot_sizes(container)
+        # buffers: which slot holds which key (the policy decides; these follow)
         self._pinned: dict[Key, _Slot] = {}
-        self._lru = {
-            layer: LayerLru(layout.lru_slots_per_layer) for layer in container.expert_layers()
-        }
         self._cached: dict[Key, _Slot] = {}
         self._free_cache: dict[int, list[_Slot]] = {}
         self._transient_free: list[_Slot] = []
-        self._slot_freed = anyio.Event()
-        self._inflight: set[Key] = set()
         self._prefetched: dict[Key, _Slot] = {}  # lookahead results parked in transient slots
-        self._waiters: dict[Key, _Step] = {}
         self._held: dict[Key, _Slot] = {}  # transient slots handed to the compute thread
-        self._lookahead_cached: set[Key] = set()  # lookahead reads that landed in a cache slot
-        self._predicted: dict[int, set[int]] = {}  # layer -> lookahead prediction (for recall)
-        self._tg: Any = None
-        self.prefill = prefill_admit
-        self.read_depth = read_depth
-        self._io_inflight = 0
-        self._demand_queued = 0
+        self._slot_freed = anyio.Event()
         self._io_changed = anyio.Event()
-        self._layer_gen: dict[int, int] = {}
+        self._tg: Any = None
         self.nbytes = 0
         self.fixed_buffers = False
+
+    @property
+    def prefetch_enabled(self) -> bool:
+        return self.policy.prefetch_enabled
+
+    @property
+    def prefill(self) -> bool:
+        """While True (prefill chunks), the LRU admits only into free slots."""
+        return self.policy.prefill
+
+    @prefill.setter
+    def prefill(self, on: bool) -> None:
+        self.policy.prefill = on
+
+    @property
+    def _inflight(self) -> set[Key]:
+        return self.policy.inflight
+
+    @property
+    def _lru(self) -> dict[int, Any]:
+        return self.policy.lru
 
     # ------------------------------------------------------------------ set-up
     async def start(self, tg: Any) -> None:
         """Allocate every slot up front and read the pinned set."""
         self._tg = tg
         self._transient_free = [self._new_slot() for _ in range(self.layout.transient_slots)]
-        for layer in self._lru:
+        for layer in self.policy.lru:
             self._free_cache[layer] = [
                 self._new_slot() for _ in range(self.layout.lru_slots_per_layer)
             ]
@@ -254,6 +243,7 @@ class ExpertStore:
         for key, slot in zip(self.layout.pinned, pinned_slots, strict=True):
             await self._read_into(key, slot)
             self._pinned[key] = slot
+            self.policy.pin(key)
 
     async def repin(self, counts: npt.NDArray[np.int64]) -> int:
         """Live re-pin between turns: swap cold pinned experts for hot ones (hysteresis, at
@@ -262,27 +252,28 @@ class ExpertStore:
 
         if not self._pinned:
             return 0
+        pol = self.policy
         score = {
             (layer, e): float(counts[layer, e])
-            for layer in self._lru
+            for layer in pol.lru
             for e in range(counts.shape[1])
-            if counts[layer, e] > 0 or (layer, e) in self._pinned
+            if counts[layer, e] > 0 or (layer, e) in pol.pinned
         }
         done = 0
         for old, new in repin_swaps(list(self._pinned), score):
-            if new in self._inflight or new in self._pinned:
+            if new in pol.inflight or new in pol.pinned:
                 continue
-            cached = self._cached.pop(new, None)
-            if cached is not None:  # it was in the LRU: its slot goes back to the free list
-                self._lru[new[0]].discard(new[1])
-                self._free_cache[new[0]].append(cached)
+            if pol.uncache(new):  # it was in the LRU: its slot goes back to the free list
+                self._free_cache[new[0]].append(self._cached.pop(new))
             slot = self._pinned.pop(old)
+            pol.unpin(old)
             try:
                 with anyio.CancelScope(shield=True):
                     await self._read_into(new, slot)
             except ColibriError:
                 continue  # the slot is dropped from the pinned set; reads fall back to the LRU
             self._pinned[new] = slot
+            pol.pin(new)
             done += 1
         self.stats.repins += done
         return done
@@ -294,9 +285,7 @@ class ExpertStore:
 
     def tiers(self) -> dict[Key, str]:
         """Where each resident expert lives now: ``pinned`` or ``lru`` (absent = storage)."""
-        t = {k: "lru" for k in self._cached if k not in self._inflight}
-        t.update({k: "pinned" for k in self._pinned})
-        return t
+        return self.policy.tiers()
 
     # ------------------------------------------------------------------ reads
     async def _read_into(self, key: Key, slot: _Slot) -> None:
@@ -310,7 +299,7 @@ class ExpertStore:
             bufs.append(slot.scales[off : off + need])
             off += need
         checks = self._checks(key, x, sreqs)
-        t0 = time.perf_counter()
+        t0 = self._clock()
         try:
             if self.placement is not None:  # the copy is chosen there; failover happens there
                 views = await self.placement.read_many(
@@ -326,7 +315,7 @@ class ExpertStore:
             self.stats.read_errors += 1
             raise
         finally:
-            self.stats.read_wait_s += time.perf_counter() - t0
+            self.stats.read_wait_s += self._clock() - t0
         self.stats.reads += 1 + len(sreqs)
         self.stats.experts_read += 1
         self.stats.bytes_read += blob_req.length + sum(r.length for r in sreqs)
@@ -360,35 +349,28 @@ class ExpertStore:
                 "mismatch: this copy on disk is damaged; run `coli doctor --verify`"
             )
 
-    async def _take_slot(self, key: Key, *, demand: bool) -> tuple[_Slot, bool] | None:
-        """A cache slot when the layer's LRU can take the expert, else a transient slot.
-
-        Demand reads may use every transient slot; lookahead reads only the spare half (and
-        return None rather than wait), so they never delay what the current step needs."""
-        layer, e = key
-        lru = self._lru[layer]
-        if lru.can_admit(prefill=self.prefill):
-            evicted = lru.admit(e, prefill=self.prefill)
-            if evicted is not None:
-                slot = self._cached.pop((layer, evicted))
-                self.stats.evictions += 1
-                if (layer, evicted) in self._lookahead_cached:
-                    self._lookahead_cached.discard((layer, evicted))
-                    self.stats.prefetch_wasted += 1
-            else:
-                slot = self._free_cache[layer].pop()
-            self._cached[key] = slot
-            return slot, True
-        if not demand:
-            if len(self._transient_free) <= self.layout.transient_slots // 2:
+    # ------------------------------------------------------------------ slots and the gate
+    async def _take_slot(self, key: Key, *, demand: bool) -> tuple[_Slot, Placement] | None:
+        """The slot the policy places ``key``'s read in; a demand read waits for a transient
+        slot when none is free, a lookahead read gets None instead."""
+        while True:
+            where = self.policy.place(key, demand=demand)
+            if where is not None:
+                break
+            if not demand:
                 return None
-            return self._transient_free.pop(), False
-        self.stats.bypass += 1
-        while not self._transient_free:
             await self._slot_freed.wait()
-        return self._transient_free.pop(), False
+        if not where.cached:
+            return self._transient_free.pop(), where
+        if where.evicted is not None:
+            slot = self._cached.pop(where.evicted)
+        else:
+            slot = self._free_cache[key[0]].pop()
+        self._cached[key] = slot
+        return slot, where
 
-    def _release_transient(self, slot: _Slot) -> None:
+    def _return_transient(self, slot: _Slot) -> None:
+        """Put a transient slot back on the free list (the policy has counted it back)."""
         slot.key = None
         slot.weights = None
         self._transient_free.append(slot)
@@ -396,58 +378,45 @@ class ExpertStore:
         self._slot_freed = anyio.Event()
 
     async def _gate(self, demand: bool) -> None:
-        """Admit one read: at most ``read_depth`` in flight, demand reads before lookahead.
-
-        A few reads in flight keep the disk busy; all misses at once would share the bandwidth
-        and land together at the end, leaving nothing to overlap compute with."""
-        queued = False
+        """Wait until the policy lets this read start (:meth:`TierPolicy.try_issue`)."""
+        pol = self.policy
+        if pol.try_issue(demand=demand):
+            return
+        if demand:
+            pol.queue_demand(+1)
         try:
-            while True:
-                # Lookahead reads only use an idle disk: they never delay a demand read.
-                if (demand and self._io_inflight < self.read_depth) or (
-                    not demand and self._io_inflight == 0 and self._demand_queued == 0
-                ):
-                    self._io_inflight += 1
-                    return
-                if demand and not queued:
-                    self._demand_queued += 1
-                    queued = True
+            while not pol.try_issue(demand=demand):
                 await self._io_changed.wait()
         finally:
-            if queued:
-                self._demand_queued -= 1
+            if demand:
+                pol.queue_demand(-1)
 
     def _ungate(self) -> None:
-        self._io_inflight -= 1
+        self.policy.io_done()
         self._io_changed.set()
         self._io_changed = anyio.Event()
 
+    # ------------------------------------------------------------------ one read
     async def _fetch(self, key: Key, *, demand: bool) -> None:
-        layer = key[0]
-        if not demand:
-            gen = self._layer_gen.get(layer, 0)
-            await self._gate(demand=False)
-            wanted = key in self._waiters
-            if not wanted and self._layer_gen.get(layer, 0) != gen:
-                # The layer's step came and went without this expert: skip the stale read.
-                self._ungate()
-                self._inflight.discard(key)
-                self.stats.prefetch_issued -= 1
-                return
-            demand = wanted
-            got = await self._take_slot(key, demand=demand)
-        else:
+        pol = self.policy
+        if demand:
             got = await self._take_slot(key, demand=True)
             await self._gate(demand=True)
-        if got is None:  # no spare room for a lookahead read: skip it
-            self._ungate()
-            self._inflight.discard(key)
-            self.stats.prefetch_issued -= 1
-            return
-        slot, cached = got
-        lru = self._lru[layer]
-        if cached:
-            lru.hold(key[1])
+        else:
+            gen = pol.generation(key[0])
+            await self._gate(demand=False)
+            ready = pol.lookahead_ready(key, gen)
+            if ready is None:  # the layer's step came and went without it: skip the read
+                self._ungate()
+                return
+            demand = ready  # a step waits for it now
+            got = await self._take_slot(key, demand=demand)
+            if got is None:  # no spare room for a lookahead read: skip it
+                pol.drop(key)
+                self._ungate()
+                return
+        assert got is not None
+        slot, where = got
         err: ColibriError | None = None
         try:
             with anyio.CancelScope(shield=True):  # never abandon a buffer the kernel writes into
@@ -456,73 +425,46 @@ class ExpertStore:
             err = exc
         finally:
             self._ungate()
-            self._inflight.discard(key)
-            if cached:
-                lru.unhold(key[1])
-        if err is not None and cached:
-            lru.discard(key[1])
-            self._cached.pop(key, None)
-            self._free_cache[key[0]].append(slot)
-        step = self._waiters.pop(key, None)
-        if step is None and cached and err is None and not demand:
-            self._lookahead_cached.add(key)
-        if step is None or step.aborted:
-            if not cached:
-                if err is None and step is None and not demand:
-                    self._prefetched[key] = slot  # parked for the demand step of that layer
-                else:
-                    self._release_transient(slot)
-            return
-        if err is not None:
-            if not cached:
-                self._release_transient(slot)
+        if err is not None and where.cached:
+            self._free_cache[key[0]].append(self._cached.pop(key))
+        step = pol.waiters.get(key)
+        outcome = pol.landed(key, where, ok=err is None, demand=demand)
+        if outcome == "park":
+            self._prefetched[key] = slot  # for the demand step of that layer
+        elif outcome == "release":
+            self._return_transient(slot)
+        elif outcome == "error":
+            assert isinstance(step, _Step) and err is not None
+            if not where.cached:
+                self._return_transient(slot)
             step.out.put(err)
-            return
-        assert slot.weights is not None
-        if not cached:
-            self._held[key] = slot
-        step.out.put((key[1], slot.weights))
+        elif outcome == "deliver":
+            assert isinstance(step, _Step) and slot.weights is not None
+            if not where.cached:
+                self._held[key] = slot
+            step.out.put((key[1], slot.weights))
 
     # ------------------------------------------------------------------ loop-side step API
     def _loop_begin(self, step: _Step, experts: Sequence[int]) -> list[tuple[int, ExpertWeights]]:
         """Resident experts now; misses are read and arrive through ``step.out``."""
         layer = step.layer
-        lru = self._lru[layer]
-        lru.protect(experts)
-        predicted = self._predicted.pop(layer, None)
-        if predicted is not None:
-            self.stats.lookahead_routed += len(experts)
-            self.stats.lookahead_predicted_hits += len(predicted.intersection(experts))
         ready: list[tuple[int, ExpertWeights]] = []
-        for e in experts:
+        for e, tier in self.policy.begin(step, experts):
             key = (layer, e)
-            pinned = self._pinned.get(key)
-            if pinned is not None and pinned.weights is not None:
-                self.stats.hits_pinned += 1
-                ready.append((e, pinned.weights))
-                continue
-            cached = self._cached.get(key)
-            if cached is not None and key not in self._inflight and cached.weights is not None:
-                self.stats.hits_lru += 1
-                if key in self._lookahead_cached:
-                    self._lookahead_cached.discard(key)
-                    self.stats.prefetch_used += 1
-                lru.touch(e)
-                ready.append((e, cached.weights))
-                continue
-            self.stats.misses += 1
-            parked = self._prefetched.pop(key, None)
-            if parked is not None and parked.weights is not None:
-                self.stats.prefetch_used += 1
-                self._held[key] = parked
-                ready.append((e, parked.weights))
-                continue
-            self._waiters[key] = step
-            if key in self._inflight:
-                self.stats.prefetch_used += 1  # a lookahead read already under way
-            else:
-                self._inflight.add(key)
+            if tier == "read":
                 self._tg.start_soon(self._demand, key)
+                continue
+            if tier == "inflight":
+                continue
+            if tier == "pinned":
+                slot = self._pinned[key]
+            elif tier == "lru":
+                slot = self._cached[key]
+            else:  # "parked": a lookahead result in a transient slot, now held by the step
+                slot = self._prefetched.pop(key)
+                self._held[key] = slot
+            assert slot.weights is not None
+            ready.append((e, slot.weights))
         return ready
 
     async def _demand(self, key: Key) -> None:
@@ -534,33 +476,19 @@ class ExpertStore:
     def _loop_done_with(self, layer: int, e: int) -> None:
         slot = self._held.pop((layer, e), None)
         if slot is not None:
-            self._release_transient(slot)
+            self.policy.release_transient()
+            self._return_transient(slot)
 
     def _loop_end(self, step: _Step) -> None:
-        step.aborted = True  # late arrivals release their own transient slots
-        self._layer_gen[step.layer] = self._layer_gen.get(step.layer, 0) + 1
-        self._lru[step.layer].unprotect()
-        for key in [k for k, s in self._waiters.items() if s is step]:
-            del self._waiters[key]
-        for key in [k for k in self._prefetched if k[0] == step.layer]:
-            self.stats.prefetch_wasted += 1
-            self._release_transient(self._prefetched.pop(key))
+        for key in self.policy.end(step):
+            self._return_transient(self._prefetched.pop(key))
+        # An expert handed out but never given back (the consumer stopped while computing it,
+        # e.g. its computation raised): its transient slot comes back with the step's end.
+        for key in [k for k in self._held if k[0] == step.layer]:
+            self._loop_done_with(*key)
 
     def _loop_prefetch(self, layer: int, experts: Sequence[int]) -> None:
-        if not self.prefetch_enabled or layer not in self._lru:
-            return
-        self._predicted[layer] = set(experts)
-        for e in experts:
-            key = (layer, e)
-            if (
-                key in self._pinned
-                or key in self._cached
-                or key in self._inflight
-                or key in self._prefetched
-            ):
-                continue
-            self.stats.prefetch_issued += 1
-            self._inflight.add(key)
+        for key in self.policy.lookahead(layer, experts):
             self._tg.start_soon(self._lookahead, key)
 
 

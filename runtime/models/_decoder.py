@@ -53,7 +53,7 @@ from runtime.weights import (
     load_layer,
     load_mtp,
 )
-from storage.arch import check_router
+from storage.arch import ArchConfig, check_router
 from storage.errors import ConfigError, ModelError
 
 __all__ = [
@@ -77,13 +77,6 @@ class LogitsOut(NamedTuple):
     hidden: F32Array
 
 
-def _need(cfg: Mapping[str, Any], key: str) -> Any:
-    val = cfg.get(key)
-    if val is None:
-        raise ConfigError(f"config.json: missing required key {key!r}")
-    return val
-
-
 class SeqState(NamedTuple):
     """One sequence of a call: its cache, its first new position, rope tables [T, R/2]."""
 
@@ -95,8 +88,12 @@ class SeqState(NamedTuple):
 
 @dataclass(frozen=True, kw_only=True)
 class MLAMoEConfig:
-    """HF config keys shared by the MLA + MoE architectures (field name = config key)."""
+    """HF config keys shared by the MLA + MoE architectures (field name = config key).
 
+    The structural keys come from :class:`storage.arch.ArchConfig` (``arch``: one parse, the
+    one storage, the converter and doctor use); this class adds what only the math reads."""
+
+    arch: ArchConfig
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -134,32 +131,35 @@ class MLAMoEConfig:
             val = cfg.get(key)
             return default if val is None else val
 
+        arch = ArchConfig.from_dict(cfg)  # the structure, parsed and validated once
         try:
             kw: dict[str, Any] = dict(
-                model_type=str(_need(cfg, "model_type")),
-                vocab_size=int(_need(cfg, "vocab_size")),
-                hidden_size=int(_need(cfg, "hidden_size")),
-                intermediate_size=int(_need(cfg, "intermediate_size")),
-                moe_intermediate_size=int(_need(cfg, "moe_intermediate_size")),
-                num_hidden_layers=int(_need(cfg, "num_hidden_layers")),
-                num_attention_heads=int(_need(cfg, "num_attention_heads")),
-                n_routed_experts=int(_need(cfg, "n_routed_experts")),
-                n_shared_experts=int(opt("n_shared_experts", 0)),
-                num_experts_per_tok=int(_need(cfg, "num_experts_per_tok")),
-                n_group=int(opt("n_group", 1)),
-                topk_group=int(opt("topk_group", 1)),
+                arch=arch,
+                model_type=arch.model_type,
+                vocab_size=arch.vocab_size,
+                hidden_size=arch.hidden_size,
+                intermediate_size=arch.intermediate_size,
+                moe_intermediate_size=arch.moe_intermediate_size,
+                num_hidden_layers=arch.num_hidden_layers,
+                num_attention_heads=arch.num_attention_heads,
+                n_routed_experts=arch.n_routed_experts,
+                n_shared_experts=arch.n_shared_experts,
+                num_experts_per_tok=arch.top_k,
+                n_group=arch.n_group,
+                topk_group=arch.topk_group,
+                q_lora_rank=arch.q_lora_rank,
+                kv_lora_rank=arch.kv_lora_rank,
+                qk_nope_head_dim=arch.qk_nope_head_dim,
+                qk_rope_head_dim=arch.qk_rope_head_dim,
+                v_head_dim=arch.v_head_dim,
+                first_k_dense_replace=arch.first_k_dense_replace,
+                num_nextn_predict_layers=arch.num_mtp_layers,
+                # the keys only the math needs
                 norm_topk_prob=bool(opt("norm_topk_prob", True)),
                 routed_scaling_factor=float(opt("routed_scaling_factor", 1.0)),
-                q_lora_rank=None if cfg.get("q_lora_rank") is None else int(cfg["q_lora_rank"]),
-                kv_lora_rank=int(_need(cfg, "kv_lora_rank")),
-                qk_nope_head_dim=int(_need(cfg, "qk_nope_head_dim")),
-                qk_rope_head_dim=int(_need(cfg, "qk_rope_head_dim")),
-                v_head_dim=int(_need(cfg, "v_head_dim")),
-                first_k_dense_replace=int(opt("first_k_dense_replace", 0)),
                 rms_norm_eps=float(opt("rms_norm_eps", 1e-6)),
                 max_position_embeddings=int(opt("max_position_embeddings", 4096)),
                 hidden_act=str(opt("hidden_act", "silu")),
-                num_nextn_predict_layers=int(opt("num_nextn_predict_layers", 0)),
                 rope_parameters=RopeParameters.from_config(cfg),
             )
         except (TypeError, ValueError) as exc:
@@ -173,7 +173,7 @@ class MLAMoEConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         """MoE or dense MLP (MTP layers, index >= num_hidden_layers, are MoE)."""
-        return layer >= self.num_hidden_layers or layer >= self.first_k_dense_replace
+        return self.arch.is_moe_layer(layer)
 
     def interleaved_rope(self) -> bool:
         """Whether rope pairs are interleaved (x0, x1), ... rather than split in halves."""

@@ -31,7 +31,7 @@ from runtime.layers import dsa_indexer as dsa
 from runtime.layers.mla import MLAProjection
 from runtime.models._decoder import MLAMoEConfig, MLAMoEModel, SeqState
 from runtime.weights import ContainerLike, ExpertSource, LayerWeights, ModelWeights
-from storage.arch import default_indexer_types
+from storage.arch import ArchConfig
 from storage.errors import ConfigError, ModelError
 
 __all__ = ["GlmMoeDsa", "GlmMoeDsaConfig"]
@@ -53,26 +53,21 @@ class GlmMoeDsaConfig(MLAMoEConfig):
     @classmethod
     def _parse(cls, cfg: Mapping[str, Any]) -> dict[str, Any]:
         kw = super()._parse(cfg)
-        n = kw["num_hidden_layers"]
+        arch: ArchConfig = kw["arch"]
         try:
             kw["index_topk"] = int(cfg.get("index_topk") or 2048)
-            kw["index_head_dim"] = int(cfg.get("index_head_dim") or 128)
-            kw["index_n_heads"] = int(cfg.get("index_n_heads") or 64)
         except (TypeError, ValueError) as exc:
-            raise ConfigError(f"config.json: a DSA key has a bad value ({exc})") from exc
-        types = cfg.get("indexer_types") or default_indexer_types(cfg, n)
-        kw["indexer_types"] = tuple(str(t) for t in types)
-        dense = min(kw["first_k_dense_replace"], n)
-        mlp = cfg.get("mlp_layer_types") or ["dense"] * dense + ["sparse"] * (n - dense)
-        kw["mlp_layer_types"] = tuple(str(t) for t in mlp)
+            raise ConfigError(f"config.json: index_topk has a bad value ({exc})") from exc
+        kw["index_head_dim"] = arch.index_head_dim
+        kw["index_n_heads"] = arch.index_n_heads
+        kw["indexer_types"] = arch.indexer_types
+        kw["mlp_layer_types"] = arch.mlp_layer_types
         return kw
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.q_lora_rank is None:
             raise ConfigError("config.json: glm_moe_dsa needs q_lora_rank (the indexer reads it)")
-        if len(self.mlp_layer_types) < self.num_hidden_layers:
-            raise ConfigError("config.json: mlp_layer_types is shorter than num_hidden_layers")
         bad = set(self.indexer_types) - {"full", "shared"}
         if bad:
             raise ConfigError(f"config.json: unknown indexer_types {sorted(bad)}")
@@ -83,16 +78,9 @@ class GlmMoeDsaConfig(MLAMoEConfig):
         if self.qk_rope_head_dim > self.index_head_dim:
             raise ConfigError("config.json: index_head_dim is smaller than qk_rope_head_dim")
 
-    def is_moe_layer(self, layer: int) -> bool:
-        if layer >= self.num_hidden_layers:
-            return True
-        return self.mlp_layer_types[layer] == "sparse"
-
     def runs_indexer(self, layer: int) -> bool:
         """ "full" layers (and MTP layers, beyond the list) run their own indexer."""
-        if layer < len(self.indexer_types):
-            return self.indexer_types[layer] == "full"
-        return True
+        return self.arch.has_indexer(layer)
 
     @property
     def indexer_dims(self) -> dsa.IndexerDims:

@@ -1,4 +1,4 @@
-"""Placement policies: pure Python, driven by tests with fake clocks and fake readers.
+"""Placement policies: pure Python, no I/O, driven directly by their tests.
 
 They decide *where* an expert lives (pinned set, per-layer LRU, storage) and therefore only speed;
 they never see activations and cannot change an output token.
@@ -6,5 +6,14 @@ they never see activations and cannot change an output token.
 
 from runtime.policies.lru import LayerLru
 from runtime.policies.pin import choose_pinned, repin_swaps
+from runtime.policies.tiers import Placement, StepHandle, TierPolicy, TierStats
 
-__all__ = ["LayerLru", "choose_pinned", "repin_swaps"]
+__all__ = [
+    "LayerLru",
+    "Placement",
+    "StepHandle",
+    "TierPolicy",
+    "TierStats",
+    "choose_pinned",
+    "repin_swaps",
+]

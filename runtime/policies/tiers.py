@@ -1,0 +1,333 @@
+"""The tier policy: where each routed expert lives and which read goes next, decided in one place.
+
+# L layer, E expert, Key = (L, E); "transient" = a slot outside the cache (misses the LRU
+# cannot take, lookahead results parked until their layer runs)
+
+Pure and synchronous: no buffers, no I/O, no event loop, no clock.
+:class:`runtime.experts.ExpertStore` runs it on the event loop against a
+:class:`~storage.reader.Reader` and keeps the buffers (its tests use a fake reader on a fake
+clock); ``tests/test_tier_policy.py`` drives the policy directly. It decides only *where* an
+expert lives and *when* it is read, so it can change speed, never an output.
+
+Per step of a layer: :meth:`TierPolicy.begin` sorts the routed experts into resident (pinned,
+LRU, parked lookahead), already in flight, or to read; :meth:`place` picks each read's slot
+(a cache slot, evicting the LRU victim, or a transient one); :meth:`try_issue` gates reads
+(at most ``read_depth`` in flight, demand reads first, lookahead only on an idle device);
+:meth:`landed` says what happens to a completed read (deliver, park, release);
+:meth:`end` closes the step. :meth:`lookahead` turns a prediction into reads, and
+:meth:`lookahead_ready` drops the ones that went stale while they waited for the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from runtime.policies.lru import LayerLru
+
+__all__ = ["Landing", "Placement", "StepHandle", "TierPolicy", "TierStats"]
+
+Key = tuple[int, int]
+Tier = Literal["pinned", "lru", "parked", "inflight", "read"]
+Landing = Literal["deliver", "error", "park", "release", "keep"]
+
+
+@dataclass
+class TierStats:
+    """Counters since open (the engine adds them to ``stats()``)."""
+
+    hits_pinned: int = 0
+    hits_lru: int = 0
+    misses: int = 0
+    reads: int = 0  # read requests (an expert's blob and its scales are separate requests)
+    experts_read: int = 0
+    bytes_read: int = 0
+    read_wait_s: float = 0.0
+    prefetch_issued: int = 0
+    prefetch_used: int = 0
+    prefetch_wasted: int = 0
+    evictions: int = 0
+    bypass: int = 0  # misses served through a transient slot
+    read_errors: int = 0
+    repins: int = 0
+    compute_stall_s: float = 0.0  # time the compute thread waited for an expert to land
+    lookahead_predicted_hits: int = 0  # routed experts the lookahead had predicted
+    lookahead_routed: int = 0  # routed experts of layers that had a prediction
+
+    def as_dict(self) -> dict[str, float]:
+        d: dict[str, float] = dict(self.__dict__)
+        looked = self.hits_pinned + self.hits_lru + self.misses
+        d["hit_rate"] = (self.hits_pinned + self.hits_lru) / looked if looked else 0.0
+        d["lookahead_recall"] = (
+            self.lookahead_predicted_hits / self.lookahead_routed if self.lookahead_routed else 0.0
+        )
+        return d
+
+
+@dataclass(eq=False)
+class StepHandle:
+    """One layer's step as the policy knows it (the store attaches its arrival queue)."""
+
+    layer: int
+    aborted: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a read lands: a cache slot (``evicted``: the key whose slot it takes, if any) or a
+    transient slot."""
+
+    cached: bool
+    evicted: Key | None = None
+
+
+class TierPolicy:
+    """Key-level state of every tier and the decisions over it (see the module docstring)."""
+
+    def __init__(
+        self,
+        layers: Iterable[int],
+        *,
+        lru_slots: int,
+        transient_slots: int,
+        read_depth: int = 2,
+        prefetch: bool = True,
+    ) -> None:
+        self.lru = {layer: LayerLru(lru_slots) for layer in layers}
+        self.transient_slots = transient_slots
+        self.transient_free = transient_slots
+        self.read_depth = read_depth
+        self.prefetch_enabled = prefetch
+        self.prefill = False  # while prefilling, the LRU admits only into free slots
+        self.stats = TierStats()
+        self.pinned: set[Key] = set()
+        self.inflight: set[Key] = set()
+        self.parked: set[Key] = set()  # lookahead results in transient slots
+        self.waiters: dict[Key, StepHandle] = {}
+        self._lookahead_cached: set[Key] = set()  # lookahead reads that landed in a cache slot
+        self._predicted: dict[int, set[int]] = {}  # layer -> lookahead prediction (for recall)
+        self._generation: dict[int, int] = {}  # layer -> steps ended (stale lookahead check)
+        self._io_inflight = 0
+        self._demand_queued = 0
+
+    # ------------------------------------------------------------------ where experts are
+    def cached(self, key: Key) -> bool:
+        """In the layer's LRU with its read complete."""
+        return key[1] in self.lru[key[0]] and key not in self.inflight
+
+    def tiers(self) -> dict[Key, str]:
+        """Where each resident expert lives now: ``pinned`` or ``lru`` (absent = storage)."""
+        t = {
+            (layer, e): "lru"
+            for layer, lru in self.lru.items()
+            for e in lru.keys()
+            if (layer, e) not in self.inflight
+        }
+        t.update({k: "pinned" for k in self.pinned})
+        return t
+
+    # ------------------------------------------------------------------ a layer's step
+    def begin(self, step: StepHandle, experts: Sequence[int]) -> list[tuple[int, Tier]]:
+        """Classify each routed expert of ``step`` (ascending ids): resident ("pinned", "lru",
+        "parked": use it now), "inflight" (a lookahead read is under way: wait for it) or
+        "read" (start a demand read). Waiting and reading experts are registered to ``step``."""
+        layer = step.layer
+        lru = self.lru[layer]
+        lru.protect(experts)
+        predicted = self._predicted.pop(layer, None)
+        if predicted is not None:
+            self.stats.lookahead_routed += len(experts)
+            self.stats.lookahead_predicted_hits += len(predicted.intersection(experts))
+        out: list[tuple[int, Tier]] = []
+        for e in experts:
+            key = (layer, e)
+            if key in self.pinned:
+                self.stats.hits_pinned += 1
+                out.append((e, "pinned"))
+            elif self.cached(key):
+                self.stats.hits_lru += 1
+                if key in self._lookahead_cached:
+                    self._lookahead_cached.discard(key)
+                    self.stats.prefetch_used += 1
+                lru.touch(e)
+                out.append((e, "lru"))
+            else:
+                self.stats.misses += 1
+                if key in self.parked:
+                    self.parked.discard(key)
+                    self.stats.prefetch_used += 1
+                    out.append((e, "parked"))
+                    continue
+                self.waiters[key] = step
+                if key in self.inflight:
+                    self.stats.prefetch_used += 1  # a lookahead read already under way
+                    out.append((e, "inflight"))
+                else:
+                    self.inflight.add(key)
+                    out.append((e, "read"))
+        return out
+
+    def end(self, step: StepHandle) -> list[Key]:
+        """Close ``step``: later arrivals for it release their own slots. Returns the parked
+        lookahead results of its layer that it did not use (their slots go back)."""
+        step.aborted = True
+        layer = step.layer
+        self._generation[layer] = self._generation.get(layer, 0) + 1
+        self.lru[layer].unprotect()
+        for key in [k for k, s in self.waiters.items() if s is step]:
+            del self.waiters[key]
+        unused = [k for k in self.parked if k[0] == layer]
+        for key in unused:
+            self.parked.discard(key)
+            self.stats.prefetch_wasted += 1
+            self.release_transient()
+        return unused
+
+    # ------------------------------------------------------------------ slots
+    def place(self, key: Key, *, demand: bool) -> Placement | None:
+        """The slot for ``key``'s read: a cache slot when the layer's LRU can take it (evicting
+        its victim), else a transient one. Lookahead reads only use the spare half of the
+        transient slots. None: no slot now (a lookahead read is then skipped, a demand read
+        waits for :meth:`release_transient` and asks again)."""
+        layer, e = key
+        lru = self.lru[layer]
+        if lru.can_admit(prefill=self.prefill):
+            victim = lru.admit(e, prefill=self.prefill)
+            evicted = None
+            if victim is not None:
+                evicted = (layer, victim)
+                self.stats.evictions += 1
+                if evicted in self._lookahead_cached:
+                    self._lookahead_cached.discard(evicted)
+                    self.stats.prefetch_wasted += 1
+            lru.hold(e)  # not evictable while its read is in flight
+            return Placement(True, evicted)
+        if not demand and self.transient_free <= self.transient_slots // 2:
+            return None
+        if self.transient_free == 0:
+            return None
+        self.transient_free -= 1
+        if demand:
+            self.stats.bypass += 1
+        return Placement(False)
+
+    def release_transient(self) -> None:
+        """A transient slot came back (its expert was computed, or its read was dropped)."""
+        self.transient_free += 1
+        assert self.transient_free <= self.transient_slots
+
+    # ------------------------------------------------------------------ the read gate
+    def try_issue(self, *, demand: bool) -> bool:
+        """Start one read if the gate allows it now: demand reads while fewer than
+        ``read_depth`` are in flight; lookahead reads only on an idle device with no demand
+        read waiting (they never delay what the current step needs). A few reads in flight
+        keep the device busy; all misses at once would share the bandwidth and land together
+        at the end, leaving nothing to overlap compute with."""
+        if demand:
+            ok = self._io_inflight < self.read_depth
+        else:
+            ok = self._io_inflight == 0 and self._demand_queued == 0
+        if ok:
+            self._io_inflight += 1
+        return ok
+
+    def queue_demand(self, delta: int) -> None:
+        """A demand read starts (+1) or stops (-1) waiting at the gate."""
+        self._demand_queued += delta
+        assert self._demand_queued >= 0
+
+    def io_done(self) -> None:
+        """A read that passed the gate finished (or was dropped after passing it)."""
+        self._io_inflight -= 1
+        assert self._io_inflight >= 0
+
+    # ------------------------------------------------------------------ lookahead
+    def generation(self, layer: int) -> int:
+        return self._generation.get(layer, 0)
+
+    def lookahead(self, layer: int, experts: Sequence[int]) -> list[Key]:
+        """A prediction that ``layer`` will route to ``experts``: the keys to read ahead (not
+        resident, not in flight). They are marked in flight."""
+        if not self.prefetch_enabled or layer not in self.lru:
+            return []
+        self._predicted[layer] = set(experts)
+        keys = []
+        for e in experts:
+            key = (layer, e)
+            if key in self.pinned or e in self.lru[layer] or key in self.inflight:
+                continue
+            if key in self.parked:
+                continue
+            self.stats.prefetch_issued += 1
+            self.inflight.add(key)
+            keys.append(key)
+        return keys
+
+    def lookahead_ready(self, key: Key, generation: int) -> bool | None:
+        """A lookahead read of ``key`` (queued when its layer had ended ``generation`` steps)
+        passed the gate: True when a step now waits for it (it became a demand read), False to
+        go on as lookahead, None to drop it (its layer's step came and went without it)."""
+        if key in self.waiters:
+            return True
+        if self.generation(key[0]) != generation:
+            self.drop(key)
+            return None
+        return False
+
+    def drop(self, key: Key) -> None:
+        """A queued lookahead read of ``key`` is not made (stale, or no spare slot)."""
+        self.inflight.discard(key)
+        self.stats.prefetch_issued -= 1
+
+    # ------------------------------------------------------------------ completions
+    def landed(self, key: Key, placement: Placement, *, ok: bool, demand: bool) -> Landing:
+        """A read of ``key`` into ``placement`` finished (``ok``: without error; a failed read
+        into a cache slot leaves the LRU, and the store gives that slot back). Returns what
+        happens next:
+
+        * "deliver": hand the expert to the waiting step (a transient slot stays held by it);
+        * "error": hand the error to the waiting step (a transient slot was released);
+        * "park": keep the lookahead result in its transient slot until its layer runs;
+        * "release": nobody needs it: the transient slot goes back;
+        * "keep": nobody waits; a cache slot keeps what it read."""
+        layer, e = key
+        self.inflight.discard(key)
+        lru = self.lru[layer]
+        if placement.cached:
+            lru.unhold(e)
+            if not ok:
+                lru.discard(e)
+        step = self.waiters.pop(key, None)
+        if step is None and placement.cached and ok and not demand:
+            self._lookahead_cached.add(key)
+        if step is None or step.aborted:
+            if placement.cached:
+                return "keep"
+            if ok and step is None and not demand:
+                self.parked.add(key)
+                return "park"
+            self.release_transient()
+            return "release"
+        if not ok:
+            if not placement.cached:
+                self.release_transient()
+            return "error"
+        return "deliver"
+
+    # ------------------------------------------------------------------ pinned set
+    def pin(self, key: Key) -> None:
+        self.pinned.add(key)
+
+    def unpin(self, key: Key) -> None:
+        self.pinned.discard(key)
+
+    def uncache(self, key: Key) -> bool:
+        """Take ``key`` out of its layer's LRU (it moves to the pinned set); True if it was
+        there (its cache slot goes back to the free list)."""
+        lru = self.lru[key[0]]
+        if key[1] not in lru:
+            return False
+        lru.discard(key[1])
+        self._lookahead_cached.discard(key)
+        return True

@@ -1,0 +1,197 @@
+"""The expert store on its own (runtime/experts.py): the loop-side I/O that runs the tier policy,
+driven against a FakeReader (scripted delays on a fake clock, injected errors, stalled reads)
+and the compute-thread facade, without a model."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import numpy as np
+import pytest
+from _demo import TINY
+from fake_reader import FakeReader, Rule
+
+from runtime.experts import ExpertStore, StoreLayout, StreamingExperts, slot_sizes
+from runtime.weights import ExpertWeights, ResidentExperts
+from storage.container import Container
+from storage.errors import ReadError
+
+C = Container.open(TINY)
+LAYERS = C.expert_layers()
+TOP_K = C.arch.top_k
+ALL = list(range(C.arch.n_routed_experts))
+
+
+def _digest(w: ExpertWeights) -> str:
+    h = hashlib.sha256()
+    for lin in (w.gate, w.up, w.down):
+        h.update(np.ascontiguousarray(lin.q.data).tobytes())
+        if lin.q.scales is not None:
+            h.update(lin.q.scales.tobytes())
+    return h.hexdigest()
+
+
+RESIDENT = ResidentExperts(C)
+WANT = {(layer, e): _digest(RESIDENT.get(layer, [e])[e]) for layer in LAYERS for e in ALL}
+
+
+def _layout(lru: int = 2, transient: int = 2 * TOP_K) -> StoreLayout:
+    blob, scales = slot_sizes(C)
+    return StoreLayout((), lru, len(LAYERS), transient, blob + max(scales, 4096))
+
+
+Body = Callable[[ExpertStore, StreamingExperts], Awaitable[None]]
+
+
+def _run(reader: FakeReader, body: Body, *, prefetch: bool = False, **layout: int) -> None:
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            store = ExpertStore(
+                C, reader, _layout(**layout), prefetch=prefetch, clock=reader.clock
+            )
+            await store.start(tg)
+            try:
+                await body(store, StreamingExperts(store))
+            finally:
+                tg.cancel_scope.cancel()
+
+    anyio.run(main)
+
+
+async def _step(src: StreamingExperts, layer: int, experts: list[int]) -> dict[int, str]:
+    """One layer's step on a worker thread, as the model runs it: digest each arrival."""
+
+    def consume() -> dict[int, str]:
+        return {e: _digest(w) for e, w in src.arrivals(layer, experts)}
+
+    return await anyio.to_thread.run_sync(consume)
+
+
+def _settled(store: ExpertStore) -> None:
+    """Nothing in flight, held or parked; every transient slot is back."""
+    assert not store._inflight
+    assert not store._held
+    assert not store._prefetched
+    assert len(store._transient_free) == store.layout.transient_slots
+    assert store.policy.transient_free == store.layout.transient_slots
+
+
+def test_every_arrival_is_the_experts_bytes_and_reads_respect_the_depth() -> None:
+    reader = FakeReader()
+    reader.rules.append(Rule(delay=0.01))
+
+    async def body(store: ExpertStore, src: StreamingExperts) -> None:
+        for rnd in range(3):
+            for layer in LAYERS:
+                experts = sorted({(rnd + 3 * i) % len(ALL) for i in range(6)})
+                got = await _step(src, layer, experts)
+                assert got == {e: WANT[(layer, e)] for e in experts}
+        _settled(store)
+        st = store.stats
+        assert st.hits_lru > 0 and st.misses > 0 and st.bypass > 0  # every path ran
+        assert reader.peak <= store.policy.read_depth
+        assert st.experts_read == len(reader.extents)
+        # one read at a time: the fake clock moves only inside reads, so the read wait is
+        # exactly the reads' delays
+        before, n = st.read_wait_s, st.experts_read
+        for e in (11, 12, 13):
+            await _step(src, LAYERS[0], [e])
+        assert st.read_wait_s - before == pytest.approx(0.01 * (st.experts_read - n))
+
+    _run(reader, body)
+
+
+def test_a_read_error_reaches_the_step_and_returns_every_slot() -> None:
+    layer = LAYERS[0]
+    bad = C.expert(layer, 5).start
+    reader = FakeReader(rules=[Rule(offset=bad, error=True, times=1)])
+
+    async def body(store: ExpertStore, src: StreamingExperts) -> None:
+        with pytest.raises(ReadError, match="injected"):
+            await _step(src, layer, [1, 5, 9])
+        with anyio.fail_after(10):  # the step's other reads still land
+            while store._inflight:
+                await anyio.sleep(0.001)
+        _settled(store)
+        assert 5 not in store.policy.lru[layer]  # a failed read is not cached
+        assert store.stats.read_errors == 1
+        # the next step reads it again (the error was transient) and gets the right bytes
+        assert await _step(src, layer, [5]) == {5: WANT[(layer, 5)]}
+
+    _run(reader, body)
+
+
+def test_a_step_ended_with_reads_stalled_gives_everything_back() -> None:
+    layer = LAYERS[1]
+    gate = anyio.Event()
+    fast = C.expert(layer, 0).start
+    reader = FakeReader(rules=[Rule(offset=fast), Rule(release=gate)])
+
+    async def body(store: ExpertStore, src: StreamingExperts) -> None:
+        def first_then_fail() -> int:
+            # the model's computation of the first arrival fails: the step ends early
+            for e, _ in src.arrivals(layer, [0, 2, 4, 6, 8]):
+                return e
+            raise AssertionError("no arrival")
+
+        assert await anyio.to_thread.run_sync(first_then_fail) == 0
+        assert store._inflight  # the stalled reads are still on the device
+        reader.rules.clear()
+        gate.set()  # they land with nobody waiting: their slots come back
+        with anyio.fail_after(10):
+            while store._inflight:
+                await anyio.sleep(0.001)
+        _settled(store)
+        assert await _step(src, layer, [0, 2]) == {e: WANT[(layer, e)] for e in (0, 2)}
+
+    _run(reader, body, lru=0)
+
+
+def test_lookahead_reads_land_parked_and_serve_the_next_step() -> None:
+    layer = LAYERS[2]
+    reader = FakeReader()
+
+    async def body(store: ExpertStore, src: StreamingExperts) -> None:
+        await anyio.to_thread.run_sync(lambda: src.prefetch(layer, [1, 3]))
+        with anyio.fail_after(10):
+            while store._inflight:
+                await anyio.sleep(0.001)
+        assert set(store._prefetched) == {(layer, 1), (layer, 3)}
+        reads = len(reader.extents)
+        assert await _step(src, layer, [1, 3, 7]) == {e: WANT[(layer, e)] for e in (1, 3, 7)}
+        assert len(reader.extents) == reads + 1  # only 7 was read on demand
+        st = store.stats
+        assert st.prefetch_used == 2 and st.lookahead_predicted_hits == 2
+        _settled(store)
+
+    _run(reader, body, prefetch=True, lru=0)
+
+
+def test_a_demand_miss_waits_for_the_lookahead_read_already_in_flight() -> None:
+    layer = LAYERS[3]
+    gate = anyio.Event()
+    reader = FakeReader(rules=[Rule(offset=C.expert(layer, 4).start, release=gate)])
+
+    async def body(store: ExpertStore, src: StreamingExperts) -> None:
+        await anyio.to_thread.run_sync(lambda: src.prefetch(layer, [4]))
+        await anyio.sleep(0.01)  # the lookahead read is on the device (stalled)
+        async with anyio.create_task_group() as tg:
+            out: dict[str, Any] = {}
+
+            async def step() -> None:
+                out["got"] = await _step(src, layer, [4])
+
+            tg.start_soon(step)
+            await anyio.sleep(0.05)
+            gate.set()
+        assert out["got"] == {4: WANT[(layer, 4)]}
+        offsets = [off for _, off in reader.extents]
+        assert offsets.count(C.expert(layer, 4).start) == 1  # read once, not twice
+        assert store.stats.prefetch_used == 1
+        _settled(store)
+
+    _run(reader, body, prefetch=True)

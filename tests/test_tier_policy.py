@@ -1,0 +1,173 @@
+"""The tier policy on its own: no buffers, no reads, no event loop (runtime/policies/tiers.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.policies import Placement, StepHandle, TierPolicy
+
+
+def _policy(**kw: object) -> TierPolicy:
+    args: dict[object, object] = {"lru_slots": 2, "transient_slots": 4, "read_depth": 2}
+    args.update(kw)
+    return TierPolicy([1, 2], **args)  # type: ignore[arg-type]
+
+
+def _land_all(p: TierPolicy, step: StepHandle, placed: dict[int, Placement]) -> list[str]:
+    return [p.landed((step.layer, e), w, ok=True, demand=True) for e, w in placed.items()]
+
+
+def test_begin_sorts_experts_by_tier_and_counts() -> None:
+    p = _policy()
+    p.pin((1, 0))
+    step = StepHandle(1)
+    tiers = p.begin(step, [0, 3, 5])
+    assert tiers == [(0, "pinned"), (3, "read"), (5, "read")]
+    assert p.stats.hits_pinned == 1 and p.stats.misses == 2
+    assert p.inflight == {(1, 3), (1, 5)}
+    assert p.waiters == {(1, 3): step, (1, 5): step}
+    placed = {e: p.place((1, e), demand=True) for e in (3, 5)}
+    assert all(w == Placement(True) for w in placed.values())  # two free cache slots
+    assert _land_all(p, step, placed) == ["deliver", "deliver"]  # type: ignore[arg-type]
+    p.end(step)
+    again = StepHandle(1)
+    assert p.begin(again, [3, 5]) == [(3, "lru"), (5, "lru")]
+    assert p.stats.hits_lru == 2
+    assert p.tiers() == {(1, 0): "pinned", (1, 3): "lru", (1, 5): "lru"}
+
+
+def test_lru_evicts_its_oldest_unprotected_entry_and_bypasses_when_all_are_in_use() -> None:
+    p = _policy()
+    for e in (3, 5):  # fill layer 1's two slots
+        step = StepHandle(1)
+        p.begin(step, [e])
+        p.landed((1, e), p.place((1, e), demand=True), ok=True, demand=True)  # type: ignore[arg-type]
+        p.end(step)
+    step = StepHandle(1)
+    p.begin(step, [7])
+    where = p.place((1, 7), demand=True)
+    assert where == Placement(True, evicted=(1, 3))  # 3 is the least recently used
+    assert p.stats.evictions == 1
+    p.landed((1, 7), where, ok=True, demand=True)  # type: ignore[arg-type]
+    p.end(step)
+    # a step routed to 5 and 7 (both cached, protected) and 9: 9 cannot take their slots
+    step = StepHandle(1)
+    assert p.begin(step, [5, 7, 9]) == [(5, "lru"), (7, "lru"), (9, "read")]
+    where = p.place((1, 9), demand=True)
+    assert where == Placement(False)
+    assert p.stats.bypass == 1 and p.transient_free == 3
+    assert p.landed((1, 9), where, ok=True, demand=True) == "deliver"  # type: ignore[arg-type]
+    p.release_transient()  # the compute thread is done with it
+    p.end(step)
+    assert p.transient_free == 4
+
+
+def test_prefill_admits_only_into_free_slots() -> None:
+    p = _policy(lru_slots=1)
+    step = StepHandle(1)
+    p.begin(step, [0])
+    p.landed((1, 0), p.place((1, 0), demand=True), ok=True, demand=True)  # type: ignore[arg-type]
+    p.end(step)
+    p.prefill = True
+    step = StepHandle(1)
+    p.begin(step, [1])
+    assert p.place((1, 1), demand=True) == Placement(False)  # the decode hot set stays
+    assert p.stats.evictions == 0
+
+
+def test_lookahead_uses_only_the_spare_half_of_the_transient_slots() -> None:
+    p = _policy(lru_slots=0)
+    keys = p.lookahead(2, [1, 2, 3])
+    assert keys == [(2, 1), (2, 2), (2, 3)] and p.stats.prefetch_issued == 3
+    assert p.place((2, 1), demand=False) == Placement(False)
+    assert p.place((2, 2), demand=False) == Placement(False)
+    assert p.place((2, 3), demand=False) is None  # two of four left: demand reads keep them
+    p.drop((2, 3))
+    assert p.stats.prefetch_issued == 2 and (2, 3) not in p.inflight
+    assert p.place((2, 4), demand=True) == Placement(False)
+    assert p.place((2, 5), demand=True) == Placement(False)
+    assert p.place((2, 6), demand=True) is None  # a demand read waits for a slot
+    p.release_transient()
+    assert p.place((2, 6), demand=True) == Placement(False)
+
+
+def test_the_gate_puts_demand_reads_first() -> None:
+    p = _policy(read_depth=2)
+    assert p.try_issue(demand=True)
+    assert not p.try_issue(demand=False)  # the device is busy: no lookahead
+    assert p.try_issue(demand=True)
+    assert not p.try_issue(demand=True)  # read_depth reached
+    p.queue_demand(+1)
+    p.io_done()
+    p.io_done()
+    assert not p.try_issue(demand=False)  # idle, but a demand read is queued
+    assert p.try_issue(demand=True)
+    p.queue_demand(-1)
+    p.io_done()
+    assert p.try_issue(demand=False)
+
+
+def test_a_parked_lookahead_is_used_by_its_step_or_given_back_at_its_end() -> None:
+    p = _policy(lru_slots=0)
+    (key,) = p.lookahead(1, [4])
+    where = p.place(key, demand=False)
+    assert where == Placement(False)
+    assert p.landed(key, where, ok=True, demand=False) == "park"
+    step = StepHandle(1)
+    assert p.begin(step, [4]) == [(4, "parked")]
+    assert p.stats.prefetch_used == 1
+    p.end(step)
+    # predicted, parked, and the step routed elsewhere: the slot comes back, counted wasted
+    (key,) = p.lookahead(1, [6])
+    p.landed(key, p.place(key, demand=False), ok=True, demand=False)  # type: ignore[arg-type]
+    step = StepHandle(1)
+    p.begin(step, [8])
+    assert p.end(step) == [(1, 6)]
+    assert p.stats.prefetch_wasted == 1
+    assert p.stats.lookahead_routed == 2 and p.stats.lookahead_predicted_hits == 1
+
+
+def test_a_step_waits_for_a_lookahead_read_in_flight_instead_of_reading_twice() -> None:
+    p = _policy()
+    (key,) = p.lookahead(2, [9])
+    step = StepHandle(2)
+    assert p.begin(step, [9]) == [(9, "inflight")]
+    assert p.lookahead_ready(key, p.generation(2)) is True  # it became a demand read
+    where = p.place(key, demand=True)
+    assert p.landed(key, where, ok=True, demand=True) == "deliver"  # type: ignore[arg-type]
+
+
+def test_a_stale_lookahead_is_dropped_when_it_reaches_the_device() -> None:
+    p = _policy()
+    gen = p.generation(2)
+    (key,) = p.lookahead(2, [9])
+    step = StepHandle(2)
+    p.begin(step, [1])
+    p.end(step)  # layer 2's step came and went without expert 9
+    assert p.lookahead_ready(key, gen) is None
+    assert key not in p.inflight and p.stats.prefetch_issued == 0
+
+
+def test_a_failed_read_leaves_the_cache_and_reaches_its_step() -> None:
+    p = _policy()
+    step = StepHandle(1)
+    p.begin(step, [2, 3])
+    w2, w3 = p.place((1, 2), demand=True), p.place((1, 3), demand=True)
+    assert w2 is not None and w2.cached and w3 is not None and w3.cached
+    assert p.landed((1, 2), w2, ok=False, demand=True) == "error"
+    assert 2 not in p.lru[1]
+    p.end(step)  # the step was cancelled before 3 landed
+    assert p.landed((1, 3), w3, ok=False, demand=True) == "keep"
+    assert 3 not in p.lru[1] and p.transient_free == 4 and not p.inflight
+
+
+@pytest.mark.parametrize("ok", [True, False])
+def test_a_transient_read_for_an_ended_step_gives_its_slot_back(ok: bool) -> None:
+    p = _policy(lru_slots=0)
+    step = StepHandle(1)
+    p.begin(step, [5])
+    where = p.place((1, 5), demand=True)
+    assert p.transient_free == 3
+    p.end(step)
+    assert p.landed((1, 5), where, ok=ok, demand=True) == "release"  # type: ignore[arg-type]
+    assert p.transient_free == 4 and not p.parked  # a demand read is never parked
