@@ -69,7 +69,9 @@ class FakeReader:
     async def read_into(self, req: ReadRequest, buf: U8Array) -> U8Array:
         return (await self.read_many([req], [buf]))[0]
 
-    async def read_many(self, reqs: Sequence[ReadRequest], bufs: Sequence[U8Array]) -> list[U8Array]:
+    async def read_many(
+        self, reqs: Sequence[ReadRequest], bufs: Sequence[U8Array]
+    ) -> list[U8Array]:
         if self.closed:
             raise ReadError("fake reader is closed")
         rule = self._rule(reqs[0])

@@ -50,9 +50,7 @@ Body = Callable[[ExpertStore, StreamingExperts], Awaitable[None]]
 def _run(reader: FakeReader, body: Body, *, prefetch: bool = False, **layout: int) -> None:
     async def main() -> None:
         async with anyio.create_task_group() as tg:
-            store = ExpertStore(
-                C, reader, _layout(**layout), prefetch=prefetch, clock=reader.clock
-            )
+            store = ExpertStore(C, reader, _layout(**layout), prefetch=prefetch, clock=reader.clock)
             await store.start(tg)
             try:
                 await body(store, StreamingExperts(store))
