@@ -20,12 +20,17 @@ from starlette.routing import Route
 
 from colibri.server.errors import ApiError
 from colibri.server.generation import Generation, Result, new_id, template_messages
-from colibri.server.openai_routes import check_model, common_params, parse_body, state_of
+from colibri.server.requests import (
+    chat_params,
+    check_model,
+    common_params,
+    parse_body,
+    render_chat,
+    state_of,
+)
 from colibri.server.schemas import MessagesRequest
 from colibri.server.security import tenant_of
 from colibri.server.sse import GenerationResponse, Responder, sse
-from colibri.server.textproc import THINK_START
-from storage.errors import ColibriError
 
 __all__ = ["anthropic_routes", "to_template_messages"]
 
@@ -162,13 +167,7 @@ async def messages(request: Request) -> Response:
         thinking = req.thinking.type != "disabled"
     if thinking is not None:
         extra["enable_thinking"] = thinking
-    try:
-        text = await st.off_loop(
-            lambda: st.tokenizer.apply_chat_template(to_template_messages(req), **extra)
-        )
-    except ColibriError as exc:
-        raise ApiError(400, str(exc), param="messages", code="template_error") from exc
-    ids = await st.encode_prompt(text)
+    text, ids = await render_chat(st, to_template_messages(req), extra)
     params = common_params(
         st,
         req,
@@ -180,9 +179,7 @@ async def messages(request: Request) -> Response:
         seed=req.seed,
         stop=req.stop_sequences,
     )
-    params.think = st.think_template
-    params.think_open = st.think_template and text.rstrip().endswith(THINK_START)
-    params.tools = tools
+    chat_params(st, params, text, tools)
     mid = new_id("msg_")
     gen = Generation(st, params, "/v1/messages", mid)
     ticket = st.admission.reserve()

@@ -48,8 +48,9 @@ from colibri._engine import Engine
 from colibri.server.anthropic_routes import anthropic_routes
 from colibri.server.errors import ApiError, error_response, is_anthropic
 from colibri.server.metrics import CONTENT_TYPE, Metrics
-from colibri.server.openai_routes import openai_routes, state_of
+from colibri.server.openai_routes import openai_routes
 from colibri.server.openapi import openapi_route
+from colibri.server.requests import state_of
 from colibri.server.security import SecurityMiddleware, allowed_hosts, check_bind
 from colibri.server.slots import SlotPool
 from colibri.server.state import ACCESS, Admission, AppState, ServerConfig

@@ -1,0 +1,236 @@
+"""What every generation route does before it generates: the shared request prelude.
+
+Parse and validate the body (:func:`parse_body`: 400 bad JSON, 413 too big, 422 bad fields),
+check the model name, turn the API's sampling fields into :class:`GenParams`
+(:func:`common_params`: generation_config defaults, stops, KV slot, limits), render a chat
+through the template off the loop (:func:`render_chat`), and build the envelope of an OpenAI
+object (:func:`openai_object`). The OpenAI and Anthropic route modules only map their own
+fields onto these.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+
+from colibri.server.errors import ApiError, validation_error
+from colibri.server.generation import GenParams, check_prompt
+from colibri.server.schemas import Extensions
+from colibri.server.security import read_body
+from colibri.server.state import AppState
+from colibri.server.textproc import THINK_START
+from storage.errors import ColibriError
+
+__all__ = [
+    "MAX_JSON_DEPTH",
+    "chat_params",
+    "check_json_text",
+    "check_model",
+    "common_params",
+    "openai_object",
+    "parse_body",
+    "queue_headers",
+    "refuse_unsupported",
+    "render_chat",
+    "sampling_defaults",
+    "state_of",
+]
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def state_of(request: Request) -> AppState:
+    st: AppState = request.app.state.colibri
+    return st
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    """The JSON body validated as ``model``: 400 for bad JSON, 413 too big, 422 bad fields."""
+    st = state_of(request)
+    raw = await read_body(request, st.config.max_body)
+    try:
+        data = json.loads(raw or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise ApiError(
+            400, f"the body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json"
+        ) from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    problem = check_json_text(data)
+    if problem is not None:
+        raise ApiError(400, problem, code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+MAX_JSON_DEPTH = 64  # arrays and objects inside each other; real requests need a handful
+
+
+def check_json_text(data: Any) -> str | None:
+    """Why a decoded body cannot be served, or None: nesting beyond :data:`MAX_JSON_DEPTH`, or
+    a string (value or key) that is not valid Unicode text (a lone UTF-16 surrogate from a
+    ``\\ud800`` escape: no tokenizer can encode it). Iterative, so depth costs no stack."""
+    stack: list[tuple[Any, int, str]] = [(data, 1, "$")]
+    while stack:
+        node, depth, path = stack.pop()
+        if isinstance(node, str):
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError:
+                return f"{path}: the text holds a lone UTF-16 surrogate (not valid Unicode)"
+            continue
+        if not isinstance(node, (dict, list)):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            return f"the body nests deeper than {MAX_JSON_DEPTH} levels (at {path})"
+        if isinstance(node, dict):
+            for k, v in node.items():
+                stack.append((k, depth, f"{path} (a key)"))
+                stack.append((v, depth + 1, f"{path}.{k}"))
+        else:
+            stack.extend((v, depth + 1, f"{path}[{i}]") for i, v in enumerate(node))
+    return None
+
+
+def check_model(st: AppState, name: str) -> None:
+    if name != st.model_name:
+        raise ApiError(
+            404,
+            f"the model {name!r} does not exist here; this server serves {st.model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def sampling_defaults(st: AppState) -> dict[str, Any]:
+    """Defaults from the model's generation_config.json (greedy when it says do_sample false)."""
+    gc = st.engine.container.generation_config
+    sample = gc.get("do_sample", True) is not False
+    return {
+        "temperature": float(gc.get("temperature", 1.0)) if sample else 0.0,
+        "top_p": float(gc.get("top_p", 1.0)) if sample else 1.0,
+        "top_k": int(gc.get("top_k", 0) or 0) if sample else 0,
+    }
+
+
+def common_params(
+    st: AppState,
+    req: Extensions,
+    *,
+    ids: list[int],
+    tenant: str | None = None,
+    max_tokens: int | None,
+    temperature: float | None,
+    top_p: float | None,
+    seed: int | None,
+    stop: str | list[str] | None,
+) -> GenParams:
+    """Sampling, stops, slot and limits shared by every API."""
+    d = sampling_defaults(st)
+    temp = d["temperature"] if temperature is None else float(temperature)
+    tp = d["top_p"] if top_p is None else float(top_p)
+    if tp == 0.0:  # "only the most likely token"
+        temp, tp = 0.0, 1.0
+    top_k = d["top_k"] if req.top_k is None else max(0, req.top_k)
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > 16:
+        raise ApiError(400, "at most 16 stop sequences", param="stop")
+    if req.cache_slot is not None and req.cache_slot >= len(st.slots):
+        n = len(st.slots)
+        raise ApiError(
+            400,
+            f"cache_slot {req.cache_slot} does not exist: this server has {n} KV slots "
+            f"(0..{n - 1}; start it with --kv-slots N for more)"
+            if n
+            else "this server has no KV slots (start it with --kv-slots N)",
+            param="cache_slot",
+        )
+    stop_ids: list[int] | None = None
+    if req.ignore_eos:
+        stop_ids = list(req.stop_token_ids or [])
+    elif req.stop_token_ids:
+        stop_ids = sorted(set(st.engine.container.eos_token_ids) | set(req.stop_token_ids))
+    return GenParams(
+        prompt_ids=ids,
+        max_tokens=check_prompt(st, ids, max_tokens),
+        temperature=temp,
+        top_p=tp,
+        top_k=top_k,
+        seed=None if seed is None else seed % 2**64,
+        stop=stops,
+        stop_token_ids=stop_ids,
+        slot=req.cache_slot if req.cache_slot is not None else _auto_slot(st, ids, tenant),
+        slot_explicit=req.cache_slot is not None,
+        tenant=tenant,
+    )
+
+
+def _auto_slot(st: AppState, ids: list[int], tenant: str | None) -> int | None:
+    """The slot a request without ``cache_slot`` runs in (automatic prefix matching), per
+    ``--prefix-reuse``: None (a fresh cache) when it is off."""
+    scope = st.config.reuse_scope
+    if scope == "off":
+        return None
+    return st.slots.pick(ids, tenant=tenant if scope == "key" else None, scoped=scope == "key")
+
+
+def refuse_unsupported(
+    *,
+    n: int,
+    frequency_penalty: float | None,
+    presence_penalty: float | None,
+    logit_bias: Mapping[str, float] | None,
+) -> None:
+    if n != 1:
+        raise ApiError(400, "n > 1 is not supported: send n=1 (or several requests)", param="n")
+    for name, v in (
+        ("frequency_penalty", frequency_penalty),
+        ("presence_penalty", presence_penalty),
+    ):
+        if v:
+            raise ApiError(400, f"{name} is not supported (send 0 or omit it)", param=name)
+    if logit_bias:
+        raise ApiError(400, "logit_bias is not supported", param="logit_bias")
+
+
+def queue_headers(wait_s: float) -> dict[str, str]:
+    return {"x-colibri-queue-wait-ms": f"{wait_s * 1000:.1f}"}
+
+
+async def render_chat(
+    st: AppState, messages: Sequence[Mapping[str, Any]], extra: Mapping[str, Any]
+) -> tuple[str, list[int]]:
+    """The prompt text of ``messages`` through the model's chat template (``extra``: template
+    variables such as tools or enable_thinking) and its token ids, both off the event loop; a
+    template error is a 400 naming ``messages``."""
+    try:
+        text = await st.off_loop(lambda: st.tokenizer.apply_chat_template(messages, **extra))
+    except ColibriError as exc:
+        raise ApiError(400, str(exc), param="messages", code="template_error") from exc
+    return text, await st.encode_prompt(text)
+
+
+def chat_params(st: AppState, params: GenParams, text: str, tools: Any) -> None:
+    """The chat-only parameters: think-section handling from the template and the tools."""
+    params.think = st.think_template
+    params.think_open = st.think_template and text.rstrip().endswith(THINK_START)
+    params.tools = tools
+
+
+def openai_object(st: AppState, rid: str, obj: str, created: int) -> dict[str, Any]:
+    """The fields every OpenAI response object and chunk starts with."""
+    return {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": st.model_name,
+        "system_fingerprint": f"colibri-{st.engine_identity}",
+    }
