@@ -104,7 +104,7 @@ class EngineOptions(BaseModel):
     pin_min_selections: int = 5000
     repin: bool = False
     learn: bool = True
-    # Several SSDs (storage/devices.py): read replicas, primary-first weights (None: probed),
+    # Several SSDs (storage/multidisk/): read copies, primary-first weights (None: probed),
     # run-time adaptation of the weights, and striping of reads at least this large (0: off).
     mirror: tuple[Path, ...] = ()
     # Shards spread over several directories (storage/container.py): searched after `model`.
@@ -161,7 +161,7 @@ class EngineOptions(BaseModel):
     def _disk_weights(cls, v: object) -> object:
         if v is None or (isinstance(v, str) and v.strip().lower() in ("", "auto")):
             return None
-        from storage.devices import parse_weights
+        from storage.multidisk.placement import parse_weights
 
         return parse_weights(v if isinstance(v, str) else list(v))  # type: ignore[call-overload]
 

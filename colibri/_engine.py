@@ -427,7 +427,7 @@ class Engine:
                 "fixed_buffers": store.fixed_buffers,
                 **store.stats.as_dict(),
             }
-            if store.placement is not None:  # per-copy telemetry (storage/devices.py)
+            if store.placement is not None:  # per-copy telemetry (storage/multidisk/)
                 s["experts"]["devices"] = store.placement.stats()
                 s["experts"]["placement"] = store.placement.summary()
         return s
@@ -541,7 +541,7 @@ async def _start_store(
     container: Container, model: Any, opts: EngineOptions, layout: Any, tg: Any
 ) -> Any:
     from runtime.experts import ExpertStore, StreamingExperts
-    from storage.devices import open_placement
+    from storage.multidisk.probing import open_placement
     from storage.reader import open_reader
 
     extents = container.expert_extents()

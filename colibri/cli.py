@@ -77,7 +77,7 @@ def _engine_options(fn: F) -> F:
         help="Where .coli_usage and KV files live (env COLI_STATE_DIR; default: "
         "~/.cache/colibri/<model dir name>-<hash>).",
     )(fn)
-    # Several SSDs (storage/devices.py, docs/tuning.md "Several SSDs").
+    # Several SSDs (storage/multidisk/, docs/tuning.md "Several SSDs").
     fn = _dirs_option(
         "--mirror",
         "mirror",
@@ -1129,7 +1129,7 @@ def _mirror_plan(
 ) -> Any:
     from colibri._config import parse_bytes
     from colibri._engine import ENGINE_ID, USAGE_FILE
-    from storage.mirror import plan_mirror
+    from storage.multidisk.staging import plan_mirror
 
     opts = EngineOptions(model=model, state_dir=state_dir, model_dirs=model_dirs)
     return plan_mirror(
@@ -1171,7 +1171,7 @@ def mirror_stage(
     model_dirs: tuple[Path, ...],
 ) -> None:
     """Copy the planned shard files (atomic, checksummed, resumable); print a JSON report."""
-    from storage.mirror import stage_mirror
+    from storage.multidisk.staging import stage_mirror
 
     plan = _mirror_plan(model, to, budget, state_dir, model_dirs)
     last = [""]
@@ -1191,7 +1191,7 @@ def mirror_stage(
 @click.option("--to", "to", type=click.Path(path_type=Path), required=True, help="The mirror.")
 def mirror_verify(model: Path | None, to: Path, model_dirs: tuple[Path, ...]) -> None:
     """Re-check sizes, header bytes and sha256 of every shard in the mirror (exit 1 if bad)."""
-    from storage.mirror import verify_mirror
+    from storage.multidisk.staging import verify_mirror
 
     opts = EngineOptions(model=model, model_dirs=model_dirs)
     report = verify_mirror(opts.resolved_model(), to, model_dirs=opts.model_dirs)

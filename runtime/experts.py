@@ -172,7 +172,7 @@ class ExpertStore:
         # --verify-reads: every read checked against the manifest's CRC-32s (None: unchecked)
         self.checksums = checksums
         self.reader = reader
-        # storage.devices.Placement: which copy (primary or a mirror) serves each expert, with
+        # storage.multidisk.Placement: which copy (primary or a mirror) serves each expert, with
         # failover; None reads everything from the primary.
         self.placement = placement
         self.layout = layout

@@ -17,9 +17,9 @@ The shards may be spread over several directories (``Container.open(path, shard_
 ``--model-dir`` on the command line): config and tokenizer files come from ``path``, each shard is
 looked up in ``path`` and then in every other directory, and a shard present in two directories
 must be an identical copy (same size, same header bytes:
-:func:`storage.replicas.compare_replica_file`) or the later one is refused with one warning. A
-shard the manifest (or an HF ``model.safetensors.index.json``) lists but no directory holds is
-an error naming the file and every directory searched.
+:func:`storage.multidisk.identity.compare_copy_file`) or the later one is refused with one
+warning. A shard the manifest (or an HF ``model.safetensors.index.json``) lists but no directory
+holds is an error naming the file and every directory searched.
 
 Every problem a user can cause is a :class:`~storage.errors.ColibriError` naming the file (and the
 tensor) and what to do. ``Container.open(path)`` is strict: the first problem raises.
@@ -52,8 +52,8 @@ from storage.errors import (
     FormatError,
     TensorNotFoundError,
 )
+from storage.multidisk.identity import compare_copy_file
 from storage.quant import QTensor, QuantFormat, bf16_to_f32, dequantize, infer_format
-from storage.replicas import compare_replica_file
 from storage.safetensors import PAD_PREFIX, ShardHeader, TensorInfo, read_header, read_tensor
 
 __all__ = [
@@ -249,7 +249,7 @@ def find_shards(
             if first is None:
                 found[p.name] = p
                 continue
-            why = compare_replica_file(first, p)
+            why = compare_copy_file(first, p)
             if why is not None:
                 _log.warning("shard copy refused", file=str(p), used=str(first), reason=why)
     searched = ", ".join(str(d) for d in paths)

@@ -2,7 +2,7 @@
 
 A flipped bit on an SSD then becomes an error naming the expert and the file, never a wrong
 token; with several copies (``--mirror``) the damaged copy is demoted and the read is served
-from another (:meth:`storage.placement.Placement.read_many` takes the checks per request).
+from another (:meth:`storage.multidisk.placement.Placement.read_many` takes the checks per request).
 
 Shape legend: B bytes of one read.
 """

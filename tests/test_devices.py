@@ -1,5 +1,5 @@
 """Several SSDs: mirrors (full and partial) never change output, reads spread by weight, mismatched
-replica files are refused, a failing copy fails over to the primary, weights adapt to a slowed
+copy files are refused, a failing copy fails over to the primary, weights adapt to a slowed
 device (a real cgroup-v1 blkio throttle on a loop device when root allows, plus the pure EWMA /
 hysteresis functions), placement is deterministic.
 
@@ -32,19 +32,17 @@ from runtime.models import load_model
 from runtime.weights import ResidentExperts
 from storage.aligned import ALIGN, aligned_empty
 from storage.container import Container
-from storage.devices import (
+from storage.errors import ColibriError, ReadError
+from storage.manifest import Manifest, sha256_file
+from storage.multidisk.identity import compare_copy_file, device_of, open_copies
+from storage.multidisk.placement import (
     Placement,
     adapt_weights,
-    compare_replica_file,
-    device_of,
     ewma,
-    open_replicas,
     parse_weights,
     rendezvous_order,
     stripe_pieces,
 )
-from storage.errors import ColibriError, ReadError
-from storage.manifest import Manifest, sha256_file
 from storage.reader import ReadRequest, required_size
 from storage.safetensors import PAD_PREFIX, TensorSpec, read_header, write_safetensors
 
@@ -241,7 +239,7 @@ def test_partial_mirror_serves_only_what_it_holds(models: dict[str, Any]) -> Non
     not on the partial mirror."""
     primary, partial = models["primary"], models["partial"]
     c = Container.open(primary)
-    reps = open_replicas(primary, [s.path for s in c.shards], [partial])
+    reps = open_copies(primary, [s.path for s in c.shards], [partial])
     p = Placement(reps, (0.0, 1.0))
     held = set(models["partial_names"])
     for x in c.expert_extents():
@@ -296,8 +294,8 @@ def test_mismatched_replica_files_are_refused(
     raw = bytearray((bad / names[1]).read_bytes())
     raw[20] ^= 0x01  # a flipped header byte, same size
     (bad / names[1]).write_bytes(bytes(raw))
-    assert "size" in (compare_replica_file(primary / names[0], bad / names[0]) or "")
-    assert "header" in (compare_replica_file(primary / names[1], bad / names[1]) or "")
+    assert "size" in (compare_copy_file(primary / names[0], bad / names[0]) or "")
+    assert "header" in (compare_copy_file(primary / names[1], bad / names[1]) or "")
     with structlog.testing.capture_logs() as logs:
         toks, logits, st = run_model(
             primary, ram_budget=models["budget"], mirror=[bad], disk_weights="0,1"
@@ -428,8 +426,8 @@ def test_mapping_is_deterministic_and_weighted(models: dict[str, Any]) -> None:
     primary, full = models["primary"], models["full"]
     c = Container.open(primary)
     files = [s.path for s in c.shards]
-    a = Placement(open_replicas(primary, files, [full]), (3.0, 1.0))
-    b = Placement(open_replicas(primary, files, [full]), (3.0, 1.0))
+    a = Placement(open_copies(primary, files, [full]), (3.0, 1.0))
+    b = Placement(open_copies(primary, files, [full]), (3.0, 1.0))
     x = c.expert_extents()[0]
     keys = [(layer, e) for layer in range(64) for e in range(256)]
     ca = [a.order(layer, e, [x.path])[0] for layer, e in keys]
@@ -497,7 +495,7 @@ def test_ewma_and_hysteresis_pure() -> None:
     assert new is not None and new[0] / new[1] == pytest.approx(4.0, rel=0.15)
     assert sum(new) == pytest.approx(2.0)
     assert adapt_weights(new, est) is None  # adopted: stable again
-    # A replica without an estimate or weight keeps its weight; a dead-slow one keeps a floor.
+    # A copy without an estimate or weight keeps its weight; a dead-slow one keeps a floor.
     kept = adapt_weights((1.0, 1.0, 0.0, 2.0), (1e9, 1e3, 5e9, None))
     assert kept is not None and kept[2] == 0.0 and kept[3] == 2.0
     assert kept[1] == pytest.approx(0.05 / 1.05 * 2.0, rel=1e-6)

@@ -22,7 +22,7 @@ from colibri._engine import ENGINE_ID
 from colibri.cli import main
 from storage.container import Container
 from storage.errors import ColibriError
-from storage.mirror import MIRROR_RECORD, plan_mirror, stage_mirror, verify_mirror
+from storage.multidisk.staging import MIRROR_RECORD, plan_mirror, stage_mirror, verify_mirror
 from storage.usage import UsageCounts, save_usage
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,7 +106,7 @@ def test_stage_is_atomic_and_resumable_after_kill_9(model: dict[str, Any], tmp_p
         f"""
         import os, signal
         from pathlib import Path
-        from storage.mirror import plan_mirror, stage_mirror
+        from storage.multidisk.staging import plan_mirror, stage_mirror
         plan = plan_mirror({str(model["primary"])!r}, {str(to)!r}, budget={budget},
                            usage_path={str(model["usage"])!r}, engine_id={ENGINE_ID!r})
         second = plan.files[1].file

@@ -100,7 +100,7 @@ class _EngineCollector(Collector):
             yield from _device_metrics(devices)
 
 
-# Per-copy series (storage/devices.py): (name, help, type, key in a ``devices`` entry).
+# Per-copy series (storage/multidisk/): (name, help, type, key in a ``devices`` entry).
 _DEVICE_SERIES: tuple[tuple[str, str, str, str], ...] = (
     ("colibri:expert_device_read_bytes", "Bytes of experts read from this copy", "c", "bytes"),
     ("colibri:expert_device_reads", "Expert reads served by this copy", "c", "reads"),

@@ -174,7 +174,7 @@ def _diskstats() -> dict[tuple[int, int], tuple[str, int]]:
 
 @lru_cache(maxsize=16)
 def _device(path: str) -> dict[str, Any]:
-    from storage.devices import device_of
+    from storage.multidisk.identity import device_of
 
     try:
         d = device_of(path)

@@ -6,7 +6,7 @@ synthetic GLM-5-geometry model on the first (the primary) and its expert shards 
 ``blkio.throttle.read_bps_device`` (this process joins a new blkio cgroup), and streams
 expert-shaped O_DIRECT reads (an expert's blob plus its scales, exactly the requests the expert
 store issues) through the engine's real reader (``storage.reader``) and placement
-(``storage.devices`` / ``storage.placement``), with ``--depth`` experts in flight, for:
+(``storage.multidisk`` / ``storage.multidisk.placement``), with ``--depth`` experts in flight, for:
 
 * ``primary``: the primary alone (no mirror);
 * ``equal``: declared weights 1,1;
@@ -54,7 +54,9 @@ import anyio  # noqa: E402
 from runtime.experts import _scale_requests, slot_sizes  # noqa: E402
 from storage.aligned import aligned_empty  # noqa: E402
 from storage.container import Container  # noqa: E402
-from storage.devices import Placement, open_placement, open_replicas  # noqa: E402
+from storage.multidisk.identity import open_copies  # noqa: E402
+from storage.multidisk.placement import Placement  # noqa: E402
+from storage.multidisk.probing import open_placement  # noqa: E402
 from storage.reader import Reader, ReadRequest, open_reader, required_size  # noqa: E402
 
 CGROUP_ROOT = Path("/sys/fs/cgroup/blkio")
@@ -206,13 +208,11 @@ async def run_mode(
     try:
         files = [s.path for s in c.shards]
         if mode == "primary":
-            placement = Placement(open_replicas(model, files, []), (1.0,), source="single")
+            placement = Placement(open_copies(model, files, []), (1.0,), source="single")
         elif mode == "equal":
-            placement = Placement(open_replicas(model, files, [mirror]), (1.0, 1.0), adapt=False)
+            placement = Placement(open_copies(model, files, [mirror]), (1.0, 1.0), adapt=False)
         elif mode == "adaptive":
-            placement = Placement(
-                open_replicas(model, files, [mirror]), a.wrong_weights, adapt=True
-            )
+            placement = Placement(open_copies(model, files, [mirror]), a.wrong_weights, adapt=True)
         else:  # probed, striped: probe at open (a fresh cache: this run measures the drives)
             cache = state / mode
             placement = await open_placement(

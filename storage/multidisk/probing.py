@@ -1,28 +1,5 @@
-"""Several SSDs: read replicas of a model, device identity, bandwidth weights, placement, failover.
-
-A model directory (the *primary*) may have read replicas (``--mirror DIR``, repeatable): full or
-partial copies on other drives. A replica file is used only when its size and its safetensors
-header bytes (the first ``8 + N`` bytes) equal the primary's; anything else is skipped with one
-warning naming the file and why. A partial replica simply holds fewer shard files.
-
-Which copy serves an expert (:meth:`Placement.choose`) is decided by weighted rendezvous hashing
-of ``(layer, expert)``: each replica holding the expert's shard scores
-``weight / -ln(hash(layer, expert, replica))`` and the best score wins. The share of experts a
-replica serves is exactly proportional to its weight, the mapping is deterministic (same weights,
-same choices, in every process), a prefetch and a demand read of one expert go to the same
-device, and a weight change moves only the experts that must move. Weights are declared
-(``--disk-weights 2,1``, primary first) or probed at open with a few expert-sized O_DIRECT reads
-per device (cached per device in ``.coli_devices.json`` in the state dir).
-
-At run time each replica's read throughput (bytes over read time, per window of 16 reads) is
-tracked as an exponentially weighted moving average; weights are re-bucketed only when an
-estimate moves more than 20% from the weights in use (hysteresis), so a throttled or busy drive
-gets less and the mapping stays fixed between adaptations. A read error or short read on a
-replica is retried on the primary (then any other replica holding the file), counted, reported
-once per device, and the replica is demoted (weight 0) until :meth:`Placement.enable`; a
-:class:`~storage.errors.ReadError` reaches the model only when every copy failed. Placement
-only decides speed: the bytes are the same everywhere.
-"""
+"""Bandwidth probes per copy and :func:`open_placement`, which builds the engine's
+:class:`~storage.multidisk.placement.Placement` (see :mod:`storage.multidisk`)."""
 
 from __future__ import annotations
 
@@ -44,7 +21,15 @@ import structlog
 from storage.aligned import ALIGN, aligned_empty, round_up
 from storage.container import Container
 from storage.manifest import atomic_write_bytes
-from storage.placement import (
+from storage.multidisk.identity import (
+    DeviceId,
+    ModelCopy,
+    compare_copy_file,
+    device_of,
+    header_bytes,
+    open_copies,
+)
+from storage.multidisk.placement import (
     ADAPT_THRESHOLD,
     EWMA_ALPHA,
     Placement,
@@ -55,29 +40,21 @@ from storage.placement import (
     stripe_pieces,
 )
 from storage.reader import direct_io_problem
-from storage.replicas import (
-    DeviceId,
-    Replica,
-    compare_replica_file,
-    device_of,
-    header_bytes,
-    open_replicas,
-)
 
 __all__ = [
     "ADAPT_THRESHOLD",
     "EWMA_ALPHA",
     "PROBE_CACHE_FILE",
     "DeviceId",
+    "ModelCopy",
     "Placement",
-    "Replica",
     "adapt_weights",
-    "compare_replica_file",
+    "compare_copy_file",
     "device_of",
     "ewma",
     "header_bytes",
+    "open_copies",
     "open_placement",
-    "open_replicas",
     "parse_weights",
     "probe_read_bandwidth",
     "probe_weights",
@@ -197,21 +174,21 @@ def _load_probe_cache(path: Path) -> dict[str, Any]:
 
 
 def probe_weights(
-    replicas: Sequence[Replica],
+    copies: Sequence[ModelCopy],
     block: int,
     *,
     cache_path: Path | None,
     direct: bool = True,
 ) -> tuple[float, ...]:
-    """Per-replica read bandwidth in GB/s, probed once per device and cached (blocking).
+    """Per-copy read bandwidth in GB/s, probed once per device and cached (blocking).
 
     The cache (``.coli_devices.json``) keys each device by :attr:`DeviceId.key` with its mount
     point and keeps the ``st_dev`` and block size it was measured with: a device whose id or the
-    block changed is probed again. Replicas holding no file weigh 0."""
+    block changed is probed again. Copies holding no file weigh 0."""
     cache = _load_probe_cache(cache_path) if cache_path is not None else {}
     changed = False
     out: list[float] = []
-    for r in replicas:
+    for r in copies:
         target = _probe_file(list(r.files.values()))
         if target is None or r.device is None:
             out.append(0.0)
@@ -274,12 +251,10 @@ async def open_placement(
     expert-sized reads (cached in ``state_dir``). ``direct``: the reader uses O_DIRECT, so a
     mirror whose filesystem refuses it is left unused (with a warning)."""
     shard_files = [s.path for s in container.shards]
-    replicas = await anyio.to_thread.run_sync(
-        open_replicas, container.path, shard_files, list(mirrors)
-    )
+    copies = await anyio.to_thread.run_sync(open_copies, container.path, shard_files, list(mirrors))
     if direct:
-        checked: list[Replica] = [replicas[0]]
-        for r in replicas[1:]:
+        checked: list[ModelCopy] = [copies[0]]
+        for r in copies[1:]:
             sample = next(iter(r.files.values()), None)
             refused = (
                 None
@@ -292,21 +267,21 @@ async def open_placement(
                     mirror=str(r.root),
                     reason=f"{refused}; the reader uses O_DIRECT (try --reader buffered)",
                 )
-                r = Replica(r.index, r.root, r.device, {}, {"*": refused})
+                r = ModelCopy(r.index, r.root, r.device, {}, {"*": refused})
             checked.append(r)
-        replicas = checked
-    if len(replicas) == 1:
-        return Placement(replicas, (1.0,), source="single", adapt=False)
+        copies = checked
+    if len(copies) == 1:
+        return Placement(copies, (1.0,), source="single", adapt=False)
     if weights is not None:
         return Placement(
-            replicas, weights, source="declared", adapt=adapt, stripe_min_bytes=stripe_min_bytes
+            copies, weights, source="declared", adapt=adapt, stripe_min_bytes=stripe_min_bytes
         )
     block = round_up(max(container.expert_nbytes, ALIGN))
     cache = state_dir / PROBE_CACHE_FILE if state_dir is not None else None
     probed = await anyio.to_thread.run_sync(
-        lambda: probe_weights(replicas, block, cache_path=cache, direct=direct)
+        lambda: probe_weights(copies, block, cache_path=cache, direct=direct)
     )
     _log.info("disk weights probed", gb_per_s=[round(w, 3) for w in probed])
     return Placement(
-        replicas, probed, source="probed", adapt=adapt, stripe_min_bytes=stripe_min_bytes
+        copies, probed, source="probed", adapt=adapt, stripe_min_bytes=stripe_min_bytes
     )

@@ -3,7 +3,7 @@
 ``coli mirror plan|stage|verify --model DIR [--model-dir DIR ...] --to DIR2 [--budget 50GiB]``.
 
 A partial mirror is a directory holding *whole* shard files of the model (byte-identical
-copies): the engine (``--mirror DIR2``, see :mod:`storage.devices`) uses a mirror file only when
+copies): the engine (``--mirror DIR2``, see :mod:`storage.multidisk`) uses a mirror file only when
 its size and header bytes equal the primary's, and reads the other experts from the primary.
 
 - :func:`plan_mirror` ranks experts by their routing counts in ``.coli_usage`` (hottest first;
@@ -38,9 +38,9 @@ import numpy.typing as npt
 import structlog
 
 from storage.container import Container, find_shards
-from storage.devices import compare_replica_file
 from storage.errors import ColibriError, UsageFileError
 from storage.manifest import Manifest, atomic_write_bytes, fsync_dir, read_manifest, sha256_file
+from storage.multidisk.identity import compare_copy_file
 from storage.usage import parse_usage
 
 __all__ = [
@@ -148,7 +148,7 @@ def _status(src: Path, dst: Path) -> str:
     """``missing``, ``present`` (same size and header) or ``differs`` (to be replaced)."""
     if not dst.exists():
         return "missing"
-    return "present" if compare_replica_file(src, dst) is None else "differs"
+    return "present" if compare_copy_file(src, dst) is None else "differs"
 
 
 def _existing_parent(p: Path) -> Path:
@@ -384,7 +384,7 @@ def _copy(
                 f"{model or src.parent}`"
             )
         # What landed on disk must be what was read (and the header what the engine checks).
-        if sha256_file(part) != digest or compare_replica_file(src, part) is not None:
+        if sha256_file(part) != digest or compare_copy_file(src, part) is not None:
             part.unlink(missing_ok=True)
             if attempt == 0:
                 continue
@@ -399,7 +399,7 @@ def _verify_file(
     src: Path, dst: Path, expected: str | None, *, checksums: bool = True
 ) -> tuple[str | None, str | None]:
     """(problem or None, sha256 of ``dst`` or None when not hashed)."""
-    why = compare_replica_file(src, dst)
+    why = compare_copy_file(src, dst)
     if why is not None:
         return why, None
     if not checksums:

@@ -1,7 +1,7 @@
 """Which copy serves each expert read: weighted rendezvous placement, run-time adaptation of the
 weights (EWMA with hysteresis), striping, failover with demotion, and per-copy telemetry.
 
-See :mod:`storage.devices` for the whole story; this module is pure policy plus the async read
+See :mod:`storage.multidisk` for the whole story; this module is pure policy plus the async read
 loop, and runs without any real device (tests drive it with real files on one disk).
 """
 
@@ -27,8 +27,8 @@ from storage.aligned import ALIGN
 from storage.container import ExpertExtent
 from storage.errors import ColibriError, ReadError
 from storage.integrity import Check, verify_views
+from storage.multidisk.identity import ModelCopy
 from storage.reader import Reader, ReadRequest, required_size
-from storage.replicas import Replica
 
 __all__ = [
     "ADAPT_FLOOR",
@@ -51,7 +51,7 @@ WeightSource = Literal["declared", "probed", "single"]
 
 EWMA_ALPHA = 0.2
 ADAPT_THRESHOLD = 0.2  # re-bucket only when an estimate moves > 20% from the weight in use
-ADAPT_FLOOR = 0.05  # an adapted replica keeps >= 5% of the adapted weight (it keeps measuring)
+ADAPT_FLOOR = 0.05  # an adapted copy keeps >= 5% of the adapted weight (it keeps measuring)
 WINDOW_READS = 16  # reads per throughput sample: bytes / busy seconds over the window
 WINDOW_SECONDS = 0.5  # ... or fewer reads (>= WINDOW_MIN_READS) once this much busy time passed
 WINDOW_MIN_READS = 4
@@ -84,9 +84,9 @@ def parse_weights(text: str | Sequence[float]) -> tuple[float, ...]:
     return vals
 
 
-def _unit(layer: int, expert: int, replica: int) -> float:
-    """A uniform number in (0, 1) fixed by (layer, expert, replica): the same in every process."""
-    d = hashlib.blake2b(struct.pack("<qqq", layer, expert, replica), digest_size=8).digest()
+def _unit(layer: int, expert: int, copy: int) -> float:
+    """A uniform number in (0, 1) fixed by (layer, expert, copy): the same in every process."""
+    d = hashlib.blake2b(struct.pack("<qqq", layer, expert, copy), digest_size=8).digest()
     return (int.from_bytes(d, "little") + 0.5) / 2.0**64
 
 
@@ -95,8 +95,8 @@ def rendezvous_order(
 ) -> list[int]:
     """``candidates`` with weight > 0, best first by weighted rendezvous hashing.
 
-    Replica ``i`` comes first for a share ``w_i / sum(w)`` of all keys (score
-    ``w / -ln(u)`` with ``u`` uniform per key and replica). Zero-weight candidates are left out."""
+    ModelCopy ``i`` comes first for a share ``w_i / sum(w)`` of all keys (score
+    ``w / -ln(u)`` with ``u`` uniform per key and copy). Zero-weight candidates are left out."""
     scored = [
         (weights[i] / -math.log(_unit(layer, expert, i)), -i, i)
         for i in candidates
@@ -120,10 +120,10 @@ def adapt_weights(
 ) -> tuple[float, ...] | None:
     """New weights when observed throughput says so, else None (keep the mapping).
 
-    Among replicas with a weight > 0 and an estimate (bytes/s), the new weights are proportional
-    to the estimates and keep their current sum (replicas without an estimate keep their weight);
+    Among copies with a weight > 0 and an estimate (bytes/s), the new weights are proportional
+    to the estimates and keep their current sum (copies without an estimate keep their weight);
     each keeps at least ``floor`` of that sum so it goes on being measured. None when fewer than
-    two replicas qualify or no target moved more than ``threshold`` (relative) from its weight:
+    two copies qualify or no target moved more than ``threshold`` (relative) from its weight:
     the hysteresis that keeps the mapping fixed under measurement noise."""
     idx = [
         i
@@ -184,7 +184,7 @@ class _Counters:
     seconds: float = 0.0
     errors: int = 0
     failovers: int = 0  # reads that failed here and were retried on another copy
-    served_failovers: int = 0  # reads this replica served after another copy failed
+    served_failovers: int = 0  # reads this copy served after another copy failed
     samples: int = 0  # closed windows
     estimate: float | None = None  # EWMA of the windows' bytes/s
     win_reads: int = 0
@@ -218,7 +218,7 @@ class Placement:
 
     def __init__(
         self,
-        replicas: Sequence[Replica],
+        copies: Sequence[ModelCopy],
         weights: Sequence[float] | None = None,
         *,
         source: WeightSource = "declared",
@@ -229,15 +229,15 @@ class Placement:
         window_reads: int = WINDOW_READS,
         window_seconds: float = WINDOW_SECONDS,
     ) -> None:
-        if not replicas or replicas[0].index != 0:
-            raise ValueError("replicas must start with the primary (index 0)")
-        w = tuple(weights) if weights is not None else (1.0,) * len(replicas)
-        if len(w) != len(replicas):
+        if not copies or copies[0].index != 0:
+            raise ValueError("copies must start with the primary (index 0)")
+        w = tuple(weights) if weights is not None else (1.0,) * len(copies)
+        if len(w) != len(copies):
             raise ColibriError(
-                f"{len(w)} disk weights for {len(replicas)} copies (the primary and "
-                f"{len(replicas) - 1} mirror(s)); give one weight per copy, primary first"
+                f"{len(w)} disk weights for {len(copies)} copies (the primary and "
+                f"{len(copies) - 1} mirror(s)); give one weight per copy, primary first"
             )
-        self.replicas = tuple(replicas)
+        self.copies = tuple(copies)
         self.source = source
         self.adapt = adapt
         self.stripe_min_bytes = max(0, int(stripe_min_bytes))
@@ -250,7 +250,7 @@ class Placement:
         self._base = parse_weights(w)
         self._weights = list(self._base)
         self._demoted: dict[int, str] = {}
-        self._counters = [_Counters() for _ in self.replicas]
+        self._counters = [_Counters() for _ in self.copies]
         self._warned: set[str] = set()
         self._holders: dict[tuple[Path, ...], tuple[int, ...]] = {}
         self._orders: dict[tuple[int, int, tuple[Path, ...]], tuple[int, ...]] = {}
@@ -258,18 +258,18 @@ class Placement:
     # ------------------------------------------------------------------ choices
     @property
     def weights(self) -> tuple[float, ...]:
-        """Weights in use (demoted replicas count 0)."""
+        """Weights in use (demoted copies count 0)."""
         return tuple(0.0 if i in self._demoted else w for i, w in enumerate(self._weights))
 
     def _holders_of(self, files: tuple[Path, ...]) -> tuple[int, ...]:
         got = self._holders.get(files)
         if got is None:
-            got = tuple(r.index for r in self.replicas if r.holds(files))
+            got = tuple(r.index for r in self.copies if r.holds(files))
             self._holders[files] = got
         return got
 
     def order(self, layer: int, expert: int, files: Sequence[Path]) -> tuple[int, ...]:
-        """Replicas to try for an expert whose bytes are in ``files`` (primary paths): the
+        """Copies to try for an expert whose bytes are in ``files`` (primary paths): the
         chosen one first, then the primary, then the other holders by score, demoted last."""
         key = (layer, expert, tuple(dict.fromkeys(files)))
         got = self._orders.get(key)
@@ -292,7 +292,7 @@ class Placement:
         """The file to read ``extent`` (an expert blob and its scales) from."""
         files = [extent.path] + [s.path for s in extent.scales.values() if s is not None]
         idx = self.order(layer, expert, files)[0]
-        return self.replicas[idx].files[extent.path]
+        return self.copies[idx].files[extent.path]
 
     def _invalidate(self) -> None:
         self._orders.clear()
@@ -316,7 +316,7 @@ class Placement:
         if len(reqs) != len(bufs):
             raise ValueError(f"{len(reqs)} requests but {len(bufs)} buffers")
         checks = list(checks) if checks is not None else [None] * len(reqs)
-        if len(self.replicas) == 1:  # no mirror: the reader as is, plus the counters
+        if len(self.copies) == 1:  # no mirror: the reader as is, plus the counters
             got = await self._read_single(reader, reqs, bufs)
             await verify_views(got, checks)
             return got
@@ -379,7 +379,7 @@ class Placement:
     async def _read_piece(self, reader: Reader, p: _Piece) -> None:
         errors: list[ReadError] = []
         for k, idx in enumerate(p.order):
-            rep = self.replicas[idx]
+            rep = self.copies[idx]
             req = ReadRequest(rep.files[p.req.path], p.req.offset, p.req.length)
             c = self._counters[idx]
             t0 = time.perf_counter()
@@ -447,7 +447,7 @@ class Placement:
             self.maybe_adapt()
 
     def estimates(self) -> list[float | None]:
-        """Per-replica throughput estimates (bytes/s) once a window was measured, else None."""
+        """Per-copy throughput estimates (bytes/s) once a window was measured, else None."""
         return [c.estimate if c.samples else None for c in self._counters]
 
     def maybe_adapt(self) -> bool:
@@ -470,7 +470,7 @@ class Placement:
         return True
 
     def _device_label(self, idx: int) -> str:
-        rep = self.replicas[idx]
+        rep = self.copies[idx]
         return rep.device.key if rep.device is not None else str(rep.root)
 
     def _failed(self, idx: int, exc: ReadError, *, retry: bool) -> None:
@@ -479,13 +479,13 @@ class Placement:
         if not retry:
             return
         c.failovers += 1
-        rep = self.replicas[idx]
+        rep = self.copies[idx]
         dev = self._device_label(idx)
         if dev not in self._warned:
             self._warned.add(dev)
             _log.warning(
                 "read failed on a copy; retrying on another and demoting it",
-                replica=rep.index,
+                copy=rep.index,
                 role=rep.role,
                 root=str(rep.root),
                 device=dev,
@@ -496,12 +496,12 @@ class Placement:
             self._invalidate()
 
     def demote(self, index: int, reason: str = "demoted by request") -> None:
-        """Stop choosing replica ``index`` (it stays a last-resort fallback)."""
+        """Stop choosing copy ``index`` (it stays a last-resort fallback)."""
         self._demoted[index] = reason
         self._invalidate()
 
     def enable(self, index: int) -> bool:
-        """Re-enable a demoted replica with its declared/probed weight and a fresh estimate.
+        """Re-enable a demoted copy with its declared/probed weight and a fresh estimate.
 
         True when it was demoted; False (nothing changes) when it was not."""
         if self._demoted.pop(index, None) is None:
@@ -512,38 +512,38 @@ class Placement:
         c.win_busy0 = c.busy_at(time.perf_counter())
         self._warned.discard(self._device_label(index))  # a new failure is reported again
         self._invalidate()
-        _log.info("copy re-enabled", replica=index, root=str(self.replicas[index].root))
+        _log.info("copy re-enabled", copy=index, root=str(self.copies[index].root))
         return True
 
     def index_of(self, which: int | str | os.PathLike[str]) -> int:
         """The index of a copy given as its index (0: primary) or its root directory."""
         if isinstance(which, int):
-            if 0 <= which < len(self.replicas) and not isinstance(which, bool):
+            if 0 <= which < len(self.copies) and not isinstance(which, bool):
                 return which
             raise ColibriError(
-                f"no copy {which}: there are {len(self.replicas)} (0 is the primary, then each "
+                f"no copy {which}: there are {len(self.copies)} (0 is the primary, then each "
                 "--mirror in order)"
             )
         want = Path(which)
-        for r in self.replicas:
+        for r in self.copies:
             try:
                 if r.root == want or os.path.samefile(r.root, want):
                     return r.index
             except OSError:
                 continue
-        roots = ", ".join(str(r.root) for r in self.replicas)
+        roots = ", ".join(str(r.root) for r in self.copies)
         raise ColibriError(f"{want} is none of the model's copies ({roots})")
 
     @property
     def demoted(self) -> Mapping[int, str]:
-        """Demoted replica index -> the error that demoted it."""
+        """Demoted copy index -> the error that demoted it."""
         return dict(self._demoted)
 
     def stats(self) -> list[dict[str, Any]]:
         """One dict per copy: where it is, its weight, and what it served."""
         out: list[dict[str, Any]] = []
         w = self.weights
-        for r, c in zip(self.replicas, self._counters, strict=True):
+        for r, c in zip(self.copies, self._counters, strict=True):
             out.append(
                 {
                     "index": r.index,
@@ -572,7 +572,7 @@ class Placement:
     def summary(self) -> dict[str, Any]:
         """Placement-wide counters."""
         return {
-            "copies": len(self.replicas),
+            "copies": len(self.copies),
             "weight_source": self.source,
             "adapt": self.adapt,
             "adaptations": self.adaptations,

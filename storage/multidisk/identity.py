@@ -1,9 +1,9 @@
 """Copies of a model's shard files: which device a path lives on, and whether a file can stand in
 for another (same size, same safetensors header bytes).
 
-A *replica* is one directory holding (some of) the model's shard files; :func:`open_replicas`
+A *copy* is one directory holding (some of) the model's shard files; :func:`open_copies`
 checks each file against the primary's and keeps only those that match, with one warning per
-refused file. :func:`compare_replica_file` is also the rule for a shard found in two
+refused file. :func:`compare_copy_file` is also the rule for a shard found in two
 ``--model-dir`` directories (:meth:`storage.container.Container.open`).
 """
 
@@ -20,11 +20,11 @@ import structlog
 
 __all__ = [
     "DeviceId",
-    "Replica",
-    "compare_replica_file",
+    "ModelCopy",
+    "compare_copy_file",
     "device_of",
     "header_bytes",
-    "open_replicas",
+    "open_copies",
 ]
 
 _MAX_HEADER = 100 * 1024 * 1024
@@ -101,7 +101,7 @@ def device_of(path: str | os.PathLike[str], mountinfo: str = "/proc/self/mountin
     return DeviceId(st.st_dev, _unescape_mount(best[4]), best[2], best[3])
 
 
-# --------------------------------------------------------------------------- replica files
+# --------------------------------------------------------------------------- copy files
 def header_bytes(path: str | os.PathLike[str]) -> bytes:
     """The safetensors header of ``path``: the 8-byte length prefix plus the ``N`` JSON bytes.
 
@@ -119,19 +119,19 @@ def header_bytes(path: str | os.PathLike[str]) -> bytes:
     return head + body
 
 
-def compare_replica_file(primary: Path, replica: Path) -> str | None:
-    """None when ``replica`` can stand in for ``primary`` (same size, same header bytes), else
+def compare_copy_file(primary: Path, copy: Path) -> str | None:
+    """None when ``copy`` can stand in for ``primary`` (same size, same header bytes), else
     why not, in words."""
     try:
         want = primary.stat().st_size
-        got = replica.stat().st_size
+        got = copy.stat().st_size
     except OSError as exc:
         return f"cannot stat: {exc.strerror or exc}"
     if got != want:
         return f"size {got} differs from the primary's {want} bytes"
     try:
         a = header_bytes(primary)
-        b = header_bytes(replica)
+        b = header_bytes(copy)
     except (OSError, ValueError) as exc:
         return f"header unreadable: {exc}"
     if a != b:
@@ -142,10 +142,10 @@ def compare_replica_file(primary: Path, replica: Path) -> str | None:
 
 
 @dataclass(frozen=True)
-class Replica:
+class ModelCopy:
     """One copy of (some of) the model's shard files on one device.
 
-    ``files`` maps each primary shard path this replica can serve to its own file; ``skipped``
+    ``files`` maps each primary shard path this copy can serve to its own file; ``skipped``
     names the files (or the whole directory, under ``"*"``) it cannot serve, and why."""
 
     index: int
@@ -171,21 +171,21 @@ def _safe_device(path: Path) -> DeviceId | None:
         return None
 
 
-def open_replicas(
+def open_copies(
     primary: Path, shard_files: Sequence[Path], mirrors: Sequence[Path]
-) -> list[Replica]:
-    """The primary (index 0) and one :class:`Replica` per mirror directory, in order (blocking).
+) -> list[ModelCopy]:
+    """The primary (index 0) and one :class:`ModelCopy` per mirror directory, in order (blocking).
 
     A mirror file is used only when its size and header bytes equal the primary's; a mismatch is
     logged once (a warning naming the file and why) and the file is left unused. A mirror
-    directory that is missing, or the primary itself, yields a replica holding no files."""
-    out = [Replica(0, primary, _safe_device(primary), {p: p for p in shard_files})]
+    directory that is missing, or the primary itself, yields a copy holding no files."""
+    out = [ModelCopy(0, primary, _safe_device(primary), {p: p for p in shard_files})]
     for i, m in enumerate(mirrors, start=1):
         root = Path(m)
         if not root.is_dir():
             what = "does not exist" if not root.exists() else "is not a directory"
             _log.warning("mirror unused", mirror=str(root), reason=f"the mirror {what}")
-            out.append(Replica(i, root, None, {}, {"*": f"the mirror {what}"}))
+            out.append(ModelCopy(i, root, None, {}, {"*": f"the mirror {what}"}))
             continue
         try:
             same = os.path.samefile(root, primary)
@@ -193,7 +193,7 @@ def open_replicas(
             same = False
         if same:
             _log.warning("mirror unused", mirror=str(root), reason="it is the primary directory")
-            out.append(Replica(i, root, _safe_device(root), {}, {"*": "the primary itself"}))
+            out.append(ModelCopy(i, root, _safe_device(root), {}, {"*": "the primary itself"}))
             continue
         files: dict[Path, Path] = {}
         skipped: dict[str, str] = {}
@@ -206,7 +206,7 @@ def open_replicas(
                 if os.path.samefile(p, q):
                     why: str | None = "the same file as the primary's (a link)"
                 else:
-                    why = compare_replica_file(p, q)
+                    why = compare_copy_file(p, q)
             except OSError as exc:
                 why = f"cannot stat: {exc.strerror or exc}"
             if why is not None:
@@ -218,5 +218,5 @@ def open_replicas(
             _log.warning(
                 "mirror unused", mirror=str(root), reason="it holds none of the model's shards"
             )
-        out.append(Replica(i, root, _safe_device(root), files, skipped))
+        out.append(ModelCopy(i, root, _safe_device(root), files, skipped))
     return out
