@@ -197,8 +197,9 @@ class _State:
 
 
 def _hits(engine: Engine) -> tuple[int, int]:
-    e = engine.stats()["experts"]
-    return int(e.get("hits_pinned", 0)) + int(e.get("hits_lru", 0)), int(e.get("misses", 0))
+    """(expert lookups served from memory, lookups read from storage) since open."""
+    t = engine.snapshot().experts.tiers
+    return (0, 0) if t is None else (t.hits_pinned + t.hits_lru, t.misses)
 
 
 class _Chat:
@@ -487,7 +488,7 @@ def run_chat(opts: EngineOptions, settings: ChatSettings) -> None:
                 raise ColibriError(f"{c.path}: no tokenizer.json, cannot turn text into tokens")
             tok = ChatTokenizer(tok_path, c.tokenizer_config())
             chat = _Chat(portal, engine, tok, settings, state_dir, click.echo, color)
-            mode = engine.stats()["experts"]["mode"]
+            mode = engine.snapshot().experts.mode
             chat._dim(
                 f"colibri chat · {c.path.name} · experts {mode} · session {settings.session}"
                 f" · {HELP}"

@@ -6,6 +6,7 @@ Model math runs in worker threads (numba kernels release the GIL) through
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -22,6 +23,7 @@ import numpy.typing as npt
 import structlog
 
 from colibri._config import EngineOptions
+from colibri._stats import ComputeStats, EngineStats, ExpertsStats
 from runtime.compute import ExpertCompute
 from runtime.context import Observer, StepContext
 from runtime.grammar import GrammarSpec, TokenGrammar
@@ -395,42 +397,53 @@ class Engine:
         diff = np.flatnonzero(held[:n] != ids[:n])
         return int(diff[0]) if diff.size else int(n)
 
-    def stats(self) -> dict[str, Any]:
-        """Counters since open (compute, tokens, and the expert store's tiers when present)."""
+    def snapshot(self) -> EngineStats:
+        """Counters since open as typed, frozen dataclasses (see :mod:`colibri._stats`)."""
         sched = self._scheduler
-        s: dict[str, Any] = {**sched.stats.as_dict(), **self._counters}
         comp, pre = sched.ctx.compute, sched.prefill_ctx.compute
-        s["compute"] = {
-            "threads": comp.threads,
-            "parallel_steps": comp.parallel_steps + (0 if pre is comp else pre.parallel_steps),
-            "prefill_chunk": sched.prefill_chunk,
-            "fast_prefill": self.options.fast_prefill,
-            "fast_prefill_matmuls": pre.fast_calls,
-        }
-        s["speculative"] = {
-            "policy": self.options.draft,
-            **self._spec_stats.as_dict(),
-            "cost_model": None if self._spec_cost is None else self._spec_cost.snapshot(),
-        }
+        compute = ComputeStats(
+            threads=comp.threads,
+            parallel_steps=comp.parallel_steps + (0 if pre is comp else pre.parallel_steps),
+            prefill_chunk=sched.prefill_chunk,
+            fast_prefill=self.options.fast_prefill,
+            fast_prefill_matmuls=pre.fast_calls,
+        )
         store = self._store
         if store is None:
-            s["experts"] = {"mode": "resident"}
+            experts = ExpertsStats("resident")
         else:
-            s["experts"] = {
-                "mode": "streaming",
-                "reader": store.reader.name,
-                "reader_reason": getattr(store.reader, "reason", ""),
-                "slots_bytes": store.nbytes,
-                "lru_slots_per_layer": store.layout.lru_slots_per_layer,
-                "pinned": len(store.layout.pinned),
-                "transient_slots": store.layout.transient_slots,
-                "fixed_buffers": store.fixed_buffers,
-                **store.stats.as_dict(),
-            }
-            if store.placement is not None:  # per-copy telemetry (storage/multidisk/)
-                s["experts"]["devices"] = store.placement.stats()
-                s["experts"]["placement"] = store.placement.summary()
-        return s
+            placement = store.placement
+            experts = ExpertsStats(
+                "streaming",
+                reader=store.reader.name,
+                reader_reason=store.reader.reason,
+                slots_bytes=store.nbytes,
+                lru_slots_per_layer=store.layout.lru_slots_per_layer,
+                pinned=len(store.layout.pinned),
+                transient_slots=store.layout.transient_slots,
+                fixed_buffers=store.fixed_buffers,
+                tiers=dataclasses.replace(store.stats),
+                devices=None if placement is None else tuple(placement.copy_stats()),
+                placement=None if placement is None else placement.summary(),
+            )
+        return EngineStats(
+            scheduler=dataclasses.replace(sched.stats),
+            prompt_tokens=int(self._counters["prompt_tokens"]),
+            prompt_tokens_reused=int(self._counters["prompt_tokens_reused"]),
+            generated_tokens=int(self._counters["generated_tokens"]),
+            compute=compute,
+            speculative={
+                "policy": self.options.draft,
+                **self._spec_stats.as_dict(),
+                "cost_model": None if self._spec_cost is None else self._spec_cost.snapshot(),
+            },
+            experts=experts,
+        )
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since open (compute, tokens, and the expert store's tiers when present):
+        :meth:`snapshot` as plain JSON data."""
+        return self.snapshot().as_dict()
 
     async def enable_replica(self, which: int | str | os.PathLike[str]) -> dict[str, Any]:
         """Re-enable a copy of the model that a read error demoted (see docs/tuning.md
@@ -615,6 +628,10 @@ class SyncModel:
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
+
+    def snapshot(self) -> EngineStats:
+        """:meth:`Engine.snapshot` (typed counters)."""
+        return self.engine.snapshot()
 
     def enable_replica(self, which: int | str | os.PathLike[str]) -> dict[str, Any]:
         """Re-enable a demoted copy (see :meth:`Engine.enable_replica`)."""

@@ -151,14 +151,15 @@ def _access_line(scope: Scope, route: str, status: int, seconds: float, turn: An
 async def health(request: Request) -> Response:
     """``GET /health``: 200 while the server runs (no API key needed)."""
     st = state_of(request)
+    sched = st.engine.snapshot().scheduler
     return JSONResponse(
         {
             "status": "ok",
             "model": st.model_name,
             "running": st.admission.running,
             "waiting": st.admission.waiting,
-            "decode_batches": int(st.engine.stats()["decode_batches"]),
-            "decode_batched_rows": int(st.engine.stats()["decode_batched_rows"]),
+            "decode_batches": sched.decode_batches,
+            "decode_batched_rows": sched.decode_batched_rows,
         }
     )
 
@@ -226,7 +227,7 @@ async def enable_replica(request: Request) -> Response:
     ``stats()["experts"]["devices"]`` plus ``re_enabled`` (false when it was not demoted)."""
     st = state_of(request)
     raw = str(request.path_params["index"])
-    devices = st.engine.stats().get("experts", {}).get("devices")
+    devices = st.engine.snapshot().experts.devices
     if not devices:
         raise ApiError(
             400,
@@ -246,13 +247,13 @@ async def enable_replica(request: Request) -> Response:
             param="index",
             code="replica_not_found",
         )
-    was_demoted = bool(devices[index].get("demoted"))
+    was_demoted = devices[index].demoted
     try:
         entry = await st.engine.enable_replica(index)
     except ColibriError as exc:
         raise ApiError(400, str(exc), param="index", code="replica_error") from exc
     if was_demoted:
-        _log.info("copy re-enabled by request", replica=index, root=entry.get("root"))
+        _log.info("copy re-enabled by request", copy=index, root=entry.get("root"))
     return JSONResponse({**entry, "re_enabled": was_demoted})
 
 
@@ -317,7 +318,7 @@ async def create_app(
         cfg.kv_slots, engine.new_cache, vocab=vocab, identity=identity, directory=kv_dir
     )
     await slots.check_files()
-    m = Metrics(engine.stats)
+    m = Metrics(engine.snapshot)
     template = getattr(tokenizer, "_template_src", None) or ""
     state = AppState(
         config=cfg,

@@ -3,7 +3,7 @@
 Names follow vLLM's (``vllm:`` -> ``colibri:``) so existing dashboards adapt by a prefix:
 request counters, time to first token, inter-token latency, queue time, end-to-end latency,
 prompt / cached-prompt / generation token counters, running / waiting gauges; plus, read from
-``engine.stats()`` at scrape time, the engine's counters and the expert tiers (hits per tier,
+``engine.snapshot()`` at scrape time, the engine's counters and the expert tiers (hits per tier,
 misses, bytes read, read wait, prefetch issued / used / wasted, evictions, hit rate) and, when
 the experts stream, one series per copy of the model (``colibri:expert_device_*{index, role,
 root}``: bytes, reads, weight, failovers, demoted, ...; see docs/api.md "Metrics").
@@ -11,12 +11,14 @@ root}``: bytes, reads, weight, failovers, demoted, ...; see docs/api.md "Metrics
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from colibri._stats import EngineStats
+from storage.multidisk.placement import CopyStats
 
 __all__ = ["CONTENT_TYPE", "Metrics"]
 
@@ -27,80 +29,74 @@ _ITL = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 
 
 
 class _EngineCollector(Collector):
-    """Engine counters and expert-tier series, read from ``stats()`` on each scrape."""
+    """Engine counters and expert-tier series, read from ``snapshot()`` on each scrape."""
 
-    def __init__(self, stats: Callable[[], Mapping[str, Any]]) -> None:
-        self._stats = stats
+    def __init__(self, snapshot: Callable[[], EngineStats]) -> None:
+        self._snapshot = snapshot
 
     def collect(self) -> Iterator[Metric]:
-        s = self._stats()
-        yield _counter(
-            "colibri:engine_forward_calls", "Model forward calls", s.get("forward_calls")
-        )
+        s = self._snapshot()
+        sc = s.scheduler
+        yield _counter("colibri:engine_forward_calls", "Model forward calls", sc.forward_calls)
         yield _counter(
             "colibri:engine_compute_seconds",
             "Seconds spent in model forward calls",
-            s.get("compute_seconds"),
+            sc.compute_seconds,
         )
         yield _counter(
-            "colibri:engine_prefill_tokens", "Prompt tokens prefilled", s.get("prefill_tokens")
+            "colibri:engine_prefill_tokens", "Prompt tokens prefilled", sc.prefill_tokens
         )
         yield _counter(
-            "colibri:engine_prefill_seconds", "Seconds spent prefilling", s.get("prefill_seconds")
+            "colibri:engine_prefill_seconds", "Seconds spent prefilling", sc.prefill_seconds
         )
         yield _counter(
             "colibri:engine_prefill_read_bytes",
             "Expert bytes read while prefilling",
-            s.get("prefill_bytes_read"),
+            sc.prefill_bytes_read,
         )
-        ex = s.get("experts") or {}
+        ex = s.experts
         resident = GaugeMetricFamily(
             "colibri:experts_streaming", "1 when routed experts stream from storage, 0 in RAM"
         )
-        resident.add_metric([], 1.0 if ex.get("mode") == "streaming" else 0.0)
+        resident.add_metric([], 1.0 if ex.mode == "streaming" else 0.0)
         yield resident
-        if ex.get("mode") != "streaming":
+        t = ex.tiers
+        if t is None:
             return
         hits = CounterMetricFamily(
             "colibri:expert_hits", "Expert lookups served from memory, by tier", labels=["tier"]
         )
-        hits.add_metric(["pinned"], float(ex.get("hits_pinned", 0)))
-        hits.add_metric(["lru"], float(ex.get("hits_lru", 0)))
+        hits.add_metric(["pinned"], float(t.hits_pinned))
+        hits.add_metric(["lru"], float(t.hits_lru))
         yield hits
-        yield _counter(
-            "colibri:expert_misses", "Expert lookups read from storage", ex.get("misses")
-        )
-        yield _counter("colibri:expert_reads", "Expert reads issued", ex.get("reads"))
-        yield _counter("colibri:expert_read_bytes", "Bytes of experts read", ex.get("bytes_read"))
+        yield _counter("colibri:expert_misses", "Expert lookups read from storage", t.misses)
+        yield _counter("colibri:expert_reads", "Expert reads issued", t.reads)
+        yield _counter("colibri:expert_read_bytes", "Bytes of experts read", t.bytes_read)
         yield _counter(
             "colibri:expert_read_wait_seconds",
             "Seconds compute waited for expert reads",
-            ex.get("read_wait_s"),
+            t.read_wait_s,
         )
         pre = CounterMetricFamily(
             "colibri:expert_prefetch", "Lookahead prefetches by outcome", labels=["outcome"]
         )
-        for k in ("issued", "used", "wasted"):
-            pre.add_metric([k], float(ex.get(f"prefetch_{k}", 0)))
+        pre.add_metric(["issued"], float(t.prefetch_issued))
+        pre.add_metric(["used"], float(t.prefetch_used))
+        pre.add_metric(["wasted"], float(t.prefetch_wasted))
         yield pre
-        yield _counter(
-            "colibri:expert_evictions", "Experts evicted from the LRU", ex.get("evictions")
-        )
-        yield _counter(
-            "colibri:expert_read_errors", "Expert reads that failed", ex.get("read_errors")
-        )
+        yield _counter("colibri:expert_evictions", "Experts evicted from the LRU", t.evictions)
+        yield _counter("colibri:expert_read_errors", "Expert reads that failed", t.read_errors)
         rate = GaugeMetricFamily("colibri:expert_hit_rate", "Expert lookups served from memory")
-        rate.add_metric([], float(ex.get("hit_rate", 0.0)))
+        rate.add_metric([], float(t.as_dict()["hit_rate"]))
         yield rate
         size = GaugeMetricFamily("colibri:expert_cache_bytes", "Bytes of expert slots in RAM")
-        size.add_metric([], float(ex.get("slots_bytes", 0)))
+        size.add_metric([], float(ex.slots_bytes))
         yield size
-        devices = ex.get("devices")
-        if devices:
-            yield from _device_metrics(devices)
+        if ex.devices:
+            yield from _device_metrics(ex.devices)
 
 
-# Per-copy series (storage/multidisk/): (name, help, type, key in a ``devices`` entry).
+# Per-copy series (storage/multidisk/): (name, help, type, CopyStats attribute).
 _DEVICE_SERIES: tuple[tuple[str, str, str, str], ...] = (
     ("colibri:expert_device_read_bytes", "Bytes of experts read from this copy", "c", "bytes"),
     ("colibri:expert_device_reads", "Expert reads served by this copy", "c", "reads"),
@@ -142,7 +138,7 @@ _DEVICE_SERIES: tuple[tuple[str, str, str, str], ...] = (
 _DEVICE_LABELS = ["index", "role", "root"]
 
 
-def _device_metrics(devices: Sequence[Mapping[str, Any]]) -> Iterator[Metric]:
+def _device_metrics(devices: Sequence[CopyStats]) -> Iterator[Metric]:
     """One series per copy of the model (0: the primary, then each ``--mirror``) and metric."""
     for name, doc, kind, key in _DEVICE_SERIES:
         fam: CounterMetricFamily | GaugeMetricFamily
@@ -151,22 +147,22 @@ def _device_metrics(devices: Sequence[Mapping[str, Any]]) -> Iterator[Metric]:
         else:
             fam = GaugeMetricFamily(name, doc, labels=_DEVICE_LABELS)
         for d in devices:
-            v = d.get(key)
+            v = getattr(d, key)
             if v is None:
                 continue
-            labels = [str(d.get("index", "")), str(d.get("role", "")), str(d.get("root", ""))]
-            fam.add_metric(labels, float(v))
+            fam.add_metric([str(d.index), d.role, d.root], float(v))
         yield fam
 
 
-def _counter(name: str, doc: str, value: Any) -> CounterMetricFamily:
-    return CounterMetricFamily(name, doc, value=float(value or 0))
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=float(value))
 
 
 class Metrics:
     """Every metric of one server; ``render()`` gives the Prometheus text."""
 
-    def __init__(self, engine_stats: Callable[[], Mapping[str, Any]]) -> None:
+    def __init__(self, engine_stats: Callable[[], EngineStats]) -> None:
+        """``engine_stats``: the engine's :meth:`~colibri.Engine.snapshot`."""
         r = self.registry = CollectorRegistry()
         self.requests = Counter(
             "colibri:http_requests",

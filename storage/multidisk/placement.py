@@ -7,6 +7,7 @@ loop, and runs without any real device (tests drive it with real files on one di
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import os
@@ -36,6 +37,7 @@ __all__ = [
     "EWMA_ALPHA",
     "WINDOW_READS",
     "WINDOW_SECONDS",
+    "CopyStats",
     "Placement",
     "WeightSource",
     "adapt_weights",
@@ -177,6 +179,31 @@ def stripe_pieces(
 
 
 # --------------------------------------------------------------------------- placement
+@dataclass(frozen=True, slots=True)
+class CopyStats:
+    """One copy of the model as placement sees it (``stats()["experts"]["devices"][i]``)."""
+
+    index: int  # 0: the primary, then each mirror in order
+    role: str
+    root: str
+    device: dict[str, Any] | None
+    files: int  # shard files this copy serves
+    skipped: dict[str, str]  # refused file -> why
+    weight: float  # read share in use (0: demoted or not chosen)
+    base_weight: float  # declared or probed
+    weight_source: str
+    reads: int
+    bytes: int
+    seconds: float
+    busy_seconds: float  # wall seconds with at least one read in flight
+    throughput_bytes_per_s: float | None  # EWMA estimate (None before one window)
+    errors: int
+    failovers: int  # reads that failed here and were retried on another copy
+    served_failovers: int  # reads this copy served after another copy failed
+    demoted: bool
+    demoted_reason: str | None
+
+
 @dataclass
 class _Counters:
     reads: int = 0
@@ -539,35 +566,40 @@ class Placement:
         """Demoted copy index -> the error that demoted it."""
         return dict(self._demoted)
 
-    def stats(self) -> list[dict[str, Any]]:
-        """One dict per copy: where it is, its weight, and what it served."""
-        out: list[dict[str, Any]] = []
+    def copy_stats(self) -> list[CopyStats]:
+        """One :class:`CopyStats` per copy: where it is, its weight, and what it served."""
+        out: list[CopyStats] = []
         w = self.weights
+        now = time.perf_counter()
         for r, c in zip(self.copies, self._counters, strict=True):
             out.append(
-                {
-                    "index": r.index,
-                    "role": r.role,
-                    "root": str(r.root),
-                    "device": r.device.as_dict() if r.device is not None else None,
-                    "files": len(r.files),
-                    "skipped": dict(r.skipped),
-                    "weight": w[r.index],
-                    "base_weight": self._base[r.index],
-                    "weight_source": self.source,
-                    "reads": c.reads,
-                    "bytes": c.bytes,
-                    "seconds": c.seconds,
-                    "busy_seconds": c.busy_at(time.perf_counter()),
-                    "throughput_bytes_per_s": c.estimate,
-                    "errors": c.errors,
-                    "failovers": c.failovers,
-                    "served_failovers": c.served_failovers,
-                    "demoted": r.index in self._demoted,
-                    "demoted_reason": self._demoted.get(r.index),
-                }
+                CopyStats(
+                    index=r.index,
+                    role=r.role,
+                    root=str(r.root),
+                    device=r.device.as_dict() if r.device is not None else None,
+                    files=len(r.files),
+                    skipped=dict(r.skipped),
+                    weight=w[r.index],
+                    base_weight=self._base[r.index],
+                    weight_source=self.source,
+                    reads=c.reads,
+                    bytes=c.bytes,
+                    seconds=c.seconds,
+                    busy_seconds=c.busy_at(now),
+                    throughput_bytes_per_s=c.estimate,
+                    errors=c.errors,
+                    failovers=c.failovers,
+                    served_failovers=c.served_failovers,
+                    demoted=r.index in self._demoted,
+                    demoted_reason=self._demoted.get(r.index),
+                )
             )
         return out
+
+    def stats(self) -> list[dict[str, Any]]:
+        """:meth:`copy_stats` as plain dicts (JSON)."""
+        return [dataclasses.asdict(c) for c in self.copy_stats()]
 
     def summary(self) -> dict[str, Any]:
         """Placement-wide counters."""
