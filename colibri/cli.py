@@ -1149,31 +1149,19 @@ def mirror() -> None:
 
 @mirror.command("plan")
 @_mirror_options
-def mirror_plan(
-    model: Path | None,
-    to: Path,
-    budget: str | None,
-    state_dir: Path | None,
-    model_dirs: tuple[Path, ...],
-) -> None:
+def mirror_plan(**options: Any) -> None:
     """Rank experts by .coli_usage and print (JSON) the shard files that fit the budget."""
-    plan = _mirror_plan(model, to, budget, state_dir, model_dirs)
+    plan = _mirror_plan(**options)
     click.echo(json.dumps(plan.to_json(), indent=1))
 
 
 @mirror.command("stage")
 @_mirror_options
-def mirror_stage(
-    model: Path | None,
-    to: Path,
-    budget: str | None,
-    state_dir: Path | None,
-    model_dirs: tuple[Path, ...],
-) -> None:
+def mirror_stage(**options: Any) -> None:
     """Copy the planned shard files (atomic, checksummed, resumable); print a JSON report."""
     from storage.multidisk.staging import stage_mirror
 
-    plan = _mirror_plan(model, to, budget, state_dir, model_dirs)
+    plan = _mirror_plan(**options)
     last = [""]
 
     def progress(name: str, done: int, total: int) -> None:

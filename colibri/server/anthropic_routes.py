@@ -29,7 +29,6 @@ from colibri.server.requests import (
     state_of,
 )
 from colibri.server.schemas import MessagesRequest
-from colibri.server.security import tenant_of
 from colibri.server.sse import GenerationResponse, Responder, sse
 
 __all__ = ["anthropic_routes", "to_template_messages"]
@@ -169,15 +168,7 @@ async def messages(request: Request) -> Response:
         extra["enable_thinking"] = thinking
     text, ids = await render_chat(st, to_template_messages(req), extra)
     params = common_params(
-        st,
-        req,
-        ids=ids,
-        tenant=tenant_of(request),
-        max_tokens=req.max_tokens,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        seed=req.seed,
-        stop=req.stop_sequences,
+        st, request, req, ids=ids, max_tokens=req.max_tokens, stop=req.stop_sequences
     )
     chat_params(st, params, text, tools)
     mid = new_id("msg_")

@@ -40,7 +40,6 @@ from colibri.server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
 )
-from colibri.server.security import tenant_of
 from colibri.server.sse import GenerationResponse, Responder, Runner, sse
 from colibri.server.state import AppState, Ticket
 from storage.errors import ColibriError
@@ -135,13 +134,10 @@ async def chat_completions(request: Request) -> Response:
     text, ids = await render_chat(st, messages, extra)
     params = common_params(
         st,
+        request,
         req,
         ids=ids,
-        tenant=tenant_of(request),
         max_tokens=req.max_completion_tokens or req.max_tokens,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        seed=req.seed,
         stop=req.stop,
     )
     params.logprobs = req.logprobs
@@ -306,17 +302,7 @@ async def completions(request: Request) -> Response:
         ids = [int(t) for t in prompt if isinstance(t, int)]
     if prompt_text is not None:
         ids = await st.encode_prompt(prompt_text, "prompt")
-    params = common_params(
-        st,
-        req,
-        ids=ids,
-        tenant=tenant_of(request),
-        max_tokens=req.max_tokens,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        seed=req.seed,
-        stop=req.stop,
-    )
+    params = common_params(st, request, req, ids=ids, max_tokens=req.max_tokens, stop=req.stop)
     n_top = req.logprobs or 0
     params.logprobs = req.logprobs is not None
     params.top_logprobs = n_top

@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
 from colibri.server.errors import ApiError, validation_error
 from colibri.server.generation import GenParams, check_prompt
-from colibri.server.schemas import Extensions
-from colibri.server.security import read_body
+from colibri.server.security import read_body, tenant_of
 from colibri.server.state import AppState
 from colibri.server.textproc import THINK_START
 from storage.errors import ColibriError
@@ -121,22 +120,34 @@ def sampling_defaults(st: AppState) -> dict[str, Any]:
     }
 
 
+class SamplingRequest(Protocol):
+    """The request fields :func:`common_params` reads (every generation API has them)."""
+
+    temperature: float | None
+    top_p: float | None
+    seed: int | None
+    top_k: int | None
+    cache_slot: int | None
+    ignore_eos: bool
+    stop_token_ids: list[int] | None
+
+
 def common_params(
     st: AppState,
-    req: Extensions,
+    request: Request,
+    req: SamplingRequest,
     *,
     ids: list[int],
-    tenant: str | None = None,
     max_tokens: int | None,
-    temperature: float | None,
-    top_p: float | None,
-    seed: int | None,
     stop: str | list[str] | None,
 ) -> GenParams:
-    """Sampling, stops, slot and limits shared by every API."""
+    """Sampling, stops, slot and limits shared by every API (``max_tokens`` and ``stop`` are
+    named differently in each); the tenant (for prefix reuse) comes from the request's key."""
+    tenant = tenant_of(request)
+    seed = req.seed
     d = sampling_defaults(st)
-    temp = d["temperature"] if temperature is None else float(temperature)
-    tp = d["top_p"] if top_p is None else float(top_p)
+    temp = d["temperature"] if req.temperature is None else float(req.temperature)
+    tp = d["top_p"] if req.top_p is None else float(req.top_p)
     if tp == 0.0:  # "only the most likely token"
         temp, tp = 0.0, 1.0
     top_k = d["top_k"] if req.top_k is None else max(0, req.top_k)
