@@ -1,1 +1,4 @@
-"""colibri runtime: model math, expert tiers, scheduling, sampling (numbers in memory)."""
+"""colibri runtime: model math, expert tiers, scheduling, sampling (numbers in memory).
+
+Shape legend: each module states its own.
+"""

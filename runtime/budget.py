@@ -3,6 +3,8 @@
 The budget covers what the engine allocates for the model: resident dense weights (and arrays
 derived from them), the KV cache reserve, and every expert slot (pinned, LRU, transient read
 buffers). The Python interpreter and libraries (a fixed ~0.2-0.4 GB) are outside it.
+
+Shape legend: no arrays (byte counts of objects and configs).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-# T tokens (rows), D hidden, F intermediate, K experts per token
 """How a MoE layer computes its routed experts: on how many threads, and with which matmul.
 
-:class:`ExpertCompute` is owned by a model (``model.compute``); it holds no process-wide state
-besides the BLAS thread limit it sets for the duration of a parallel fast step.
+:class:`ExpertCompute` travels in a call's :class:`~runtime.context.StepContext` (the engine makes
+one for decode and, under ``--fast-prefill``, one for prefill that shares its pool); it holds no
+process-wide state besides the BLAS thread limit it sets for the duration of a parallel fast step.
 
 * **Threads.** Routed experts are independent, so with ``threads > 1`` each arrived expert is
   computed on a worker thread while the compute thread waits for the next read (numba kernels
@@ -15,6 +15,8 @@ besides the BLAS thread limit it sets for the duration of a parallel fast step.
   multiplied by BLAS, several times faster than the streaming int4 kernel for large prefill
   chunks. BLAS sums in its own order: rows agree with the exact kernels to float rounding, not
   bit for bit, which is why it is opt-in and never used for decode (rows < threshold).
+
+Shape legend: T tokens (rows), D hidden, F intermediate, K experts per token.
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ travels in a :class:`StepContext` passed to ``forward`` / ``forward_batch`` / ``
 
 Contexts are immutable; :meth:`StepContext.replace` and :meth:`StepContext.observing` derive a
 new one, so two calls can never see each other's settings.
+
+Shape legend: no arrays (the settings of a call).
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
 """The tiered expert store: pinned RAM set -> per-layer LRU -> storage.
 
-# L layer, E experts per layer, K top-k, slot = one expert's aligned blob + scales buffers
-
 Routed experts are read by the storage reader (io_uring / threads / buffered) on the event loop,
 straight into preallocated aligned slots (no allocation or copy per read). The model runs in a
 worker thread and consumes a layer's experts in *arrival order*: resident ones first, misses as
@@ -17,6 +15,9 @@ Thread model: methods prefixed ``_loop_`` and coroutines run on the event loop; 
 :class:`StreamingExperts` facade is called from the compute thread (one started by
 ``anyio.to_thread.run_sync``) and reaches the loop through ``anyio.from_thread`` plus a
 thread-safe queue for arrivals.
+
+Shape legend: L layer, E experts per layer, K top-k, slot = one expert's aligned blob + scales
+buffers.
 """
 
 from __future__ import annotations

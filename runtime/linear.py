@@ -1,7 +1,5 @@
 """Linear layers over stored weights: ``y = x @ W.T`` for every storage format.
 
-# T tokens, I in features (``in_features``), O out features (``out_features``)
-
 ``Linear`` keeps the weight exactly as stored (int4 / int8 bytes + scales, bf16 / f16 bits, f32)
 and calls the numba kernel of :mod:`runtime.kernels.quant_matmul` for its format; no dequantized
 copy is ever held. The kernels are batch-invariant (row ``t`` of ``y`` does not depend on the
@@ -10,6 +8,8 @@ worker threads (``anyio.to_thread.run_sync``).
 
 ``x`` must be 2-D ``[T, I]`` (a single token is ``[1, I]``); it is converted to C-contiguous
 float32 if needed (no copy when it already is).
+
+Shape legend: T tokens, I in features (``in_features``), O out features (``out_features``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Token sampling: greedy, temperature, top-k, top-p with a seeded generator.
 
-# V vocab
 Same seed and same logits -> same tokens, on every machine (numpy PCG64, float64 probabilities).
+
+Shape legend: V vocab.
 """
 
 from __future__ import annotations

@@ -28,3 +28,20 @@ def test_ruff(cmd: tuple[str, ...]) -> None:
 def test_mypy_strict_storage_and_colibri() -> None:
     p = _run("mypy", "storage", "colibri")
     assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_every_module_says_what_it_owns_and_runtime_modules_state_their_shapes() -> None:
+    """Each package module opens with a docstring (what it owns); each runtime module's has a
+    ``Shape legend:`` line (one format, so a reader finds the letters in the same place)."""
+    import ast
+
+    missing: list[str] = []
+    for pkg in ("storage", "runtime", "colibri"):
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            doc = ast.get_docstring(ast.parse(path.read_text()))
+            rel = str(path.relative_to(ROOT))
+            if not doc:
+                missing.append(f"{rel}: no module docstring")
+            elif pkg == "runtime" and "Shape legend:" not in doc:
+                missing.append(f"{rel}: no 'Shape legend:' in the docstring")
+    assert not missing, "\n".join(missing)

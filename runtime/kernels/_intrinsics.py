@@ -1,4 +1,3 @@
-# idx: flat element index into a C-contiguous array; u: an unsigned integer holding raw bits
 """Low-level numba intrinsics the kernels need and numba does not expose.
 
 * :func:`prefetch` — ``llvm.prefetch`` (read, high locality) on ``&arr[idx]``: streaming int4
@@ -9,6 +8,9 @@
 * :func:`u32_bits_to_f32` — reinterpret uint32 bits as float32 (bf16 is the top half of an f32).
 
 All three are pure functions of their inputs and safe in ``nogil`` code.
+
+Shape legend: idx: flat element index into a C-contiguous array; u: an unsigned integer holding raw
+bits.
 """
 
 from __future__ import annotations

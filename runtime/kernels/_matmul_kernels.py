@@ -1,5 +1,3 @@
-# T tokens, I in features, O out features, G scale groups per row, B = ceil(I / 2) packed bytes
-# per int4 row, Ys = B rounded up to 8, plus 16 (activation row stride), Ip = I rounded up to 8
 """numba kernels for ``y = x @ W.T`` in every storage format, straight from the stored bytes.
 
 Formats and layouts are those of :mod:`storage.quant` (int4: nibble ``q + 8``, low nibble = even
@@ -32,6 +30,10 @@ The typed wrappers (argument checks, activation preparation) are in :mod:`.quant
 
 The JIT cache (``cache=True``) is keyed on this file only: after editing ``_simd.py`` or
 ``_intrinsics.py``, delete ``runtime/kernels/__pycache__/_matmul_kernels*.nb*``.
+
+Shape legend: T tokens, I in features, O out features, G scale groups per row, B = ceil(I / 2)
+packed bytes per int4 row, Ys = B rounded up to 8, plus 16 (activation row stride), Ip = I rounded
+up to 8.
 """
 
 from __future__ import annotations

@@ -1,4 +1,3 @@
-# L = 8 lanes of float32 (one AVX2 register); idx is a flat element index into a C array
 """An 8-lane float32 vector type for numba kernels, with explicit lane order.
 
 Why: numba leaves LLVM's SLP vectorizer off, and its loop vectorizer refuses float reductions
@@ -12,6 +11,9 @@ caller guarantees ``idx + 8 <= arr.size`` (wrappers pad buffers to a multiple of
 
 Every arithmetic op is a single IEEE operation per lane (``vfma`` is a fused multiply-add with one
 rounding, which is exactly specified too), so results do not depend on the instruction set.
+
+Shape legend: L = 8 lanes of float32 (one AVX2 register); idx is a flat element index into a C
+array.
 """
 
 from __future__ import annotations

@@ -1,4 +1,3 @@
-# O out features, I in features, B = ceil(I / 2) packed bytes per int4 row, G scale groups per row
 """Dequantize a stored weight into float32 ``[O, I]`` (the dense tile a BLAS GEMM consumes).
 
 Used only by the opt-in fast prefill path (``fast_prefill``): for a large prefill chunk an
@@ -10,6 +9,9 @@ order, so results agree with :mod:`.quant_matmul` to float rounding, not bit for
 The values are exactly those of :func:`storage.quant.dequantize`, which serves every format but
 int4; int4 (``(nibble - 8) * scale``, per row or per group), the expert format, has a numba
 kernel here that writes into a reusable scratch.
+
+Shape legend: O out features, I in features, B = ceil(I / 2) packed bytes per int4 row, G scale
+groups per row.
 """
 
 from __future__ import annotations

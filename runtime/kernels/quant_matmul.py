@@ -1,5 +1,3 @@
-# T tokens, I in features, O out features, G scale groups per row, B = ceil(I / 2) packed bytes
-# per int4 row
 """Typed wrappers: ``y[T, O] = x[T, I] @ W.T`` for every storage format of :mod:`storage.quant`.
 
 Each function checks dtypes, shapes and contiguity (``ValueError`` with a clear message; these
@@ -7,6 +5,9 @@ are internal APIs, :class:`runtime.linear.Linear` is the public one), prepares t
 once per call and runs the serial ``nogil`` kernel of :mod:`._matmul_kernels` for the format.
 Results are deterministic and batch-invariant: row ``t`` of ``y`` is bit-identical whatever the
 other rows of ``x`` are (see that module for the summation order).
+
+Shape legend: T tokens, I in features, O out features, G scale groups per row, B = ceil(I / 2)
+packed bytes per int4 row.
 """
 
 from __future__ import annotations

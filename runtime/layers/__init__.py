@@ -5,4 +5,6 @@
 (DeepSeek sparse attention lightning indexer), ``moe_router`` (sigmoid + bias, group-limited
 top-k), ``moe`` (route / union / apply_experts / shared), ``swiglu`` (gated MLP) and ``topk``
 (``torch.topk``-compatible selection, ties included).
+
+Shape legend: each layer module states its own.
 """

@@ -1,4 +1,7 @@
-"""Model architectures, one module per Hugging Face ``model_type``, and the loader registry."""
+"""Model architectures, one module per Hugging Face ``model_type``, and the loader registry.
+
+Shape legend: see ``runtime.models._decoder``.
+"""
 
 from __future__ import annotations
 

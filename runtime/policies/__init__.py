@@ -2,6 +2,8 @@
 
 They decide *where* an expert lives (pinned set, per-layer LRU, storage) and therefore only speed;
 they never see activations and cannot change an output token.
+
+Shape legend: L layer, E expert, Key = (L, E); no arrays.
 """
 
 from runtime.policies.lru import LayerLru

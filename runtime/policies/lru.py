@@ -1,4 +1,7 @@
-"""Per-layer LRU over a fixed number of slots, with protection for in-use entries."""
+"""Per-layer LRU over a fixed number of slots, with protection for in-use entries.
+
+Shape legend: E expert ids of one layer; no arrays.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Learned pinning: fill a pinned set from routing counts, and re-pin with hysteresis."""
+"""Learned pinning: fill a pinned set from routing counts, and re-pin with hysteresis.
+
+Shape legend: L layer, E expert, Key = (L, E); counts [L, E].
+"""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
 """The tier policy: where each routed expert lives and which read goes next, decided in one place.
 
-# L layer, E expert, Key = (L, E); "transient" = a slot outside the cache (misses the LRU
-# cannot take, lookahead results parked until their layer runs)
-
 Pure and synchronous: no buffers, no I/O, no event loop, no clock.
 :class:`runtime.experts.ExpertStore` runs it on the event loop against a
 :class:`~storage.reader.Reader` and keeps the buffers (its tests use a fake reader on a fake
@@ -16,6 +13,9 @@ LRU, parked lookahead), already in flight, or to read; :meth:`place` picks each 
 :meth:`landed` says what happens to a completed read (deliver, park, release);
 :meth:`end` closes the step. :meth:`lookahead` turns a prediction into reads, and
 :meth:`lookahead_ready` drops the ones that went stale while they waited for the device.
+
+Shape legend: L layer, E expert, Key = (L, E); "transient" = a slot outside the cache (misses the
+LRU cannot take, lookahead results parked until their layer runs).
 """
 
 from __future__ import annotations

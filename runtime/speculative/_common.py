@@ -1,4 +1,7 @@
-"""Types and constants shared by the speculative-decoding modules."""
+"""Types and constants shared by the speculative-decoding modules.
+
+Shape legend: see ``runtime.speculative``.
+"""
 
 from __future__ import annotations
 

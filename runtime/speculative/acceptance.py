@@ -1,4 +1,7 @@
-"""Speculative rejection sampling and the expected tokens of a round."""
+"""Speculative rejection sampling and the expected tokens of a round.
+
+Shape legend: see ``runtime.speculative``.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""The cost model: does drafting pay this round, from which source, and how many tokens?"""
+"""The cost model: does drafting pay this round, from which source, and how many tokens?
+
+Shape legend: see ``runtime.speculative``.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""The round-by-round speculative decoder: draft, verify in one forward, accept, roll back."""
+"""The round-by-round speculative decoder: draft, verify in one forward, accept, roll back.
+
+Shape legend: see ``runtime.speculative``.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Draft sources: prompt lookup (no model) and the model's MTP head."""
+"""Draft sources: prompt lookup (no model) and the model's MTP head.
+
+Shape legend: see ``runtime.speculative``.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""The ``--draft`` option."""
+"""The ``--draft`` option.
+
+Shape legend: see ``runtime.speculative``; no arrays.
+"""
 
 from __future__ import annotations
 

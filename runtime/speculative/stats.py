@@ -1,4 +1,7 @@
-"""Telemetry of speculative decoding across generations."""
+"""Telemetry of speculative decoding across generations.
+
+Shape legend: see ``runtime.speculative``; no arrays.
+"""
 
 from __future__ import annotations
 
