@@ -48,7 +48,7 @@ from storage.safetensors import PAD_PREFIX, TensorSpec, read_header, write_safet
 
 DEMO = demo_model()
 PROMPT = [5, 17, 99, 300, 12, 44, 8, 250, 31]
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.\w+\.weight(\.qs)?$")
 _SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 

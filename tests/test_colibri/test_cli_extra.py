@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from _demo import TINY, demo_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 DEMO = demo_model()
 

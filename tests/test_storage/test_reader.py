@@ -30,7 +30,7 @@ from storage.reader import (
     required_size,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MEMORY_FS = {"tmpfs", "ramfs"}
 FILE_SIZE = 6 * 1024 * 1024 + 123  # deliberately not a multiple of 4 KiB
 BACKENDS = ["uring", "threads", "buffered"]

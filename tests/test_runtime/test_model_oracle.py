@@ -47,7 +47,7 @@ F32 = ConvertOptions(experts="f32", dense="f32", io="f32", mtp="f32")
 LOGIT_TOL = 1e-3  # vs the reference
 DECODE_TOL = 1e-4  # cached decode vs full forward of our own model
 TIE_EPS = 1e-5  # DSA boundary gaps below this may select differently
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 torch.set_num_threads(1)
 

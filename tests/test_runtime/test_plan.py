@@ -20,7 +20,7 @@ from storage.container import Container
 from storage.errors import ColibriError
 from storage.usage import USAGE_FILE, UsageCounts, save_usage
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEMO = demo_model()
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # Interpreter + numpy + numba runtime + compiled kernels + Python objects: outside the budget.
 FIXED_OVERHEAD = 96 * 2**20
 

@@ -25,7 +25,7 @@ from storage.errors import ColibriError
 from storage.multidisk.staging import MIRROR_RECORD, plan_mirror, stage_mirror, verify_mirror
 from storage.usage import UsageCounts, save_usage
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # Expert groups of the re-sharded model (4 experts per shard): (layer, first expert) -> rank.
 HOT = [(2, 8), (1, 0), (3, 12)]
 

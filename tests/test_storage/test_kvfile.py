@@ -32,7 +32,7 @@ from storage.kvfile import (
     write_kv,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 1000
 DIMS = dict(n_layers=3, kv_lora_rank=8, qk_rope_head_dim=4, index_head_dim=6, indexed_layers=[0, 2])
 

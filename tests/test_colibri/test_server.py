@@ -32,7 +32,7 @@ from colibri.server.textproc import (
 )
 from colibri.tokenizer import ChatTokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = demo_model().name  # the served name is the model directory name
 KEY = "sk-test-0123456789"
 

@@ -33,7 +33,7 @@ from storage.manifest import MANIFEST_NAME, Manifest, read_manifest, sha256_file
 from storage.quant import QTensor, QuantFormat, dequantize, infer_format, quantize
 from storage.safetensors import PAD_PREFIX, ShardHeader, TensorInfo, read_header, read_tensor
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = 64 << 10  # small target shard size: several main and MTP shards from a tiny model
 Src = tuple[Path, dict[str, Any], dict[str, Any]]  # source dir, config, reference f32 weights
 

@@ -25,7 +25,7 @@ from storage.usage import (
     save_usage,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 L, E, ENGINE = 6, 16, "glm_moe_dsa-abc123"
 
 

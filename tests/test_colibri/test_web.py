@@ -33,7 +33,7 @@ from click.testing import CliRunner
 
 from colibri.atlas import TOPICS, build_atlas, layout, write_atlas
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "tests" / ".artifacts" / "web"
 CHROMIUM = os.environ.get("COLI_TEST_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = [
