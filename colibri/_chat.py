@@ -42,9 +42,9 @@ from colibri._config import EngineOptions
 from colibri._engine import ENGINE_ID, DoneEvent, Engine, GenerationEvent, TokenEvent
 from colibri.tokenizer import ChatTokenizer
 from runtime.kv import KVCache
-from storage.atomic import atomic_write_bytes
+from storage.atomic import atomic_write_bytes, set_aside_and_warn
 from storage.errors import ColibriError, KVFileError
-from storage.kvfile import KV_FILE, load_kv, model_identity, set_aside, sync_kv
+from storage.kvfile import KV_FILE, load_kv, model_identity, sync_kv
 
 __all__ = [
     "SESSION_RE",
@@ -236,12 +236,8 @@ class _Chat:
         return _State(messages=msgs)
 
     def _set_aside(self, path: Path, problem: str) -> None:
-        aside = set_aside(path)
-        _log.warning(
-            "chat session file ignored; starting a new conversation",
-            path=str(path),
-            problem=problem,
-            moved_to=str(aside) if aside else "(could not rename it)",
+        set_aside_and_warn(
+            _log, path, "chat session file ignored; starting a new conversation", problem
         )
 
     def load(self) -> bool:

@@ -6,8 +6,16 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-__all__ = ["atomic_write_bytes", "fsync_dir", "remove_leftovers", "temp_target"]
+__all__ = [
+    "atomic_write_bytes",
+    "fsync_dir",
+    "remove_leftovers",
+    "set_aside",
+    "set_aside_and_warn",
+    "temp_target",
+]
 
 # A temp file this old is no writer's: a live one touches its mtime with every write.
 LEFTOVER_AGE_S = 300.0
@@ -98,3 +106,33 @@ def remove_leftovers(
             continue
         removed.append(p)
     return removed
+
+
+def set_aside(path: str | os.PathLike[str]) -> Path | None:
+    """Rename ``path`` to ``<name>.bad-<timestamp>`` (never overwriting); None if it failed.
+
+    For a damaged state file (`.coli_usage`, `.coli_kv`, a chat session): it is kept for a
+    look, and the next start begins afresh instead of failing."""
+    p = Path(path)
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    for k in range(1000):
+        dest = p.with_name(f"{p.name}.bad-{stamp}" + (f"-{k}" if k else ""))
+        if not dest.exists():
+            try:
+                os.replace(p, dest)
+            except OSError:
+                return None
+            return dest
+    return None
+
+
+def set_aside_and_warn(log: Any, path: str | os.PathLike[str], message: str, problem: str) -> None:
+    """:func:`set_aside` ``path`` and log one warning: ``message`` (what happens instead), the
+    problem, and where the file went."""
+    aside = set_aside(path)
+    log.warning(
+        message,
+        path=str(path),
+        problem=problem,
+        moved_to=str(aside) if aside else "(could not rename it)",
+    )

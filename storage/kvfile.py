@@ -34,7 +34,6 @@ import json
 import os
 import struct
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +44,7 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
-from storage.atomic import fsync_dir
+from storage.atomic import fsync_dir, set_aside_and_warn
 from storage.container import shard_paths
 from storage.errors import KVFileError
 
@@ -60,7 +59,6 @@ __all__ = [
     "model_identity",
     "read_header",
     "read_kv",
-    "set_aside",
     "slot_path",
     "sync_kv",
     "write_kv",
@@ -329,21 +327,6 @@ def read_kv(
     return cache
 
 
-def set_aside(path: str | os.PathLike[str]) -> Path | None:
-    """Rename ``path`` to ``<name>.bad-<timestamp>`` (never overwriting); None if it failed."""
-    p = Path(path)
-    stamp = time.strftime("%Y%m%dT%H%M%S")
-    for k in range(1000):
-        dest = p.with_name(f"{p.name}.bad-{stamp}" + (f"-{k}" if k else ""))
-        if not dest.exists():
-            try:
-                os.replace(p, dest)
-            except OSError:
-                return None
-            return dest
-    return None
-
-
 def load_kv(
     path: str | os.PathLike[str], new_cache: Callable[[], CacheT], vocab: int, identity: int = 0
 ) -> CacheT | None:
@@ -355,13 +338,7 @@ def load_kv(
     try:
         return read_kv(p, new_cache, vocab, identity)
     except KVFileError as exc:
-        aside = set_aside(p)
-        _log.warning(
-            "KV file ignored; the slot starts empty",
-            path=str(p),
-            problem=str(exc),
-            moved_to=str(aside) if aside else "(could not rename it)",
-        )
+        set_aside_and_warn(_log, p, "KV file ignored; the slot starts empty", str(exc))
         return None
 
 

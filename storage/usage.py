@@ -15,7 +15,6 @@ dimensions, another version or another engine id is never trusted: it is renamed
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import anyio.to_thread
@@ -23,7 +22,7 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
-from storage.atomic import atomic_write_bytes
+from storage.atomic import atomic_write_bytes, set_aside_and_warn
 from storage.errors import UsageFileError
 
 __all__ = [
@@ -159,19 +158,6 @@ def parse_usage(text: str, n_layers: int, n_experts: int, engine_id: str) -> Usa
     return counts
 
 
-def _set_aside(path: Path) -> Path | None:
-    stamp = time.strftime("%Y%m%dT%H%M%S")
-    for k in range(1000):
-        dest = path.with_name(f"{path.name}.bad-{stamp}" + (f"-{k}" if k else ""))
-        if not dest.exists():
-            try:
-                os.replace(path, dest)
-            except OSError:
-                return None
-            return dest
-    return None
-
-
 def load_usage(
     path: str | os.PathLike[str], n_layers: int, n_experts: int, engine_id: str
 ) -> UsageCounts | None:
@@ -193,13 +179,7 @@ def load_usage(
             return parse_usage(text, n_layers, n_experts, engine_id)
         except UsageFileError as exc:
             problem = str(exc)
-    aside = _set_aside(p)
-    _log.warning(
-        "usage file ignored; counting starts afresh",
-        path=str(p),
-        problem=problem,
-        moved_to=str(aside) if aside else "(could not rename it)",
-    )
+    set_aside_and_warn(_log, p, "usage file ignored; counting starts afresh", problem)
     return None
 
 

@@ -24,13 +24,13 @@ import numpy as np
 import structlog
 
 from runtime.kv import KVCache
+from storage.atomic import set_aside_and_warn
 from storage.errors import KVFileError
 from storage.kvfile import (
     async_sync_kv,
     header_for,
     load_kv,
     read_header,
-    set_aside,
     slot_path,
 )
 
@@ -106,12 +106,8 @@ class SlotPool:
                 ):
                     raise KVFileError(f"written for another model (header {h}, expected {want})")
             except KVFileError as exc:
-                aside = set_aside(path)
-                _log.warning(
-                    "KV slot file ignored; the slot starts empty",
-                    path=str(path),
-                    problem=str(exc),
-                    moved_to=str(aside) if aside else "(could not rename it)",
+                set_aside_and_warn(
+                    _log, path, "KV slot file ignored; the slot starts empty", str(exc)
                 )
 
         for s in self.slots:
