@@ -51,6 +51,7 @@ from storage.convert_source import (
     _Item,
     _load_source,
     _Source,
+    read_json_object,
 )
 from storage.errors import ColibriError, ConfigError, ConversionError, UnknownQuantFormatError
 from storage.manifest import (
@@ -712,13 +713,7 @@ def _read_state(dst: Path) -> dict[str, Any] | None:
     p = dst / STATE_NAME
     if not p.exists():
         return None
-    try:
-        doc = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConversionError(f"{p}: unreadable ({exc}); pass --force to start over") from exc
-    if not isinstance(doc, dict):
-        raise ConversionError(f"{p}: not a JSON object; pass --force to start over")
-    return doc
+    return read_json_object(p, "; pass --force to start over")
 
 
 def _state_source(state: Mapping[str, Any]) -> SourceIdentity | None:

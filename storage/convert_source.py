@@ -11,7 +11,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from storage.arch import ArchConfig, TensorRole, classify, expected_tensors, optional_tensors
 from storage.errors import ConfigError, ConversionError
@@ -53,18 +53,25 @@ class _Source:
     side_files: tuple[str, ...]
 
 
+def read_json_object(path: Path, hint: str = "") -> dict[str, Any]:
+    """``path`` parsed as a JSON object; a :class:`ConversionError` naming the file (and
+    ``hint``: what to do) when it cannot be read or is not an object."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConversionError(f"{path}: cannot read JSON ({exc}){hint}") from exc
+    if not isinstance(doc, dict):
+        raise ConversionError(f"{path}: expected a JSON object{hint}")
+    return doc
+
+
 def _load_source(src: Path) -> _Source:
     if not src.is_dir():
         raise ConversionError(f"{src}: source is not a directory (expected a Hugging Face dir)")
     cfg_path = src / "config.json"
     if not cfg_path.is_file():
         raise ConversionError(f"{cfg_path}: missing; SRC must be a Hugging Face checkpoint dir")
-    try:
-        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConversionError(f"{cfg_path}: cannot read JSON ({exc})") from exc
-    if not isinstance(cfg, dict):
-        raise ConversionError(f"{cfg_path}: expected a JSON object")
+    cfg = read_json_object(cfg_path)
     try:
         arch = ArchConfig.from_dict(cfg, str(cfg_path))
     except ConfigError as exc:

@@ -27,6 +27,7 @@ from colibri.server.requests import (
     parse_body,
     render_chat,
     state_of,
+    template_extra,
 )
 from colibri.server.schemas import MessagesRequest
 from colibri.server.sse import GenerationResponse, Responder, sse
@@ -158,14 +159,10 @@ async def messages(request: Request) -> Response:
         )
     if choice == "none":
         tools = None
-    extra: dict[str, Any] = dict(req.chat_template_kwargs or {})
-    if tools:
-        extra["tools"] = tools
     thinking = req.enable_thinking
     if thinking is None and req.thinking is not None:
         thinking = req.thinking.type != "disabled"
-    if thinking is not None:
-        extra["enable_thinking"] = thinking
+    extra = template_extra(req, tools, thinking)
     text, ids = await render_chat(st, to_template_messages(req), extra)
     params = common_params(
         st, request, req, ids=ids, max_tokens=req.max_tokens, stop=req.stop_sequences

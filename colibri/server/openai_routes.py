@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from contextlib import aclosing
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -35,6 +35,7 @@ from colibri.server.requests import (
     refuse_unsupported,
     render_chat,
     state_of,
+    template_extra,
 )
 from colibri.server.schemas import (
     ChatCompletionRequest,
@@ -100,10 +101,16 @@ def _grammar_from(response_format: dict[str, Any] | None) -> Any:
         raise ApiError(400, f"response_format: {exc}", param="response_format") from exc
 
 
-async def chat_completions(request: Request) -> Response:
-    """``POST /v1/chat/completions``."""
+OpenAIRequest = TypeVar("OpenAIRequest", ChatCompletionRequest, CompletionRequest)
+
+
+async def _openai_request(
+    request: Request, model: type[OpenAIRequest]
+) -> tuple[AppState, OpenAIRequest]:
+    """The validated body of an OpenAI generation route, its model checked and the fields
+    colibri does not serve refused."""
     st = state_of(request)
-    req = await parse_body(request, ChatCompletionRequest)
+    req = await parse_body(request, model)
     check_model(st, req.model)
     refuse_unsupported(
         n=req.n,
@@ -111,6 +118,12 @@ async def chat_completions(request: Request) -> Response:
         presence_penalty=req.presence_penalty,
         logit_bias=req.logit_bias,
     )
+    return st, req
+
+
+async def chat_completions(request: Request) -> Response:
+    """``POST /v1/chat/completions``."""
+    st, req = await _openai_request(request, ChatCompletionRequest)
     grammar = _grammar_from(req.response_format)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     choice = req.tool_choice
@@ -123,11 +136,7 @@ async def chat_completions(request: Request) -> Response:
         )
     if choice == "none":
         tools = None
-    extra: dict[str, Any] = dict(req.chat_template_kwargs or {})
-    if tools:
-        extra["tools"] = tools
-    if req.enable_thinking is not None:
-        extra["enable_thinking"] = req.enable_thinking
+    extra = template_extra(req, tools, req.enable_thinking)
     if req.reasoning_effort is not None:
         extra["reasoning_effort"] = req.reasoning_effort
     messages = _message_dicts(req)
@@ -273,15 +282,7 @@ def _respond(st: AppState, ticket: Ticket, runner: Runner, stream: bool) -> Resp
 
 async def completions(request: Request) -> Response:
     """``POST /v1/completions``."""
-    st = state_of(request)
-    req = await parse_body(request, CompletionRequest)
-    check_model(st, req.model)
-    refuse_unsupported(
-        n=req.n,
-        frequency_penalty=req.frequency_penalty,
-        presence_penalty=req.presence_penalty,
-        logit_bias=req.logit_bias,
-    )
+    st, req = await _openai_request(request, CompletionRequest)
     if req.best_of not in (None, 1):
         raise ApiError(400, "best_of > 1 is not supported", param="best_of")
     if req.suffix:

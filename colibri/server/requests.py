@@ -19,6 +19,7 @@ from starlette.requests import Request
 
 from colibri.server.errors import ApiError, validation_error
 from colibri.server.generation import GenParams, check_prompt
+from colibri.server.schemas import Extensions
 from colibri.server.security import read_body, tenant_of
 from colibri.server.state import AppState
 from colibri.server.textproc import THINK_START
@@ -37,6 +38,7 @@ __all__ = [
     "render_chat",
     "sampling_defaults",
     "state_of",
+    "template_extra",
 ]
 
 M = TypeVar("M", bound=BaseModel)
@@ -227,6 +229,17 @@ async def render_chat(
     except ColibriError as exc:
         raise ApiError(400, str(exc), param="messages", code="template_error") from exc
     return text, await st.encode_prompt(text)
+
+
+def template_extra(req: Extensions, tools: Any, thinking: bool | None) -> dict[str, Any]:
+    """The chat template's variables: the request's ``chat_template_kwargs``, then the tools
+    and the thinking switch when given."""
+    extra: dict[str, Any] = dict(req.chat_template_kwargs or {})
+    if tools:
+        extra["tools"] = tools
+    if thinking is not None:
+        extra["enable_thinking"] = thinking
+    return extra
 
 
 def chat_params(st: AppState, params: GenParams, text: str, tools: Any) -> None:

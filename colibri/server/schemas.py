@@ -108,13 +108,10 @@ class ChatMessage(BaseModel):
     reasoning_content: str | None = None
 
 
-class ChatCompletionRequest(Extensions):
-    """``POST /v1/chat/completions``."""
+class _OpenAIGeneration(Extensions):
+    """The fields both OpenAI generation routes share."""
 
     model: str
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, ge=0, le=1)
     seed: int | None = None
@@ -122,40 +119,36 @@ class ChatCompletionRequest(Extensions):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+
+class ChatCompletionRequest(_OpenAIGeneration):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
-    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
-    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
     reasoning_effort: str | None = None
-    user: str | None = None
 
 
-class CompletionRequest(Extensions):
+class CompletionRequest(_OpenAIGeneration):
     """``POST /v1/completions`` (the legacy text completion API)."""
 
-    model: str
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, ge=0, le=1)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1)
     best_of: int | None = Field(default=None, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
-    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
-    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
 
 
 class AnthropicMessage(_Loose):

@@ -42,7 +42,7 @@ from runtime.speculative._common import SOURCES, Emitted, Source, TokenConstrain
 from runtime.speculative.acceptance import accept_or_resample, expected_tokens, sample_from
 from runtime.speculative.cost import CostModel
 from runtime.speculative.decoder import SpeculativeDecoder
-from runtime.speculative.drafts import MtpDrafter, lookup_draft, lookup_match, mtp_step
+from runtime.speculative.drafts import MtpDrafter, lookup_draft, lookup_match
 from runtime.speculative.policy import DraftPolicy
 from runtime.speculative.stats import SpecStats
 
@@ -60,6 +60,5 @@ __all__ = [
     "expected_tokens",
     "lookup_draft",
     "lookup_match",
-    "mtp_step",
     "sample_from",
 ]

@@ -47,21 +47,6 @@ def lookup_draft(
     return lookup_match(history, k, max_ngram=max_ngram)[0]
 
 
-def mtp_step(
-    model: Any,
-    hidden: F32Array,
-    next_ids: npt.NDArray[np.integer],
-    mtp_cache: KVCache,
-    *,
-    last_only: bool = True,
-    ctx: StepContext | None = None,
-) -> tuple[F32Array, F32Array]:
-    """The model's MTP step: logits ([1, V] with ``last_only``) and the head's normed output
-    [T, D], the input of the next chained draft."""
-    logits, normed = model.mtp_step(hidden, next_ids, mtp_cache, last_only=last_only, ctx=ctx)
-    return logits, normed
-
-
 class MtpDrafter:
     """The MTP head's cache and the main hidden states it has not seen yet.
 
@@ -100,8 +85,8 @@ class MtpDrafter:
             t.append(int(last))
         if not t:
             return None
-        logits, normed = mtp_step(
-            self.model, np.stack(h), np.array(t, np.int64), self.cache, ctx=self.ctx
+        logits, normed = self.model.mtp_step(
+            np.stack(h), np.array(t, np.int64), self.cache, ctx=self.ctx
         )
         self.pend_h.clear()
         self.pend_t.clear()
@@ -118,7 +103,7 @@ class MtpDrafter:
 
     def chain(self, g: F32Array, token: int) -> tuple[F32Array, F32Array]:
         """One chained draft row from the head's own output ``g`` [D] and ``token``."""
-        logits, normed = mtp_step(
-            self.model, g[None, :], np.array([token], np.int64), self.cache, ctx=self.ctx
+        logits, normed = self.model.mtp_step(
+            g[None, :], np.array([token], np.int64), self.cache, ctx=self.ctx
         )
         return logits[-1], normed[-1]

@@ -29,7 +29,6 @@ from runtime.speculative import (
     expected_tokens,
     lookup_draft,
     lookup_match,
-    mtp_step,
 )
 from storage.container import Container
 from storage.errors import ModelError
@@ -176,9 +175,9 @@ def test_mtp_step_is_mtp_forward(models: dict) -> None:
     hidden = model.forward(ids, model.new_cache()).hidden
     nxt = np.append(ids[1:], 7)
     ref = model.mtp_forward(hidden, nxt, model.new_mtp_cache())
-    got, normed = mtp_step(model, hidden, nxt, model.new_mtp_cache(), last_only=False)
+    got, normed = model.mtp_step(hidden, nxt, model.new_mtp_cache(), last_only=False)
     assert np.array_equal(got, ref)
-    last, _ = mtp_step(model, hidden, nxt, model.new_mtp_cache())
+    last, _ = model.mtp_step(hidden, nxt, model.new_mtp_cache())
     assert np.array_equal(last[0], ref[-1])
     assert normed.shape == hidden.shape
 
