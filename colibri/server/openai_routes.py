@@ -19,6 +19,7 @@ from starlette.routing import Route
 from colibri.server.errors import ApiError
 from colibri.server.generation import (
     Generation,
+    GenParams,
     Result,
     completion_logprobs,
     logprob_entry,
@@ -250,25 +251,32 @@ async def chat_completions(request: Request) -> Response:
         logprobs = None
         if req.logprobs:
             logprobs = {"content": [logprob_entry(x, params.top_logprobs) for x in res.logprobs]}
-        body = {
-            **base("chat.completion"),
-            "choices": [
-                {
-                    "index": 0,
-                    "message": message,
-                    "logprobs": logprobs,
-                    "finish_reason": _finish(res),
-                }
-            ],
-            "usage": usage(res),
-            "colibri": res.stats(),
+        choice = {
+            "index": 0,
+            "message": message,
+            "logprobs": logprobs,
+            "finish_reason": _finish(res),
         }
-        if req.return_token_ids:
-            body["choices"][0]["token_ids"] = res.token_ids
-            body["prompt_token_ids"] = params.prompt_ids
+        body = _whole_body(base("chat.completion"), choice, res, req, params)
         await r.json(200, body, queue_headers(ticket.wait_s))
 
     return _respond(st, ticket, stream if req.stream else whole, req.stream)
+
+
+def _whole_body(
+    head: dict[str, Any],
+    choice: dict[str, Any],
+    res: Result,
+    req: ChatCompletionRequest | CompletionRequest,
+    params: GenParams,
+) -> dict[str, Any]:
+    """A non-streamed answer: the object's envelope, its one choice, usage and colibri's
+    stats; with ``return_token_ids`` the choice's and the prompt's token ids."""
+    body = {**head, "choices": [choice], "usage": usage(res), "colibri": res.stats()}
+    if req.return_token_ids:
+        choice["token_ids"] = res.token_ids
+        body["prompt_token_ids"] = params.prompt_ids
+    return body
 
 
 def _respond(st: AppState, ticket: Ticket, runner: Runner, stream: bool) -> Response:
@@ -350,17 +358,8 @@ async def completions(request: Request) -> Response:
             res = await gen.complete(lease)
         text = res.reasoning + res.content
         lp = completion_logprobs(res.logprobs, n_top, len(echo)) if params.logprobs else None
-        body = {
-            **base(),
-            "choices": [
-                {"index": 0, "text": echo + text, "logprobs": lp, "finish_reason": _finish(res)}
-            ],
-            "usage": usage(res),
-            "colibri": res.stats(),
-        }
-        if req.return_token_ids:
-            body["choices"][0]["token_ids"] = res.token_ids
-            body["prompt_token_ids"] = params.prompt_ids
+        choice = {"index": 0, "text": echo + text, "logprobs": lp, "finish_reason": _finish(res)}
+        body = _whole_body(base(), choice, res, req, params)
         await r.json(200, body, queue_headers(ticket.wait_s))
 
     return _respond(st, ticket, stream if req.stream else whole, req.stream)
