@@ -38,7 +38,8 @@ from storage.errors import ColibriError, ModelError
 from storage.usage import UsageCounts
 
 if TYPE_CHECKING:
-    from runtime.experts import ExpertStore
+    from runtime.experts import ExpertStore, StoreLayout
+    from runtime.models import MLAMoEModel
 
 ENGINE_ID = "colibri-py-1"
 USAGE_FILE = ".coli_usage"
@@ -103,7 +104,11 @@ class Engine:
     """A loaded model. Create with ``async with Engine.open(path) as engine``."""
 
     def __init__(
-        self, container: Container, model: Any, options: EngineOptions, scheduler: Scheduler
+        self,
+        container: Container,
+        model: MLAMoEModel,
+        options: EngineOptions,
+        scheduler: Scheduler,
     ) -> None:
         self.container = container
         self.options = options
@@ -499,7 +504,9 @@ def _usage_observer(usage: UsageCounts) -> Observer:
     return observe
 
 
-async def _plan(container: Container, opts: EngineOptions) -> tuple[Any, Any, Any]:
+async def _plan(
+    container: Container, opts: EngineOptions
+) -> tuple[MLAMoEModel, StoreLayout | None, UsageCounts | None]:
     """Load the dense part and decide the expert tiers inside the RAM budget.
 
     Returns (model, layout, usage counts) where layout None means every expert is read into
@@ -551,8 +558,12 @@ async def _plan(container: Container, opts: EngineOptions) -> tuple[Any, Any, An
 
 
 async def _start_store(
-    container: Container, model: Any, opts: EngineOptions, layout: Any, tg: Any
-) -> Any:
+    container: Container,
+    model: MLAMoEModel,
+    opts: EngineOptions,
+    layout: StoreLayout,
+    tg: anyio.abc.TaskGroup,
+) -> ExpertStore:
     from runtime.experts import ExpertStore, StreamingExperts
     from storage.multidisk.probing import open_placement
     from storage.reader import open_reader
