@@ -270,6 +270,7 @@ class Engine:
         # Compute is serialised by the scheduler; decode steps of concurrent generations are
         # batched (runtime/scheduler.py).
         sched = self._scheduler
+        time0 = dataclasses.replace(sched.stats.time)
         if cache is None:
             cache = self._model.new_cache()
         else:
@@ -330,6 +331,9 @@ class Engine:
                 "prompt_tokens": int(ids.size),
                 "prompt_tokens_reused": reused,
                 "prompt_tokens_computed": int(ids.size) - reused,
+                # where the forwards' time went while this generation ran (other generations'
+                # forwards included when several run at once)
+                "time": dataclasses.asdict(sched.stats.time.minus(time0)),
             },
         )
 
@@ -432,7 +436,7 @@ class Engine:
                 placement=None if placement is None else placement.summary(),
             )
         return EngineStats(
-            scheduler=dataclasses.replace(sched.stats),
+            scheduler=sched.stats.copy(),
             prompt_tokens=int(self._counters["prompt_tokens"]),
             prompt_tokens_reused=int(self._counters["prompt_tokens_reused"]),
             generated_tokens=int(self._counters["generated_tokens"]),

@@ -8,7 +8,8 @@ travels in a :class:`StepContext` passed to ``forward`` / ``forward_batch`` / ``
 * ``compute``: the :class:`~runtime.compute.ExpertCompute` (thread pool, matmul choice);
 * ``observer``: called with routing and DSA decisions (telemetry, learned pinning, tests);
 * ``attention_mode``: MLA evaluation order ("absorbed", the batch-invariant default; "auto",
-  the labelled ``--fast-prefill`` choice per call; "reconstruct").
+  the labelled ``--fast-prefill`` choice per call; "reconstruct");
+* ``timing``: where ``moe_step`` adds the seconds it took (for the time breakdown).
 
 Contexts are immutable; :meth:`StepContext.replace` and :meth:`StepContext.observing` derive a
 new one, so two calls can never see each other's settings.
@@ -27,13 +28,22 @@ import numpy.typing as npt
 
 from runtime.compute import ExpertCompute
 
-__all__ = ["AttentionMode", "Observer", "StepContext"]
+__all__ = ["AttentionMode", "Observer", "StepContext", "StepTiming"]
 
 AttentionMode = Literal["auto", "absorbed", "reconstruct"]
 # observer(event, layer, array): "route" (expert ids [T, K]), "dsa_scores" ([T, S]),
 # "dsa_select" (kept keys [T, S] bool); for telemetry and tests. MTP layers report their own
 # layer index (num_hidden_layers + i).
 Observer = Callable[[str, int, npt.NDArray[Any]], None]
+
+
+@dataclass
+class StepTiming:
+    """Seconds the compute thread spent in ``moe_step`` (routing, expert compute and waiting
+    for expert reads), accumulated over calls; the scheduler splits it (see
+    ``runtime.scheduler.TimeBreakdown``). Shared by the contexts derived from one another."""
+
+    moe_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -44,6 +54,7 @@ class StepContext:
     compute: ExpertCompute = field(default_factory=ExpertCompute)
     observer: Observer | None = None
     attention_mode: AttentionMode = "absorbed"
+    timing: StepTiming = field(default_factory=StepTiming)
 
     def replace(self, **changes: Any) -> StepContext:
         """A copy with ``changes`` (field names as keywords)."""

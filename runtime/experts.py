@@ -140,9 +140,19 @@ class _Slot:
 
 @dataclass(eq=False)
 class _Step(StepHandle):
-    """One layer's request from the compute thread, with the queue its arrivals come through."""
+    """One layer's request from the compute thread, with the queue its arrivals come through
+    and the experts a lookahead read was already bringing when it began."""
 
     out: queue.SimpleQueue[Any] = field(default_factory=queue.SimpleQueue)
+    via_lookahead: set[int] = field(default_factory=set)
+
+    def stalled(self, stats: TierStats, expert: int, seconds: float) -> None:
+        """The compute thread waited ``seconds`` until ``expert`` arrived."""
+        stats.compute_stall_s += seconds
+        if expert in self.via_lookahead:
+            stats.read_wait_lookahead_s += seconds
+        else:
+            stats.read_wait_demand_s += seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -456,6 +466,7 @@ class ExpertStore:
                 self._tg.start_soon(self._demand, key)
                 continue
             if tier == "inflight":
+                step.via_lookahead.add(e)
                 continue
             if tier == "pinned":
                 slot = self._pinned[key]
@@ -540,9 +551,9 @@ class StreamingExperts:
             for _ in range(len(experts) - len(ready)):
                 t0 = time.perf_counter()
                 item = step.out.get()
-                st.stats.compute_stall_s += time.perf_counter() - t0
                 if isinstance(item, BaseException):
                     raise item
+                step.stalled(st.stats, item[0], time.perf_counter() - t0)
                 yield item
                 anyio.from_thread.run_sync(st._loop_done_with, layer, item[0])
         finally:
@@ -579,8 +590,8 @@ class StreamingExperts:
             while to_arrive or pending:
                 t0 = time.perf_counter()
                 item = step.out.get()
-                if not pending:  # nothing computing: the compute side stalls on the read
-                    st.stats.compute_stall_s += time.perf_counter() - t0
+                if not pending and isinstance(item, tuple):  # nothing computing: a read stall
+                    step.stalled(st.stats, item[0], time.perf_counter() - t0)
                 if isinstance(item, _Done):
                     pending -= 1
                     anyio.from_thread.run_sync(st._loop_done_with, layer, item.expert)

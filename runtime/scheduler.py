@@ -69,6 +69,7 @@ def moe_step(
     5. **Combine**: routed outputs summed per row in ascending expert id, then the shared
        expert, so neither arrival order nor thread count changes a bit.
     """
+    t0 = time.perf_counter()
     ids, gates = moe_ops.route(moe, x)  # [T, K], [T, K]
     ctx.observe("route", layer, ids)
     if next_moe is not None and experts.wants_lookahead:
@@ -82,7 +83,9 @@ def moe_step(
         lambda e, w: comp.expert_output(x, ids, gates, e, w),
         macs=ids.size * expert_macs,
     )
-    return moe_ops.combine(x, ids, outputs) + moe_ops.shared(moe, x, comp.swiglu)
+    routed = moe_ops.combine(x, ids, outputs)
+    ctx.timing.moe_s += time.perf_counter() - t0  # the shared expert counts as dense compute
+    return routed + moe_ops.shared(moe, x, comp.swiglu)
 
 
 # ----------------------------------------------------------------------------- the batcher
@@ -91,6 +94,32 @@ def moe_step(
 # generations to queue their next step (each needs a few turns: wake, sample, hand the token to
 # its consumer) before it runs the requests it has.
 GATHER_TURNS = 3
+
+
+@dataclass
+class TimeBreakdown:
+    """Where the wall time of the forwards went (seconds, summed over calls).
+
+    * ``read_wait_demand_s``: the compute thread waited for an expert a demand read brings;
+    * ``read_wait_lookahead_s``: it waited for an expert a lookahead read was already bringing;
+    * ``expert_compute_s``: routing and the routed experts (their thread-pool dispatch and the
+      hand-back of their buffers included);
+    * ``dense_compute_s``: everything else in the forward (attention, dense MLPs, shared
+      experts, norms, LM head, MTP drafts);
+    * ``other_s``: getting onto and off the compute thread (event loop, thread hand-off).
+    """
+
+    read_wait_demand_s: float = 0.0
+    read_wait_lookahead_s: float = 0.0
+    expert_compute_s: float = 0.0
+    dense_compute_s: float = 0.0
+    other_s: float = 0.0
+
+    def minus(self, before: TimeBreakdown) -> TimeBreakdown:
+        """The time spent since ``before`` (a copy taken earlier)."""
+        return TimeBreakdown(
+            *(getattr(self, f.name) - getattr(before, f.name) for f in dataclasses.fields(self))
+        )
 
 
 @dataclass
@@ -107,9 +136,13 @@ class SchedulerStats:
     decode_batches: int = 0
     decode_batched_rows: int = 0
     decode_batched_sequences: int = 0
+    time: TimeBreakdown = dataclasses.field(default_factory=TimeBreakdown)
 
-    def as_dict(self) -> dict[str, float]:
-        d: dict[str, float] = dataclasses.asdict(self)
+    def copy(self) -> SchedulerStats:
+        return dataclasses.replace(self, time=dataclasses.replace(self.time))
+
+    def as_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = dataclasses.asdict(self)
         if self.prefill_seconds:
             d["prefill_tokens_per_s"] = self.prefill_tokens / self.prefill_seconds
         if self.prefill_tokens:
@@ -193,13 +226,44 @@ class Scheduler:
 
     # ---- the compute thread
     async def run(self, fn: Callable[..., R], *args: Any) -> R:
-        """``fn(*args)`` on the compute thread, after every forward queued before it."""
+        """``fn(*args)`` on the compute thread, after every forward queued before it; its time
+        goes into ``stats.time`` (:class:`TimeBreakdown`)."""
         t0 = time.perf_counter()
+        inside = [0.0]
+
+        def timed() -> R:
+            t = time.perf_counter()
+            try:
+                return self._timed(fn, args)
+            finally:
+                inside[0] = time.perf_counter() - t
+
         try:
-            return await anyio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+            return await anyio.to_thread.run_sync(timed, limiter=self.limiter)
         finally:
-            self.stats.compute_seconds += time.perf_counter() - t0
+            wall = time.perf_counter() - t0
+            self.stats.compute_seconds += wall
             self.stats.forward_calls += 1
+            self.stats.time.other_s += max(0.0, wall - inside[0])
+
+    def _timed(self, fn: Callable[..., R], args: tuple[Any, ...]) -> R:
+        """Compute thread: ``fn(*args)``, its seconds split into read waits (by reason), expert
+        compute and dense compute."""
+        timing, tiers = self.ctx.timing, None if self.store is None else self.store.stats
+        t0, moe0 = time.perf_counter(), timing.moe_s
+        dem0 = tiers.read_wait_demand_s if tiers is not None else 0.0
+        la0 = tiers.read_wait_lookahead_s if tiers is not None else 0.0
+        try:
+            return fn(*args)
+        finally:
+            t = self.stats.time
+            total, moe = time.perf_counter() - t0, timing.moe_s - moe0
+            dem = tiers.read_wait_demand_s - dem0 if tiers is not None else 0.0
+            la = tiers.read_wait_lookahead_s - la0 if tiers is not None else 0.0
+            t.read_wait_demand_s += dem
+            t.read_wait_lookahead_s += la
+            t.expert_compute_s += max(0.0, moe - dem - la)
+            t.dense_compute_s += max(0.0, total - moe)
 
     async def forward(self, ids: npt.NDArray[np.int64], cache: KVCache) -> Any:
         """Every row of ``ids`` after ``cache`` (logits [T, V], hidden [T, D])."""

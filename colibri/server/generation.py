@@ -273,6 +273,7 @@ class Generation:
                 async for ev in agen:
                     if isinstance(ev, DoneEvent):
                         reason = "stop" if ev.reason == "stop" else ev.reason
+                        turn.time = ev.stats.get("time")
                         continue
                     now = time.perf_counter()
                     if t_first is None:

@@ -11,6 +11,7 @@ root}``: bytes, reads, weight, failovers, demoted, ...; see docs/api.md "Metrics
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -54,6 +55,15 @@ class _EngineCollector(Collector):
             "Expert bytes read while prefilling",
             sc.prefill_bytes_read,
         )
+        parts = CounterMetricFamily(
+            "colibri:engine_time_seconds",
+            "Where the forwards' wall time went: read waits (demand, lookahead), expert compute, "
+            "dense compute, thread hand-off",
+            labels=["part"],
+        )
+        for f in dataclasses.fields(sc.time):
+            parts.add_metric([f.name.removesuffix("_s")], float(getattr(sc.time, f.name)))
+        yield parts
         ex = s.experts
         resident = GaugeMetricFamily(
             "colibri:experts_streaming", "1 when routed experts stream from storage, 0 in RAM"

@@ -217,6 +217,8 @@ class Turn:
     prefill_s: float | None = None
     decode_s: float = 0.0
     total_s: float = 0.0
+    # the engine's time breakdown over this turn (runtime.scheduler.TimeBreakdown, seconds)
+    time: dict[str, float] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         decode_tps = (
@@ -246,6 +248,7 @@ class Turn:
             "prefill_tokens_per_s": prefill_tps,
             "decode_tokens_per_s": decode_tps,
             "total_ms": round(self.total_s * 1000, 3),
+            "time": self.time,
         }
 
 

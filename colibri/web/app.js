@@ -687,16 +687,21 @@
     const f = a.engine;
     const d = (g) => Math.max(0, g(e) - g(f));
     const compute = d((x) => x.compute_seconds || 0);
-    const read = d((x) => (x.experts && x.experts.compute_stall_s) || 0);
-    const draft = d((x) => (x.speculative && x.speculative.draft_seconds) || 0);
+    const t = (k) => d((x) => (x.time && x.time[k]) || 0);
+    const readDemand = t("read_wait_demand_s");
+    const readAhead = t("read_wait_lookahead_s");
+    const experts = t("expert_compute_s");
+    const dense = t("dense_compute_s");
+    const handoff = t("other_s");
     const prefill = d((x) => x.prefill_seconds || 0);
-    const rest = Math.max(0, compute - read - draft);
     const idle = Math.max(0, wall - compute);
     $("time-note").textContent = `last ${Math.round(wall)} s · prefill ${fmtMs(prefill * 1000)} of it`;
     const parts = [
-      ["c-read", read, "expert read wait"],
-      ["c-draft", draft, "speculative drafts"],
-      ["c-compute", rest, "compute (experts, attention, LM head)"],
+      ["c-read", readDemand, "waiting for expert reads"],
+      ["c-ahead", readAhead, "waiting for a lookahead read"],
+      ["c-experts", experts, "expert compute"],
+      ["c-compute", dense, "attention, dense layers, LM head"],
+      ["c-draft", handoff, "thread hand-off"],
       ["c-other", idle, "idle / outside the engine"],
     ];
     const total = parts.reduce((s, x) => s + x[1], 0) || 1;

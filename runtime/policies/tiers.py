@@ -52,6 +52,8 @@ class TierStats:
     read_errors: int = 0
     repins: int = 0
     compute_stall_s: float = 0.0  # time the compute thread waited for an expert to land
+    read_wait_demand_s: float = 0.0  # ... of it, for an expert a demand read brought
+    read_wait_lookahead_s: float = 0.0  # ... for one a lookahead read was already bringing
     lookahead_predicted_hits: int = 0  # routed experts the lookahead had predicted
     lookahead_routed: int = 0  # routed experts of layers that had a prediction
 

@@ -15,6 +15,7 @@ import numpy.typing as npt
 
 from runtime.context import StepContext
 from runtime.kv import KVCache
+from runtime.policies.tiers import TierStats
 from runtime.sampling import Sampler
 from runtime.speculative._common import (
     SOURCES,
@@ -80,7 +81,7 @@ class SpeculativeDecoder:
         stats: SpecStats,
         grammar: TokenConstraint | None = None,
         stop_ids: Sequence[int] = (),
-        store_stats: Callable[[], Any] | None = None,
+        store_stats: Callable[[], TierStats] | None = None,
         reproducible: bool = False,
         ctx: StepContext | None = None,
     ) -> None:
@@ -357,9 +358,8 @@ class SpeculativeDecoder:
         if self._store_stats is None:
             return None
         st = self._store_stats()
-        stall = float(getattr(st, "compute_stall_s", getattr(st, "read_wait_s", 0.0)))
-        looked = int(st.hits_pinned + st.hits_lru + st.misses)
-        return stall, int(st.misses), looked
+        looked = st.hits_pinned + st.hits_lru + st.misses
+        return st.compute_stall_s, st.misses, looked
 
     def _telemetry(
         self,

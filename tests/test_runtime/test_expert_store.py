@@ -189,7 +189,11 @@ def test_a_demand_miss_waits_for_the_lookahead_read_already_in_flight() -> None:
         assert out["got"] == {4: WANT[(layer, 4)]}
         offsets = [off for _, off in reader.extents]
         assert offsets.count(C.expert(layer, 4).start) == 1  # read once, not twice
-        assert store.stats.prefetch_used == 1
+        st = store.stats
+        assert st.prefetch_used == 1
+        # the wait is booked as waiting on a lookahead read, not as a demand miss
+        assert st.read_wait_lookahead_s >= 0.04 and st.read_wait_demand_s == 0.0
+        assert st.compute_stall_s == st.read_wait_lookahead_s
         _settled(store)
 
     _run(reader, body, prefetch=True)

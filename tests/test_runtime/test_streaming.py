@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 from _demo import demo_model
@@ -187,3 +188,36 @@ def test_read_error_is_clear_and_engine_keeps_serving(
         os.sync()
         assert m.generate(PROMPT, max_new_tokens=24) == reference["tokens"]
         assert m.stats()["experts"]["read_errors"] >= 1
+
+
+def test_time_breakdown_accounts_for_the_forwards() -> None:
+    """stats()["time"] splits the forwards' wall time: parts are non-negative, sum to no more
+    than compute_seconds, read waits appear only when experts stream, and each generation's
+    DoneEvent carries its own share."""
+    opts = dict(learn=False, pin=False, reader="threads")
+
+    async def run(budget: str | None) -> tuple[dict[str, Any], dict[str, float]]:
+        async with colibri.Engine.open(
+            DEMO, ram_budget=budget, options=colibri.EngineOptions(**opts)
+        ) as eng:
+            done = None
+            async for ev in eng.generate(PROMPT, max_new_tokens=8):
+                if not isinstance(ev, TokenEvent):
+                    done = ev
+            assert done is not None
+            return eng.stats(), done.stats["time"]
+
+    for budget in (None, _budget_for_lru(DEMO, 2)):
+        st, turn = anyio.run(run, budget)
+        t = st["time"]
+        assert set(t) == set(turn)
+        assert all(v >= 0 for v in t.values()) and t["expert_compute_s"] > 0
+        assert t["dense_compute_s"] > 0
+        assert sum(t.values()) <= st["compute_seconds"] + 1e-6
+        assert all(turn[k] <= t[k] + 1e-9 for k in t)
+        waits = t["read_wait_demand_s"] + t["read_wait_lookahead_s"]
+        if budget is None:
+            assert waits == 0.0  # resident: nothing to wait for
+        else:
+            assert st["experts"]["misses"] > 0 and waits > 0
+            assert waits == pytest.approx(st["experts"]["compute_stall_s"])
