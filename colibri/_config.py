@@ -8,7 +8,7 @@ variable           flag                field
 COLI_MODEL         --model             model
 COLI_RAM           --ram               ram_budget
 COLI_READER        --reader            reader
-COLI_PREFETCH      --prefetch/--no-    prefetch
+COLI_PREFETCH      --prefetch MODE     prefetch (auto | on | off; --no-prefetch = off)
 COLI_STATE_DIR     --state-dir         state_dir
 COLI_MIRROR        --mirror (repeat)   mirror (os.pathsep-separated in the variable)
 COLI_MODEL_DIRS    --model-dir (rep.)  model_dirs (os.pathsep-separated in the variable)
@@ -85,7 +85,9 @@ class EngineOptions(BaseModel):
     model: Path | None = None
     ram_budget: int | None = None
     reader: Literal["auto", "uring", "threads", "buffered"] = "auto"
-    prefetch: bool = True
+    # Lookahead reads of the next layer's predicted experts: "auto" keeps them per layer only
+    # while they save more read time than they cost (runtime.policies.tiers); "on" / "off".
+    prefetch: Literal["auto", "on", "off"] = "auto"
     kv_reserve_tokens: int = 4096
     # Prompt tokens per prefill step; None: runtime.planner.choose_prefill_chunk (512 when
     # resident, up to 4096 when streaming, within 1/8 of the RAM budget).
@@ -117,6 +119,21 @@ class EngineOptions(BaseModel):
     # Every expert read checked against the manifest's CRC-32s (storage/integrity.py); resident
     # experts are checked once as they load.
     verify_reads: bool = False
+
+    @field_validator("prefetch", mode="before")
+    @classmethod
+    def _prefetch(cls, v: object) -> object:
+        """True / False (the old boolean field) and the usual words mean on / off."""
+        if isinstance(v, bool):
+            return "on" if v else "off"
+        if isinstance(v, str):
+            word = v.strip().lower()
+            if word in ("1", "true", "yes"):
+                return "on"
+            if word in ("0", "false", "no"):
+                return "off"
+            return word
+        return v
 
     @field_validator("draft", mode="before")
     @classmethod

@@ -43,6 +43,16 @@ def _model_option(fn: F) -> F:
     )(fn)
 
 
+def _prefetch_default(value: str | None) -> str:
+    """COLI_PREFETCH as a --prefetch value (1/0/true/false are accepted as on/off)."""
+    if value is None:
+        return "auto"
+    word = value.strip().lower()
+    return {"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off"}.get(
+        word, word
+    )
+
+
 def _engine_options(fn: F) -> F:
     env = env_defaults()
     fn = click.option(
@@ -61,12 +71,23 @@ def _engine_options(fn: F) -> F:
     # The options below reach EngineOptions through the context (no command signature needs
     # them): see _options.
     fn = click.option(
-        "--prefetch/--no-prefetch",
-        default=env.get("prefetch", "1").lower() not in ("0", "false", "no", "off"),
+        "--no-prefetch",
+        "no_prefetch",
+        is_flag=True,
+        expose_value=False,
+        callback=_keep_prefetch,
+        help="Same as --prefetch off.",
+    )(fn)
+    fn = click.option(
+        "--prefetch",
+        "prefetch",
+        type=click.Choice(["auto", "on", "off"]),
+        default=_prefetch_default(env.get("prefetch")),
         show_default=True,
         expose_value=False,
-        callback=_keep,
-        help="Lookahead reads of the next layer's predicted experts (env COLI_PREFETCH).",
+        callback=_keep_prefetch,
+        help="Lookahead reads of the next layer's predicted experts: auto keeps them per layer "
+        "only while they save more read time than they cost (env COLI_PREFETCH).",
     )(fn)
     fn = click.option(
         "--state-dir",
@@ -189,11 +210,26 @@ def _keep(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
     return value
 
 
+def _keep_prefetch(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    """--prefetch MODE and --no-prefetch set one field; a flag given on the command line wins
+    over the other's default (click processes given options first)."""
+    meta = ctx.meta.setdefault("colibri.engine", {})
+    given = ctx.get_parameter_source(param.name or "") is not click.core.ParameterSource.DEFAULT
+    if param.name == "no_prefetch":
+        if value:
+            meta["prefetch"] = "off"
+            meta["_prefetch_given"] = True
+    elif given or not meta.get("_prefetch_given"):
+        meta["prefetch"] = value
+        meta["_prefetch_given"] = meta.get("_prefetch_given") or given
+    return value
+
+
 def _options(model: Path | None, ram: str | None, reader: str) -> EngineOptions:
     extra: dict[str, Any] = {}
     ctx = click.get_current_context(silent=True)
     if ctx is not None:
-        extra = dict(ctx.meta.get("colibri.engine", {}))
+        extra = {k: v for k, v in ctx.meta.get("colibri.engine", {}).items() if k[0] != "_"}
     return EngineOptions(model=model, ram_budget=ram, reader=reader, **extra)  # type: ignore[arg-type]
 
 
@@ -941,13 +977,19 @@ def bench_kernels(rounds: int) -> None:
     show_default=True,
 )
 @click.option("--reads", default=60, show_default=True, help="Reads of the storage probe.")
-@click.option("--prefetch/--no-prefetch", default=True, show_default=True)
+@click.option(
+    "--prefetch",
+    type=click.Choice(["auto", "on", "off"]),
+    default="auto",
+    show_default=True,
+    help="The mode measured (the others run too, for the comparison figures).",
+)
 def bench_stream(
-    model: Path | None, tokens: int, fraction: float, reader: str, reads: int, prefetch: bool
+    model: Path | None, tokens: int, fraction: float, reader: str, reads: int, prefetch: str
 ) -> None:
     """Streaming decode against its I/O bound (storage GB/s / bytes per token)."""
     args = ["--tokens", str(tokens), "--fraction", str(fraction), "--reader", reader]
-    args += ["--reads", str(reads)] + ([] if prefetch else ["--no-prefetch"])
+    args += ["--reads", str(reads), "--prefetch", prefetch]
     if model is not None:
         args += ["--model", str(model)]
     _bench_script("stream", args, "streaming benchmark")

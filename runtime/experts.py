@@ -35,7 +35,7 @@ import numpy as np
 import numpy.typing as npt
 
 from runtime.linear import Linear
-from runtime.policies.tiers import Placement, StepHandle, TierPolicy, TierStats
+from runtime.policies.tiers import Placement, PrefetchMode, StepHandle, TierPolicy, TierStats
 from runtime.weights import ExpertWeights
 from storage.aligned import aligned_empty
 from storage.container import Container, ExpertExtent
@@ -172,7 +172,7 @@ class ExpertStore:
         reader: Reader,
         layout: StoreLayout,
         *,
-        prefetch: bool = True,
+        prefetch: PrefetchMode | bool = "auto",
         prefill_admit: bool = False,
         read_depth: int = 2,
         placement: Any = None,
@@ -426,6 +426,8 @@ class ExpertStore:
                 pol.drop(key)
                 self._ungate()
                 return
+            if not demand:
+                pol.lookahead_started(key, self._clock())
         assert got is not None
         slot, where = got
         err: ColibriError | None = None
@@ -439,7 +441,7 @@ class ExpertStore:
         if err is not None and where.cached:
             self._free_cache[key[0]].append(self._cached.pop(key))
         step = pol.waiters.get(key)
-        outcome = pol.landed(key, where, ok=err is None, demand=demand)
+        outcome = pol.landed(key, where, ok=err is None, demand=demand, now=self._clock())
         if outcome == "park":
             self._prefetched[key] = slot  # for the demand step of that layer
         elif outcome == "release":
@@ -460,7 +462,7 @@ class ExpertStore:
         """Resident experts now; misses are read and arrive through ``step.out``."""
         layer = step.layer
         ready: list[tuple[int, ExpertWeights]] = []
-        for e, tier in self.policy.begin(step, experts):
+        for e, tier in self.policy.begin(step, experts, now=self._clock()):
             key = (layer, e)
             if tier == "read":
                 self._tg.start_soon(self._demand, key)

@@ -315,7 +315,7 @@ def make_plan(
         )
     suggested: dict[str, Any] = {
         "ram": "auto" if resident else f"{math.ceil((budget or 0) / 2**20)}MiB",
-        "prefetch": not resident,
+        "prefetch": "off" if resident else "auto",
         "pin": not resident,
         "reader": "auto",
     }

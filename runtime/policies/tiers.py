@@ -26,11 +26,20 @@ from typing import Literal
 
 from runtime.policies.lru import LayerLru
 
-__all__ = ["Landing", "Placement", "StepHandle", "TierPolicy", "TierStats"]
+__all__ = ["Landing", "Placement", "PrefetchMode", "StepHandle", "TierPolicy", "TierStats"]
 
 Key = tuple[int, int]
 Tier = Literal["pinned", "lru", "parked", "inflight", "read"]
 Landing = Literal["deliver", "error", "park", "release", "keep"]
+PrefetchMode = Literal["auto", "on", "off"]
+
+# --prefetch auto: a layer's lookahead is judged over windows of this many of its steps ...
+LEDGER_STEPS = 8  # (PROBE_EVERY is a multiple of it: a probe is the last step of a window)
+# ... by an exponentially weighted average of (read time saved - read time it cost) per window,
+LEDGER_ALPHA = 0.5
+# ... and while it is off, every PROBE_EVERY-th step of the layer still reads ahead, so the
+# ledger sees when routing becomes predictable again.
+PROBE_EVERY = 8
 
 
 @dataclass
@@ -56,6 +65,9 @@ class TierStats:
     read_wait_lookahead_s: float = 0.0  # ... for one a lookahead read was already bringing
     lookahead_predicted_hits: int = 0  # routed experts the lookahead had predicted
     lookahead_routed: int = 0  # routed experts of layers that had a prediction
+    lookahead_saved_s: float = 0.0  # demand read time lookahead results spared steps
+    lookahead_cost_s: float = 0.0  # read time of unused lookahead reads that ran beside demand
+    lookahead_layers_off: int = 0  # layers --prefetch auto has turned lookahead off for
 
     def as_dict(self) -> dict[str, float]:
         d: dict[str, float] = dict(self.__dict__)
@@ -73,6 +85,17 @@ class StepHandle:
 
     layer: int
     aborted: bool = False
+
+
+@dataclass
+class _Ledger:
+    """One layer's lookahead account under ``--prefetch auto``."""
+
+    saved_s: float = 0.0  # this window
+    cost_s: float = 0.0
+    steps: int = 0
+    score: float | None = None  # EWMA of saved - cost per window
+    on: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,13 +117,23 @@ class TierPolicy:
         lru_slots: int,
         transient_slots: int,
         read_depth: int = 2,
-        prefetch: bool = True,
+        prefetch: PrefetchMode | bool = "auto",
     ) -> None:
+        """``prefetch``: "on" always reads ahead, "off" never, "auto" per layer while the
+        lookahead saves more read time than it costs (True / False mean on / off)."""
         self.lru = {layer: LayerLru(lru_slots) for layer in layers}
         self.transient_slots = transient_slots
         self.transient_free = transient_slots
         self.read_depth = read_depth
-        self.prefetch_enabled = prefetch
+        if isinstance(prefetch, bool):
+            prefetch = "on" if prefetch else "off"
+        self.prefetch_mode: PrefetchMode = prefetch
+        self._ledger = {layer: _Ledger() for layer in self.lru}
+        self._la_start: dict[Key, tuple[float, int]] = {}  # on the device: (start, demand reads)
+        self._la_read_s: dict[Key, float] = {}  # landed lookahead results: their read time
+        self._demand_reads = 0
+        # read time of lookahead results that ran beside demand reads: a cost once unused
+        self._pending_cost: dict[Key, float] = {}
         self.prefill = False  # while prefilling, the LRU admits only into free slots
         self.stats = TierStats()
         self.pinned: set[Key] = set()
@@ -112,6 +145,11 @@ class TierPolicy:
         self._generation: dict[int, int] = {}  # layer -> steps ended (stale lookahead check)
         self._io_inflight = 0
         self._demand_queued = 0
+
+    @property
+    def prefetch_enabled(self) -> bool:
+        """Whether lookahead hints are taken at all (per layer, "auto" may still skip them)."""
+        return self.prefetch_mode != "off"
 
     # ------------------------------------------------------------------ where experts are
     def cached(self, key: Key) -> bool:
@@ -130,7 +168,9 @@ class TierPolicy:
         return t
 
     # ------------------------------------------------------------------ a layer's step
-    def begin(self, step: StepHandle, experts: Sequence[int]) -> list[tuple[int, Tier]]:
+    def begin(
+        self, step: StepHandle, experts: Sequence[int], *, now: float = 0.0
+    ) -> list[tuple[int, Tier]]:
         """Classify each routed expert of ``step`` (ascending ids): resident ("pinned", "lru",
         "parked": use it now), "inflight" (a lookahead read is under way: wait for it) or
         "read" (start a demand read). Waiting and reading experts are registered to ``step``."""
@@ -152,6 +192,7 @@ class TierPolicy:
                 if key in self._lookahead_cached:
                     self._lookahead_cached.discard(key)
                     self.stats.prefetch_used += 1
+                    self._saved(key, self._la_read_s.pop(key, 0.0))
                 lru.touch(e)
                 out.append((e, "lru"))
             else:
@@ -159,11 +200,15 @@ class TierPolicy:
                 if key in self.parked:
                     self.parked.discard(key)
                     self.stats.prefetch_used += 1
+                    self._saved(key, self._la_read_s.pop(key, 0.0))
                     out.append((e, "parked"))
                     continue
                 self.waiters[key] = step
                 if key in self.inflight:
                     self.stats.prefetch_used += 1  # a lookahead read already under way
+                    started = self._la_start.get(key)
+                    if started is not None:  # its head start is read time the step saves
+                        self._saved(key, max(0.0, now - started[0]))
                     out.append((e, "inflight"))
                 else:
                     self.inflight.add(key)
@@ -176,15 +221,65 @@ class TierPolicy:
         step.aborted = True
         layer = step.layer
         self._generation[layer] = self._generation.get(layer, 0) + 1
+        self._close_window(layer)
         self.lru[layer].unprotect()
         for key in [k for k, s in self.waiters.items() if s is step]:
             del self.waiters[key]
         unused = [k for k in self.parked if k[0] == layer]
         for key in unused:
             self.parked.discard(key)
-            self.stats.prefetch_wasted += 1
+            self._wasted(key)
             self.release_transient()
         return unused
+
+    # ------------------------------------------------------------------ --prefetch auto
+    def _saved(self, key: Key, seconds: float) -> None:
+        """A step used ``key``'s lookahead result: ``seconds`` of demand read time saved."""
+        self._pending_cost.pop(key, None)  # it was needed: the device time was not extra
+        self._ledger[key[0]].saved_s += seconds
+        self.stats.lookahead_saved_s += seconds
+
+    def _wasted(self, key: Key) -> None:
+        """``key``'s lookahead result leaves unused: the time it shared the device with demand
+        reads was a cost."""
+        self.stats.prefetch_wasted += 1
+        self._la_read_s.pop(key, None)
+        cost = self._pending_cost.pop(key, 0.0)
+        led = self._ledger.get(key[0])
+        if led is not None:
+            led.cost_s += cost
+        self.stats.lookahead_cost_s += cost
+
+    def _close_window(self, layer: int) -> None:
+        """Count a step of ``layer``; every LEDGER_STEPS steps, judge its lookahead: on while
+        the average of (read time saved - read time cost) per window is >= 0."""
+        led = self._ledger.get(layer)
+        if led is None:
+            return
+        led.steps += 1
+        if led.steps % LEDGER_STEPS:
+            return
+        net = led.saved_s - led.cost_s
+        led.score = (
+            net if led.score is None else LEDGER_ALPHA * net + (1 - LEDGER_ALPHA) * (led.score)
+        )
+        led.saved_s = led.cost_s = 0.0
+        if self.prefetch_mode == "auto":
+            led.on = led.score >= 0.0
+            self.stats.lookahead_layers_off = sum(not x.on for x in self._ledger.values())
+
+    def reads_ahead(self, layer: int) -> bool:
+        """Whether a prediction for ``layer`` is read now: always under "on", never under
+        "off"; under "auto" while the layer's ledger says it pays, and on probe steps."""
+        if self.prefetch_mode != "auto":
+            return self.prefetch_mode == "on"
+        led = self._ledger[layer]
+        # the probe is the last step of a window, so the window it closes judges it
+        return led.on or led.steps % PROBE_EVERY == PROBE_EVERY - 1
+
+    def lookahead_started(self, key: Key, now: float) -> None:
+        """A lookahead read of ``key`` went to the device at ``now``."""
+        self._la_start[key] = (now, self._demand_reads)
 
     # ------------------------------------------------------------------ slots
     def place(self, key: Key, *, demand: bool) -> Placement | None:
@@ -202,7 +297,7 @@ class TierPolicy:
                 self.stats.evictions += 1
                 if evicted in self._lookahead_cached:
                     self._lookahead_cached.discard(evicted)
-                    self.stats.prefetch_wasted += 1
+                    self._wasted(evicted)
             lru.hold(e)  # not evictable while its read is in flight
             return Placement(True, evicted)
         if not demand and self.transient_free <= self.transient_slots // 2:
@@ -232,6 +327,8 @@ class TierPolicy:
             ok = self._io_inflight == 0 and self._demand_queued == 0
         if ok:
             self._io_inflight += 1
+            if demand:
+                self._demand_reads += 1
         return ok
 
     def queue_demand(self, delta: int) -> None:
@@ -251,7 +348,7 @@ class TierPolicy:
     def lookahead(self, layer: int, experts: Sequence[int]) -> list[Key]:
         """A prediction that ``layer`` will route to ``experts``: the keys to read ahead (not
         resident, not in flight). They are marked in flight."""
-        if not self.prefetch_enabled or layer not in self.lru:
+        if not self.prefetch_enabled or layer not in self.lru or not self.reads_ahead(layer):
             return []
         self._predicted[layer] = set(experts)
         keys = []
@@ -283,7 +380,9 @@ class TierPolicy:
         self.stats.prefetch_issued -= 1
 
     # ------------------------------------------------------------------ completions
-    def landed(self, key: Key, placement: Placement, *, ok: bool, demand: bool) -> Landing:
+    def landed(
+        self, key: Key, placement: Placement, *, ok: bool, demand: bool, now: float = 0.0
+    ) -> Landing:
         """A read of ``key`` into ``placement`` finished (``ok``: without error; a failed read
         into a cache slot leaves the LRU, and the store gives that slot back). Returns what
         happens next:
@@ -300,6 +399,12 @@ class TierPolicy:
             lru.unhold(e)
             if not ok:
                 lru.discard(e)
+        started = self._la_start.pop(key, None)
+        if started is not None and ok and not demand:  # a lookahead result nobody waits for yet
+            read_s = max(0.0, now - started[0])
+            self._la_read_s[key] = read_s
+            if self._demand_reads != started[1]:  # it shared the device with demand reads
+                self._pending_cost[key] = read_s
         step = self.waiters.pop(key, None)
         if step is None and placement.cached and ok and not demand:
             self._lookahead_cached.add(key)

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _demo import TINY, demo_model
@@ -189,3 +190,40 @@ def test_run_reads_the_prompt_from_stdin_or_a_file_and_reports_speed(tmp_path: P
     assert "tok/s" not in from_file.stderr
     none = _run("-n", "2")
     assert none.returncode == 2 and "give a PROMPT" in none.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "want"),
+    [
+        ([], None, "auto"),
+        (["--prefetch", "on"], None, "on"),
+        (["--no-prefetch"], None, "off"),
+        (["--no-prefetch"], "on", "off"),
+        ([], "0", "off"),
+        ([], "on", "on"),
+        (["--prefetch", "auto"], "off", "auto"),
+    ],
+)
+def test_prefetch_flags_and_env_map_to_one_option(
+    args: list[str], env: str | None, want: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--prefetch MODE, --no-prefetch and COLI_PREFETCH reach EngineOptions.prefetch."""
+    import click
+    from click.testing import CliRunner
+
+    import colibri.cli as cli
+
+    if env is None:
+        monkeypatch.delenv("COLI_PREFETCH", raising=False)
+    else:
+        monkeypatch.setenv("COLI_PREFETCH", env)
+    got: list[str] = []
+
+    @click.command()
+    @cli._engine_options
+    def probe(model: Any, ram: Any, reader: str) -> None:
+        got.append(cli._options(model, ram, reader).prefetch)
+
+    res = CliRunner().invoke(probe, args)
+    assert res.exit_code == 0, res.output
+    assert got == [want]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from runtime.policies import Placement, StepHandle, TierPolicy
+from runtime.policies.tiers import LEDGER_STEPS, PROBE_EVERY
 
 
 def _policy(**kw: object) -> TierPolicy:
@@ -171,3 +172,78 @@ def test_a_transient_read_for_an_ended_step_gives_its_slot_back(ok: bool) -> Non
     p.end(step)
     assert p.landed((1, 5), where, ok=ok, demand=True) == "release"  # type: ignore[arg-type]
     assert p.transient_free == 4 and not p.parked  # a demand read is never parked
+
+
+# ----------------------------------------------------------------------------- --prefetch auto
+READ_S = 0.01  # fake seconds per read
+
+
+def _step_with_lookahead(
+    p: TierPolicy, layer: int, predicted: list[int], routed: list[int]
+) -> None:
+    """One step of ``layer`` on a fake clock: the previous layer read ``predicted`` ahead while
+    demand reads ran beside them, then the step routes to ``routed``."""
+    now = float(p.stats.experts_read)  # any increasing clock will do
+    for key in p.lookahead(layer, predicted):
+        assert p.try_issue(demand=False)
+        where = p.place(key, demand=False)
+        assert where is not None
+        p.lookahead_started(key, now)
+        assert p.try_issue(demand=True)  # a demand read of the current layer starts beside it
+        p.io_done()
+        p.landed(key, where, ok=True, demand=False, now=now + READ_S)
+        p.io_done()
+    step = StepHandle(layer)
+    for e, tier in p.begin(step, routed, now=now + 2 * READ_S):
+        if tier == "parked":
+            p.release_transient()  # computed, its transient slot comes back
+        if tier == "read":
+            w = p.place((layer, e), demand=True)
+            assert w is not None
+            assert p.landed((layer, e), w, ok=True, demand=True) == "deliver"  # type: ignore[arg-type]
+            if not w.cached:
+                p.release_transient()
+    p.stats.experts_read += 1
+    p.end(step)
+
+
+def test_auto_turns_off_a_layers_lookahead_that_only_costs_and_probes_it() -> None:
+    p = _policy(lru_slots=0, transient_slots=8, prefetch="auto")
+    for _ in range(LEDGER_STEPS):  # predictions never routed: pure cost
+        _step_with_lookahead(p, 1, [1, 2], [5, 6])
+    st = p.stats
+    assert st.lookahead_cost_s == pytest.approx(2 * LEDGER_STEPS * READ_S)
+    assert st.lookahead_saved_s == 0.0 and st.lookahead_layers_off == 1
+    assert not p.reads_ahead(1) and p.reads_ahead(2)  # only the losing layer stops
+    issued = st.prefetch_issued
+    for _ in range(PROBE_EVERY):
+        _step_with_lookahead(p, 1, [1, 2], [5, 6])
+    assert st.prefetch_issued == issued + 2  # one probe step in PROBE_EVERY reads ahead
+
+
+def test_auto_keeps_lookahead_that_pays_and_turns_it_back_on() -> None:
+    p = _policy(lru_slots=0, transient_slots=8, prefetch="auto")
+    for _ in range(LEDGER_STEPS):
+        _step_with_lookahead(p, 1, [1, 2], [9])
+    assert p.stats.lookahead_layers_off == 1
+    # routing becomes predictable: the probe steps' reads are used, the layer comes back
+    for _ in range(6 * PROBE_EVERY):
+        _step_with_lookahead(p, 1, [3, 4], [3, 4])
+        if p.reads_ahead(1) and p.stats.lookahead_layers_off == 0:
+            break
+    assert p.stats.lookahead_layers_off == 0 and p.stats.lookahead_saved_s > 0
+    used = p.stats.prefetch_used
+    for _ in range(2 * LEDGER_STEPS):
+        _step_with_lookahead(p, 1, [3, 4], [3, 4])
+    assert p.stats.prefetch_used == used + 4 * LEDGER_STEPS  # every step reads ahead again
+    assert p.stats.lookahead_layers_off == 0
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_forced_modes_ignore_the_ledger(mode: str) -> None:
+    p = _policy(lru_slots=0, transient_slots=8, prefetch=mode)
+    for _ in range(3 * LEDGER_STEPS):
+        _step_with_lookahead(p, 1, [1, 2], [5, 6])
+    assert p.reads_ahead(1) is (mode == "on")
+    assert p.stats.lookahead_layers_off == 0
+    assert p.stats.prefetch_issued == (6 * LEDGER_STEPS if mode == "on" else 0)

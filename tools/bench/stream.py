@@ -9,8 +9,15 @@ read the experts it misses. In the same run this measures
 * the I/O bound: storage GB/s / bytes per token, in tokens/s.
 
 The figure is achieved / bound (1.0 = compute and every other cost fully hidden behind reads).
+The same run also decodes with the other ``--prefetch`` modes: ``figure_vs_no_prefetch`` is the
+chosen mode's tokens/s over ``off``'s, ``figure_vs_best_forced`` over the better of ``on`` and
+``off``; ``time`` is where the measured turn's wall time went (``stats()["time"]``).
 
     python tools/bench/stream.py [--model /var/tmp/colibri-synth] [--tokens 24] [--fraction 0.2]
+        [--prefetch auto|on|off]
+
+``--model`` may be any converted model (the demo model under a small ``--fraction`` is the
+correlated-routing case: consecutive tokens of a trained model share experts).
 
 The synthetic model is built on first use (3 MoE layers x 256 experts, ~16 GiB, about a minute).
 """
@@ -26,6 +33,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -73,6 +81,26 @@ async def storage_gbps(c: Container, reader_kind: str, n: int, seed: int) -> tup
         await reader.aclose()
 
 
+def decode_run(a: argparse.Namespace, budget: int, prefetch: str) -> dict[str, Any]:
+    """One cold decode turn under ``prefetch``: tier counters before and after, seconds,
+    tokens and the time breakdown of the measured turn."""
+    drop_caches()
+    opts = {"reader": a.reader, "learn": False, "prefetch": prefetch}
+    with colibri.open_model(a.model, ram_budget=budget, **opts) as m:
+        m.generate([1, 2, 3, 4], max_new_tokens=1)  # prefill + warm-up
+        s0 = m.stats()["experts"]
+        t_0 = m.stats()["time"]
+        t0 = time.perf_counter()
+        # Sampling at temperature 1 from a random model gives varied tokens and so varied
+        # routing (greedy decoding of random weights repeats itself and would hit the cache).
+        toks = m.generate([1, 2, 3, 4], max_new_tokens=a.tokens + 1, temperature=1.0, seed=3)
+        dt = time.perf_counter() - t0
+        s1 = m.stats()["experts"]
+        t_1 = m.stats()["time"]
+    spent = {k: round(t_1[k] - t_0[k], 3) for k in t_1}
+    return {"s0": s0, "s1": s1, "seconds": dt, "tokens": len(toks), "time": spent}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=Path("/var/tmp/colibri-synth"))
@@ -80,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fraction", type=float, default=0.2, help="share of experts the budget holds")
     ap.add_argument("--reader", default="auto")
     ap.add_argument("--reads", type=int, default=60)
-    ap.add_argument("--no-prefetch", dest="prefetch", action="store_false")
+    ap.add_argument("--prefetch", choices=("auto", "on", "off"), default="auto")
+    ap.add_argument("--no-prefetch", dest="prefetch", action="store_const", const="off")
     a = ap.parse_args(argv)
 
     if not (a.model / "config.json").exists():
@@ -106,23 +135,17 @@ def main(argv: list[str] | None = None) -> int:
     budget = int(dense + kv + a.fraction * n_experts * layout.slot_bytes)
 
     gb_before, backend = anyio.run(storage_gbps, c, a.reader, a.reads, 1)
-    drop_caches()
-    opts = {"reader": a.reader, "learn": False, "prefetch": a.prefetch}
-    with colibri.open_model(a.model, ram_budget=budget, **opts) as m:
-        m.generate([1, 2, 3, 4], max_new_tokens=1)  # prefill + warm-up
-        s0 = m.stats()["experts"]
-        t0 = time.perf_counter()
-        # Sampling at temperature 1 from a random model gives varied tokens and so varied
-        # routing (greedy decoding of random weights repeats itself and would hit the cache).
-        toks = m.generate([1, 2, 3, 4], max_new_tokens=a.tokens + 1, temperature=1.0, seed=3)
-        dt = time.perf_counter() - t0
-        s1 = m.stats()["experts"]
+    # The chosen mode, and in the same run the other modes to compare with (interleaved, so
+    # the disk's drift touches them alike).
+    modes = [a.prefetch] + [m for m in ("off", "on") if m != a.prefetch]
+    runs = {m: decode_run(a, budget, m) for m in modes}
     gb_after, _ = anyio.run(storage_gbps, c, a.reader, a.reads, 2)
     gbps = (gb_before + gb_after) / 2
 
+    main_run = runs[a.prefetch]
+    s0, s1, dt, steps = main_run["s0"], main_run["s1"], main_run["seconds"], main_run["tokens"]
     # Every token of the second generate (prefill of 4 + decode) counts: bytes per token over
     # the whole turn, so the bound and the achieved rate cover the same work.
-    steps = len(toks)
     read = s1["bytes_read"] - s0["bytes_read"]
     # "Missed" bytes are those the decode needed: demand misses and lookahead reads it used.
     # Lookahead reads it never used are counted apart (they cost bandwidth, not need).
@@ -132,9 +155,13 @@ def main(argv: list[str] | None = None) -> int:
     achieved = steps / dt
     bound = gbps * 1e9 / per_token if per_token else float("inf")
     resident_share = (s1["lru_slots_per_layer"] * len(c.expert_layers()) + s1["pinned"]) / n_experts
+    tps = {m: r["tokens"] / r["seconds"] for m, r in runs.items()}
     result = {
         "figure": round(achieved / bound, 3),
+        "figure_vs_no_prefetch": round(tps[a.prefetch] / tps["off"], 3),
+        "figure_vs_best_forced": round(tps[a.prefetch] / max(tps["on"], tps["off"]), 3),
         "tokens_per_s": round(achieved, 3),
+        "tokens_per_s_by_prefetch": {m: round(v, 3) for m, v in tps.items()},
         "io_bound_tokens_per_s": round(bound, 3),
         "storage_gbps": round(gbps, 3),
         "storage_gbps_before_after": [round(gb_before, 3), round(gb_after, 3)],
@@ -147,6 +174,14 @@ def main(argv: list[str] | None = None) -> int:
             s1["prefetch_used"] - s0["prefetch_used"],
             s1["prefetch_wasted"] - s0["prefetch_wasted"],
         ],
+        "lookahead_saved_cost_s": [
+            round(s1["lookahead_saved_s"] - s0["lookahead_saved_s"], 3),
+            round(s1["lookahead_cost_s"] - s0["lookahead_cost_s"], 3),
+        ],
+        "lookahead_layers_off": s1["lookahead_layers_off"],
+        # where the decode's wall time went (stats()["time"] over the measured turn)
+        "time": main_run["time"],
+        "time_by_prefetch": {m: r["time"] for m, r in runs.items()},
         "read_wait_s": round(s1["read_wait_s"] - s0["read_wait_s"], 3),
         "compute_stall_s": round(s1["compute_stall_s"] - s0["compute_stall_s"], 3),
         "seconds": round(dt, 3),
