@@ -14,9 +14,50 @@ Async (asyncio or trio)::
             ...
 """
 
-from colibri._config import EngineOptions, default_model_path
-from colibri._engine import DoneEvent, Engine, GenerationEvent, SyncModel, TokenEvent, open_model
-from storage.errors import ColibriError
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from colibri._config import EngineOptions, default_model_path
+    from colibri._engine import (
+        DoneEvent,
+        Engine,
+        GenerationEvent,
+        SyncModel,
+        TokenEvent,
+        open_model,
+    )
+    from storage.errors import ColibriError
+
+# Imported on first use: `import colibri` (and the `coli` command starting up) stays light, and
+# the engine's imports (numpy, numba, the kernels) happen where a Ctrl-C is handled.
+_WHERE = {
+    "EngineOptions": "colibri._config",
+    "default_model_path": "colibri._config",
+    "DoneEvent": "colibri._engine",
+    "Engine": "colibri._engine",
+    "GenerationEvent": "colibri._engine",
+    "SyncModel": "colibri._engine",
+    "TokenEvent": "colibri._engine",
+    "open_model": "colibri._engine",
+    "ColibriError": "storage.errors",
+}
+
+
+def __getattr__(name: str) -> Any:
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module 'colibri' has no attribute {name!r}")
+    value = getattr(importlib.import_module(where), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __all__ = [
     "ColibriError",

@@ -6,14 +6,18 @@ Model math runs in worker threads (numba kernels release the GIL) through
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import dataclasses
 import os
+import signal
+import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import anyio
 import anyio.from_thread
@@ -42,6 +46,9 @@ if TYPE_CHECKING:
     from runtime.models import MLAMoEModel
 
 ENGINE_ID = "colibri-py-1"
+R = TypeVar("R")
+# After Ctrl-C, how long SyncModel.call waits for the cancelled work to wind down.
+CANCEL_WAIT_S = 30.0
 USAGE_FILE = ".coli_usage"
 _log = structlog.get_logger("colibri.engine")
 
@@ -613,12 +620,36 @@ class SyncModel:
     def container(self) -> Container:
         return self.engine.container
 
+    def call(self, fn: Callable[..., Awaitable[R]], *args: Any) -> R:
+        """``await fn(*args)`` on the engine's event loop, from this (blocking) thread.
+
+        Ctrl-C (KeyboardInterrupt) while it runs cancels it there and waits for it to end (a
+        forward on the compute thread finishes its step first, reads in flight land, a turn's
+        `.coli_usage` is saved) before the interrupt goes on, so closing the model afterwards
+        never pulls the reader from under a running step. A second Ctrl-C stops waiting."""
+        scope: list[anyio.CancelScope] = []
+
+        async def run() -> R:
+            with anyio.CancelScope() as cs:
+                scope.append(cs)
+                return await fn(*args)
+            raise anyio.get_cancelled_exc_class()  # cancelled: nothing to return
+
+        fut = self._portal.start_task_soon(run)
+        try:
+            return fut.result()
+        except KeyboardInterrupt:
+            if scope:
+                self._portal.call(scope[0].cancel)
+            with contextlib.suppress(concurrent.futures.CancelledError, TimeoutError):
+                fut.exception(timeout=CANCEL_WAIT_S)  # a second Ctrl-C stops waiting
+            raise
+
     def forward(
         self, token_ids: Sequence[int] | npt.NDArray[np.integer]
     ) -> npt.NDArray[np.float32]:
         """Logits float32 [T, vocab] for ``token_ids`` in a fresh context."""
-        result: npt.NDArray[np.float32] = self._portal.call(self.engine.forward, token_ids)
-        return result
+        return self.call(self.engine.forward, token_ids)
 
     def generate(
         self,
@@ -638,8 +669,7 @@ class SyncModel:
                     toks.append(ev.token_id)
             return toks
 
-        result: list[int] = self._portal.call(collect)
-        return result
+        return self.call(collect)
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
@@ -655,15 +685,98 @@ class SyncModel:
 
 
 @contextmanager
+def _sigint_deferred() -> Iterator[None]:
+    """Hold a Ctrl-C that arrives inside the block until it ends (then raise it): for steps
+    that must complete as a whole, such as starting the portal's thread (an interrupt in the
+    middle leaves a loop thread nobody can stop). Only in the main thread, where signals land."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+
+    def hold(signum: int, frame: object) -> None:
+        held.append(signum)
+
+    previous = signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held:
+        raise KeyboardInterrupt
+
+
+class _EngineHost:
+    """The portal task that keeps an :class:`Engine` open for :func:`open_model` (the engine's
+    task group must be entered and left by one task). Ctrl-C while the model loads cancels the
+    load there and waits for it to unwind, so nothing is left running."""
+
+    def __init__(self, portal: anyio.from_thread.BlockingPortal, open_cm: Any) -> None:
+        self._portal = portal
+        self._open_cm = open_cm
+        self._ready: concurrent.futures.Future[Engine] = concurrent.futures.Future()
+        self._scope: anyio.CancelScope | None = None
+        self._cancelled = False
+        self._stop: anyio.Event | None = None
+        self._task: concurrent.futures.Future[None] | None = None
+
+    async def _run(self) -> None:
+        self._stop = anyio.Event()
+        self._scope = anyio.CancelScope()
+        if self._cancelled:
+            self._scope.cancel()
+        with self._scope:
+            async with self._open_cm as engine:
+                self._ready.set_result(engine)
+                await self._stop.wait()
+
+    def start(self) -> Engine:
+        self._task = self._portal.start_task_soon(self._run)
+        try:
+            both: list[concurrent.futures.Future[Any]] = [self._ready, self._task]
+            concurrent.futures.wait(both, return_when=concurrent.futures.FIRST_COMPLETED)
+        except KeyboardInterrupt:
+            self._portal.call(self._cancel)
+            with contextlib.suppress(concurrent.futures.CancelledError, TimeoutError):
+                self._task.exception(timeout=CANCEL_WAIT_S)  # a second Ctrl-C stops waiting
+            raise
+        if self._ready.done():
+            return self._ready.result()
+        self._task.result()  # the open failed: its error
+        raise ModelError("the engine stopped before it opened")
+
+    def _cancel(self) -> None:  # on the loop
+        self._cancelled = True
+        if self._scope is not None:
+            self._scope.cancel()
+
+    def stop(self) -> None:
+        """Close the engine (reader, threads, files) and re-raise what closing raised."""
+        assert self._task is not None and self._stop is not None
+        self._portal.call(self._stop.set)
+        self._task.result()
+
+
+@contextmanager
 def open_model(
     path: str | os.PathLike[str] | None = None,
     ram_budget: int | str | None = None,
     **options: Any,
 ) -> Iterator[SyncModel]:
-    """``with colibri.open_model(path) as model:`` — the sync API (see :class:`SyncModel`)."""
+    """``with colibri.open_model(path) as model:`` — the sync API (see :class:`SyncModel`).
+
+    Ctrl-C is safe at any moment: while the model loads, the load is cancelled and unwound;
+    inside :meth:`SyncModel.call` (``generate``, ``forward``) the running work is cancelled
+    first; either way the engine closes cleanly and the KeyboardInterrupt goes on."""
     opts = EngineOptions(**options)
-    with anyio.from_thread.start_blocking_portal() as portal:
-        # The engine's task group must be entered and left by one task: let the portal host it.
-        cm = Engine.open(path, ram_budget=ram_budget, options=opts)
-        with portal.wrap_async_context_manager(cm) as engine:
+    with contextlib.ExitStack() as stack:
+        with _sigint_deferred():
+            portal = stack.enter_context(anyio.from_thread.start_blocking_portal())
+        host = _EngineHost(portal, Engine.open(path, ram_budget=ram_budget, options=opts))
+        engine = host.start()
+        try:
             yield SyncModel(portal, engine)
+        finally:
+            # Closing reaps the reads in flight and saves state; an interrupt here still waits
+            # for it (the portal's exit waits for the engine's task).
+            host.stop()

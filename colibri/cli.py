@@ -5,12 +5,41 @@ Errors a user can cause print one line with a hint and exit non-zero; ``--debug`
 traceback.
 """
 
+# ruff: noqa: E402  (the start-up signal handlers go in before the slower imports)
 from __future__ import annotations
+
+import os
+import signal
+import sys
+
+
+def _exit_now(signum: int, frame: object) -> None:
+    """Ctrl-C or SIGTERM while the command starts (imports, option parsing): nothing to clean
+    up yet, so leave at once with the shell's status, without a traceback."""
+    os._exit(128 + signum)
+
+
+# Only when this process is the `coli` program, never in one that merely imports this module.
+_PROGRAM = __name__ == "__main__" or os.path.basename(sys.argv[0]) == "coli"
+if _PROGRAM:  # until the command runs (main() installs the real handlers)
+    signal.signal(signal.SIGINT, _exit_now)
+    signal.signal(signal.SIGTERM, _exit_now)
+
+
+def _interrupted_exit(code: int) -> None:
+    """Leave after Ctrl-C / SIGTERM once the command has cleaned up: the program exits at once
+    with ``code`` (interpreter teardown could meet the interrupt again and turn the status into
+    a signal death); in a host process it is an ordinary SystemExit."""
+    if _PROGRAM:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(code)
+    sys.exit(code)
 
 import json
 import logging
-import os
-import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -233,6 +262,14 @@ def _options(model: Path | None, ram: str | None, reader: str) -> EngineOptions:
     return EngineOptions(model=model, ram_budget=ram, reader=reader, **extra)  # type: ignore[arg-type]
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C so that the same clean-up runs (exit status 143)."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise Terminated()
+
+
 class _Group(click.Group):
     """Maps ColibriError (and a few OS errors) to one clear line unless --debug."""
 
@@ -244,9 +281,11 @@ class _Group(click.Group):
                 raise
             _fail(str(exc), _hint_for(exc))
             sys.exit(1)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
+            # Ctrl-C (SIGINT) exits 130, SIGTERM 143, as shells report them; the work was
+            # cancelled and cleaned up on the way out (SyncModel.call), with no traceback.
             click.echo("", err=True)
-            sys.exit(130)
+            _interrupted_exit(143 if isinstance(exc, Terminated) else 130)
         except OSError as exc:  # outside the error tree: permissions, a vanished file, ...
             if ctx.obj and ctx.obj.get("debug"):
                 raise
@@ -287,6 +326,9 @@ def _hint_for(exc: ColibriError) -> str | None:
 @click.pass_context
 def main(ctx: click.Context, debug: bool, log_format: str, verbose: int) -> None:
     """colibri: run giant Mixture-of-Experts models on ordinary machines."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # KeyboardInterrupt: exit 130
+        signal.signal(signal.SIGTERM, _on_sigterm)
     from colibri._logging import configure_logging
 
     ctx.ensure_object(dict)
@@ -385,7 +427,7 @@ def run(
                     click.echo(text.push(ev.token_id), nl=False)
             return toks
 
-        m._portal.call(stream)
+        m.call(stream)
         click.echo(text.flush())
         dt = time.perf_counter() - t0
         if not quiet and toks:

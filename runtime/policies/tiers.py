@@ -14,6 +14,15 @@ LRU, parked lookahead), already in flight, or to read; :meth:`place` picks each 
 :meth:`end` closes the step. :meth:`lookahead` turns a prediction into reads, and
 :meth:`lookahead_ready` drops the ones that went stale while they waited for the device.
 
+``--prefetch auto`` (the default) keeps a ledger per layer: what its lookahead *saved* (the
+read time of a result a step then used, or the head start of a read a step joined in flight)
+against what it *cost* (the read time of a result nobody used, when it shared the device with
+demand reads). Every ``LEDGER_STEPS`` steps of the layer the difference feeds an average; the
+layer reads ahead while the average is positive. A layer starts off; while it is off every
+``PROBE_EVERY``-th step still reads ahead, so the ledger sees whether (and when) its routing is
+predictable: lookahead that loses costs at most one step in ``PROBE_EVERY``. ``on`` and ``off``
+force it. Only speed changes: a lookahead read never decides what a step computes.
+
 Shape legend: L layer, E expert, Key = (L, E); "transient" = a slot outside the cache (misses the
 LRU cannot take, lookahead results parked until their layer runs).
 """
@@ -67,7 +76,7 @@ class TierStats:
     lookahead_routed: int = 0  # routed experts of layers that had a prediction
     lookahead_saved_s: float = 0.0  # demand read time lookahead results spared steps
     lookahead_cost_s: float = 0.0  # read time of unused lookahead reads that ran beside demand
-    lookahead_layers_off: int = 0  # layers --prefetch auto has turned lookahead off for
+    lookahead_layers_off: int = 0  # layers --prefetch auto judged and keeps lookahead off for
 
     def as_dict(self) -> dict[str, float]:
         d: dict[str, float] = dict(self.__dict__)
@@ -95,7 +104,7 @@ class _Ledger:
     cost_s: float = 0.0
     steps: int = 0
     score: float | None = None  # EWMA of saved - cost per window
-    on: bool = True
+    on: bool = False  # under "auto" a layer starts off: its probes must show that it pays
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,7 +230,6 @@ class TierPolicy:
         step.aborted = True
         layer = step.layer
         self._generation[layer] = self._generation.get(layer, 0) + 1
-        self._close_window(layer)
         self.lru[layer].unprotect()
         for key in [k for k, s in self.waiters.items() if s is step]:
             del self.waiters[key]
@@ -230,6 +238,7 @@ class TierPolicy:
             self.parked.discard(key)
             self._wasted(key)
             self.release_transient()
+        self._close_window(layer)  # after the unused results of this step were booked
         return unused
 
     # ------------------------------------------------------------------ --prefetch auto
@@ -265,8 +274,10 @@ class TierPolicy:
         )
         led.saved_s = led.cost_s = 0.0
         if self.prefetch_mode == "auto":
-            led.on = led.score >= 0.0
-            self.stats.lookahead_layers_off = sum(not x.on for x in self._ledger.values())
+            led.on = led.score > 0.0
+            self.stats.lookahead_layers_off = sum(
+                x.score is not None and not x.on for x in self._ledger.values()
+            )
 
     def reads_ahead(self, layer: int) -> bool:
         """Whether a prediction for ``layer`` is read now: always under "on", never under

@@ -9,7 +9,12 @@ from runtime.policies.tiers import LEDGER_STEPS, PROBE_EVERY
 
 
 def _policy(**kw: object) -> TierPolicy:
-    args: dict[object, object] = {"lru_slots": 2, "transient_slots": 4, "read_depth": 2}
+    args: dict[object, object] = {
+        "lru_slots": 2,
+        "transient_slots": 4,
+        "read_depth": 2,
+        "prefetch": "on",
+    }
     args.update(kw)
     return TierPolicy([1, 2], **args)  # type: ignore[arg-type]
 
@@ -207,36 +212,34 @@ def _step_with_lookahead(
     p.end(step)
 
 
-def test_auto_turns_off_a_layers_lookahead_that_only_costs_and_probes_it() -> None:
+def test_auto_starts_off_and_reads_ahead_only_on_probe_steps_while_it_loses() -> None:
     p = _policy(lru_slots=0, transient_slots=8, prefetch="auto")
-    for _ in range(LEDGER_STEPS):  # predictions never routed: pure cost
+    assert not p.reads_ahead(1)  # a layer starts off: lookahead must prove itself
+    for _ in range(3 * PROBE_EVERY):  # predictions never routed: pure cost
         _step_with_lookahead(p, 1, [1, 2], [5, 6])
     st = p.stats
-    assert st.lookahead_cost_s == pytest.approx(2 * LEDGER_STEPS * READ_S)
+    assert st.prefetch_issued == 2 * 3  # one probe step in PROBE_EVERY read ahead
+    assert st.lookahead_cost_s == pytest.approx(2 * 3 * READ_S)
     assert st.lookahead_saved_s == 0.0 and st.lookahead_layers_off == 1
-    assert not p.reads_ahead(1) and p.reads_ahead(2)  # only the losing layer stops
-    issued = st.prefetch_issued
-    for _ in range(PROBE_EVERY):
-        _step_with_lookahead(p, 1, [1, 2], [5, 6])
-    assert st.prefetch_issued == issued + 2  # one probe step in PROBE_EVERY reads ahead
 
 
-def test_auto_keeps_lookahead_that_pays_and_turns_it_back_on() -> None:
+def test_auto_turns_lookahead_on_when_it_pays_and_off_again_when_it_stops() -> None:
     p = _policy(lru_slots=0, transient_slots=8, prefetch="auto")
-    for _ in range(LEDGER_STEPS):
-        _step_with_lookahead(p, 1, [1, 2], [9])
-    assert p.stats.lookahead_layers_off == 1
-    # routing becomes predictable: the probe steps' reads are used, the layer comes back
-    for _ in range(6 * PROBE_EVERY):
+    for _ in range(PROBE_EVERY):  # the first probe's reads are all used
         _step_with_lookahead(p, 1, [3, 4], [3, 4])
-        if p.reads_ahead(1) and p.stats.lookahead_layers_off == 0:
-            break
-    assert p.stats.lookahead_layers_off == 0 and p.stats.lookahead_saved_s > 0
+    assert p.reads_ahead(1) and p.stats.lookahead_layers_off == 0
+    assert p.stats.lookahead_saved_s > 0
     used = p.stats.prefetch_used
     for _ in range(2 * LEDGER_STEPS):
         _step_with_lookahead(p, 1, [3, 4], [3, 4])
-    assert p.stats.prefetch_used == used + 4 * LEDGER_STEPS  # every step reads ahead again
-    assert p.stats.lookahead_layers_off == 0
+    assert p.stats.prefetch_used == used + 4 * LEDGER_STEPS  # every step reads ahead now
+    # routing turns unpredictable: the ledger goes negative and the layer stops reading ahead
+    for _ in range(4 * LEDGER_STEPS):
+        _step_with_lookahead(p, 1, [1, 2], [5, 6])
+        if not p.reads_ahead(1):
+            break
+    assert not p.reads_ahead(1) and p.stats.lookahead_layers_off == 1
+    assert p.stats.lookahead_cost_s > 0
 
 
 @pytest.mark.parametrize("mode", ["on", "off"])
