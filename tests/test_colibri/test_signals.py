@@ -12,12 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-from _demo import TINY
+from _demo import TINY, budget_for_lru
 
-from runtime.budget import kv_bytes_per_token, resident_nbytes
-from runtime.experts import plan_layout
-from runtime.models import load_model
-from runtime.weights import ResidentExperts
 from storage.container import Container
 from storage.usage import load_usage
 
@@ -27,20 +23,6 @@ TRIES = 30
 # From the signal to the exit. One second is the aim on a quiet machine; CI machines are loaded
 # (the signal may land in a numba compile or a cold import), so the bound here is looser.
 EXIT_WITHIN_S = 5.0
-
-
-def _streaming_budget(path: Path) -> int:
-    """A RAM budget that streams (one LRU slot per layer)."""
-    c = Container.open(path)
-    model = load_model(c, ResidentExperts(c, layers=[]))
-    ctx = min(4096, int(c.config.get("max_position_embeddings") or 4096))
-    probe = plan_layout(c, 1 << 40, top_k=c.arch.top_k)
-    slots = probe.transient_slots + len(c.expert_layers())
-    return (
-        resident_nbytes(model.weights)
-        + kv_bytes_per_token(c.arch) * ctx
-        + probe.slot_bytes * (slots + 1)
-    )
 
 
 def _start(home: Path, budget: int) -> subprocess.Popen[str]:
@@ -70,7 +52,7 @@ def _signal_and_wait(p: subprocess.Popen[str], sig: int) -> tuple[int, float, st
 
 
 def test_sigint_at_random_moments_always_exits_cleanly(tmp_path: Path) -> None:
-    budget = _streaming_budget(TINY)
+    budget = budget_for_lru(TINY, 1)
     rng = random.Random(7)
     home = tmp_path / "home"
     home.mkdir()
@@ -102,7 +84,7 @@ def test_sigint_at_random_moments_always_exits_cleanly(tmp_path: Path) -> None:
 
 
 def test_sigterm_exits_143_cleanly(tmp_path: Path) -> None:
-    budget = _streaming_budget(TINY)
+    budget = budget_for_lru(TINY, 1)
     home = tmp_path / "home"
     home.mkdir()
     p = _start(home, budget)

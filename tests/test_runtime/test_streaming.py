@@ -12,34 +12,16 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
-from _demo import demo_model
+from _demo import budget_for_lru, demo_model
 
 import colibri
 from colibri._engine import ENGINE_ID, TokenEvent
-from runtime.budget import kv_bytes_per_token, resident_nbytes
-from runtime.experts import plan_layout
-from runtime.models import load_model
-from runtime.weights import ResidentExperts
 from storage.container import Container
 from storage.errors import ColibriError, ReadError
 from storage.usage import UsageCounts, load_usage, save_usage
 
 DEMO = demo_model()
 PROMPT = [5, 17, 99, 300, 12, 44, 8, 250, 31]
-
-
-def _budget_for_lru(path: Path, lru_per_layer: int) -> int:
-    """A RAM budget that leaves exactly ``lru_per_layer`` cache slots per layer."""
-    c = Container.open(path)
-    model = load_model(c, ResidentExperts(c, layers=[]))
-
-    dense = resident_nbytes(model.weights)
-    ctx = min(4096, int(c.config.get("max_position_embeddings") or 4096))
-    kv = kv_bytes_per_token(c.arch) * ctx
-    probe = plan_layout(c, 1 << 40, top_k=int(c.config["num_experts_per_tok"]))
-    n_layers = len(c.expert_layers())
-    experts = probe.slot_bytes * (probe.transient_slots + lru_per_layer * n_layers)
-    return dense + kv + experts + probe.slot_bytes // 2
 
 
 @pytest.fixture(autouse=True)
@@ -67,7 +49,7 @@ def _run(path: Path, **opts: Any) -> tuple[list[int], np.ndarray, dict[str, Any]
 @pytest.mark.parametrize("lru", [0, 1, 3, 16])
 @pytest.mark.parametrize("prefetch", ["auto", "on", "off"])
 def test_budgets_do_not_change_output(reference: dict[str, Any], lru: int, prefetch: str) -> None:
-    budget = _budget_for_lru(DEMO, lru)
+    budget = budget_for_lru(DEMO, lru)
     toks, logits, st = _run(DEMO, ram_budget=budget, prefetch=prefetch, reader="threads")
     assert st["mode"] == "streaming"
     assert st["lru_slots_per_layer"] == lru
@@ -82,7 +64,7 @@ def test_budgets_do_not_change_output(reference: dict[str, Any], lru: int, prefe
 
 @pytest.mark.parametrize("reader", ["threads", "buffered", "uring"])
 def test_reader_backends_do_not_change_output(reference: dict[str, Any], reader: str) -> None:
-    budget = _budget_for_lru(DEMO, 2)
+    budget = budget_for_lru(DEMO, 2)
     try:
         toks, logits, st = _run(DEMO, ram_budget=budget, reader=reader)
     except ReadError as exc:
@@ -95,7 +77,7 @@ def test_reader_backends_do_not_change_output(reference: dict[str, Any], reader:
 
 
 def test_lookahead_prefetch_is_used(reference: dict[str, Any]) -> None:
-    toks, _, st = _run(DEMO, ram_budget=_budget_for_lru(DEMO, 4), prefetch=True, reader="threads")
+    toks, _, st = _run(DEMO, ram_budget=budget_for_lru(DEMO, 4), prefetch=True, reader="threads")
     assert toks == reference["tokens"]
     assert st["prefetch_issued"] > 0
     assert st["prefetch_used"] > 0
@@ -109,7 +91,7 @@ def test_learned_pinning_and_repin_do_not_change_output(
     """Learn routing counts into `.coli_usage`, reopen with a pinned set chosen from them (and
     live re-pin between turns): same tokens, same logits, and the pinned tier is really used."""
     state = tmp_path / "state"
-    budget = _budget_for_lru(DEMO, 3) + 20 * 80 * 1024
+    budget = budget_for_lru(DEMO, 3) + 20 * 80 * 1024
     opts: dict[str, Any] = {"state_dir": state, "reader": "threads", "pin_min_selections": 10}
     with colibri.open_model(DEMO, ram_budget=budget, **opts) as m:
         assert m.generate(PROMPT, max_new_tokens=24) == reference["tokens"]
@@ -157,7 +139,7 @@ def test_budget_too_small_for_dense_is_a_clear_error() -> None:
 
 @pytest.mark.anyio
 async def test_async_engine_streams_under_asyncio_and_trio(reference: dict[str, Any]) -> None:
-    budget = _budget_for_lru(DEMO, 1)
+    budget = budget_for_lru(DEMO, 1)
     async with colibri.Engine.open(DEMO, ram_budget=budget) as engine:
         toks = [
             ev.token_id
@@ -179,7 +161,7 @@ def test_read_error_is_clear_and_engine_keeps_serving(
     c = Container.open(model)
     cut = c.expert_extents()[16]  # layer 2, expert 0: everything after it goes
     assert cut.path.name == shard.name
-    with colibri.open_model(model, ram_budget=_budget_for_lru(model, 0), reader="threads") as m:
+    with colibri.open_model(model, ram_budget=budget_for_lru(model, 0), reader="threads") as m:
         with open(shard, "r+b") as fh:  # cut the file inside the expert region
             fh.truncate(cut.start)
         with pytest.raises(ReadError):
@@ -207,7 +189,7 @@ def test_time_breakdown_accounts_for_the_forwards() -> None:
             assert done is not None
             return eng.stats(), done.stats["time"]
 
-    for budget in (None, _budget_for_lru(DEMO, 2)):
+    for budget in (None, budget_for_lru(DEMO, 2)):
         st, turn = anyio.run(run, budget)
         t = st["time"]
         assert set(t) == set(turn)

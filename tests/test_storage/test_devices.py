@@ -23,13 +23,9 @@ from typing import Any
 import numpy as np
 import pytest
 import structlog
-from _demo import demo_model
+from _demo import budget_for_lru, demo_model
 
 import colibri
-from runtime.budget import kv_bytes_per_token, resident_nbytes
-from runtime.experts import plan_layout
-from runtime.models import load_model
-from runtime.weights import ResidentExperts
 from storage.aligned import ALIGN, aligned_empty
 from storage.container import Container
 from storage.errors import ColibriError, ReadError
@@ -128,19 +124,6 @@ def partial_copy(model: Path, dst: Path, names: list[str]) -> Path:
     for n in names:
         shutil.copy2(model / n, dst / n)
     return dst
-
-
-def budget_for_lru(path: Path, lru_per_layer: int) -> int:
-    """A RAM budget that leaves exactly ``lru_per_layer`` cache slots per layer (streaming)."""
-    c = Container.open(path)
-    model = load_model(c, ResidentExperts(c, layers=[]))
-    dense = resident_nbytes(model.weights)
-    ctx = min(4096, int(c.config.get("max_position_embeddings") or 4096))
-    kv = kv_bytes_per_token(c.arch) * ctx
-    probe = plan_layout(c, 1 << 40, top_k=int(c.config["num_experts_per_tok"]))
-    n_layers = len(c.expert_layers())
-    experts = probe.slot_bytes * (probe.transient_slots + lru_per_layer * n_layers)
-    return dense + kv + experts + probe.slot_bytes // 2
 
 
 def run_model(path: Path, **opts: Any) -> tuple[list[int], np.ndarray, dict[str, Any]]:
