@@ -145,6 +145,9 @@ class _Step(StepHandle):
 
     out: queue.SimpleQueue[Any] = field(default_factory=queue.SimpleQueue)
     via_lookahead: set[int] = field(default_factory=set)
+    # experts handed over in a transient slot: the compute side gives those back one by one
+    # (the others live in pinned or cache slots: no hop to the loop is needed for them)
+    held: set[int] = field(default_factory=set)
 
     def stalled(self, stats: TierStats, expert: int, seconds: float) -> None:
         """The compute thread waited ``seconds`` until ``expert`` arrived."""
@@ -455,6 +458,7 @@ class ExpertStore:
             assert isinstance(step, _Step) and slot.weights is not None
             if not where.cached:
                 self._held[key] = slot
+                step.held.add(key[1])  # before the put: the compute thread reads it after
             step.out.put((key[1], slot.weights))
 
     # ------------------------------------------------------------------ loop-side step API
@@ -477,6 +481,7 @@ class ExpertStore:
             else:  # "parked": a lookahead result in a transient slot, now held by the step
                 slot = self._prefetched.pop(key)
                 self._held[key] = slot
+                step.held.add(e)
             assert slot.weights is not None
             ready.append((e, slot.weights))
         return ready
@@ -549,7 +554,7 @@ class StreamingExperts:
         try:
             for e, w in ready:
                 yield e, w
-                anyio.from_thread.run_sync(st._loop_done_with, layer, e)
+                self._done_with(step, e)
             for _ in range(len(experts) - len(ready)):
                 t0 = time.perf_counter()
                 item = step.out.get()
@@ -557,7 +562,7 @@ class StreamingExperts:
                     raise item
                 step.stalled(st.stats, item[0], time.perf_counter() - t0)
                 yield item
-                anyio.from_thread.run_sync(st._loop_done_with, layer, item[0])
+                self._done_with(step, item[0])
         finally:
             self._end_step(step)
 
@@ -596,7 +601,7 @@ class StreamingExperts:
                     step.stalled(st.stats, item[0], time.perf_counter() - t0)
                 if isinstance(item, _Done):
                     pending -= 1
-                    anyio.from_thread.run_sync(st._loop_done_with, layer, item.expert)
+                    self._done_with(step, item.expert)
                     results[item.expert] = item.future.result()
                 elif isinstance(item, BaseException):
                     raise item
@@ -609,11 +614,18 @@ class StreamingExperts:
                 item = step.out.get()
                 if isinstance(item, _Done):
                     pending -= 1
-                    anyio.from_thread.run_sync(st._loop_done_with, layer, item.expert)
+                    self._done_with(step, item.expert)
                 elif not isinstance(item, BaseException):
-                    anyio.from_thread.run_sync(st._loop_done_with, layer, item[0])
+                    self._done_with(step, item[0])
             self._end_step(step)
         return results
+
+    def _done_with(self, step: _Step, expert: int) -> None:
+        """The compute side finished with ``expert``: a transient slot goes back to the store
+        (one hop to the loop); an expert in a pinned or cache slot needs nothing."""
+        if expert in step.held:
+            step.held.discard(expert)
+            anyio.from_thread.run_sync(self.store._loop_done_with, step.layer, expert)
 
     def _end_step(self, step: _Step) -> None:
         """End ``step`` on the loop, then give back the slots of arrivals it queued before the
@@ -626,7 +638,7 @@ class StreamingExperts:
             except queue.Empty:
                 break
             if not isinstance(item, (BaseException, _Done)):
-                anyio.from_thread.run_sync(st._loop_done_with, step.layer, item[0])
+                self._done_with(step, item[0])
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
         """Lookahead hint: queue reads for ``layer`` (lower priority, may be skipped)."""
