@@ -529,8 +529,6 @@ async def _plan(
     from storage.usage import UsageCounts, load_usage
 
     arch = container.arch
-    # No experts yet: the tiers are planned from the dense size, then attached below.
-    model = await anyio.to_thread.run_sync(load_model, container, ResidentExperts(container, []))
     usage = None
     removed = await anyio.to_thread.run_sync(remove_leftovers, opts.resolved_state_dir())
     if removed:
@@ -556,6 +554,9 @@ async def _plan(
             usage_counts=usage.counts if usage is not None else None,
         )
     )
+    # The plan (and so a budget that cannot work) is decided from the container's sizes before
+    # anything heavy is read; then the dense part loads, without experts, attached below.
+    model = await anyio.to_thread.run_sync(load_model, container, ResidentExperts(container, []))
     if plan.layout is None:
         checksums = None
         if opts.verify_reads:

@@ -37,6 +37,7 @@ def _interrupted_exit(code: int) -> None:
         os._exit(code)
     sys.exit(code)
 
+
 import json
 import logging
 import threading
@@ -383,6 +384,7 @@ def run(
     streams; a summary line (tokens, tok/s, time to first token) follows on stderr."""
     from colibri._engine import TokenEvent, open_model
     from colibri.tokenizer import ChatTokenizer
+    from storage.container import Container
 
     if prompt_file is not None and prompt is not None:
         raise click.UsageError("give PROMPT or --file, not both")
@@ -395,12 +397,14 @@ def run(
     if not prompt.strip():
         raise click.UsageError("the prompt is empty")
     opts = _options(model, ram, reader)
+    # What can be checked without loading is checked first: the model directory and its
+    # tokenizer (the RAM plan is checked before any weight is read, in open_model).
+    c = Container.open(opts.resolved_model(), shard_dirs=opts.model_dirs)
+    tok_path = c.tokenizer_path()
+    if tok_path is None:
+        raise ColibriError(f"{c.path}: no tokenizer.json, cannot turn text into tokens")
+    tok = ChatTokenizer(tok_path, c.tokenizer_config())
     with open_model(**opts.model_dump()) as m:
-        c = m.container
-        tok_path = c.tokenizer_path()
-        if tok_path is None:
-            raise ColibriError(f"{c.path}: no tokenizer.json, cannot turn text into tokens")
-        tok = ChatTokenizer(tok_path, c.tokenizer_config())
         if raw or not tok.has_chat_template:
             ids = tok.encode(prompt)
         else:

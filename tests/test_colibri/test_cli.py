@@ -212,3 +212,17 @@ def test_bundled_demo_streams_most_experts_with_the_same_text(tmp_path: Path) ->
     assert stats["experts"]["mode"] == "streaming"
     assert stats["experts"]["lru_slots_per_layer"] < 32 // 2
     assert stats["experts"]["bytes_read"] > 0
+
+
+def test_run_checks_tokenizer_and_budget_before_loading(tmp_path: Path) -> None:
+    """A model without tokenizer.json, or a RAM budget that cannot hold the dense part, is one
+    clean error before any weight is loaded."""
+    import shutil
+
+    src = demo_model()
+    bare = tmp_path / "bare"
+    shutil.copytree(src, bare, ignore=shutil.ignore_patterns("tokenizer.json", ".*"))
+    r = coli("run", "--model", str(bare), "hello")
+    assert_clean_error(r, "tokenizer.json")
+    r = coli("run", "--model", str(src), "--ram", "1MiB", "hello")
+    assert_clean_error(r, "RAM budget")
