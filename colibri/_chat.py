@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
-from contextlib import aclosing
+from contextlib import AbstractContextManager, aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -39,10 +39,19 @@ import click
 import structlog
 
 from colibri._config import EngineOptions
-from colibri._engine import ENGINE_ID, DoneEvent, Engine, GenerationEvent, TokenEvent
+from colibri._engine import (
+    ENGINE_ID,
+    DoneEvent,
+    Engine,
+    GenerationEvent,
+    SyncModel,
+    TokenEvent,
+    open_model,
+)
 from colibri.tokenizer import ChatTokenizer
 from runtime.kv import KVCache
 from storage.atomic import atomic_write_bytes, set_aside_and_warn
+from storage.container import Container
 from storage.errors import ColibriError, KVFileError
 from storage.kvfile import KV_FILE, load_kv, model_identity, sync_kv
 
@@ -467,8 +476,13 @@ class _Chat:
             self.footer(self.turn(line))
 
 
-def run_chat(opts: EngineOptions, settings: ChatSettings) -> None:
-    """Open the model and run the REPL on stdin/stdout until ``:q`` or end of input."""
+def run_chat(
+    opts: EngineOptions,
+    settings: ChatSettings,
+    open_model_cm: Callable[[EngineOptions], AbstractContextManager[SyncModel]] | None = None,
+) -> None:
+    """Open the model and run the REPL on stdin/stdout until ``:q`` or end of input.
+    ``open_model_cm(opts)``: how to open it (the CLI shows the load's progress)."""
     color = sys.stdout.isatty() and "NO_COLOR" not in os.environ
     if sys.stdin.isatty():
         try:
@@ -476,25 +490,24 @@ def run_chat(opts: EngineOptions, settings: ChatSettings) -> None:
         except ImportError:
             pass
     state_dir = opts.resolved_state_dir()
-    with anyio.from_thread.start_blocking_portal() as portal:
-        with portal.wrap_async_context_manager(Engine.open(options=opts)) as engine:
-            c = engine.container
-            tok_path = c.tokenizer_path()
-            if tok_path is None:
-                raise ColibriError(f"{c.path}: no tokenizer.json, cannot turn text into tokens")
-            tok = ChatTokenizer(tok_path, c.tokenizer_config())
-            chat = _Chat(portal, engine, tok, settings, state_dir, click.echo, color)
-            mode = engine.snapshot().experts.mode
-            chat._dim(
-                f"colibri chat · {c.path.name} · experts {mode} · session {settings.session}"
-                f" · {HELP}"
-            )
-            if chat.load():
-                chat._dim(
-                    f"resumed a conversation of {chat.state.turns} turns; :reset to start over"
-                )
-                if settings.system and chat.state.messages[:1] != [
-                    {"role": "system", "content": settings.system}
-                ]:
-                    chat._dim("note: --system differs from the resumed conversation's")
-            chat.repl(input)
+    # checked before the load: the model directory and its tokenizer
+    c = Container.open(opts.resolved_model(), shard_dirs=opts.model_dirs)
+    tok_path = c.tokenizer_path()
+    if tok_path is None:
+        raise ColibriError(f"{c.path}: no tokenizer.json, cannot turn text into tokens")
+    tok = ChatTokenizer(tok_path, c.tokenizer_config())
+    opener = open_model_cm or (lambda o: open_model(**o.model_dump()))
+    with opener(opts) as m:
+        portal, engine = m._portal, m.engine
+        chat = _Chat(portal, engine, tok, settings, state_dir, click.echo, color)
+        mode = engine.snapshot().experts.mode
+        chat._dim(
+            f"colibri chat · {c.path.name} · experts {mode} · session {settings.session} · {HELP}"
+        )
+        if chat.load():
+            chat._dim(f"resumed a conversation of {chat.state.turns} turns; :reset to start over")
+            if settings.system and chat.state.messages[:1] != [
+                {"role": "system", "content": settings.system}
+            ]:
+                chat._dim("note: --system differs from the resumed conversation's")
+        chat.repl(input)

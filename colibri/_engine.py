@@ -143,12 +143,17 @@ class Engine:
         *,
         ram_budget: int | str | None = None,
         options: EngineOptions | None = None,
+        progress: LoadProgress | None = None,
     ) -> AsyncIterator[Engine]:
         """Open a model directory (default: the bundled demo model).
 
         With no RAM budget the experts are all read into RAM when they fit in 88% of the
         available memory, else the budget is that 88%. With a budget, dense weights, the KV
-        reserve and every expert slot are carved out of it and routed experts stream."""
+        reserve and every expert slot are carved out of it and routed experts stream.
+
+        ``progress(step, done, total)`` follows the load ("dense weights", "experts" read
+        into RAM, "pinned experts"; possibly from a worker thread); each step is also one
+        log line at info level when it ends."""
         opts = options or EngineOptions()
         upd: dict[str, Any] = {}
         if path is not None:
@@ -160,14 +165,15 @@ class Engine:
         container = await anyio.to_thread.run_sync(
             lambda: Container.open(opts.resolved_model(), shard_dirs=opts.model_dirs)
         )
-        model, plan, usage = await _plan(container, opts)
+        report = _LoadReport(progress)
+        model, plan, usage = await _plan(container, opts, report)
         store = None
         error: BaseException | None = None
         async with anyio.create_task_group() as tg:
             compute = ExpertCompute(opts.resolved_threads())
             try:
                 if plan is not None:
-                    store = await _start_store(container, model, opts, plan, tg)
+                    store = await _start_store(container, model, opts, plan, tg, report)
                 # Absorbed attention for every step keeps prefill chunks, decode and verify rows
                 # bit-identical (batch-invariant); reconstruction is faster for long prefills.
                 ctx = StepContext(
@@ -515,8 +521,34 @@ def _usage_observer(usage: UsageCounts) -> Observer:
     return observe
 
 
+LoadProgress = Callable[[str, int, int], None]
+
+
+class _LoadReport:
+    """Feeds a load's steps to a ``progress`` callback and one info line per finished step."""
+
+    def __init__(self, progress: LoadProgress | None) -> None:
+        self._progress = progress
+        self._t0: dict[str, float] = {}
+
+    def __call__(self, step: str, done: int, total: int) -> None:
+        self._t0.setdefault(step, time.perf_counter())
+        if self._progress is not None:
+            self._progress(step, done, total)
+        if done >= total:
+            _log.info(
+                "loaded",
+                step=step,
+                items=total,
+                seconds=round(time.perf_counter() - self._t0[step], 2),
+            )
+
+    def step(self, name: str) -> Callable[[int, int], None]:
+        return lambda done, total: self(name, done, total)
+
+
 async def _plan(
-    container: Container, opts: EngineOptions
+    container: Container, opts: EngineOptions, report: _LoadReport
 ) -> tuple[MLAMoEModel, StoreLayout | None, UsageCounts | None]:
     """Load the dense part and decide the expert tiers inside the RAM budget.
 
@@ -556,7 +588,9 @@ async def _plan(
     )
     # The plan (and so a budget that cannot work) is decided from the container's sizes before
     # anything heavy is read; then the dense part loads, without experts, attached below.
+    report("dense weights", 0, 1)
     model = await anyio.to_thread.run_sync(load_model, container, ResidentExperts(container, []))
+    report("dense weights", 1, 1)
     if plan.layout is None:
         checksums = None
         if opts.verify_reads:
@@ -564,7 +598,7 @@ async def _plan(
 
             checksums = await anyio.to_thread.run_sync(load_checksums, container.path)
         model.experts = await anyio.to_thread.run_sync(
-            lambda: ResidentExperts(container, checksums=checksums)
+            lambda: ResidentExperts(container, checksums=checksums, progress=report.step("experts"))
         )
     return model, plan.layout, usage
 
@@ -575,6 +609,7 @@ async def _start_store(
     opts: EngineOptions,
     layout: StoreLayout,
     tg: anyio.abc.TaskGroup,
+    report: _LoadReport,
 ) -> ExpertStore:
     from runtime.experts import ExpertStore, StreamingExperts
     from storage.multidisk.probing import open_placement
@@ -605,7 +640,7 @@ async def _start_store(
         placement=placement,
         checksums=checksums,
     )
-    await store.start(tg)
+    await store.start(tg, progress=report.step("pinned experts") if layout.pinned else None)
     model.experts = StreamingExperts(store)
     return store
 
@@ -762,6 +797,7 @@ class _EngineHost:
 def open_model(
     path: str | os.PathLike[str] | None = None,
     ram_budget: int | str | None = None,
+    progress: LoadProgress | None = None,
     **options: Any,
 ) -> Iterator[SyncModel]:
     """``with colibri.open_model(path) as model:`` — the sync API (see :class:`SyncModel`).
@@ -773,7 +809,9 @@ def open_model(
     with contextlib.ExitStack() as stack:
         with _sigint_deferred():
             portal = stack.enter_context(anyio.from_thread.start_blocking_portal())
-        host = _EngineHost(portal, Engine.open(path, ram_budget=ram_budget, options=opts))
+        host = _EngineHost(
+            portal, Engine.open(path, ram_budget=ram_budget, options=opts, progress=progress)
+        )
         engine = host.start()
         try:
             yield SyncModel(portal, engine)

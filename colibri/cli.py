@@ -38,11 +38,12 @@ def _interrupted_exit(code: int) -> None:
     sys.exit(code)
 
 
+import contextlib
 import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -382,7 +383,7 @@ def run(
 ) -> None:
     """Generate a completion for PROMPT (or --file, or '-' for stdin) and print it as it
     streams; a summary line (tokens, tok/s, time to first token) follows on stderr."""
-    from colibri._engine import TokenEvent, open_model
+    from colibri._engine import TokenEvent
     from colibri.tokenizer import ChatTokenizer
     from storage.container import Container
 
@@ -404,7 +405,7 @@ def run(
     if tok_path is None:
         raise ColibriError(f"{c.path}: no tokenizer.json, cannot turn text into tokens")
     tok = ChatTokenizer(tok_path, c.tokenizer_config())
-    with open_model(**opts.model_dump()) as m:
+    with _open_with_progress(opts) as m:
         if raw or not tok.has_chat_template:
             ids = tok.encode(prompt)
         else:
@@ -812,7 +813,7 @@ def chat(
         ignore_eos=ignore_eos,
         verbose=verbose,
     )
-    run_chat(_options(model, ram, reader), settings)
+    run_chat(_options(model, ram, reader), settings, _open_with_progress)
 
 
 # ---------------------------------------------------------------------------- plan
@@ -884,6 +885,63 @@ def plan(
 @main.group()
 def bench() -> None:
     """Benchmarks; each prints its result as one JSON object on the last line."""
+
+
+class _LoadBar:
+    """A progress display of the model load on a terminal (stderr): one bar per step (dense
+    weights, experts read into RAM, pinned experts). Off a terminal it shows nothing; the
+    engine logs each step at info level (``-v``)."""
+
+    def __init__(self) -> None:
+        self._bar: Any = None
+        self._tasks: dict[str, Any] = {}
+        if sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+
+            self._bar = Progress(
+                TextColumn("loading {task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                console=Console(stderr=True),
+                transient=True,
+            )
+            self._bar.start()
+
+    def update(self, step: str, done: int, total: int) -> None:
+        if self._bar is None:
+            return
+        task = self._tasks.get(step)
+        if task is None:
+            task = self._tasks[step] = self._bar.add_task(step, total=total)
+        self._bar.update(task, completed=done, total=total)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+
+@contextlib.contextmanager
+def _open_with_progress(opts: EngineOptions) -> Iterator[Any]:
+    """``open_model`` with the load shown (:class:`_LoadBar`); the display ends once the model
+    is open (or the load failed)."""
+    from colibri._engine import open_model
+
+    with contextlib.ExitStack() as stack:
+        bar = _LoadBar()
+        try:
+            m = stack.enter_context(open_model(progress=bar.update, **opts.model_dump()))
+        finally:
+            bar.close()
+        yield m
 
 
 def _bench_progress() -> Any:

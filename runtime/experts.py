@@ -236,8 +236,9 @@ class ExpertStore:
         return self.policy.lru
 
     # ------------------------------------------------------------------ set-up
-    async def start(self, tg: Any) -> None:
-        """Allocate every slot up front and read the pinned set."""
+    async def start(self, tg: Any, progress: Callable[[int, int], None] | None = None) -> None:
+        """Allocate every slot up front and read the pinned set (``progress(done, total)``
+        after each pinned expert)."""
         self._tg = tg
         self._transient_free = [self._new_slot() for _ in range(self.layout.transient_slots)]
         for layer in self.policy.lru:
@@ -254,9 +255,11 @@ class ExpertStore:
         self.fixed_buffers = bool(
             self.reader.register_buffers([b for x in slots for b in (x.blob, x.scales)])
         )
-        for key, slot in zip(self.layout.pinned, pinned_slots, strict=True):
+        for i, (key, slot) in enumerate(zip(self.layout.pinned, pinned_slots, strict=True)):
             await self._read_into(key, slot)
             self._pinned[key] = slot
+            if progress is not None:
+                progress(i + 1, len(pinned_slots))
             self.policy.pin(key)
 
     async def repin(self, counts: npt.NDArray[np.int64]) -> int:

@@ -330,12 +330,16 @@ class ResidentExperts:
         layers: Iterable[int] | None = None,
         *,
         checksums: ExpertChecksums | None = None,
+        progress: Callable[[int, int], None] | None = None,
     ) -> None:
-        """``checksums`` (``--verify-reads``): each expert's bytes are checked as they load."""
+        """``checksums`` (``--verify-reads``): each expert's bytes are checked as they load.
+        ``progress(done, total)`` is called after each expert."""
         self._experts: dict[tuple[int, int], ExpertWeights] = {}
         self.nbytes = 0
         n_experts = int(container.config["n_routed_experts"])
-        for layer in container.expert_layers() if layers is None else layers:
+        todo = list(container.expert_layers() if layers is None else layers)
+        total, done = len(todo) * n_experts, 0
+        for layer in todo:
             for e in range(n_experts):
                 ext = container.expert(layer, e)
                 blob = ext.read_blob()  # [end - start] uint8
@@ -351,6 +355,9 @@ class ResidentExperts:
                 self.nbytes += int(blob.nbytes) + sum(
                     int(t.scales.nbytes) for t in q.values() if t.scales is not None
                 )
+                done += 1
+                if progress is not None:
+                    progress(done, total)
 
     def get(self, layer: int, experts: Sequence[int]) -> Mapping[int, ExpertWeights]:
         try:

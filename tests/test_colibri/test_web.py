@@ -440,7 +440,10 @@ def test_runtime_and_brain(server: WebServer, open_page: Any) -> None:
     assert "streaming" in machine and "RAM" in machine
     assert "primary" in page.inner_text("#disks")
     assert "Expert reads" in page.inner_text("#expert-io")
-    page.wait_for_function("() => document.querySelector('#timebar').children.length === 4")
+    page.wait_for_function("() => document.querySelector('#timebar').children.length === 6")
+    legend = page.inner_text("#time-legend")
+    for part in ("waiting for expert reads", "expert compute", "attention, dense layers"):
+        assert part in legend, legend
     p.shot("desktop-runtime")
 
     page.click("#tab-btn-brain")
