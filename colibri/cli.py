@@ -515,6 +515,13 @@ def run(
     help="Seconds an idle keep-alive connection stays open.",
 )
 @click.option(
+    "--stats-interval",
+    default=10.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="Seconds between throughput log lines while requests run (0: none).",
+)
+@click.option(
     "--send-timeout",
     default=30.0,
     show_default=True,
@@ -542,6 +549,7 @@ def serve(
     hosts: tuple[str, ...],
     header_timeout: float,
     keep_alive_timeout: int,
+    stats_interval: float,
     send_timeout: float,
 ) -> None:
     """Serve the model over HTTP: OpenAI and Anthropic APIs, /metrics, /profile, /experts."""
@@ -577,6 +585,7 @@ def serve(
             allowed_hosts=hosts,
             header_timeout=header_timeout,
             keep_alive_timeout=keep_alive_timeout,
+            stats_interval=stats_interval,
             send_timeout=send_timeout,
         )
     except ValueError as exc:

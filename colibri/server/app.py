@@ -435,7 +435,37 @@ async def serve(config: ServerConfig, options: EngineOptions, *, web: bool = Fal
             http=guarded_protocol(config.header_timeout),
             timeout_keep_alive=config.keep_alive_timeout,
         )
-        await _Server(uv).serve(sockets=[sock])
+        async with anyio.create_task_group() as tg:
+            if config.stats_interval > 0:
+                tg.start_soon(_throughput_lines, app.state.colibri, config.stats_interval)
+            await _Server(uv).serve(sockets=[sock])
+            tg.cancel_scope.cancel()
+
+
+async def _throughput_lines(st: AppState, interval: float) -> None:
+    """Every ``interval`` seconds while generations ran: one log line with the tokens/s served,
+    the queue and the expert hit rate over that interval."""
+    last = st.engine.snapshot()
+    t_last = time.perf_counter()
+    while True:
+        await anyio.sleep(interval)
+        now, t_now = st.engine.snapshot(), time.perf_counter()
+        made = now.generated_tokens - last.generated_tokens
+        if made or st.admission.running:
+            fields: dict[str, Any] = {
+                "tokens_per_s": round(made / (t_now - t_last), 2),
+                "prompt_tokens": now.prompt_tokens - last.prompt_tokens,
+                "running": st.admission.running,
+                "waiting": st.admission.waiting,
+            }
+            a, b = last.experts.tiers, now.experts.tiers
+            if a is not None and b is not None:
+                hits = (b.hits_pinned + b.hits_lru) - (a.hits_pinned + a.hits_lru)
+                looked = hits + b.misses - a.misses
+                if looked:
+                    fields["expert_hit_rate"] = round(hits / looked, 3)
+            _log.info("throughput", **fields)
+        last, t_last = now, t_now
 
 
 def _listen(host: str, port: int) -> socket.socket:

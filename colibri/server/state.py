@@ -67,6 +67,11 @@ class ServerConfig(BaseModel):
     allowed_hosts: tuple[str, ...] = ()
     max_body: int = Field(default=MAX_BODY, ge=1024)
     profile_turns: int = Field(default=64, ge=1)
+    stats_interval: float = Field(
+        default=10.0,
+        ge=0,
+        description="seconds between throughput lines while the server is busy (0: none)",
+    )
     header_timeout: float = Field(
         default=10.0, gt=0, description="seconds a connection has to send a request's headers"
     )

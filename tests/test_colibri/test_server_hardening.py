@@ -25,7 +25,7 @@ pytestmark = pytest.mark.reliability
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = Server(tmp_path_factory.mktemp("hardening"), "--kv-slots", "0")
+    s = Server(tmp_path_factory.mktemp("hardening"), "--kv-slots", "0", "--stats-interval", "0.5")
     try:
         yield s.wait_ready()
     finally:
@@ -355,3 +355,21 @@ def test_one_access_line_per_request(server: Server) -> None:
     for field in ("prompt_tokens=", "completion_tokens=2", "cached_tokens=", "ttft_ms=", "ms="):
         assert field in gen[-1], gen[-1]
     assert any("route=/v1/completions" in ln and "status=404" in ln for ln in lines), lines
+
+
+def test_a_busy_server_logs_its_throughput(server: Server) -> None:
+    """While generations run, one structured line per --stats-interval says the tokens/s served,
+    the queue and the expert hit rate."""
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        body = _chat("w1 w2 w3")
+        body["max_tokens"] = 24
+        assert c.post("/v1/chat/completions", json=body).status_code == 200
+    deadline = time.monotonic() + 10
+    lines: list[str] = []
+    while time.monotonic() < deadline:
+        lines = [ln for ln in server.log_text().splitlines() if "throughput" in ln]
+        if lines:
+            break
+        time.sleep(0.1)
+    assert lines, server.log_text()
+    assert "tokens_per_s=" in lines[-1] and "running=" in lines[-1] and "waiting=" in lines[-1]
