@@ -51,6 +51,7 @@ import click
 
 from colibri._config import EngineOptions, default_model_path, env_defaults
 from storage.errors import ColibriError
+from storage.units import format_bytes as _binary  # one size format
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -1199,16 +1200,6 @@ def _human(key: str, value: Any) -> str:
     if isinstance(value, dict):
         return ", ".join(f"{k}={v}" for k, v in value.items())
     return str(value)
-
-
-def _binary(n: int) -> str:
-    """Bytes in binary units, one decimal (18.0 MiB): the one way the CLI sizes things."""
-    x = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if x < 1024 or unit == "TiB":
-            return f"{int(x)} B" if unit == "B" else f"{x:.1f} {unit}"
-        x /= 1024
-    return f"{x:.1f} TiB"  # pragma: no cover
 
 
 def _machine(model_dir: Path) -> dict[str, Any]:

@@ -44,6 +44,7 @@ from runtime.policies import choose_pinned
 from storage.arch import classify
 from storage.container import Container
 from storage.errors import ColibriError
+from storage.units import format_bytes as _size  # one size format
 
 __all__ = [
     "ASSUMED_COMPUTE_GBPS",
@@ -59,14 +60,6 @@ ASSUMED_DISK_GBPS = 1.5  # cold 19 MiB random reads on one NVMe / virtio disk (b
 ASSUMED_COMPUTE_GBPS = 9.0  # int4-g64 GEMV weight bytes per second on one core (benchmarks.md)
 
 Bottleneck = Literal["disk misses", "memory", "compute"]
-
-
-def _size(n: float) -> str:
-    """Bytes for people: 812 B, 36.0 KiB, 2.0 MiB, 9.87 GiB."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:,.{2 if unit == 'GiB' else 1}f} {unit}"
-    return f"{n:,.0f} B"
 
 
 def _ms(seconds: float) -> str:

@@ -45,6 +45,7 @@ from storage.errors import (
 )
 from storage.manifest import MANIFEST_NAME, read_manifest, sha256_file
 from storage.safetensors import read_header, read_tensor
+from storage.units import format_bytes as _size  # one size format
 
 __all__ = ["Check", "DoctorReport", "Status", "run_doctor"]
 
@@ -153,15 +154,6 @@ def _guard(name: str, c: Container, fn: Callable[[Container], Check]) -> Check:
 def _listed(items: list[str], show: int = _SHOW) -> str:
     head = ", ".join(items[:show])
     return head + (f", ... and {len(items) - show} more" if len(items) > show else "")
-
-
-def _size(n: int) -> str:
-    x = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if x < 1024 or unit == "GiB":
-            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.1f} {unit}"
-        x /= 1024
-    return f"{x:.1f} GiB"  # pragma: no cover
 
 
 def _kind(err: ColibriError) -> str:

@@ -48,15 +48,16 @@
   }
 
   // ------------------------------------------------------------------ helpers
+  // binary units with one decimal, as the CLI writes them (storage/units.py)
   const fmtBytes = (n) => {
     if (n == null || !isFinite(n)) return "n/a";
-    const u = ["B", "KB", "MB", "GB", "TB"];
+    const u = ["B", "KiB", "MiB", "GiB", "TiB"];
     let i = 0;
-    while (Math.abs(n) >= 1000 && i < u.length - 1) {
-      n /= 1000;
+    while (Math.abs(n) >= 1024 && i < u.length - 1) {
+      n /= 1024;
       i++;
     }
-    return `${n.toFixed(n >= 100 || i === 0 ? 0 : 1)} ${u[i]}`;
+    return i === 0 ? `${Math.round(n)} B` : `${n.toFixed(1)} ${u[i]}`;
   };
   const fmtRate = (n) => (n == null || !isFinite(n) ? "n/a" : `${fmtBytes(n)}/s`);
   const fmtMs = (ms) => {
