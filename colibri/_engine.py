@@ -548,7 +548,7 @@ class _LoadReport:
 
 
 async def _plan(
-    container: Container, opts: EngineOptions, report: _LoadReport
+    container: Container, opts: EngineOptions, report: _LoadReport | None = None
 ) -> tuple[MLAMoEModel, StoreLayout | None, UsageCounts | None]:
     """Load the dense part and decide the expert tiers inside the RAM budget.
 
@@ -561,6 +561,7 @@ async def _plan(
     from storage.usage import UsageCounts, load_usage
 
     arch = container.arch
+    report = report if report is not None else _LoadReport(None)
     usage = None
     removed = await anyio.to_thread.run_sync(remove_leftovers, opts.resolved_state_dir())
     if removed:

@@ -542,9 +542,12 @@ class StreamingExperts:
     def __init__(self, store: ExpertStore) -> None:
         self.store = store
 
-    @property
-    def wants_lookahead(self) -> bool:
-        return self.store.prefetch_enabled
+    def wants_lookahead(self, layer: int) -> bool:
+        """Whether a prediction for ``layer`` would be read now (``--prefetch`` and, under
+        auto, that layer's ledger). Read from the compute thread without a hop to the loop:
+        it is a hint, and a stale answer only costs one skipped or one extra prediction."""
+        pol = self.store.policy
+        return pol.prefetch_enabled and layer in pol.lru and pol.reads_ahead(layer)
 
     def arrivals(self, layer: int, experts: Sequence[int]) -> Iterator[tuple[int, ExpertWeights]]:
         """Yield ``(expert, weights)`` for every id: resident first, then misses as they land.

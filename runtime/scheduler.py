@@ -72,7 +72,7 @@ def moe_step(
     t0 = time.perf_counter()
     ids, gates = moe_ops.route(moe, x)  # [T, K], [T, K]
     ctx.observe("route", layer, ids)
-    if next_moe is not None and experts.wants_lookahead:
+    if next_moe is not None and experts.wants_lookahead(layer + 1):
         nxt, _ = moe_ops.route(next_moe, x)  # [T, K]
         experts.prefetch(layer + 1, moe_ops.union(nxt))
     comp = ctx.compute

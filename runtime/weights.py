@@ -57,9 +57,9 @@ class ExpertSource(Protocol):
     Implementations: :class:`ResidentExperts` (everything in RAM) and
     :class:`runtime.experts.StreamingExperts` (the tiered store on the event loop)."""
 
-    @property
-    def wants_lookahead(self) -> bool:
-        """Whether :meth:`prefetch` hints can pay (False when everything is resident)."""
+    def wants_lookahead(self, layer: int) -> bool:
+        """Whether a :meth:`prefetch` hint for ``layer`` would be used now (never when
+        everything is resident); when False the caller does not even predict."""
         ...
 
     def arrivals(self, layer: int, experts: Sequence[int]) -> Iterator[tuple[int, ExpertWeights]]:
@@ -379,8 +379,7 @@ class ResidentExperts:
         futures = {e: pool.submit(fn, e, w) for e, w in self.get(layer, experts).items()}
         return {e: f.result() for e, f in futures.items()}
 
-    @property
-    def wants_lookahead(self) -> bool:
+    def wants_lookahead(self, layer: int) -> bool:
         return False  # everything is resident
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:

@@ -350,7 +350,8 @@ def test_expert_source_called_once_per_layer_with_sorted_union(
     calls: list[tuple[int, list[int]]] = []
 
     class Spy:
-        wants_lookahead = False
+        def wants_lookahead(self, layer: int) -> bool:
+            return False
 
         def arrivals(self, layer: int, experts: Any) -> Any:
             calls.append((layer, list(experts)))
