@@ -122,7 +122,6 @@ class Engine:
         self._model = model
         self._scheduler = scheduler
         self._lock = anyio.Lock()
-        self._store: ExpertStore | None = scheduler.store
         self._usage: UsageCounts | None = None
         # speculative decoding: telemetry and the cost model live as long as the engine
         self._spec_stats = SpecStats()
@@ -133,6 +132,11 @@ class Engine:
             "prompt_tokens_reused": 0,
             "generated_tokens": 0,
         }
+
+    @property
+    def _store(self) -> ExpertStore | None:
+        """The streaming expert store (None: every expert is resident)."""
+        return self._scheduler.store
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod

@@ -215,10 +215,6 @@ class ExpertStore:
         self.fixed_buffers = False
 
     @property
-    def prefetch_enabled(self) -> bool:
-        return self.policy.prefetch_enabled
-
-    @property
     def prefill(self) -> bool:
         """While True (prefill chunks), the LRU admits only into free slots."""
         return self.policy.prefill
@@ -547,7 +543,7 @@ class StreamingExperts:
         auto, that layer's ledger). Read from the compute thread without a hop to the loop:
         it is a hint, and a stale answer only costs one skipped or one extra prediction."""
         pol = self.store.policy
-        return pol.prefetch_enabled and layer in pol.lru and pol.reads_ahead(layer)
+        return layer in pol.lru and pol.reads_ahead(layer)
 
     def arrivals(self, layer: int, experts: Sequence[int]) -> Iterator[tuple[int, ExpertWeights]]:
         """Yield ``(expert, weights)`` for every id: resident first, then misses as they land.

@@ -229,26 +229,20 @@ class Scheduler:
         """``fn(*args)`` on the compute thread, after every forward queued before it; its time
         goes into ``stats.time`` (:class:`TimeBreakdown`)."""
         t0 = time.perf_counter()
-        inside = [0.0]
-
-        def timed() -> R:
-            t = time.perf_counter()
-            try:
-                return self._timed(fn, args)
-            finally:
-                inside[0] = time.perf_counter() - t
-
+        inside = [0.0]  # seconds on the compute thread (the rest is the hand-off)
         try:
-            return await anyio.to_thread.run_sync(timed, limiter=self.limiter)
+            return await anyio.to_thread.run_sync(
+                self._timed, fn, args, inside, limiter=self.limiter
+            )
         finally:
             wall = time.perf_counter() - t0
             self.stats.compute_seconds += wall
             self.stats.forward_calls += 1
             self.stats.time.other_s += max(0.0, wall - inside[0])
 
-    def _timed(self, fn: Callable[..., R], args: tuple[Any, ...]) -> R:
-        """Compute thread: ``fn(*args)``, its seconds split into read waits (by reason), expert
-        compute and dense compute."""
+    def _timed(self, fn: Callable[..., R], args: tuple[Any, ...], inside: list[float]) -> R:
+        """Compute thread: ``fn(*args)``, its seconds (also left in ``inside[0]``) split into
+        read waits (by reason), expert compute and dense compute."""
         timing, tiers = self.ctx.timing, None if self.store is None else self.store.stats
         t0, moe0 = time.perf_counter(), timing.moe_s
         dem0 = tiers.read_wait_demand_s if tiers is not None else 0.0
@@ -258,6 +252,7 @@ class Scheduler:
         finally:
             t = self.stats.time
             total, moe = time.perf_counter() - t0, timing.moe_s - moe0
+            inside[0] = total
             dem = tiers.read_wait_demand_s - dem0 if tiers is not None else 0.0
             la = tiers.read_wait_lookahead_s - la0 if tiers is not None else 0.0
             t.read_wait_demand_s += dem

@@ -97,7 +97,7 @@ class _EngineCollector(Collector):
         yield _counter("colibri:expert_evictions", "Experts evicted from the LRU", t.evictions)
         yield _counter("colibri:expert_read_errors", "Expert reads that failed", t.read_errors)
         rate = GaugeMetricFamily("colibri:expert_hit_rate", "Expert lookups served from memory")
-        rate.add_metric([], float(t.as_dict()["hit_rate"]))
+        rate.add_metric([], t.hit_rate)
         yield rate
         size = GaugeMetricFamily("colibri:expert_cache_bytes", "Bytes of expert slots in RAM")
         size.add_metric([], float(ex.slots_bytes))

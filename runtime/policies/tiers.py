@@ -78,10 +78,15 @@ class TierStats:
     lookahead_cost_s: float = 0.0  # read time of unused lookahead reads that ran beside demand
     lookahead_layers_off: int = 0  # layers --prefetch auto judged and keeps lookahead off for
 
+    @property
+    def hit_rate(self) -> float:
+        """Lookups served from memory (pinned or LRU) over all lookups."""
+        looked = self.hits_pinned + self.hits_lru + self.misses
+        return (self.hits_pinned + self.hits_lru) / looked if looked else 0.0
+
     def as_dict(self) -> dict[str, float]:
         d: dict[str, float] = dict(self.__dict__)
-        looked = self.hits_pinned + self.hits_lru + self.misses
-        d["hit_rate"] = (self.hits_pinned + self.hits_lru) / looked if looked else 0.0
+        d["hit_rate"] = self.hit_rate
         d["lookahead_recall"] = (
             self.lookahead_predicted_hits / self.lookahead_routed if self.lookahead_routed else 0.0
         )
@@ -154,11 +159,6 @@ class TierPolicy:
         self._generation: dict[int, int] = {}  # layer -> steps ended (stale lookahead check)
         self._io_inflight = 0
         self._demand_queued = 0
-
-    @property
-    def prefetch_enabled(self) -> bool:
-        """Whether lookahead hints are taken at all (per layer, "auto" may still skip them)."""
-        return self.prefetch_mode != "off"
 
     # ------------------------------------------------------------------ where experts are
     def cached(self, key: Key) -> bool:
@@ -359,7 +359,7 @@ class TierPolicy:
     def lookahead(self, layer: int, experts: Sequence[int]) -> list[Key]:
         """A prediction that ``layer`` will route to ``experts``: the keys to read ahead (not
         resident, not in flight). They are marked in flight."""
-        if not self.prefetch_enabled or layer not in self.lru or not self.reads_ahead(layer):
+        if layer not in self.lru or not self.reads_ahead(layer):
             return []
         self._predicted[layer] = set(experts)
         keys = []
