@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequen
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 import anyio
 import anyio.from_thread
@@ -668,22 +668,11 @@ class SyncModel:
         forward on the compute thread finishes its step first, reads in flight land, a turn's
         `.coli_usage` is saved) before the interrupt goes on, so closing the model afterwards
         never pulls the reader from under a running step. A second Ctrl-C stops waiting."""
-        scope: list[anyio.CancelScope] = []
-
-        async def run() -> R:
-            with anyio.CancelScope() as cs:
-                scope.append(cs)
-                return await fn(*args)
-            raise anyio.get_cancelled_exc_class()  # cancelled: nothing to return
-
-        fut = self._portal.start_task_soon(run)
+        task = _PortalTask(self._portal, fn, *args)
         try:
-            return fut.result()
+            return task.future.result()
         except KeyboardInterrupt:
-            if scope:
-                self._portal.call(scope[0].cancel)
-            with contextlib.suppress(concurrent.futures.CancelledError, TimeoutError):
-                fut.exception(timeout=CANCEL_WAIT_S)  # a second Ctrl-C stops waiting
+            task.cancel_and_wait()
             raise
 
     def forward(
@@ -747,6 +736,40 @@ def _sigint_deferred() -> Iterator[None]:
         raise KeyboardInterrupt
 
 
+class _PortalTask(Generic[R]):
+    """``await fn(*args)`` started on a portal, cancellable from the blocking thread at any
+    moment, before it began running too (``cancel_and_wait``)."""
+
+    def __init__(
+        self, portal: anyio.from_thread.BlockingPortal, fn: Callable[..., Awaitable[R]], *args: Any
+    ) -> None:
+        self._portal = portal
+        self._scope: anyio.CancelScope | None = None
+        self._cancelled = False
+
+        async def run() -> R:
+            self._scope = anyio.CancelScope()
+            if self._cancelled:
+                self._scope.cancel()
+            with self._scope:
+                return await fn(*args)
+            raise anyio.get_cancelled_exc_class()  # cancelled: nothing to return
+
+        self.future: concurrent.futures.Future[R] = portal.start_task_soon(run)
+
+    def _cancel(self) -> None:  # on the loop
+        self._cancelled = True
+        if self._scope is not None:
+            self._scope.cancel()
+
+    def cancel_and_wait(self) -> None:
+        """Cancel it on the loop and wait (``CANCEL_WAIT_S`` at most) for it to unwind; a
+        second Ctrl-C stops waiting."""
+        self._portal.call(self._cancel)
+        with contextlib.suppress(concurrent.futures.CancelledError, TimeoutError):
+            self.future.exception(timeout=CANCEL_WAIT_S)
+
+
 class _EngineHost:
     """The portal task that keeps an :class:`Engine` open for :func:`open_model` (the engine's
     task group must be entered and left by one task). Ctrl-C while the model loads cancels the
@@ -756,46 +779,33 @@ class _EngineHost:
         self._portal = portal
         self._open_cm = open_cm
         self._ready: concurrent.futures.Future[Engine] = concurrent.futures.Future()
-        self._scope: anyio.CancelScope | None = None
-        self._cancelled = False
         self._stop: anyio.Event | None = None
-        self._task: concurrent.futures.Future[None] | None = None
+        self._task: _PortalTask[None] | None = None
 
     async def _run(self) -> None:
         self._stop = anyio.Event()
-        self._scope = anyio.CancelScope()
-        if self._cancelled:
-            self._scope.cancel()
-        with self._scope:
-            async with self._open_cm as engine:
-                self._ready.set_result(engine)
-                await self._stop.wait()
+        async with self._open_cm as engine:
+            self._ready.set_result(engine)
+            await self._stop.wait()
 
     def start(self) -> Engine:
-        self._task = self._portal.start_task_soon(self._run)
+        task = self._task = _PortalTask(self._portal, self._run)
         try:
-            both: list[concurrent.futures.Future[Any]] = [self._ready, self._task]
+            both: list[concurrent.futures.Future[Any]] = [self._ready, task.future]
             concurrent.futures.wait(both, return_when=concurrent.futures.FIRST_COMPLETED)
         except KeyboardInterrupt:
-            self._portal.call(self._cancel)
-            with contextlib.suppress(concurrent.futures.CancelledError, TimeoutError):
-                self._task.exception(timeout=CANCEL_WAIT_S)  # a second Ctrl-C stops waiting
+            task.cancel_and_wait()
             raise
         if self._ready.done():
             return self._ready.result()
-        self._task.result()  # the open failed: its error
+        task.future.result()  # the open failed: its error
         raise ModelError("the engine stopped before it opened")
-
-    def _cancel(self) -> None:  # on the loop
-        self._cancelled = True
-        if self._scope is not None:
-            self._scope.cancel()
 
     def stop(self) -> None:
         """Close the engine (reader, threads, files) and re-raise what closing raised."""
         assert self._task is not None and self._stop is not None
         self._portal.call(self._stop.set)
-        self._task.result()
+        self._task.future.result()
 
 
 @contextmanager
