@@ -43,7 +43,7 @@ from storage.usage import UsageCounts
 
 if TYPE_CHECKING:
     from runtime.experts import ExpertStore, StoreLayout
-    from runtime.models import MLAMoEModel
+    from runtime.models import DecoderStack
 
 ENGINE_ID = "colibri-py-1"
 R = TypeVar("R")
@@ -113,7 +113,7 @@ class Engine:
     def __init__(
         self,
         container: Container,
-        model: MLAMoEModel,
+        model: DecoderStack,
         options: EngineOptions,
         scheduler: Scheduler,
     ) -> None:
@@ -553,7 +553,7 @@ class _LoadReport:
 
 async def _plan(
     container: Container, opts: EngineOptions, report: _LoadReport | None = None
-) -> tuple[MLAMoEModel, StoreLayout | None, UsageCounts | None]:
+) -> tuple[DecoderStack, StoreLayout | None, UsageCounts | None]:
     """Load the dense part and decide the expert tiers inside the RAM budget.
 
     Returns (model, layout, usage counts) where layout None means every expert is read into
@@ -610,7 +610,7 @@ async def _plan(
 
 async def _start_store(
     container: Container,
-    model: MLAMoEModel,
+    model: DecoderStack,
     opts: EngineOptions,
     layout: StoreLayout,
     tg: anyio.abc.TaskGroup,

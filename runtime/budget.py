@@ -56,11 +56,9 @@ def resident_nbytes(obj: Any) -> int:
 
 
 def kv_bytes_per_token(cfg: Any) -> int:
-    """Compressed MLA KV bytes per token (all layers incl. MTP; float32)."""
-    arch = cfg
-    per_layer = arch.kv_lora_rank + arch.qk_rope_head_dim
-    index = arch.index_head_dim if arch.model_type == "glm_moe_dsa" else 0
-    return int(4 * arch.total_layers * (per_layer + index))
+    """KV cache bytes per token (all layers incl. MTP; float32): the compressed MLA latent or
+    the K and V heads of a grouped-query model (``ArchConfig.kv_floats_per_token``)."""
+    return int(4 * cfg.kv_floats_per_token)
 
 
 def mem_available() -> int | None:

@@ -1,9 +1,14 @@
-"""The compressed KV cache of one sequence: all MLA (and DSA) needs to continue it.
+"""The KV cache of one sequence: all attention needs to continue it.
 
-Per layer and token: the normed KV latent [C] and the roped shared rope key [R]; for layers that
-run their own DSA indexer, also the roped, normed index key [DI]. That is 576 floats per token
-per layer for GLM-5 instead of 32,768 for uncompressed K/V. Token ids are kept too (prefix reuse,
-``.coli_kv`` records).
+Two per-layer row arrays per token, named by the cache's ``layout``:
+
+* ``"mla"``: the normed KV latent [C] and the roped shared rope key [R]; for layers that run
+  their own DSA indexer, also the roped, normed index key [DI]. That is 576 floats per token per
+  layer for GLM-5 instead of 32,768 for uncompressed K/V.
+* ``"gqa"`` (grouped-query families): the roped, normed keys [KV] and the values [KV] of every
+  KV head (KV = num_key_value_heads * head_dim), read through ``keys`` / ``values``.
+
+Token ids are kept too (prefix reuse, ``.coli_kv`` records).
 
 Writes go past ``length`` first (a forward fills rows [start, start + T) layer by layer) and
 become visible with ``commit``; a forward that fails midway leaves ``length`` unchanged. Arrays
@@ -16,6 +21,7 @@ Shape legend: S tokens held, C kv_lora_rank, R qk_rope_head_dim, DI index_head_d
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -29,7 +35,11 @@ I32Array = npt.NDArray[np.int32]
 
 
 class KVCache:
-    """Compressed MLA cache for ``n_layers`` layers (layer slots 0..n_layers-1)."""
+    """KV cache for ``n_layers`` layers (layer slots 0..n_layers-1).
+
+    For ``layout="gqa"`` the two widths are those of the keys and the values; the MLA names
+    (``kv_lora_rank``, ``qk_rope_head_dim``, ``latent``, ``k_rope``) then mean keys and values,
+    which is what persistence, written once for both, sees."""
 
     def __init__(
         self,
@@ -39,7 +49,12 @@ class KVCache:
         index_head_dim: int = 0,
         indexed_layers: Sequence[int] = (),
         capacity: int = 64,
+        *,
+        layout: Literal["mla", "gqa"] = "mla",
     ) -> None:
+        if layout == "gqa" and indexed_layers:
+            raise ModelError("a grouped-query KV cache has no DSA index keys")
+        self.layout: str = layout
         self.n_layers = n_layers
         self.kv_lora_rank = kv_lora_rank
         self.qk_rope_head_dim = qk_rope_head_dim
@@ -129,6 +144,14 @@ class KVCache:
         if layer not in self._index:
             raise ModelError(f"layer slot {layer} has no DSA index keys in this cache")
         return self._index[layer][: self.length if end is None else end]
+
+    def keys(self, layer: int, end: int | None = None) -> F32Array:
+        """Roped keys [S, KV] of rows [0, end) of a grouped-query cache, a view."""
+        return self.latent(layer, end)
+
+    def values(self, layer: int, end: int | None = None) -> F32Array:
+        """Values [S, KV] of rows [0, end) of a grouped-query cache, a view."""
+        return self.k_rope(layer, end)
 
     @property
     def tokens(self) -> I32Array:

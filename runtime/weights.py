@@ -20,11 +20,13 @@ import numpy as np
 import numpy.typing as npt
 
 from runtime.layers.dsa_indexer import IndexerWeights
+from runtime.layers.gqa import GQAWeights
 from runtime.layers.mla import MLADims, MLAWeights
 from runtime.layers.moe import MoEWeights
 from runtime.layers.moe_router import RouterConfig
 from runtime.layers.swiglu import MLPWeights
 from runtime.linear import Linear
+from storage.arch import ArchConfig, Family
 from storage.errors import ModelError, ReadError
 from storage.integrity import ExpertChecksums, crc32_of, crc_check
 from storage.quant import QTensor, QuantFormat, dequantize
@@ -33,12 +35,14 @@ __all__ = [
     "ContainerLike",
     "ExpertSource",
     "ExpertWeights",
+    "GQALayerWeights",
     "LayerWeights",
     "MTPWeights",
     "ModelWeights",
     "ResidentExperts",
     "embed_rows",
     "f32_linear",
+    "load_gqa_layer",
     "load_layer",
     "load_mtp",
     "qtensor_rows",
@@ -161,6 +165,17 @@ class LayerWeights:
 
 
 @dataclass(frozen=True, slots=True)
+class GQALayerWeights:
+    """One grouped-query decoder layer's resident weights (``moe`` or ``mlp`` is set)."""
+
+    input_layernorm: F32Array  # [D]
+    post_attention_layernorm: F32Array  # [D]
+    attn: GQAWeights
+    mlp: MLPWeights | None
+    moe: MoEWeights | None
+
+
+@dataclass(frozen=True, slots=True)
 class MTPWeights:
     """The multi-token-prediction head stored at layer index ``num_hidden_layers + i``."""
 
@@ -178,7 +193,7 @@ class ModelWeights:
     embed: QTensor  # [V, D] stored (rows dequantized on lookup)
     norm: F32Array  # [D]
     lm_head: Linear  # [V, D]
-    layers: Sequence[LayerWeights]
+    layers: Sequence[LayerWeights | GQALayerWeights]
     mtp: Sequence[MTPWeights]
 
 
@@ -273,6 +288,52 @@ def load_layer(
     )
 
 
+def load_gqa_layer(
+    c: ContainerLike, layer: int, family: Family, router: RouterConfig, *, moe: bool
+) -> GQALayerWeights:
+    """Resident weights of grouped-query decoder layer ``layer``; the MoE block's names come
+    from the family's row in :data:`storage.arch.FAMILIES` (``mlp.*`` / ``block_sparse_moe.*``)."""
+    p = f"model.layers.{layer}."
+    a = p + "self_attn."
+    attn = GQAWeights(
+        q_proj=Linear(c.load_qtensor(a + "q_proj.weight")),
+        k_proj=Linear(c.load_qtensor(a + "k_proj.weight")),
+        v_proj=Linear(c.load_qtensor(a + "v_proj.weight")),
+        o_proj=Linear(c.load_qtensor(a + "o_proj.weight")),
+        q_bias=_opt_f32(c, a + "q_proj.bias"),
+        k_bias=_opt_f32(c, a + "k_proj.bias"),
+        v_bias=_opt_f32(c, a + "v_proj.bias"),
+        o_bias=_opt_f32(c, a + "o_proj.bias"),
+        q_norm=_opt_f32(c, a + "q_norm.weight"),
+        k_norm=_opt_f32(c, a + "k_norm.weight"),
+    )
+    moe_w = mlp_w = None
+    if moe:
+        shared = None
+        if c.has(p + "mlp.shared_experts.gate_proj.weight"):
+            shared = _mlp(c, p + "mlp.shared_experts.")
+        bias = (
+            c.load_f32(p + family.bias).reshape(-1)
+            if family.bias is not None
+            else np.zeros(router.n_routed_experts, np.float32)
+        )
+        moe_w = MoEWeights(
+            router=f32_linear(c.load_f32(p + family.router)),  # fp32 router, [E, D]
+            correction_bias=bias,
+            shared=shared,
+            config=router,
+        )
+    else:
+        mlp_w = _mlp(c, p + "mlp.")
+    return GQALayerWeights(
+        input_layernorm=c.load_f32(p + "input_layernorm.weight"),
+        post_attention_layernorm=c.load_f32(p + "post_attention_layernorm.weight"),
+        attn=attn,
+        mlp=mlp_w,
+        moe=moe_w,
+    )
+
+
 def load_mtp(
     c: ContainerLike, layer: int, dims: MLADims, router: RouterConfig, *, indexer: bool
 ) -> MTPWeights:
@@ -336,7 +397,7 @@ class ResidentExperts:
         ``progress(done, total)`` is called after each expert."""
         self._experts: dict[tuple[int, int], ExpertWeights] = {}
         self.nbytes = 0
-        n_experts = int(container.config["n_routed_experts"])
+        n_experts = ArchConfig.from_dict(container.config).n_routed_experts
         todo = list(container.expert_layers() if layers is None else layers)
         total, done = len(todo) * n_experts, 0
         for layer in todo:

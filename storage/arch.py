@@ -1,8 +1,12 @@
 """Per-architecture tensor naming: one table that maps a Hugging Face tensor name to its role
 (which precision policy applies) and its logical [out, in] shape from config.json.
 
-HF names are kept verbatim on disk; this is the only place that knows them. Supported
-``model_type`` values: ``glm_moe_dsa`` and ``deepseek_v3`` (same MLA + MoE + MTP naming).
+HF names are kept verbatim on disk; this is the only place that knows them. Each supported
+``model_type`` has one :class:`Family` row (:data:`FAMILIES`): its attention kind (MLA: GLM-5,
+DeepSeek-V3; grouped-query attention: OLMoE, Qwen3-MoE, Mixtral, GLM-4.5, MiniMax-M2), the module
+name of its MoE block, the on-disk names of an expert's gate/up/down matrices, where its router
+correction bias lives and which config key sizes its experts. Roles carry the canonical projection
+names (``gate_proj``/``up_proj``/``down_proj``) whatever the family calls them on disk.
 """
 
 from __future__ import annotations
@@ -15,9 +19,11 @@ from typing import Any, Literal
 from storage.errors import ConfigError
 
 __all__ = [
+    "FAMILIES",
     "INDEXER_TENSORS",
     "SUPPORTED_MODEL_TYPES",
     "ArchConfig",
+    "Family",
     "Role",
     "TensorRole",
     "classify",
@@ -26,7 +32,47 @@ __all__ = [
     "optional_tensors",
 ]
 
-SUPPORTED_MODEL_TYPES = ("glm_moe_dsa", "deepseek_v3")
+EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")  # canonical order: gate, up, down
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """How one HF ``model_type`` names and shapes its tensors (one row per architecture)."""
+
+    model_type: str
+    attention: Literal["mla", "gqa"]
+    moe_prefix: str = "mlp"  # module of the MoE block: mlp.gate, mlp.experts.E.*
+    expert_names: tuple[str, str, str] = EXPERT_PROJS  # on-disk names of gate, up, down
+    bias: str | None = "mlp.gate.e_score_correction_bias"  # router correction bias (per layer)
+    expert_size_key: str = "moe_intermediate_size"  # config key sizing one routed expert
+    qk_norm: Literal["none", "head", "full", "config"] = "none"  # config: use_qk_norm -> head
+
+    def expert_tensor(self, expert: int, proj: str) -> str:
+        """Name (after ``model.layers.L.``) of one expert matrix; ``proj`` canonical."""
+        on_disk = self.expert_names[EXPERT_PROJS.index(proj)]
+        return f"{self.moe_prefix}.experts.{expert}.{on_disk}.weight"
+
+    @property
+    def router(self) -> str:
+        return f"{self.moe_prefix}.gate.weight"
+
+
+_W123 = ("w1", "w3", "w2")  # Mixtral's gate, up, down
+FAMILIES: dict[str, Family] = {
+    "glm_moe_dsa": Family("glm_moe_dsa", "mla"),
+    "deepseek_v3": Family("deepseek_v3", "mla"),
+    "olmoe": Family("olmoe", "gqa", bias=None, expert_size_key="intermediate_size",
+                    qk_norm="full"),
+    "qwen3_moe": Family("qwen3_moe", "gqa", bias=None, qk_norm="head"),
+    "mixtral": Family("mixtral", "gqa", moe_prefix="block_sparse_moe", expert_names=_W123,
+                      bias=None, expert_size_key="intermediate_size"),
+    "glm4_moe": Family("glm4_moe", "gqa", qk_norm="config"),
+    "minimax_m2": Family("minimax_m2", "gqa", moe_prefix="block_sparse_moe", expert_names=_W123,
+                         bias="block_sparse_moe.e_score_correction_bias",
+                         expert_size_key="intermediate_size", qk_norm="full"),
+}  # fmt: skip
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+_EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
 
 # expert: routed expert matrix; dense: resident matrices (attention, dense MLP, shared experts,
 # indexer); io: embed_tokens / lm_head; mtp: matrices of the MTP layer(s); f32: norms, router,
@@ -94,9 +140,29 @@ def default_indexer_types(cfg: Mapping[str, Any], n_layers: int) -> list[str]:
     return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n_layers)]
 
 
+def _default_mlp_types(
+    model_type: str, cfg: Mapping[str, Any], n_layers: int, first_dense: int, n_routed: int
+) -> list[str]:
+    """Dense or sparse per layer when config.json has no ``mlp_layer_types``: Qwen3-MoE's
+    ``mlp_only_layers`` / ``decoder_sparse_step`` rule, else the first
+    ``first_k_dense_replace`` layers dense."""
+    if model_type == "qwen3_moe":
+        only = {int(i) for i in cfg.get("mlp_only_layers") or []}
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        return [
+            "sparse" if i not in only and n_routed > 0 and (i + 1) % step == 0 else "dense"
+            for i in range(n_layers)
+        ]
+    return ["dense" if i < first_dense else "sparse" for i in range(n_layers)]
+
+
 @dataclass(frozen=True, slots=True)
 class ArchConfig:
-    """The config.json keys the storage layer needs (a typed view, validated once)."""
+    """The config.json keys the storage layer needs (a typed view, validated once).
+
+    MLA keys (``kv_lora_rank`` ...) are 0 for grouped-query families; ``num_key_value_heads``
+    and ``head_dim`` are what those use. ``moe_intermediate_size`` is one routed expert's width
+    whichever key the family sizes it with."""
 
     model_type: str
     hidden_size: int
@@ -121,6 +187,9 @@ class ArchConfig:
     index_n_heads: int
     index_head_dim: int
     indexer_types: tuple[str, ...]
+    num_key_value_heads: int = 0
+    head_dim: int = 0
+    qk_norm: Literal["none", "head", "full"] = "none"
 
     @staticmethod
     def from_dict(cfg: Mapping[str, Any], where: str = "config.json") -> ArchConfig:
@@ -130,17 +199,23 @@ class ArchConfig:
             return cfg[key]
 
         mt = str(need("model_type"))
-        if mt not in SUPPORTED_MODEL_TYPES:
+        fam = FAMILIES.get(mt)
+        if fam is None:
             raise ConfigError(
                 f"{where}: model_type {mt!r} is not supported (supported: "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)})"
             )
+        mla = fam.attention == "mla"
         try:
             n_layers = int(need("num_hidden_layers"))
             first_dense = int(cfg.get("first_k_dense_replace") or 0)
-            mlp_types = cfg.get("mlp_layer_types") or [
-                "dense" if i < first_dense else "sparse" for i in range(n_layers)
-            ]
+            count_key = next((k for k in _EXPERT_COUNT_KEYS if cfg.get(k) is not None), None)
+            if count_key is None:
+                raise ConfigError(f"{where}: missing required key {_EXPERT_COUNT_KEYS[0]!r}")
+            n_routed = int(cfg[count_key])
+            mlp_types = cfg.get("mlp_layer_types") or _default_mlp_types(
+                mt, cfg, n_layers, first_dense, n_routed
+            )
             # A short or non-list mlp_layer_types would surface later as an IndexError deep in
             # classify(); reject it here with the key named.
             if (
@@ -155,7 +230,6 @@ class ArchConfig:
             top_k = cfg.get("num_experts_per_tok")
             n_group = int(cfg.get("n_group") or 1)
             topk_group = int(cfg.get("topk_group") or 1)
-            n_routed = int(need("n_routed_experts"))
             if top_k is not None:
                 check_router(n_routed, n_group, topk_group, int(top_k))
             is_dsa = mt == "glm_moe_dsa"
@@ -164,33 +238,68 @@ class ArchConfig:
             )
             if not isinstance(idx_types, list):
                 raise ConfigError(f"{where}: indexer_types must be a list, got {idx_types!r}")
+            n_heads = int(need("num_attention_heads"))
+            hidden = int(need("hidden_size"))
+            qk_norm = fam.qk_norm
+            if qk_norm == "config":
+                qk_norm = "head" if cfg.get("use_qk_norm") else "none"
+            gqa: dict[str, Any] = {}
+            if not mla:
+                head_dim = int(cfg.get("head_dim") or hidden // n_heads)
+                n_kv = int(cfg.get("num_key_value_heads") or n_heads)
+                if head_dim <= 0 or n_kv <= 0 or n_heads % n_kv:
+                    raise ConfigError(
+                        f"{where}: num_attention_heads {n_heads} is not a multiple of "
+                        f"num_key_value_heads {n_kv} (or head_dim {head_dim} is not positive)"
+                    )
+                gqa = dict(num_key_value_heads=n_kv, head_dim=head_dim, qk_norm=qk_norm)
             return ArchConfig(
                 model_type=mt,
-                hidden_size=int(need("hidden_size")),
+                hidden_size=hidden,
                 vocab_size=int(need("vocab_size")),
                 num_hidden_layers=n_layers,
-                num_mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0),
+                # MTP layers run on the MLA stack only; a GQA family's are left on disk unused
+                num_mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0) if mla else 0,
                 intermediate_size=int(need("intermediate_size")),
-                moe_intermediate_size=int(need("moe_intermediate_size")),
+                moe_intermediate_size=int(need(fam.expert_size_key)),
                 n_routed_experts=n_routed,
                 n_shared_experts=int(cfg.get("n_shared_experts") or 0),
                 num_experts_per_tok=None if top_k is None else int(top_k),
                 n_group=n_group,
                 topk_group=topk_group,
-                num_attention_heads=int(need("num_attention_heads")),
+                num_attention_heads=n_heads,
                 q_lora_rank=None if cfg.get("q_lora_rank") is None else int(cfg["q_lora_rank"]),
-                kv_lora_rank=int(need("kv_lora_rank")),
-                qk_nope_head_dim=int(need("qk_nope_head_dim")),
-                qk_rope_head_dim=int(need("qk_rope_head_dim")),
-                v_head_dim=int(need("v_head_dim")),
+                kv_lora_rank=int(need("kv_lora_rank")) if mla else 0,
+                qk_nope_head_dim=int(need("qk_nope_head_dim")) if mla else 0,
+                qk_rope_head_dim=int(need("qk_rope_head_dim")) if mla else 0,
+                v_head_dim=int(need("v_head_dim")) if mla else 0,
                 first_k_dense_replace=first_dense,
                 mlp_layer_types=tuple(str(t) for t in mlp_types),
                 index_n_heads=int(need("index_n_heads")) if is_dsa else 0,
                 index_head_dim=int(need("index_head_dim")) if is_dsa else 0,
                 indexer_types=tuple(str(t) for t in idx_types),
+                **gqa,
             )
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"{where}: a numeric key has a bad value ({exc})") from exc
+
+    @property
+    def family(self) -> Family:
+        return FAMILIES[self.model_type]
+
+    @property
+    def is_mla(self) -> bool:
+        return self.family.attention == "mla"
+
+    @property
+    def kv_floats_per_token(self) -> int:
+        """Floats the KV cache keeps per token over all layers (MTP included): the MLA latent
+        and rope key (+ a DSA index key, counted on every layer: an upper bound), or K and V of
+        every KV head."""
+        if self.is_mla:
+            index = self.index_head_dim if self.model_type == "glm_moe_dsa" else 0
+            return self.total_layers * (self.kv_lora_rank + self.qk_rope_head_dim + index)
+        return self.total_layers * 2 * self.num_key_value_heads * self.head_dim
 
     @property
     def top_k(self) -> int:
@@ -229,7 +338,14 @@ class TensorRole:
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _expert_re(fam: Family) -> re.Pattern[str]:
+    names = "|".join(fam.expert_names)
+    return re.compile(rf"^{re.escape(fam.moe_prefix)}\.experts\.(\d+)\.({names})\.weight$")
+
+
+_EXPERT = {mt: _expert_re(f) for mt, f in FAMILIES.items()}
 
 
 def classify(name: str, arch: ArchConfig) -> TensorRole | None:
@@ -247,33 +363,37 @@ def classify(name: str, arch: ArchConfig) -> TensorRole | None:
         return None
     mtp = layer >= arch.num_hidden_layers
     mat: Role = "mtp" if mtp else "dense"
-    if rest.endswith(("norm.weight", "norm.bias", ".bias", "e_score_correction_bias")) or rest in (
-        "mlp.gate.weight",
+    fam = arch.family
+    if rest.endswith(("norm.weight", "norm.bias", ".bias", "e_score_correction_bias")) or (
+        rest == fam.router
     ):
-        if rest == "mlp.gate.weight":
+        if rest == fam.router:
             return TensorRole("f32", (arch.n_routed_experts, h), layer)
         return TensorRole("f32", None, layer)
-    e = _EXPERT.match(rest)
+    e = _EXPERT[arch.model_type].match(rest)
     if e:
         # An expert the config does not have (dense layer, index past n_routed_experts) is an
         # unknown name, not a tensor to index.
         if not arch.is_moe_layer(layer) or int(e.group(1)) >= arch.n_routed_experts:
             return None
         i = arch.moe_intermediate_size
-        proj = e.group(2)
-        eshape = (h, i) if proj == "down_proj" else (i, h)
-        return TensorRole("mtp" if mtp else "expert", eshape, layer, int(e.group(1)), proj)
+        canonical = EXPERT_PROJS[fam.expert_names.index(e.group(2))]
+        eshape = (h, i) if canonical == "down_proj" else (i, h)
+        return TensorRole("mtp" if mtp else "expert", eshape, layer, int(e.group(1)), canonical)
     shape = _matrix_shape(rest, layer, arch)
     if shape is None:
         return None
     if mtp and rest in ("embed_tokens.weight", "shared_head.head.weight"):
         return TensorRole("mtp", shape, layer)
-    proj = rest.split(".")[-2] if rest.startswith("mlp.") else None
-    return TensorRole(mat, shape, layer, None, proj)
+    return TensorRole(
+        mat, shape, layer, None, rest.split(".")[-2] if rest.startswith("mlp.") else None
+    )
 
 
 def _matrix_shape(rest: str, layer: int, a: ArchConfig) -> tuple[int, int] | None:
     h, nh = a.hidden_size, a.num_attention_heads
+    if not a.is_mla:
+        return _gqa_matrix_shape(rest, layer, a)
     qk = a.qk_nope_head_dim + a.qk_rope_head_dim
     q_in = a.q_lora_rank if a.q_lora_rank is not None else h
     moe = a.is_moe_layer(layer)
@@ -304,6 +424,26 @@ def _matrix_shape(rest: str, layer: int, a: ArchConfig) -> tuple[int, int] | Non
     return table.get(rest)
 
 
+def _gqa_matrix_shape(rest: str, layer: int, a: ArchConfig) -> tuple[int, int] | None:
+    h, q, kv = a.hidden_size, a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
+    table: dict[str, tuple[int, int]] = {
+        "self_attn.q_proj.weight": (q, h),
+        "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h),
+        "self_attn.o_proj.weight": (h, q),
+    }
+    if a.is_moe_layer(layer):
+        shared_i = a.moe_intermediate_size * a.n_shared_experts
+        for x in ("gate_proj", "up_proj"):
+            table[f"mlp.shared_experts.{x}.weight"] = (shared_i, h)
+        table["mlp.shared_experts.down_proj.weight"] = (h, shared_i)
+    else:
+        for x in ("gate_proj", "up_proj"):
+            table[f"mlp.{x}.weight"] = (a.intermediate_size, h)
+        table["mlp.down_proj.weight"] = (h, a.intermediate_size)
+    return table.get(rest)
+
+
 def optional_tensors(arch: ArchConfig) -> frozenset[str]:
     """Names of :func:`expected_tensors` a complete container may lack: the DSA indexer of the
     MTP layer(s). The public converter never writes it (its MTP pass skips indexer tensors),
@@ -323,6 +463,8 @@ def expected_tensors(arch: ArchConfig) -> list[str]:
 
     Other optional tensors (a separate MTP ``embed_tokens``, attention biases) are not listed."""
     names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+    if not arch.is_mla:
+        return names + _gqa_expected(arch)
     for layer in range(arch.total_layers):
         p = f"model.layers.{layer}."
         attn = ["input_layernorm.weight", "post_attention_layernorm.weight"]
@@ -351,4 +493,27 @@ def expected_tensors(arch: ArchConfig) -> list[str]:
             attn += ["enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
                      "shared_head.head.weight"]  # fmt: skip
         names += [p + x for x in attn]
+    return names
+
+
+def _gqa_expected(arch: ArchConfig) -> list[str]:
+    fam, names = arch.family, []
+    for layer in range(arch.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        t = ["input_layernorm.weight", "post_attention_layernorm.weight"]
+        t += [f"self_attn.{x}_proj.weight" for x in ("q", "k", "v", "o")]
+        if arch.qk_norm != "none":
+            t += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+        if arch.is_moe_layer(layer):
+            t.append(fam.router)
+            if fam.bias is not None:
+                t.append(fam.bias)
+            if arch.n_shared_experts:
+                t += [f"mlp.shared_experts.{x}.weight" for x in EXPERT_PROJS]
+            t += [
+                fam.expert_tensor(e, x) for e in range(arch.n_routed_experts) for x in EXPERT_PROJS
+            ]
+        else:
+            t += [f"mlp.{x}.weight" for x in EXPERT_PROJS]
+        names += [p + x for x in t]
     return names

@@ -10,6 +10,11 @@ Layout (the colibri C engine's; little-endian)::
         per layer 0..n_layers-1: kv_lora f32 latent, then qk_rope f32 rope key
         per indexed layer (ascending): index_head_dim f32 DSA index key
 
+Version 2 (colibri's, for the grouped-query families) has the same header and records with the
+two per-layer widths meaning the roped keys and the values of every KV head
+(``num_key_value_heads * head_dim`` each) and no indexed layers. A file of one version is
+refused, clearly, by a model of the other kind; version 1 files load as they always did.
+
 The eighth header word is reserved (0) in the C engine's files; colibri stores a 31-bit model
 identity there (:func:`model_identity`: config, shard names, sizes, headers and tails) so a file
 written for other weights of the same shape is refused. A file with 0 there carries no identity
@@ -51,6 +56,7 @@ from storage.errors import KVFileError
 __all__ = [
     "KV_FILE",
     "KV_MAGIC",
+    "KV_MAGIC_GQA",
     "KVCacheLike",
     "KVHeader",
     "async_sync_kv",
@@ -66,6 +72,9 @@ __all__ = [
 
 KV_FILE = ".coli_kv"
 KV_MAGIC = b"COLIKV1\0"
+KV_MAGIC_GQA = b"COLIKV2\0"
+_MAGIC_OF = {"mla": KV_MAGIC, "gqa": KV_MAGIC_GQA}
+_LAYOUT_OF = {m: layout for layout, m in _MAGIC_OF.items()}
 _HEADER = struct.Struct("<8s8i")  # magic + 8 int32 = 40 bytes
 _COUNT = struct.Struct("<i")
 _COUNT_OFFSET = 8 + 6 * 4  # n_records is the seventh int32
@@ -79,6 +88,7 @@ class KVCacheLike(Protocol):
     """What persistence needs of a KV cache (``runtime.kv.KVCache`` has it; storage does not
     import runtime)."""
 
+    layout: str  # "mla" or "gqa"
     n_layers: int
     kv_lora_rank: int
     qk_rope_head_dim: int
@@ -114,6 +124,7 @@ class KVHeader:
     vocab: int
     n_records: int
     identity: int = 0
+    layout: str = "mla"  # from the magic: "mla" (version 1) or "gqa" (version 2)
 
     @property
     def record_floats(self) -> int:
@@ -145,7 +156,7 @@ class KVHeader:
 
     def pack(self) -> bytes:
         return _HEADER.pack(
-            KV_MAGIC,
+            _MAGIC_OF[self.layout],
             self.n_layers,
             self.kv_lora,
             self.qk_rope,
@@ -162,12 +173,23 @@ class KVHeader:
         if len(raw) < _HEADER.size:
             raise KVFileError(f"header is {len(raw)} bytes, expected {_HEADER.size} (truncated)")
         magic, *words = _HEADER.unpack(raw[: _HEADER.size])
-        if magic != KV_MAGIC:
-            raise KVFileError(f"bad magic {magic!r} (expected {KV_MAGIC!r}): not a .coli_kv file")
-        h = cls(*words)
+        layout = _LAYOUT_OF.get(magic)
+        if layout is None:
+            raise KVFileError(
+                f"bad magic {magic!r} (expected {KV_MAGIC!r} or {KV_MAGIC_GQA!r}): not a "
+                ".coli_kv file"
+            )
+        n_layers, kv_lora, qk_rope, index_dim, n_indexed, vocab, n_records, identity = words
+        h = cls(
+            n_layers, kv_lora, qk_rope, index_dim, n_indexed, vocab, n_records, identity, layout
+        )
         if min(h.n_layers, h.kv_lora, h.qk_rope, h.vocab) <= 0 or min(words[3:7]) < 0:
             raise KVFileError(f"header has impossible dimensions {words}")
-        if h.n_indexed_layers > h.n_layers or (h.n_indexed_layers and h.index_head_dim <= 0):
+        if (
+            h.n_indexed_layers > h.n_layers
+            or (h.n_indexed_layers and h.index_head_dim <= 0)
+            or (layout == "gqa" and h.n_indexed_layers)
+        ):
             raise KVFileError(f"header has impossible DSA dimensions {words}")
         return h
 
@@ -183,6 +205,7 @@ def header_for(cache: KVCacheLike, vocab: int, identity: int = 0, n_records: int
         vocab,
         n_records,
         identity,
+        layout=cache.layout,
     )
 
 
@@ -291,6 +314,12 @@ def read_header(path: str | os.PathLike[str]) -> KVHeader:
 
 
 def _check(h: KVHeader, expect: KVHeader) -> None:
+    if h.layout != expect.layout:
+        kinds = {"mla": "a compressed MLA cache", "gqa": "a grouped-query K/V cache"}
+        raise KVFileError(
+            f"holds {kinds[h.layout]} but this model keeps {kinds[expect.layout]} (another "
+            "model family)"
+        )
     if h.dims() != expect.dims():
         names = ("n_layers", "kv_lora", "qk_rope", "index_head_dim", "n_indexed_layers", "vocab")
         diffs = ", ".join(

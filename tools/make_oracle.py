@@ -82,7 +82,10 @@ import torch
 from torch import nn
 
 TOOL_VERSION = "1.0"
-MODEL_NAMES: tuple[str, ...] = ("glm_moe_dsa", "deepseek_v3")
+MLA_NAMES: tuple[str, ...] = ("glm_moe_dsa", "deepseek_v3")
+# Grouped-query families: no MTP head (transformers has none for them).
+GQA_NAMES: tuple[str, ...] = ("olmoe", "qwen3_moe", "mixtral", "glm4_moe", "minimax_m2")
+MODEL_NAMES: tuple[str, ...] = MLA_NAMES + GQA_NAMES
 
 SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>")
 TOKENIZER_VOCAB_SIZE = 1000
@@ -290,13 +293,77 @@ def make_config(name: str, vocab_size: int, eos: list[int], bos: int) -> Any:
                 "mscale_all_dim": 1.0,
             },
         )
+    elif name in GQA_NAMES:
+        cfg = _gqa_config(name, vocab_size, eos, bos)
     else:
         raise ValueError(f"unknown model {name!r}; choose from {MODEL_NAMES}")
     cfg._attn_implementation = "eager"
     return cfg
 
 
+def _gqa_config(name: str, vocab_size: int, eos: list[int], bos: int) -> Any:
+    """Tiny grouped-query configs: odd widths (int4 group padding), fewer KV heads than query
+    heads, and each family's norm / bias / rotary / router options switched on."""
+    import transformers
+
+    common: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        hidden_act="silu",
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=bos,
+        eos_token_id=list(eos),
+        pad_token_id=None,
+        num_experts_per_tok=2,
+    )
+    if name == "olmoe":
+        return transformers.OlmoeConfig(
+            **common, num_hidden_layers=3, intermediate_size=96, num_experts=8,
+            norm_topk_prob=False, clip_qkv=3.0, attention_bias=True, rms_norm_eps=1e-5,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )  # fmt: skip
+    if name == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(
+            **{**common, "num_experts_per_tok": 3}, num_hidden_layers=3, head_dim=48,
+            intermediate_size=160, moe_intermediate_size=80, num_experts=8, norm_topk_prob=True,
+            mlp_only_layers=[1], decoder_sparse_step=1, attention_bias=False, rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        )  # fmt: skip
+    if name == "mixtral":
+        return transformers.MixtralConfig(
+            **{**common, "num_key_value_heads": 1}, num_hidden_layers=2, intermediate_size=96,
+            num_local_experts=6, rms_norm_eps=1e-5, sliding_window=None,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        )  # fmt: skip
+    if name == "glm4_moe":
+        return transformers.Glm4MoeConfig(
+            **common, num_hidden_layers=3, head_dim=32, intermediate_size=192,
+            moe_intermediate_size=80, n_routed_experts=8, n_shared_experts=1, n_group=2,
+            topk_group=1, first_k_dense_replace=1, routed_scaling_factor=1.5, norm_topk_prob=True,
+            attention_bias=True, use_qk_norm=True, rms_norm_eps=1e-5, num_nextn_predict_layers=0,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                             "partial_rotary_factor": 0.5},
+        )  # fmt: skip
+    if name == "minimax_m2":
+        return transformers.MiniMaxM2Config(
+            **common, num_hidden_layers=2, head_dim=32, intermediate_size=96,
+            num_local_experts=8, rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
+                             "partial_rotary_factor": 0.5},
+        )  # fmt: skip
+    raise ValueError(f"unknown grouped-query model {name!r}")
+
+
 def _model_classes(name: str) -> dict[str, Any]:
+    if name in GQA_NAMES:
+        import transformers
+
+        prefix = {"olmoe": "Olmoe", "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral",
+                  "glm4_moe": "Glm4Moe", "minimax_m2": "MiniMaxM2"}[name]  # fmt: skip
+        return {"causal_lm": getattr(transformers, f"{prefix}ForCausalLM")}
     if name == "glm_moe_dsa":
         from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as glm
 
@@ -369,7 +436,7 @@ def randomize_(module: nn.Module, gen: torch.Generator) -> None:
                     val = _normal(gen, shape, gain / math.sqrt(mod.in_features))
                 else:
                     val = _normal(gen, shape, 0.1)
-            elif kind.endswith("TopkRouter") and pname == "weight":
+            elif kind.lower().endswith("topkrouter") and pname == "weight":
                 val = _normal(gen, shape, ROUTER_GAIN / math.sqrt(shape[-1]))
             elif kind.endswith("Experts") and pname in ("gate_up_proj", "down_proj"):
                 val = _normal(gen, shape, 1.0 / math.sqrt(shape[-1]))
@@ -397,12 +464,13 @@ def build(name: str, seed: int = 0, tok: Any = None) -> tuple[Any, Any, Any]:
     cls = _model_classes(name)
     torch.manual_seed(seed)  # the default init is overwritten; this only pins it
     model = cls["causal_lm"](config)
-    mtp = make_mtp_layer(name, config)
+    mtp = make_mtp_layer(name, config) if name in MLA_NAMES else None
     gen = torch.Generator().manual_seed(seed)
     randomize_(model, gen)
-    randomize_(mtp, gen)
     model.eval()
-    mtp.eval()
+    if mtp is not None:
+        randomize_(mtp, gen)
+        mtp.eval()
     return model, config, mtp
 
 
@@ -586,7 +654,7 @@ def compute_reference(
                 recorder.records.clear()
                 recorder.active = True
             logits, hidden = forward_full(model, ids)
-            mtp_logits = mtp_forward(model, mtp, ids, hidden)
+            mtp_logits = mtp_forward(model, mtp, ids, hidden) if mtp is not None else None
             if recorder is not None:
                 recorder.active = False
             toks, margins = greedy(model, ids, GREEDY_STEPS)
@@ -595,7 +663,8 @@ def compute_reference(
             arrays[f"greedy_{i}"] = np.asarray(toks, dtype=np.int64)
             arrays[f"greedy_margin_{i}"] = np.asarray(margins, dtype=np.float32)
             arrays[f"hidden_{i}"] = hidden.numpy().astype(np.float32)
-            arrays[f"mtp_logits_{i}"] = mtp_logits.numpy().astype(np.float32)
+            if mtp_logits is not None:
+                arrays[f"mtp_logits_{i}"] = mtp_logits.numpy().astype(np.float32)
             stats["greedy_min_margin"].append(float(min(margins)))
             if recorder is not None and topk is not None:
                 for key, (scores, sel) in sorted(recorder.records.items()):
@@ -654,7 +723,8 @@ def checkpoint_tensors(model: Any, mtp: Any) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     layers = model.model.layers
-    layers.append(mtp)
+    if mtp is not None:
+        layers.append(mtp)
     try:
         with tempfile.TemporaryDirectory() as tmp:
             model.save_pretrained(tmp)
@@ -663,7 +733,8 @@ def checkpoint_tensors(model: Any, mtp: Any) -> dict[str, torch.Tensor]:
             for f in files:
                 state.update(load_file(str(f)))
     finally:
-        del layers[len(layers) - 1]
+        if mtp is not None:
+            del layers[len(layers) - 1]
     out = {}
     for key in sorted(state):
         val = state[key]
@@ -678,9 +749,10 @@ def config_dict(name: str, config: Any) -> dict[str, Any]:
     d = {k: v for k, v in config.to_diff_dict().items() if not k.startswith("_")}
     d["architectures"] = [_model_classes(name)["causal_lm"].__name__]
     d["dtype"] = "bfloat16"
-    d["num_nextn_predict_layers"] = 1
-    d["scoring_func"] = "sigmoid"
-    d["topk_method"] = "noaux_tc"
+    if name in MLA_NAMES:
+        d["num_nextn_predict_layers"] = 1
+        d["scoring_func"] = "sigmoid"
+        d["topk_method"] = "noaux_tc"
     return d
 
 
@@ -711,7 +783,7 @@ def write_model(name: str, out_dir: Path, seed: int, tok: Any) -> dict[str, Any]
     save_npz(out_dir / f"{name}.ref.npz", arrays)
 
     n_main = sum(p.numel() for p in model.parameters())
-    n_mtp = sum(p.numel() for p in mtp.parameters())
+    n_mtp = sum(p.numel() for p in mtp.parameters()) if mtp is not None else 0
     highlights = {
         k: getattr(config, k, None) for k in HIGHLIGHT_KEYS if getattr(config, k, None) is not None
     }
@@ -729,7 +801,7 @@ def write_model(name: str, out_dir: Path, seed: int, tok: Any) -> dict[str, Any]
         },
         "config": highlights,
         "params": {"main": n_main, "mtp": n_mtp},
-        "mtp_prefix": f"model.layers.{config.num_hidden_layers}.",
+        "mtp_prefix": f"model.layers.{config.num_hidden_layers}." if mtp is not None else None,
         "prompts": [
             {"source_text": src, "text": tok.decode(ids), "length": len(ids), "ids": ids}
             for (src, _), ids in zip(PROMPT_SOURCES, prompts, strict=True)

@@ -1,4 +1,12 @@
-"""DeepSeek-V3 / GLM-5 router ("noaux_tc"): sigmoid scores, bias for choice, group-limited top-k.
+"""MoE routers: the DeepSeek-V3 / GLM-5 one ("noaux_tc", also GLM-4.5's and MiniMax-M2's) and
+the softmax top-k one (OLMoE, Qwen3-MoE, Mixtral).
+
+Softmax (``scoring="softmax"``, as ``OlmoeTopKRouter`` / ``MixtralTopKRouter``): probabilities
+``softmax(logits)`` in fp32, experts = their top ``num_experts_per_tok``, weights = those
+probabilities, divided by their sum when ``norm_topk_prob`` (Mixtral always), times
+``routed_scaling_factor`` (1 for these families).
+
+Sigmoid (``scoring="sigmoid"``):
 
 Exactly ``DeepseekV3TopkRouter.forward`` (transformers 5.24):
 
@@ -7,8 +15,8 @@ Exactly ``DeepseekV3TopkRouter.forward`` (transformers 5.24):
 3. group score = sum of the two largest ``choice`` values of each of ``n_group`` contiguous
    groups; keep the ``topk_group`` best groups, set the others' ``choice`` to -inf;
 4. experts = top ``num_experts_per_tok`` of ``choice``;
-5. weights = the UNBIASED ``scores`` of those experts, divided by their sum (+1e-20) when
-   ``norm_topk_prob``, times ``routed_scaling_factor``.
+5. weights = the UNBIASED ``scores`` of those experts, divided by their sum (+``norm_eps``:
+   1e-20, 0 for MiniMax-M2) when ``norm_topk_prob``, times ``routed_scaling_factor``.
 
 Ties: both top-k steps pick the same sets as ``torch.topk`` on CPU (see ``topk.py``), so an exact
 tie is broken the reference's way. Expert ids are returned ascending within a row.
@@ -19,6 +27,7 @@ Shape legend: T tokens, E routed experts, G groups, K experts per token.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -42,12 +51,19 @@ class RouterConfig:
     topk_group: int = 1
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
+    scoring: Literal["sigmoid", "softmax"] = "sigmoid"
+    norm_eps: float = 1e-20  # added to the top-k sum before normalising
 
 
 def route(logits: F32Array, bias: F32Array, cfg: RouterConfig) -> tuple[I64Array, F32Array]:
     """``logits`` [T, E] fp32 -> (expert ids [T, K] ascending per row, gate weights [T, K])."""
     t, e = logits.shape
-    scores = sigmoid(logits)  # [T, E]
+    if cfg.scoring == "softmax":
+        shifted = np.exp(logits - logits.max(axis=-1, keepdims=True))  # [T, E]
+        scores = (shifted / shifted.sum(axis=-1, keepdims=True)).astype(np.float32)  # [T, E]
+        bias = np.zeros(e, np.float32)  # no correction bias: choice = probabilities
+    else:
+        scores = sigmoid(logits)  # [T, E]
     choice = (scores + bias[None, :]).astype(np.float32)  # [T, E]
     g = cfg.n_group
     if g > 1:
@@ -62,6 +78,6 @@ def route(logits: F32Array, bias: F32Array, cfg: RouterConfig) -> tuple[I64Array
     ids = np.sort(torch_topk_indices(choice, cfg.num_experts_per_tok), axis=1)  # [T, K]
     weights = np.take_along_axis(scores, ids, axis=1)  # [T, K]
     if cfg.norm_topk_prob:
-        weights = weights / (weights.sum(axis=-1, keepdims=True) + np.float32(1e-20))
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + np.float32(cfg.norm_eps))
     weights = (weights * np.float32(cfg.routed_scaling_factor)).astype(np.float32)  # [T, K]
     return ids, weights

@@ -58,6 +58,7 @@ class RopeParameters:
     mscale_all_dim: float | None = None
     attention_factor: float | None = None
     truncate: bool = True
+    partial_rotary_factor: float = 1.0  # share of head_dim that is rotated (GQA families)
 
     @staticmethod
     def from_config(cfg: Mapping[str, Any]) -> RopeParameters:
@@ -77,8 +78,7 @@ class RopeParameters:
             raise ConfigError(
                 f"config.json: rope_type {rope_type!r} is not supported (default, linear, yarn)"
             )
-        if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
-            raise ConfigError("config.json: partial_rotary_factor != 1 is not supported for MLA")
+        partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
         orig = params.get("original_max_position_embeddings")
         if orig is None and rope_type == "yarn":
             # transformers' standardize_rope_params falls back to max_position_embeddings.
@@ -99,6 +99,7 @@ class RopeParameters:
             mscale_all_dim=opt("mscale_all_dim"),
             attention_factor=opt("attention_factor"),
             truncate=bool(params.get("truncate", True)),
+            partial_rotary_factor=1.0 if partial is None else float(partial),
         )
 
 

@@ -5,16 +5,25 @@ Shape legend: see ``runtime.models._decoder``.
 
 from __future__ import annotations
 
-from runtime.models._decoder import LogitsOut, MLAMoEConfig, MLAMoEModel
+from runtime.models._decoder import DecoderStack, LogitsOut, MLAMoEConfig, MLAMoEModel
+from runtime.models._gqa import GQAMoEConfig, GQAMoEModel
 from runtime.models.deepseek_v3 import DeepseekV3, DeepseekV3Config
+from runtime.models.glm4_moe import Glm4Moe
 from runtime.models.glm_moe_dsa import GlmMoeDsa, GlmMoeDsaConfig
+from runtime.models.minimax_m2 import MiniMaxM2
+from runtime.models.mixtral import Mixtral
+from runtime.models.olmoe import Olmoe
+from runtime.models.qwen3_moe import Qwen3Moe
 from runtime.weights import ContainerLike, ExpertSource
 from storage.errors import ModelError
 
 __all__ = [
     "ARCHITECTURES",
+    "DecoderStack",
     "DeepseekV3",
     "DeepseekV3Config",
+    "GQAMoEConfig",
+    "GQAMoEModel",
     "GlmMoeDsa",
     "GlmMoeDsaConfig",
     "LogitsOut",
@@ -24,15 +33,21 @@ __all__ = [
     "load_model",
 ]
 
-Model = MLAMoEModel
+Model = DecoderStack
 
-ARCHITECTURES: dict[str, type[MLAMoEModel]] = {
+# One entry per HF model_type (storage.arch.FAMILIES names the same set).
+ARCHITECTURES: dict[str, type[MLAMoEModel] | type[GQAMoEModel]] = {
     "glm_moe_dsa": GlmMoeDsa,
     "deepseek_v3": DeepseekV3,
+    "olmoe": Olmoe,
+    "qwen3_moe": Qwen3Moe,
+    "mixtral": Mixtral,
+    "glm4_moe": Glm4Moe,
+    "minimax_m2": MiniMaxM2,
 }
 
 
-def load_model(container: ContainerLike, experts: ExpertSource | None = None) -> MLAMoEModel:
+def load_model(container: ContainerLike, experts: ExpertSource | None = None) -> DecoderStack:
     """Build the model for ``container.config["model_type"]`` (experts default to resident)."""
     model_type = str(container.config.get("model_type"))
     cls = ARCHITECTURES.get(model_type)

@@ -1,4 +1,8 @@
-"""The decoder stack shared by the MLA + MoE architectures (DeepSeek-V3, GLM-5, ...).
+"""The decoder stack every MoE architecture shares, and its MLA form (DeepSeek-V3, GLM-5).
+
+:class:`DecoderStack` is the shared part (embedding, the layer loop, the MLP / MoE half, the
+head); :class:`MLAMoEModel` adds MLA attention (+ DSA hooks, MTP), and
+:class:`runtime.models._gqa.GQAMoEModel` grouped-query attention.
 
 Per layer: ``h += MLA(rms_norm(h))`` (optionally narrowed by a sparse-attention selection the
 architecture supplies) then ``h += MLP-or-MoE(rms_norm(h))``; at the end ``rms_norm`` and
@@ -46,6 +50,7 @@ from runtime.scheduler import moe_step
 from runtime.weights import (
     ContainerLike,
     ExpertSource,
+    GQALayerWeights,
     LayerWeights,
     ModelWeights,
     ResidentExperts,
@@ -58,9 +63,11 @@ from storage.errors import ConfigError, ModelError
 
 __all__ = [
     "AttentionMode",
+    "DecoderStack",
     "LogitsOut",
     "MLAMoEConfig",
     "MLAMoEModel",
+    "MoEConfig",
     "Observer",
     "SeqState",
     "StepContext",
@@ -87,8 +94,8 @@ class SeqState(NamedTuple):
 
 
 @dataclass(frozen=True, kw_only=True)
-class MLAMoEConfig:
-    """HF config keys shared by the MLA + MoE architectures (field name = config key).
+class MoEConfig:
+    """HF config keys every MoE decoder stack reads (field name = config key).
 
     The structural keys come from :class:`storage.arch.ArchConfig` (``arch``: one parse, the
     one storage, the converter and doctor use); this class adds what only the math reads."""
@@ -108,12 +115,6 @@ class MLAMoEConfig:
     topk_group: int = 1
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
-    q_lora_rank: int | None
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    first_k_dense_replace: int = 0
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 4096
     hidden_act: str = "silu"
@@ -127,10 +128,6 @@ class MLAMoEConfig:
 
     @classmethod
     def _parse(cls, cfg: Mapping[str, Any]) -> dict[str, Any]:
-        def opt(key: str, default: Any) -> Any:
-            val = cfg.get(key)
-            return default if val is None else val
-
         arch = ArchConfig.from_dict(cfg)  # the structure, parsed and validated once
         try:
             kw: dict[str, Any] = dict(
@@ -147,19 +144,13 @@ class MLAMoEConfig:
                 num_experts_per_tok=arch.top_k,
                 n_group=arch.n_group,
                 topk_group=arch.topk_group,
-                q_lora_rank=arch.q_lora_rank,
-                kv_lora_rank=arch.kv_lora_rank,
-                qk_nope_head_dim=arch.qk_nope_head_dim,
-                qk_rope_head_dim=arch.qk_rope_head_dim,
-                v_head_dim=arch.v_head_dim,
-                first_k_dense_replace=arch.first_k_dense_replace,
                 num_nextn_predict_layers=arch.num_mtp_layers,
                 # the keys only the math needs
-                norm_topk_prob=bool(opt("norm_topk_prob", True)),
-                routed_scaling_factor=float(opt("routed_scaling_factor", 1.0)),
-                rms_norm_eps=float(opt("rms_norm_eps", 1e-6)),
-                max_position_embeddings=int(opt("max_position_embeddings", 4096)),
-                hidden_act=str(opt("hidden_act", "silu")),
+                norm_topk_prob=bool(_opt(cfg, "norm_topk_prob", True)),
+                routed_scaling_factor=float(_opt(cfg, "routed_scaling_factor", 1.0)),
+                rms_norm_eps=float(_opt(cfg, "rms_norm_eps", 1e-6)),
+                max_position_embeddings=int(_opt(cfg, "max_position_embeddings", 4096)),
+                hidden_act=str(_opt(cfg, "hidden_act", "silu")),
                 rope_parameters=RopeParameters.from_config(cfg),
             )
         except (TypeError, ValueError) as exc:
@@ -174,6 +165,53 @@ class MLAMoEConfig:
     def is_moe_layer(self, layer: int) -> bool:
         """MoE or dense MLP (MTP layers, index >= num_hidden_layers, are MoE)."""
         return self.arch.is_moe_layer(layer)
+
+    @property
+    def router(self) -> RouterConfig:
+        return RouterConfig(
+            n_routed_experts=self.n_routed_experts,
+            num_experts_per_tok=self.num_experts_per_tok,
+            n_group=self.n_group,
+            topk_group=self.topk_group,
+            norm_topk_prob=self.norm_topk_prob,
+            routed_scaling_factor=self.routed_scaling_factor,
+        )
+
+
+def _opt(cfg: Mapping[str, Any], key: str, default: Any) -> Any:
+    val = cfg.get(key)
+    return default if val is None else val
+
+
+@dataclass(frozen=True, kw_only=True)
+class MLAMoEConfig(MoEConfig):
+    """HF config keys of the MLA + MoE architectures (DeepSeek-V3, GLM-5)."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    first_k_dense_replace: int = 0
+
+    @classmethod
+    def _parse(cls, cfg: Mapping[str, Any]) -> dict[str, Any]:
+        kw = super()._parse(cfg)
+        arch: ArchConfig = kw["arch"]
+        kw.update(
+            q_lora_rank=arch.q_lora_rank,
+            kv_lora_rank=arch.kv_lora_rank,
+            qk_nope_head_dim=arch.qk_nope_head_dim,
+            qk_rope_head_dim=arch.qk_rope_head_dim,
+            v_head_dim=arch.v_head_dim,
+            first_k_dense_replace=arch.first_k_dense_replace,
+        )
+        return kw
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.rope_parameters.partial_rotary_factor != 1.0:
+            raise ConfigError("config.json: partial_rotary_factor != 1 is not supported for MLA")
 
     def interleaved_rope(self) -> bool:
         """Whether rope pairs are interleaved (x0, x1), ... rather than split in halves."""
@@ -190,34 +228,166 @@ class MLAMoEConfig:
             v_head_dim=self.v_head_dim,
         )
 
-    @property
-    def router(self) -> RouterConfig:
-        return RouterConfig(
-            n_routed_experts=self.n_routed_experts,
-            num_experts_per_tok=self.num_experts_per_tok,
-            n_group=self.n_group,
-            topk_group=self.topk_group,
-            norm_topk_prob=self.norm_topk_prob,
-            routed_scaling_factor=self.routed_scaling_factor,
-        )
 
-
-class MLAMoEModel:
-    """An MLA + MoE decoder over stored weights. Build with :meth:`from_container`.
-
-    ``forward`` continues a sequence held in a :class:`KVCache`; ``mtp_forward`` runs the
-    multi-token-prediction head (when the container has one) with its own cache.
+class DecoderStack:
+    """What every MoE decoder stack shares: embedding, the per-layer loop over attention (per
+    sequence, the stack's own) and the MLP / MoE half (all rows of a step at once, one expert
+    union per layer), the final norm and ``lm_head``. Subclasses: :class:`MLAMoEModel` and
+    :class:`runtime.models._gqa.GQAMoEModel`.
 
     The model holds config, weights and its expert source; how a call computes (threads,
     observer, attention order) comes with the call as a :class:`StepContext`.
     """
 
-    config_class: ClassVar[type[MLAMoEConfig]] = MLAMoEConfig
+    config: MoEConfig
+    rope: Rope
 
-    def __init__(self, config: MLAMoEConfig, weights: ModelWeights, experts: ExpertSource) -> None:
+    def __init__(self, config: MoEConfig, weights: ModelWeights, experts: ExpertSource) -> None:
         self.config = config
         self.weights = weights
         self.experts = experts
+
+    def new_cache(self) -> KVCache:
+        """An empty KV cache for the main layers."""
+        raise NotImplementedError
+
+    @property
+    def has_mtp(self) -> bool:
+        return bool(self.weights.mtp)
+
+    def new_mtp_cache(self) -> KVCache:
+        raise ModelError("this model has no MTP head (num_nextn_predict_layers / weights)")
+
+    def mtp_step(
+        self,
+        hidden: F32Array,
+        next_ids: npt.NDArray[np.integer],
+        mtp_cache: KVCache,
+        *,
+        last_only: bool = True,
+        ctx: StepContext | None = None,
+    ) -> tuple[F32Array, F32Array]:
+        raise ModelError("this model has no MTP head (num_nextn_predict_layers / weights)")
+
+    # ------------------------------------------------------------------------------ forward
+
+    def forward(
+        self,
+        ids: npt.NDArray[np.integer],
+        cache: KVCache,
+        *,
+        last_only: bool = False,
+        ctx: StepContext | None = None,
+    ) -> LogitsOut:
+        """Run ``ids`` [T] after the ``cache.length`` tokens already in ``cache``; commits them.
+
+        ``last_only`` computes logits for the last row only ([1, V]: a prefill chunk needs no
+        more, and [T, V] is big for a large vocabulary); ``hidden`` is still [T, D]. ``ctx``:
+        the call's settings (default: serial, exact, absorbed)."""
+        return self.forward_batch([ids], [cache], last_only=last_only, ctx=ctx)[0]
+
+    def forward_batch(
+        self,
+        batch: Sequence[npt.NDArray[np.integer]],
+        caches: Sequence[KVCache],
+        *,
+        last_only: bool = False,
+        ctx: StepContext | None = None,
+    ) -> list[LogitsOut]:
+        """Several sequences in one step: attention per sequence (each its own cache), the MLP /
+        MoE half on all their rows at once, so each layer reads the union of their experts once.
+
+        Row results are bit-identical to running each sequence alone through :meth:`forward`
+        (batch-invariant kernels, per-row MoE combination)."""
+        if len(batch) != len(caches) or not batch:
+            raise ModelError("forward_batch needs one cache per sequence and at least one")
+        ctx = ctx if ctx is not None else StepContext()
+        seqs: list[SeqState] = []
+        all_ids = []
+        for ids_in, cache in zip(batch, caches, strict=True):
+            ids = np.asarray(ids_in, dtype=np.int64).reshape(-1)
+            if ids.shape[0] == 0:
+                raise ModelError("forward needs at least one token")
+            start = cache.length
+            cos, sin = self.rope.cos_sin(np.arange(start, start + ids.shape[0]))  # [T, R/2]
+            cache.reserve(start + ids.shape[0])
+            seqs.append(SeqState(cache, start, cos, sin))
+            all_ids.append(ids)
+        hs = [embed_rows(self.weights.embed, ids) for ids in all_ids]  # [T_j, D] each
+        sel: list[BoolArray | None] = [None] * len(seqs)
+        bounds = np.cumsum([0] + [ids.shape[0] for ids in all_ids])
+        for i, lw in enumerate(self.weights.layers):
+            for j, seq in enumerate(seqs):
+                hs[j], sel[j] = self._attention(ctx, i, i, lw, hs[j], seq, sel[j])
+            h = self._mlp(ctx, i, lw, np.concatenate(hs))  # [sum T_j, D]
+            hs = [h[bounds[j] : bounds[j + 1]] for j in range(len(seqs))]
+        hidden = rms_norm(np.concatenate(hs), self.weights.norm, self.config.rms_norm_eps)
+        if last_only:  # [n_seq, V]: one row per sequence (a prefill chunk needs no more)
+            logits = self.weights.lm_head(np.ascontiguousarray(hidden[bounds[1:] - 1]))
+        else:
+            logits = self.weights.lm_head(hidden)  # [sum T_j, V]
+        out = []
+        for j, (ids, seq) in enumerate(zip(all_ids, seqs, strict=True)):
+            seq.cache.write_tokens(seq.start, ids)
+            seq.cache.commit(seq.start + ids.shape[0])
+            lo, hi = bounds[j], bounds[j + 1]
+            rows = logits[j : j + 1] if last_only else logits[lo:hi]
+            out.append(LogitsOut(rows, hidden[lo:hi]))
+        return out
+
+    # ------------------------------------------------------------------------------ layers
+
+    def _attention(
+        self,
+        ctx: StepContext,
+        layer: int,
+        slot: int,
+        lw: Any,
+        h: F32Array,
+        seq: SeqState,
+        prev_selection: BoolArray | None,
+    ) -> tuple[F32Array, BoolArray | None]:
+        """Attention half of a layer over one sequence's cache: h + attn(norm(h)) [T, D] and
+        the layer's sparse selection (None: dense), which the next layer may reuse."""
+        raise NotImplementedError
+
+    def _mlp(
+        self, ctx: StepContext, layer: int, lw: LayerWeights | GQALayerWeights, h: F32Array
+    ) -> F32Array:
+        """MLP / MoE half of a layer: h + mlp(norm(h)) [T, D]. Rows are independent, so rows of
+        several sequences can share one call (and one expert union)."""
+        x = rms_norm(h, lw.post_attention_layernorm, self.config.rms_norm_eps)  # [T, D]
+        if lw.moe is not None:
+            c = self.config
+            macs = 3 * c.hidden_size * c.moe_intermediate_size  # one row through one expert
+            y = moe_step(ctx, self.experts, layer, lw.moe, x, macs, self._next_router(layer))
+        elif lw.mlp is not None:
+            y = ctx.compute.swiglu(x, lw.mlp)  # [T, D]
+        else:
+            raise ModelError(f"layer {layer} has neither an MLP nor a MoE block")
+        return h + y
+
+    def _next_router(self, layer: int) -> MoEWeights | None:
+        """Layer L+1's MoE weights (its router predicts the next layer's experts for the
+        lookahead), or None when L+1 is not a main MoE layer."""
+        nxt = layer + 1
+        if nxt >= len(self.weights.layers):
+            return None
+        return self.weights.layers[nxt].moe
+
+
+class MLAMoEModel(DecoderStack):
+    """An MLA + MoE decoder over stored weights. Build with :meth:`from_container`.
+
+    ``forward`` continues a sequence held in a :class:`KVCache`; ``mtp_forward`` runs the
+    multi-token-prediction head (when the container has one) with its own cache.
+    """
+
+    config_class: ClassVar[type[MLAMoEConfig]] = MLAMoEConfig
+    config: MLAMoEConfig
+
+    def __init__(self, config: MLAMoEConfig, weights: ModelWeights, experts: ExpertSource) -> None:
+        super().__init__(config, weights, experts)
         self.dims = config.mla_dims
         self.rope = Rope(
             config.rope_parameters,
@@ -292,10 +462,6 @@ class MLAMoEModel:
             self._indexed_slots(range(c.num_hidden_layers)),
         )
 
-    @property
-    def has_mtp(self) -> bool:
-        return bool(self.weights.mtp)
-
     def new_mtp_cache(self) -> KVCache:
         """An empty KV cache for the MTP layer (its attention has its own history)."""
         c = self.config
@@ -309,70 +475,6 @@ class MLAMoEModel:
         )
 
     # ------------------------------------------------------------------------------ forward
-
-    def forward(
-        self,
-        ids: npt.NDArray[np.integer],
-        cache: KVCache,
-        *,
-        last_only: bool = False,
-        ctx: StepContext | None = None,
-    ) -> LogitsOut:
-        """Run ``ids`` [T] after the ``cache.length`` tokens already in ``cache``; commits them.
-
-        ``last_only`` computes logits for the last row only ([1, V]: a prefill chunk needs no
-        more, and [T, V] is big for a large vocabulary); ``hidden`` is still [T, D]. ``ctx``:
-        the call's settings (default: serial, exact, absorbed)."""
-        return self.forward_batch([ids], [cache], last_only=last_only, ctx=ctx)[0]
-
-    def forward_batch(
-        self,
-        batch: Sequence[npt.NDArray[np.integer]],
-        caches: Sequence[KVCache],
-        *,
-        last_only: bool = False,
-        ctx: StepContext | None = None,
-    ) -> list[LogitsOut]:
-        """Several sequences in one step: attention per sequence (each its own cache), the MLP /
-        MoE half on all their rows at once, so each layer reads the union of their experts once.
-
-        Row results are bit-identical to running each sequence alone through :meth:`forward`
-        (batch-invariant kernels, per-row MoE combination)."""
-        if len(batch) != len(caches) or not batch:
-            raise ModelError("forward_batch needs one cache per sequence and at least one")
-        ctx = ctx if ctx is not None else StepContext()
-        seqs: list[SeqState] = []
-        all_ids = []
-        for ids_in, cache in zip(batch, caches, strict=True):
-            ids = np.asarray(ids_in, dtype=np.int64).reshape(-1)
-            if ids.shape[0] == 0:
-                raise ModelError("forward needs at least one token")
-            start = cache.length
-            cos, sin = self.rope.cos_sin(np.arange(start, start + ids.shape[0]))  # [T, R/2]
-            cache.reserve(start + ids.shape[0])
-            seqs.append(SeqState(cache, start, cos, sin))
-            all_ids.append(ids)
-        hs = [embed_rows(self.weights.embed, ids) for ids in all_ids]  # [T_j, D] each
-        sel: list[BoolArray | None] = [None] * len(seqs)
-        bounds = np.cumsum([0] + [ids.shape[0] for ids in all_ids])
-        for i, lw in enumerate(self.weights.layers):
-            for j, seq in enumerate(seqs):
-                hs[j], sel[j] = self._attention(ctx, i, i, lw, hs[j], seq, sel[j])
-            h = self._mlp(ctx, i, lw, np.concatenate(hs))  # [sum T_j, D]
-            hs = [h[bounds[j] : bounds[j + 1]] for j in range(len(seqs))]
-        hidden = rms_norm(np.concatenate(hs), self.weights.norm, self.config.rms_norm_eps)
-        if last_only:  # [n_seq, V]: one row per sequence (a prefill chunk needs no more)
-            logits = self.weights.lm_head(np.ascontiguousarray(hidden[bounds[1:] - 1]))
-        else:
-            logits = self.weights.lm_head(hidden)  # [sum T_j, V]
-        out = []
-        for j, (ids, seq) in enumerate(zip(all_ids, seqs, strict=True)):
-            seq.cache.write_tokens(seq.start, ids)
-            seq.cache.commit(seq.start + ids.shape[0])
-            lo, hi = bounds[j], bounds[j + 1]
-            rows = logits[j : j + 1] if last_only else logits[lo:hi]
-            out.append(LogitsOut(rows, hidden[lo:hi]))
-        return out
 
     def mtp_forward(
         self,
@@ -503,28 +605,6 @@ class MLAMoEModel:
                 for k in range(len(parts[0]))
             )
         )
-
-    def _mlp(self, ctx: StepContext, layer: int, lw: LayerWeights, h: F32Array) -> F32Array:
-        """MLP / MoE half of a layer: h + mlp(norm(h)) [T, D]. Rows are independent, so rows of
-        several sequences can share one call (and one expert union)."""
-        x = rms_norm(h, lw.post_attention_layernorm, self.config.rms_norm_eps)  # [T, D]
-        if lw.moe is not None:
-            c = self.config
-            macs = 3 * c.hidden_size * c.moe_intermediate_size  # one row through one expert
-            y = moe_step(ctx, self.experts, layer, lw.moe, x, macs, self._next_router(layer))
-        elif lw.mlp is not None:
-            y = ctx.compute.swiglu(x, lw.mlp)  # [T, D]
-        else:
-            raise ModelError(f"layer {layer} has neither an MLP nor a MoE block")
-        return h + y
-
-    def _next_router(self, layer: int) -> MoEWeights | None:
-        """Layer L+1's MoE weights (its router predicts the next layer's experts for the
-        lookahead), or None when L+1 is not a main MoE layer."""
-        nxt = layer + 1
-        if nxt >= len(self.weights.layers):
-            return None
-        return self.weights.layers[nxt].moe
 
     def _sparse_selection(
         self,

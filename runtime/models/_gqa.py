@@ -1,0 +1,206 @@
+"""The grouped-query-attention MoE stack (OLMoE, Qwen3-MoE, Mixtral, GLM-4.5, MiniMax-M2).
+
+Per layer: ``h += GQA(rms_norm(h))`` (:mod:`runtime.layers.gqa`: q/k norm of the family, partial
+half-split RoPE, K/V per KV head in the cache) then ``h += MLP-or-MoE(rms_norm(h))``, the MoE half
+being the one every stack shares (:class:`~runtime.models._decoder.DecoderStack`, expert tiers,
+streaming and batching unchanged). A family file subclasses :class:`GQAMoEConfig` to state its
+router (softmax or sigmoid top-k), its defaults and what it refuses.
+
+The KV cache has ``layout="gqa"``: per layer and token the roped keys and the values of every
+KV head. Attention is row by row over each row's causal keys, so a token's rows are bit-identical
+alone, in a prefill chunk, in a verify block or in a batched step; ``--fast-prefill`` changes
+nothing here (there is no second evaluation order).
+
+Shape legend: T new tokens, S keys, D hidden, KV = num_key_value_heads * head_dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar, Literal, Self
+
+import numpy as np
+import numpy.typing as npt
+
+from runtime.context import StepContext
+from runtime.kv import KVCache
+from runtime.layers import gqa
+from runtime.layers.moe_router import RouterConfig
+from runtime.layers.rms_norm import rms_norm
+from runtime.layers.rope import Rope
+from runtime.linear import Linear
+from runtime.models._decoder import DecoderStack, MoEConfig, SeqState
+from runtime.weights import (
+    ContainerLike,
+    ExpertSource,
+    GQALayerWeights,
+    ModelWeights,
+    ResidentExperts,
+    load_gqa_layer,
+)
+from storage.arch import ArchConfig
+from storage.errors import ConfigError, ModelError
+
+__all__ = ["GQAMoEConfig", "GQAMoEModel"]
+
+F32Array = npt.NDArray[np.float32]
+BoolArray = npt.NDArray[np.bool_]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GQAMoEConfig(MoEConfig):
+    """Config keys of the grouped-query MoE families (field name = config key where HF has
+    one). Class variables are the family's fixed choices."""
+
+    scoring: ClassVar[Literal["sigmoid", "softmax"]] = "softmax"
+    norm_eps: ClassVar[float] = 0.0  # added to the top-k weight sum before normalising
+    always_norm_topk: ClassVar[bool] = False  # Mixtral, MiniMax-M2: no norm_topk_prob key
+    norm_topk_default: ClassVar[bool] = False  # when config.json omits norm_topk_prob
+    scales_routed: ClassVar[bool] = False  # whether routed_scaling_factor applies
+    default_partial_rotary: ClassVar[float] = 1.0
+
+    num_key_value_heads: int
+    head_dim: int
+    rotary_dim: int
+    qk_norm: Literal["none", "head", "full"] = "none"
+    clip_qkv: float | None = None
+
+    @classmethod
+    def _parse(cls, cfg: Mapping[str, Any]) -> dict[str, Any]:
+        kw = super()._parse(cfg)
+        arch: ArchConfig = kw["arch"]
+        if cfg.get("sliding_window") is not None and (
+            arch.model_type != "qwen3_moe" or cfg.get("use_sliding_window")
+        ):
+            raise ConfigError(
+                "config.json: sliding-window attention (sliding_window) is not supported"
+            )
+        kw["norm_topk_prob"] = cls.always_norm_topk or bool(
+            cfg.get("norm_topk_prob", cls.norm_topk_default)
+        )
+        if not cls.scales_routed:
+            kw["routed_scaling_factor"] = 1.0
+        rope = kw["rope_parameters"]
+        partial = rope.partial_rotary_factor
+        has_partial = "partial_rotary_factor" in (cfg.get("rope_parameters") or {}) or (
+            "partial_rotary_factor" in cfg
+        )
+        if cfg.get("rotary_dim") is not None and not has_partial:
+            partial = int(cfg["rotary_dim"]) / arch.head_dim  # MiniMax-M2's legacy key
+        elif not has_partial:
+            partial = cls.default_partial_rotary
+        rotary = int(arch.head_dim * partial)
+        if rotary <= 0 or rotary % 2 or rotary > arch.head_dim:
+            raise ConfigError(
+                f"config.json: rotary dims {rotary} (head_dim {arch.head_dim} x partial rotary "
+                f"factor {partial}) must be even and within head_dim"
+            )
+        clip = cfg.get("clip_qkv")
+        kw.update(
+            rope_parameters=replace(rope, partial_rotary_factor=partial),
+            num_key_value_heads=arch.num_key_value_heads,
+            head_dim=arch.head_dim,
+            rotary_dim=rotary,
+            qk_norm=arch.qk_norm,
+            clip_qkv=None if clip is None else float(clip),
+        )
+        return kw
+
+    @property
+    def router(self) -> RouterConfig:
+        return replace(super().router, scoring=self.scoring, norm_eps=self.norm_eps)
+
+    @property
+    def dims(self) -> gqa.GQADims:
+        return gqa.GQADims(
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            rotary_dim=self.rotary_dim,
+            qk_norm=self.qk_norm,
+            rms_norm_eps=self.rms_norm_eps,
+            clip_qkv=self.clip_qkv,
+        )
+
+
+class GQAMoEModel(DecoderStack):
+    """A grouped-query MoE decoder over stored weights. Build with :meth:`from_container`."""
+
+    config_class: ClassVar[type[GQAMoEConfig]] = GQAMoEConfig
+    config: GQAMoEConfig
+
+    def __init__(self, config: GQAMoEConfig, weights: ModelWeights, experts: ExpertSource) -> None:
+        super().__init__(config, weights, experts)
+        self.dims = config.dims
+        self.rope = Rope(
+            config.rope_parameters, config.rotary_dim, config.max_position_embeddings, False
+        )
+
+    @classmethod
+    def from_container(cls, container: ContainerLike, experts: ExpertSource | None = None) -> Self:
+        """Load the resident weights; experts default to :class:`ResidentExperts`."""
+        config = cls.config_class.from_dict(container.config)
+        family, router = config.arch.family, config.router
+        layers = [
+            load_gqa_layer(container, i, family, router, moe=config.is_moe_layer(i))
+            for i in range(config.num_hidden_layers)
+        ]
+        head = "lm_head.weight"
+        if not container.has(head):
+            if not container.config.get("tie_word_embeddings"):
+                raise ModelError("the container has no lm_head.weight (and tie_word_embeddings "
+                                 "is not set)")  # fmt: skip
+            head = "model.embed_tokens.weight"
+        weights = ModelWeights(
+            embed=container.load_qtensor("model.embed_tokens.weight"),
+            norm=container.load_f32("model.norm.weight"),
+            lm_head=Linear(container.load_qtensor(head)),
+            layers=layers,
+            mtp=[],
+        )
+        return cls(config, weights, experts if experts is not None else ResidentExperts(container))
+
+    def new_cache(self) -> KVCache:
+        """An empty K/V cache for the main layers."""
+        kv = self.dims.kv_width
+        return KVCache(self.config.num_hidden_layers, kv, kv, layout="gqa")
+
+    def _attention(
+        self,
+        ctx: StepContext,
+        layer: int,
+        slot: int,
+        lw: Any,
+        h: F32Array,
+        seq: SeqState,
+        prev_selection: BoolArray | None,
+    ) -> tuple[F32Array, BoolArray | None]:
+        if not isinstance(lw, GQALayerWeights):
+            raise ModelError(f"layer {layer} holds no grouped-query attention weights")
+        d, w = self.dims, lw.attn
+        t = h.shape[0]
+        s = seq.start + t
+        x = rms_norm(h, lw.input_layernorm, self.config.rms_norm_eps)  # [T, D]
+        comp = ctx.compute
+        per_row = sum(lin.in_features * lin.out_features for lin in (w.q_proj, w.k_proj, w.v_proj))
+        blocks = comp.row_blocks(t, per_row)
+        if blocks is None:
+            q, k, v = gqa.project(w, d, x, seq.cos, seq.sin)
+        else:  # every row is projected on its own: bit-identical in blocks
+            parts = comp.map_rows(
+                blocks, lambda a, b: gqa.project(w, d, x[a:b], seq.cos[a:b], seq.sin[a:b])
+            )
+            q, k, v = (np.concatenate([p[n] for p in parts]) for n in range(3))
+        seq.cache.write(slot, seq.start, k, v)
+        keys, values = seq.cache.keys(slot, s), seq.cache.values(slot, s)
+        blocks = comp.row_blocks(t, s * d.num_attention_heads * d.head_dim * 2)
+        if blocks is None:
+            out = gqa.attend(w, d, q, keys, values)
+        else:
+            out = np.concatenate(
+                comp.map_rows(
+                    blocks, lambda a, b: gqa.attend(w, d, q[a:b], keys, values, rows_after=t - b)
+                )
+            )
+        return h + out, None  # [T, D]
