@@ -61,6 +61,7 @@ _W123 = ("w1", "w3", "w2")  # Mixtral's gate, up, down
 FAMILIES: dict[str, Family] = {
     "glm_moe_dsa": Family("glm_moe_dsa", "mla"),
     "deepseek_v3": Family("deepseek_v3", "mla"),
+    "kimi_k2": Family("kimi_k2", "mla"),  # Kimi K2: the DeepSeek-V3 layout under its own name
     "olmoe": Family("olmoe", "gqa", bias=None, expert_size_key="intermediate_size",
                     qk_norm="full"),
     "qwen3_moe": Family("qwen3_moe", "gqa", bias=None, qk_norm="head"),

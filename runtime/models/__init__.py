@@ -39,6 +39,7 @@ Model = DecoderStack
 ARCHITECTURES: dict[str, type[MLAMoEModel] | type[GQAMoEModel]] = {
     "glm_moe_dsa": GlmMoeDsa,
     "deepseek_v3": DeepseekV3,
+    "kimi_k2": DeepseekV3,  # same layout and math (transformers maps it to deepseek_v3)
     "olmoe": Olmoe,
     "qwen3_moe": Qwen3Moe,
     "mixtral": Mixtral,

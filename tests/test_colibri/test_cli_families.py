@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 from tokenizers import Tokenizer
 
@@ -19,7 +20,7 @@ import colibri
 pytest.importorskip("torch", reason="the oracle checkpoints need torch (test dependency)")
 
 FAMILIES = ("olmoe", "qwen3_moe", "mixtral", "glm4_moe", "minimax_m2")
-SUPPORTED = "glm_moe_dsa, deepseek_v3, olmoe, qwen3_moe, mixtral, glm4_moe, minimax_m2"
+SUPPORTED = "glm_moe_dsa, deepseek_v3, kimi_k2, olmoe, qwen3_moe, mixtral, glm4_moe, minimax_m2"
 
 
 def coli(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
@@ -65,3 +66,49 @@ def test_unsupported_model_type_names_the_supported_list(oracle_dir: Path, tmp_p
     r = coli("doctor", "--model", str(good), home=tmp_path)
     assert r.returncode != 0
     assert "FAIL config" in r.stdout and f"(supported: {SUPPORTED})" in r.stdout
+
+
+def test_server_kv_slot_prefix_reuse_and_brain_on_a_gqa_model(
+    oracle_dir: Path, tmp_path: Path
+) -> None:
+    """GLM-4.5 served: a kept slot reuses the conversation (K/V cache), is persisted as a
+    version-2 ``.coli_kv``, survives kill -9, and reuse is exact; ``/experts`` (the dashboard's
+    Brain) is that model's MoE layers x experts."""
+    from _serve import Server
+
+    model = tmp_path / "model"
+    assert coli("convert", str(oracle_dir / "glm4_moe"), str(model), home=tmp_path).returncode == 0
+    kv = tmp_path / "kv"
+    args = ("--kv-slots", "1", "--kv-dir", str(kv))
+    turns = ["The quick brown fox", "jumps over the lazy dog", "and then"]
+
+    def ask(srv: Server, upto: int, slot: int | None) -> tuple[str, dict[str, int]]:
+        msgs = [{"role": "user", "content": " ".join(turns[: upto + 1])}]
+        body: dict[str, object] = {"model": "model", "messages": msgs, "max_tokens": 6}
+        body |= {"temperature": 0, "ignore_eos": True}
+        if slot is not None:
+            body["cache_slot"] = slot
+        r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60).json()
+        assert "choices" in r, r
+        return r["choices"][0]["message"]["content"], r["colibri"]
+
+    first = Server(tmp_path, *args, model=model).wait_ready()
+    try:
+        ask(first, 0, 0)
+        text1, st1 = ask(first, 1, 0)
+        brain = httpx.get(first.url + "/experts", timeout=10).json()
+    finally:
+        first.kill9()
+    assert st1["prompt_tokens_reused"] > 0
+    assert len(brain["codes"]) == 2 and all(
+        len(row) == 8 for row in brain["codes"]
+    )  # 3 layers, 1 dense
+    assert (kv / ".coli_kv.0").read_bytes()[:8] == b"COLIKV2\0"
+    again = Server(tmp_path, *args, model=model).wait_ready()
+    try:
+        text2, st2 = ask(again, 2, 0)
+        fresh, _ = ask(again, 2, None)
+    finally:
+        again.stop()
+    assert st2["prompt_tokens_reused"] > st1["prompt_tokens_reused"]
+    assert text2 == fresh and text1
