@@ -1,6 +1,6 @@
 """Batch invariance: a token's rows do not depend on the shape of the call that computed them.
 
-A token's cached KV (latent, rope key), DSA index keys, final hidden state and logits must be
+A token's cached KV (MLA latent and rope key, or GQA keys and values), DSA index keys, final hidden state and logits must be
 bit-identical whether it is computed alone (one-token decode), in a prefill chunk of any size,
 in a speculative verify block, or in a batched step beside other sequences. That is what makes
 greedy output independent of ``--draft``, ``--prefill-chunk`` and concurrent batching
@@ -10,7 +10,7 @@ shows up as a flipped top-k or token.
 
 Models: the bundled trained demo model (int4), the tiny random test model (int4, index_topk 16)
 and the transformers oracle checkpoints converted to f32 (glm_moe_dsa with DSA, deepseek_v3
-plain MLA). Exact equality on the machine the suite runs on; no tolerance.
+plain MLA, glm4_moe grouped-query attention: its cache rows are K and V). Exact equality on the machine the suite runs on; no tolerance.
 """
 
 from __future__ import annotations
@@ -91,13 +91,13 @@ def oracle_f32(oracle_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> di
     f32 = ConvertOptions(experts="f32", dense="f32", io="f32", mtp="f32")
     root = tmp_path_factory.mktemp("inv-oracle")
     out = {}
-    for name in ("glm_moe_dsa", "deepseek_v3"):
+    for name in ("glm_moe_dsa", "deepseek_v3", "glm4_moe"):
         convert(oracle_dir / name, root / name, f32)
         out[name] = root / name
     return out
 
 
-MODEL_NAMES = ("demo", "tiny", "oracle-glm_moe_dsa", "oracle-deepseek_v3")
+MODEL_NAMES = ("demo", "tiny", "oracle-glm_moe_dsa", "oracle-deepseek_v3", "oracle-glm4_moe")
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +160,7 @@ def test_verify_blocks_equal_one_token_decode(
         assert_rows_equal(decode, got, ids.size, f"{name} verify k={k}")
 
 
-@pytest.mark.parametrize("name", ["demo", "tiny", "oracle-glm_moe_dsa"])
+@pytest.mark.parametrize("name", ["demo", "tiny", "oracle-glm_moe_dsa", "oracle-glm4_moe"])
 def test_batched_steps_equal_each_sequence_alone(
     name: str, model_of: Callable[[str], MLAMoEModel]
 ) -> None:
