@@ -1,8 +1,9 @@
 """Batch invariance: a token's rows do not depend on the shape of the call that computed them.
 
-A token's cached KV (MLA latent and rope key, or GQA keys and values), DSA index keys, final hidden state and logits must be
-bit-identical whether it is computed alone (one-token decode), in a prefill chunk of any size,
-in a speculative verify block, or in a batched step beside other sequences. That is what makes
+A token's cached KV (MLA latent and rope key, or GQA keys and values), DSA index keys, final
+hidden state and logits must be bit-identical whether it is computed alone (one-token decode),
+in a prefill chunk of any size, in a speculative verify block, or in a batched step beside other
+sequences. That is what makes
 greedy output independent of ``--draft``, ``--prefill-chunk`` and concurrent batching
 (docs/speculative.md, docs/tuning.md). The prompts are long random-id sequences: flat logits and
 many exact-0.0 DSA scores put near-ties and exact ties everywhere, so any order dependence
@@ -10,7 +11,8 @@ shows up as a flipped top-k or token.
 
 Models: the bundled trained demo model (int4), the tiny random test model (int4, index_topk 16)
 and the transformers oracle checkpoints converted to f32 (glm_moe_dsa with DSA, deepseek_v3
-plain MLA, glm4_moe grouped-query attention: its cache rows are K and V). Exact equality on the machine the suite runs on; no tolerance.
+plain MLA, glm4_moe grouped-query attention: its cache rows are K and V). Exact equality on the
+machine the suite runs on; no tolerance.
 """
 
 from __future__ import annotations
