@@ -46,6 +46,7 @@ class Family:
     bias: str | None = "mlp.gate.e_score_correction_bias"  # router correction bias (per layer)
     expert_size_key: str = "moe_intermediate_size"  # config key sizing one routed expert
     qk_norm: Literal["none", "head", "full", "config"] = "none"  # config: use_qk_norm -> head
+    dsa: bool = False  # DeepSeek sparse attention: a lightning indexer per "full" layer
 
     def expert_tensor(self, expert: int, proj: str) -> str:
         """Name (after ``model.layers.L.``) of one expert matrix; ``proj`` canonical."""
@@ -59,9 +60,10 @@ class Family:
 
 _W123 = ("w1", "w3", "w2")  # Mixtral's gate, up, down
 FAMILIES: dict[str, Family] = {
-    "glm_moe_dsa": Family("glm_moe_dsa", "mla"),
+    "glm_moe_dsa": Family("glm_moe_dsa", "mla", dsa=True),
     "deepseek_v3": Family("deepseek_v3", "mla"),
     "kimi_k2": Family("kimi_k2", "mla"),  # Kimi K2: the DeepSeek-V3 layout under its own name
+    "deepseek_v32": Family("deepseek_v32", "mla", dsa=True),
     "olmoe": Family("olmoe", "gqa", bias=None, expert_size_key="intermediate_size",
                     qk_norm="full"),
     "qwen3_moe": Family("qwen3_moe", "gqa", bias=None, qk_norm="head"),
@@ -233,9 +235,14 @@ class ArchConfig:
             topk_group = int(cfg.get("topk_group") or 1)
             if top_k is not None:
                 check_router(n_routed, n_group, topk_group, int(top_k))
-            is_dsa = mt == "glm_moe_dsa"
+            is_dsa = fam.dsa
             idx_types = cfg.get("indexer_types") or (
-                default_indexer_types(cfg, n_layers) if is_dsa else []
+                # DeepSeek-V3.2: every layer runs its own indexer
+                ["full"] * n_layers
+                if mt == "deepseek_v32"
+                else default_indexer_types(cfg, n_layers)
+                if is_dsa
+                else []
             )
             if not isinstance(idx_types, list):
                 raise ConfigError(f"{where}: indexer_types must be a list, got {idx_types!r}")
@@ -298,7 +305,7 @@ class ArchConfig:
         and rope key (+ a DSA index key, counted on every layer: an upper bound), or K and V of
         every KV head."""
         if self.is_mla:
-            index = self.index_head_dim if self.model_type == "glm_moe_dsa" else 0
+            index = self.index_head_dim if self.family.dsa else 0
             return self.total_layers * (self.kv_lora_rank + self.qk_rope_head_dim + index)
         return self.total_layers * 2 * self.num_key_value_heads * self.head_dim
 
@@ -322,7 +329,7 @@ class ArchConfig:
     def has_indexer(self, layer: int) -> bool:
         """Whether layer ``layer`` runs its own DSA indexer: a "full" main layer, or an MTP
         layer (whose indexer is optional on disk: see :func:`optional_tensors`)."""
-        if self.model_type != "glm_moe_dsa":
+        if not self.family.dsa:
             return False
         if layer < len(self.indexer_types):
             return self.indexer_types[layer] == "full"

@@ -186,7 +186,7 @@ def test_mtp_tensors_and_reference(oracle_dir: Path, name: str) -> None:
         want[f"mlp.experts.{j}.gate_proj.weight"] = (inter, h)
         want[f"mlp.experts.{j}.up_proj.weight"] = (inter, h)
         want[f"mlp.experts.{j}.down_proj.weight"] = (h, inter)
-    if name == "glm_moe_dsa":
+    if name in make_oracle.DSA_NAMES:
         nh, hd = cfg["index_n_heads"], cfg["index_head_dim"]
         want["self_attn.indexer.wq_b.weight"] = (nh * hd, cfg["q_lora_rank"])
         want["self_attn.indexer.wk.weight"] = (hd, h)

@@ -10,7 +10,10 @@ The oracle is the judge of colibri's own numpy/numba model math. For each model 
 * ``DIR/NAME.ref.json``: a small human-readable summary.
 
 Models: ``glm_moe_dsa`` (GLM-5 layout: MLA + DSA lightning indexer, sigmoid router with
-correction bias, n_group 1) and ``deepseek_v3`` (MLA, group-limited routing, YaRN rope).
+correction bias, n_group 1), ``deepseek_v3`` (MLA, group-limited routing, YaRN rope),
+``deepseek_v32`` (MLA + DSA on every layer with a half-split indexer RoPE, groups, YaRN), and the
+grouped-query families ``olmoe``, ``qwen3_moe``, ``mixtral``, ``glm4_moe``, ``minimax_m2`` (each
+with its q/k norm, bias, partial-rotary and router options on; no MTP head, no ``mtp_logits``).
 
 Weights: every parameter and buffer is drawn from one seeded ``torch.Generator`` (Linear and
 Embedding weights N(0, gain^2/fan_in), RMSNorm/LayerNorm weights 1 + 0.1 N, biases 0.1 N, router
@@ -25,7 +28,7 @@ Reference npz keys, for each prompt i (0..3):
   sequence so far (the mathematical definition; EOS does not stop it);
   ``greedy_margin_i`` float32 [32]: top-1 minus top-2 logit at each step;
 * ``mtp_logits_i`` float32 [T-1, V]: the MTP head, defined below;
-* glm_moe_dsa only, for prompts longer than ``index_topk``: ``dsa_scores_i_layer_L`` float32
+* DSA models only, for prompts longer than ``index_topk``: ``dsa_scores_i_layer_L`` float32
   [T, T] (indexer score of key t for query s, -inf where masked by causality) for every layer L
   that runs its own indexer ("full" in ``indexer_types``), ``dsa_topk_i_layer_L`` int64 [T, k]
   (the set transformers selected, causal members ascending, padded with -1), and the same two
@@ -82,7 +85,8 @@ import torch
 from torch import nn
 
 TOOL_VERSION = "1.0"
-MLA_NAMES: tuple[str, ...] = ("glm_moe_dsa", "deepseek_v3")
+MLA_NAMES: tuple[str, ...] = ("glm_moe_dsa", "deepseek_v3", "deepseek_v32")
+DSA_NAMES: tuple[str, ...] = ("glm_moe_dsa", "deepseek_v32")  # with a lightning indexer
 # Grouped-query families: no MTP head (transformers has none for them).
 GQA_NAMES: tuple[str, ...] = ("olmoe", "qwen3_moe", "mixtral", "glm4_moe", "minimax_m2")
 MODEL_NAMES: tuple[str, ...] = MLA_NAMES + GQA_NAMES
@@ -293,6 +297,29 @@ def make_config(name: str, vocab_size: int, eos: list[int], bos: int) -> Any:
                 "mscale_all_dim": 1.0,
             },
         )
+    elif name == "deepseek_v32":
+        from transformers import DeepseekV32Config
+
+        cfg = DeepseekV32Config(
+            **common,
+            v_head_dim=32,
+            n_group=4,
+            topk_group=2,
+            rms_norm_eps=1e-6,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+            index_topk=16,
+            index_head_dim=64,
+            index_n_heads=8,  # see glm_moe_dsa: fewer heads give exact-0 score ties at the cut
+        )
     elif name in GQA_NAMES:
         cfg = _gqa_config(name, vocab_size, eos, bos)
     else:
@@ -364,6 +391,14 @@ def _model_classes(name: str) -> dict[str, Any]:
         prefix = {"olmoe": "Olmoe", "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral",
                   "glm4_moe": "Glm4Moe", "minimax_m2": "MiniMaxM2"}[name]  # fmt: skip
         return {"causal_lm": getattr(transformers, f"{prefix}ForCausalLM")}
+    if name == "deepseek_v32":
+        from transformers.models.deepseek_v32 import modeling_deepseek_v32 as v32
+
+        return {
+            "causal_lm": v32.DeepseekV32ForCausalLM,
+            "layer": v32.DeepseekV32DecoderLayer,
+            "norm": v32.DeepseekV32RMSNorm,
+        }
     if name == "glm_moe_dsa":
         from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as glm
 
@@ -490,7 +525,7 @@ def _causal_mask(model: Any, embeds: torch.Tensor, position_ids: torch.Tensor) -
         cache=None,
         position_ids=position_ids,
     )
-    if model.config.model_type == "glm_moe_dsa":
+    if model.config.model_type in DSA_NAMES:
         kwargs["allow_is_causal_skip"] = False
     return create_causal_mask(**kwargs)
 
@@ -509,12 +544,18 @@ def indexer_scores(
 ) -> torch.Tensor:
     """DSA lightning-indexer scores [B, S, T] as in ``GlmMoeDsaIndexer.forward``, -inf if masked.
 
-    Index head layout is [rope | nope]; GLM applies *interleaved* RoPE to the rope slice.
+    Index head layout is [rope | nope]; GLM applies *interleaved* RoPE to the rope slice,
+    DeepSeek-V3.2 half-split RoPE (``DeepseekV32Indexer.forward``, otherwise the same).
     score[s, t] = sum_h w_h(s) * n_heads^-1/2 * relu(q_h(s) . k(t) * head_dim^-1/2).
     """
-    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import (
-        apply_rotary_pos_emb_interleave,
-    )
+    if indexer.config.model_type == "deepseek_v32":
+        from transformers.models.deepseek_v32.modeling_deepseek_v32 import (
+            apply_rotary_pos_emb as rope_fn,
+        )
+    else:
+        from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import (
+            apply_rotary_pos_emb_interleave as rope_fn,
+        )
 
     b, s, _ = hidden_states.shape
     rope = indexer.qk_rope_head_dim
@@ -523,9 +564,7 @@ def indexer_scores(
     q_rot, q_pass = torch.split(q, [rope, indexer.head_dim - rope], dim=-1)
     k = indexer.k_norm(indexer.wk(hidden_states)).unsqueeze(2)
     k_rot, k_pass = torch.split(k, [rope, indexer.head_dim - rope], dim=-1)
-    q_rot, k_rot = apply_rotary_pos_emb_interleave(  # type: ignore[no-untyped-call]
-        q_rot, k_rot, cos, sin, unsqueeze_dim=2
-    )
+    q_rot, k_rot = rope_fn(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
     q = torch.cat([q_rot, q_pass], dim=-1)
     k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
     scores = torch.relu(
@@ -640,7 +679,7 @@ def compute_reference(
     stats: dict[str, Any] = {"greedy_min_margin": [], "dsa_min_boundary_margin": {}}
     recorder = None
     topk = getattr(model.config, "index_topk", None)
-    if name == "glm_moe_dsa":
+    if name in DSA_NAMES:
         mods = {
             f"layer_{i}": layer.self_attn.indexer
             for i, layer in enumerate(model.model.layers)

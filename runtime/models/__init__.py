@@ -8,6 +8,7 @@ from __future__ import annotations
 from runtime.models._decoder import DecoderStack, LogitsOut, MLAMoEConfig, MLAMoEModel
 from runtime.models._gqa import GQAMoEConfig, GQAMoEModel
 from runtime.models.deepseek_v3 import DeepseekV3, DeepseekV3Config
+from runtime.models.deepseek_v32 import DeepseekV32
 from runtime.models.glm4_moe import Glm4Moe
 from runtime.models.glm_moe_dsa import GlmMoeDsa, GlmMoeDsaConfig
 from runtime.models.minimax_m2 import MiniMaxM2
@@ -40,6 +41,7 @@ ARCHITECTURES: dict[str, type[MLAMoEModel] | type[GQAMoEModel]] = {
     "glm_moe_dsa": GlmMoeDsa,
     "deepseek_v3": DeepseekV3,
     "kimi_k2": DeepseekV3,  # same layout and math (transformers maps it to deepseek_v3)
+    "deepseek_v32": DeepseekV32,
     "olmoe": Olmoe,
     "qwen3_moe": Qwen3Moe,
     "mixtral": Mixtral,

@@ -44,6 +44,8 @@ BoolArray = npt.NDArray[np.bool_]
 class GlmMoeDsaConfig(MLAMoEConfig):
     """GLM-5 config keys (field name = HF config key)."""
 
+    indexer_interleave: ClassVar[bool] = True  # rope pairing of the indexer (GLM: interleaved)
+
     index_topk: int
     index_head_dim: int
     index_n_heads: int
@@ -67,7 +69,9 @@ class GlmMoeDsaConfig(MLAMoEConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.q_lora_rank is None:
-            raise ConfigError("config.json: glm_moe_dsa needs q_lora_rank (the indexer reads it)")
+            raise ConfigError(
+                f"config.json: {self.model_type} needs q_lora_rank (the indexer reads it)"
+            )
         bad = set(self.indexer_types) - {"full", "shared"}
         if bad:
             raise ConfigError(f"config.json: unknown indexer_types {sorted(bad)}")
@@ -89,7 +93,7 @@ class GlmMoeDsaConfig(MLAMoEConfig):
             index_head_dim=self.index_head_dim,
             index_topk=self.index_topk,
             qk_rope_head_dim=self.qk_rope_head_dim,
-            interleave=True,
+            interleave=self.indexer_interleave,
         )
 
 

@@ -19,8 +19,11 @@ import colibri
 
 pytest.importorskip("torch", reason="the oracle checkpoints need torch (test dependency)")
 
-FAMILIES = ("olmoe", "qwen3_moe", "mixtral", "glm4_moe", "minimax_m2")
-SUPPORTED = "glm_moe_dsa, deepseek_v3, kimi_k2, olmoe, qwen3_moe, mixtral, glm4_moe, minimax_m2"
+FAMILIES = ("deepseek_v32", "olmoe", "qwen3_moe", "mixtral", "glm4_moe", "minimax_m2")
+SUPPORTED = (
+    "glm_moe_dsa, deepseek_v3, kimi_k2, deepseek_v32, olmoe, qwen3_moe, mixtral, glm4_moe, "
+    "minimax_m2"
+)
 
 
 def coli(*args: str, home: Path) -> subprocess.CompletedProcess[str]:

@@ -42,7 +42,8 @@ pytest.importorskip("transformers")
 from storage.container import Container  # noqa: E402
 from storage.convert import ConvertOptions, convert  # noqa: E402
 
-NAMES = ("glm_moe_dsa", "deepseek_v3")
+NAMES = ("glm_moe_dsa", "deepseek_v3", "deepseek_v32")
+DSA_NAMES = ("glm_moe_dsa", "deepseek_v32")  # with a lightning indexer (near-tie rules below)
 F32 = ConvertOptions(experts="f32", dense="f32", io="f32", mtp="f32")
 LOGIT_TOL = 1e-3  # vs the reference
 DECODE_TOL = 1e-4  # cached decode vs full forward of our own model
@@ -151,11 +152,11 @@ def test_f32_forced_attention_orders_agree(
     assert np.abs(forced - ref[f"logits_{i}"]).max() <= LOGIT_TOL
 
 
-def test_f32_full_forward_greedy_matches_oracle(oracle_dir: Path, models: Any) -> None:
+@pytest.mark.parametrize("name", DSA_NAMES)
+def test_f32_full_forward_greedy_matches_oracle(name: str, oracle_dir: Path, models: Any) -> None:
     """The oracle's definition: each step a full no-cache forward over the sequence so far.
 
-    Only glm_moe_dsa: without DSA, cached decode equals the full forward (checked below)."""
-    name = "glm_moe_dsa"
+    Only the DSA models: without DSA, cached decode equals the full forward (checked below)."""
     m, ref = models(name), _ref(oracle_dir, name)
     for i in _prompts(ref):
         seq = list(ref[f"prompt_{i}"])
@@ -194,14 +195,14 @@ def _hf_cached_greedy(hf: Any, prompt: np.ndarray, steps: int) -> tuple[list[int
 def test_f32_cached_greedy(name: str, oracle_dir: Path, models: Any) -> None:
     """Prefill + token-by-token decode with the KV cache.
 
-    deepseek_v3: identical to the oracle's greedy. glm_moe_dsa: identical to transformers' own
+    deepseek_v3: identical to the oracle's greedy. DSA models: identical to transformers' own
     cached decode (tokens, and logits within LOGIT_TOL), and to the oracle's full-forward greedy
     unless the oracle reports a DSA tie (module docstring).
     """
     m, ref = models(name), _ref(oracle_dir, name)
     hf = None
     ties = False
-    if name == "glm_moe_dsa":
+    if name in DSA_NAMES:
         summary = json.loads((oracle_dir / f"{name}.ref.json").read_text())
         margin = summary.get("dsa_min_boundary_margin_all_forwards", 0.0)
         ties = not margin > TIE_EPS
@@ -265,9 +266,9 @@ def test_f32_decode_after_prefill_equals_full_forward(
     print(f"{name}: decode vs full max diff {worst:.2e}; DSA tie flips that cut the check: {flips}")
 
 
-def test_f32_dsa_selections_match_oracle(oracle_dir: Path, models: Any) -> None:
+@pytest.mark.parametrize("name", DSA_NAMES)
+def test_f32_dsa_selections_match_oracle(name: str, oracle_dir: Path, models: Any) -> None:
     """Indexer selections vs the oracle's, margin-aware (a difference needs a gap < TIE_EPS)."""
-    name = "glm_moe_dsa"
     m, ref = models(name), _ref(oracle_dir, name)
     topk = m.config.index_topk
     n_layers = m.config.num_hidden_layers
