@@ -45,6 +45,18 @@ def test_convert_doctor_run(name: str, oracle_dir: Path, tmp_path: Path) -> None
     r = coli("doctor", "--model", str(out), home=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "FAIL" not in r.stdout and f"PASS config     {name}" in r.stdout
+    r = coli("info", "--model", str(out), "--json", home=tmp_path)
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["model_type"] == name and info["routed_experts_per_layer"] > 0
+    r = coli("plan", "--model", str(out), "--ram", "8MiB", "--json", home=tmp_path)
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    cfg = json.loads((out / "config.json").read_text())
+    if name != "deepseek_v32":  # grouped-query: K and V of every KV head, float32
+        heads = cfg["num_key_value_heads"]
+        hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        assert plan["kv_bytes_per_token"] == 4 * cfg["num_hidden_layers"] * 2 * heads * hd
     r = coli("run", "--model", str(out), "--raw", "-n", "8", "The quick brown fox", home=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "8 tokens" in r.stderr

@@ -246,7 +246,8 @@ def streamed_reference(containers: Any) -> dict[str, Any]:
 
 @pytest.mark.parametrize(
     ("lru", "prefetch", "reader"),
-    [(0, "auto", "threads"), (0, "on", "uring"), (2, "off", "buffered"), (2, "on", "threads")],
+    [(lru, p, "threads") for lru in (0, 2) for p in ("auto", "on", "off")]
+    + [(0, "on", "uring"), (2, "auto", "buffered")],
 )
 def test_streaming_does_not_change_output(
     streamed_reference: dict[str, Any],

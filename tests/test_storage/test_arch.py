@@ -58,3 +58,86 @@ def test_plain_mla_has_no_indexer_anywhere() -> None:
     arch = ArchConfig.from_dict(cfg)
     assert not any(arch.has_indexer(i) for i in range(arch.total_layers))
     assert optional_tensors(arch) == frozenset()
+
+
+# ----------------------------------------------------------------------------- GQA families
+
+
+def _gqa(model_type: str, **over: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = dict(
+        model_type=model_type, hidden_size=64, vocab_size=100, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
+        moe_intermediate_size=32, num_experts_per_tok=2, rope_parameters={"rope_theta": 1e4},
+    )  # fmt: skip
+    cfg.update(over)
+    return cfg
+
+
+def test_mixtral_names_map_to_canonical_projections() -> None:
+    from storage.arch import classify
+
+    arch = ArchConfig.from_dict(_gqa("mixtral", num_local_experts=4))
+    assert arch.n_routed_experts == 4 and arch.moe_intermediate_size == 48  # intermediate_size
+    role = classify("model.layers.1.block_sparse_moe.experts.3.w3.weight", arch)
+    assert role is not None and (role.role, role.proj, role.expert) == ("expert", "up_proj", 3)
+    assert role.shape == (48, 64)
+    down = classify("model.layers.1.block_sparse_moe.experts.3.w2.weight", arch)
+    assert down is not None and (down.proj, down.shape) == ("down_proj", (64, 48))
+    assert classify("model.layers.1.block_sparse_moe.experts.4.w1.weight", arch) is None
+    gate = classify("model.layers.0.block_sparse_moe.gate.weight", arch)
+    assert gate is not None and (gate.role, gate.shape) == ("f32", (4, 64))
+    k = classify("model.layers.0.self_attn.k_proj.weight", arch)
+    assert k is not None and k.shape == (2 * 16, 64)  # 2 KV heads x head_dim 16
+    names = set(expected_tensors(arch))
+    assert "model.layers.2.block_sparse_moe.experts.0.w1.weight" in names
+    assert not any("q_norm" in n or "e_score" in n for n in names)
+    assert arch.kv_floats_per_token == 3 * 2 * 2 * 16
+
+
+def test_qwen3_dense_layers_and_norms() -> None:
+    arch = ArchConfig.from_dict(_gqa("qwen3_moe", num_experts=8, mlp_only_layers=[1], head_dim=24))
+    assert [arch.is_moe_layer(i) for i in range(3)] == [True, False, True]
+    assert arch.head_dim == 24 and arch.qk_norm == "head"
+    names = set(expected_tensors(arch))
+    assert "model.layers.1.mlp.gate_proj.weight" in names
+    assert "model.layers.0.self_attn.q_norm.weight" in names
+    step = ArchConfig.from_dict(_gqa("qwen3_moe", num_experts=8, decoder_sparse_step=2))
+    assert [step.is_moe_layer(i) for i in range(3)] == [False, True, False]
+
+
+def test_gqa_rope_and_router_choices() -> None:
+    from runtime.models.glm4_moe import Glm4MoeConfig
+    from runtime.models.minimax_m2 import MiniMaxM2Config
+    from runtime.models.mixtral import MixtralConfig
+    from runtime.models.olmoe import OlmoeConfig
+
+    glm = Glm4MoeConfig.from_dict(_gqa("glm4_moe", n_routed_experts=8, routed_scaling_factor=2.0))
+    assert glm.rotary_dim == 8  # head_dim 16 x the 0.5 GLM-4.5 assumes when config.json omits it
+    assert glm.router.scoring == "sigmoid" and glm.router.routed_scaling_factor == 2.0
+    assert (
+        glm.qk_norm == "none"
+        and ArchConfig.from_dict(_gqa("glm4_moe", n_routed_experts=8, use_qk_norm=True)).qk_norm
+        == "head"
+    )
+    mm = MiniMaxM2Config.from_dict(_gqa("minimax_m2", num_local_experts=8, rotary_dim=4,
+                                        routed_scaling_factor=2.0))  # fmt: skip
+    assert mm.rotary_dim == 4 and mm.qk_norm == "full"
+    assert mm.router.norm_topk_prob and mm.router.routed_scaling_factor == 1.0  # not applied
+    assert mm.router.norm_eps == 0.0
+    mix = MixtralConfig.from_dict(_gqa("mixtral", num_local_experts=4, norm_topk_prob=False))
+    assert mix.router.scoring == "softmax" and mix.router.norm_topk_prob  # always renormalised
+    assert not OlmoeConfig.from_dict(_gqa("olmoe", num_experts=4)).router.norm_topk_prob
+    with pytest.raises(ConfigError, match="sliding-window"):
+        MixtralConfig.from_dict(_gqa("mixtral", num_local_experts=4, sliding_window=4096))
+    with pytest.raises(ConfigError, match="multiple of num_key_value_heads"):
+        ArchConfig.from_dict(_gqa("olmoe", num_experts=4, num_key_value_heads=3))
+
+
+def test_kv_file_header_versions() -> None:
+    from storage.kvfile import KVHeader
+
+    v2 = KVHeader(3, 32, 32, 0, 0, 100, 5, 9, layout="gqa")
+    raw = v2.pack()
+    assert raw[:8] == b"COLIKV2\0" and KVHeader.unpack(raw) == v2
+    v1 = KVHeader(3, 64, 16, 0, 0, 100, 5, 9)
+    assert v1.pack()[:8] == b"COLIKV1\0" and KVHeader.unpack(v1.pack()).layout == "mla"
