@@ -612,10 +612,13 @@ def _run(
         _write_state(dst, rec, source.identity, plans, done)
 
     for name in source.side_files:
-        try:
-            data = (source.root / name).read_bytes()
-        except OSError as exc:
-            raise ConversionError(f"{source.root / name}: cannot read: {exc}") from exc
+        if name == "config.json" and source.config is not None:  # an unwrapped text model's
+            data = (json.dumps(source.config, indent=2, sort_keys=True) + "\n").encode()
+        else:
+            try:
+                data = (source.root / name).read_bytes()
+            except OSError as exc:
+                raise ConversionError(f"{source.root / name}: cannot read: {exc}") from exc
         atomic_write_bytes(dst / name, data)
 
     arch = catalog.arch

@@ -48,9 +48,34 @@ _FLOAT_INPUTS = ("F32", "BF16", "F16", "F64")
 class _Source:
     root: Path
     arch: ArchConfig
-    tensors: dict[str, TensorInfo]
+    tensors: dict[str, TensorInfo]  # container name -> where the source holds it
     identity: SourceIdentity
     side_files: tuple[str, ...]
+    config: dict[str, Any] | None = None  # the config.json to write, when not the source's
+    notes: tuple[str, ...] = ()
+
+
+# Multimodal wrappers whose text model is a supported family: model_type -> (the key of the text
+# model's config, the prefix of its tensor names). Kimi K2.5: a kimi_k2 (DeepSeek-V3 layout)
+# language model beside a vision tower, which the container leaves out.
+WRAPPERS: dict[str, tuple[str, str]] = {"kimi_k25": ("text_config", "language_model.")}
+
+
+def _unwrap(cfg: dict[str, Any], where: Path) -> tuple[dict[str, Any], str] | None:
+    """(the text model's config, its tensor prefix) for a wrapper config, else None."""
+    wrap = WRAPPERS.get(str(cfg.get("model_type")))
+    if wrap is None:
+        return None
+    key, prefix = wrap
+    text = cfg.get(key)
+    if not isinstance(text, dict):
+        raise ConversionError(f"{where}: a {cfg['model_type']} config needs a {key!r} object")
+    text = dict(text)
+    text.setdefault("model_type", "kimi_k2")
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if k not in text and cfg.get(k) is not None:
+            text[k] = cfg[k]
+    return text, prefix
 
 
 def read_json_object(path: Path, hint: str = "") -> dict[str, Any]:
@@ -72,6 +97,11 @@ def _load_source(src: Path) -> _Source:
     if not cfg_path.is_file():
         raise ConversionError(f"{cfg_path}: missing; SRC must be a Hugging Face checkpoint dir")
     cfg = read_json_object(cfg_path)
+    unwrapped = _unwrap(cfg, cfg_path)
+    prefix = ""
+    if unwrapped is not None:
+        wrapper = str(cfg["model_type"])
+        cfg, prefix = unwrapped
     try:
         arch = ArchConfig.from_dict(cfg, str(cfg_path))
     except ConfigError as exc:
@@ -95,7 +125,15 @@ def _load_source(src: Path) -> _Source:
             tensors[name] = info
     ident_files = [cfg_path, *([src / INDEX_NAME] if (src / INDEX_NAME).exists() else []), *files]
     side = tuple(n for n in SIDE_FILES if (src / n).is_file())
-    return _Source(src, arch, tensors, _fingerprint(src, ident_files), side)
+    if unwrapped is None:
+        return _Source(src, arch, tensors, _fingerprint(src, ident_files), side)
+    text = {n[len(prefix) :]: info for n, info in tensors.items() if n.startswith(prefix)}
+    left = len(tensors) - len(text)
+    note = (
+        f"{wrapper}: converted its text model ({arch.model_type}, tensors under {prefix!r}); "
+        f"{left} other tensor(s) (vision tower, projector) are left out"
+    )
+    return _Source(src, arch, text, _fingerprint(src, ident_files), side, cfg, (note,))
 
 
 def _shard_files(src: Path) -> list[Path]:
@@ -231,7 +269,7 @@ def _build_catalog(source: _Source, options: ConvertOptions) -> _Catalog:
         items.append(_Item(name, tensors[name], None, None, int(m.group(1)) if m else None))
         unknown.append(name)
 
-    notes: list[str] = []
+    notes: list[str] = list(source.notes)
     missing = [n for n in expected_tensors(arch) if n not in tensors]
     optional = optional_tensors(arch)
     if optional and set(missing) == optional:  # an MTP layer without its (optional) indexer

@@ -127,3 +127,40 @@ def test_server_kv_slot_prefix_reuse_and_brain_on_a_gqa_model(
         again.stop()
     assert st2["prompt_tokens_reused"] > st1["prompt_tokens_reused"]
     assert text2 == fresh and text1
+
+
+def test_kimi_k25_text_model_is_unwrapped(oracle_dir: Path, tmp_path: Path) -> None:
+    """A Kimi K2.5-shaped checkpoint (``model_type: kimi_k25``, the DeepSeek-V3-layout text model
+    under ``language_model.`` and its config in ``text_config``, beside a vision tower) converts
+    to a ``kimi_k2`` container whose logits are the DeepSeek-V3 oracle's."""
+    import numpy as np
+    from safetensors.torch import load_file, save_file
+
+    from runtime.models import load_model
+    from storage.container import Container
+
+    src = tmp_path / "k25"
+    shutil.copytree(oracle_dir / "deepseek_v3", src)
+    text = json.loads((src / "config.json").read_text())
+    text["model_type"] = "kimi_k2"
+    wrapper = {"model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"],
+               "text_config": text, "vision_config": {"hidden_size": 8}}  # fmt: skip
+    (src / "config.json").write_text(json.dumps(wrapper))
+    tensors = load_file(str(src / "model.safetensors"))
+    wrapped = {f"language_model.{k}": v for k, v in tensors.items()}
+    wrapped["vision_tower.patch_embed.weight"] = next(iter(tensors.values())).clone()
+    save_file(wrapped, str(src / "model.safetensors"), metadata={"format": "pt"})
+    out = tmp_path / "model"
+    f32 = ("--experts", "f32", "--dense", "f32", "--io", "f32", "--mtp", "f32")
+    r = coli("convert", str(src), str(out), *f32, home=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "kimi_k25: converted its text model (kimi_k2" in r.stdout + r.stderr
+    assert json.loads((out / "config.json").read_text())["model_type"] == "kimi_k2"
+    assert coli("doctor", "--model", str(out), home=tmp_path).returncode == 0
+    c = Container.open(out)
+    assert not any(n.startswith(("vision_tower", "language_model")) for n in c.names())
+    ref = np.load(oracle_dir / "deepseek_v3.ref.npz")
+    m = load_model(c)
+    got = m.forward(ref["prompt_2"], m.new_cache()).logits
+    np.testing.assert_array_equal(got.argmax(1), ref["logits_2"].argmax(1))
+    assert np.abs(got - ref["logits_2"]).max() <= 1e-3
