@@ -19,7 +19,7 @@ from storage.usage import load_usage
 
 pytestmark = pytest.mark.reliability
 
-TRIES = 12
+TRIES = 30
 # From the signal to the exit. One second is the aim on a quiet machine; CI machines are loaded
 # (the signal may land in a numba compile or a cold import), so the bound here is looser.
 EXIT_WITHIN_S = 5.0
