@@ -309,6 +309,8 @@ def _hint_for(exc: ColibriError) -> str | None:
         return "see `coli convert --help`"
     if isinstance(exc, ContainerError):
         return "pass --model DIR pointing at a converted model, or omit it for the demo model"
+    if str(exc).startswith("no colibri server answers"):
+        return "start one with `coli serve`, or point --url at it"
     if "RAM budget" in str(exc) and "too small" in str(exc):
         return "`coli plan --ram SIZE` shows how a budget splits and the smallest that works"
     return None
@@ -1147,6 +1149,94 @@ def info(model: Path | None, as_json: bool) -> None:
     else:
         for k, v in data.items():
             click.echo(f"{k:26} {_human(k, v)}")
+
+
+@main.command(name="list")
+@click.argument("paths", nargs=-1, type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True)
+def list_cmd(paths: tuple[Path, ...], as_json: bool) -> None:
+    """Models on this machine: each PATH is a model dir or a directory of them (default: the
+    bundled demo model and --model / COLI_MODEL), with the state the engine keeps for each
+    (learned routing, KV slot files) and the state dirs of models not listed."""
+    from colibri._inventory import list_models, orphan_state_dirs
+    from storage.units import format_bytes
+
+    roots = list(paths)
+    if not roots:
+        env_model = env_defaults().get("model")
+        roots = [default_model_path(), *([Path(env_model)] if env_model else [])]
+    models = list_models(roots)
+    orphans = orphan_state_dirs(models)
+    if as_json:
+        out = {
+            "models": [m.as_dict() for m in models],
+            "other_state_dirs": [
+                {"path": str(d.path), "usage": d.usage, "kv_files": d.kv_files} for d in orphans
+            ],
+        }
+        click.echo(json.dumps(out, indent=2))
+        return
+    if not models:
+        click.echo("no model directories (a directory with config.json) under " +
+                   ", ".join(str(r) for r in roots))  # fmt: skip
+    for m in models:
+        kind = "container" if m.converted else "HF checkpoint"
+        state = m.state.describe() if m.state is not None else "never run"
+        click.echo(
+            f"{m.path}\n    {m.model_type}, {m.layers} layers x {m.experts} experts, "
+            f"{format_bytes(m.shard_bytes)} ({kind}); state: {state}"
+        )
+    if orphans:
+        click.echo("state dirs of models not listed:")
+        for d in orphans:
+            kv = f", {format_bytes(d.kv_bytes)}" if d.kv_files else ""
+            click.echo(f"    {d.path}: {d.describe()}{kv}")
+
+
+@main.command()
+@click.option("--url", default="http://127.0.0.1:8000", show_default=True,
+              help="The coli serve to ask.")  # fmt: skip
+@click.option("--api-key", default=None, help="Its API key, if it was started with one.")
+@click.option("--json", "as_json", is_flag=True)
+def ps(url: str, api_key: str | None, as_json: bool) -> None:
+    """What a running `coli serve` has loaded: model, queue, KV slots and expert tiers."""
+    from colibri._inventory import server_status
+    from storage.units import format_bytes
+
+    st = server_status(url, api_key)
+    if as_json:
+        click.echo(json.dumps(st, indent=2))
+        return
+    q, ex = st["queue"], st["engine"]["experts"]
+    click.echo(f"server     {st['url']}  model {st['model']}, context {st['context_length']}")
+    click.echo(
+        f"queue      {q['running']} running, {q['waiting']} waiting "
+        f"(parallel {q['parallel']}, queue limit {q['limit']})"
+    )
+    if ex.get("mode") == "streaming":
+        hit = ex.get("hit_rate")
+        click.echo(
+            f"experts    streaming: {ex.get('pinned', 0)} pinned + "
+            f"{ex.get('lru_slots_per_layer', 0)} cache slots per layer, hit rate "
+            + ("-" if hit is None else f"{100 * hit:.1f} %")
+            + f", {format_bytes(ex.get('bytes_read', 0))} read"
+        )
+    else:
+        click.echo(f"experts    {ex.get('mode', '?')} (every expert in RAM)")
+    eng = st["engine"]
+    click.echo(
+        f"tokens     {eng.get('prompt_tokens', 0)} prompt ({eng.get('prompt_tokens_reused', 0)} "
+        f"reused from cache), {eng.get('generated_tokens', 0)} generated"
+    )
+    slots = st["slots"]
+    if not slots:
+        click.echo("slots      none (--kv-slots 0)")
+    for s in slots:
+        busy = ", busy" if s["busy"] else ""
+        click.echo(
+            f"slot {s['slot']:<5} {s['tokens']} tokens ({s['persisted_tokens']} persisted, "
+            f"{s['turns']} turns{busy})"
+        )
 
 
 def _parameters(c: Any, moe_layers: int) -> dict[str, int]:

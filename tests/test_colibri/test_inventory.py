@@ -1,0 +1,80 @@
+"""`coli list` (models and their state dirs, nothing loaded) and `coli ps` (a running server's
+model, queue, slots and tiers through its API), as real subprocesses against a real server."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+from _demo import demo_model
+from _serve import Server
+
+
+def coli(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COLI_")}
+    return subprocess.run(
+        [sys.executable, "-m", "colibri.cli", *args],
+        capture_output=True,
+        text=True,
+        env={**env, "HOME": str(home)},
+        timeout=300,
+    )
+
+
+def test_list_shows_models_and_their_state(tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    shutil.copytree(demo_model(), models / "glm")
+    (models / "notes").mkdir()  # not a model: skipped
+    r = coli("list", str(models), "--json", home=tmp_path)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    [entry] = got["models"]
+    assert entry["model_type"] == "glm_moe_dsa" and entry["converted"]
+    assert entry["state_dir"] is None and entry["shard_bytes"] > 0
+    # after a run the engine keeps learned routing in the model's state dir
+    run = coli("run", "--model", str(models / "glm"), "-n", "4", "Hello", home=tmp_path)
+    assert run.returncode == 0, run.stderr
+    stray = tmp_path / ".cache" / "colibri" / "gone-12345678"
+    stray.mkdir(parents=True)
+    (stray / ".coli_kv.0").write_bytes(b"x" * 100)
+    r = coli("list", str(models), home=tmp_path)
+    assert r.returncode == 0, r.stderr
+    cfg = json.loads((models / "glm" / "config.json").read_text())
+    shape = f"{cfg['num_hidden_layers']} layers x {cfg['n_routed_experts']} experts"
+    assert f"{models / 'glm'}\n    glm_moe_dsa, {shape}" in r.stdout
+    assert "(container); state: usage" in r.stdout
+    assert f"{stray}: no usage yet, 1 KV file(s), 100 B" in r.stdout
+    bad = coli("list", str(tmp_path / "nope"), home=tmp_path)
+    assert bad.returncode == 1 and "not a directory" in bad.stderr
+
+
+def test_ps_reports_what_a_server_holds(tmp_path: Path) -> None:
+    r = coli("ps", "--url", "http://127.0.0.1:9", home=tmp_path)
+    assert r.returncode == 1 and "no colibri server answers" in r.stderr
+    assert "hint: start one with `coli serve`" in r.stderr
+    srv = Server(tmp_path, "--api-key", "k1", "--kv-slots", "2", "--ram", "4600KiB").wait_ready()
+    try:
+        name = httpx.get(srv.url + "/health", timeout=10).json()["model"]
+        body = {"model": name, "prompt": "w5 w6", "max_tokens": 3, "cache_slot": 1}
+        done = httpx.post(srv.url + "/v1/completions", json=body, timeout=60,
+                          headers={"authorization": "Bearer k1"})  # fmt: skip
+        assert done.status_code == 200, done.text
+        denied = coli("ps", "--url", srv.url, home=tmp_path)
+        r = coli("ps", "--url", srv.url, "--api-key", "k1", home=tmp_path)
+        j = coli("ps", "--url", srv.url, "--api-key", "k1", "--json", home=tmp_path)
+    finally:
+        srv.stop()
+    assert denied.returncode == 1 and "needs an API key" in denied.stderr
+    assert r.returncode == 0, r.stderr
+    assert f"server     {srv.url}  model {name}" in r.stdout
+    assert "experts    streaming:" in r.stdout and "hit rate" in r.stdout
+    assert "slot 0     0 tokens" in r.stdout
+    slot1 = next(line for line in r.stdout.splitlines() if line.startswith("slot 1"))
+    assert "0 tokens" not in slot1 and "1 turns" in slot1
+    st = json.loads(j.stdout)
+    assert st["slots"][1]["tokens"] > 0 and st["engine"]["experts"]["mode"] == "streaming"
