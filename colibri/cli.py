@@ -278,7 +278,13 @@ class _Group(click.Group):
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
-            return super().invoke(ctx)
+            out = super().invoke(ctx)
+            if _PROGRAM and threading.current_thread() is threading.main_thread():
+                # the work is done: a signal from now on exits at once with the shell's status
+                # (in interpreter teardown it would become a signal death)
+                signal.signal(signal.SIGINT, _exit_now)
+                signal.signal(signal.SIGTERM, _exit_now)
+            return out
         except ColibriError as exc:
             if ctx.obj and ctx.obj.get("debug"):
                 raise
@@ -601,7 +607,9 @@ def serve(
         from colibri._logging import configure_logging
 
         configure_logging(obj.get("log_format", "console"), logging.INFO)
-    anyio.run(lambda: run_server(config, opts, web=web), backend="asyncio")
+    stopped_by = anyio.run(lambda: run_server(config, opts, web=web), backend="asyncio")
+    if stopped_by is not None:  # closed cleanly after Ctrl-C / SIGTERM: say so in the status
+        raise SystemExit(128 + stopped_by)
 
 
 # ---------------------------------------------------------------------------- web

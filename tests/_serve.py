@@ -27,7 +27,14 @@ def _free_port() -> int:
 class Server:
     """A ``coli serve`` subprocess on a free loopback port."""
 
-    def __init__(self, log_dir: Path, *args: str, model: Path | None = None) -> None:
+    def __init__(
+        self,
+        log_dir: Path,
+        *args: str,
+        model: Path | None = None,
+        command: str = "serve",
+        home: Path | None = None,
+    ) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log_dir / f"serve-{self.port}.log"
@@ -35,9 +42,11 @@ class Server:
             "COLI_MODEL": str(model or demo_model())
         }
         env["OMP_WAIT_POLICY"] = "PASSIVE"
+        if home is not None:
+            env["HOME"] = str(home)
         with open(self.log, "wb") as fh:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "colibri.cli", "serve", "--port", str(self.port), *args],
+                [sys.executable, "-m", "colibri.cli", command, "--port", str(self.port), *args],
                 cwd=ROOT,
                 env=env,
                 stdout=fh,

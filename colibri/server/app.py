@@ -392,7 +392,15 @@ async def create_app(
 
 class _Server(uvicorn.Server):
     """uvicorn without its signal re-raise: SIGINT/SIGTERM end ``serve()`` gracefully and the
-    engine then closes normally (usage saved, reads drained)."""
+    engine then closes normally (usage saved, reads drained); ``stopped_by`` keeps the signal
+    for the exit status (130 / 143)."""
+
+    stopped_by: int | None = None
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.stopped_by is None:
+            self.stopped_by = sig
+        super().handle_exit(sig, frame)
 
     @contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
@@ -415,9 +423,12 @@ class _Server(uvicorn.Server):
             print(f"colibri: serving on http://{host}:{cfg.port}", file=sys.stderr, flush=True)
 
 
-async def serve(config: ServerConfig, options: EngineOptions, *, web: bool = False) -> None:
+async def serve(
+    config: ServerConfig, options: EngineOptions, *, web: bool = False
+) -> int | None:
     """Open the engine, build the app and serve until SIGINT/SIGTERM (asyncio only: uvicorn);
-    ``web``: with the dashboard at ``/``."""
+    ``web``: with the dashboard at ``/``. Returns the signal that stopped it (None: stopped
+    otherwise). In-flight requests get one second to finish, then they are cancelled."""
     check_bind(config.host, config.keys[0] if config.keys else None)
     sock = _listen(config.host, config.port)  # before the (long) model load: fail fast
     async with Engine.open(options=options) as engine:
@@ -431,15 +442,17 @@ async def serve(config: ServerConfig, options: EngineOptions, *, web: bool = Fal
             access_log=False,
             server_header=False,
             ws="none",
-            timeout_graceful_shutdown=5,
+            timeout_graceful_shutdown=1,
             http=guarded_protocol(config.header_timeout),
             timeout_keep_alive=config.keep_alive_timeout,
         )
         async with anyio.create_task_group() as tg:
             if config.stats_interval > 0:
                 tg.start_soon(_throughput_lines, app.state.colibri, config.stats_interval)
-            await _Server(uv).serve(sockets=[sock])
+            server = _Server(uv)
+            await server.serve(sockets=[sock])
             tg.cancel_scope.cancel()
+    return server.stopped_by
 
 
 async def _throughput_lines(st: AppState, interval: float) -> None:

@@ -94,3 +94,114 @@ def test_sigterm_exits_143_cleanly(tmp_path: Path) -> None:
     assert code == 143, (code, err[-3000:])
     assert "Traceback" not in err, err[-3000:]
     assert took < EXIT_WITHIN_S
+
+
+# ----------------------------------------------------------------------------- serve, web
+
+
+@pytest.mark.parametrize(("command", "sig"), [("serve", signal.SIGINT), ("web", signal.SIGTERM)])
+def test_server_stops_on_a_signal_with_a_generation_in_flight(
+    tmp_path: Path, command: str, sig: int
+) -> None:
+    """`coli serve` / `coli web` with a long streaming answer in flight: one signal ends the
+    process with 130 / 143, quickly, no traceback; its slot file and usage stay loadable."""
+    import threading
+
+    import httpx
+    from _serve import Server
+
+    from storage.kvfile import read_header
+
+    home = tmp_path / "home"
+    home.mkdir()
+    kv = tmp_path / "kv"
+    args = ("--ram", str(budget_for_lru(TINY, 1)), "--kv-slots", "1", "--kv-dir", str(kv))
+    srv = Server(tmp_path, *args, model=TINY, command=command, home=home)
+    try:
+        srv.wait_ready()
+        name = httpx.get(srv.url + "/health", timeout=10).json()["model"]
+        first = {"model": name, "prompt": "a bird", "max_tokens": 4, "cache_slot": 0}
+        assert httpx.post(srv.url + "/v1/completions", json=first, timeout=60).status_code == 200
+        got: list[str] = []
+
+        def stream() -> None:
+            body = {"model": name, "prompt": "a story", "max_tokens": 500, "stream": True,
+                    "ignore_eos": True}  # fmt: skip
+            try:
+                with httpx.stream("POST", srv.url + "/v1/completions", json=body,
+                                  timeout=60) as r:  # fmt: skip
+                    for line in r.iter_lines():
+                        got.append(line)
+            except httpx.HTTPError:
+                pass  # the server went away mid-answer: expected
+
+        t = threading.Thread(target=stream, daemon=True)
+        t.start()
+        deadline = time.monotonic() + 60
+        while len(got) < 5 and time.monotonic() < deadline and t.is_alive():
+            time.sleep(0.05)
+        assert len(got) >= 5, "the streaming answer never started"
+        srv.proc.send_signal(sig)
+        t0 = time.perf_counter()
+        srv.proc.wait(60)
+        took = time.perf_counter() - t0
+    finally:
+        srv.stop()
+    log = srv.log_text()
+    assert srv.proc.returncode == 128 + sig, (srv.proc.returncode, log)
+    assert "Traceback" not in log and "ExceptionGroup" not in log, log
+    assert took < EXIT_WITHIN_S, (took, log)
+    h = read_header(kv / ".coli_kv.0")  # the finished turn was persisted and is whole
+    assert h.n_records > 0
+    c = Container.open(TINY)
+    for path in (home / ".cache" / "colibri").glob("*/.coli_usage"):
+        assert load_usage(path, c.arch.total_layers, c.arch.n_routed_experts, "colibri-py-1")
+
+
+# ----------------------------------------------------------------------------- convert
+
+
+def _big_checkpoint(root: Path) -> None:
+    from convert_helpers import make_checkpoint, tiny_config
+
+    cfg = tiny_config(
+        hidden_size=256, moe_intermediate_size=256, n_routed_experts=48, num_hidden_layers=3
+    )
+    make_checkpoint(root, cfg, n_shards=4)
+
+
+def test_convert_sigint_at_random_moments_then_resume_is_identical(tmp_path: Path) -> None:
+    """Ctrl-C during `coli convert`: exit 130 at once, no traceback; the next run resumes and
+    the container is byte-identical to one converted without interruption."""
+    src = tmp_path / "src"
+    _big_checkpoint(src)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COLI_")}
+    env["HOME"] = str(tmp_path / "home")
+
+    def convert(dst: Path) -> subprocess.Popen[str]:
+        args = [sys.executable, "-m", "colibri.cli", "convert", str(src), str(dst)]
+        return subprocess.Popen([*args, "--shard-size", "4MiB"], env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+
+    ref = tmp_path / "ref"
+    t0 = time.perf_counter()
+    p = convert(ref)
+    assert p.wait(300) == 0, p.communicate()[1]
+    whole = time.perf_counter() - t0
+    rng = random.Random(3)
+    interrupted = 0
+    for k in range(3):
+        dst = tmp_path / f"out{k}"
+        p = convert(dst)
+        time.sleep(rng.uniform(0.2 * whole, 0.8 * whole))
+        code, took, err = _signal_and_wait(p, signal.SIGINT)
+        assert code in (130, 0), (code, err[-3000:])
+        assert "Traceback" not in err, err[-3000:]
+        assert took < EXIT_WITHIN_S, took
+        interrupted += code == 130
+        again = convert(dst)
+        assert again.wait(300) == 0, again.communicate()[1]
+        for f in sorted(ref.iterdir()):
+            if f.name.endswith(".safetensors"):
+                assert f.read_bytes() == (dst / f.name).read_bytes(), f.name
+    assert interrupted >= 2, "the signal never landed during the conversion"
