@@ -423,9 +423,7 @@ class _Server(uvicorn.Server):
             print(f"colibri: serving on http://{host}:{cfg.port}", file=sys.stderr, flush=True)
 
 
-async def serve(
-    config: ServerConfig, options: EngineOptions, *, web: bool = False
-) -> int | None:
+async def serve(config: ServerConfig, options: EngineOptions, *, web: bool = False) -> int | None:
     """Open the engine, build the app and serve until SIGINT/SIGTERM (asyncio only: uvicorn);
     ``web``: with the dashboard at ``/``. Returns the signal that stopped it (None: stopped
     otherwise). In-flight requests get one second to finish, then they are cancelled."""
