@@ -685,14 +685,59 @@ def atlas(
 # ---------------------------------------------------------------------------- convert
 
 
+def _format_options(fn: F) -> F:
+    """The storage format flags `coli convert` and `coli pull` share."""
+    flags = [
+        (("--experts",), "Routed experts format (default int4-g64)."),
+        (("--dense",), "Dense matrices format (default int4-g64)."),
+        (("--io", "io_fmt"), "embed_tokens/lm_head format (default int8)."),
+        (("--mtp",), "MTP layer format (default int8)."),
+        (("--shard-size",), "Target output shard size, e.g. 2GiB."),
+    ]
+    for names, text in reversed(flags):
+        fn = click.option(*names, default=None, help=text)(fn)
+    return fn
+
+
+def _convert_options(
+    experts: str | None, dense: str | None, io_fmt: str | None, mtp: str | None,
+    shard_size: str | None,
+) -> Any:  # fmt: skip
+    from colibri._config import parse_bytes
+    from storage.convert import DEFAULTS, ConvertOptions
+
+    given = {"experts": experts, "dense": dense, "io": io_fmt, "mtp": mtp}
+    fields: dict[str, object] = {k: v for k, v in given.items() if v}
+    if shard_size:
+        fields["shard_size"] = parse_bytes(shard_size)
+    return ConvertOptions(**{**DEFAULTS.__dict__, **fields}) if fields else DEFAULTS
+
+
+@contextlib.contextmanager
+def _byte_bar(first: str) -> Iterator[Callable[[int, int | None, str], None]]:
+    """A rich progress bar on a TTY (nothing otherwise): ``update(done, total, message)``."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TimeRemainingColumn(),
+        transient=not sys.stderr.isatty(),
+        disable=not sys.stderr.isatty(),
+    ) as bar:
+        task = bar.add_task(first, total=None)
+
+        def update(done: int, total: int | None, message: str) -> None:
+            bar.update(task, completed=done, total=total, description=message[:40])
+
+        yield update
+
+
 @main.command()
 @click.argument("src", type=click.Path(path_type=Path))
 @click.argument("dst", type=click.Path(path_type=Path))
-@click.option("--experts", default=None, help="Routed experts format (default int4-g64).")
-@click.option("--dense", default=None, help="Dense matrices format (default int4-g64).")
-@click.option("--io", "io_fmt", default=None, help="embed_tokens/lm_head format (default int8).")
-@click.option("--mtp", default=None, help="MTP layer format (default int8).")
-@click.option("--shard-size", default=None, help="Target output shard size, e.g. 2GiB.")
+@_format_options
 @click.option("--force", is_flag=True, help="Discard a partial conversion in DST and start over.")
 def convert(
     src: Path,
@@ -705,34 +750,60 @@ def convert(
     force: bool,
 ) -> None:
     """Convert a Hugging Face checkpoint SRC into a colibri container DST (resumable)."""
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
-
-    from storage.convert import DEFAULTS, ConvertOptions
     from storage.convert import convert as do_convert
 
-    base = DEFAULTS
-    from colibri._config import parse_bytes
-
-    given = {"experts": experts, "dense": dense, "io": io_fmt, "mtp": mtp}
-    fields: dict[str, object] = {k: v for k, v in given.items() if v}
-    if shard_size:
-        fields["shard_size"] = parse_bytes(shard_size)
-    options = ConvertOptions(**{**base.__dict__, **fields}) if fields else base
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        DownloadColumn(),
-        TimeRemainingColumn(),
-        transient=not sys.stderr.isatty(),
-        disable=not sys.stderr.isatty(),
-    ) as bar:
-        task = bar.add_task("converting", total=None)
-
-        def progress(done: int, total: int, message: str) -> None:
-            bar.update(task, completed=done, total=total, description=message[:40])
-
-        result = do_convert(src, dst, options, force=force, progress=progress)
+    options = _convert_options(experts, dense, io_fmt, mtp, shard_size)
+    with _byte_bar("converting") as update:
+        result = do_convert(src, dst, options, force=force, progress=update)
     click.echo(str(result))
+
+
+@main.command()
+@click.argument("repo_id")
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--revision", default=None, help="Branch, tag or commit (default: main).")
+@click.option(
+    "--endpoint",
+    default=None,
+    help="Another hub (a mirror); default https://huggingface.co or HF_ENDPOINT.",
+)
+@_format_options
+def pull(
+    repo_id: str,
+    out: Path,
+    revision: str | None,
+    endpoint: str | None,
+    experts: str | None,
+    dense: str | None,
+    io_fmt: str | None,
+    mtp: str | None,
+    shard_size: str | None,
+) -> None:
+    """Download Hugging Face model REPO_ID into the colibri container OUT, converting each
+    shard as it lands (the source is never on disk whole; resumable). A repository that is a
+    colibri container already is downloaded and verified. A token comes from HF_TOKEN."""
+    from colibri.pull import pull as do_pull
+
+    options = _convert_options(experts, dense, io_fmt, mtp, shard_size)
+    import structlog
+
+    log = structlog.get_logger("colibri.pull")
+    with _byte_bar("listing") as update:
+
+        def report(done: int, total: int | None, message: str) -> None:
+            update(done, total, message)
+            if total is None:  # a step (a download, a header), not the byte counter
+                log.info("pull", step=message)
+
+        result = do_pull(repo_id, out, revision=revision, endpoint=endpoint, options=options,
+                         progress=report)  # fmt: skip
+    if result.convert is not None:
+        click.echo(str(result.convert))
+    click.echo(
+        f"{result.out}: {repo_id}@{result.commit[:12]} {result.kind}; source "
+        f"{_binary(result.source_bytes)}, at most {_binary(result.peak_source_bytes)} of it on "
+        "disk at once"
+    )
 
 
 # ---------------------------------------------------------------------------- doctor

@@ -37,7 +37,7 @@ import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -89,6 +89,7 @@ __all__ = [
     "ConvertOptions",
     "ConvertResult",
     "ProgressFn",
+    "SourceFetcher",
     "convert",
     "main",
 ]
@@ -203,8 +204,14 @@ def convert(
     *,
     force: bool = False,
     progress: ProgressFn | None = None,
+    fetch: SourceFetcher | None = None,
+    identity: SourceIdentity | None = None,
 ) -> ConvertResult:
     """Convert the Hugging Face checkpoint in ``src`` into a colibri container in ``dst``.
+
+    ``fetch`` and ``identity`` are for a source whose shards are not all on disk (``coli pull``:
+    headers only until ``fetch.need``); ``identity`` then names the source for resumption in
+    place of the fingerprint of its files.
 
     Resumable: rerunning after an interruption (even SIGKILL) finishes the job and yields the
     same bytes as an uninterrupted run; rerunning a finished conversion is a no-op. A rerun with
@@ -213,7 +220,7 @@ def convert(
     is called as output bytes are produced."""
     report: ProgressFn = progress or _no_progress
     src_p, dst_p = Path(src), Path(dst)
-    source = _load_source(src_p)
+    source = _load_source(src_p, identity)
     if dst_p.resolve() == src_p.resolve():
         raise ConversionError(f"{dst_p}: DST must differ from SRC (the container is a new dir)")
     catalog = _build_catalog(source, options)
@@ -225,7 +232,7 @@ def convert(
     except OSError as exc:
         raise ConversionError(f"{dst_p}: cannot create: {exc.strerror or exc}") from exc
     with _dir_lock(dst_p):
-        return _run(source, catalog, plans, total, rec, dst_p, force, report)
+        return _run(source, catalog, plans, total, rec, dst_p, force, report, fetch)
 
 
 # ----------------------------------------------------------------------------- planning
@@ -254,6 +261,31 @@ class _Unit:
     def estimate(self) -> int:
         pad = 2 * ALIGN if self.expert is not None else 0
         return sum(s.nbytes for s in self.specs()) + pad
+
+
+class SourceFetcher(Protocol):
+    """Brings source shards to disk only while a conversion needs them (``coli pull``): the
+    source directory then holds every shard's header (the catalog is built from them) but the
+    tensor bytes of a shard only between ``need`` and ``release``."""
+
+    def need(self, paths: Sequence[Path]) -> None:
+        """Make these source files whole on disk (the next output shard reads them)."""
+        ...
+
+    def release(self, paths: Sequence[Path]) -> None:
+        """No output shard still to write reads these files."""
+        ...
+
+
+def _source_files(plan: _ShardPlan) -> set[Path]:
+    """The source files whose bytes writing ``plan`` reads."""
+    out: set[Path] = set()
+    for unit in plan.units:
+        for it in unit.items:
+            out.add(it.info.path)
+            if it.scale is not None:
+                out.add(it.scale.path)
+    return out
 
 
 @dataclass(frozen=True)
@@ -526,6 +558,7 @@ def _run(
     dst: Path,
     force: bool,
     report: ProgressFn,
+    fetch: SourceFetcher | None = None,
 ) -> ConvertResult:
     if force:
         _wipe(dst)
@@ -603,10 +636,15 @@ def _run(
     written: list[str] = []
     done_bytes = sum(planned[f].size for f in done)
     report(done_bytes, total, "converting")
-    for p in plans:
-        if p.file in done:
-            continue
+    todo = [p for p in plans if p.file not in done]
+    reads = [_source_files(p) for p in todo]
+    for i, p in enumerate(todo):
+        if fetch is not None:
+            fetch.need(sorted(reads[i]))
         done[p.file] = _write_shard(dst, p, report, done_bytes, total)
+        if fetch is not None:
+            later: set[Path] = set().union(*reads[i + 1 :])
+            fetch.release(sorted(reads[i] - later))
         done_bytes += p.size
         written.append(p.file)
         _write_state(dst, rec, source.identity, plans, done)

@@ -90,7 +90,7 @@ def read_json_object(path: Path, hint: str = "") -> dict[str, Any]:
     return doc
 
 
-def _load_source(src: Path) -> _Source:
+def _load_source(src: Path, identity: SourceIdentity | None = None) -> _Source:
     if not src.is_dir():
         raise ConversionError(f"{src}: source is not a directory (expected a Hugging Face dir)")
     cfg_path = src / "config.json"
@@ -125,15 +125,16 @@ def _load_source(src: Path) -> _Source:
             tensors[name] = info
     ident_files = [cfg_path, *([src / INDEX_NAME] if (src / INDEX_NAME).exists() else []), *files]
     side = tuple(n for n in SIDE_FILES if (src / n).is_file())
+    ident = identity if identity is not None else _fingerprint(src, ident_files)
     if unwrapped is None:
-        return _Source(src, arch, tensors, _fingerprint(src, ident_files), side)
+        return _Source(src, arch, tensors, ident, side)
     text = {n[len(prefix) :]: info for n, info in tensors.items() if n.startswith(prefix)}
     left = len(tensors) - len(text)
     note = (
         f"{wrapper}: converted its text model ({arch.model_type}, tensors under {prefix!r}); "
         f"{left} other tensor(s) (vision tower, projector) are left out"
     )
-    return _Source(src, arch, text, _fingerprint(src, ident_files), side, cfg, (note,))
+    return _Source(src, arch, text, ident, side, cfg, (note,))
 
 
 def _shard_files(src: Path) -> list[Path]:

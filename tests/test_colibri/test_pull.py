@@ -1,0 +1,138 @@
+"""`coli pull` against a loopback hub (tests/_hub.py: the hub's HTTP layout, no network): a
+Hugging Face checkpoint is converted shard by shard as it lands (the source never on disk whole,
+the container byte-identical to `coli convert` of the same files), an interrupted pull resumes,
+and a repository that already is a colibri container is downloaded and verified."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _demo import demo_model
+from _hub import serve_hub
+
+from colibri.pull import pull
+from storage.convert import ConvertOptions, convert
+from storage.errors import ColibriError
+
+torch = pytest.importorskip("torch", reason="the test checkpoint is written with torch")
+OPTS = ConvertOptions(shard_size=1 << 20)
+
+
+def _layer_sharded(src: Path, dst: Path) -> None:
+    """``src`` (one-file HF checkpoint) re-sharded as real ones are: the embedding with layer 0,
+    one file per layer after it, the final norm and lm_head in the last file."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("model.safetensors"))
+    tensors = load_file(str(src / "model.safetensors"))
+    layers = sorted({int(k.split(".")[2]) for k in tensors if k.startswith("model.layers.")})
+    n = len(layers)
+    files: dict[str, dict[str, torch.Tensor]] = {}
+    for k, v in tensors.items():
+        if k.startswith("model.layers."):
+            i = layers.index(int(k.split(".")[2]))
+        else:
+            i = 0 if "embed_tokens" in k else n - 1
+        files.setdefault(f"model-{i + 1:05d}-of-{n:05d}.safetensors", {})[k] = v
+    weight_map = {}
+    for name, part in files.items():
+        save_file(part, str(dst / name), metadata={"format": "pt"})
+        weight_map |= {k: name for k in part}
+    index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(oracle_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("hub") / "ckpt"
+    _layer_sharded(oracle_dir / "deepseek_v3", root)
+    return root
+
+
+def _shards(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.glob("*.safetensors"))}
+
+
+def test_pull_converts_shard_by_shard(checkpoint: Path, tmp_path: Path) -> None:
+    ref = tmp_path / "ref"
+    convert(checkpoint, ref, OPTS)
+    out = tmp_path / "models" / "dsv3"
+    with serve_hub({"org/dsv3": checkpoint}) as hub:
+        res = pull("org/dsv3", out, endpoint=hub.url, options=OPTS)
+        ranged = [r for r in hub.requests if r[2] is not None]
+    assert res.kind == "converted" and res.convert is not None
+    shard_sizes = [p.stat().st_size for p in checkpoint.glob("*.safetensors")]
+    assert res.source_bytes == sum(shard_sizes)
+    # never the whole source: at most the two or three shards one output shard reads
+    assert res.peak_source_bytes <= sum(sorted(shard_sizes)[-3:]) < res.source_bytes
+    assert len(ranged) == 2 * len(shard_sizes)  # each header: its length, then the JSON
+    assert _shards(out) == _shards(ref)
+    for side in ("config.json", "tokenizer.json", "generation_config.json"):
+        assert (out / side).read_bytes() == (ref / side).read_bytes()
+    assert not (tmp_path / "models" / ".dsv3.pull-source").exists()  # staging removed
+
+
+def test_interrupted_pull_resumes(checkpoint: Path, tmp_path: Path) -> None:
+    ref = tmp_path / "ref"
+    convert(checkpoint, ref, OPTS)
+    out = tmp_path / "dsv3"
+    downloads: list[str] = []
+
+    def stop_at_the_fifth(done: int, total: int | None, msg: str) -> None:
+        if total is None and msg.startswith("downloading model-"):
+            downloads.append(msg)
+            if len(downloads) == 5:  # two output shards are done by then (they read 4 files)
+                raise KeyboardInterrupt  # Ctrl-C as the fifth source shard starts
+
+    with serve_hub({"org/dsv3": checkpoint}) as hub:
+        with pytest.raises(KeyboardInterrupt):
+            pull("org/dsv3", out, endpoint=hub.url, options=OPTS, progress=stop_at_the_fifth)
+        assert list(out.glob("out-*.safetensors")), "nothing was converted before the stop"
+        first = len(hub.requests)
+        res = pull("org/dsv3", out, endpoint=hub.url, options=OPTS)
+        fetched = {p for m, p, r in hub.requests[first:] if m == "GET" and r is None}
+    assert res.convert is not None and any("resumed" in n for n in res.convert.notes)
+    assert _shards(out) == _shards(ref)
+    # the converted part was not fetched again
+    assert len([p for p in fetched if p.endswith(".safetensors")]) < len(list(
+        checkpoint.glob("*.safetensors")))  # fmt: skip
+
+
+def test_pull_of_a_container_downloads_and_verifies(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    shutil.copytree(demo_model(), repo)
+    out = tmp_path / "out"
+    with serve_hub({"org/demo": repo}) as hub:
+        res = pull("org/demo", out, endpoint=hub.url)
+        assert res.kind == "container" and _shards(out) == _shards(repo)
+        # a shard damaged on the hub: the download is refused by the manifest's checksum
+        victim = sorted(repo.glob("out-*.safetensors"))[0]
+        data = bytearray(victim.read_bytes())
+        data[-10] ^= 0xFF
+        victim.write_bytes(bytes(data))
+        with pytest.raises(ColibriError, match="SHA-256 differs from the manifest"):
+            pull("org/demo", tmp_path / "out2", endpoint=hub.url)
+        with pytest.raises(ColibriError, match="no such repository"):
+            pull("org/nope", tmp_path / "out3", endpoint=hub.url)
+
+
+def test_coli_pull_command(checkpoint: Path, tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COLI_")}
+    env["HOME"] = str(tmp_path)
+    with serve_hub({"org/dsv3": checkpoint}) as hub:
+        r = subprocess.run(
+            [sys.executable, "-m", "colibri.cli", "pull", "org/dsv3", str(tmp_path / "m"),
+             "--endpoint", hub.url, "--shard-size", "1MiB"],
+            capture_output=True, text=True, env=env, timeout=300,
+        )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "org/dsv3@0123456789ab converted" in r.stdout and "at most" in r.stdout
+    args = [sys.executable, "-m", "colibri.cli", "doctor", "--model", str(tmp_path / "m")]
+    doctor = subprocess.run(args, capture_output=True, text=True, env=env)
+    assert doctor.returncode == 0, doctor.stdout
