@@ -881,10 +881,34 @@
       canvas.dataset.updates = String(b.updates);
       canvas.dataset.routed = String(nRouted);
       const mode = ex.mode === "streaming" ? "streaming" : "all resident";
-      $("brain-title").textContent = `${L} MoE layers × ${E} experts`;
+      b.legend(ex);
+      $("brain-title").textContent = `${L} MoE layer${L === 1 ? "" : "s"} × ${E} experts`;
       $("brain-info").textContent = `${(L * E).toLocaleString()} cells · ${mode} · routed since last update: ${nRouted}${counts ? "" : " (no routing counts: learning is off)"}`;
       b.kick();
       if (b.hover >= 0) b.showTip(b.hover);
+    };
+
+    // The legend: each tier's colour (as the cells draw it) and how many experts are there,
+    // then what brightness and the white flash mean.
+    b.legend = (ex) => {
+      const legend = $("brain-legend");
+      const n = {};
+      for (const row of ex.tiers) for (const t of row) n[t] = (n[t] || 0) + 1;
+      const codes = ex.tier_codes || { disk: 0, lru: 1, pinned: 2, ram: 3 };
+      legend.textContent = "";
+      for (const t of TIER_ORDER) {
+        if (!n[t] && t === "ram") continue; // "all resident" only shows when it is the case
+        const item = el("span", "legend-tier");
+        item.dataset.tier = t;
+        const sw = el("i");
+        const rgb = TIER_RGB[codes[t]] || TIER_RGB[0];
+        sw.style.background = `rgb(${rgb[0]}, ${rgb[1]}, ${rgb[2]})`;
+        item.appendChild(sw);
+        item.appendChild(document.createTextNode(`${TIER_LABEL[t]}: ${n[t] || 0}`));
+        legend.appendChild(item);
+      }
+      legend.appendChild(el("span", "muted", "brighter = routed more"));
+      legend.appendChild(el("span", "muted", "white = routed since the last update"));
     };
 
     b.resize = () => {
@@ -1008,15 +1032,17 @@
         b.showTip(i);
         b.draw();
       }
-      const wr = wrap.getBoundingClientRect();
+      // Fixed to the viewport, so a grid of one or two rows does not clip it.
       const tw = tip.offsetWidth;
       const th = tip.offsetHeight;
-      let tx = ev.clientX - wr.left + 14;
-      let ty = ev.clientY - wr.top + 14;
-      if (tx + tw > wr.width - 4) tx = ev.clientX - wr.left - tw - 14;
-      if (ty + th > wr.height - 4) ty = Math.max(4, ev.clientY - wr.top - th - 14);
-      tip.style.left = `${Math.max(4, tx)}px`;
-      tip.style.top = `${ty}px`;
+      const vw = document.documentElement.clientWidth;
+      const vh = document.documentElement.clientHeight;
+      let tx = ev.clientX + 14;
+      let ty = ev.clientY + 14;
+      if (tx + tw > vw - 4) tx = ev.clientX - tw - 14;
+      if (ty + th > vh - 4) ty = ev.clientY - th - 14;
+      tip.style.left = `${clamp(tx, 4, Math.max(4, vw - tw - 4))}px`;
+      tip.style.top = `${clamp(ty, 4, Math.max(4, vh - th - 4))}px`;
     });
     canvas.addEventListener("pointerleave", () => {
       b.hover = -1;

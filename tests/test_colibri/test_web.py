@@ -503,6 +503,59 @@ def test_runtime_and_brain(server: WebServer, open_page: Any) -> None:
     p.shot("desktop-brain-glm-scale")
 
 
+def test_brain_legend_and_tooltip_on_a_short_grid(server: WebServer, open_page: Any) -> None:
+    """The Brain draws its legend (each tier's colour as the cells have it, with counts, and what
+    brightness and white mean) and its tooltip stays whole on a one-row grid (a small model)."""
+    p = open_page()
+    p.allowed.append(_atlas_404)
+    page = p.page
+    page.goto(server.url + "/#brain")
+    page.wait_for_function("() => Number(document.querySelector('#brain').dataset.updates) >= 1")
+    legend = page.inner_text("#brain-legend")
+    for word in ("RAM pinned", "RAM LRU", "disk", "brighter = routed more", "white = routed"):
+        assert word in legend, legend
+    page.evaluate(
+        """() => { const d = window.colibriDashboard, E = 8;
+        const tiers = [['pinned', 'lru', 'lru', 'disk', 'disk', 'disk', 'disk', 'disk']];
+        const code = {disk: 0, lru: 1, pinned: 2, ram: 3};
+        d.onExperts({mode: 'streaming', layers: [1], n_experts: E, tiers,
+                     counts: [[9, 4, 2, 0, 0, 1, 0, 0]], tier_codes: code,
+                     codes: [tiers[0].map((t, e) => (code[t] << 6) | (e < 3 ? 3 : 0))],
+                     expert_bytes: 1024}); }"""
+    )
+    page.wait_for_function("() => document.querySelector('#brain-title').textContent"
+                           " === '1 MoE layer × 8 experts'")  # fmt: skip
+    legend = page.inner_text("#brain-legend")
+    assert "RAM pinned: 1" in legend and "RAM LRU: 2" in legend and "disk: 5" in legend, legend
+    # each swatch has the colour the cells of that tier are drawn with
+    swatch = page.evaluate(
+        """() => [...document.querySelectorAll('#brain-legend .legend-tier')].map(
+             s => [s.dataset.tier, getComputedStyle(s.querySelector('i')).backgroundColor])"""
+    )
+    assert (
+        dict(swatch)["disk"] == "rgb(148, 113, 82)" and dict(swatch)["lru"] == "rgb(96, 165, 250)"
+    )
+    box = page.locator("#brain").bounding_box()
+    page.mouse.move(box["x"] + box["width"] * (0.5 / 8), box["y"] + box["height"] / 2)
+    tip = page.locator("#brain-tip")
+    tip.wait_for(state="visible")
+    assert "layer 1 · expert 0" in tip.inner_text() and "RAM pinned" in tip.inner_text()
+    tb = tip.bounding_box()
+    vw, vh = page.viewport_size["width"], page.viewport_size["height"]
+    assert tb["height"] > box["height"]  # taller than the grid: the wrap used to clip it
+    assert (
+        0 <= tb["x"]
+        and tb["x"] + tb["width"] <= vw
+        and 0 <= tb["y"] <= tb["y"] + tb["height"] <= vh
+    )
+    # laid out against the viewport, so the grid's box (overflow hidden) does not cut it
+    assert (
+        page.evaluate("() => getComputedStyle(document.querySelector('#brain-tip')).position")
+        == "fixed"
+    )
+    p.shot("desktop-brain-short-grid")
+
+
 def test_atlas_missing_then_built_and_rotated(server: WebServer, open_page: Any) -> None:
     p = open_page()
     p.allowed.append(_atlas_404)
