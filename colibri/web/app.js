@@ -260,6 +260,103 @@
   window.addEventListener("hashchange", () => selectTab(location.hash.slice(1)));
 
   // ================================================================== Chat
+  // ================================================================== Markdown (safe subset)
+  // Answers render as Markdown once they are complete: fenced code blocks, headings, bullet and
+  // numbered lists, paragraphs, `code`, **bold**, *italic*, and [links](https://...). Only DOM
+  // nodes with text are built (no innerHTML), so HTML in an answer shows as text; only http(s)
+  // links become links.
+  function mdInline(text, parent) {
+    const re = /(`[^`\n]+`)|(\*\*[^*\n]+\*\*)|(\*[^*\s][^*\n]*\*|_[^_\s][^_\n]*_)|(\[[^\]\n]+\]\([^)\s]+\))/g;
+    let last = 0;
+    let m;
+    while ((m = re.exec(text)) !== null) {
+      if (m.index > last) parent.appendChild(document.createTextNode(text.slice(last, m.index)));
+      const tok = m[0];
+      if (m[1]) parent.appendChild(el("code", null, tok.slice(1, -1)));
+      else if (m[2]) parent.appendChild(el("strong", null, tok.slice(2, -2)));
+      else if (m[3]) parent.appendChild(el("em", null, tok.slice(1, -1)));
+      else {
+        const close = tok.indexOf("](");
+        const label = tok.slice(1, close);
+        const href = tok.slice(close + 2, -1);
+        if (/^https?:\/\//i.test(href)) {
+          const a = el("a", null, label);
+          a.href = href;
+          a.target = "_blank";
+          a.rel = "noopener noreferrer";
+          parent.appendChild(a);
+        } else {
+          parent.appendChild(document.createTextNode(tok));
+        }
+      }
+      last = m.index + tok.length;
+    }
+    if (last < text.length) parent.appendChild(document.createTextNode(text.slice(last)));
+  }
+
+  function renderMarkdown(text) {
+    const frag = document.createDocumentFragment();
+    const lines = text.replace(/\r\n?/g, "\n").split("\n");
+    let para = [];
+    let list = null;
+    const flush = () => {
+      if (para.length) {
+        const p = el("p");
+        para.forEach((line, k) => {
+          if (k) p.appendChild(el("br"));
+          mdInline(line, p);
+        });
+        frag.appendChild(p);
+        para = [];
+      }
+    };
+    for (let i = 0; i < lines.length; i++) {
+      const line = lines[i];
+      const fence = line.match(/^\s*```\s*([\w+-]*)\s*$/);
+      if (fence) {
+        flush();
+        list = null;
+        const code = [];
+        for (i++; i < lines.length && !/^\s*```\s*$/.test(lines[i]); i++) code.push(lines[i]);
+        const pre = el("pre");
+        const c = el("code", null, code.join("\n"));
+        if (fence[1]) c.dataset.lang = fence[1];
+        pre.appendChild(c);
+        frag.appendChild(pre);
+        continue;
+      }
+      const h = line.match(/^(#{1,3})\s+(.*)$/);
+      const ul = line.match(/^\s*[-*]\s+(.*)$/);
+      const ol = line.match(/^\s*\d+[.)]\s+(.*)$/);
+      if (h) {
+        flush();
+        list = null;
+        const node = el(`h${h[1].length + 2}`);
+        mdInline(h[2], node);
+        frag.appendChild(node);
+      } else if (ul || ol) {
+        flush();
+        const tag = ul ? "ul" : "ol";
+        if (!list || list.tagName.toLowerCase() !== tag) {
+          list = el(tag);
+          frag.appendChild(list);
+        }
+        const li = el("li");
+        mdInline((ul || ol)[1], li);
+        list.appendChild(li);
+      } else if (!line.trim()) {
+        flush();
+        list = null;
+      } else {
+        list = null;
+        para.push(line);
+      }
+    }
+    flush();
+    return frag;
+  }
+
+  // ================================================================== Chat
   const chat = { messages: [], busy: false, ctrl: null };
 
   function addMessage(role) {
@@ -319,9 +416,10 @@
     a.body.appendChild(cursor);
     scrollChat();
 
+    const system = $("system-prompt").value.trim();
     const body = {
       model: state.model || "default",
-      messages: chat.messages.slice(),
+      messages: system ? [{ role: "system", content: system }, ...chat.messages] : chat.messages.slice(),
       stream: true,
       stream_options: { include_usage: true },
     };
@@ -439,6 +537,12 @@
       chat.ctrl = null;
     }
 
+    if (content && !error) {
+      // the whole answer is here: show it as Markdown (the raw text stays in chat.messages)
+      a.body.textContent = "";
+      a.body.classList.add("md");
+      a.body.appendChild(renderMarkdown(content));
+    }
     if (content || reasoning) {
       const msg = { role: "assistant", content };
       if (reasoning) msg.reasoning_content = reasoning;
@@ -1419,7 +1523,8 @@
   });
 
   // a handle for debugging and the browser tests
-  window.colibriDashboard = { state, brain, atlas, onExperts, onProfile, selectTab };
+  for (const node of document.querySelectorAll(".this-server")) node.textContent = location.origin;
+  window.colibriDashboard = { state, brain, atlas, onExperts, onProfile, selectTab, renderMarkdown };
 
   selectTab(location.hash.slice(1) || "chat");
   loadModel().catch(() => {});

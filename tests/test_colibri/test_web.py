@@ -556,6 +556,63 @@ def test_brain_legend_and_tooltip_on_a_short_grid(server: WebServer, open_page: 
     p.shot("desktop-brain-short-grid")
 
 
+MARKDOWN = (
+    "# Plan\n\nUse **bold** and *care*, `x = 1` inline.\n\n- one\n- two [doc](https://example.org/a)\n"
+    "1. first\n2. second\n\n```python\nprint('<b>hi</b>')\n```\n"
+    "<img src=x onerror=alert(1)> [bad](javascript:alert(1))"
+)
+
+
+def test_chat_renders_markdown_and_sends_the_system_prompt(
+    server: WebServer, open_page: Any
+) -> None:
+    """A finished answer shows as Markdown (code blocks, lists, emphasis, safe links; HTML in it
+    stays text); the system prompt field goes first in the request; the Atlas hint names this
+    server's own address."""
+    p = open_page()
+    p.allowed.append(_atlas_404)
+    page = p.page
+    sent: list[dict[str, Any]] = []
+
+    def canned(route: Any) -> None:  # the model's answer, fixed: the rendering is under test
+        sent.append(json.loads(route.request.post_data or "{}"))
+        chunks = [MARKDOWN[i : i + 7] for i in range(0, len(MARKDOWN), 7)]
+        events = [
+            {"choices": [{"index": 0, "delta": {"content": c}, "finish_reason": None}]}
+            for c in chunks
+        ] + [{"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}]
+        body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+        route.fulfill(status=200, headers={"content-type": "text/event-stream"}, body=body)
+
+    page.route("**/v1/chat/completions", canned)
+    page.goto(server.url + "/#chat")
+    page.fill("#system-prompt", "You answer in Markdown.")
+    page.fill("#prompt", "make a plan")
+    page.click("#send")
+    body = page.locator(".msg.assistant .body.md")
+    body.wait_for()
+    assert sent[0]["messages"][0] == {"role": "system", "content": "You answer in Markdown."}
+    assert sent[0]["messages"][1] == {"role": "user", "content": "make a plan"}
+    shape = page.evaluate(
+        """() => { const b = document.querySelector('.msg.assistant .body.md');
+        const q = (sel) => b.querySelector(sel)?.textContent;
+        return {h: q('h3'), strong: q('strong'), em: q('em'), code: q('p code'),
+                ul: b.querySelectorAll('ul li').length, ol: b.querySelectorAll('ol li').length,
+                pre: q('pre code'), lang: b.querySelector('pre code')?.dataset.lang,
+                links: [...b.querySelectorAll('a')].map(a => a.href),
+                imgs: b.querySelectorAll('img').length, text: b.textContent}; }"""
+    )
+    assert shape["h"] == "Plan" and shape["strong"] == "bold" and shape["em"] == "care"
+    assert shape["code"] == "x = 1" and shape["ul"] == 2 and shape["ol"] == 2
+    assert shape["pre"] == "print('<b>hi</b>')" and shape["lang"] == "python"
+    assert shape["links"] == ["https://example.org/a"] and shape["imgs"] == 0
+    assert "<img src=x onerror=alert(1)>" in shape["text"] and "[bad](javascript:" in shape["text"]
+    p.shot("desktop-chat-markdown")
+    page.click("#tab-btn-atlas")
+    hint = page.inner_text("#atlas-missing pre")
+    assert f"coli atlas --server {server.url}" in hint, hint
+
+
 def test_atlas_missing_then_built_and_rotated(server: WebServer, open_page: Any) -> None:
     p = open_page()
     p.allowed.append(_atlas_404)
