@@ -14,7 +14,8 @@ the continuation is bit-identical to a session that never stopped (per-turn seed
 ``seed + turn``).
 
 Commands: ``:q`` (or Ctrl-D) quits, ``:reset`` starts over, ``:help``. Ctrl-C during a reply
-stops that reply and returns to the prompt.
+stops that reply and returns to the prompt; at the prompt it reminds of ``:q``, and a second
+Ctrl-C there within two seconds quits (exit status 130, the conversation kept).
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ PROMPT = "you> "
 _MARK = "\ue000colibri-{}\ue001"  # private-use code points: never in real text
 _MARK_RE = re.compile("\ue000colibri-(\\d+)\ue001")
 _END = object()
-HELP = ":q quits (or Ctrl-D), :reset starts over, Ctrl-C stops a reply"
+HELP = ":q quits (or Ctrl-D, or Ctrl-C twice), :reset starts over, Ctrl-C stops a reply"
+QUIT_WINDOW_S = 2.0  # a second Ctrl-C at the prompt within this quits
 
 
 def session_path(state_dir: Path, name: str) -> Path:
@@ -448,6 +450,7 @@ class _Chat:
         self.echo(click.style(line, dim=True) if self.color else line)
 
     def repl(self, read: Callable[[str], str]) -> None:
+        last_interrupt = -QUIT_WINDOW_S
         while True:
             try:
                 line = read(PROMPT)
@@ -456,7 +459,11 @@ class _Chat:
                 return
             except KeyboardInterrupt:
                 self.echo("")
-                self._dim(f"({HELP})")
+                now = time.monotonic()
+                if now - last_interrupt < QUIT_WINDOW_S:
+                    raise  # the second Ctrl-C: quit (exit 130); every finished turn is saved
+                last_interrupt = now
+                self._dim(f"(Ctrl-C again to quit; {HELP})")
                 continue
             cmd = line.strip()
             if not cmd:

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -177,3 +178,35 @@ def test_restart_resumes_without_prefill_and_matches_uninterrupted(
     assert got == [r["tokens"] for r in ref]  # bit-identical continuation
     shown = printable(ref[2]["text"]).replace("\n", "\r\n")
     assert resumed["reply"].rstrip("\r\n") == shown.rstrip("\r\n")
+
+
+def test_ctrl_c_stops_a_reply_and_twice_at_the_prompt_quits_with_130(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """Ctrl-C mid-answer stops that answer (back to the prompt, the partial reply kept); at the
+    prompt one Ctrl-C reminds, a second quits with 130 and no traceback; the next start resumes
+    the conversation."""
+    state = tmp_path / "state"
+    child = spawn(env, state, "-n", "400", "--ignore-eos")
+    first = say(child, "Tell me about birds.")
+    assert first["tokens"] > 0
+    child.sendline("And about fish?")
+    child.expect_exact("And about fish?\r\n")
+    child.expect(r"\w{2}")  # the answer is streaming
+    child.sendintr()
+    child.expect(FOOTER, timeout=10)  # the reply ended early and was accounted for
+    assert int(child.match.group(1)) < 400
+    child.expect_exact(PROMPT)
+    child.sendintr()
+    child.expect_exact("Ctrl-C again to quit")
+    t0 = time.monotonic()
+    child.sendintr()
+    child.expect(pexpect.EOF, timeout=30)
+    child.close()
+    assert child.exitstatus == 130, (child.exitstatus, child.signalstatus, child.before)
+    assert "Traceback" not in (child.before or "")
+    assert time.monotonic() - t0 < 5.0
+    again = spawn(env, state, "-n", "4")
+    turn = say(again, "Go on.")
+    assert turn["reused"] > 0  # both earlier turns' KV came back from the session file
+    assert quit_(again) == 0
