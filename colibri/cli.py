@@ -715,8 +715,24 @@ def _convert_options(
 
 @contextlib.contextmanager
 def _byte_bar(first: str) -> Iterator[Callable[[int, int | None, str], None]]:
-    """A rich progress bar on a TTY (nothing otherwise): ``update(done, total, message)``."""
+    """A rich progress bar on a TTY, else one structured log line (info, `-v`) per new step:
+    ``update(done, total, message)``."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    if not sys.stderr.isatty():
+        import structlog
+
+        log = structlog.get_logger("colibri.progress")
+        last = [""]
+
+        def log_step(done: int, total: int | None, message: str) -> None:
+            step = message.split(":")[0]
+            if step != last[0]:
+                last[0] = step
+                log.info("progress", step=message, done_bytes=done, total_bytes=total)
+
+        yield log_step
+        return
 
     with Progress(
         TextColumn("{task.description}"),

@@ -40,8 +40,10 @@ def coli(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize("name", FAMILIES)
 def test_convert_doctor_run(name: str, oracle_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "model"
-    r = coli("convert", str(oracle_dir / name), str(out), home=tmp_path)
+    r = coli("-v", "convert", str(oracle_dir / name), str(out), home=tmp_path)
     assert r.returncode == 0, r.stderr
+    # not a terminal: the progress is one structured log line per output shard
+    assert "progress" in r.stderr and "out-00000.safetensors" in r.stderr, r.stderr
     r = coli("doctor", "--model", str(out), home=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "FAIL" not in r.stdout and f"PASS config     {name}" in r.stdout
