@@ -448,6 +448,7 @@ class Engine:
                 pinned=len(store.layout.pinned),
                 transient_slots=store.layout.transient_slots,
                 fixed_buffers=store.fixed_buffers,
+                hugepages=store.hugepage_report(),
                 tiers=dataclasses.replace(store.stats),
                 devices=None if placement is None else tuple(placement.copy_stats()),
                 placement=None if placement is None else placement.summary(),

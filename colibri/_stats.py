@@ -45,6 +45,7 @@ class ExpertsStats:
     tiers: TierStats | None = None  # streaming only
     devices: tuple[CopyStats, ...] | None = None  # with --mirror: one entry per copy
     placement: dict[str, Any] | None = None
+    hugepages: dict[str, Any] | None = None  # streaming: THP mode, advice, huge-backed bytes
 
     def as_dict(self) -> dict[str, Any]:
         if self.mode == "resident":
@@ -59,6 +60,8 @@ class ExpertsStats:
             "transient_slots": self.transient_slots,
             "fixed_buffers": self.fixed_buffers,
         }
+        if self.hugepages is not None:
+            d["hugepages"] = dict(self.hugepages)
         if self.tiers is not None:
             d.update(self.tiers.as_dict())
         if self.devices is not None:

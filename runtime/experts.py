@@ -33,15 +33,18 @@ import anyio
 import anyio.from_thread
 import numpy as np
 import numpy.typing as npt
+import structlog
 
 from runtime.linear import Linear
 from runtime.policies.tiers import Placement, PrefetchMode, StepHandle, TierPolicy, TierStats
 from runtime.weights import ExpertWeights
-from storage.aligned import aligned_empty
+from storage.aligned import HUGE_PAGE, aligned_empty, huge_backed_bytes, hugepage_support
 from storage.container import Container, ExpertExtent
 from storage.errors import ColibriError, ReadError
 from storage.integrity import Check, ExpertChecksums, crc32_of, crc_check, verify_views
 from storage.reader import Reader, ReadRequest, required_size
+
+_log = structlog.get_logger(__name__)
 
 __all__ = ["ExpertStore", "StoreLayout", "StreamingExperts", "TierStats", "plan_layout"]
 
@@ -127,8 +130,8 @@ class _Slot:
 
     __slots__ = ("blob", "key", "scales", "weights")
 
-    def __init__(self, blob_bytes: int, scales_bytes: int) -> None:
-        self.blob = aligned_empty(blob_bytes, ALIGN)
+    def __init__(self, blob_bytes: int, scales_bytes: int, huge: bool = False) -> None:
+        self.blob = aligned_empty(blob_bytes, ALIGN, huge=huge)
         self.scales = aligned_empty(max(scales_bytes, ALIGN), ALIGN)
         self.key: Key | None = None
         self.weights: ExpertWeights | None = None
@@ -201,6 +204,10 @@ class ExpertStore:
         self.stats: TierStats = self.policy.stats
         self._clock = clock
         self._blob_bytes, self._scales_bytes = slot_sizes(container)
+        # Expert blobs of 2 MiB and more go on transparent huge pages where the kernel allows
+        # it (fewer page-table walks per O_DIRECT read); hugepage_report() says what it got.
+        self.hugepages = hugepage_support()
+        self._huge_report: tuple[float, dict[str, Any]] | None = None
         # buffers: which slot holds which key (the policy decides; these follow)
         self._pinned: dict[Key, _Slot] = {}
         self._cached: dict[Key, _Slot] = {}
@@ -232,10 +239,37 @@ class ExpertStore:
         return self.policy.lru
 
     # ------------------------------------------------------------------ set-up
+    def hugepage_report(self, max_age_s: float = 5.0) -> dict[str, Any]:
+        """The kernel's THP setting, whether the slots asked for huge pages (and why not), and
+        how many bytes of the expert blobs the kernel backs with them now (``/proc/self/smaps``,
+        read at most every ``max_age_s``)."""
+        now = self._clock()
+        if self._huge_report is not None and now - self._huge_report[0] < max_age_s:
+            return self._huge_report[1]
+        slots = self._all_slots()
+        blobs = [x.blob for x in slots]
+        report: dict[str, Any] = {
+            **self.hugepages.as_dict(),
+            "slot_blob_bytes": sum(int(b.nbytes) for b in blobs),
+            "huge_backed_bytes": huge_backed_bytes(blobs),
+        }
+        if self._blob_bytes < HUGE_PAGE:
+            report["reason"] = report["reason"] or "expert blobs are under 2 MiB"
+        self._huge_report = (now, report)
+        return report
+
+    def _all_slots(self) -> list[_Slot]:
+        out = list(self._transient_free) + list(self._pinned.values())
+        out += list(self._cached.values()) + list(self._prefetched.values())
+        out += list(self._held.values()) + [x for f in self._free_cache.values() for x in f]
+        return out
+
     async def start(self, tg: Any, progress: Callable[[int, int], None] | None = None) -> None:
         """Allocate every slot up front and read the pinned set (``progress(done, total)``
         after each pinned expert)."""
         self._tg = tg
+        if not self.hugepages.advise and self._blob_bytes >= HUGE_PAGE:
+            _log.info("expert slots on ordinary pages", reason=self.hugepages.reason)
         self._transient_free = [self._new_slot() for _ in range(self.layout.transient_slots)]
         for layer in self.policy.lru:
             self._free_cache[layer] = [
@@ -292,7 +326,7 @@ class ExpertStore:
         return done
 
     def _new_slot(self) -> _Slot:
-        s = _Slot(self._blob_bytes, self._scales_bytes)
+        s = _Slot(self._blob_bytes, self._scales_bytes, huge=self.hugepages.advise)
         self.nbytes += s.nbytes
         return s
 
