@@ -1087,6 +1087,12 @@ def _bench_progress() -> Any:
 )
 @click.option("--no-fio", is_flag=True, help="Do not run fio (figure is then null).")
 @click.option("--no-drop-caches", is_flag=True, help="Keep the page cache between passes.")
+@click.option(
+    "--huge/--no-huge",
+    default=True,
+    show_default=True,
+    help="Read into buffers advised for transparent huge pages, as the expert store does.",
+)
 def bench_storage_cmd(
     target: Path | None,
     reads: int,
@@ -1096,6 +1102,7 @@ def bench_storage_cmd(
     backends: str,
     no_fio: bool,
     no_drop_caches: bool,
+    huge: bool,
 ) -> None:
     """Cold expert-shaped random reads through each reader backend, against fio."""
     import anyio
@@ -1130,6 +1137,7 @@ def bench_storage_cmd(
                 drop_caches=False if no_drop_caches else None,
                 fio=not no_fio,
                 log=log,
+                huge=huge,
             )
         )
     click.echo(json.dumps(result))

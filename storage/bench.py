@@ -32,7 +32,7 @@ import anyio
 import anyio.to_thread
 import numpy as np
 
-from storage.aligned import ALIGN, aligned_empty, round_up
+from storage.aligned import ALIGN, aligned_empty, huge_backed_bytes, hugepage_support, round_up
 from storage.manifest import read_manifest
 from storage.reader import (
     Reader,
@@ -226,6 +226,7 @@ async def bench_storage(
     fio: bool = True,
     seed: int = 0,
     log: Any = None,
+    huge: bool = True,
 ) -> dict[str, Any]:
     """Benchmark reader backends (and fio) on expert-shaped cold random reads; see module doc.
 
@@ -242,7 +243,12 @@ async def bench_storage(
 
     readers: dict[str, Reader] = {}
     skipped: dict[str, str] = {}
-    bufs = [aligned_empty(round_up(size, ALIGN) + ALIGN) for _ in range(queue_depth)]
+    # the buffers the expert store uses: 2 MiB-aligned and advised for huge pages (``huge``)
+    support = hugepage_support()
+    bufs = [
+        aligned_empty(round_up(size, ALIGN) + ALIGN, huge=huge and support.advise)
+        for _ in range(queue_depth)
+    ]
     for name in backends:
         kind: ReaderKind = "uring" if name == "uring-fixed" else name  # type: ignore[assignment]
         try:
@@ -343,6 +349,12 @@ async def bench_storage(
         "best_backend": best,
         "figure": figure,
         "figure_reason": fio_reason or None,
+        "hugepages": {
+            **support.as_dict(),
+            "asked": huge and support.advise,
+            "buffer_bytes": sum(int(b.nbytes) for b in bufs),
+            "huge_backed_bytes": huge_backed_bytes(bufs),
+        },
     }
 
 
@@ -365,6 +377,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-drop-caches", action="store_true")
     ap.add_argument("--no-fio", action="store_true")
+    ap.add_argument("--no-huge", action="store_true", help="read into ordinary numpy buffers")
     ap.add_argument("--create", type=_size, default=None, help="first write a test file this big")
     args = ap.parse_args(argv)
     target = Path(args.target)
@@ -382,6 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             drop_caches=False if args.no_drop_caches else None,
             fio=not args.no_fio,
             log=lambda m: print(m, file=sys.stderr, flush=True),
+            huge=not args.no_huge,
         )
     )
     print(json.dumps(result))

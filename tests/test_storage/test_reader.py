@@ -529,3 +529,5 @@ async def test_bench_storage_smoke(data_file: tuple[Path, bytes]) -> None:
     for v in res["backends"].values():
         assert v["gbps_median"] > 0 and v["reason"]
     assert res["figure"] is None and res["figure_reason"] == "off"
+    hp = res["hugepages"]  # the buffers (1 MiB reads: under 2 MiB, ordinary ones either way)
+    assert hp["buffer_bytes"] >= 2 << 20 and hp["huge_backed_bytes"] is not None
