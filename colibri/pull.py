@@ -86,8 +86,13 @@ def _listing(api: Any, repo_id: str, revision: str | None) -> tuple[str, dict[st
 class _Fetcher:
     """The converter's ``SourceFetcher`` over a staging dir of header-only shard stubs."""
 
-    def __init__(self, dl: Callable[[str, Path], Path], staging: Path, sizes: dict[str, int],
-                 progress: Callable[[str], None]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        dl: Callable[[str, Path], Path],
+        staging: Path,
+        sizes: dict[str, int],
+        progress: Callable[[str], None],
+    ) -> None:
         self._dl, self._dir, self._sizes, self._say = dl, staging, sizes, progress
         self._whole: set[str] = set(self._read_done())
         self.peak = self._bytes()
@@ -101,6 +106,10 @@ class _Fetcher:
 
     def _write_done(self) -> None:
         atomic_write_bytes(self._dir / _DONE, json.dumps(sorted(self._whole)).encode())
+
+    def has_whole(self, name: str) -> bool:
+        """Whether shard ``name`` is on disk whole (from an interrupted pull)."""
+        return name in self._whole
 
     def _bytes(self) -> int:
         return sum(self._sizes[n] for n in self._whole)
@@ -191,8 +200,11 @@ def pull(
 
     def download(name: str, where: Path) -> Path:
         try:
-            return Path(hf_hub_download(repo_id, name, revision=commit, local_dir=where,
-                                        endpoint=endpoint, token=token))  # fmt: skip
+            return Path(
+                hf_hub_download(
+                    repo_id, name, revision=commit, local_dir=where, endpoint=endpoint, token=token
+                )
+            )
         except Exception as exc:  # huggingface_hub raises many kinds; one boundary here
             raise ColibriError(f"{repo_id}: cannot download {name}: {exc}") from exc
 
@@ -219,13 +231,13 @@ def pull(
             if not (staging / name).is_file() or (staging / name).stat().st_size != sizes[name]:
                 say(f"downloading {name}")
                 os.replace(download(name, staging / ".download"), staging / name)
-    fetcher_done = set(_Fetcher(download, staging, {n: sizes[n] for n in shards}, say)._whole)
+    fetcher = _Fetcher(download, staging, {n: sizes[n] for n in shards}, say)
     headers = hf_utils.build_hf_headers(token=token)  # type: ignore[attr-defined]
     ident = hashlib.sha256(f"{repo_id}\0{commit}\0".encode())
     for name in shards:
         path = staging / name
         path.parent.mkdir(parents=True, exist_ok=True)
-        if name in fetcher_done and path.is_file() and path.stat().st_size == sizes[name]:
+        if fetcher.has_whole(name) and path.is_file() and path.stat().st_size == sizes[name]:
             with open(path, "rb") as fh:
                 head = fh.read(8)
                 header = head + fh.read(int.from_bytes(head, "little"))
@@ -238,11 +250,14 @@ def pull(
         f"hf:{repo_id}@{commit}:{ident.hexdigest()}",
         tuple(SourceFile(n, sizes[n]) for n in shards),
     )
-    fetcher = _Fetcher(download, staging, {n: sizes[n] for n in shards}, say)
     result = convert(
-        staging, out_p, options or ConvertOptions(), fetch=fetcher, identity=identity,
+        staging,
+        out_p,
+        options or ConvertOptions(),
+        fetch=fetcher,
+        identity=identity,
         progress=report,
-    )  # fmt: skip
+    )
     shutil.rmtree(staging, ignore_errors=True)  # done: the source is not needed any more
     return PullResult(out_p, repo_id, commit, "converted", source_bytes, fetcher.peak, result)
 

@@ -59,10 +59,16 @@ def _handler(hub: Hub) -> type[BaseHTTPRequestHandler]:
                     {"rfilename": p.relative_to(root).as_posix(), "size": p.stat().st_size}
                     for p in hub.files(repo)
                 ]
-                info = {"id": repo, "modelId": repo, "sha": COMMIT, "private": False,
-                        "siblings": siblings}  # fmt: skip
-                self._send(200, json.dumps(info).encode(), {"Content-Type": "application/json"},
-                           head)  # fmt: skip
+                info = {
+                    "id": repo,
+                    "modelId": repo,
+                    "sha": COMMIT,
+                    "private": False,
+                    "siblings": siblings,
+                }
+                self._send(
+                    200, json.dumps(info).encode(), {"Content-Type": "application/json"}, head
+                )
                 return
             m = re.match(r"^/(.+?)/resolve/([^/]+)/(.+)$", path)
             if m and m.group(1) in hub.repos:

@@ -149,8 +149,9 @@ class GQAMoEModel(DecoderStack):
         head = "lm_head.weight"
         if not container.has(head):
             if not container.config.get("tie_word_embeddings"):
-                raise ModelError("the container has no lm_head.weight (and tie_word_embeddings "
-                                 "is not set)")  # fmt: skip
+                raise ModelError(
+                    "the container has no lm_head.weight (and tie_word_embeddings is not set)"
+                )
             head = "model.embed_tokens.weight"
         weights = ModelWeights(
             embed=container.load_qtensor("model.embed_tokens.weight"),
