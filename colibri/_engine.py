@@ -31,6 +31,7 @@ from colibri._stats import ComputeStats, EngineStats, ExpertsStats
 from runtime.compute import ExpertCompute
 from runtime.context import Observer, StepContext
 from runtime.grammar import GrammarSpec, TokenGrammar
+from runtime.kernels.isa import kernel_info
 from runtime.kv import KVCache
 from runtime.planner import choose_prefill_chunk
 from runtime.sampling import Sampler, SamplingParams, log_softmax
@@ -127,6 +128,7 @@ class Engine:
         self._spec_stats = SpecStats()
         self._spec_cost: CostModel | None = None
         self._grammar_tok: TokenGrammar | None = None
+        self._kernels = kernel_info()  # which kernel variant runs on which CPU ISA
         self._counters: dict[str, float] = {
             "prompt_tokens": 0,
             "prompt_tokens_reused": 0,
@@ -433,6 +435,7 @@ class Engine:
             prefill_chunk=sched.prefill_chunk,
             fast_prefill=self.options.fast_prefill,
             fast_prefill_matmuls=pre.fast_calls,
+            kernels=self._kernels.as_dict(),
         )
         store = self._store
         if store is None:

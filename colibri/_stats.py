@@ -28,6 +28,7 @@ class ComputeStats:
     prefill_chunk: int
     fast_prefill: bool
     fast_prefill_matmuls: int  # projections computed by dequantize + BLAS
+    kernels: dict[str, Any] | None = None  # runtime.kernels.isa.kernel_info(): variant, CPU ISA
 
 
 @dataclass(frozen=True, slots=True)

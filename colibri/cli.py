@@ -1222,6 +1222,7 @@ def bench_stream(
 @click.option("--json", "as_json", is_flag=True)
 def info(model: Path | None, as_json: bool) -> None:
     """Model and machine summary."""
+    from runtime.kernels.isa import kernel_info
     from storage.container import Container
 
     c = Container.open(model or default_model_path())
@@ -1244,6 +1245,7 @@ def info(model: Path | None, as_json: bool) -> None:
         "expert_bytes": c.expert_nbytes,
         "experts_total_bytes": sum(x.nbytes for x in c.expert_extents()),
         "cpu_count": os.cpu_count(),
+        "kernels": kernel_info().describe(),
         "ram_total_bytes": _mem_total(),
         **_machine(c.path),
     }

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from pathlib import Path
+
 import numpy as np
 import numpy.typing as npt
 import pytest
@@ -254,3 +256,22 @@ def test_linear_converts_input_and_validates_weights() -> None:
         Linear(QTensor(q.fmt, (4, 64), q.data, q.scales[:-1]))
     with pytest.raises(ValueError):
         linear_from_array(np.ones(3, dtype=np.float32))
+
+
+def test_kernel_report_names_the_variant_and_the_cpu_isa(tmp_path: Path) -> None:
+    from runtime.kernels.isa import kernel_info
+
+    f = tmp_path / "cpuinfo"
+    f.write_text("processor: 0\nflags\t\t: fpu sse4_2 avx avx2 fma f16c\n")
+    k = kernel_info(f)
+    assert (k.variant, k.lanes, k.isa) == ("f32x8", 8, "avx2")
+    assert k.cpu_flags == ("sse4_2", "avx", "avx2", "fma", "f16c")
+    f.write_text("flags: sse4_2 avx avx2 fma avx512f avx512bw avx512_vnni\n")
+    assert kernel_info(f).isa == "avx512f" and "avx512_vnni" in kernel_info(f).cpu_flags
+    assert kernel_info(tmp_path / "nope").isa == "unknown"
+    assert "8 float32 lanes, fixed order" in k.describe()
+    here = kernel_info()
+    import colibri
+
+    with colibri.open_model(None, learn=False) as m:
+        assert m.stats()["compute"]["kernels"] == here.as_dict()
