@@ -7,9 +7,8 @@ argument checks, nogil, and the Linear layer on top of them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
-
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
