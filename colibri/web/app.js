@@ -279,7 +279,8 @@
         const close = tok.indexOf("](");
         const label = tok.slice(1, close);
         const href = tok.slice(close + 2, -1);
-        if (/^https?:\/\//i.test(href)) {
+        const scheme = href.slice(0, href.indexOf(":") + 1).toLowerCase();
+        if (scheme === "https:" || scheme === "http:") {
           const a = el("a", null, label);
           a.href = href;
           a.target = "_blank";
