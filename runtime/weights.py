@@ -26,7 +26,7 @@ from runtime.layers.moe import MoEWeights
 from runtime.layers.moe_router import RouterConfig
 from runtime.layers.swiglu import MLPWeights
 from runtime.linear import Linear
-from storage.arch import ArchConfig, Family
+from storage.arch import FAMILIES, ArchConfig, Family
 from storage.errors import ModelError, ReadError
 from storage.integrity import ExpertChecksums, crc32_of, crc_check
 from storage.quant import QTensor, QuantFormat, dequantize
@@ -243,6 +243,30 @@ def _mlp(c: ContainerLike, p: str) -> MLPWeights:
     )
 
 
+# Every MLA family (GLM-5, DeepSeek-V3/V3.2, Kimi K2) names its MoE block the DeepSeek way.
+_MLA_NAMES = FAMILIES["deepseek_v3"]
+
+
+def _moe(c: ContainerLike, p: str, family: Family, router: RouterConfig) -> MoEWeights:
+    """The resident part of the MoE block of the layer at prefix ``p``: the fp32 router, the
+    correction bias (zeros for a family without one) and the shared experts, by the family's
+    names (``mlp.*`` or ``block_sparse_moe.*``)."""
+    shared = None
+    if c.has(p + "mlp.shared_experts.gate_proj.weight"):
+        shared = _mlp(c, p + "mlp.shared_experts.")
+    bias = (
+        c.load_f32(p + family.bias).reshape(-1)
+        if family.bias is not None
+        else np.zeros(router.n_routed_experts, np.float32)
+    )
+    return MoEWeights(
+        router=f32_linear(c.load_f32(p + family.router)),  # fp32 router, [E, D]
+        correction_bias=bias,
+        shared=shared,
+        config=router,
+    )
+
+
 def load_layer(
     c: ContainerLike,
     layer: int,
@@ -265,19 +289,8 @@ def load_layer(
             weights_proj=Linear(c.load_qtensor(ip + "weights_proj.weight")),
         )
     moe_w = None
-    mlp_w = None
-    if moe:
-        shared = None
-        if c.has(p + "mlp.shared_experts.gate_proj.weight"):
-            shared = _mlp(c, p + "mlp.shared_experts.")
-        moe_w = MoEWeights(
-            router=f32_linear(c.load_f32(p + "mlp.gate.weight")),  # fp32 router, [E, D]
-            correction_bias=c.load_f32(p + "mlp.gate.e_score_correction_bias").reshape(-1),
-            shared=shared,
-            config=router,
-        )
-    else:
-        mlp_w = _mlp(c, p + "mlp.")
+    moe_w = _moe(c, p, _MLA_NAMES, router) if moe else None
+    mlp_w = None if moe else _mlp(c, p + "mlp.")
     return LayerWeights(
         input_layernorm=c.load_f32(p + "input_layernorm.weight"),
         post_attention_layernorm=c.load_f32(p + "post_attention_layernorm.weight"),
@@ -307,24 +320,8 @@ def load_gqa_layer(
         q_norm=_opt_f32(c, a + "q_norm.weight"),
         k_norm=_opt_f32(c, a + "k_norm.weight"),
     )
-    moe_w = mlp_w = None
-    if moe:
-        shared = None
-        if c.has(p + "mlp.shared_experts.gate_proj.weight"):
-            shared = _mlp(c, p + "mlp.shared_experts.")
-        bias = (
-            c.load_f32(p + family.bias).reshape(-1)
-            if family.bias is not None
-            else np.zeros(router.n_routed_experts, np.float32)
-        )
-        moe_w = MoEWeights(
-            router=f32_linear(c.load_f32(p + family.router)),  # fp32 router, [E, D]
-            correction_bias=bias,
-            shared=shared,
-            config=router,
-        )
-    else:
-        mlp_w = _mlp(c, p + "mlp.")
+    moe_w = _moe(c, p, family, router) if moe else None
+    mlp_w = None if moe else _mlp(c, p + "mlp.")
     return GQALayerWeights(
         input_layernorm=c.load_f32(p + "input_layernorm.weight"),
         post_attention_layernorm=c.load_f32(p + "post_attention_layernorm.weight"),

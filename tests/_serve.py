@@ -25,7 +25,8 @@ def _free_port() -> int:
 
 
 class Server:
-    """A ``coli serve`` subprocess on a free loopback port."""
+    """A ``coli serve`` (or ``command``: ``web``) subprocess on a loopback port; ``start`` again
+    after ``stop`` restarts it on the same port."""
 
     def __init__(
         self,
@@ -34,24 +35,26 @@ class Server:
         model: Path | None = None,
         command: str = "serve",
         home: Path | None = None,
+        port: int | None = None,
     ) -> None:
-        self.port = _free_port()
+        self.port = port or _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log_dir / f"serve-{self.port}.log"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("COLI_")} | {
+        self.log = log_dir / f"{command}-{self.port}.log"
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("COLI_")} | {
             "COLI_MODEL": str(model or demo_model())
         }
-        env["OMP_WAIT_POLICY"] = "PASSIVE"
+        self.env["OMP_WAIT_POLICY"] = "PASSIVE"
         if home is not None:
-            env["HOME"] = str(home)
-        with open(self.log, "wb") as fh:
+            self.env["HOME"] = str(home)
+        self.cmd = [sys.executable, "-m", "colibri.cli", command, "--port", str(self.port), *args]
+        self.start()
+
+    def start(self) -> Server:
+        with open(self.log, "ab") as fh:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "colibri.cli", command, "--port", str(self.port), *args],
-                cwd=ROOT,
-                env=env,
-                stdout=fh,
-                stderr=subprocess.STDOUT,
+                self.cmd, cwd=ROOT, env=self.env, stdout=fh, stderr=subprocess.STDOUT
             )
+        return self
 
     def wait_ready(self, timeout: float = 90.0) -> Server:
         deadline = time.monotonic() + timeout

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _cli import coli
 from _demo import demo_model
 
 DEMO = demo_model()
@@ -23,18 +24,6 @@ def private_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HOME", str(home))
         yield home
-
-
-def coli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """Run `coli ARGS` in a clean environment (no COLI_* variables unless given)."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith("COLI_")}
-    return subprocess.run(
-        [sys.executable, "-m", "colibri.cli", *args],
-        capture_output=True,
-        text=True,
-        env={**base, **(env or {})},
-        timeout=300,
-    )
 
 
 def assert_clean_error(r: subprocess.CompletedProcess[str], *needles: str) -> None:

@@ -5,14 +5,12 @@ opened in-process); an unsupported model_type fails at convert and doctor with t
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
+from _cli import coli
 from tokenizers import Tokenizer
 
 import colibri
@@ -24,17 +22,6 @@ SUPPORTED = (
     "glm_moe_dsa, deepseek_v3, kimi_k2, deepseek_v32, olmoe, qwen3_moe, mixtral, glm4_moe, "
     "minimax_m2"
 )
-
-
-def coli(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COLI_")}
-    return subprocess.run(
-        [sys.executable, "-m", "colibri.cli", *args],
-        capture_output=True,
-        text=True,
-        env={**env, "HOME": str(home)},
-        timeout=300,
-    )
 
 
 @pytest.mark.parametrize("name", FAMILIES)

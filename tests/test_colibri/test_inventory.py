@@ -4,26 +4,13 @@ model, queue, slots and tiers through its API), as real subprocesses against a r
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
+from _cli import coli
 from _demo import demo_model
 from _serve import Server
-
-
-def coli(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COLI_")}
-    return subprocess.run(
-        [sys.executable, "-m", "colibri.cli", *args],
-        capture_output=True,
-        text=True,
-        env={**env, "HOME": str(home)},
-        timeout=300,
-    )
 
 
 def test_list_shows_models_and_their_state(tmp_path: Path) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ import httpx
 import numpy as np
 import pytest
 from _demo import demo_model
+from _serve import Server
 from click.testing import CliRunner
 
 from colibri.atlas import TOPICS, build_atlas, layout, write_atlas
@@ -55,64 +55,12 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COLI_")} | {
-        "COLI_MODEL": str(demo_model())
-    }
-    env["OMP_WAIT_POLICY"] = "PASSIVE"
-    return env
-
-
-class WebServer:
-    """A ``coli web`` subprocess on a loopback port."""
+class WebServer(Server):
+    """A ``coli web`` subprocess on a loopback port (the demo model, its own state dir)."""
 
     def __init__(self, log_dir: Path, state_dir: Path, *args: str, port: int | None = None):
-        self.port = port or _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.state_dir = state_dir
-        self.args = args
-        self.log = log_dir / f"web-{self.port}.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.start()
-
-    def start(self) -> WebServer:
-        cmd = [sys.executable, "-m", "colibri.cli", "web", "--port", str(self.port)]
-        cmd += ["--state-dir", str(self.state_dir), *self.args]
-        with open(self.log, "ab") as fh:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=fh, stderr=fh)
-        return self
-
-    def wait_ready(self, timeout: float = 90.0) -> WebServer:
-        assert self.proc is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"coli web exited {self.proc.returncode}: {self.log_text()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"coli web not ready in {timeout} s: {self.log_text()}")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace")[-3000:]
+        super().__init__(log_dir, "--state-dir", str(state_dir), *args, command="web", port=port)
 
     def chat(self, max_tokens: int = 8) -> dict[str, Any]:
         body = {
@@ -633,7 +581,7 @@ def test_atlas_missing_then_built_and_rotated(server: WebServer, open_page: Any)
             str(server.state_dir),
         ],
         cwd=ROOT,
-        env=_env(),
+        env=server.env,
         capture_output=True,
         text=True,
         timeout=120,

@@ -11,14 +11,13 @@ small RAM budget changes nothing.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from _oracle import container_maker, oracle_tool, reference
 
 from runtime.models import GQAMoEModel, load_model
 from storage.errors import KVFileError
@@ -27,14 +26,11 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from storage.container import Container  # noqa: E402
-from storage.convert import ConvertOptions, convert  # noqa: E402
 from storage.kvfile import read_kv, write_kv  # noqa: E402
 
 NAMES = ("olmoe", "qwen3_moe", "mixtral", "glm4_moe", "minimax_m2")
-F32 = ConvertOptions(experts="f32", dense="f32", io="f32", mtp="f32")
 LOGIT_TOL = 1e-3  # vs the reference
 DECODE_TOL = 1e-4  # cached decode vs full forward of our own model
-ROOT = Path(__file__).resolve().parents[2]
 
 torch.set_num_threads(1)
 
@@ -44,17 +40,7 @@ def containers(
     oracle_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Callable[[str, str], Container]:
     """``get(name, "f32" | "q")`` -> the converted container (converted once per module)."""
-    root = tmp_path_factory.mktemp("gqa-containers")
-    made: dict[tuple[str, str], Container] = {}
-
-    def get(name: str, kind: str) -> Container:
-        if (name, kind) not in made:
-            dst = root / f"{name}-{kind}"
-            convert(oracle_dir / name, dst, F32 if kind == "f32" else ConvertOptions())
-            made[(name, kind)] = Container.open(dst)
-        return made[(name, kind)]
-
-    return get
+    return container_maker(oracle_dir, tmp_path_factory.mktemp("gqa-containers"))
 
 
 @pytest.fixture(scope="module")
@@ -72,17 +58,11 @@ def models(containers: Callable[[str, str], Container]) -> Callable[..., GQAMoEM
 
 
 def _ref(oracle_dir: Path, name: str) -> dict[str, np.ndarray]:
-    with np.load(oracle_dir / f"{name}.ref.npz") as z:
-        return {k: z[k] for k in z.files}
+    return reference(oracle_dir, name)
 
 
 def _oracle_tool() -> Any:
-    spec = importlib.util.spec_from_file_location("make_oracle", ROOT / "tools" / "make_oracle.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("make_oracle", mod)
-    spec.loader.exec_module(mod)
-    return mod
+    return oracle_tool()
 
 
 def _cached_greedy(m: GQAMoEModel, prompt: np.ndarray, steps: int) -> list[int]:
