@@ -6,6 +6,8 @@ row's result the same on any x86-64 CPU. On an AVX-512 machine the same kernels 
 use the wider registers for the loads, not for the summation order). This module reads the
 CPU's flags so the report says which instruction sets are there and which one the kernels are
 shaped for.
+
+Shape legend: L lanes of float32 per kernel vector (8).
 """
 
 from __future__ import annotations
