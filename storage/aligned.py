@@ -95,12 +95,14 @@ def _huge_mapping(n: int) -> U8Array | None:
     return whole[head : head + n]
 
 
-def huge_backed_bytes(buffers: Iterable[npt.NDArray[np.generic]],
-                      smaps: Path = Path("/proc/self/smaps")) -> int | None:  # fmt: skip
-    """Bytes of the mappings holding ``buffers`` that the kernel backs with huge pages
-    (``AnonHugePages`` of each distinct mapping, once); None where smaps cannot be read."""
-    starts = sorted({int(b.ctypes.data) for b in buffers if b.nbytes})
-    if not starts:
+def huge_backed_bytes(
+    buffers: Iterable[npt.NDArray[np.generic]], smaps: Path = Path("/proc/self/smaps")
+) -> int | None:
+    """Bytes of ``buffers`` the kernel backs with huge pages: per mapping holding any of them,
+    its ``AnonHugePages``, at most the bytes of the buffers in it (a numpy buffer may share a
+    bigger mapping); None where smaps cannot be read."""
+    spans = sorted((int(b.ctypes.data), int(b.nbytes)) for b in buffers if b.nbytes)
+    if not spans:
         return 0
     try:
         text = smaps.read_text()
@@ -114,12 +116,13 @@ def huge_backed_bytes(buffers: Iterable[npt.NDArray[np.generic]],
             lo, hi = int(a, 16), int(b, 16)
             continue
         if line.startswith("AnonHugePages:") and lo >= 0:
-            while k < len(starts) and starts[k] < lo:
+            while k < len(spans) and spans[k][0] < lo:
                 k += 1
-            if k < len(starts) and starts[k] < hi:  # one of ours lies in this mapping
-                total += int(line.split()[1]) * 1024
-                while k < len(starts) and starts[k] < hi:
-                    k += 1
+            ours = 0
+            while k < len(spans) and spans[k][0] < hi:  # our buffers in this mapping
+                ours += min(spans[k][1], hi - spans[k][0])
+                k += 1
+            total += min(int(line.split()[1]) * 1024, ours)
     return total
 
 
