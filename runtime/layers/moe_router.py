@@ -58,13 +58,13 @@ class RouterConfig:
 def route(logits: F32Array, bias: F32Array, cfg: RouterConfig) -> tuple[I64Array, F32Array]:
     """``logits`` [T, E] fp32 -> (expert ids [T, K] ascending per row, gate weights [T, K])."""
     t, e = logits.shape
-    if cfg.scoring == "softmax":
+    if cfg.scoring == "softmax":  # no correction bias: the choice is the probabilities
         shifted = np.exp(logits - logits.max(axis=-1, keepdims=True))  # [T, E]
         scores = (shifted / shifted.sum(axis=-1, keepdims=True)).astype(np.float32)  # [T, E]
-        bias = np.zeros(e, np.float32)  # no correction bias: choice = probabilities
+        choice = scores
     else:
         scores = sigmoid(logits)  # [T, E]
-    choice = (scores + bias[None, :]).astype(np.float32)  # [T, E]
+        choice = (scores + bias[None, :]).astype(np.float32)  # [T, E]
     g = cfg.n_group
     if g > 1:
         grouped = choice.reshape(t, g, e // g)  # [T, G, E/G]

@@ -58,7 +58,8 @@ class RopeParameters:
     mscale_all_dim: float | None = None
     attention_factor: float | None = None
     truncate: bool = True
-    partial_rotary_factor: float = 1.0  # share of head_dim that is rotated (GQA families)
+    # share of head_dim that is rotated (GQA families); None: config.json does not say
+    partial_rotary_factor: float | None = None
 
     @staticmethod
     def from_config(cfg: Mapping[str, Any]) -> RopeParameters:
@@ -99,7 +100,7 @@ class RopeParameters:
             mscale_all_dim=opt("mscale_all_dim"),
             attention_factor=opt("attention_factor"),
             truncate=bool(params.get("truncate", True)),
-            partial_rotary_factor=1.0 if partial is None else float(partial),
+            partial_rotary_factor=None if partial is None else float(partial),
         )
 
 

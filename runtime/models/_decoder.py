@@ -210,7 +210,7 @@ class MLAMoEConfig(MoEConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.rope_parameters.partial_rotary_factor != 1.0:
+        if self.rope_parameters.partial_rotary_factor not in (None, 1.0):
             raise ConfigError("config.json: partial_rotary_factor != 1 is not supported for MLA")
 
     def interleaved_rope(self) -> bool:

@@ -59,6 +59,8 @@ class GQAMoEConfig(MoEConfig):
     norm_topk_default: ClassVar[bool] = False  # when config.json omits norm_topk_prob
     scales_routed: ClassVar[bool] = False  # whether routed_scaling_factor applies
     default_partial_rotary: ClassVar[float] = 1.0
+    # the key that turns ``sliding_window`` on (Qwen3: use_sliding_window); None: it is on when set
+    sliding_window_switch: ClassVar[str | None] = None
 
     num_key_value_heads: int
     head_dim: int
@@ -70,9 +72,8 @@ class GQAMoEConfig(MoEConfig):
     def _parse(cls, cfg: Mapping[str, Any]) -> dict[str, Any]:
         kw = super()._parse(cfg)
         arch: ArchConfig = kw["arch"]
-        if cfg.get("sliding_window") is not None and (
-            arch.model_type != "qwen3_moe" or cfg.get("use_sliding_window")
-        ):
+        switch = cls.sliding_window_switch
+        if cfg.get("sliding_window") is not None and (switch is None or cfg.get(switch)):
             raise ConfigError(
                 "config.json: sliding-window attention (sliding_window) is not supported"
             )
@@ -83,13 +84,13 @@ class GQAMoEConfig(MoEConfig):
             kw["routed_scaling_factor"] = 1.0
         rope = kw["rope_parameters"]
         partial = rope.partial_rotary_factor
-        has_partial = "partial_rotary_factor" in (cfg.get("rope_parameters") or {}) or (
-            "partial_rotary_factor" in cfg
-        )
-        if cfg.get("rotary_dim") is not None and not has_partial:
-            partial = int(cfg["rotary_dim"]) / arch.head_dim  # MiniMax-M2's legacy key
-        elif not has_partial:
-            partial = cls.default_partial_rotary
+        if partial is None:  # config.json does not say: the legacy key, else the family's
+            rotary_dim = cfg.get("rotary_dim")  # MiniMax-M2's released checkpoints
+            partial = (
+                int(rotary_dim) / arch.head_dim
+                if rotary_dim is not None
+                else cls.default_partial_rotary
+            )
         rotary = int(arch.head_dim * partial)
         if rotary <= 0 or rotary % 2 or rotary > arch.head_dim:
             raise ConfigError(

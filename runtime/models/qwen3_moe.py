@@ -24,6 +24,8 @@ __all__ = ["Qwen3Moe", "Qwen3MoeConfig"]
 class Qwen3MoeConfig(GQAMoEConfig):
     """Qwen3-MoE config keys."""
 
+    sliding_window_switch: ClassVar[str | None] = "use_sliding_window"
+
 
 class Qwen3Moe(GQAMoEModel):
     """Qwen3-MoE decoder."""
