@@ -133,15 +133,20 @@ class _Fetcher:
                 continue
             self._whole.discard(name)
             self._write_done()
-            _stub_from(p, p, self._sizes[name])  # back to its header: the bytes are freed
+            # back to its header: the bytes are freed
+            _write_stub(p, _local_header(p), self._sizes[name])
 
 
-def _stub_from(src: Path, dst: Path, size: int) -> None:
-    """``dst``: ``src``'s safetensors header, then a hole up to ``size`` bytes."""
-    with open(src, "rb") as fh:
+def _local_header(path: Path) -> bytes:
+    """The safetensors header of a local shard: its 8-byte length, then the JSON."""
+    with open(path, "rb") as fh:
         head = fh.read(8)
         n = int.from_bytes(head, "little") if len(head) == 8 else 0
-        header = head + fh.read(n)
+        return head + fh.read(n)
+
+
+def _write_stub(dst: Path, header: bytes, size: int) -> None:
+    """``dst``: ``header``, then a hole up to ``size`` bytes (atomically replaced)."""
     tmp = dst.with_name(dst.name + ".stub")
     with open(tmp, "wb") as fh:
         fh.write(header)
@@ -164,11 +169,7 @@ def _header_stub(url: str, headers: dict[str, str], dst: Path, size: int) -> byt
         if len(body) != n:
             raise ColibriError(f"{url}: the shard header ends early")
     header = r.content[:8] + body
-    tmp = dst.with_name(dst.name + ".stub")
-    with open(tmp, "wb") as fh:
-        fh.write(header)
-        fh.truncate(size)
-    os.replace(tmp, dst)
+    _write_stub(dst, header, size)
     return header
 
 
@@ -238,9 +239,7 @@ def pull(
         path = staging / name
         path.parent.mkdir(parents=True, exist_ok=True)
         if fetcher.has_whole(name) and path.is_file() and path.stat().st_size == sizes[name]:
-            with open(path, "rb") as fh:
-                head = fh.read(8)
-                header = head + fh.read(int.from_bytes(head, "little"))
+            header = _local_header(path)
         else:
             say(f"reading the header of {name}")
             url = hf_hub_url(repo_id, name, revision=commit, endpoint=endpoint)
