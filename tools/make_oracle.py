@@ -228,6 +228,23 @@ def tokenizer_files(tok: Any) -> dict[str, str]:
 # --------------------------------------------------------------------------------------------
 
 
+# The YaRN rope of the DeepSeek-shaped oracles (original context 128 of 512: the ramp matters).
+YARN: dict[str, Any] = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 128,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+# The DSA indexer of the glm_moe_dsa and deepseek_v32 oracles. 8 heads, not 4: with 4 heads
+# ~1/16 of the scores are exactly 0 (every relu(.) = 0), and such ties land on the top-k cut,
+# making the selected set ambiguous.
+DSA_INDEXER: dict[str, Any] = {"index_topk": 16, "index_head_dim": 64, "index_n_heads": 8}
+
+
 def make_config(name: str, vocab_size: int, eos: list[int], bos: int) -> Any:
     """The tiny transformers config for model ``name`` (eager attention)."""
     common: dict[str, Any] = dict(
@@ -269,11 +286,7 @@ def make_config(name: str, vocab_size: int, eos: list[int], bos: int) -> Any:
             rms_norm_eps=1e-5,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
             mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
-            index_topk=16,
-            index_head_dim=64,
-            # 8, not 4: with 4 heads ~1/16 of the scores are exactly 0 (every relu(.) = 0), and
-            # such ties land on the top-k cut, making the selected set ambiguous.
-            index_n_heads=8,
+            **DSA_INDEXER,
             indexer_types=["full", "shared", "full", "shared"],
         )
     elif name == "deepseek_v3":
@@ -286,16 +299,7 @@ def make_config(name: str, vocab_size: int, eos: list[int], bos: int) -> Any:
             topk_group=2,
             rms_norm_eps=1e-6,
             rope_interleave=True,
-            rope_parameters={
-                "rope_type": "yarn",
-                "rope_theta": 10000.0,
-                "factor": 4.0,
-                "original_max_position_embeddings": 128,
-                "beta_fast": 32,
-                "beta_slow": 1,
-                "mscale": 1.0,
-                "mscale_all_dim": 1.0,
-            },
+            rope_parameters=dict(YARN),
         )
     elif name == "deepseek_v32":
         from transformers import DeepseekV32Config
@@ -306,19 +310,8 @@ def make_config(name: str, vocab_size: int, eos: list[int], bos: int) -> Any:
             n_group=4,
             topk_group=2,
             rms_norm_eps=1e-6,
-            rope_parameters={
-                "rope_type": "yarn",
-                "rope_theta": 10000.0,
-                "factor": 4.0,
-                "original_max_position_embeddings": 128,
-                "beta_fast": 32,
-                "beta_slow": 1,
-                "mscale": 1.0,
-                "mscale_all_dim": 1.0,
-            },
-            index_topk=16,
-            index_head_dim=64,
-            index_n_heads=8,  # see glm_moe_dsa: fewer heads give exact-0 score ties at the cut
+            rope_parameters=dict(YARN),
+            **DSA_INDEXER,
         )
     elif name in GQA_NAMES:
         cfg = _gqa_config(name, vocab_size, eos, bos)
