@@ -637,14 +637,14 @@ def _run(
     done_bytes = sum(planned[f].size for f in done)
     report(done_bytes, total, "converting")
     todo = [p for p in plans if p.file not in done]
-    reads = [_source_files(p) for p in todo]
+    reads = [_source_files(p) for p in todo] if fetch is not None else []
+    last_read = {path: i for i, paths in enumerate(reads) for path in paths}  # last reader
     for i, p in enumerate(todo):
         if fetch is not None:
             fetch.need(sorted(reads[i]))
         done[p.file] = _write_shard(dst, p, report, done_bytes, total)
         if fetch is not None:
-            later: set[Path] = set().union(*reads[i + 1 :])
-            fetch.release(sorted(reads[i] - later))
+            fetch.release(sorted(path for path in reads[i] if last_read[path] == i))
         done_bytes += p.size
         written.append(p.file)
         _write_state(dst, rec, source.identity, plans, done)
