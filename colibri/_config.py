@@ -16,6 +16,7 @@ COLI_DISK_WEIGHTS  --disk-weights      disk_weights
 COLI_DRAFT         --draft             draft (auto | off | N | mtp[:N] | lookup[:N])
 COLI_THREADS       --threads           threads (compute threads for routed experts)
 COLI_VERIFY_READS  --verify-reads      verify_reads (CRC-32 of every expert read)
+COLI_RAY           --ray               ray (local | a Ray cluster address)
 COLI_LOG_FORMAT    --log-format        (logging: console|json)
 =================  ==================  ======================
 """
@@ -47,6 +48,7 @@ ENV_VARS = {
     "COLI_DRAFT": "draft",
     "COLI_THREADS": "threads",
     "COLI_VERIFY_READS": "verify_reads",
+    "COLI_RAY": "ray",
     "COLI_LOG_FORMAT": "log_format",
 }
 
@@ -119,6 +121,14 @@ class EngineOptions(BaseModel):
     # Every expert read checked against the manifest's CRC-32s (storage/integrity.py); resident
     # experts are checked once as they load.
     verify_reads: bool = False
+    # Scale-out (runtime/cluster/): routed experts sharded over Ray actors. "local" starts Ray
+    # on this machine, an address ("ray://host:10001", "host:6379", "auto") joins a cluster.
+    ray: str | None = None
+    expert_workers: int = 2
+    worker_ram: int | None = None  # each worker's RAM budget (None: its host's share of 88%)
+    worker_threads: int | None = None  # each worker's compute threads (None: its host's share)
+    worker_model: Path | None = None  # the model directory on the workers' hosts (default: model)
+    expert_timeout: float = 10.0  # seconds a step waits for a worker before computing it here
 
     @field_validator("prefetch", mode="before")
     @classmethod
@@ -159,7 +169,32 @@ class EngineOptions(BaseModel):
         except AttributeError:  # not Linux
             return max(1, os.cpu_count() or 1)
 
-    @field_validator("ram_budget", mode="before")
+    @field_validator("expert_workers", mode="before")
+    @classmethod
+    def _workers(cls, v: object) -> object:
+        if isinstance(v, str):
+            v = int(v)
+        if isinstance(v, int) and v < 1:
+            raise ValueError(f"must be >= 1, got {v}")
+        return v
+
+    @field_validator("expert_timeout", mode="before")
+    @classmethod
+    def _timeout(cls, v: object) -> object:
+        if isinstance(v, str):
+            v = float(v)
+        if isinstance(v, (int, float)) and not v > 0:
+            raise ValueError(f"must be > 0 seconds, got {v}")
+        return v
+
+    @field_validator("ray", mode="before")
+    @classmethod
+    def _ray(cls, v: object) -> object:
+        if isinstance(v, str) and v.strip().lower() in ("", "off", "none"):
+            return None
+        return v.strip() if isinstance(v, str) else v
+
+    @field_validator("ram_budget", "worker_ram", mode="before")
     @classmethod
     def _budget(cls, v: object) -> int | None:
         if v is None or isinstance(v, int):

@@ -28,6 +28,7 @@ import structlog
 
 from colibri._config import EngineOptions
 from colibri._stats import ComputeStats, EngineStats, ExpertsStats
+from runtime.cluster.source import ClusterExperts
 from runtime.compute import ExpertCompute
 from runtime.context import Observer, StepContext
 from runtime.grammar import GrammarSpec, TokenGrammar
@@ -43,6 +44,7 @@ from storage.errors import ColibriError, ModelError
 from storage.usage import UsageCounts
 
 if TYPE_CHECKING:
+    from runtime.cluster.ray_backend import RayCluster
     from runtime.experts import ExpertStore, StoreLayout
     from runtime.models import DecoderStack
 
@@ -129,6 +131,7 @@ class Engine:
         self._spec_cost: CostModel | None = None
         self._grammar_tok: TokenGrammar | None = None
         self._kernels = kernel_info()  # which kernel variant runs on which CPU ISA
+        self._cluster: RayCluster | None = None  # --ray: the expert workers
         self._counters: dict[str, float] = {
             "prompt_tokens": 0,
             "prompt_tokens_reused": 0,
@@ -174,12 +177,15 @@ class Engine:
         report = _LoadReport(progress)
         model, plan, usage = await _plan(container, opts, report)
         store = None
+        cluster: RayCluster | None = None
         error: BaseException | None = None
         async with anyio.create_task_group() as tg:
             compute = ExpertCompute(opts.resolved_threads())
             try:
                 if plan is not None:
                     store = await _start_store(container, model, opts, plan, tg, report)
+                if opts.ray is not None:
+                    cluster = await _start_cluster(container, model, opts)
                 # Absorbed attention for every step keeps prefill chunks, decode and verify rows
                 # bit-identical (batch-invariant); reconstruction is faster for long prefills.
                 ctx = StepContext(
@@ -210,12 +216,15 @@ class Engine:
                 )
                 engine = cls(container, model, opts, scheduler)
                 engine._usage = usage
+                engine._cluster = cluster
                 tg.start_soon(scheduler.serve)
                 yield engine
             except BaseException as exc:  # re-raised below, unwrapped by the task group
                 error = exc
             finally:
                 with anyio.CancelScope(shield=True):
+                    if cluster is not None:
+                        await anyio.to_thread.run_sync(cluster.close)
                     if store is not None:
                         await store.reader.aclose()
                     await anyio.to_thread.run_sync(compute.close)
@@ -468,7 +477,15 @@ class Engine:
                 "cost_model": None if self._spec_cost is None else self._spec_cost.snapshot(),
             },
             experts=experts,
+            cluster=self._cluster_stats(),
         )
+
+    def _cluster_stats(self) -> dict[str, Any] | None:
+        """``stats()["cluster"]`` under ``--ray`` (None without)."""
+        src = self._model.experts
+        if self._cluster is None or not isinstance(src, ClusterExperts):
+            return None
+        return {**self._cluster.describe(), **src.as_dict()}
 
     def stats(self) -> dict[str, Any]:
         """Counters since open (compute, tokens, and the expert store's tiers when present):
@@ -600,6 +617,14 @@ async def _plan(
     report("dense weights", 0, 1)
     model = await anyio.to_thread.run_sync(load_model, container, ResidentExperts(container, []))
     report("dense weights", 1, 1)
+    if opts.ray is not None:
+        # Experts live on the cluster's workers: this process keeps only the transient slots
+        # it needs to compute a failed worker's experts from its own reads.
+        from runtime.experts import plan_layout
+
+        full = plan_layout(container, None, top_k=arch.top_k)
+        floor = full.transient_slots * full.slot_bytes
+        return model, plan_layout(container, floor, top_k=arch.top_k), usage
     if plan.layout is None:
         checksums = None
         if opts.verify_reads:
@@ -652,6 +677,50 @@ async def _start_store(
     await store.start(tg, progress=report.step("pinned experts") if layout.pinned else None)
     model.experts = StreamingExperts(store)
     return store
+
+
+async def _start_cluster(
+    container: Container, model: DecoderStack, opts: EngineOptions
+) -> RayCluster:
+    """``--ray``: start the expert workers and make the model's expert source the cluster (the
+    store started before stays as the fallback for a failed worker's experts)."""
+    from runtime.cluster.ray_backend import start_cluster
+
+    assert opts.ray is not None
+    worker_model = opts.worker_model if opts.worker_model is not None else opts.resolved_model()
+    cluster = await anyio.to_thread.run_sync(
+        lambda: start_cluster(
+            opts.ray or "local",
+            opts.expert_workers,
+            container,
+            model=str(worker_model),
+            model_dirs=[str(d) for d in opts.model_dirs],
+            reader=opts.reader,
+            worker_ram=opts.worker_ram,
+            worker_threads=opts.worker_threads,
+            state_dir=str(opts.resolved_state_dir() / "cluster"),
+        )
+    )
+    mine = kernel_info().as_dict()
+    for info in cluster.infos:
+        theirs = info.get("kernels", {})
+        if (theirs.get("variant"), theirs.get("isa")) != (mine["variant"], mine["isa"]):
+            _log.warning(
+                "an expert worker runs another kernel variant or ISA: its outputs may differ "
+                "from this host's in the last bits",
+                worker_host=info.get("host"),
+                worker=theirs,
+                here=mine,
+            )
+    model.experts = ClusterExperts(
+        cluster.links,
+        cluster.owners,
+        model.experts,
+        load_args=cluster.load_args,
+        infos=cluster.infos,
+        deadline_s=opts.expert_timeout,
+    )
+    return cluster
 
 
 class SyncModel:

@@ -84,6 +84,7 @@ class EngineStats:
     compute: ComputeStats
     speculative: dict[str, Any]
     experts: ExpertsStats
+    cluster: dict[str, Any] | None = None  # --ray: per-worker calls, hits, reads, failures
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON shape of ``Engine.stats()`` (scheduler counters at the top level)."""
@@ -95,4 +96,5 @@ class EngineStats:
             "compute": dataclasses.asdict(self.compute),
             "speculative": self.speculative,
             "experts": self.experts.as_dict(),
+            **({} if self.cluster is None else {"cluster": self.cluster}),
         }

@@ -209,7 +209,64 @@ def _engine_options(fn: F) -> F:
         "error naming the expert and file (or, with --mirror, is demoted and another copy "
         "serves the read) instead of a wrong token (env COLI_VERIFY_READS).",
     )(fn)
+    fn = _cluster_options(fn, env)
     return _model_option(fn)
+
+
+def _cluster_options(fn: F, env: Mapping[str, str]) -> F:
+    """Scale-out over Ray (runtime/cluster/, docs/cluster.md)."""
+    fn = click.option(
+        "--ray",
+        default=env.get("ray"),
+        metavar="ADDRESS|local",
+        expose_value=False,
+        callback=_keep,
+        help="Shard the routed experts over Ray actors: 'local' starts Ray on this machine, "
+        "an address joins a running cluster (env COLI_RAY; needs pip install -e '.[ray]'). "
+        "Output is identical to one process.",
+    )(fn)
+    fn = click.option(
+        "--expert-workers",
+        type=click.IntRange(min=1),
+        default=None,
+        expose_value=False,
+        callback=_keep,
+        help="Expert workers (Ray actors) with --ray (default: 2).",
+    )(fn)
+    fn = click.option(
+        "--worker-ram",
+        default=None,
+        expose_value=False,
+        callback=_keep,
+        help="Each expert worker's RAM budget, e.g. 32GiB (default: its host's share of 88%% "
+        "of the available memory); a share that does not fit streams from the worker's disks.",
+    )(fn)
+    fn = click.option(
+        "--worker-threads",
+        type=click.IntRange(min=1),
+        default=None,
+        expose_value=False,
+        callback=_keep,
+        help="Compute threads per expert worker (default: its host's CPUs / its workers).",
+    )(fn)
+    fn = click.option(
+        "--worker-model",
+        type=click.Path(path_type=Path),
+        default=None,
+        expose_value=False,
+        callback=_keep,
+        help="The model directory on the workers' hosts (default: --model's path).",
+    )(fn)
+    fn = click.option(
+        "--expert-timeout",
+        type=click.FloatRange(min=0, min_open=True),
+        default=None,
+        expose_value=False,
+        callback=_keep,
+        help="Seconds a step waits for an expert worker before computing its experts here "
+        "(default: 10).",
+    )(fn)
+    return fn
 
 
 _MODEL_DIR_HELP = (

@@ -31,6 +31,7 @@ import anyio.to_thread
 import numpy as np
 import numpy.typing as npt
 
+from runtime.cluster.source import ClusterExperts
 from runtime.kv import KVCache
 from runtime.layers import moe as moe_ops
 
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
     from runtime.experts import ExpertStore
     from runtime.layers.moe import MoEWeights
     from runtime.speculative import SpeculativeDecoder
-    from runtime.weights import ExpertSource
+    from runtime.weights import ExpertSource, ExpertWeights
 
 __all__ = ["BatchModel", "Scheduler", "SchedulerStats", "StepRequest", "moe_step"]
 
@@ -76,13 +77,22 @@ def moe_step(
         nxt, _ = moe_ops.route(next_moe, x)  # [T, K]
         experts.prefetch(layer + 1, moe_ops.union(nxt))
     comp = ctx.compute
-    outputs = comp.run(
-        experts,
-        layer,
-        moe_ops.union(ids),
-        lambda e, w: comp.expert_output(x, ids, gates, e, w),
-        macs=ids.size * expert_macs,
-    )
+
+    def one(e: int, w: ExpertWeights) -> tuple[npt.NDArray[np.intp], F32Array]:
+        return comp.expert_output(x, ids, gates, e, w)
+
+    if isinstance(experts, ClusterExperts):
+        # Owned by cluster workers: every request out, the shared expert computed while they
+        # work, then their outputs (or, for a failed worker, ours) combined in the same order.
+        pending = experts.send(layer, moe_ops.union(ids), x, ids, gates)
+        t1 = time.perf_counter()
+        shared = moe_ops.shared(moe, x, comp.swiglu)
+        t2 = time.perf_counter()
+        outputs = experts.collect(pending, comp, one, expert_macs)
+        routed = moe_ops.combine(x, ids, outputs)
+        ctx.timing.moe_s += time.perf_counter() - t0 - (t2 - t1)
+        return routed + shared
+    outputs = comp.run(experts, layer, moe_ops.union(ids), one, macs=ids.size * expert_macs)
     routed = moe_ops.combine(x, ids, outputs)
     ctx.timing.moe_s += time.perf_counter() - t0  # the shared expert counts as dense compute
     return routed + moe_ops.shared(moe, x, comp.swiglu)

@@ -389,33 +389,38 @@ class ResidentExperts:
         *,
         checksums: ExpertChecksums | None = None,
         progress: Callable[[int, int], None] | None = None,
+        keys: Iterable[tuple[int, int]] | None = None,
     ) -> None:
         """``checksums`` (``--verify-reads``): each expert's bytes are checked as they load.
-        ``progress(done, total)`` is called after each expert."""
+        ``progress(done, total)`` is called after each expert. ``keys``: only these
+        ``(layer, expert)`` (a cluster worker's share) instead of every expert of ``layers``."""
         self._experts: dict[tuple[int, int], ExpertWeights] = {}
         self.nbytes = 0
-        n_experts = ArchConfig.from_dict(container.config).n_routed_experts
-        todo = list(container.expert_layers() if layers is None else layers)
-        total, done = len(todo) * n_experts, 0
-        for layer in todo:
-            for e in range(n_experts):
-                ext = container.expert(layer, e)
-                blob = ext.read_blob()  # [end - start] uint8
-                scales = ext.read_scales()
-                if checksums is not None:
-                    _verify_resident(checksums, layer, e, ext, blob, scales)
-                q = ext.qtensors(blob, scales)
-                self._experts[(layer, e)] = ExpertWeights(
-                    gate=Linear(q["gate_proj"]),
-                    up=Linear(q["up_proj"]),
-                    down=Linear(q["down_proj"]),
-                )
-                self.nbytes += int(blob.nbytes) + sum(
-                    int(t.scales.nbytes) for t in q.values() if t.scales is not None
-                )
-                done += 1
-                if progress is not None:
-                    progress(done, total)
+        if keys is None:
+            n_experts = ArchConfig.from_dict(container.config).n_routed_experts
+            todo = list(container.expert_layers() if layers is None else layers)
+            wanted = [(layer, e) for layer in todo for e in range(n_experts)]
+        else:
+            wanted = sorted(keys)
+        total, done = len(wanted), 0
+        for layer, e in wanted:
+            ext = container.expert(layer, e)
+            blob = ext.read_blob()  # [end - start] uint8
+            scales = ext.read_scales()
+            if checksums is not None:
+                _verify_resident(checksums, layer, e, ext, blob, scales)
+            q = ext.qtensors(blob, scales)
+            self._experts[(layer, e)] = ExpertWeights(
+                gate=Linear(q["gate_proj"]),
+                up=Linear(q["up_proj"]),
+                down=Linear(q["down_proj"]),
+            )
+            self.nbytes += int(blob.nbytes) + sum(
+                int(t.scales.nbytes) for t in q.values() if t.scales is not None
+            )
+            done += 1
+            if progress is not None:
+                progress(done, total)
 
     def get(self, layer: int, experts: Sequence[int]) -> Mapping[int, ExpertWeights]:
         try:

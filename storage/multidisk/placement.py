@@ -86,21 +86,23 @@ def parse_weights(text: str | Sequence[float]) -> tuple[float, ...]:
     return vals
 
 
-def _unit(layer: int, expert: int, copy: int) -> float:
-    """A uniform number in (0, 1) fixed by (layer, expert, copy): the same in every process."""
-    d = hashlib.blake2b(struct.pack("<qqq", layer, expert, copy), digest_size=8).digest()
+def _unit(layer: int, expert: int, copy: int, salt: int = 0) -> float:
+    """A uniform number in (0, 1) fixed by (layer, expert, copy): the same in every process.
+    ``salt`` > 0 draws an independent family (cluster workers vs a worker's own disks)."""
+    key = (layer, expert, copy) if salt == 0 else (layer, expert, copy, salt)
+    d = hashlib.blake2b(struct.pack(f"<{len(key)}q", *key), digest_size=8).digest()
     return (int.from_bytes(d, "little") + 0.5) / 2.0**64
 
 
 def rendezvous_order(
-    layer: int, expert: int, weights: Sequence[float], candidates: Sequence[int]
+    layer: int, expert: int, weights: Sequence[float], candidates: Sequence[int], salt: int = 0
 ) -> list[int]:
     """``candidates`` with weight > 0, best first by weighted rendezvous hashing.
 
     ModelCopy ``i`` comes first for a share ``w_i / sum(w)`` of all keys (score
     ``w / -ln(u)`` with ``u`` uniform per key and copy). Zero-weight candidates are left out."""
     scored = [
-        (weights[i] / -math.log(_unit(layer, expert, i)), -i, i)
+        (weights[i] / -math.log(_unit(layer, expert, i, salt)), -i, i)
         for i in candidates
         if weights[i] > 0
     ]

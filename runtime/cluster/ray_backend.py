@@ -1,0 +1,221 @@
+"""Expert workers as Ray actors (the optional ``ray`` extra: ``pip install -e '.[ray]'``).
+
+:func:`start_cluster` joins a Ray cluster (``address``) or starts one on this machine
+(``"local"``), starts ``n`` :class:`runtime.cluster.worker.ExpertWorker` actors spread over its
+nodes, weighs them by RAM and probed read bandwidth, hands each its share of the experts
+(:mod:`runtime.cluster.placement`) and returns the links and ownership the coordinator's
+:class:`runtime.cluster.source.ClusterExperts` needs. Actors restart when their process dies
+(``max_restarts=-1``); calls are never retried by Ray (the coordinator falls back instead).
+
+This is the one place Ray's exceptions are mapped (to :class:`WorkerFailed`).
+
+Shape legend: N workers, key = (layer, expert).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from runtime.cluster.placement import assign, shares, worker_weights
+from runtime.cluster.source import WorkerFailed
+from runtime.cluster.worker import AUTO_FRACTION, ExpertWorker
+from storage.container import Container
+from storage.errors import ColibriError
+
+__all__ = ["RayCluster", "RayLink", "start_cluster"]
+
+_log = structlog.get_logger(__name__)
+
+NAMESPACE = "colibri"
+START_TIMEOUT_S = 600.0  # workers loading their share (reading GBs) may take minutes
+
+
+def _ray() -> Any:
+    try:
+        import ray
+    except ImportError as exc:
+        raise ColibriError(
+            "--ray needs Ray: pip install -e '.[ray]' (or pip install 'ray>=2.40')"
+        ) from exc
+    return ray
+
+
+class RayLink:
+    """One worker actor (a :class:`runtime.cluster.source.WorkerLink`)."""
+
+    def __init__(self, actor: Any, name: str) -> None:
+        self.actor = actor
+        self.name = name
+
+    def call(self, method: str, *args: Any) -> Any:
+        try:
+            return getattr(self.actor, method).remote(*args)
+        except Exception as exc:  # submitting to a dead actor can fail at once
+            raise WorkerFailed(f"{self.name}: {type(exc).__name__}: {exc}") from exc
+
+    def result(self, handle: Any, timeout: float) -> Any:
+        ray = _ray()
+        try:
+            return ray.get(handle, timeout=timeout)
+        except ray.exceptions.GetTimeoutError as exc:
+            raise WorkerFailed(
+                f"{self.name}: no reply within the deadline", timed_out=True
+            ) from exc
+        except (ray.exceptions.RayError, ColibriError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise WorkerFailed(f"{self.name}: {type(exc).__name__}: {first}") from exc
+
+    def done(self, handle: Any) -> bool:
+        ready, _ = _ray().wait([handle], timeout=0)
+        return bool(ready)
+
+
+@dataclass
+class RayCluster:
+    """The started workers: links, ownership ranking, each worker's load arguments."""
+
+    links: list[RayLink]
+    owners: dict[tuple[int, int], tuple[int, ...]]
+    load_args: list[tuple[Any, ...]]
+    infos: list[dict[str, Any]]
+    address: str
+    started_ray: bool
+    weights: tuple[float, ...]
+    actors: list[Any] = field(default_factory=list)
+
+    def pids(self) -> list[int]:
+        """Each worker's current process id (tests kill one)."""
+        ray = _ray()
+        return [int(i["pid"]) for i in ray.get([a.info.remote() for a in self.actors])]
+
+    def close(self) -> None:
+        """Save each worker's usage, stop the actors and (when this process started it) Ray."""
+        ray = _ray()
+        try:
+            ray.get([a.close.remote() for a in self.actors], timeout=30)
+        except Exception as exc:  # a dead worker saves nothing; the rest already did
+            _log.warning("an expert worker did not close cleanly", error=str(exc))
+        for a in self.actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # already gone
+                pass
+        if self.started_ray:
+            ray.shutdown()
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "address": self.address,
+            "workers": len(self.links),
+            "weights": list(self.weights),
+            "hosts": [i.get("host", "") for i in self.infos],
+            "kernels": [i.get("kernels", {}) for i in self.infos],
+        }
+
+
+def start_cluster(
+    address: str,
+    n_workers: int,
+    container: Container,
+    *,
+    model: str,
+    model_dirs: Sequence[str] = (),
+    reader: str = "auto",
+    worker_ram: int | None = None,
+    worker_threads: int | None = None,
+    state_dir: str | None = None,
+) -> RayCluster:
+    """Start ``n_workers`` expert workers on Ray (``address``: ``"local"`` or a cluster address)
+    and give each its share of ``container``'s experts. Blocking (run it off the event loop)."""
+    if n_workers < 1:
+        raise ColibriError(f"--expert-workers must be >= 1, got {n_workers}")
+    ray = _ray()
+    started = False
+    if not ray.is_initialized():
+        kw: dict[str, Any] = dict(
+            namespace=NAMESPACE,
+            include_dashboard=False,
+            log_to_driver=False,
+            logging_level=logging.WARNING,
+        )
+        if address == "local":
+            kw.update(address="local", num_cpus=os.cpu_count() or 1)
+        else:
+            kw.update(address=address)
+        try:
+            ray.init(**kw)
+        except Exception as exc:
+            raise ColibriError(f"could not start or join Ray at {address!r}: {exc}") from exc
+        started = True
+    actor_cls = ray.remote(ExpertWorker).options(
+        max_restarts=-1,
+        max_task_retries=0,
+        num_cpus=0,  # the workers' own threads do the work; Ray's CPU slots would only block
+        scheduling_strategy="SPREAD",
+    )
+    actors = []
+    for i in range(n_workers):
+        worker_state = None if state_dir is None else os.path.join(state_dir, f"worker-{i}")
+        actors.append(
+            actor_cls.remote(
+                model, model_dirs=list(model_dirs), reader=reader, state_dir=worker_state
+            )
+        )
+    try:
+        infos = ray.get([a.info.remote() for a in actors], timeout=START_TIMEOUT_S)
+        per_host = Counter(i["host"] for i in infos)
+        budgets = [
+            worker_ram
+            if worker_ram is not None
+            else int(AUTO_FRACTION * i["mem_available"] / per_host[i["host"]])
+            for i in infos
+        ]
+        threads = [
+            worker_threads
+            if worker_threads is not None
+            else max(1, int(i["cpus"]) // per_host[i["host"]])
+            for i in infos
+        ]
+        weights = worker_weights(budgets, [float(i["read_bps"]) for i in infos])
+        owners = assign(container.expert_layers(), container.arch.n_routed_experts, weights)
+        share = shares(owners, n_workers)
+        load_args = [(share[i], budgets[i], threads[i]) for i in range(n_workers)]
+        infos = ray.get(
+            [a.load.remote(*args) for a, args in zip(actors, load_args, strict=True)],
+            timeout=START_TIMEOUT_S,
+        )
+    except BaseException as exc:
+        for a in actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:
+                pass
+        if started:
+            ray.shutdown()
+        if isinstance(exc, ray.exceptions.RayError):
+            raise ColibriError(f"expert workers failed to start: {exc}") from exc
+        raise
+    links = [RayLink(a, f"expert-worker-{i}") for i, a in enumerate(actors)]
+    _log.info(
+        "expert workers ready",
+        workers=n_workers,
+        modes=[i["mode"] for i in infos],
+        experts=[i["experts"] for i in infos],
+    )
+    return RayCluster(
+        links=links,
+        owners=owners,
+        load_args=load_args,
+        infos=infos,
+        address=address,
+        started_ray=started,
+        weights=weights,
+        actors=actors,
+    )
