@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -70,6 +71,8 @@ class _EngineCollector(Collector):
         )
         resident.add_metric([], 1.0 if ex.mode == "streaming" else 0.0)
         yield resident
+        if s.cluster is not None:
+            yield from _cluster_metrics(s.cluster)
         t = ex.tiers
         if t is None:
             return
@@ -162,6 +165,51 @@ def _device_metrics(devices: Sequence[CopyStats]) -> Iterator[Metric]:
                 continue
             fam.add_metric([str(d.index), d.role, d.root], float(v))
         yield fam
+
+
+# Per-worker series under --ray (runtime/cluster/): (name, help, type, stats key).
+_WORKER_SERIES: tuple[tuple[str, str, str, str], ...] = (
+    ("colibri:cluster_worker_calls", "Expert requests this worker answered", "c", "calls"),
+    ("colibri:cluster_worker_failures", "Requests that failed on this worker", "c", "failures"),
+    ("colibri:cluster_worker_timeouts", "Requests past the deadline", "c", "timeouts"),
+    ("colibri:cluster_worker_rejoins", "Times this worker came back", "c", "rejoins"),
+    ("colibri:cluster_worker_hits", "Expert lookups its store served from RAM", "c", "hits"),
+    ("colibri:cluster_worker_reads", "Experts its store read from its disks", "c", "reads"),
+    ("colibri:cluster_worker_read_bytes", "Bytes its store read", "c", "bytes_read"),
+    (
+        "colibri:cluster_worker_fallback_experts",
+        "Its experts the coordinator computed instead (it was down or late)",
+        "c",
+        "fallback_experts",
+    ),
+    ("colibri:cluster_worker_call_ms", "Mean request round trip", "g", "call_ms_mean"),
+    (
+        "colibri:cluster_worker_overhead_ms",
+        "Mean round trip minus the worker's own compute",
+        "g",
+        "overhead_ms_mean",
+    ),
+    ("colibri:cluster_worker_up", "1 while the worker answers", "g", "alive"),
+    ("colibri:cluster_worker_experts", "Experts this worker owns", "g", "experts_owned"),
+)
+
+
+def _cluster_metrics(cluster: dict[str, Any]) -> Iterator[Metric]:
+    """One series per expert worker and metric."""
+    for name, doc, kind, key in _WORKER_SERIES:
+        fam: CounterMetricFamily | GaugeMetricFamily
+        if kind == "c":
+            fam = CounterMetricFamily(name, doc, labels=["worker"])
+        else:
+            fam = GaugeMetricFamily(name, doc, labels=["worker"])
+        for w in cluster["workers"]:
+            fam.add_metric([str(w["name"])], float(w[key]))
+        yield fam
+    yield _counter(
+        "colibri:cluster_fallback_experts",
+        "Expert computations the coordinator did because a worker was down or late",
+        cluster["fallback_experts"],
+    )
 
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:

@@ -675,6 +675,7 @@
         ["expert size", m.expert_bytes ? fmtBytes(m.expert_bytes) : null],
       ]);
       renderDisks(p);
+      renderCluster(p.engine.cluster);
       renderTurns(p.turns || []);
       renderTime();
       const q = p.queue;
@@ -704,6 +705,34 @@
     $("hit-now").textContent = lastHit != null ? `${(lastHit * 100).toFixed(1)}% now` : "";
     drawChart($("chart-tps"), tps, { color: "#3fb8af", fmt: (v) => fmtNum(v) });
     drawChart($("chart-hit"), hit, { color: "#7aa2f7", max: 1, fmt: (v) => `${Math.round(v * 100)}%` });
+  }
+
+  // --ray: one row per expert worker (runtime/cluster/), hidden without a cluster.
+  function renderCluster(c) {
+    const card = $("cluster-card");
+    card.hidden = !c;
+    if (!c) return;
+    $("cluster-note").textContent = `${c.workers.length} on ${c.address} · ${c.fallback_experts} experts computed here for a down or late worker`;
+    const tb = $("cluster").tBodies[0];
+    tb.textContent = "";
+    for (const w of c.workers) {
+      const tr = el("tr");
+      const failures = w.failures + w.timeouts ? `${w.failures} failed · ${w.timeouts} late · ${w.rejoins} back` : "0";
+      const cells = [
+        w.name,
+        w.alive ? `up · ${w.mode || "?"}` : "down",
+        String(w.experts_owned),
+        String(w.calls),
+        `${fmtNum(w.call_ms_mean)} ms`,
+        `${fmtNum(w.overhead_ms_mean)} ms`,
+        String(w.hits),
+        w.reads ? `${w.reads} (${fmtBytes(w.bytes_read)})` : "0",
+        failures,
+      ];
+      for (const v of cells) tr.appendChild(el("td", null, v));
+      if (!w.alive) tr.title = w.last_error;
+      tb.appendChild(tr);
+    }
   }
 
   function renderDisks(p) {

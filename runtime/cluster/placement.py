@@ -30,14 +30,15 @@ CLUSTER_SALT = 0x636F6C69  # "coli": the worker ranking, independent of the disk
 
 def worker_weights(ram_bytes: Sequence[int], read_bps: Sequence[float]) -> tuple[float, ...]:
     """One weight per worker from its RAM budget and read bandwidth (each normalised to the
-    largest), so the product is dimensionless. A worker with no RAM or no bandwidth gets 0."""
+    largest, RAM in 1/16 steps, bandwidth to a power of two), so the product is dimensionless
+    and the same from run to run. A worker with no RAM or no bandwidth gets 0."""
     if len(ram_bytes) != len(read_bps) or not ram_bytes:
         raise ColibriError("worker weights need one RAM budget and one bandwidth per worker")
     top_ram, top_bw = max(ram_bytes), max(read_bps)
     if top_ram <= 0 or top_bw <= 0:
         raise ColibriError("no worker has RAM and read bandwidth to hold experts")
     return tuple(
-        max(0.0, r / top_ram) * _octave(b / top_bw)
+        round(16 * max(0.0, r / top_ram)) / 16 * _octave(b / top_bw)
         for r, b in zip(ram_bytes, read_bps, strict=True)
     )
 

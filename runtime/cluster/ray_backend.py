@@ -34,6 +34,7 @@ __all__ = ["RayCluster", "RayLink", "start_cluster"]
 _log = structlog.get_logger(__name__)
 
 NAMESPACE = "colibri"
+INLINE_BYTES = 4 << 20  # replies up to this size travel inline (Ray's default: 100 KiB)
 START_TIMEOUT_S = 600.0  # workers loading their share (reading GBs) may take minutes
 
 
@@ -146,7 +147,13 @@ def start_cluster(
             logging_level=logging.WARNING,
         )
         if address == "local":
-            kw.update(address="local", num_cpus=os.cpu_count() or 1)
+            # Replies of a decode step (~100 KB: K experts x D floats) go inline with the call
+            # instead of through the object store: 3.5 -> 1.5 ms per round trip, measured.
+            kw.update(
+                address="local",
+                num_cpus=os.cpu_count() or 1,
+                _system_config={"max_direct_call_object_size": INLINE_BYTES},
+            )
         else:
             kw.update(address=address)
         try:
@@ -183,7 +190,13 @@ def start_cluster(
             else max(1, int(i["cpus"]) // per_host[i["host"]])
             for i in infos
         ]
-        weights = worker_weights(budgets, [float(i["read_bps"]) for i in infos])
+        # Workers of one host reading the same files share its disks: one figure for them
+        # (the best of their probes, which ran at the same time and split the device).
+        best: dict[tuple[str, str], float] = {}
+        for i in infos:
+            k = (i["host"], i["model"])
+            best[k] = max(best.get(k, 0.0), float(i["read_bps"]))
+        weights = worker_weights(budgets, [best[(i["host"], i["model"])] for i in infos])
         owners = assign(container.expert_layers(), container.arch.n_routed_experts, weights)
         share = shares(owners, n_workers)
         load_args = [(share[i], budgets[i], threads[i]) for i in range(n_workers)]

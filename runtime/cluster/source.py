@@ -34,6 +34,7 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
+from runtime.cluster.wire import pack_request, unpack_reply
 from runtime.weights import ExpertSource, ExpertWeights
 from storage.errors import ColibriError
 
@@ -94,13 +95,13 @@ class WorkerState:
     remote_s: float = 0.0  # of it, the worker's own compute time
     fallback_experts: int = 0  # its experts the coordinator computed instead
     last_error: str = ""
-    remote: dict[str, Any] = field(default_factory=dict)  # its own counters and store stats
+    remote: dict[str, Any] = field(default_factory=dict)  # its own counters, store stats, mode
     probe: Any = None  # an in-flight health check
     reload: Any = None  # an in-flight reload of its share (after a restart)
     probed_at: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
-        store = self.remote.get("store", {})
+        store = self.remote
         return {
             "name": self.name,
             "alive": self.alive,
@@ -123,6 +124,14 @@ class WorkerState:
             "mode": self.remote.get("mode", ""),
             "last_error": self.last_error,
         }
+
+
+def _remember(ws: WorkerState, info: Mapping[str, Any]) -> None:
+    """Keep a worker's own report (``info()`` / ``load()``: mode, counters, store stats)."""
+    ws.remote.update(info.get("counters", {}))
+    ws.remote.update(info.get("store", {}))
+    if "mode" in info:
+        ws.remote["mode"] = info["mode"]
 
 
 @dataclass
@@ -178,7 +187,7 @@ class ClusterExperts:
             counts[w] += 1
         self.workers = [WorkerState(link.name, counts[i]) for i, link in enumerate(self.links)]
         for ws, info in zip(self.workers, infos, strict=False):
-            ws.remote.update(info)  # what each said when it loaded its share
+            _remember(ws, info)  # what each said when it loaded its share
         self.steps = 0
         self.fallback_experts = 0  # expert computations done here because a worker was down
         self.fallback_events = 0  # (worker, step) pairs that fell back
@@ -231,12 +240,7 @@ class ClusterExperts:
         for w, experts in sorted(by_worker.items()):
             rows = np.nonzero(np.isin(ids, experts).any(axis=1))[0]  # [n]
             handle = self.links[w].call(
-                "compute",
-                layer,
-                experts,
-                np.ascontiguousarray(x[rows]),
-                np.ascontiguousarray(ids[rows]),
-                np.ascontiguousarray(gates[rows]),
+                "compute_packed", pack_request(layer, experts, x[rows], ids[rows], gates[rows])
             )
             self.workers[w].rows += int(rows.size)
             sent.append(_Sent(w, experts, rows, handle, t0))
@@ -260,7 +264,7 @@ class ClusterExperts:
             ws, link = self.workers[s.worker], self.links[s.worker]
             t_wait = self._clock()
             try:
-                reply, info = link.result(s.handle, max(0.0, step.deadline - t_wait))
+                reply, info = unpack_reply(link.result(s.handle, max(0.0, step.deadline - t_wait)))
             except WorkerFailed as exc:
                 self.wait_s += self._clock() - t_wait
                 self._down(s.worker, exc)
@@ -273,7 +277,7 @@ class ClusterExperts:
             self.wait_s += now - t_wait
             ws.calls += 1
             ws.call_s += now - s.t0
-            ws.remote_s += float(info.get("s", 0.0))
+            ws.remote_s += info["s"]
             ws.experts += len(reply)
             ws.remote.update(info)
             for e, rows, y in reply:
@@ -343,7 +347,7 @@ class ClusterExperts:
         ws = self.workers[w]
         ws.alive = True
         ws.rejoins += 1
-        ws.remote.update(info)
+        _remember(ws, info)
         _log.info("expert worker rejoined", worker=ws.name, mode=info.get("mode"))
 
     # ------------------------------------------------------------------ report

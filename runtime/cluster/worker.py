@@ -31,6 +31,7 @@ import anyio.to_thread
 import numpy as np
 import numpy.typing as npt
 
+from runtime.cluster.wire import pack_reply, unpack_request
 from runtime.compute import ExpertCompute
 from runtime.kernels.isa import kernel_info
 from runtime.weights import ExpertSource, ResidentExperts
@@ -154,6 +155,7 @@ class ExpertWorker:
         return {
             "pid": os.getpid(),
             "host": socket.gethostname(),
+            "model": str(self.container.path),
             "mem_available": mem_available() or 0,
             "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1,
             "read_bps": self.read_bps,
@@ -300,6 +302,15 @@ class ExpertWorker:
                     self.save_usage()
         reply = [(e, outs[e][0], outs[e][1]) for e in wanted]
         return reply, {"counters": self.counters.as_dict(), "store": self._store_stats(), "s": dt}
+
+    def compute_packed(self, request: bytes) -> bytes:
+        """:meth:`compute` over the wire format (:mod:`runtime.cluster.wire`)."""
+        layer, experts, x, ids, gates = unpack_request(request)
+        if not experts:
+            return pack_reply([], {}, self.arch.hidden_size)
+        reply, info = self.compute(layer, experts, x, ids, gates)
+        flat = {**info["counters"], **info["store"], "s": info["s"]}
+        return pack_reply(reply, flat, self.arch.hidden_size)
 
     def _store_stats(self) -> dict[str, Any]:
         """Hits, reads and bytes of this worker's expert store (a resident share only hits)."""

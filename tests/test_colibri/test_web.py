@@ -710,3 +710,32 @@ def test_page_survives_a_server_restart(open_page: Any, tmp_path: Path) -> None:
         p.shot("desktop-server-back")
     finally:
         srv.stop()
+
+
+def test_expert_workers_on_the_dashboard_and_in_metrics(open_page: Any, tmp_path: Path) -> None:
+    """``coli web --ray local``: the Runtime tab lists each expert worker with its calls, and
+    ``/metrics`` carries one series per worker."""
+    pytest.importorskip("ray", reason="the ray extra is not installed")
+    srv = WebServer(tmp_path, tmp_path / "state", "--ray", "local", "--expert-workers", "2")
+    try:
+        srv.wait_ready(180)
+        srv.chat(8)
+        metrics = httpx.get(srv.url + "/metrics", timeout=10).text
+        for w in ("expert-worker-0", "expert-worker-1"):
+            calls = re.search(
+                rf'colibri:cluster_worker_calls_total\{{worker="{w}"\}} (\S+)', metrics
+            )
+            assert calls and float(calls.group(1)) > 0, metrics[-2000:]
+            assert f'colibri:cluster_worker_up{{worker="{w}"}} 1.0' in metrics
+        p = open_page()
+        p.allowed.append(_atlas_404)
+        page = p.page
+        page.goto(srv.url + "/#runtime")
+        page.wait_for_function("() => !document.querySelector('#cluster-card').hidden")
+        page.wait_for_function("() => document.querySelectorAll('#cluster tbody tr').length === 2")
+        rows = page.inner_text("#cluster tbody")
+        assert "expert-worker-0" in rows and "expert-worker-1" in rows and "up · resident" in rows
+        assert "2 on local" in page.inner_text("#cluster-note")
+        p.shot("desktop-cluster")
+    finally:
+        srv.stop()
