@@ -695,6 +695,7 @@ async def _start_cluster(
             container,
             model=str(worker_model),
             model_dirs=[str(d) for d in opts.model_dirs],
+            mirrors=[str(m) for m in opts.mirror],
             reader=opts.reader,
             worker_ram=opts.worker_ram,
             worker_threads=opts.worker_threads,

@@ -128,6 +128,7 @@ def start_cluster(
     *,
     model: str,
     model_dirs: Sequence[str] = (),
+    mirrors: Sequence[str] = (),
     reader: str = "auto",
     worker_ram: int | None = None,
     worker_threads: int | None = None,
@@ -172,7 +173,11 @@ def start_cluster(
         worker_state = None if state_dir is None else os.path.join(state_dir, f"worker-{i}")
         actors.append(
             actor_cls.remote(
-                model, model_dirs=list(model_dirs), reader=reader, state_dir=worker_state
+                model,
+                model_dirs=list(model_dirs),
+                mirrors=list(mirrors),
+                reader=reader,
+                state_dir=worker_state,
             )
         )
     try:

@@ -4,7 +4,8 @@
 wraps it): it opens the model files on its host, probes their read bandwidth, and once told
 its share (:meth:`ExpertWorker.load`) keeps it in the normal expert store: all of the share in
 RAM when it fits the worker's budget, else the tiered store (pinned set from the worker's own
-``.coli_usage``, per-layer LRU, io_uring reads on its own disks and ``--mirror`` copies).
+``.coli_usage``, per-layer LRU, io_uring reads on its own disks and ``--mirror`` copies, which
+must be at the same paths on every worker host).
 
 :meth:`ExpertWorker.compute` is one MoE layer's request: the rows routed to the worker's
 experts and the experts, answered with each expert's gate-weighted output on its rows,
@@ -66,8 +67,17 @@ class WorkerCounters:
 class _StoreHost:
     """The tiered expert store on its own event loop (a blocking portal's thread)."""
 
-    def __init__(self, container: Container, budget: int, reader: str, pinned: list[Key]) -> None:
+    def __init__(
+        self,
+        container: Container,
+        budget: int,
+        reader: str,
+        pinned: list[Key],
+        mirrors: Sequence[Path] = (),
+        state_dir: Path | None = None,
+    ) -> None:
         from runtime.experts import ExpertStore, StreamingExperts, plan_layout
+        from storage.multidisk.probing import open_placement
         from storage.reader import open_reader
 
         self._cm = anyio.from_thread.start_blocking_portal()
@@ -80,8 +90,15 @@ class _StoreHost:
             rd = await open_reader(reader, probe_path=extents[0].path if extents else None)  # type: ignore[arg-type]
             self._stop = anyio.Event()
             try:
+                # this host's copies: the model dir and its --mirror dirs (reads spread, failover)
+                placement = await open_placement(
+                    container,
+                    list(mirrors),
+                    state_dir=state_dir if mirrors else None,
+                    direct=rd.direct,
+                )
                 async with anyio.create_task_group() as tg:
-                    store = ExpertStore(container, rd, layout, prefetch="off")
+                    store = ExpertStore(container, rd, layout, prefetch="off", placement=placement)
                     await store.start(tg)
                     task_status.started(store)
                     await self._stop.wait()
@@ -114,6 +131,7 @@ class ExpertWorker:
         model: str | os.PathLike[str],
         *,
         model_dirs: Sequence[str | os.PathLike[str]] = (),
+        mirrors: Sequence[str | os.PathLike[str]] = (),
         reader: str = "auto",
         state_dir: str | os.PathLike[str] | None = None,
         probe_s: float = 0.3,
@@ -121,6 +139,7 @@ class ExpertWorker:
         self.container = Container.open(Path(model), shard_dirs=[Path(d) for d in model_dirs])
         self.arch = self.container.arch
         self.reader = reader
+        self.mirrors = [Path(m) for m in mirrors]
         self.state_dir = Path(state_dir) if state_dir is not None else None
         self.kernels = kernel_info().as_dict()
         self.read_bps = self._probe(probe_s)
@@ -190,7 +209,9 @@ class ExpertWorker:
             self.mode = "resident"
         else:
             pinned = self._pinned(keys, budget, one)
-            self._host = _StoreHost(self.container, budget, self.reader, pinned)
+            self._host = _StoreHost(
+                self.container, budget, self.reader, pinned, self.mirrors, self.state_dir
+            )
             self._source = self._host.source
             self.mode = "streaming"
         self.keys = frozenset(keys)
@@ -315,11 +336,18 @@ class ExpertWorker:
     def _store_stats(self) -> dict[str, Any]:
         """Hits, reads and bytes of this worker's expert store (a resident share only hits)."""
         if self._host is not None:
-            st = self._host.store.stats
-            return {
+            store = self._host.store
+            st = store.stats
+            out: dict[str, Any] = {
                 "hits": st.hits_pinned + st.hits_lru,
                 "misses": st.misses,
                 "reads": st.experts_read,
                 "bytes_read": st.bytes_read,
             }
+            if store.placement is not None and len(store.placement.copies) > 1:
+                out["devices"] = [
+                    {"root": c.root, "reads": c.reads, "bytes": c.bytes, "demoted": c.demoted}
+                    for c in store.placement.copy_stats()
+                ]
+            return out
         return {"hits": self.counters.experts, "misses": 0, "reads": 0, "bytes_read": 0}

@@ -122,6 +122,27 @@ def test_worker_outputs_are_bit_identical_to_local_experts(mode: str, tmp_path: 
     assert (tmp_path / "w" / ".coli_usage").exists()  # its own usage history
 
 
+def test_a_streaming_worker_spreads_its_reads_over_its_mirror(tmp_path: Path) -> None:
+    """A worker's own disks: its model dir plus a ``--mirror`` copy, both serving reads."""
+    import shutil
+
+    mirror = tmp_path / "mirror"
+    shutil.copytree(_demo(), mirror)
+    c = Container.open(_demo())
+    keys = [(la, e) for la in c.expert_layers() for e in range(c.arch.n_routed_experts)]
+    full = plan_layout(c, None, top_k=c.arch.top_k)
+    w = ExpertWorker(_demo(), mirrors=[mirror], reader="threads", state_dir=tmp_path / "w")
+    try:
+        w.load(keys, (full.transient_slots + 2) * full.slot_bytes)
+        for layer in c.expert_layers():
+            x, ids, gates = _route_rows(c, layer, 16, seed=layer)
+            w.compute(layer, sorted({int(e) for e in ids.ravel()}), x, ids, gates)
+        devices = w.info()["store"]["devices"]
+        assert len(devices) == 2 and all(d["reads"] > 0 for d in devices), devices
+    finally:
+        w.close()
+
+
 # ----------------------------------------------------------------------------- on Ray
 
 

@@ -3,12 +3,13 @@
 On the synthetic GLM-5-geometry model (built on first use, ~16 GiB of experts), in one run:
 
 * **1 process** streaming under a RAM budget that holds ``--fraction`` (default 25%) of the
-  experts: what one box with that much RAM gets (measured before and after the cluster run,
-  averaged: the disk drifts);
+  experts: what one box with that much RAM gets;
 * **N Ray workers** (``--workers``, default 2) started on this machine (``--ray local``), each
   holding its share of the experts in RAM; the coordinator keeps the dense part.
 
-The figure is cluster decode tokens/s over the 1-process tokens/s. The JSON also carries Ray's
+Runs are interleaved (single, cluster, single, ... ``--rounds`` cluster runs, one more single:
+the disk drifts minute to minute). The figure is the median cluster decode tokens/s over the
+median 1-process tokens/s. The JSON also carries Ray's
 call overhead (per call and per token: each call's round trip minus the worker's own compute),
 the time the coordinator blocked on replies, and the per-worker counters.
 
@@ -22,6 +23,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -120,11 +122,13 @@ def decode(model: Path, tokens: int, **opts: Any) -> dict[str, Any]:
 def round_trips(workers: int, request: int, reply: int, n: int = 200) -> dict[str, float]:
     """Ray's own cost, apart from ours: one call to each of ``workers`` echo actors with a
     ``request``-byte argument and a ``reply``-byte answer (the sizes of a decode step), as
-    plain actor calls (what the engine uses, same inline setting) and as a compiled graph."""
+    plain actor calls (what the engine uses, same inline setting) and through one compiled
+    graph per actor (independent, so a frozen actor would block only its own), plus the CPU
+    an idle compiled-graph actor burns (its channel reader spins)."""
     import logging
 
     import ray
-    from ray.dag import InputNode, MultiOutputNode
+    from ray.dag import InputNode
 
     from runtime.cluster.ray_backend import INLINE_BYTES
 
@@ -141,6 +145,9 @@ def round_trips(workers: int, request: int, reply: int, n: int = 200) -> dict[st
             def answer(self, b: bytes) -> bytes:
                 return bytes(reply)
 
+            def cpu(self) -> float:
+                return time.process_time()  # every thread of the actor's process
+
         actor = ray.remote(num_cpus=0)(Echo)
         es = [actor.remote() for _ in range(workers)]
         blob = bytes(request)
@@ -149,21 +156,32 @@ def round_trips(workers: int, request: int, reply: int, n: int = 200) -> dict[st
         for _ in range(n):
             ray.get([e.answer.remote(blob) for e in es])
         plain = (time.perf_counter() - t0) / n
-        with InputNode() as inp:
-            dag = MultiOutputNode([e.answer.bind(inp[i]) for i, e in enumerate(es)])
-        compiled = dag.experimental_compile()
+        graphs = []
+        for e in es:
+            with InputNode() as inp:
+                node = e.answer.bind(inp)
+            graphs.append(node.experimental_compile())
         try:
             for _ in range(5):
-                ray.get(compiled.execute(*[blob] * workers))
+                [ray.get(r) for r in [g.execute(blob) for g in graphs]]
             t0 = time.perf_counter()
             for _ in range(n):
-                ray.get(compiled.execute(*[blob] * workers))
+                [ray.get(r) for r in [g.execute(blob) for g in graphs]]
             cg = (time.perf_counter() - t0) / n
+            c0 = ray.get([e.cpu.remote() for e in es])
+            time.sleep(2.0)
+            c1 = ray.get([e.cpu.remote() for e in es])
+            idle = sum(b - a for a, b in zip(c0, c1, strict=True)) / len(es) / 2.0
         finally:
-            compiled.teardown()
+            for g in graphs:
+                g.teardown()
     finally:
         ray.shutdown()
-    return {"plain_ms": 1e3 * plain, "compiled_graph_ms": 1e3 * cg}
+    return {
+        "plain_ms": 1e3 * plain,
+        "compiled_graph_ms": 1e3 * cg,
+        "compiled_graph_idle_cpu_per_actor": idle,  # CPU-seconds per second, waiting
+    }
 
 
 def workers_of(c: dict[str, Any]) -> list[Any]:
@@ -178,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--ray", default="local")
     ap.add_argument("--reader", default="auto")
+    ap.add_argument("--rounds", type=int, default=2, help="cluster runs (singles: one more)")
     a = ap.parse_args(argv)
 
     if not (a.model / "config.json").exists():
@@ -199,42 +218,42 @@ def main(argv: list[str] | None = None) -> int:
     del model
     budget = int(dense + kv + a.fraction * n_experts * layout.slot_bytes)
 
-    single_before = decode(a.model, a.tokens, ram_budget=budget, reader=a.reader)
-    clustered = decode(a.model, a.tokens, ray=a.ray, expert_workers=a.workers, reader=a.reader)
-    single_after = decode(a.model, a.tokens, ram_budget=budget, reader=a.reader)
-    one = (single_before["tokens_per_s"] + single_after["tokens_per_s"]) / 2
+    # Interleaved: single, cluster, single, cluster, ..., single (the disk drifts minute to
+    # minute; the cluster is compute-bound). Medians of each.
+    singles = [decode(a.model, a.tokens, ram_budget=budget, reader=a.reader)]
+    clusters = []
+    for _ in range(a.rounds):
+        clusters.append(
+            decode(a.model, a.tokens, ray=a.ray, expert_workers=a.workers, reader=a.reader)
+        )
+        singles.append(decode(a.model, a.tokens, ram_budget=budget, reader=a.reader))
+    one = statistics.median(r["tokens_per_s"] for r in singles)
+    many = statistics.median(r["tokens_per_s"] for r in clusters)
     d = c.arch.hidden_size
     # a decode step's request (1 row, its routing) and reply (K / workers experts x D floats)
     trips = round_trips(a.workers, 4 * d + 64, 4 * d * c.arch.top_k // a.workers + 64)
-    same = clustered["ids"] == single_before["ids"] == single_after["ids"]
-    for r in (single_before, clustered, single_after):
+    same = all(r["ids"] == singles[0]["ids"] for r in singles + clusters)
+    for r in singles + clusters:
         r.pop("ids")
+    clustered = clusters[-1]
+    calls_per_token = clustered["cluster"]["calls_per_token"]
+    ray_ms = trips["plain_ms"] * calls_per_token / a.workers  # one round trip per MoE layer
     result = {
-        "figure": round(clustered["tokens_per_s"] / one, 3),
-        "cluster_tokens_per_s": round(clustered["tokens_per_s"], 3),
+        "figure": round(many / one, 3),
+        "cluster_tokens_per_s": round(many, 3),
         "single_tokens_per_s": round(one, 3),
-        "single_tokens_per_s_before_after": [
-            round(single_before["tokens_per_s"], 3),
-            round(single_after["tokens_per_s"], 3),
-        ],
+        "cluster_tokens_per_s_runs": [round(r["tokens_per_s"], 3) for r in clusters],
+        "single_tokens_per_s_runs": [round(r["tokens_per_s"], 3) for r in singles],
         "same_tokens": same,
         "overhead_ms_per_token": round(clustered["cluster"]["overhead_ms_per_token"], 3),
         "overhead_ms_per_call": round(clustered["cluster"]["overhead_ms_per_call"], 3),
         # Ray alone, decode-sized messages: plain calls (used) vs a compiled graph (not used:
         # see docs/cluster.md, "Compiled graphs")
-        "ray_round_trip_ms": {k: round(v, 3) for k, v in trips.items()},
-        # one round trip per MoE layer and token: Ray's share of a token's time
-        "ray_overhead_ms_per_token": round(
-            trips["plain_ms"] * clustered["cluster"]["calls_per_token"] / a.workers, 3
-        ),
-        "ray_overhead_share_of_token": round(
-            trips["plain_ms"]
-            * clustered["cluster"]["calls_per_token"]
-            / a.workers
-            / (1e3 / clustered["tokens_per_s"]),
-            4,
-        ),
-        "single": single_before,
+        "ray_round_trip_ms": {k: round(v, 3) for k, v in trips.items() if k.endswith("_ms")},
+        "compiled_graph_idle_cpu_per_actor": round(trips["compiled_graph_idle_cpu_per_actor"], 3),
+        "ray_overhead_ms_per_token": round(ray_ms, 3),
+        "ray_overhead_share_of_token": round(ray_ms / (1e3 / many), 4),
+        "single": singles[0],
         "cluster": clustered,
         "single_ram_budget_bytes": budget,
         "single_experts_share": a.fraction,
