@@ -445,6 +445,7 @@ class Engine:
             fast_prefill=self.options.fast_prefill,
             fast_prefill_matmuls=pre.fast_calls,
             kernels=self._kernels.as_dict(),
+            split_matmuls=comp.split_calls + (0 if pre is comp else pre.split_calls),
         )
         store = self._store
         if store is None:

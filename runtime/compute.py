@@ -40,6 +40,7 @@ from runtime.weights import ExpertSource
 __all__ = ["ExpertCompute"]
 
 _WORKER_PREFIX = "colibri-expert"
+SPLIT_MIN_MACS = 1 << 23
 
 F32Array = npt.NDArray[np.float32]
 R = TypeVar("R")
@@ -61,6 +62,9 @@ class ExpertCompute:
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         self.parallel_min_macs = parallel_min_macs
+        # A one-token matmul splits its output features over the pool from this size (below,
+        # the hand-off costs more than the second core saves: measured ~8M multiply-adds).
+        self.split_min_macs = min(parallel_min_macs, SPLIT_MIN_MACS)
         self.fast_min_rows = max(0, fast_min_rows)
         self._owns_pool = share is None
         self.threads: int
@@ -79,6 +83,7 @@ class ExpertCompute:
         self._lock = threading.Lock()
         self.fast_calls = 0  # projections computed by dequantize + BLAS
         self.parallel_steps = 0  # MoE steps spread over the pool
+        self.split_calls = 0  # matmuls whose output features were split over the pool
 
     def close(self) -> None:
         """Stop the pool (when this instance started it); later steps run serially."""
@@ -120,14 +125,40 @@ class ExpertCompute:
         futures = [self._pool.submit(fn, a, b) for a, b in blocks]
         return [f.result() for f in futures]
 
+    def linear(self, lin: Linear, x: F32Array) -> F32Array:
+        """``x @ W.T`` [T, O]; for a few rows of a big weight (one token through ``lm_head``, a
+        shared expert, a dense layer) the output features are split over the pool, one range
+        per thread. Bit-identical to ``lin(x)``: every output feature is computed by the same
+        kernel code from the same row (:meth:`runtime.linear.Linear.split`)."""
+        if (
+            self._pool is None
+            or x.shape[0] * lin.in_features * lin.out_features < self.split_min_macs
+            or lin.out_features < 64 * self.threads
+            or threading.current_thread().name.startswith(_WORKER_PREFIX)
+        ):
+            return lin(x)
+        xx = np.ascontiguousarray(x, dtype=np.float32)
+        first, *rest = lin.split(self.threads)
+        futures = [self._pool.submit(part, xx) for _, _, part in rest]
+        head = first[2](xx)  # this thread computes the first range meanwhile
+        with self._lock:
+            self.split_calls += 1
+        return np.concatenate([head, *(f.result() for f in futures)], axis=1)  # [T, O]
+
     def swiglu(self, x: F32Array, w: MLPWeights) -> F32Array:
         """``down(silu(gate(x)) * up(x))`` [T, D]; BLAS when fast and ``T >= fast_min_rows``,
-        else the exact kernels, with the rows split over the pool when that pays (bit-identical:
-        the kernels are batch-invariant, a row's result does not depend on the other rows)."""
+        else the exact kernels, with the rows split over the pool when that pays, or, for a few
+        rows, each projection's output features (bit-identical either way: the kernels are
+        batch-invariant, a row's result does not depend on the other rows, and an output
+        feature does not depend on the others)."""
         if not self.fast_min_rows or x.shape[0] < self.fast_min_rows:
             blocks = self.row_blocks(x.shape[0], 3 * w.gate.in_features * w.gate.out_features)
             if blocks is None:
-                return swiglu(x, w)
+                if self._pool is None:
+                    return swiglu(x, w)
+                xx = np.ascontiguousarray(x, dtype=np.float32)
+                h = silu(self.linear(w.gate, xx)) * self.linear(w.up, xx)  # [T, F]
+                return self.linear(w.down, np.ascontiguousarray(h, dtype=np.float32))  # [T, D]
             xx = np.ascontiguousarray(x, dtype=np.float32)
             return np.concatenate(self.map_rows(blocks, lambda a, b: swiglu(xx[a:b], w)))
         xx = np.ascontiguousarray(x, dtype=np.float32)
@@ -176,4 +207,5 @@ class ExpertCompute:
             "fast_min_rows": self.fast_min_rows,
             "fast_calls": self.fast_calls,
             "parallel_steps": self.parallel_steps,
+            "split_calls": self.split_calls,
         }

@@ -14,6 +14,7 @@ Shape legend: T tokens, I in features (``in_features``), O out features (``out_f
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import numpy as np
@@ -102,6 +103,23 @@ class Linear:
                 "(use x[None, :] for a single token)"
             )
         return self._matmul(xx, out)  # [T, O]
+
+    def split(self, parts: int) -> list[tuple[int, int, Linear]]:
+        """The weight cut into ``parts`` ranges of output features ``(start, end, Linear)``
+        (views, no copy; cached). Each output feature is computed by the same kernel code from
+        the same stored row whichever range holds it, so the ranges' results side by side are
+        bit-identical to the whole call."""
+        cache: dict[int, list[tuple[int, int, Linear]]] = self.__dict__.setdefault("_splits", {})
+        if parts not in cache:
+            from runtime.weights import qtensor_rows
+
+            edges = np.linspace(0, self.out_features, parts + 1).astype(int)
+            cache[parts] = [
+                (int(a), int(b), Linear(qtensor_rows(self.q, int(a), int(b))))
+                for a, b in itertools.pairwise(edges)
+                if b > a
+            ]
+        return cache[parts]
 
     def __repr__(self) -> str:
         return f"Linear({self.q.fmt.name}, out={self.out_features}, in={self.in_features})"

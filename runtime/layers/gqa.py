@@ -17,6 +17,7 @@ G = NH / NKV heads per KV head, HD head_dim, R rotary_dim, R2 = R / 2.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -30,6 +31,7 @@ from runtime.linear import Linear
 __all__ = ["GQADims", "GQAWeights", "attend", "project"]
 
 F32Array = npt.NDArray[np.float32]
+MatMul = Callable[[Linear, F32Array], F32Array]  # applies a projection: lin(x) or a split
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,8 +68,12 @@ class GQAWeights:
     k_norm: F32Array | None  # [NKV * HD] or [HD]
 
 
-def _lin(lin: Linear, bias: F32Array | None, x: F32Array) -> F32Array:
-    y = lin(x)
+def _call(lin: Linear, x: F32Array) -> F32Array:
+    return lin(x)
+
+
+def _lin(lin: Linear, bias: F32Array | None, x: F32Array, mm: MatMul) -> F32Array:
+    y = mm(lin, x)
     return y if bias is None else (y + bias).astype(np.float32)
 
 
@@ -92,13 +98,19 @@ def _rope(x: F32Array, d: GQADims, cos: F32Array, sin: F32Array) -> F32Array:
 
 
 def project(
-    w: GQAWeights, d: GQADims, x: F32Array, cos: F32Array, sin: F32Array
+    w: GQAWeights,
+    d: GQADims,
+    x: F32Array,
+    cos: F32Array,
+    sin: F32Array,
+    mm: MatMul = _call,
 ) -> tuple[F32Array, F32Array, F32Array]:
-    """``x`` [T, D] (input-normed) -> q [T, NH, HD] roped, keys [T, KV] roped, values [T, KV]."""
+    """``x`` [T, D] (input-normed) -> q [T, NH, HD] roped, keys [T, KV] roped, values [T, KV].
+    ``mm(lin, x)`` applies a projection (default ``lin(x)``)."""
     t = x.shape[0]
-    q = _norm(_lin(w.q_proj, w.q_bias, x), w.q_norm, d, d.num_attention_heads)  # [T, NH*HD]
-    k = _norm(_lin(w.k_proj, w.k_bias, x), w.k_norm, d, d.num_key_value_heads)  # [T, KV]
-    v = _lin(w.v_proj, w.v_bias, x)  # [T, KV]
+    q = _norm(_lin(w.q_proj, w.q_bias, x, mm), w.q_norm, d, d.num_attention_heads)  # [T, NH*HD]
+    k = _norm(_lin(w.k_proj, w.k_bias, x, mm), w.k_norm, d, d.num_key_value_heads)  # [T, KV]
+    v = _lin(w.v_proj, w.v_bias, x, mm)  # [T, KV]
     if d.clip_qkv is not None:
         c = np.float32(d.clip_qkv)
         q, k, v = (np.clip(a, -c, c).astype(np.float32) for a in (q, k, v))
@@ -115,6 +127,7 @@ def attend(
     values: F32Array,
     *,
     rows_after: int = 0,
+    mm: MatMul = _call,
 ) -> F32Array:
     """Causal attention of the new queries ``q`` [T, NH, HD] over ``keys`` / ``values``
     [S, KV] (cache + new rows) -> o_proj output [T, D].
@@ -135,5 +148,5 @@ def attend(
         e = np.exp(z)
         probs = (e / e.sum(axis=-1, keepdims=True)).astype(np.float32)  # [NKV, G, S_i]
         out[i] = np.matmul(probs, v_heads[:, :end])  # [NKV, G, HD]
-    y = w.o_proj(np.ascontiguousarray(out.reshape(t, -1)))  # [T, D]
+    y = mm(w.o_proj, np.ascontiguousarray(out.reshape(t, -1)))  # [T, D]
     return y if w.o_bias is None else (y + w.o_bias).astype(np.float32)

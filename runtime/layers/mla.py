@@ -22,7 +22,7 @@ R qk_rope_head_dim, V v_head_dim, C kv_lora_rank, Q q_lora_rank.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -46,6 +46,7 @@ __all__ = [
 ]
 
 F32Array = npt.NDArray[np.float32]
+MatMul = Callable[[Linear, F32Array], F32Array]  # applies a projection: lin(x) or a split
 BoolArray = npt.NDArray[np.bool_]
 
 # transformers builds q_a_layernorm / kv_a_layernorm with the RMSNorm default eps, not
@@ -98,26 +99,39 @@ class MLAProjection(NamedTuple):
     k_rope: F32Array  # [T, R] roped shared key (cached)
 
 
+def _call(lin: Linear, x: F32Array) -> F32Array:
+    return lin(x)
+
+
 def project(
-    w: MLAWeights, d: MLADims, x: F32Array, cos: F32Array, sin: F32Array, interleave: bool
+    w: MLAWeights,
+    d: MLADims,
+    x: F32Array,
+    cos: F32Array,
+    sin: F32Array,
+    interleave: bool,
+    mm: MatMul = _call,
 ) -> MLAProjection:
-    """``x`` [T, D] (input-normed hidden) -> queries and the new latent/rope-key rows."""
+    """``x`` [T, D] (input-normed hidden) -> queries and the new latent/rope-key rows.
+
+    ``mm(lin, x)`` applies a projection (default ``lin(x)``; the compute's split over threads
+    for one token, bit-identical)."""
     t = x.shape[0]
     q_resid = None
     if w.q_a_proj is not None and w.q_b_proj is not None and w.q_a_layernorm is not None:
-        qa = w.q_a_proj(x)  # [T, Q]
+        qa = mm(w.q_a_proj, x)  # [T, Q]
         if w.q_a_bias is not None:
             qa = qa + w.q_a_bias
         q_resid = rms_norm(qa, w.q_a_layernorm, LORA_NORM_EPS)  # [T, Q]
-        q = w.q_b_proj(q_resid)  # [T, NH * (N + R)]
+        q = mm(w.q_b_proj, q_resid)  # [T, NH * (N + R)]
     elif w.q_proj is not None:
-        q = w.q_proj(x)  # [T, NH * (N + R)]
+        q = mm(w.q_proj, x)  # [T, NH * (N + R)]
     else:
         raise ValueError("MLA weights need q_proj or q_a_proj + q_a_layernorm + q_b_proj")
     q = q.reshape(t, d.num_attention_heads, d.qk_head_dim)  # [T, NH, N + R]
     q_nope = q[:, :, : d.qk_nope_head_dim]  # [T, NH, N]
     q_rope = apply_rope(q[:, :, d.qk_nope_head_dim :], cos, sin, interleave)  # [T, NH, R]
-    kv = w.kv_a_proj_with_mqa(x)  # [T, C + R]
+    kv = mm(w.kv_a_proj_with_mqa, x)  # [T, C + R]
     if w.kv_a_bias is not None:
         kv = kv + w.kv_a_bias
     latent = rms_norm(kv[:, : d.kv_lora_rank], w.kv_a_layernorm, LORA_NORM_EPS)  # [T, C]
@@ -163,6 +177,7 @@ def attend(
     absorbed: bool,
     *,
     rows_after: int = 0,
+    mm: MatMul = _call,
 ) -> F32Array:
     """Attention of the new queries over all keys -> o_proj output [T, D].
 
@@ -207,7 +222,7 @@ def attend(
         scores = (q_nope @ k_nope + q_rope @ k_rope.T) * sc  # [NH, T, S]
         probs = softmax(scores, allowed[None])  # [NH, T, S]
         out = (probs @ values).transpose(1, 0, 2)  # [T, NH, V]
-    y = w.o_proj(np.ascontiguousarray(out.reshape(t, nh * d.v_head_dim), dtype=np.float32))
+    y = mm(w.o_proj, np.ascontiguousarray(out.reshape(t, nh * d.v_head_dim), dtype=np.float32))
     if w.o_bias is not None:
         y = y + w.o_bias
     return y  # [T, D]

@@ -323,9 +323,10 @@ class DecoderStack:
             hs = [h[bounds[j] : bounds[j + 1]] for j in range(len(seqs))]
         hidden = rms_norm(np.concatenate(hs), self.weights.norm, self.config.rms_norm_eps)
         if last_only:  # [n_seq, V]: one row per sequence (a prefill chunk needs no more)
-            logits = self.weights.lm_head(np.ascontiguousarray(hidden[bounds[1:] - 1]))
+            rows = np.ascontiguousarray(hidden[bounds[1:] - 1])
+            logits = ctx.compute.linear(self.weights.lm_head, rows)
         else:
-            logits = self.weights.lm_head(hidden)  # [sum T_j, V]
+            logits = ctx.compute.linear(self.weights.lm_head, hidden)  # [sum T_j, V]
         out = []
         for j, (ids, seq) in enumerate(zip(all_ids, seqs, strict=True)):
             seq.cache.write_tokens(seq.start, ids)
@@ -527,7 +528,7 @@ class MLAMoEModel(DecoderStack):
         out = self._mlp(ctx, n, mw.layer, h)
         normed = rms_norm(out, mw.shared_head_norm, c.rms_norm_eps)  # [T, D]
         rows = normed[-1:] if last_only else normed  # [1 or T, D]
-        logits = mw.shared_head(np.ascontiguousarray(rows))  # [1 or T, V]
+        logits = ctx.compute.linear(mw.shared_head, np.ascontiguousarray(rows))  # [1 or T, V]
         mtp_cache.write_tokens(start, next_ids)
         mtp_cache.commit(start + t)
         return logits, normed
@@ -577,8 +578,9 @@ class MLAMoEModel(DecoderStack):
             out = np.concatenate(comp.map_rows(blocks, rows))
         else:
             out = mla.attend(
-                lw.attn, d, proj, latent, k_rope, allowed, self.softmax_scale, absorbed
-            )
+                lw.attn, d, proj, latent, k_rope, allowed, self.softmax_scale, absorbed,
+                mm=comp.linear,
+            )  # fmt: skip
         return h + out, selection  # [T, D]
 
     def _project(
@@ -595,7 +597,7 @@ class MLAMoEModel(DecoderStack):
         comp = ctx.compute
         blocks = comp.row_blocks(x.shape[0], per_row)
         if blocks is None:
-            return mla.project(w, d, x, cos, sin, il)
+            return mla.project(w, d, x, cos, sin, il, comp.linear)
         parts = comp.map_rows(
             blocks, lambda a, b: mla.project(w, d, x[a:b], cos[a:b], sin[a:b], il)
         )

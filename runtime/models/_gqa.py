@@ -188,7 +188,7 @@ class GQAMoEModel(DecoderStack):
         per_row = sum(lin.in_features * lin.out_features for lin in (w.q_proj, w.k_proj, w.v_proj))
         blocks = comp.row_blocks(t, per_row)
         if blocks is None:
-            q, k, v = gqa.project(w, d, x, seq.cos, seq.sin)
+            q, k, v = gqa.project(w, d, x, seq.cos, seq.sin, comp.linear)
         else:  # every row is projected on its own: bit-identical in blocks
             parts = comp.map_rows(
                 blocks, lambda a, b: gqa.project(w, d, x[a:b], seq.cos[a:b], seq.sin[a:b])
@@ -198,7 +198,7 @@ class GQAMoEModel(DecoderStack):
         keys, values = seq.cache.keys(slot, s), seq.cache.values(slot, s)
         blocks = comp.row_blocks(t, s * d.num_attention_heads * d.head_dim * 2)
         if blocks is None:
-            out = gqa.attend(w, d, q, keys, values)
+            out = gqa.attend(w, d, q, keys, values, mm=comp.linear)
         else:
             out = np.concatenate(
                 comp.map_rows(

@@ -73,6 +73,25 @@ def test_fast_matmul_agrees_with_the_exact_kernel() -> None:
     np.testing.assert_allclose(got, exact, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("fmt", ["int4-g64", "int4-g17", "int4-row", "int8", "bf16", "f32"])
+@pytest.mark.parametrize("parts", [2, 3, 7])
+def test_output_feature_split_is_bit_identical(fmt: str, parts: int) -> None:
+    rng = np.random.default_rng(parts)
+    lin = Linear(quantize(rng.standard_normal((203, 99)).astype(np.float32), fmt))
+    x = rng.standard_normal((3, 99)).astype(np.float32)
+    whole = lin(x)
+    pieces = lin.split(parts)
+    assert pieces[0][0] == 0 and pieces[-1][1] == 203
+    assert np.array_equal(np.concatenate([p(x) for _, _, p in pieces], axis=1), whole)
+    comp = ExpertCompute(parts, parallel_min_macs=0)
+    try:
+        for rows in (x[:1], x):
+            assert np.array_equal(comp.linear(lin, rows), lin(rows))
+        assert comp.split_calls == (2 if 203 >= 64 * parts else 0)
+    finally:
+        comp.close()
+
+
 def test_threads_give_bit_identical_rows_resident() -> None:
     c = Container.open(DEMO)
     m = load_model(c)
@@ -88,9 +107,12 @@ def test_threads_give_bit_identical_rows_resident() -> None:
     pool = StepContext(ExpertCompute(3, parallel_min_macs=0))
     try:
         # whole prompt, and chunks after a prefix (row blocks of later chunks see the cache)
-        for size in (ids.size, 31):
+        # and token by token: one row, so lm_head, shared and dense MLPs split their output
+        # features over the pool instead
+        for size in (ids.size, 31, 1):
             assert np.array_equal(chunked(size, pool), ref), size
         assert pool.compute.parallel_steps > 0  # the pool really ran the experts
+        assert pool.compute.split_calls > 0  # ... and split one-row matmuls
     finally:
         pool.compute.close()
 

@@ -11,7 +11,10 @@ in the JSON too); multi-threaded ones with the wall clock:
 * int4-g64 GEMV (T = 1) on the GLM-5 expert shapes [2048, 6144] and [6144, 2048], with and
   without the software prefetch, as weight GB/s (packed bytes + scales) and GFLOP/s;
 * int4-g64 small-T GEMM (T = 4, 8) on [2048, 6144], GFLOP/s and speed-up over T GEMVs;
-* int8 GEMV on an lm_head-like [4096, 1024].
+* int8 GEMV on an lm_head-like [4096, 1024];
+* one token through GLM-5's lm_head [154880, 6144] and an expert-sized [2048, 6144] with the
+  output features split over every thread (``ExpertCompute.linear``, bit-identical) against
+  one thread, wall clock.
 
 Weights rotate over enough copies (> 48 MiB) that every call reads them from DRAM, not L3.
 The last line printed is one JSON object whose ``figure`` is the int4-g64 GEMV weight GB/s on
@@ -46,7 +49,9 @@ import numpy as np  # noqa: E402
 import numpy.typing as npt  # noqa: E402
 from numba import njit, prange  # noqa: E402
 
+from runtime.compute import ExpertCompute  # noqa: E402
 from runtime.kernels.quant_matmul import matmul_int4, matmul_int8  # noqa: E402
+from runtime.linear import Linear  # noqa: E402
 from storage.quant import QTensor, quantize  # noqa: E402
 
 GIB = 1 << 30
@@ -200,6 +205,39 @@ def main(argv: list[str] | None = None) -> int:
     cases.append(_Case("gemv16_two_threads", two_threads, 1, cpu_clock=False))
     cases.append(_Case("gemv16_one_thread", one_thread, 1, cpu_clock=False))
 
+    # One token through a big weight on every thread: ExpertCompute.linear splits the output
+    # features (bit-identical to one call); GLM-5's lm_head [154880, 6144] and an expert-sized
+    # [2048, 6144], wall clock against the same Linear on one thread.
+    split_comp = ExpertCompute(max(2, len(os.sched_getaffinity(0))))
+    split_shapes = {"154880x6144": (154880, 6144), "2048x6144": (2048, 6144)}
+    for label, (o, i) in split_shapes.items():
+        q = weights.get(label) or quantize(
+            rng.standard_normal((o, i), dtype=np.float32), "int4-g64"
+        )
+        weights[label] = q
+        lins = [
+            Linear(QTensor(q.fmt, q.shape, d, q.scales))
+            for d in (_copies(q) if o < 10**5 else [q.data])
+        ]
+        x1 = rng.standard_normal((1, i), dtype=np.float32)
+        assert np.array_equal(split_comp.linear(lins[0], x1), lins[0](x1))  # bit-identical
+        cases.append(
+            _Case(
+                f"split_{label}_1t",
+                lambda k, L=lins, x=x1: L[k % len(L)](x),
+                len(lins),
+                cpu_clock=False,
+            )
+        )
+        cases.append(
+            _Case(
+                f"split_{label}_all",
+                lambda k, L=lins, x=x1: split_comp.linear(L[k % len(L)], x),
+                len(lins),
+                cpu_clock=False,
+            )
+        )
+
     for case in cases:  # JIT (or load the cache) and warm every path once
         case.call(0)
     for _ in range(args.rounds):
@@ -261,6 +299,18 @@ def main(argv: list[str] | None = None) -> int:
         f"int8 GEMV [4096, 1024]: {report['int8_gemv_4096x1024']['ms']} ms, "
         f"{report['int8_gemv_4096x1024']['weight_gbs']} GB/s weights"
     )
+    report["split_gemv"] = {}
+    for label in split_shapes:
+        one, split = by[f"split_{label}_1t"].median, by[f"split_{label}_all"].median
+        report["split_gemv"][label] = {
+            "threads": split_comp.threads,
+            "ms_1_thread": round(one * 1e3, 3),
+            "ms_split": round(split * 1e3, 3),
+            "speedup": round(one / split, 2),
+            "weight_gbs_split": round(gbs(weights[label].nbytes, split), 2),
+        }
+        print(f"one token through [{label}] on {split_comp.threads} threads: {one / split:.2f}x")
+    split_comp.close()
     overlap = by["gemv16_one_thread"].median / by["gemv16_two_threads"].median
     report["two_thread_gemv_speedup"] = round(overlap, 2)
     print(f"16 int4 GEMVs [2048, 6144] on 2 Python threads: {overlap:.2f}x one thread (nogil)")
