@@ -134,6 +134,14 @@ def attend(
 
     ``rows_after``: how many new rows follow these T (a block of a step's rows computed on its
     own, with exactly the products the whole step runs for them)."""
+    out = attend_heads(d, q, keys, values, rows_after=rows_after)  # [T, NH * HD]
+    return out_proj(w, out, mm)
+
+
+def attend_heads(
+    d: GQADims, q: F32Array, keys: F32Array, values: F32Array, *, rows_after: int = 0
+) -> F32Array:
+    """The attention of :func:`attend` before ``o_proj``: [T, NH * HD], one row at a time."""
     t, nkv, g, hd = q.shape[0], d.num_key_value_heads, d.group, d.head_dim
     scale = np.float32(hd**-0.5)
     s_all = keys.shape[0]
@@ -148,5 +156,10 @@ def attend(
         e = np.exp(z)
         probs = (e / e.sum(axis=-1, keepdims=True)).astype(np.float32)  # [NKV, G, S_i]
         out[i] = np.matmul(probs, v_heads[:, :end])  # [NKV, G, HD]
-    y = mm(w.o_proj, np.ascontiguousarray(out.reshape(t, -1)))  # [T, D]
+    return out.reshape(t, -1)
+
+
+def out_proj(w: GQAWeights, out: F32Array, mm: MatMul = _call) -> F32Array:
+    """``o_proj`` (+ bias) of the heads' outputs [T, NH * HD] -> [T, D] (rows independent)."""
+    y = mm(w.o_proj, np.ascontiguousarray(out))  # [T, D]
     return y if w.o_bias is None else (y + w.o_bias).astype(np.float32)

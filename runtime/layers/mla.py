@@ -193,36 +193,72 @@ def attend(
         # decode runs: a row's result does not depend on T (or on masked future keys in a
         # softmax sum), so decode and a speculative verify agree bit for bit (given
         # batch-invariant Linear kernels).
-        q_lat = np.empty((t, nh, d.kv_lora_rank), dtype=np.float32)  # [T, NH, C]
-        for h in range(nh):
-            q_lat[:, h, :] = w.w_uk_t[h](np.ascontiguousarray(p.q_nope[:, h, :]))  # [T, C]
-        o_lat = np.empty((t, nh, d.kv_lora_rank), dtype=np.float32)  # [T, NH, C]
-        s_all = latent.shape[0]
-        for i in range(t):
-            end = s_all - rows_after - t + i + 1  # keys [0, end) are causal for row i
-            lat = latent[:end]  # [S_i, C]
-            scores = (q_lat[i] @ lat.T + p.q_rope[i] @ k_rope[:end].T) * sc  # [NH, S_i]
-            probs = softmax(scores, allowed[i, None, :end])  # [NH, S_i]
-            o_lat[i] = probs @ lat  # [NH, C]
-        out = np.empty((t, nh, d.v_head_dim), dtype=np.float32)  # [T, NH, V]
-        for h in range(nh):
-            out[:, h, :] = w.w_uv[h](np.ascontiguousarray(o_lat[:, h, :]))  # [T, V]
-    else:
-        if rows_after:
-            raise ValueError("rows_after applies to the absorbed form only")
-        # Head-major GEMMs: the fast order for a prefill chunk (rows may depend on T by
-        # rounding; prefill and decode are held to a tolerance, not bit identity).
-        s = latent.shape[0]
-        kv = w.kv_b_proj(np.ascontiguousarray(latent))  # [S, NH * (N + V)]
-        kv = kv.reshape(s, nh, d.qk_nope_head_dim + d.v_head_dim)  # [S, NH, N + V]
-        k_nope = kv[:, :, : d.qk_nope_head_dim].transpose(1, 2, 0)  # [NH, N, S]
-        values = kv[:, :, d.qk_nope_head_dim :].transpose(1, 0, 2)  # [NH, S, V]
-        q_nope = p.q_nope.transpose(1, 0, 2)  # [NH, T, N]
-        q_rope = p.q_rope.transpose(1, 0, 2)  # [NH, T, R]
-        scores = (q_nope @ k_nope + q_rope @ k_rope.T) * sc  # [NH, T, S]
-        probs = softmax(scores, allowed[None])  # [NH, T, S]
-        out = (probs @ values).transpose(1, 0, 2)  # [T, NH, V]
-    y = mm(w.o_proj, np.ascontiguousarray(out.reshape(t, nh * d.v_head_dim), dtype=np.float32))
+        q_lat = absorb_queries(w, d, p.q_nope)  # [T, NH, C]
+        o_lat = latent_attention(q_lat, p.q_rope, latent, k_rope, allowed, scale, rows_after)
+        return out_proj(w, unabsorb_values(w, d, o_lat), mm)  # [T, D]
+    if rows_after:
+        raise ValueError("rows_after applies to the absorbed form only")
+    # Head-major GEMMs: the fast order for a prefill chunk (rows may depend on T by rounding;
+    # prefill and decode are held to a tolerance, not bit identity).
+    s = latent.shape[0]
+    kv = w.kv_b_proj(np.ascontiguousarray(latent))  # [S, NH * (N + V)]
+    kv = kv.reshape(s, nh, d.qk_nope_head_dim + d.v_head_dim)  # [S, NH, N + V]
+    k_nope = kv[:, :, : d.qk_nope_head_dim].transpose(1, 2, 0)  # [NH, N, S]
+    values = kv[:, :, d.qk_nope_head_dim :].transpose(1, 0, 2)  # [NH, S, V]
+    q_nope = p.q_nope.transpose(1, 0, 2)  # [NH, T, N]
+    q_rope = p.q_rope.transpose(1, 0, 2)  # [NH, T, R]
+    scores = (q_nope @ k_nope + q_rope @ k_rope.T) * sc  # [NH, T, S]
+    probs = softmax(scores, allowed[None])  # [NH, T, S]
+    out = (probs @ values).transpose(1, 0, 2)  # [T, NH, V]
+    return out_proj(w, out.reshape(t, nh * d.v_head_dim), mm)  # [T, D]
+
+
+def absorb_queries(w: MLAWeights, d: MLADims, q_nope: F32Array) -> F32Array:
+    """``q_nope`` [T, NH, N] folded into the latent space through W_UK: [T, NH, C]. Rows are
+    independent (batch-invariant kernels), so the rows of several sequences may share a call."""
+    t = q_nope.shape[0]
+    q_lat = np.empty((t, d.num_attention_heads, d.kv_lora_rank), dtype=np.float32)
+    for h in range(d.num_attention_heads):
+        q_lat[:, h, :] = w.w_uk_t[h](np.ascontiguousarray(q_nope[:, h, :]))  # [T, C]
+    return q_lat
+
+
+def latent_attention(
+    q_lat: F32Array,
+    q_rope: F32Array,
+    latent: F32Array,
+    k_rope: F32Array,
+    allowed: BoolArray,
+    scale: float,
+    rows_after: int = 0,
+) -> F32Array:
+    """Absorbed attention of one sequence's queries (``q_lat`` [T, NH, C], ``q_rope``
+    [T, NH, R]) over its keys: one row at a time over its causal keys -> [T, NH, C]."""
+    t = q_lat.shape[0]
+    sc = np.float32(scale)
+    o_lat = np.empty_like(q_lat)  # [T, NH, C]
+    s_all = latent.shape[0]
+    for i in range(t):
+        end = s_all - rows_after - t + i + 1  # keys [0, end) are causal for row i
+        lat = latent[:end]  # [S_i, C]
+        scores = (q_lat[i] @ lat.T + q_rope[i] @ k_rope[:end].T) * sc  # [NH, S_i]
+        probs = softmax(scores, allowed[i, None, :end])  # [NH, S_i]
+        o_lat[i] = probs @ lat  # [NH, C]
+    return o_lat
+
+
+def unabsorb_values(w: MLAWeights, d: MLADims, o_lat: F32Array) -> F32Array:
+    """Latent attention outputs [T, NH, C] through W_UV -> [T, NH * V] (rows independent)."""
+    t = o_lat.shape[0]
+    out = np.empty((t, d.num_attention_heads, d.v_head_dim), dtype=np.float32)  # [T, NH, V]
+    for h in range(d.num_attention_heads):
+        out[:, h, :] = w.w_uv[h](np.ascontiguousarray(o_lat[:, h, :]))  # [T, V]
+    return out.reshape(t, d.num_attention_heads * d.v_head_dim)
+
+
+def out_proj(w: MLAWeights, out: F32Array, mm: MatMul = _call) -> F32Array:
+    """``o_proj`` (+ bias) of the attention outputs [T, NH * V] -> [T, D]."""
+    y = mm(w.o_proj, np.ascontiguousarray(out, dtype=np.float32))
     if w.o_bias is not None:
         y = y + w.o_bias
     return y  # [T, D]

@@ -317,8 +317,7 @@ class DecoderStack:
         sel: list[BoolArray | None] = [None] * len(seqs)
         bounds = np.cumsum([0] + [ids.shape[0] for ids in all_ids])
         for i, lw in enumerate(self.weights.layers):
-            for j, seq in enumerate(seqs):
-                hs[j], sel[j] = self._attention(ctx, i, i, lw, hs[j], seq, sel[j])
+            hs, sel = self._attention_step(ctx, i, lw, hs, seqs, sel)
             h = self._mlp(ctx, i, lw, np.concatenate(hs))  # [sum T_j, D]
             hs = [h[bounds[j] : bounds[j + 1]] for j in range(len(seqs))]
         hidden = rms_norm(np.concatenate(hs), self.weights.norm, self.config.rms_norm_eps)
@@ -337,6 +336,24 @@ class DecoderStack:
         return out
 
     # ------------------------------------------------------------------------------ layers
+
+    def _attention_step(
+        self,
+        ctx: StepContext,
+        layer: int,
+        lw: Any,
+        hs: list[F32Array],
+        seqs: list[SeqState],
+        sel: list[BoolArray | None],
+    ) -> tuple[list[F32Array], list[BoolArray | None]]:
+        """Attention half of main layer ``layer`` for every sequence of the step (each over its
+        own cache): the new hidden rows and sparse selections per sequence. A stack may share
+        the projections of all sequences' rows (rows are independent: bit-identical)."""
+        out = [
+            self._attention(ctx, layer, layer, lw, h, seq, prev)
+            for h, seq, prev in zip(hs, seqs, sel, strict=True)
+        ]
+        return [h for h, _ in out], [s for _, s in out]
 
     def _attention(
         self,
@@ -534,6 +551,72 @@ class MLAMoEModel(DecoderStack):
         return logits, normed
 
     # ------------------------------------------------------------------------------ layers
+
+    def _attention_step(
+        self,
+        ctx: StepContext,
+        layer: int,
+        lw: Any,
+        hs: list[F32Array],
+        seqs: list[SeqState],
+        sel: list[BoolArray | None],
+    ) -> tuple[list[F32Array], list[BoolArray | None]]:
+        """Several decoding sequences (each a few rows, absorbed form): the norms, projections,
+        W_UK / W_UV and ``o_proj`` run once over the rows of all of them (one small-T matmul
+        per weight instead of one per sequence); only the latent attention and the sparse
+        selection run per sequence. Rows are independent, so every row is bit-identical to its
+        sequence run alone. Anything else (one sequence, long chunks, reconstruction): per
+        sequence."""
+        c, d = self.config, self.dims
+        comp = ctx.compute
+        rows = [h.shape[0] for h in hs]
+        n = sum(rows)
+        absorbed = [
+            mla.prefer_absorbed(d, t, seq.start + t)
+            if ctx.attention_mode == "auto"
+            else ctx.attention_mode == "absorbed"
+            for t, seq in zip(rows, seqs, strict=True)
+        ]
+        if (
+            len(hs) < 2
+            or not all(absorbed)
+            or comp.row_blocks(n, d.num_attention_heads * d.kv_lora_rank * 4) is not None
+        ):
+            return super()._attention_step(ctx, layer, lw, hs, seqs, sel)
+        h_all = np.concatenate(hs)  # [N, D]
+        x_all = rms_norm(h_all, lw.input_layernorm, c.rms_norm_eps)  # [N, D]
+        cos = np.concatenate([seq.cos for seq in seqs])
+        sin = np.concatenate([seq.sin for seq in seqs])
+        proj_all = self._project(ctx, lw, x_all, cos, sin)
+        q_lat_all = mla.absorb_queries(lw.attn, d, proj_all.q_nope)  # [N, NH, C]
+        o_lat = np.empty_like(q_lat_all)  # [N, NH, C]
+        bounds = np.cumsum([0, *rows])
+        new_sel: list[BoolArray | None] = []
+        for j, seq in enumerate(seqs):
+            lo, hi = int(bounds[j]), int(bounds[j + 1])
+            t, s = hi - lo, seq.start + hi - lo
+            proj = mla.MLAProjection(
+                *(None if v is None else v[lo:hi] for v in proj_all)  # type: ignore[arg-type]
+            )
+            seq.cache.write(layer, seq.start, proj.latent, proj.k_rope)
+            allowed = mla.causal_mask(t, s)  # [T, S]
+            selection = self._sparse_selection(
+                ctx, layer, layer, lw, x_all[lo:hi], proj, seq, sel[j]
+            )
+            if selection is not None:
+                allowed &= selection
+            o_lat[lo:hi] = mla.latent_attention(
+                q_lat_all[lo:hi],
+                proj.q_rope,
+                seq.cache.latent(layer, s),
+                seq.cache.k_rope(layer, s),
+                allowed,
+                self.softmax_scale,
+            )
+            new_sel.append(selection)
+        out = mla.out_proj(lw.attn, mla.unabsorb_values(lw.attn, d, o_lat), comp.linear)
+        y = h_all + out  # [N, D]
+        return [y[bounds[j] : bounds[j + 1]] for j in range(len(seqs))], new_sel
 
     def _attention(
         self,

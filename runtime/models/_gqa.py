@@ -168,6 +168,42 @@ class GQAMoEModel(DecoderStack):
         kv = self.dims.kv_width
         return KVCache(self.config.num_hidden_layers, kv, kv, layout="gqa")
 
+    def _attention_step(
+        self,
+        ctx: StepContext,
+        layer: int,
+        lw: Any,
+        hs: list[F32Array],
+        seqs: list[SeqState],
+        sel: list[BoolArray | None],
+    ) -> tuple[list[F32Array], list[BoolArray | None]]:
+        """Several decoding sequences: norms, q/k/v projections and ``o_proj`` once over all
+        their rows (one small-T matmul per weight), the attention per sequence over its own
+        cache; every row bit-identical to its sequence alone. Otherwise per sequence."""
+        if not isinstance(lw, GQALayerWeights):
+            raise ModelError(f"layer {layer} holds no grouped-query attention weights")
+        d, w, comp = self.dims, lw.attn, ctx.compute
+        rows = [h.shape[0] for h in hs]
+        n = sum(rows)
+        per_row = sum(lin.in_features * lin.out_features for lin in (w.q_proj, w.k_proj, w.v_proj))
+        if len(hs) < 2 or comp.row_blocks(n, per_row) is not None:
+            return super()._attention_step(ctx, layer, lw, hs, seqs, sel)
+        h_all = np.concatenate(hs)  # [N, D]
+        x_all = rms_norm(h_all, lw.input_layernorm, self.config.rms_norm_eps)  # [N, D]
+        cos = np.concatenate([seq.cos for seq in seqs])
+        sin = np.concatenate([seq.sin for seq in seqs])
+        q, k, v = gqa.project(w, d, x_all, cos, sin, comp.linear)
+        heads = np.empty((n, d.num_attention_heads * d.head_dim), dtype=np.float32)
+        bounds = np.cumsum([0, *rows])
+        for j, seq in enumerate(seqs):
+            lo, hi = int(bounds[j]), int(bounds[j + 1])
+            s = seq.start + hi - lo
+            seq.cache.write(layer, seq.start, k[lo:hi], v[lo:hi])
+            keys, values = seq.cache.keys(layer, s), seq.cache.values(layer, s)
+            heads[lo:hi] = gqa.attend_heads(d, q[lo:hi], keys, values)
+        y = h_all + gqa.out_proj(w, heads, comp.linear)  # [N, D]
+        return [y[bounds[j] : bounds[j + 1]] for j in range(len(seqs))], [None] * len(seqs)
+
     def _attention(
         self,
         ctx: StepContext,
