@@ -24,7 +24,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,21 +35,14 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import anyio  # noqa: E402
 
 import colibri  # noqa: E402
 from storage.container import Container  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _synth import budget_for, drop_caches, ensure_synthetic  # noqa: E402
+
 PROMPT = [1, 2, 3, 4]
-
-
-def drop_caches() -> bool:
-    if os.geteuid() != 0:
-        return False
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as fh:
-        fh.write("3\n")
-    return True
 
 
 def decode(model: Path, tokens: int, **opts: Any) -> dict[str, Any]:
@@ -199,24 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="cluster runs (singles: one more)")
     a = ap.parse_args(argv)
 
-    if not (a.model / "config.json").exists():
-        subprocess.run(
-            [sys.executable, str(ROOT / "tools" / "make_synthetic.py"), "--out", str(a.model)],
-            check=True,
-        )
+    ensure_synthetic(a.model)
     c = Container.open(a.model)
-    n_experts = len(c.expert_extents())
-
-    from colibri._config import EngineOptions
-    from colibri._engine import _plan
-    from runtime.budget import kv_bytes_per_token, resident_nbytes
-
-    probe_opts = EngineOptions(model=a.model, ram_budget=1 << 50, learn=False)
-    model, layout, _ = anyio.run(_plan, c, probe_opts)
-    dense = resident_nbytes(model.weights)
-    kv = kv_bytes_per_token(c.arch) * 4096
-    del model
-    budget = int(dense + kv + a.fraction * n_experts * layout.slot_bytes)
+    budget = budget_for(c, a.model, a.fraction)  # 1 process: dense + KV + `fraction` of experts
 
     # Interleaved: single, cluster, single, cluster, ..., single (the disk drifts minute to
     # minute; the cluster is compute-bound). Medians of each.

@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,16 +34,8 @@ import colibri  # noqa: E402
 from colibri._engine import TokenEvent  # noqa: E402
 from storage.container import Container  # noqa: E402
 
-
-def budget_for(c: Container, path: Path, fraction: float) -> int:
-    from colibri._config import EngineOptions
-    from colibri._engine import _plan
-    from runtime.budget import kv_bytes_per_token, resident_nbytes
-
-    model, layout, _ = anyio.run(_plan, c, EngineOptions(model=path, ram_budget=1 << 50))
-    dense = resident_nbytes(model.weights)
-    kv = kv_bytes_per_token(c.arch) * 4096
-    return int(dense + kv + fraction * len(c.expert_extents()) * layout.slot_bytes)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _synth import budget_for, ensure_synthetic  # noqa: E402
 
 
 async def run_prefill(
@@ -119,11 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fraction", type=float, default=0.2)
     ap.add_argument("--baseline-sample", type=int, default=64)
     a = ap.parse_args(argv)
-    if not (a.model / "config.json").exists():
-        subprocess.run(
-            [sys.executable, str(ROOT / "tools" / "make_synthetic.py"), "--out", str(a.model)],
-            check=True,
-        )
+    ensure_synthetic(a.model)
     c = Container.open(a.model)
     budget = budget_for(c, a.model, a.fraction)
     vocab = c.arch.vocab_size

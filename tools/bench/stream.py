@@ -29,7 +29,6 @@ import json
 import os
 import platform
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -48,14 +47,8 @@ from storage.aligned import aligned_empty  # noqa: E402
 from storage.container import Container  # noqa: E402
 from storage.reader import ReadRequest, open_reader, required_size  # noqa: E402
 
-
-def drop_caches() -> bool:
-    if os.geteuid() != 0:
-        return False
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as fh:
-        fh.write("3\n")
-    return True
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _synth import budget_for, drop_caches, ensure_synthetic  # noqa: E402
 
 
 async def storage_gbps(c: Container, reader_kind: str, n: int, seed: int) -> tuple[float, str]:
@@ -112,27 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-prefetch", dest="prefetch", action="store_const", const="off")
     a = ap.parse_args(argv)
 
-    if not (a.model / "config.json").exists():
-        subprocess.run(
-            [sys.executable, str(ROOT / "tools" / "make_synthetic.py"), "--out", str(a.model)],
-            check=True,
-        )
+    ensure_synthetic(a.model)
     c = Container.open(a.model)
     n_experts = len(c.expert_extents())
     experts_bytes = sum(x.nbytes for x in c.expert_extents())
-
-    # Budget: the dense part + KV reserve + `fraction` of the expert bytes.
-    from colibri._config import EngineOptions
-    from colibri._engine import _plan
-
-    probe_opts = EngineOptions(model=a.model, ram_budget=1 << 50, learn=False)
-    model, layout, _ = anyio.run(_plan, c, probe_opts)
-    from runtime.budget import kv_bytes_per_token, resident_nbytes
-
-    dense = resident_nbytes(model.weights)
-    kv = kv_bytes_per_token(c.arch) * 4096
-    del model
-    budget = int(dense + kv + a.fraction * n_experts * layout.slot_bytes)
+    budget = budget_for(c, a.model, a.fraction)  # dense + KV reserve + `fraction` of experts
 
     gb_before, backend = anyio.run(storage_gbps, c, a.reader, a.reads, 1)
     # The chosen mode, and in the same run the other modes to compare with (interleaved, so

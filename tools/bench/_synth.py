@@ -1,0 +1,57 @@
+"""What the streaming benchmarks share: the synthetic GLM-5-geometry model, a RAM budget that
+holds a share of its experts, and dropping the page cache between runs.
+
+Imported by ``stream.py``, ``prefill.py`` and ``cluster.py`` (run as scripts from this folder).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import anyio
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from storage.container import Container  # noqa: E402
+
+__all__ = ["budget_for", "drop_caches", "ensure_synthetic"]
+
+
+def ensure_synthetic(path: Path) -> None:
+    """Build the synthetic model at ``path`` on first use (3 MoE layers x 256 experts, ~16 GiB,
+    about a minute)."""
+    if not (path / "config.json").exists():
+        subprocess.run(
+            [sys.executable, str(ROOT / "tools" / "make_synthetic.py"), "--out", str(path)],
+            check=True,
+        )
+
+
+def budget_for(c: Container, path: Path, fraction: float) -> int:
+    """A RAM budget: the dense part + a 4096-token KV reserve + ``fraction`` of the experts'
+    slots."""
+    from colibri._config import EngineOptions
+    from colibri._engine import _plan
+    from runtime.budget import kv_bytes_per_token, resident_nbytes
+
+    opts = EngineOptions(model=path, ram_budget=1 << 50, learn=False)
+    model, layout, _ = anyio.run(_plan, c, opts)
+    assert layout is not None
+    dense = resident_nbytes(model.weights)
+    kv = kv_bytes_per_token(c.arch) * 4096
+    return int(dense + kv + fraction * len(c.expert_extents()) * layout.slot_bytes)
+
+
+def drop_caches() -> bool:
+    """Drop the page cache (root only), so reads come from the disk; False when not root."""
+    if os.geteuid() != 0:
+        return False
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as fh:
+        fh.write("3\n")
+    return True
