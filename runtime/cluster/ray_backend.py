@@ -48,6 +48,19 @@ def _ray() -> Any:
     return ray
 
 
+def _cause(exc: BaseException) -> str:
+    """The line of a Ray error that says what went wrong: Ray wraps a worker's exception in its
+    traceback, whose last line is ``module.Error: message`` (the module path dropped here)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    last = lines[-1]
+    head, sep, rest = last.partition(": ")
+    if sep and "." in head and " " not in head:
+        return f"{head.rsplit('.', 1)[-1]}: {rest}"
+    return last
+
+
 class RayLink:
     """One worker actor (a :class:`runtime.cluster.source.WorkerLink`)."""
 
@@ -70,8 +83,7 @@ class RayLink:
                 f"{self.name}: no reply within the deadline", timed_out=True
             ) from exc
         except (ray.exceptions.RayError, ColibriError) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            raise WorkerFailed(f"{self.name}: {type(exc).__name__}: {first}") from exc
+            raise WorkerFailed(f"{self.name}: {type(exc).__name__}: {_cause(exc)}") from exc
 
     def done(self, handle: Any) -> bool:
         ready, _ = _ray().wait([handle], timeout=0)
@@ -218,7 +230,7 @@ def start_cluster(
         if started:
             ray.shutdown()
         if isinstance(exc, ray.exceptions.RayError):
-            raise ColibriError(f"expert workers failed to start: {exc}") from exc
+            raise ColibriError(f"an expert worker could not start: {_cause(exc)}") from exc
         raise
     links = [RayLink(a, f"expert-worker-{i}") for i, a in enumerate(actors)]
     _log.info(

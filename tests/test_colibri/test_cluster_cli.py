@@ -30,3 +30,12 @@ def test_a_bad_worker_count_is_one_clear_line(tmp_path: Path) -> None:
     r = coli("run", "--ray", "local", "--expert-workers", "0", "hi", home=tmp_path)
     assert r.returncode == 2 and "--expert-workers" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_worker_that_cannot_open_the_model_is_one_clear_error(tmp_path: Path) -> None:
+    r = coli("run", "--ray", "local", "--worker-model", str(tmp_path / "nowhere"), "hi",
+             home=tmp_path)  # fmt: skip
+    assert r.returncode == 1, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "could not start" in errors[0] and "does not exist" in errors[0]
+    assert "Traceback" not in r.stderr and "^^^" not in r.stderr, r.stderr
