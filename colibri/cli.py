@@ -26,6 +26,18 @@ if _PROGRAM:  # until the command runs (main() installs the real handlers)
     signal.signal(signal.SIGTERM, _exit_now)
 
 
+def _finished_exit() -> None:
+    """The command succeeded: flush what it wrote and leave with status 0 at once (everything
+    it opened is closed by now; nothing is left for interpreter teardown to do)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more can reach it
+            pass
+    logging.shutdown()
+    os._exit(0)
+
+
 def _interrupted_exit(code: int) -> None:
     """Leave after Ctrl-C / SIGTERM once the command has cleaned up: the program exits at once
     with ``code`` (interpreter teardown could meet the interrupt again and turn the status into
@@ -337,10 +349,13 @@ class _Group(click.Group):
         try:
             out = super().invoke(ctx)
             if _PROGRAM and threading.current_thread() is threading.main_thread():
-                # the work is done: a signal from now on exits at once with the shell's status
-                # (in interpreter teardown it would become a signal death)
+                # The work is done: a signal from now on exits at once with the shell's status,
+                # and the program leaves without interpreter teardown, where a late signal
+                # would meet Python's handlers already removed and become a signal death (a
+                # `coli convert` interrupted just as it finished died of SIGINT that way).
                 signal.signal(signal.SIGINT, _exit_now)
                 signal.signal(signal.SIGTERM, _exit_now)
+                _finished_exit()
             return out
         except ColibriError as exc:
             if ctx.obj and ctx.obj.get("debug"):
