@@ -793,7 +793,9 @@ class SyncModel:
 def _sigint_deferred() -> Iterator[None]:
     """Hold a Ctrl-C that arrives inside the block until it ends (then raise it): for steps
     that must complete as a whole, such as starting the portal's thread (an interrupt in the
-    middle leaves a loop thread nobody can stop). Only in the main thread, where signals land."""
+    middle leaves a loop thread nobody can stop). Only in the main thread, where signals land.
+    SIGINT and SIGTERM are blocked in this thread meanwhile, so threads started inside never
+    receive them."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -803,9 +805,21 @@ def _sigint_deferred() -> Iterator[None]:
         held.append(signum)
 
     previous = signal.signal(signal.SIGINT, hold)
+    # Threads started inside (the portal's loop thread, and every thread it starts in turn:
+    # compute, expert pool, readers) inherit this mask, so SIGINT / SIGTERM always reach the
+    # main thread, the one that acts on them (delivered to another thread while the main one
+    # waits on a lock, a signal could go unnoticed until the work ended).
+    stop = {signal.SIGINT, signal.SIGTERM}
+    mask = (
+        signal.pthread_sigmask(signal.SIG_BLOCK, stop)
+        if hasattr(signal, "pthread_sigmask")
+        else None
+    )
     try:
         yield
     finally:
+        if mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a held signal is delivered now
         signal.signal(signal.SIGINT, previous)
     if held:
         raise KeyboardInterrupt
