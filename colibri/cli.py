@@ -50,9 +50,12 @@ def _interrupted_exit(code: int) -> None:
     sys.exit(code)
 
 
+import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
+import selectors
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -338,8 +341,59 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, raised like Ctrl-C so that the same clean-up runs (exit status 143)."""
 
 
-def _on_sigterm(signum: int, frame: object) -> None:
+def _on_sigterm(signum: int, frame: Any) -> None:
+    if not _can_raise_here(frame):
+        _signal_again(signum)
+        return
     raise Terminated()
+
+
+def _on_sigint(signum: int, frame: Any) -> None:
+    """Ctrl-C: KeyboardInterrupt, as Python's default handler raises it, but only where it
+    stays one: in colibri's own code, a thread wait or an event loop. Raised anywhere else it
+    can be lost or turned into another error, each seen for a Ctrl-C during start-up: inside a
+    finalizer (an import lock's weakref callback: printed as "ignored", the command ran on to
+    its end), inside an import (a C extension's init reported an ImportError), inside a
+    library's callback (pydantic's serializer reported its own error). There the signal is
+    sent again a moment later, to be taken once the program is back where raising is safe."""
+    if not _can_raise_here(frame):
+        _signal_again(signum)
+        return
+    raise KeyboardInterrupt
+
+
+_HERE = Path(__file__).resolve().parent.parent
+_SAFE_FILES = (
+    *(str(_HERE / pkg) + os.sep for pkg in ("colibri", "runtime", "storage")),
+    threading.__file__,
+    os.path.dirname(concurrent.futures.__file__) + os.sep,
+    # an event loop waiting (coli serve while the engine loads): asyncio unwinds from there
+    selectors.__file__,
+    os.path.dirname(asyncio.__file__) + os.sep,
+)
+
+
+def _can_raise_here(frame: Any, depth: int = 64) -> bool:
+    """Whether ``frame`` runs colibri's code or a thread wait, outside any import or
+    finalizer (its callers are looked at too, ``depth`` frames up)."""
+    code = getattr(frame, "f_code", None)
+    if code is None or not str(code.co_filename).startswith(_SAFE_FILES):
+        return False
+    f = frame
+    for _ in range(depth):
+        code = getattr(f, "f_code", None)
+        if code is None:
+            return True
+        if code.co_name == "__del__" or str(code.co_filename).startswith("<frozen importlib"):
+            return False
+        f = f.f_back
+    return True
+
+
+def _signal_again(signum: int) -> None:
+    timer = threading.Timer(0.02, os.kill, (os.getpid(), signum))
+    timer.daemon = True
+    timer.start()
 
 
 class _Group(click.Group):
@@ -410,7 +464,7 @@ def _hint_for(exc: ColibriError) -> str | None:
 def main(ctx: click.Context, debug: bool, log_format: str, verbose: int) -> None:
     """colibri: run giant Mixture-of-Experts models on ordinary machines."""
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # KeyboardInterrupt: exit 130
+        signal.signal(signal.SIGINT, _on_sigint)  # KeyboardInterrupt: exit 130
         signal.signal(signal.SIGTERM, _on_sigterm)
     from colibri._logging import configure_logging
 
