@@ -12,7 +12,7 @@ root}``: bytes, reads, weight, failovers, demoted, ...; see docs/api.md "Metrics
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -153,17 +153,27 @@ _DEVICE_LABELS = ["index", "role", "root"]
 
 def _device_metrics(devices: Sequence[CopyStats]) -> Iterator[Metric]:
     """One series per copy of the model (0: the primary, then each ``--mirror``) and metric."""
-    for name, doc, kind, key in _DEVICE_SERIES:
+    rows = [([str(d.index), d.role, d.root], dataclasses.asdict(d)) for d in devices]
+    yield from _labelled(_DEVICE_SERIES, _DEVICE_LABELS, rows)
+
+
+def _labelled(
+    series: Sequence[tuple[str, str, str, str]],
+    labels: list[str],
+    rows: Sequence[tuple[list[str], Mapping[str, Any]]],
+) -> Iterator[Metric]:
+    """One family per ``(name, help, "c"ounter | "g"auge, key)`` of ``series``, one series per
+    row ``(label values, stats)`` (a missing or None value is left out)."""
+    for name, doc, kind, key in series:
         fam: CounterMetricFamily | GaugeMetricFamily
         if kind == "c":
-            fam = CounterMetricFamily(name, doc, labels=_DEVICE_LABELS)
+            fam = CounterMetricFamily(name, doc, labels=labels)
         else:
-            fam = GaugeMetricFamily(name, doc, labels=_DEVICE_LABELS)
-        for d in devices:
-            v = getattr(d, key)
-            if v is None:
-                continue
-            fam.add_metric([str(d.index), d.role, d.root], float(v))
+            fam = GaugeMetricFamily(name, doc, labels=labels)
+        for values, stats in rows:
+            v = stats.get(key)
+            if v is not None:
+                fam.add_metric(values, float(v))
         yield fam
 
 
@@ -196,15 +206,8 @@ _WORKER_SERIES: tuple[tuple[str, str, str, str], ...] = (
 
 def _cluster_metrics(cluster: dict[str, Any]) -> Iterator[Metric]:
     """One series per expert worker and metric."""
-    for name, doc, kind, key in _WORKER_SERIES:
-        fam: CounterMetricFamily | GaugeMetricFamily
-        if kind == "c":
-            fam = CounterMetricFamily(name, doc, labels=["worker"])
-        else:
-            fam = GaugeMetricFamily(name, doc, labels=["worker"])
-        for w in cluster["workers"]:
-            fam.add_metric([str(w["name"])], float(w[key]))
-        yield fam
+    rows = [([str(w["name"])], w) for w in cluster["workers"]]
+    yield from _labelled(_WORKER_SERIES, ["worker"], rows)
     yield _counter(
         "colibri:cluster_fallback_experts",
         "Expert computations the coordinator did because a worker was down or late",
