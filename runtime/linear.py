@@ -20,6 +20,7 @@ from collections.abc import Callable
 import numpy as np
 import numpy.typing as npt
 
+from runtime.kernels.isa import exact_lanes
 from runtime.kernels.quant_matmul import (
     matmul_bf16,
     matmul_f16,
@@ -36,7 +37,7 @@ F32Array = npt.NDArray[np.float32]
 _MatMul = Callable[[F32Array, F32Array | None], F32Array]
 
 
-def _bind(q: QTensor) -> _MatMul:
+def _bind(q: QTensor, lanes: int) -> _MatMul:
     """Check ``q``'s arrays against its format and shape; return ``(x, out) -> y``."""
     o, i = q.shape
     kind = q.fmt.kind
@@ -72,19 +73,24 @@ def _bind(q: QTensor) -> _MatMul:
     if kind == "int8":
         return lambda x, out: matmul_int8(x, raw, scales, o, i, out=out)
     gs = q.fmt.group_size
-    return lambda x, out: matmul_int4(x, raw, scales, o, i, gs, out=out)
+    return lambda x, out: matmul_int4(x, raw, scales, o, i, gs, out=out, lanes=lanes)
 
 
 class Linear:
     """A weight ``[O, I]`` in any storage format. Call with float32 ``x [T, I]`` -> ``[T, O]``.
 
-    Raises :class:`storage.errors.FormatError` when the stored arrays do not match the format.
+    ``lanes`` is the int4 kernels' vector width (8 or 16; default: the CPU's, see
+    :func:`runtime.kernels.isa.exact_lanes`). Raises :class:`storage.errors.FormatError` when
+    the stored arrays do not match the format.
     """
 
-    def __init__(self, q: QTensor) -> None:
+    def __init__(self, q: QTensor, *, lanes: int | None = None) -> None:
         self.q = q
         self.out_features, self.in_features = q.shape
-        self._matmul = _bind(q)
+        self.lanes = exact_lanes() if lanes is None else lanes
+        if self.lanes not in (8, 16):
+            raise ValueError(f"lanes must be 8 or 16, got {self.lanes}")
+        self._matmul = _bind(q, self.lanes)
 
     @property
     def nbytes(self) -> int:
@@ -115,7 +121,7 @@ class Linear:
 
             edges = np.linspace(0, self.out_features, parts + 1).astype(int)
             cache[parts] = [
-                (int(a), int(b), Linear(qtensor_rows(self.q, int(a), int(b))))
+                (int(a), int(b), Linear(qtensor_rows(self.q, int(a), int(b)), lanes=self.lanes))
                 for a, b in itertools.pairwise(edges)
                 if b > a
             ]

@@ -49,16 +49,26 @@ from runtime.kernels._simd import (
     bf16x8,
     f16x8,
     i4byte8,
+    i4byte16,
     i4lo8,
+    i4lo16,
     i8x8,
     vadd,
+    vadd16,
     vfma,
+    vfma16,
     vhsum,
+    vhsum16,
     vload,
+    vload16,
     vmul,
+    vmul16,
     vsplat,
+    vsplat16,
     vstore,
+    vstore16,
     vzero,
+    vzero16,
 )
 
 __all__ = ["KERNELS"]
@@ -317,6 +327,116 @@ def _i4_gemm(packed, scales, n_out, nb, gbytes, s_row, s_step, y, ys, out, pf): 
                     out[t0 + u, o0 + r] = vhsum(vload(acc, (r * _TILE + u) * 8))
 
 
+# ============================================================================ int4, 16 lanes
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _i4_decode32x16(packed, i):  # type: ignore[no-untyped-def]
+    """32 packed bytes at ``i`` -> (byte - 136, lo - 8) 16-lane vectors for each of 2 halves."""
+    return (
+        i4byte16(packed, i),
+        i4lo16(packed, i),
+        i4byte16(packed, i + 16),
+        i4lo16(packed, i + 16),
+    )
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _i4_dot32x16(w, y, yi, ys):  # type: ignore[no-untyped-def]
+    """Partial (16 lanes) of one decoded 32-byte chunk: two chains, fixed combine order."""
+    zi = yi + ys
+    a = vfma16(w[2], vload16(y, yi + 16), vmul16(w[0], vload16(y, yi)))
+    c = vfma16(w[3], vload16(y, zi + 16), vmul16(w[1], vload16(y, zi)))
+    return vadd16(a, c)
+
+
+@njit(nogil=True, cache=True)
+def _i4_gemv16(packed, scales, n_out, nb, gbytes, s_row, s_step, y, ys, out, pf):  # type: ignore[no-untyped-def]
+    """``_i4_gemv`` with 16-lane vectors, for ``gbytes % 32 == 0`` and ``nb % gbytes == 0``.
+
+    Per group: the chunks' partials summed in order, then ``acc = fma(scale, p, acc)``; the
+    result is the fixed-order lane sum of ``acc``. Prefetch once per 64 bytes.
+    """
+    n_groups = nb // gbytes
+    for o in range(n_out):
+        row = o * nb
+        srow = o * s_row
+        acc = vzero16()
+        if gbytes == 32:  # gs64 and per-row: one chunk per group, the hot path
+            for g in range(n_groups):
+                g0 = g * 32
+                if pf > 0 and g % 2 == 0:
+                    prefetch(packed, row + g0 + pf)
+                p = _i4_dot32x16(_i4_decode32x16(packed, row + g0), y, g0, ys)
+                acc = vfma16(vsplat16(scales[srow + g * s_step]), p, acc)
+        else:
+            for g in range(n_groups):
+                g0 = g * gbytes
+                if pf > 0:
+                    prefetch(packed, row + g0 + pf)
+                p = _i4_dot32x16(_i4_decode32x16(packed, row + g0), y, g0, ys)
+                for c in range(g0 + 32, g0 + gbytes, 32):
+                    if pf > 0 and (c - g0) % 64 == 0:
+                        prefetch(packed, row + c + pf)
+                    p = vadd16(p, _i4_dot32x16(_i4_decode32x16(packed, row + c), y, c, ys))
+                acc = vfma16(vsplat16(scales[srow + g * s_step]), p, acc)
+        out[o] = vhsum16(acc)
+
+
+@njit(nogil=True, cache=True)
+def _i4_gemm16(packed, scales, n_out, nb, gbytes, s_row, s_step, y, ys, out, pf):  # type: ignore[no-untyped-def]
+    """T tokens with 16-lane vectors: per (token, row) exactly the arithmetic of ``_i4_gemv16``.
+
+    Blocking as in ``_i4_gemm``: token tiles of ``_TILE``, row blocks of ``_ROWS`` and column
+    segments of whole groups, so a tile's activations stay in L1; each chunk is decoded once per
+    row and applied to every token of the tile, groups of a row in increasing order.
+    """
+    n_tok = out.shape[0]
+    acc = np.zeros(_ROWS * _TILE * 16, np.float32)  # [ROWS, TILE, 16] accumulators
+    pp = np.zeros(_TILE * 16, np.float32)  # [TILE, 16] group partials
+    n_groups = nb // gbytes
+    seg_groups = max(1, _SEGMENT // gbytes)
+    zero = vzero16()
+    for t0 in range(0, n_tok, _TILE):
+        nt = min(_TILE, n_tok - t0)
+        for o0 in range(0, n_out, _ROWS):
+            nr = min(_ROWS, n_out - o0)
+            for k in range(nr * _TILE):
+                vstore16(acc, k * 16, zero)
+            for gs0 in range(0, n_groups, seg_groups):
+                gs1 = min(gs0 + seg_groups, n_groups)
+                for r in range(nr):
+                    o = o0 + r
+                    row = o * nb
+                    a0 = r * _TILE * 16
+                    for g in range(gs0, gs1):
+                        g0 = g * gbytes
+                        s = vsplat16(scales[o * s_row + g * s_step])
+                        if pf > 0:
+                            prefetch(packed, row + g0 + _SEGMENT)
+                        if gbytes == 32:
+                            w = _i4_decode32x16(packed, row + g0)
+                            for u in range(nt):
+                                q = _i4_dot32x16(w, y, (t0 + u) * 2 * ys + g0, ys)
+                                ai = a0 + u * 16
+                                vstore16(acc, ai, vfma16(s, q, vload16(acc, ai)))
+                            continue
+                        for c in range(g0, g0 + gbytes, 32):
+                            w = _i4_decode32x16(packed, row + c)
+                            for u in range(nt):
+                                q = _i4_dot32x16(w, y, (t0 + u) * 2 * ys + c, ys)
+                                if c == g0:
+                                    vstore16(pp, u * 16, q)
+                                else:
+                                    vstore16(pp, u * 16, vadd16(vload16(pp, u * 16), q))
+                        for u in range(nt):
+                            ai = a0 + u * 16
+                            vstore16(acc, ai, vfma16(s, vload16(pp, u * 16), vload16(acc, ai)))
+            for r in range(nr):
+                for u in range(nt):
+                    out[t0 + u, o0 + r] = vhsum16(vload16(acc, (r * _TILE + u) * 16))
+
+
 @njit(nogil=True, cache=True)
 def _i4_dequant_row(packed, scales, o, n_in, nb, gs, n_groups, w):  # type: ignore[no-untyped-def]
     """Row ``o`` of a grouped int4 weight -> w[:I] float32 (same math as ``dequantize``)."""
@@ -427,6 +547,10 @@ KERNELS = (
     _pad_rows,
     _i4_gemv,
     _i4_gemm,
+    _i4_gemv16,
+    _i4_gemm16,
+    _i4_decode32x16,
+    _i4_dot32x16,
     _i4_generic_matmul,
     _col_matmul,
     _row_dot,

@@ -1,19 +1,22 @@
-"""An 8-lane float32 vector type for numba kernels, with explicit lane order.
+"""float32 vector types for numba kernels (8 and 16 lanes), with explicit lane order.
 
 Why: numba leaves LLVM's SLP vectorizer off, and its loop vectorizer refuses float reductions
 without fast-math, so a plain ``for`` loop dot product runs scalar (~1 ns/element here). These
-intrinsics let a kernel hold ``<8 x float>`` values in registers and say exactly which lane each
-product lands in, so the summation order is fixed by the source, not by a vectorizer heuristic:
-that is what makes the kernels deterministic and batch-invariant.
+intrinsics let a kernel hold ``<8 x float>`` / ``<16 x float>`` values in registers and say
+exactly which lane each product lands in, so the summation order is fixed by the source, not by a
+vectorizer heuristic: that is what makes the kernels deterministic and batch-invariant.
 
-Lane ``k`` of a load holds element ``idx + k``. Loads and stores are unchecked and unaligned: the
-caller guarantees ``idx + 8 <= arr.size`` (wrappers pad buffers to a multiple of 8 elements).
+Two widths, the same operations: ``vload``, ``vfma``, ``vhsum``... work on 8 lanes (one AVX2
+register); the ``...16`` names (``vload16``, ``vfma16``, ``vhsum16``...) on 16 lanes (one AVX-512
+register). Lane ``k`` of a load holds element ``idx + k``. Loads and stores are unchecked and
+unaligned: the caller guarantees ``idx + L <= arr.size``.
 
 Every arithmetic op is a single IEEE operation per lane (``vfma`` is a fused multiply-add with one
-rounding, which is exactly specified too), so results do not depend on the instruction set.
+rounding, which is exactly specified too), so a kernel's result depends on its lane count and its
+source, never on the instruction set it runs on: a 16-lane kernel on an AVX2 machine (LLVM splits
+each vector op in two) gives the same bits as on an AVX-512 one, only slower.
 
-Shape legend: L = 8 lanes of float32 (one AVX2 register); idx is a flat element index into a C
-array.
+Shape legend: L = 8 or 16 lanes of float32; idx is a flat element index into a C array.
 """
 
 from __future__ import annotations
@@ -27,28 +30,39 @@ from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
 __all__ = [
+    "LANES",
     "F32x8",
+    "F32x16",
     "bf16x8",
     "f16x8",
     "f32x8",
+    "f32x16",
     "i4byte8",
+    "i4byte16",
     "i4lo8",
+    "i4lo16",
     "i8x8",
     "vadd",
+    "vadd16",
     "vfma",
+    "vfma16",
     "vhsum",
+    "vhsum16",
     "vload",
+    "vload16",
     "vmul",
+    "vmul16",
     "vsplat",
+    "vsplat16",
     "vstore",
+    "vstore16",
     "vzero",
+    "vzero16",
 ]
 
-LANES = 8
+LANES = 8  # the narrow width; every format has an 8-lane kernel
 _F32 = ir.FloatType()
 _I32 = ir.IntType(32)
-_V8F = ir.VectorType(_F32, LANES)
-_V8I32 = ir.VectorType(_I32, LANES)
 
 
 def _intrinsic(fn: Callable[..., Any]) -> Any:
@@ -59,17 +73,30 @@ def _intrinsic(fn: Callable[..., Any]) -> Any:
 class F32x8(types.Type):
     """numba type of an ``<8 x float>`` register value."""
 
+    lanes = 8
+
     def __init__(self) -> None:
         super().__init__(name="f32x8")
 
 
+class F32x16(types.Type):
+    """numba type of a ``<16 x float>`` register value."""
+
+    lanes = 16
+
+    def __init__(self) -> None:
+        super().__init__(name="f32x16")
+
+
 f32x8 = F32x8()
+f32x16 = F32x16()
 
 
 @register_model(F32x8)
-class _F32x8Model(models.PrimitiveModel):
+@register_model(F32x16)
+class _VectorModel(models.PrimitiveModel):
     def __init__(self, dmm: Any, fe_type: Any) -> None:
-        super().__init__(dmm, fe_type, _V8F)  # type: ignore[no-untyped-call]
+        super().__init__(dmm, fe_type, ir.VectorType(_F32, fe_type.lanes))  # type: ignore[no-untyped-call]
 
 
 def _splat(value: ir.Constant | ir.Value, vty: ir.VectorType) -> ir.Constant:
@@ -83,9 +110,9 @@ def _vector_ptr(context: Any, builder: Any, arrty: Any, arr: Any, idxty: Any, id
     return builder.gep(ary.data, [offset], inbounds=True)
 
 
-def _load_vec(context: Any, builder: Any, sig: Any, args: Any, lane_ty: ir.Type) -> Any:
+def _load_vec(context: Any, builder: Any, sig: Any, args: Any, lane_ty: ir.Type, n: int) -> Any:
     ptr = _vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-    vptr = builder.bitcast(ptr, ir.VectorType(lane_ty, LANES).as_pointer())
+    vptr = builder.bitcast(ptr, ir.VectorType(lane_ty, n).as_pointer())
     return builder.load(vptr, align=1)
 
 
@@ -93,99 +120,183 @@ def _is_array(arr: Any, dtype: Any) -> bool:
     return isinstance(arr, types.Array) and arr.dtype == dtype and arr.layout == "C"
 
 
-# ----------------------------------------------------------------------------- constructors
-
-
-@_intrinsic
-def vzero(typingctx: Any) -> Any:
-    """All lanes +0.0."""
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        return ir.Constant(_V8F, None)
-
-    return f32x8(), codegen
-
-
-@_intrinsic
-def vsplat(typingctx: Any, x: Any) -> Any:
-    """Every lane = float32 scalar ``x``."""
-    if x != types.float32:
-        return None
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        v = builder.insert_element(ir.Constant(_V8F, None), args[0], ir.Constant(_I32, 0))
-        return builder.shuffle_vector(v, v, ir.Constant(_V8I32, [0] * LANES))
-
-    return f32x8(x), codegen
-
-
-# ----------------------------------------------------------------------------- loads, stores
-
-
-@_intrinsic
-def vload(typingctx: Any, arr: Any, idx: Any) -> Any:
-    """Lanes = ``arr[idx : idx + 8]`` of a float32 array."""
-    if not _is_array(arr, types.float32) or not isinstance(idx, types.Integer):
-        return None
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        return _load_vec(context, builder, sig, args, _F32)
-
-    return f32x8(arr, idx), codegen
-
-
-@_intrinsic
-def vstore(typingctx: Any, arr: Any, idx: Any, v: Any) -> Any:
-    """``arr[idx : idx + 8] = v`` for a float32 array."""
-    if not _is_array(arr, types.float32) or not isinstance(idx, types.Integer) or v != f32x8:
-        return None
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        ptr = _vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-        builder.store(args[2], builder.bitcast(ptr, _V8F.as_pointer()), align=1)
-        return context.get_dummy_value()
-
-    return types.void(arr, idx, v), codegen
-
-
-def _magic_float(builder: Any, lanes: Any, offset: float) -> Any:
+def _magic_float(builder: Any, lanes: Any, offset: float, n: int) -> Any:
     # OR-ing an int 0..255 into the mantissa of 2**23 and subtracting 2**23 + offset gives
     # float(int - offset) exactly, cheaper than an int->float convert on this class of CPU.
-    biased = builder.or_(lanes, _splat(ir.Constant(_I32, 0x4B000000), _V8I32))
+    vf, vi = ir.VectorType(_F32, n), ir.VectorType(_I32, n)
+    biased = builder.or_(lanes, _splat(ir.Constant(_I32, 0x4B000000), vi))
     return builder.fsub(
-        builder.bitcast(biased, _V8F), _splat(ir.Constant(_F32, 8388608.0 + offset), _V8F)
+        builder.bitcast(biased, vf), _splat(ir.Constant(_F32, 8388608.0 + offset), vf)
     )
 
 
-def _bytes_as_i32(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-    raw = _load_vec(context, builder, sig, args, ir.IntType(8))
-    return builder.zext(raw, _V8I32)  # int32 lanes: numba would widen uint8 math to int64
+def _bytes_as_i32(context: Any, builder: Any, sig: Any, args: Any, n: int) -> Any:
+    raw = _load_vec(context, builder, sig, args, ir.IntType(8), n)
+    return builder.zext(raw, ir.VectorType(_I32, n))  # int32 lanes: numba would widen to int64
 
 
-@_intrinsic
-def i4byte8(typingctx: Any, arr: Any, idx: Any) -> Any:
-    """Bytes ``arr[idx : idx + 8]`` as float32 ``byte - 136 = 16 * (hi - 8) + (lo - 8)``."""
-    if not _is_array(arr, types.uint8) or not isinstance(idx, types.Integer):
-        return None
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        return _magic_float(builder, _bytes_as_i32(context, builder, sig, args), 136.0)
-
-    return f32x8(arr, idx), codegen
+def _lane_sum(builder: Any, lanes: list[Any]) -> Any:
+    """Fixed-order sum: fold the halves lane by lane (``v[k] + v[k + n/2]``) down to 8 lanes,
+    then ``((v0+v4)+(v2+v6)) + ((v1+v5)+(v3+v7))``."""
+    while len(lanes) > 8:
+        half = len(lanes) // 2
+        lanes = [builder.fadd(lanes[k], lanes[k + half]) for k in range(half)]
+    h = [builder.fadd(lanes[k], lanes[k + 4]) for k in range(4)]  # v0+v4, v1+v5, ...
+    return builder.fadd(builder.fadd(h[0], h[2]), builder.fadd(h[1], h[3]))
 
 
-@_intrinsic
-def i4lo8(typingctx: Any, arr: Any, idx: Any) -> Any:
-    """Low nibbles of bytes ``arr[idx : idx + 8]`` as float32 ``lo - 8``."""
-    if not _is_array(arr, types.uint8) or not isinstance(idx, types.Integer):
-        return None
+def _make(vt: Any) -> dict[str, Any]:
+    """The intrinsics of one vector type ``vt`` (``f32x8`` or ``f32x16``)."""
+    n = int(vt.lanes)
+    vf, vi = ir.VectorType(_F32, n), ir.VectorType(_I32, n)
+    ops: dict[str, Any] = {}
 
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        wide = _bytes_as_i32(context, builder, sig, args)
-        nib = builder.and_(wide, _splat(ir.Constant(_I32, 15), _V8I32))
-        return _magic_float(builder, nib, 8.0)
+    @_intrinsic
+    def vzero(typingctx: Any) -> Any:
+        """All lanes +0.0."""
 
-    return f32x8(arr, idx), codegen
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            return ir.Constant(vf, None)
+
+        return vt(), codegen
+
+    @_intrinsic
+    def vsplat(typingctx: Any, x: Any) -> Any:
+        """Every lane = float32 scalar ``x``."""
+        if x != types.float32:
+            return None
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            v = builder.insert_element(ir.Constant(vf, None), args[0], ir.Constant(_I32, 0))
+            return builder.shuffle_vector(v, v, ir.Constant(vi, [0] * n))
+
+        return vt(x), codegen
+
+    @_intrinsic
+    def vload(typingctx: Any, arr: Any, idx: Any) -> Any:
+        """Lanes = ``arr[idx : idx + L]`` of a float32 array."""
+        if not _is_array(arr, types.float32) or not isinstance(idx, types.Integer):
+            return None
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            return _load_vec(context, builder, sig, args, _F32, n)
+
+        return vt(arr, idx), codegen
+
+    @_intrinsic
+    def vstore(typingctx: Any, arr: Any, idx: Any, v: Any) -> Any:
+        """``arr[idx : idx + L] = v`` for a float32 array."""
+        if not _is_array(arr, types.float32) or not isinstance(idx, types.Integer) or v != vt:
+            return None
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            ptr = _vector_ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            builder.store(args[2], builder.bitcast(ptr, vf.as_pointer()), align=1)
+            return context.get_dummy_value()
+
+        return types.void(arr, idx, v), codegen
+
+    @_intrinsic
+    def i4byte(typingctx: Any, arr: Any, idx: Any) -> Any:
+        """Bytes ``arr[idx : idx + L]`` as float32 ``byte - 136 = 16 * (hi - 8) + (lo - 8)``."""
+        if not _is_array(arr, types.uint8) or not isinstance(idx, types.Integer):
+            return None
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            return _magic_float(builder, _bytes_as_i32(context, builder, sig, args, n), 136.0, n)
+
+        return vt(arr, idx), codegen
+
+    @_intrinsic
+    def i4lo(typingctx: Any, arr: Any, idx: Any) -> Any:
+        """Low nibbles of bytes ``arr[idx : idx + L]`` as float32 ``lo - 8``."""
+        if not _is_array(arr, types.uint8) or not isinstance(idx, types.Integer):
+            return None
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            wide = _bytes_as_i32(context, builder, sig, args, n)
+            nib = builder.and_(wide, _splat(ir.Constant(_I32, 15), vi))
+            return _magic_float(builder, nib, 8.0, n)
+
+        return vt(arr, idx), codegen
+
+    @_intrinsic
+    def vadd(typingctx: Any, a: Any, b: Any) -> Any:
+        """Lane-wise ``a + b``."""
+        if a != vt or b != vt:
+            return None
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            return builder.fadd(args[0], args[1])
+
+        return vt(a, b), codegen
+
+    @_intrinsic
+    def vmul(typingctx: Any, a: Any, b: Any) -> Any:
+        """Lane-wise ``a * b``."""
+        if a != vt or b != vt:
+            return None
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            return builder.fmul(args[0], args[1])
+
+        return vt(a, b), codegen
+
+    @_intrinsic
+    def vfma(typingctx: Any, a: Any, b: Any, c: Any) -> Any:
+        """Lane-wise fused ``a * b + c`` (one rounding)."""
+        if a != vt or b != vt or c != vt:
+            return None
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            fnty = ir.FunctionType(vf, [vf, vf, vf])
+            fn = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
+                builder.module, fnty, f"llvm.fma.v{n}f32"
+            )
+            return builder.call(fn, list(args))
+
+        return vt(a, b, c), codegen
+
+    @_intrinsic
+    def vhsum(typingctx: Any, v: Any) -> Any:
+        """Sum of the lanes in a fixed order (see :func:`_lane_sum`)."""
+        if v != vt:
+            return None
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            lanes = [builder.extract_element(args[0], ir.Constant(_I32, k)) for k in range(n)]
+            return _lane_sum(builder, lanes)
+
+        return types.float32(v), codegen
+
+    ops.update(
+        vzero=vzero,
+        vsplat=vsplat,
+        vload=vload,
+        vstore=vstore,
+        i4byte=i4byte,
+        i4lo=i4lo,
+        vadd=vadd,
+        vmul=vmul,
+        vfma=vfma,
+        vhsum=vhsum,
+    )
+    return ops
+
+
+_V8 = _make(f32x8)
+_V16 = _make(f32x16)
+
+vzero, vsplat, vload, vstore = _V8["vzero"], _V8["vsplat"], _V8["vload"], _V8["vstore"]
+i4byte8, i4lo8, vadd, vmul = _V8["i4byte"], _V8["i4lo"], _V8["vadd"], _V8["vmul"]
+vfma, vhsum = _V8["vfma"], _V8["vhsum"]
+
+vzero16, vsplat16, vload16, vstore16 = _V16["vzero"], _V16["vsplat"], _V16["vload"], _V16["vstore"]
+i4byte16, i4lo16, vadd16, vmul16 = _V16["i4byte"], _V16["i4lo"], _V16["vadd"], _V16["vmul"]
+vfma16, vhsum16 = _V16["vfma"], _V16["vhsum"]
+
+
+# ----------------------------------------------------------------------------- 8-lane decodes
 
 
 @_intrinsic
@@ -195,8 +306,8 @@ def i8x8(typingctx: Any, arr: Any, idx: Any) -> Any:
         return None
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        raw = _load_vec(context, builder, sig, args, ir.IntType(8))
-        return builder.sitofp(raw, _V8F)
+        raw = _load_vec(context, builder, sig, args, ir.IntType(8), 8)
+        return builder.sitofp(raw, ir.VectorType(_F32, 8))
 
     return f32x8(arr, idx), codegen
 
@@ -208,9 +319,10 @@ def bf16x8(typingctx: Any, arr: Any, idx: Any) -> Any:
         return None
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        raw = _load_vec(context, builder, sig, args, ir.IntType(16))
-        wide = builder.shl(builder.zext(raw, _V8I32), _splat(ir.Constant(_I32, 16), _V8I32))
-        return builder.bitcast(wide, _V8F)
+        raw = _load_vec(context, builder, sig, args, ir.IntType(16), 8)
+        v8i = ir.VectorType(_I32, 8)
+        wide = builder.shl(builder.zext(raw, v8i), _splat(ir.Constant(_I32, 16), v8i))
+        return builder.bitcast(wide, ir.VectorType(_F32, 8))
 
     return f32x8(arr, idx), codegen
 
@@ -222,67 +334,8 @@ def f16x8(typingctx: Any, arr: Any, idx: Any) -> Any:
         return None
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        raw = _load_vec(context, builder, sig, args, ir.IntType(16))
-        half = builder.bitcast(raw, ir.VectorType(ir.HalfType(), LANES))
-        return builder.fpext(half, _V8F)
+        raw = _load_vec(context, builder, sig, args, ir.IntType(16), 8)
+        half = builder.bitcast(raw, ir.VectorType(ir.HalfType(), 8))
+        return builder.fpext(half, ir.VectorType(_F32, 8))
 
     return f32x8(arr, idx), codegen
-
-
-# ----------------------------------------------------------------------------- arithmetic
-
-
-@_intrinsic
-def vadd(typingctx: Any, a: Any, b: Any) -> Any:
-    """Lane-wise ``a + b``."""
-    if a != f32x8 or b != f32x8:
-        return None
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        return builder.fadd(args[0], args[1])
-
-    return f32x8(a, b), codegen
-
-
-@_intrinsic
-def vmul(typingctx: Any, a: Any, b: Any) -> Any:
-    """Lane-wise ``a * b``."""
-    if a != f32x8 or b != f32x8:
-        return None
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        return builder.fmul(args[0], args[1])
-
-    return f32x8(a, b), codegen
-
-
-@_intrinsic
-def vfma(typingctx: Any, a: Any, b: Any, c: Any) -> Any:
-    """Lane-wise fused ``a * b + c`` (one rounding)."""
-    if a != f32x8 or b != f32x8 or c != f32x8:
-        return None
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        fnty = ir.FunctionType(_V8F, [_V8F, _V8F, _V8F])
-        fn = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
-            builder.module, fnty, "llvm.fma.v8f32"
-        )
-        return builder.call(fn, list(args))
-
-    return f32x8(a, b, c), codegen
-
-
-@_intrinsic
-def vhsum(typingctx: Any, v: Any) -> Any:
-    """Sum of the 8 lanes in a fixed order: ``((v0+v4)+(v2+v6)) + ((v1+v5)+(v3+v7))``."""
-    if v != f32x8:
-        return None
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        lanes = [builder.extract_element(args[0], ir.Constant(_I32, k)) for k in range(LANES)]
-        h = [builder.fadd(lanes[k], lanes[k + 4]) for k in range(4)]  # v0+v4, v1+v5, ...
-        q0 = builder.fadd(h[0], h[2])
-        q1 = builder.fadd(h[1], h[3])
-        return builder.fadd(q0, q1)
-
-    return types.float32(v), codegen

@@ -1,23 +1,25 @@
 """What the CPU offers and which kernel variant runs: reported by ``coli info`` and ``stats()``.
 
-The exact kernels use one variant on every machine today: 8-lane float32 vectors with a fixed
-lane order (``runtime.kernels._simd``), one AVX2 register wide. That fixed order is what makes a
-row's result the same on any x86-64 CPU. On an AVX-512 machine the same kernels run (LLVM may
-use the wider registers for the loads, not for the summation order). This module reads the
-CPU's flags so the report says which instruction sets are there and which one the kernels are
-shaped for.
+The exact kernels come in two widths (``runtime.kernels._simd``): 8 float32 lanes (one AVX2
+register) for every format, and 16 lanes (one AVX-512 register) for int4 weights whose groups are
+whole 64-column chunks (int4-g64, g128, ... and per-row int4: every container colibri writes by
+default). The width is chosen once per process from the CPU: 16 where ``avx512f`` is present,
+else 8. Each width has its own fixed lane order, so a row's result is deterministic and
+batch-invariant on every machine, and identical on every machine that runs the same width (the
+16-lane kernel gives the same bits on an AVX2 CPU, only slower). Two machines with different
+widths agree to float rounding, not bit for bit: :class:`runtime.linear.Linear` takes ``lanes=``
+to pin one.
 
-Shape legend: L lanes of float32 per kernel vector (8).
+Shape legend: L lanes of float32 per kernel vector (8 or 16).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.kernels._simd import LANES
-
-__all__ = ["KernelInfo", "kernel_info"]
+__all__ = ["KernelInfo", "cpu_flags", "exact_lanes", "kernel_info"]
 
 _WATCHED = (
     "sse4_2",
@@ -35,7 +37,7 @@ _WATCHED = (
 
 @dataclass(frozen=True, slots=True)
 class KernelInfo:
-    variant: str  # the exact kernels' shape, e.g. "f32x8"
+    variant: str  # the exact int4 kernels' shape, "f32x16" or "f32x8"
     lanes: int
     isa: str  # the widest vector ISA the CPU reports: avx512f, avx2, ... or "unknown"
     cpu_flags: tuple[str, ...]  # the watched flags the CPU has
@@ -52,15 +54,31 @@ class KernelInfo:
         return f"{self.variant} ({self.lanes} float32 lanes, fixed order) on {self.isa}"
 
 
-def kernel_info(cpuinfo: Path = Path("/proc/cpuinfo")) -> KernelInfo:
-    flags: set[str] = set()
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The CPU flags of the first processor in ``cpuinfo`` (empty when unreadable)."""
     try:
         for line in cpuinfo.read_text(errors="replace").splitlines():
             if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
+                return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
+    return frozenset()
+
+
+def _lanes_for(flags: frozenset[str]) -> int:
+    return 16 if "avx512f" in flags else 8
+
+
+@functools.cache
+def exact_lanes() -> int:
+    """The int4 kernel width this process uses by default: 16 with AVX-512F, else 8 (the CPU
+    does not change while a process runs, so this is read once)."""
+    return _lanes_for(cpu_flags())
+
+
+def kernel_info(cpuinfo: Path = Path("/proc/cpuinfo")) -> KernelInfo:
+    flags = cpu_flags(cpuinfo)
     have = tuple(f for f in _WATCHED if f in flags)
     isa = next((f for f in ("avx512f", "avx2", "avx", "sse4_2") if f in flags), "unknown")
-    return KernelInfo(f"f32x{LANES}", LANES, isa, have)
+    lanes = _lanes_for(flags)
+    return KernelInfo(f"f32x{lanes}", lanes, isa, have)

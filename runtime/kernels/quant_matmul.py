@@ -25,7 +25,9 @@ from runtime.kernels._matmul_kernels import (
     KERNELS,
     _col_matmul,
     _i4_gemm,
+    _i4_gemm16,
     _i4_gemv,
+    _i4_gemv16,
     _i4_generic_matmul,
     _i4_prep,
     _pad_rows,
@@ -33,6 +35,7 @@ from runtime.kernels._matmul_kernels import (
 
 __all__ = [
     "DEFAULT_PREFETCH",
+    "INT4_LANES",
     "KERNELS",
     "matmul_bf16",
     "matmul_f16",
@@ -46,6 +49,10 @@ F32Array = npt.NDArray[np.float32]
 #: Bytes of weights to prefetch ahead of the one being read (4 KiB per the field notes; measured
 #: neutral on the benchmark machine, see docs/benchmarks.md). 0 turns the prefetch off.
 DEFAULT_PREFETCH = 4096
+
+#: The int4 kernels' vector widths: 8 lanes (every shape) and 16 (groups of a multiple of 64
+#: columns that tile the row exactly; other shapes take the 8-lane kernel).
+INT4_LANES = (8, 16)
 
 
 def _round8(n: int) -> int:
@@ -109,12 +116,18 @@ def matmul_int4(
     *,
     out: F32Array | None = None,
     prefetch_distance: int = DEFAULT_PREFETCH,
+    lanes: int = 8,
 ) -> F32Array:
     """``x [T, I] @ W.T -> [T, O]`` for int4 ``W`` (per row if ``group_size`` is None).
 
     ``packed`` uint8 [O * ceil(I/2)] (or [O, ceil(I/2)]); ``scales`` float32 [O] or [O * G].
+    ``lanes`` picks the kernel's vector width (:data:`INT4_LANES`); the two widths sum in a
+    different order, so their results differ in the last bits, each deterministic and
+    batch-invariant. :func:`int4_lanes` says which width a weight shape actually gets.
     Raises ``ValueError`` on a dtype, shape or contiguity mismatch.
     """
+    if lanes not in INT4_LANES:
+        raise ValueError(f"lanes must be one of {INT4_LANES}, got {lanes}")
     n_out, n_in = int(out_features), int(in_features)
     _check_shape(n_out, n_in)
     nb = (n_in + 1) // 2
@@ -140,11 +153,27 @@ def matmul_int4(
         return y
     ys = _round8(nb) + 16
     yy = _i4_prep(xx, nb, ys)
+    wide = int4_lanes(n_in, group_size, lanes) == 16
     if n_tok == 1:
-        _i4_gemv(p, s, n_out, nb, gbytes, s_row, s_step, yy, ys, y.reshape(-1), pf)
+        gemv = _i4_gemv16 if wide else _i4_gemv
+        gemv(p, s, n_out, nb, gbytes, s_row, s_step, yy, ys, y.reshape(-1), pf)
     else:
-        _i4_gemm(p, s, n_out, nb, gbytes, s_row, s_step, yy, ys, y, pf)
+        gemm = _i4_gemm16 if wide else _i4_gemm
+        gemm(p, s, n_out, nb, gbytes, s_row, s_step, yy, ys, y, pf)
     return y
+
+
+def int4_lanes(in_features: int, group_size: int | None, lanes: int) -> int:
+    """The vector width an int4 weight of ``in_features`` columns gets when ``lanes`` is asked:
+    16 only where every group is a whole number of 64-column chunks and the groups tile the row
+    (per-row scales count as 64-column groups), else 8."""
+    if lanes != 16:
+        return 8
+    nb = (in_features + 1) // 2
+    gbytes = 32 if group_size is None else group_size // 2
+    if gbytes == 0 or gbytes % 32 or nb % gbytes:
+        return 8
+    return 16
 
 
 def _matmul_cols(

@@ -57,8 +57,8 @@ def _weights(fmt: str, o: int, i: int, seed: int = 0) -> QTensor:
     return quantize(rng.standard_normal((o, i), dtype=np.float32), fmt)
 
 
-def _matmul(q: QTensor) -> Callable[..., F32]:
-    """The kernel wrapper for ``q``'s format, as ``f(x, **kw) -> y``."""
+def _matmul(q: QTensor, lanes: int = 8) -> Callable[..., F32]:
+    """The kernel wrapper for ``q``'s format, as ``f(x, **kw) -> y`` (int4: ``lanes`` wide)."""
     o, i = q.shape
     f = q.fmt
     data: npt.NDArray[Any] = q.data
@@ -72,7 +72,7 @@ def _matmul(q: QTensor) -> Callable[..., F32]:
     scales: F32 = q.scales
     if f.kind == "int8":
         return lambda x, **kw: matmul_int8(x, data, scales, o, i, **kw)
-    return lambda x, **kw: matmul_int4(x, data, scales, o, i, f.group_size, **kw)
+    return lambda x, **kw: matmul_int4(x, data, scales, o, i, f.group_size, lanes=lanes, **kw)
 
 
 def _x(t: int, i: int, seed: int = 1) -> F32:
@@ -94,18 +94,52 @@ def _assert_close(y: F32, x: F32, q: QTensor) -> None:
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("n_in", IN_FEATURES)
 @pytest.mark.parametrize("n_tok", [1, 3, 8])
-def test_matches_float64_reference(fmt: str, n_in: int, n_tok: int) -> None:
+@pytest.mark.parametrize("lanes", [8, 16])
+def test_matches_float64_reference(fmt: str, n_in: int, n_tok: int, lanes: int) -> None:
     q = _weights(fmt, 21, n_in)
     x = _x(n_tok, n_in)
-    _assert_close(_matmul(q)(x), x, q)
+    _assert_close(_matmul(q, lanes)(x), x, q)
 
 
-def test_realistic_expert_gemv_shapes() -> None:
+@pytest.mark.parametrize("lanes", [8, 16])
+def test_realistic_expert_gemv_shapes(lanes: int) -> None:
     # One GLM-5 expert matrix each way (gate/up 2048x6144 and down 6144x2048), int4 gs64.
     for o, i in [(2048, 6144), (6144, 2048)]:
         q = _weights("int4-g64", o, i, seed=o)
-        x = _x(1, i)
-        _assert_close(_matmul(q)(x), x, q)
+        for t in (1, 5):
+            x = _x(t, i)
+            _assert_close(_matmul(q, lanes)(x), x, q)
+
+
+@pytest.mark.parametrize("fmt", ["int4-g64", "int4-g128", "int4-row", "int4-g32", "int4-g24"])
+def test_int4_width_choice_and_both_widths_exact(fmt: str) -> None:
+    """16 lanes where groups are whole 64-column chunks tiling the row; the two widths sum in
+    different orders (different last bits), each within the float64 bound."""
+    from runtime.kernels.quant_matmul import int4_lanes
+
+    wide_at = {  # in features where the 16-lane kernel serves (of 256, 320, 200)
+        "int4-g64": {256, 320},
+        "int4-g128": {256},  # 320 = 2.5 groups of 128
+        "int4-row": {256, 320},  # 64-column virtual groups
+        "int4-g32": set(),  # 16-byte groups
+        "int4-g24": set(),
+    }[fmt]
+    for n_in in (256, 320, 200):
+        q = _weights(fmt, 19, n_in)
+        gs = q.fmt.group_size
+        wide = n_in in wide_at
+        assert int4_lanes(n_in, gs, 16) == (16 if wide else 8), (fmt, n_in)
+        assert int4_lanes(n_in, gs, 8) == 8
+        x = _x(6, n_in)
+        y8, y16 = _matmul(q, 8)(x), _matmul(q, 16)(x)
+        _assert_close(y16, x, q)
+        if not wide:
+            assert np.array_equal(y8, y16)  # the 8-lane kernel served both
+    q = _weights("int4-g64", 64, 2048)
+    x = _x(4, 2048)
+    assert not np.array_equal(_matmul(q, 8)(x), _matmul(q, 16)(x))  # really another kernel
+    with pytest.raises(ValueError, match="lanes"):
+        _matmul(q, 4)(x)
 
 
 def test_tiny_and_empty_shapes() -> None:
@@ -129,11 +163,15 @@ def test_special_values_propagate() -> None:
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("n_in", [200, 77])
-def test_batch_invariant(fmt: str, n_in: int) -> None:
+@pytest.mark.parametrize("n_in", [200, 77, 384])
+@pytest.mark.parametrize("lanes", [8, 16])
+def test_batch_invariant(fmt: str, n_in: int, lanes: int) -> None:
     # 37 rows: not a multiple of the kernels' row blocks; 64 tokens: several token tiles.
+    # 384 columns: the int4 16-lane kernels (groups tiling the row), 200 / 77: the 8-lane ones.
+    if lanes == 16 and not fmt.startswith("int4"):
+        pytest.skip("16 lanes is an int4 kernel width")
     q = _weights(fmt, 37, n_in)
-    mm = _matmul(q)
+    mm = _matmul(q, lanes)
     x = _x(64, n_in, seed=7)
     x[5] *= 1e3  # rows of very different magnitude must not influence each other
     x[6] = 0.0
@@ -144,12 +182,13 @@ def test_batch_invariant(fmt: str, n_in: int) -> None:
         assert np.array_equal(mm(x[a:b]), full[a:b]), f"rows {a}:{b} differ"
 
 
-@pytest.mark.parametrize("fmt", ["int4-g64", "int8", "bf16"])
-def test_deterministic_and_prefetch_neutral(fmt: str) -> None:
-    q = _weights(fmt, 40, 320)
-    mm = _matmul(q)
+@pytest.mark.parametrize("fmt", ["int4-g64", "int4-g128", "int8", "bf16"])
+@pytest.mark.parametrize("lanes", [8, 16])
+def test_deterministic_and_prefetch_neutral(fmt: str, lanes: int) -> None:
+    q = _weights(fmt, 40, 384)
+    mm = _matmul(q, lanes)
     for t in (1, 5):
-        x = _x(t, 320)
+        x = _x(t, 384)
         y = mm(x)
         assert np.array_equal(y, mm(x))
         assert np.array_equal(y, mm(x, prefetch_distance=0))
@@ -228,7 +267,18 @@ def test_linear_uses_the_kernels_and_keeps_stored_weights(fmt: str) -> None:
     assert lin.nbytes == q.nbytes
     x = _x(4, 96)
     y = lin(x)
-    assert np.array_equal(y, _matmul(q)(x))
+    from runtime.kernels.isa import exact_lanes
+
+    assert lin.lanes == exact_lanes()
+    assert np.array_equal(y, _matmul(q, lin.lanes)(x))
+    for lanes in (8, 16):
+        pinned = Linear(q, lanes=lanes)
+        assert np.array_equal(pinned(x), _matmul(q, lanes)(x))
+        parts = pinned.split(3)
+        assert all(p.lanes == lanes for _, _, p in parts)
+        assert np.array_equal(np.concatenate([p(x) for _, _, p in parts], axis=1), pinned(x))
+    with pytest.raises(ValueError, match="lanes"):
+        Linear(q, lanes=32)
     assert np.array_equal(lin(x[1:2])[0], y[1])
     # No dequantized copy: nothing the layer holds is a float32 [O, I] matrix beyond f32 itself.
     if q.fmt.kind != "f32":
@@ -267,6 +317,7 @@ def test_kernel_report_names_the_variant_and_the_cpu_isa(tmp_path: Path) -> None
     assert k.cpu_flags == ("sse4_2", "avx", "avx2", "fma", "f16c")
     f.write_text("flags: sse4_2 avx avx2 fma avx512f avx512bw avx512_vnni\n")
     assert kernel_info(f).isa == "avx512f" and "avx512_vnni" in kernel_info(f).cpu_flags
+    assert (kernel_info(f).variant, kernel_info(f).lanes) == ("f32x16", 16)
     assert kernel_info(tmp_path / "nope").isa == "unknown"
     assert "8 float32 lanes, fixed order" in k.describe()
     here = kernel_info()
