@@ -50,6 +50,7 @@ import numpy.typing as npt  # noqa: E402
 from numba import njit, prange  # noqa: E402
 
 from runtime.compute import ExpertCompute  # noqa: E402
+from runtime.kernels.isa import exact_lanes, kernel_info  # noqa: E402
 from runtime.kernels.quant_matmul import matmul_int4, matmul_int8  # noqa: E402
 from runtime.linear import Linear  # noqa: E402
 from storage.quant import QTensor, quantize  # noqa: E402
@@ -135,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     threads = numba.get_num_threads()
+    lanes = exact_lanes()  # the int4 width this machine's Linear uses
     started = time.perf_counter()
 
     big = np.ones(GIB // 8, dtype=np.uint64)  # 1 GiB, pages touched
@@ -154,22 +156,29 @@ def main(argv: list[str] | None = None) -> int:
         s = np.asarray(q.scales, dtype=np.float32)
         x1 = rng.standard_normal((1, i), dtype=np.float32)
 
-        def gemv(k: int, data=data, s=s, x1=x1, o=o, i=i) -> object:  # type: ignore[no-untyped-def]
-            return matmul_int4(x1, data[k % len(data)], s, o, i, 64)
+        def gemv(k: int, data=data, s=s, x1=x1, o=o, i=i, w=lanes) -> object:  # type: ignore[no-untyped-def]
+            return matmul_int4(x1, data[k % len(data)], s, o, i, 64, lanes=w)
 
         def gemv_nopf(k: int, data=data, s=s, x1=x1, o=o, i=i) -> object:  # type: ignore[no-untyped-def]
-            return matmul_int4(x1, data[k % len(data)], s, o, i, 64, prefetch_distance=0)
+            return matmul_int4(
+                x1, data[k % len(data)], s, o, i, 64, prefetch_distance=0, lanes=lanes
+            )
+
+        def gemv8(k: int, data=data, s=s, x1=x1, o=o, i=i) -> object:  # type: ignore[no-untyped-def]
+            return matmul_int4(x1, data[k % len(data)], s, o, i, 64, lanes=8)
 
         cases.append(_Case(f"int4_gemv_{label}", gemv, len(data)))
         cases.append(_Case(f"int4_gemv_{label}_noprefetch", gemv_nopf, len(data)))
+        cases.append(_Case(f"int4_gemv_{label}_8lanes", gemv8, len(data)))
         if label == "2048x6144":
             for t in (4, 8):
                 xt = rng.standard_normal((t, i), dtype=np.float32)
+                for w in sorted({8, lanes}):
 
-                def gemm(k: int, data=data, s=s, xt=xt, o=o, i=i) -> object:  # type: ignore[no-untyped-def]
-                    return matmul_int4(xt, data[k % len(data)], s, o, i, 64)
+                    def gemm(k: int, data=data, s=s, xt=xt, o=o, i=i, w=w) -> object:  # type: ignore[no-untyped-def]
+                        return matmul_int4(xt, data[k % len(data)], s, o, i, 64, lanes=w)
 
-                cases.append(_Case(f"int4_gemm_T{t}_{label}", gemm, len(data) // 2))
+                    cases.append(_Case(f"int4_gemm_T{t}_{label}_{w}", gemm, len(data) // 2))
     q8 = quantize(rng.standard_normal((4096, 1024), dtype=np.float32), "int8")
     data8 = _copies(q8)
     s8 = np.asarray(q8.scales, dtype=np.float32)
@@ -252,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     dram_all = gbs(big.nbytes, by["dram_read_all"].median)
     report: dict[str, Any] = {
         "machine": {"nproc": os.cpu_count(), "cpu": _cpu_model(), "numba_threads": threads},
+        "kernels": kernel_info().as_dict(),
         "rounds": args.rounds,
         "dram_read_gbs": {"1_thread": round(dram_1t, 2), f"{threads}_threads": round(dram_all, 2)},
         "int4_g64_gemv": {},
@@ -269,20 +279,24 @@ def main(argv: list[str] | None = None) -> int:
             "weight_gbs_best": round(gbs(q.nbytes, c.best), 2),
             "weight_gbs_no_prefetch": round(gbs(q.nbytes, cn.median), 2),
             "of_dram_1t": round(gbs(q.nbytes, c.median) / dram_1t, 3),
+            "weight_gbs_8_lanes": round(gbs(q.nbytes, by[f"int4_gemv_{label}_8lanes"].median), 2),
         }
         report["int4_g64_gemv"][label] = row
         print(
             f"int4-g64 GEMV [{o}, {i}]: {row['ms']} ms, {row['weight_gbs']} GB/s weights "
             f"({row['of_dram_1t']} of 1-thread DRAM read), {row['gflops']} GFLOP/s; "
-            f"no prefetch {row['weight_gbs_no_prefetch']} GB/s; best {row['weight_gbs_best']} GB/s"
+            f"no prefetch {row['weight_gbs_no_prefetch']} GB/s; "
+            f"best {row['weight_gbs_best']} GB/s; 8-lane kernel {row['weight_gbs_8_lanes']} GB/s"
         )
     gemv_2048 = by["int4_gemv_2048x6144"].median
     for t in (4, 8):
-        c = by[f"int4_gemm_T{t}_2048x6144"]
+        c = by[f"int4_gemm_T{t}_2048x6144_{lanes}"]
+        c8 = by[f"int4_gemm_T{t}_2048x6144_8"]
         row = {
             "ms": round(c.median * 1e3, 3),
             "gflops": round(2 * t * 2048 * 6144 / c.median / 1e9, 1),
             "speedup_vs_t_gemvs": round(t * gemv_2048 / c.median, 2),
+            "ms_8_lanes": round(c8.median * 1e3, 3),
         }
         report["int4_g64_small_t"][f"T{t}_2048x6144"] = row
         print(
@@ -323,8 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     report["seconds"] = round(time.perf_counter() - started, 1)
     out = {
         "figure": round(figure, 3),
-        "figure_is": "int4-g64 GEMV weight GB/s [2048,6144] / 1-thread DRAM read GB/s "
-        "(medians, thread CPU clock)",
+        "figure_is": f"int4-g64 GEMV ({lanes}-lane kernel) weight GB/s [2048,6144] / 1-thread "
+        "DRAM read GB/s (medians, thread CPU clock)",
+        "figure_8_lanes": round(gbs(nbytes, by["int4_gemv_2048x6144_8lanes"].median) / dram_1t, 3),
         "figure_wall_clock": round(figure_wall, 3),
         "figure_best": round(figure_best, 3),
         **report,
