@@ -15,6 +15,7 @@ COLI_MODEL_DIRS    --model-dir (rep.)  model_dirs (os.pathsep-separated in the v
 COLI_DISK_WEIGHTS  --disk-weights      disk_weights
 COLI_DRAFT         --draft             draft (auto | off | N | mtp[:N] | lookup[:N])
 COLI_THREADS       --threads           threads (compute threads for routed experts)
+COLI_KERNELS       --kernels           kernels (exact | fast-int8, the labelled lossy mode)
 COLI_VERIFY_READS  --verify-reads      verify_reads (CRC-32 of every expert read)
 COLI_RAY           --ray               ray (local | a Ray cluster address)
 COLI_LOG_FORMAT    --log-format        (logging: console|json)
@@ -47,6 +48,7 @@ ENV_VARS = {
     "COLI_DISK_WEIGHTS": "disk_weights",
     "COLI_DRAFT": "draft",
     "COLI_THREADS": "threads",
+    "COLI_KERNELS": "kernels",
     "COLI_VERIFY_READS": "verify_reads",
     "COLI_RAY": "ray",
     "COLI_LOG_FORMAT": "log_format",
@@ -102,6 +104,10 @@ class EngineOptions(BaseModel):
     # Worker threads computing routed experts in parallel (None: one per CPU this process may
     # use). Results are bit-identical for every count.
     threads: int | None = None
+    # Matmul kernels: "exact" (bit-exact, batch-invariant) or "fast-int8", the opt-in lossy mode
+    # that rounds activations to int8 for int4 weights (VNNI where the CPU has it). Lossy:
+    # greedy tokens may differ from exact; stats(), /health and `coli info` say so.
+    kernels: Literal["exact", "fast-int8"] = "exact"
     state_dir: Path | None = None
     pin: bool = True
     pin_fraction: float = 0.5

@@ -130,7 +130,8 @@ class Engine:
         self._spec_stats = SpecStats()
         self._spec_cost: CostModel | None = None
         self._grammar_tok: TokenGrammar | None = None
-        self._kernels = kernel_info()  # which kernel variant runs on which CPU ISA
+        # which kernel variant runs on which CPU ISA, and whether the lossy fast-int8 is on
+        self._kernels = kernel_info(mode=options.kernels)
         self._cluster: RayCluster | None = None  # --ray: the expert workers
         self._counters: dict[str, float] = {
             "prompt_tokens": 0,
@@ -180,7 +181,13 @@ class Engine:
         cluster: RayCluster | None = None
         error: BaseException | None = None
         async with anyio.create_task_group() as tg:
-            compute = ExpertCompute(opts.resolved_threads())
+            compute = ExpertCompute(opts.resolved_threads(), kernels=opts.kernels)
+            if opts.kernels != "exact":
+                _log.warning(
+                    "lossy kernels: activations are rounded to int8 for int4 weights; output "
+                    "differs from the exact kernels (greedy tokens may change)",
+                    kernels=opts.kernels,
+                )
             try:
                 if plan is not None:
                     store = await _start_store(container, model, opts, plan, tg, report)
@@ -195,7 +202,11 @@ class Engine:
                     ctx = ctx.observing(_usage_observer(usage))
                 prefill_ctx = (
                     ctx.replace(
-                        compute=ExpertCompute(fast_min_rows=opts.fast_prefill_rows, share=compute)
+                        compute=ExpertCompute(
+                            fast_min_rows=opts.fast_prefill_rows,
+                            share=compute,
+                            kernels=opts.kernels,
+                        )
                     )
                     if opts.fast_prefill
                     else ctx

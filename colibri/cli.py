@@ -215,6 +215,17 @@ def _engine_options(fn: F) -> F:
         "chunk. Logits then match the exact path to float rounding, not bit for bit.",
     )(fn)
     fn = click.option(
+        "--kernels",
+        type=click.Choice(["exact", "fast-int8"]),
+        default=env.get("kernels", "exact"),
+        show_default=True,
+        expose_value=False,
+        callback=_keep,
+        help="Matmul kernels. 'exact': bit-exact and batch-invariant. 'fast-int8': LOSSY, "
+        "opt-in: activations rounded to int8 for int4 weights (VNNI where the CPU has it); "
+        "faster decode, greedy tokens may differ from exact (env COLI_KERNELS).",
+    )(fn)
+    fn = click.option(
         "--verify-reads/--no-verify-reads",
         default=env.get("verify_reads", "0").lower() in ("1", "true", "yes", "on"),
         show_default=True,
@@ -1372,6 +1383,7 @@ def info(model: Path | None, as_json: bool) -> None:
         "experts_total_bytes": sum(x.nbytes for x in c.expert_extents()),
         "cpu_count": os.cpu_count(),
         "kernels": kernel_info().describe(),
+        "fast_int8_kernels": f"{kernel_info().int8_dot}; opt-in, lossy (--kernels fast-int8)",
         "ram_total_bytes": _mem_total(),
         **_machine(c.path),
     }

@@ -15,6 +15,10 @@ process-wide state besides the BLAS thread limit it sets for the duration of a p
   multiplied by BLAS, several times faster than the streaming int4 kernel for large prefill
   chunks. BLAS sums in its own order: rows agree with the exact kernels to float rounding, not
   bit for bit, which is why it is opt-in and never used for decode (rows < threshold).
+* **Kernels** (``kernels``): ``"exact"`` (the default) or ``"fast-int8"``, the labelled lossy
+  kernels that round activations to int8 per 64 columns for int4 weights (experts, dense and
+  shared MLPs, attention projections, ``lm_head``: every matmul that goes through this class).
+  Still deterministic and batch-invariant; not equal to the exact kernels.
 
 Shape legend: T tokens (rows), D hidden, F intermediate, K experts per token.
 """
@@ -26,21 +30,23 @@ import itertools
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
 from runtime.kernels.dequant import dequantize
 from runtime.layers import moe as moe_ops
-from runtime.layers.swiglu import MLPWeights, silu, swiglu
+from runtime.layers.swiglu import MLPWeights, swiglu
 from runtime.linear import Linear
 from runtime.weights import ExpertSource
 
-__all__ = ["ExpertCompute"]
+__all__ = ["KERNEL_MODES", "ExpertCompute", "KernelMode"]
 
 _WORKER_PREFIX = "colibri-expert"
 SPLIT_MIN_MACS = 1 << 23
+KernelMode = Literal["exact", "fast-int8"]
+KERNEL_MODES: tuple[KernelMode, ...] = ("exact", "fast-int8")
 
 F32Array = npt.NDArray[np.float32]
 R = TypeVar("R")
@@ -56,11 +62,16 @@ class ExpertCompute:
         fast_min_rows: int = 0,
         parallel_min_macs: int = 1 << 24,
         share: ExpertCompute | None = None,
+        kernels: KernelMode = "exact",
     ) -> None:
         """``share``: use that instance's thread pool (which it keeps owning) instead of
-        starting one; ``threads`` is then ignored."""
+        starting one; ``threads`` is then ignored. ``kernels``: see the module docstring."""
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
+        if kernels not in KERNEL_MODES:
+            raise ValueError(f"kernels must be one of {', '.join(KERNEL_MODES)}, got {kernels!r}")
+        self.kernels: KernelMode = kernels
+        self.fast_int8 = kernels == "fast-int8"
         self.parallel_min_macs = parallel_min_macs
         # A one-token matmul splits its output features over the pool from this size (below,
         # the hand-off costs more than the second core saves: measured ~8M multiply-adds).
@@ -92,7 +103,11 @@ class ExpertCompute:
         self._pool = None
 
     # ------------------------------------------------------------------ matmul choice
-    def _dense(self, x: F32Array, lin: Linear) -> F32Array:
+    def mm(self, lin: Linear, x: F32Array) -> F32Array:
+        """``lin(x)`` with this compute's kernels, on the calling thread."""
+        return lin(x, fast_int8=self.fast_int8)
+
+    def _dense(self, lin: Linear, x: F32Array) -> F32Array:
         """``x @ W.T`` through a dequantized scratch and BLAS."""
         n = lin.out_features * lin.in_features
         buf: F32Array | None = getattr(self._scratch, "buf", None)
@@ -136,11 +151,11 @@ class ExpertCompute:
             or lin.out_features < 64 * self.threads
             or threading.current_thread().name.startswith(_WORKER_PREFIX)
         ):
-            return lin(x)
+            return self.mm(lin, x)
         xx = np.ascontiguousarray(x, dtype=np.float32)
         first, *rest = lin.split(self.threads)
-        futures = [self._pool.submit(part, xx) for _, _, part in rest]
-        head = first[2](xx)  # this thread computes the first range meanwhile
+        futures = [self._pool.submit(self.mm, part, xx) for _, _, part in rest]
+        head = self.mm(first[2], xx)  # this thread computes the first range meanwhile
         with self._lock:
             self.split_calls += 1
         return np.concatenate([head, *(f.result() for f in futures)], axis=1)  # [T, O]
@@ -154,16 +169,10 @@ class ExpertCompute:
         if not self.fast_min_rows or x.shape[0] < self.fast_min_rows:
             blocks = self.row_blocks(x.shape[0], 3 * w.gate.in_features * w.gate.out_features)
             if blocks is None:
-                if self._pool is None:
-                    return swiglu(x, w)
-                xx = np.ascontiguousarray(x, dtype=np.float32)
-                h = silu(self.linear(w.gate, xx)) * self.linear(w.up, xx)  # [T, F]
-                return self.linear(w.down, np.ascontiguousarray(h, dtype=np.float32))  # [T, D]
+                return swiglu(x, w, self.mm if self._pool is None else self.linear)
             xx = np.ascontiguousarray(x, dtype=np.float32)
-            return np.concatenate(self.map_rows(blocks, lambda a, b: swiglu(xx[a:b], w)))
-        xx = np.ascontiguousarray(x, dtype=np.float32)
-        h = silu(self._dense(xx, w.gate)) * self._dense(xx, w.up)  # [T, F]
-        return self._dense(np.ascontiguousarray(h, dtype=np.float32), w.down)  # [T, D]
+            return np.concatenate(self.map_rows(blocks, lambda a, b: swiglu(xx[a:b], w, self.mm)))
+        return swiglu(np.ascontiguousarray(x, dtype=np.float32), w, self._dense)  # [T, D]
 
     def expert_output(
         self, x: F32Array, ids: npt.NDArray[np.int64], gates: F32Array, e: int, w: MLPWeights
@@ -201,11 +210,12 @@ class ExpertCompute:
         with self._blas_single():
             return source.map_arrivals(layer, experts, fn, self._pool)
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, int | str]:
         return {
             "threads": self.threads,
             "fast_min_rows": self.fast_min_rows,
             "fast_calls": self.fast_calls,
             "parallel_steps": self.parallel_steps,
             "split_calls": self.split_calls,
+            "kernels": self.kernels,
         }

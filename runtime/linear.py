@@ -26,7 +26,10 @@ from runtime.kernels.quant_matmul import (
     matmul_f16,
     matmul_f32,
     matmul_int4,
+    matmul_int4_q8,
     matmul_int8,
+    q8_chunk_scales,
+    q8_eligible,
 )
 from storage.errors import FormatError
 from storage.quant import QTensor, QuantFormat
@@ -76,6 +79,24 @@ def _bind(q: QTensor, lanes: int) -> _MatMul:
     return lambda x, out: matmul_int4(x, raw, scales, o, i, gs, out=out, lanes=lanes)
 
 
+def _bind_int8(q: QTensor) -> _MatMul | None:
+    """The int8-activation matmul (``--kernels fast-int8``) for ``q``, or None where the format
+    or shape has none (that weight then stays on its exact kernel)."""
+    o, i = q.shape
+    if q.fmt.kind != "int4" or q.scales is None or not q8_eligible(i, q.fmt.group_size):
+        return None
+    raw = np.asarray(q.data).reshape(-1).view(np.uint8)  # [O * I / 2]
+    scales = np.ascontiguousarray(q.scales, dtype=np.float32).reshape(-1)
+    per_chunk: list[F32Array] = []  # [O * I / 64], made at the first call (no copy for g64)
+
+    def run(x: F32Array, out: F32Array | None) -> F32Array:
+        if not per_chunk:
+            per_chunk.append(q8_chunk_scales(scales, o, i // 64))
+        return matmul_int4_q8(x, raw, per_chunk[0], o, i, 64, out=out)
+
+    return run
+
+
 class Linear:
     """A weight ``[O, I]`` in any storage format. Call with float32 ``x [T, I]`` -> ``[T, O]``.
 
@@ -91,16 +112,31 @@ class Linear:
         if self.lanes not in (8, 16):
             raise ValueError(f"lanes must be 8 or 16, got {self.lanes}")
         self._matmul = _bind(q, self.lanes)
+        self._matmul_int8 = _bind_int8(q)
+
+    @property
+    def has_int8(self) -> bool:
+        """Whether ``fast_int8=True`` changes this weight's kernel (int4 with whole 64-column
+        chunks); other weights always take their exact kernel."""
+        return self._matmul_int8 is not None
 
     @property
     def nbytes(self) -> int:
         """Bytes of the stored weight (data + scales)."""
         return self.q.nbytes
 
-    def __call__(self, x: npt.NDArray[np.floating], *, out: F32Array | None = None) -> F32Array:
+    def __call__(
+        self,
+        x: npt.NDArray[np.floating],
+        *,
+        out: F32Array | None = None,
+        fast_int8: bool = False,
+    ) -> F32Array:
         """``x [T, I] -> x @ W.T [T, O]`` (float32); ``out`` optionally receives the result.
 
-        Raises ``ValueError`` if ``x`` is not 2-D with ``I`` columns.
+        ``fast_int8``: the opt-in lossy kernel that rounds ``x`` to int8 per 64 columns
+        (:func:`runtime.kernels.quant_matmul.matmul_int4_q8`), where this weight has one
+        (:attr:`has_int8`). Raises ``ValueError`` if ``x`` is not 2-D with ``I`` columns.
         """
         xx = np.ascontiguousarray(x, dtype=np.float32)  # [T, I]
         if xx.ndim != 2:
@@ -108,6 +144,8 @@ class Linear:
                 f"Linear expects x of shape [T, {self.in_features}], got {xx.shape} "
                 "(use x[None, :] for a single token)"
             )
+        if fast_int8 and self._matmul_int8 is not None:
+            return self._matmul_int8(xx, out)  # [T, O]
         return self._matmul(xx, out)  # [T, O]
 
     def split(self, parts: int) -> list[tuple[int, int, Linear]]:

@@ -151,7 +151,9 @@ def _access_line(scope: Scope, route: str, status: int, seconds: float, turn: An
 async def health(request: Request) -> Response:
     """``GET /health``: 200 while the server runs (no API key needed)."""
     st = state_of(request)
-    sched = st.engine.snapshot().scheduler
+    snap = st.engine.snapshot()
+    sched = snap.scheduler
+    kernels = snap.compute.kernels or {}
     return JSONResponse(
         {
             "status": "ok",
@@ -160,6 +162,8 @@ async def health(request: Request) -> Response:
             "waiting": st.admission.waiting,
             "decode_batches": sched.decode_batches,
             "decode_batched_rows": sched.decode_batched_rows,
+            # "fast-int8" is the opt-in lossy mode: said here so a client can tell
+            "kernels": {"mode": kernels.get("mode", "exact"), "lossy": kernels.get("lossy", False)},
         }
     )
 

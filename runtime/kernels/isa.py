@@ -10,6 +10,10 @@ batch-invariant on every machine, and identical on every machine that runs the s
 widths agree to float rounding, not bit for bit: :class:`runtime.linear.Linear` takes ``lanes=``
 to pin one.
 
+The opt-in lossy mode ``fast-int8`` (``--kernels fast-int8``, :mod:`._q8`) rounds activations to
+int8 for int4 weights and does the products in integers: ``vpdpbusd`` where the CPU has
+AVX-512 VNNI, plain vector integer ops elsewhere (the same integers either way).
+
 Shape legend: L lanes of float32 per kernel vector (8 or 16).
 """
 
@@ -41,6 +45,18 @@ class KernelInfo:
     lanes: int
     isa: str  # the widest vector ISA the CPU reports: avx512f, avx2, ... or "unknown"
     cpu_flags: tuple[str, ...]  # the watched flags the CPU has
+    mode: str = "exact"  # "exact" or the opt-in lossy "fast-int8"
+
+    @property
+    def lossy(self) -> bool:
+        return self.mode != "exact"
+
+    @property
+    def int8_dot(self) -> str:
+        """How fast-int8 multiplies int4 weights by int8 activations on this CPU."""
+        if "avx512_vnni" in self.cpu_flags and "avx512bw" in self.cpu_flags:
+            return "vpdpbusd (avx512_vnni)"
+        return "portable vector integer ops (no avx512_vnni)"
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -48,10 +64,19 @@ class KernelInfo:
             "lanes": self.lanes,
             "isa": self.isa,
             "cpu_flags": list(self.cpu_flags),
+            "mode": self.mode,
+            "lossy": self.lossy,
+            "int8_dot": self.int8_dot,
         }
 
     def describe(self) -> str:
-        return f"{self.variant} ({self.lanes} float32 lanes, fixed order) on {self.isa}"
+        exact = f"{self.variant} ({self.lanes} float32 lanes, fixed order) on {self.isa}"
+        if not self.lossy:
+            return exact
+        return (
+            f"fast-int8 (LOSSY: activations rounded to int8, {self.int8_dot}) for int4 "
+            f"weights; {exact} for the rest"
+        )
 
 
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
@@ -76,9 +101,10 @@ def exact_lanes() -> int:
     return _lanes_for(cpu_flags())
 
 
-def kernel_info(cpuinfo: Path = Path("/proc/cpuinfo")) -> KernelInfo:
+def kernel_info(cpuinfo: Path = Path("/proc/cpuinfo"), *, mode: str = "exact") -> KernelInfo:
+    """What runs here; ``mode`` is the engine's ``kernels`` option ("exact" or "fast-int8")."""
     flags = cpu_flags(cpuinfo)
     have = tuple(f for f in _WATCHED if f in flags)
     isa = next((f for f in ("avx512f", "avx2", "avx", "sse4_2") if f in flags), "unknown")
     lanes = _lanes_for(flags)
-    return KernelInfo(f"f32x{lanes}", lanes, isa, have)
+    return KernelInfo(f"f32x{lanes}", lanes, isa, have, mode)

@@ -22,7 +22,6 @@ from runtime.kernels._matmul_kernels import (
     _KIND_F16,
     _KIND_F32,
     _KIND_I8,
-    KERNELS,
     _col_matmul,
     _i4_gemm,
     _i4_gemm16,
@@ -32,6 +31,9 @@ from runtime.kernels._matmul_kernels import (
     _i4_prep,
     _pad_rows,
 )
+from runtime.kernels._matmul_kernels import KERNELS as _EXACT_KERNELS
+from runtime.kernels._q8 import KERNELS as _Q8_KERNELS
+from runtime.kernels._q8 import q8_gemm, q8_gemv, q8_prep
 
 __all__ = [
     "DEFAULT_PREFETCH",
@@ -41,10 +43,16 @@ __all__ = [
     "matmul_f16",
     "matmul_f32",
     "matmul_int4",
+    "matmul_int4_q8",
     "matmul_int8",
+    "q8_chunk_scales",
+    "q8_eligible",
 ]
 
 F32Array = npt.NDArray[np.float32]
+
+#: Every compiled kernel, exact and opt-in (tests check they were built with ``nogil=True``).
+KERNELS = _EXACT_KERNELS + _Q8_KERNELS
 
 #: Bytes of weights to prefetch ahead of the one being read (4 KiB per the field notes; measured
 #: neutral on the benchmark machine, see docs/benchmarks.md). 0 turns the prefetch off.
@@ -160,6 +168,70 @@ def matmul_int4(
     else:
         gemm = _i4_gemm16 if wide else _i4_gemm
         gemm(p, s, n_out, nb, gbytes, s_row, s_step, yy, ys, y, pf)
+    return y
+
+
+def q8_eligible(in_features: int, group_size: int | None) -> bool:
+    """Whether an int4 weight can take the int8-activation kernel: whole 64-column chunks that
+    tile the row, each inside one scale group (per-row scales, or groups of a multiple of 64)."""
+    if in_features < 64 or in_features % 64:
+        return False
+    return group_size is None or (group_size % 64 == 0 and in_features % group_size == 0)
+
+
+def q8_chunk_scales(scales: F32Array, n_out: int, n_chunks: int) -> F32Array:
+    """Scales [O * S] (S per row: one, or one per group of a multiple of 64 columns) -> one per
+    64-column chunk [O * G], the int8 kernels' layout (no copy for int4-g64)."""
+    s_row = scales.size // max(n_out, 1)
+    if n_out == 0 or s_row == n_chunks:
+        return scales
+    per = scales.reshape(n_out, s_row)  # [O, S]
+    return np.ascontiguousarray(np.repeat(per, n_chunks // s_row, axis=1)).reshape(-1)
+
+
+def matmul_int4_q8(
+    x: F32Array,
+    packed: npt.NDArray[np.uint8],
+    scales: F32Array,
+    out_features: int,
+    in_features: int,
+    group_size: int | None,
+    *,
+    out: F32Array | None = None,
+    prefetch_distance: int = DEFAULT_PREFETCH,
+) -> F32Array:
+    """``x [T, I] @ W.T -> [T, O]`` for int4 ``W`` with ``x`` rounded to two int8 digits
+    (16-bit fixed point) per 64-column group: the opt-in lossy kernel (``--kernels
+    fast-int8``, :mod:`._q8`). Deterministic and batch-invariant like the exact kernels, and
+    the same bits on every x86-64 CPU, but not equal to them: the activations lose precision.
+    Only for :func:`q8_eligible` shapes (``ValueError`` otherwise)."""
+    n_out, n_in = int(out_features), int(in_features)
+    _check_shape(n_out, n_in)
+    if not q8_eligible(n_in, group_size):
+        raise ValueError(
+            f"the int8-activation kernel needs I a multiple of 64 and groups of a multiple of 64 "
+            f"tiling the row, got I={n_in}, group_size={group_size}"
+        )
+    nb = n_in // 2
+    p = _check_weight("packed", packed, np.uint8, n_out * nb)
+    n_chunks = n_in // 64
+    s_row = 1 if group_size is None else n_in // int(group_size)
+    s = _check_weight("scales", scales, np.float32, n_out * s_row)
+    s = q8_chunk_scales(s, n_out, n_chunks)
+    xx = _check_x(x, n_in)
+    n_tok = xx.shape[0]
+    y = _check_out(out, n_tok, n_out)
+    pf = _check_prefetch(prefetch_distance)
+    if n_tok == 0 or n_out == 0:
+        return y
+    xq = np.empty(n_tok * 2 * n_in, np.int8)  # [T, 2, I] two digits, reordered per group
+    bias = np.empty(n_tok * 2 * n_chunks * 16, np.int32)  # [T, 2, G * 16]
+    sx = np.empty(n_tok * n_chunks, np.float32)  # [T * G]
+    q8_prep(xx, xq, bias, sx)
+    if n_tok == 1:
+        q8_gemv(p, s, n_out, nb, xq, bias, sx, y.reshape(-1), pf)
+    else:
+        q8_gemm(p, s, n_out, nb, xq, bias, sx, y, pf)
     return y
 
 

@@ -5,6 +5,7 @@ Shape legend: T tokens, D hidden, F intermediate.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -36,7 +37,15 @@ def silu(x: F32Array) -> F32Array:
     return (x * sigmoid(x)).astype(np.float32, copy=False)
 
 
-def swiglu(x: F32Array, w: MLPWeights) -> F32Array:
-    """``x`` [T, D] C-contiguous float32 -> [T, D]."""
-    h = silu(w.gate(x)) * w.up(x)  # [T, F]
-    return w.down(np.ascontiguousarray(h, dtype=np.float32))  # [T, D]
+MatMul = Callable[[Linear, F32Array], F32Array]
+
+
+def _call(lin: Linear, x: F32Array) -> F32Array:
+    return lin(x)
+
+
+def swiglu(x: F32Array, w: MLPWeights, mm: MatMul = _call) -> F32Array:
+    """``x`` [T, D] C-contiguous float32 -> [T, D]; ``mm(lin, x)`` applies a projection
+    (default ``lin(x)``; the compute's thread split or kernel choice otherwise)."""
+    h = silu(mm(w.gate, x)) * mm(w.up, x)  # [T, F]
+    return mm(w.down, np.ascontiguousarray(h, dtype=np.float32))  # [T, D]

@@ -30,6 +30,8 @@ import colibri
 from colibri import Engine, EngineOptions
 from colibri._config import default_model_path
 from colibri._engine import TokenEvent
+from runtime.compute import ExpertCompute
+from runtime.context import StepContext
 from runtime.kv import KVCache
 from runtime.models import MLAMoEModel, load_model
 from storage.container import Container
@@ -51,14 +53,20 @@ def _prompt(seed: int, vocab: int, lo: int, hi: int) -> I64:
     return rng.integers(3, vocab, size=n).astype(np.int64)
 
 
-def _schedule(m: MLAMoEModel, ids: I64, sizes: Sequence[int]) -> Rows:
+def _schedule(
+    m: MLAMoEModel, ids: I64, sizes: Sequence[int], ctx: StepContext | None = None
+) -> Rows:
     """Forward ``ids`` in consecutive calls of ``sizes`` tokens (the last size repeats)."""
     cache = m.new_cache()
     logits, hidden = [], []
     a, k = 0, 0
     while a < ids.size:
         n = sizes[min(k, len(sizes) - 1)]
-        out = m.forward(ids[a : a + n], cache)
+        out = (
+            m.forward(ids[a : a + n], cache)
+            if ctx is None
+            else m.forward(ids[a : a + n], cache, ctx=ctx)
+        )
         logits.append(out.logits)
         hidden.append(out.hidden)
         a, k = a + n, k + 1
@@ -160,6 +168,22 @@ def test_verify_blocks_equal_one_token_decode(
     for k in (1, 2, 3, 4):
         got = _schedule(m, ids, [ids.size - tail, k + 1])
         assert_rows_equal(decode, got, ids.size, f"{name} verify k={k}")
+
+
+@pytest.mark.parametrize("name", ["demo", "tiny"])  # int4 containers (the oracles here are f32)
+def test_fast_int8_rows_are_bit_identical_for_every_chunk_size(
+    name: str, model_of: Callable[[str], MLAMoEModel]
+) -> None:
+    """The opt-in lossy kernels are batch-invariant too: chunked prefill and verify blocks give
+    the rows of one-token decode, bit for bit (and not the exact kernels' rows)."""
+    m = model_of(name)
+    ctx = StepContext(compute=ExpertCompute(kernels="fast-int8"))
+    lo, hi = _limits(m)
+    ids = _prompt(11, m.config.vocab_size, lo, hi)
+    whole = _schedule(m, ids, [ids.size], ctx)
+    for sizes in ([1], [64], [37, 1, 200, 3, 64]):
+        assert_rows_equal(whole, _schedule(m, ids, sizes, ctx), ids.size, f"{name} {sizes}")
+    assert not np.array_equal(whole.logits, _schedule(m, ids, [ids.size]).logits)
 
 
 @pytest.mark.parametrize("name", ["demo", "tiny", "oracle-glm_moe_dsa", "oracle-glm4_moe"])

@@ -67,7 +67,7 @@ def test_fast_matmul_agrees_with_the_exact_kernel() -> None:
     lin = Linear(quantize(w, "int4-g64"))
     x = rng.standard_normal((40, 256)).astype(np.float32)
     comp = ExpertCompute(fast_min_rows=1)
-    got = comp._dense(x, lin)
+    got = comp._dense(lin, x)
     exact = lin(x)
     assert comp.fast_calls == 1
     np.testing.assert_allclose(got, exact, rtol=1e-5, atol=1e-4)

@@ -1,0 +1,339 @@
+"""The opt-in lossy kernels (``--kernels fast-int8``): int4 weights x int8 activation digits.
+
+Why: the exact kernels convert every int4 weight to float32 before the multiply-add, and that
+decode, not DRAM, bounds them (docs/benchmarks.md). Here the products are integer: ``vpdpbusd``
+(AVX-512 VNNI) multiplies 64 unsigned weight nibbles by 64 signed activation bytes and adds each
+run of four products into one of 16 int32 lanes; the float work is one convert and one FMA per
+64 weights.
+
+The activations: per token and 64-column group, ``v = x * 127 / max|x|`` is written as two int8
+digits, ``h = rint(v)`` and ``l = clip(rint((v - h) * 256), -127, 127)``, i.e. 16-bit fixed point
+relative to the group's largest value (a plain int8 rounding, as llama.cpp's Q8 activations,
+lost up to 12% of the greedy tokens on the random oracle models; the second digit costs one more
+``vpdpbusd`` and no measurable time, since the GEMV is bound by reading the weights). The
+integer result per lane is ``256 * (h . w) + (l . w)``, below 2**21, so its float32 convert is
+exact.
+
+What it costs: the activations are rounded (to about 1/65000 of each group's largest value), so
+results differ from the exact kernels by more than float rounding and greedy tokens may differ:
+the agreement is measured by ``tools/bench/kernels.py`` and tested on the oracle models. It is
+never on by default.
+
+Determinism and batch invariance hold as for the exact kernels: integer sums are exact in any
+order, the rounding of a token depends only on that token, and the float combination (16 lanes,
+``acc = fma(sw * sx, float(dot), acc)`` per group in increasing order, fixed lane sum) is the
+same code for one token or 64. Every machine computes the same integers, with VNNI where the
+CPU has it and with plain vector integer ops elsewhere, so the bits are the same on every
+x86-64 CPU.
+
+Layout of the prepared activations of token ``t`` (``xq`` rows of ``2 * I`` bytes: the ``h``
+digits, then the ``l`` digits; ``bias`` rows of ``2 * G * 16`` int32 in the same order):
+per 64-column group ``g``, bytes ``g*64 : g*64+32`` hold columns ``g*64 + 0, 2, ..., 62`` (the
+low nibbles) and ``g*64+32 : g*64+64`` columns ``g*64 + 1, 3, ..., 63`` (the high nibbles), so
+that 32 packed bytes unpacked as ``[lo x 32 | hi x 32]`` line up with them byte for byte;
+``bias[.., g*16 + k] = -8 * (sum of the four digits of lane k)`` (the nibbles are ``q + 8``);
+``sx[t, g] = max|x| / 127 / 256`` (0 for an all-zero group).
+
+Shape legend: T tokens, I in features (a multiple of 64 here), O out features, G = I / 64 groups,
+B = I / 2 packed bytes per row; lanes: 16 int32 or float32.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from llvmlite import binding as llvm
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic, models, register_model
+
+from runtime.kernels._intrinsics import prefetch
+from runtime.kernels._simd import f32x16, vfma16, vhsum16, vload16, vsplat16, vstore16, vzero16
+
+__all__ = [
+    "KERNELS",
+    "has_vnni_codegen",
+    "i4unpack64",
+    "q8_gemm",
+    "q8_gemv",
+    "q8_prep",
+    "q8dot",
+    "q8dot_portable",
+]
+
+_I8, _I32, _F32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
+_TILE = 8  # tokens sharing one decoded weight chunk in the T >= 2 kernel
+
+
+@functools.cache
+def has_vnni_codegen() -> bool:
+    """Whether the code numba generates for this CPU may use ``vpdpbusd`` (512-bit VNNI)."""
+    try:
+        feats = llvm.get_host_cpu_features()
+    except RuntimeError:
+        return False
+    return bool(feats.get("avx512vnni")) and bool(feats.get("avx512bw"))
+
+
+def _intrinsic(fn: Callable[..., Any]) -> Any:
+    return intrinsic(fn)
+
+
+class I8x64(types.Type):
+    """numba type of 64 unpacked int4 weights (``<64 x i8>``, values 0..15)."""
+
+    def __init__(self) -> None:
+        super().__init__(name="i8x64")
+
+
+i8x64 = I8x64()
+
+
+@register_model(I8x64)
+class _I8x64Model(models.PrimitiveModel):
+    def __init__(self, dmm: Any, fe_type: Any) -> None:
+        super().__init__(dmm, fe_type, ir.VectorType(_I8, 64))  # type: ignore[no-untyped-call]
+
+
+def _ptr(context: Any, builder: Any, arrty: Any, arr: Any, idxty: Any, idx: Any) -> Any:
+    ary = context.make_array(arrty)(context, builder, arr)
+    offset = context.cast(builder, idx, idxty, types.intp)
+    return builder.gep(ary.data, [offset], inbounds=True)
+
+
+def _c_array(arr: Any, dtype: Any) -> bool:
+    return isinstance(arr, types.Array) and arr.dtype == dtype and arr.layout == "C"
+
+
+@_intrinsic
+def i4unpack64(typingctx: Any, packed: Any, idx: Any) -> Any:
+    """32 packed bytes ``packed[idx : idx + 32]`` -> ``[low nibbles x 32 | high nibbles x 32]``."""
+    if not _c_array(packed, types.uint8) or not isinstance(idx, types.Integer):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        p = _ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        v32 = ir.VectorType(_I8, 32)
+        raw = builder.load(builder.bitcast(p, v32.as_pointer()), align=1)
+        lo = builder.and_(raw, ir.Constant(v32, [15] * 32))
+        hi = builder.lshr(raw, ir.Constant(v32, [4] * 32))
+        return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 64), list(range(64))))
+
+    return i8x64(packed, idx), codegen
+
+
+def _make_q8dot(vnni: bool) -> Any:
+    """The ``q8dot`` intrinsic, with ``vpdpbusd`` or with plain vector integer ops (the same
+    integers: products are at most 15 * 127 and every sum stays far inside int32)."""
+
+    def dot4(builder: Any, acc: Any, w: Any, xv: Any) -> Any:
+        """``acc[k] + sum_{j<4} w[4k+j] * x[4k+j]`` (w unsigned, x signed bytes)."""
+        v16i = ir.VectorType(_I32, 16)
+        if vnni:
+            fnty = ir.FunctionType(v16i, [v16i, v16i, v16i])
+            fn = builder.module.declare_intrinsic("llvm.x86.avx512.vpdpbusd.512", fnty=fnty)
+            x32 = builder.bitcast(xv, v16i)
+            return builder.call(fn, [acc, builder.bitcast(w, v16i), x32])
+        v64i = ir.VectorType(_I32, 64)
+        prod = builder.mul(builder.zext(w, v64i), builder.sext(xv, v64i))
+        for j in range(4):
+            sel = ir.Constant(v16i, [4 * k + j for k in range(16)])
+            acc = builder.add(acc, builder.shuffle_vector(prod, prod, sel))
+        return acc
+
+    @_intrinsic
+    def q8dot(
+        typingctx: Any, w: Any, xq: Any, xi: Any, xs: Any, bias: Any, bi: Any, bs: Any
+    ) -> Any:
+        """float32 of the 16 int32 lanes ``256 * (bh + h . w) + (bl + l . w)`` per run of four
+        bytes, with the ``h`` digits at ``xq[xi:]``, the ``l`` digits ``xs`` bytes later, and
+        their biases at ``bias[bi:]`` and ``bs`` further: exact integers, then one convert."""
+        ints = (xi, xs, bi, bs)
+        if (
+            w != i8x64
+            or not _c_array(xq, types.int8)
+            or not _c_array(bias, types.int32)
+            or not all(isinstance(v, types.Integer) for v in ints)
+        ):
+            return None
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            v16i, v64b = ir.VectorType(_I32, 16), ir.VectorType(_I8, 64)
+            st = sig.args
+
+            def load(arr: int, idx: Any, idxty: Any, vty: Any) -> Any:
+                p = _ptr(context, builder, st[arr], args[arr], idxty, idx)
+                return builder.load(builder.bitcast(p, vty.as_pointer()), align=1)
+
+            xl_idx = builder.add(
+                context.cast(builder, args[2], st[2], types.intp),
+                context.cast(builder, args[3], st[3], types.intp),
+            )
+            bl_idx = builder.add(
+                context.cast(builder, args[5], st[5], types.intp),
+                context.cast(builder, args[6], st[6], types.intp),
+            )
+            hi = dot4(
+                builder, load(4, args[5], st[5], v16i), args[0], load(1, args[2], st[2], v64b)
+            )
+            acc = builder.add(
+                builder.shl(hi, ir.Constant(v16i, [8] * 16)), load(4, bl_idx, types.intp, v16i)
+            )
+            acc = dot4(builder, acc, args[0], load(1, xl_idx, types.intp, v64b))
+            return builder.sitofp(acc, ir.VectorType(_F32, 16))
+
+        return f32x16(w, xq, xi, xs, bias, bi, bs), codegen
+
+    return q8dot
+
+
+#: What the kernels use: ``vpdpbusd`` where numba's code for this CPU may have it.
+q8dot = _make_q8dot(has_vnni_codegen())
+#: The same integers without VNNI (tests compare the two bit for bit on a VNNI machine).
+q8dot_portable = _make_q8dot(False)
+
+
+# ============================================================================ kernels
+
+
+@njit(nogil=True, cache=True)
+def q8_prep(x, xq, bias, sx):  # type: ignore[no-untyped-def]
+    """x [T, I] -> xq [T, 2, I] int8 digits (reordered, see the module docstring), bias
+    [T, 2, G * 16] int32, sx [T, G] float32."""
+    n_tok, n_in = x.shape
+    n_groups = n_in // 64
+    nbias = n_groups * 16
+    lim = np.float32(127.0)
+    fine = np.float32(256.0)
+    for t in range(n_tok):
+        for g in range(n_groups):
+            c0 = g * 64
+            amax = np.float32(0.0)
+            for c in range(64):
+                a = abs(x[t, c0 + c])
+                if a > amax:
+                    amax = a
+            qh = t * 2 * n_in + c0  # the h digits of this group; the l digits n_in later
+            bh = t * 2 * nbias + g * 16
+            if amax == 0.0:
+                sx[t * n_groups + g] = np.float32(0.0)
+                for c in range(64):
+                    xq[qh + c] = 0
+                    xq[qh + n_in + c] = 0
+                for k in range(16):
+                    bias[bh + k] = 0
+                    bias[bh + nbias + k] = 0
+                continue
+            inv = lim / amax
+            sx[t * n_groups + g] = amax / lim / fine  # / 256 exactly: a power of two
+            for j in range(64):
+                col = c0 + 2 * j if j < 32 else c0 + 2 * (j - 32) + 1
+                v = x[t, col] * inv
+                h = np.rint(v)
+                lo = np.rint((v - h) * fine)
+                lo = min(max(lo, np.float32(-127.0)), np.float32(127.0))
+                xq[qh + j] = np.int8(h)
+                xq[qh + n_in + j] = np.int8(lo)
+            for k in range(16):
+                sh = np.int32(0)
+                sl = np.int32(0)
+                for j in range(4):
+                    sh += np.int32(xq[qh + 4 * k + j])
+                    sl += np.int32(xq[qh + n_in + 4 * k + j])
+                bias[bh + k] = np.int32(-8) * sh
+                bias[bh + nbias + k] = np.int32(-8) * sl
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _q8_row_pair(packed, scales, o, nb, xq, bias, sx, pf):  # type: ignore[no-untyped-def]
+    """Rows ``o`` and ``o + 1`` (one token): their two 16-lane accumulators. Per row, chunk
+    ``g`` in increasing order: ``acc = fma(sw[g] * sx[g], float(dot), acc)``. The two rows
+    share each activation load; each row's arithmetic is the same as alone (``_q8_row``)."""
+    n_chunks = nb // 32
+    n_in = nb * 2
+    nbias = n_chunks * 16
+    row = o * nb
+    srow = o * n_chunks
+    a = vzero16()
+    b = vzero16()
+    for g in range(n_chunks):
+        g0 = g * 32
+        if pf > 0 and g % 2 == 0:
+            prefetch(packed, row + g0 + pf)
+            prefetch(packed, row + nb + g0 + pf)
+        xs = sx[g]
+        fa = q8dot(i4unpack64(packed, row + g0), xq, g * 64, n_in, bias, g * 16, nbias)
+        fb = q8dot(i4unpack64(packed, row + nb + g0), xq, g * 64, n_in, bias, g * 16, nbias)
+        a = vfma16(vsplat16(scales[srow + g] * xs), fa, a)
+        b = vfma16(vsplat16(scales[srow + n_chunks + g] * xs), fb, b)
+    return a, b
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _q8_row(packed, scales, o, nb, xq, bias, sx, pf):  # type: ignore[no-untyped-def]
+    """Row ``o`` (one token): its 16-lane accumulator, the arithmetic of ``_q8_row_pair``."""
+    n_chunks = nb // 32
+    n_in = nb * 2
+    nbias = n_chunks * 16
+    row = o * nb
+    a = vzero16()
+    for g in range(n_chunks):
+        g0 = g * 32
+        if pf > 0 and g % 2 == 0:
+            prefetch(packed, row + g0 + pf)
+        f = q8dot(i4unpack64(packed, row + g0), xq, g * 64, n_in, bias, g * 16, nbias)
+        a = vfma16(vsplat16(scales[o * n_chunks + g] * sx[g]), f, a)
+    return a
+
+
+@njit(nogil=True, cache=True)
+def q8_gemv(packed, scales, n_out, nb, xq, bias, sx, out, pf):  # type: ignore[no-untyped-def]
+    """One token: out [O]; ``scales`` [O, G], one per 64-column chunk. Rows go in pairs
+    sharing the activation loads."""
+    for o in range(0, n_out - 1, 2):
+        a, b = _q8_row_pair(packed, scales, o, nb, xq, bias, sx, pf)
+        out[o] = vhsum16(a)
+        out[o + 1] = vhsum16(b)
+    if n_out % 2:
+        o = n_out - 1
+        out[o] = vhsum16(_q8_row(packed, scales, o, nb, xq, bias, sx, pf))
+
+
+@njit(nogil=True, cache=True)
+def q8_gemm(packed, scales, n_out, nb, xq, bias, sx, out, pf):  # type: ignore[no-untyped-def]
+    """T tokens: out [T, O]; per (token, row) exactly the arithmetic of ``q8_gemv``, each
+    weight chunk unpacked once per tile of tokens."""
+    n_tok = out.shape[0]
+    n_in = nb * 2
+    n_chunks = nb // 32
+    nbias = n_chunks * 16
+    acc = np.zeros(_TILE * 16, np.float32)  # [TILE, 16]
+    zero = vzero16()
+    for t0 in range(0, n_tok, _TILE):
+        nt = min(_TILE, n_tok - t0)
+        for o in range(n_out):
+            row = o * nb
+            for u in range(nt):
+                vstore16(acc, u * 16, zero)
+            for g in range(n_chunks):
+                g0 = g * 32
+                if pf > 0 and g % 2 == 0:
+                    prefetch(packed, row + g0 + pf)
+                w = i4unpack64(packed, row + g0)
+                sw = scales[o * n_chunks + g]
+                for u in range(nt):
+                    t = t0 + u
+                    f = q8dot(
+                        w, xq, t * 2 * n_in + g * 64, n_in, bias, t * 2 * nbias + g * 16, nbias
+                    )
+                    s = vsplat16(sw * sx[t * n_chunks + g])
+                    vstore16(acc, u * 16, vfma16(s, f, vload16(acc, u * 16)))
+            for u in range(nt):
+                out[t0 + u, o] = vhsum16(vload16(acc, u * 16))
+
+
+#: Every compiled kernel (tests check they were built with ``nogil=True``).
+KERNELS = (q8_prep, q8_gemv, q8_gemm, _q8_row, _q8_row_pair)

@@ -1,0 +1,270 @@
+"""The opt-in lossy kernels (``--kernels fast-int8``): int4 weights x int8 activations.
+
+Checked here: the kernel computes exactly the quantized math it claims (against a float64
+reference of the same int8 rounding), it is deterministic and batch-invariant, the VNNI and the
+portable integer paths give the same bits, only eligible weights take it, and on the oracle
+models and the trained demo model the greedy tokens agree with the exact kernels (>= 0.95).
+
+# T tokens, I in features, O out features, G 64-column groups
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+from numba import njit
+
+from runtime.compute import ExpertCompute
+from runtime.context import StepContext
+from runtime.kernels import _q8 as q8mod
+from runtime.kernels._simd import vstore16
+from runtime.kernels.quant_matmul import matmul_int4, matmul_int4_q8, q8_eligible
+from runtime.linear import Linear
+from storage.container import Container
+from storage.quant import QTensor, dequantize, quantize
+
+F32 = npt.NDArray[np.float32]
+FORMATS = ["int4-g64", "int4-row", "int4-g128"]
+REL_TOL = 1e-5  # float32 rounding of the combination, relative to the sum of |terms|
+
+
+def _weights(fmt: str, o: int, i: int, seed: int = 0) -> QTensor:
+    rng = np.random.default_rng(seed)
+    return quantize(rng.standard_normal((o, i), dtype=np.float32), fmt)
+
+
+def _q8(q: QTensor, x: F32) -> F32:
+    o, i = q.shape
+    assert q.scales is not None
+    return matmul_int4_q8(
+        x, np.asarray(q.data).reshape(-1), q.scales.reshape(-1), o, i, q.fmt.group_size
+    )
+
+
+def _quantize_rows(x: F32) -> npt.NDArray[np.float64]:
+    """numpy statement of the activation rounding (two int8 digits per value, per 64-column
+    group): the values the kernel multiplies, [T, I]."""
+    t, i = x.shape
+    g = x.reshape(t, i // 64, 64)
+    amax = np.abs(g).max(axis=2)  # [T, G] float32
+    safe = np.where(amax > 0, amax, np.float32(1))
+    inv = (np.float32(127) / safe).astype(np.float32)
+    v = (g * inv[:, :, None]).astype(np.float32)  # float32 product, as the kernel
+    h = np.rint(v)
+    lo = np.clip(np.rint(((v - h) * np.float32(256)).astype(np.float32)), -127, 127)
+    assert np.abs(h).max() <= 127
+    sx = np.where(amax > 0, amax / np.float32(127) / np.float32(256), 0).astype(np.float32)
+    vals = (256 * h.astype(np.float64) + lo) * sx[:, :, None].astype(np.float64)
+    return vals.reshape(t, i)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n_tok", [1, 3, 11])
+def test_computes_the_stated_int8_math(fmt: str, n_tok: int) -> None:
+    """Against float64 of the same rounding: the layout (nibble order, groups, scales) is right."""
+    o, i = 37, 512  # odd O: the pair loop's last single row
+    q = _weights(fmt, o, i)
+    x = np.random.default_rng(1).standard_normal((n_tok, i), dtype=np.float32)
+    x[0, 64:128] = 0  # an all-zero group (scale 0)
+    xs = _quantize_rows(x)  # [T, I] the rounded activations
+    assert 0 < np.abs(xs - x).max() < 1e-4 * np.abs(x).max()  # lossy, and by how much
+    w = dequantize(q).astype(np.float64)  # [O, I]
+    want = xs @ w.T
+    bound = np.abs(xs) @ np.abs(w).T
+    got = _q8(q, x)
+    assert np.all(np.abs(got - want) <= REL_TOL * bound + 1e-30)
+    # and it is lossy: not the exact kernel's result
+    assert not np.array_equal(
+        got, matmul_int4(x, np.asarray(q.data), q.scales, o, i, q.fmt.group_size)
+    )  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_batch_invariant_and_deterministic(fmt: str) -> None:
+    q = _weights(fmt, 64, 256, seed=2)
+    x = np.random.default_rng(3).standard_normal((19, 256), dtype=np.float32)  # > 2 tiles
+    whole = _q8(q, x)
+    alone = np.concatenate([_q8(q, x[t : t + 1]) for t in range(x.shape[0])])
+    np.testing.assert_array_equal(whole, alone)
+    np.testing.assert_array_equal(whole[5:9], _q8(q, np.ascontiguousarray(x[5:9])))
+    np.testing.assert_array_equal(whole, _q8(q, x))
+
+
+def test_vnni_and_portable_integer_paths_agree() -> None:
+    """The 16 int32 lanes from ``vpdpbusd`` (where present) and from plain integer ops are the
+    same numbers, so the kernels give the same bits on every x86-64 CPU."""
+
+    unpack, dot, portable = q8mod.i4unpack64, q8mod.q8dot, q8mod.q8dot_portable
+
+    @njit(nogil=True)
+    def both(packed, xq, bias, n):  # type: ignore[no-untyped-def]
+        a = np.zeros(n * 16, np.float32)
+        b = np.zeros(n * 16, np.float32)
+        for g in range(n):  # h digits at xq[g*64:], l digits n*64 later; biases likewise
+            w = unpack(packed, g * 32)
+            vstore16(a, g * 16, dot(w, xq, g * 64, n * 64, bias, g * 16, n * 16))
+            vstore16(b, g * 16, portable(w, xq, g * 64, n * 64, bias, g * 16, n * 16))
+        return a, b
+
+    rng = np.random.default_rng(4)
+    n = 50
+    packed = rng.integers(0, 256, n * 32, dtype=np.uint8)
+    xq = rng.integers(-127, 128, 2 * n * 64).astype(np.int8)
+    xq[:64] = 127  # extremes
+    xq[n * 64 : n * 64 + 64] = -127
+    packed[:32] = 0xFF
+    bias = rng.integers(-4064, 4065, 2 * n * 16).astype(np.int32)
+    a, b = both(packed, xq, bias, n)
+    np.testing.assert_array_equal(a, b)
+    # and both are the stated integers: 256 * (bh + h . w) + (bl + l . w) per run of four
+    lo, hi = packed & 15, packed >> 4
+    w = np.concatenate([lo.reshape(n, 32), hi.reshape(n, 32)], axis=1).astype(np.int64)  # [n, 64]
+    xh, xl = xq[: n * 64].reshape(n, 64), xq[n * 64 :].reshape(n, 64)
+    bh, bl = bias[: n * 16].reshape(n, 16), bias[n * 16 :].reshape(n, 16)
+    dh = bh + (w * xh).reshape(n, 16, 4).sum(axis=2)
+    dl = bl + (w * xl).reshape(n, 16, 4).sum(axis=2)
+    np.testing.assert_array_equal(a.reshape(n, 16), (256 * dh + dl).astype(np.float32))
+    print(f"vpdpbusd in use: {q8mod.has_vnni_codegen()}")
+
+
+def test_eligibility_and_linear_fallback() -> None:
+    assert q8_eligible(128, 64) and q8_eligible(128, None) and q8_eligible(256, 128)
+    assert not q8_eligible(96, 32) and not q8_eligible(200, 64) and not q8_eligible(192, 128)
+    x = np.random.default_rng(5).standard_normal((2, 96), dtype=np.float32)
+    for fmt in ("f32", "bf16", "int8", "int4-g32"):
+        lin = Linear(_weights(fmt, 16, 96))
+        assert not lin.has_int8
+        np.testing.assert_array_equal(lin(x, fast_int8=True), lin(x))  # exact kernel, as is
+    lin = Linear(_weights("int4-g64", 16, 128))
+    assert lin.has_int8
+    x2 = np.random.default_rng(6).standard_normal((2, 128), dtype=np.float32)
+    np.testing.assert_array_equal(lin(x2, fast_int8=True), _q8(lin.q, x2))
+    with pytest.raises(ValueError, match="multiple of 64"):
+        _q8(_weights("int4-g32", 4, 96), x)
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        ExpertCompute(kernels="fast")  # type: ignore[arg-type]
+
+
+def test_split_matmul_keeps_the_int8_bits() -> None:
+    """``ExpertCompute.linear`` splitting output features over threads gives the same bits."""
+    lin = Linear(_weights("int4-g64", 4096, 2048, seed=7))
+    x = np.random.default_rng(8).standard_normal((1, 2048), dtype=np.float32)
+    comp = ExpertCompute(2, kernels="fast-int8")
+    try:
+        got = comp.linear(lin, x)
+        assert comp.split_calls == 1
+    finally:
+        comp.close()
+    np.testing.assert_array_equal(got, lin(x, fast_int8=True))
+
+
+# ----------------------------------------------------------------------------- models
+
+AGREEMENT = 0.95  # the issue's bar for greedy tokens of the lossy mode against exact
+
+
+def _int8_share(c: Container) -> float:
+    """Fraction of the container's int4 matrix bytes whose shape takes the int8 kernel: the
+    agreement test would prove nothing if it were ~0."""
+    total = eligible = 0
+    for name in c.names():
+        if not name.endswith(".weight") or c.entry(name).fmt is None:
+            continue
+        q = c.load_qtensor(name)
+        if q.fmt.kind == "int4":
+            total += q.nbytes
+            eligible += q.nbytes if q8_eligible(q.shape[1], q.fmt.group_size) else 0
+    return eligible / max(total, 1)
+
+
+def _greedy(m: Any, prompt: npt.NDArray[np.int64], n: int, ctx: StepContext) -> list[int]:
+    cache = m.new_cache()
+    logits = m.forward(prompt, cache, ctx=ctx).logits
+    out = [int(np.argmax(logits[-1]))]
+    for _ in range(n - 1):
+        logits = m.forward(np.array(out[-1:], np.int64), cache, ctx=ctx).logits
+        out.append(int(np.argmax(logits[-1])))
+    return out
+
+
+def _agreement(m: Any, prompts: list[npt.NDArray[np.int64]], n: int) -> tuple[float, float]:
+    """(teacher-forced argmax agreement over the exact greedy continuations, first-divergence
+    share of greedy tokens), fast-int8 against exact."""
+    exact, fast = StepContext(), StepContext(compute=ExpertCompute(kernels="fast-int8"))
+    same = total = prefix = 0
+    for prompt in prompts:
+        want = _greedy(m, prompt, n, exact)
+        seq = np.concatenate([prompt, np.array(want[:-1], np.int64)])
+        a = m.forward(seq, m.new_cache(), ctx=exact).logits[len(prompt) - 1 :]
+        b = m.forward(seq, m.new_cache(), ctx=fast).logits[len(prompt) - 1 :]
+        assert not np.array_equal(a, b)  # the lossy kernels ran
+        same += int((a.argmax(-1) == b.argmax(-1)).sum())
+        total += len(want)
+        got = _greedy(m, prompt, n, fast)
+        k = next((j for j, (u, v) in enumerate(zip(want, got, strict=True)) if u != v), n)
+        prefix += k
+    return same / total, prefix / total
+
+
+@pytest.fixture(scope="module")
+def q_containers(oracle_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from _oracle import container_maker
+
+    return container_maker(oracle_dir, tmp_path_factory.mktemp("q8"))
+
+
+def _oracle_names() -> tuple[str, ...]:
+    from _oracle import oracle_tool
+
+    return tuple(oracle_tool().MODEL_NAMES)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "glm_moe_dsa",
+        "deepseek_v3",
+        "deepseek_v32",
+        "olmoe",
+        "qwen3_moe",
+        "mixtral",
+        "glm4_moe",
+        "minimax_m2",
+    ],
+)
+def test_greedy_agreement_on_oracle_models(name: str, oracle_dir: Path, q_containers: Any) -> None:
+    from _oracle import reference
+
+    from runtime.models import load_model
+
+    assert name in _oracle_names()
+    c = q_containers(name, "q")
+    m = load_model(c)
+    share = _int8_share(c)
+    assert share > 0.3, share
+    ref = reference(oracle_dir, name)
+    prompts = [ref[k].astype(np.int64) for k in sorted(ref) if k.startswith("prompt_")]
+    forced, prefix = _agreement(m, prompts, 16)
+    print(
+        f"{name}: int8 share of int4 bytes {share:.2f}; teacher-forced agreement {forced:.3f}; "
+        f"greedy tokens before the first divergence {prefix:.3f}"
+    )
+    assert forced >= AGREEMENT, forced
+
+
+def test_greedy_agreement_on_demo_model() -> None:
+    from colibri._config import default_model_path
+    from runtime.models import load_model
+
+    c = Container.open(default_model_path())
+    m = load_model(c)
+    assert _int8_share(c) > 0.5
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(3, 200, 8).astype(np.int64) for _ in range(3)]
+    forced, prefix = _agreement(m, prompts, 24)
+    print(f"demo: teacher-forced agreement {forced:.3f}; before first divergence {prefix:.3f}")
+    assert forced >= AGREEMENT, forced
