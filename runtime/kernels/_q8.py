@@ -51,7 +51,7 @@ from numba import njit, types
 from numba.extending import intrinsic, models, register_model
 
 from runtime.kernels._intrinsics import prefetch
-from runtime.kernels._simd import f32x16, vfma16, vhsum16, vload16, vsplat16, vstore16, vzero16
+from runtime.kernels._simd import f32x16, vfma16, vhsum16, vsplat16, vzero16
 
 __all__ = [
     "KERNELS",
@@ -65,7 +65,6 @@ __all__ = [
 ]
 
 _I8, _I32, _F32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
-_TILE = 8  # tokens sharing one decoded weight chunk in the T >= 2 kernel
 
 
 @functools.cache
@@ -200,9 +199,11 @@ q8dot_portable = _make_q8dot(False)
 
 
 @njit(nogil=True, cache=True)
-def q8_prep(x, xq, bias, sx):  # type: ignore[no-untyped-def]
-    """x [T, I] -> xq [T, 2, I] int8 digits (reordered, see the module docstring), bias
-    [T, 2, G * 16] int32, sx [T, G] float32."""
+def q8_prep(x, xq, bias, sx, xstride, bstride):  # type: ignore[no-untyped-def]
+    """x [T, I] -> xq int8 digits (token ``t`` at ``t * xstride``: [2, I], reordered, see the
+    module docstring), bias int32 (token ``t`` at ``t * bstride``: [2, G * 16]), sx [T, G].
+    The strides are a little more than ``2 * I`` / ``2 * G * 16`` so that the tokens of a tile
+    do not all map to the same L1 sets (rows 4 KiB apart alias)."""
     n_tok, n_in = x.shape
     n_groups = n_in // 64
     nbias = n_groups * 16
@@ -216,8 +217,8 @@ def q8_prep(x, xq, bias, sx):  # type: ignore[no-untyped-def]
                 a = abs(x[t, c0 + c])
                 if a > amax:
                     amax = a
-            qh = t * 2 * n_in + c0  # the h digits of this group; the l digits n_in later
-            bh = t * 2 * nbias + g * 16
+            qh = t * xstride + c0  # the h digits of this group; the l digits n_in later
+            bh = t * bstride + g * 16
             if amax == 0.0:
                 sx[t * n_groups + g] = np.float32(0.0)
                 for c in range(64):
@@ -248,10 +249,11 @@ def q8_prep(x, xq, bias, sx):  # type: ignore[no-untyped-def]
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _q8_row_pair(packed, scales, o, nb, xq, bias, sx, pf):  # type: ignore[no-untyped-def]
-    """Rows ``o`` and ``o + 1`` (one token): their two 16-lane accumulators. Per row, chunk
-    ``g`` in increasing order: ``acc = fma(sw[g] * sx[g], float(dot), acc)``. The two rows
-    share each activation load; each row's arithmetic is the same as alone (``_q8_row``)."""
+def _q8_row_pair(packed, scales, o, nb, xq, xo, bias, bo, sx, so, pf):  # type: ignore[no-untyped-def]
+    """Rows ``o`` and ``o + 1`` against the token whose digits, biases and scales start at
+    ``xo``, ``bo``, ``so``: their two 16-lane accumulators. Per row, chunk ``g`` in increasing
+    order: ``acc = fma(sw[g] * sx[g], float(dot), acc)``. The two rows share each activation
+    load; each row's arithmetic is the same as alone (``_q8_row``)."""
     n_chunks = nb // 32
     n_in = nb * 2
     nbias = n_chunks * 16
@@ -264,17 +266,18 @@ def _q8_row_pair(packed, scales, o, nb, xq, bias, sx, pf):  # type: ignore[no-un
         if pf > 0 and g % 2 == 0:
             prefetch(packed, row + g0 + pf)
             prefetch(packed, row + nb + g0 + pf)
-        xs = sx[g]
-        fa = q8dot(i4unpack64(packed, row + g0), xq, g * 64, n_in, bias, g * 16, nbias)
-        fb = q8dot(i4unpack64(packed, row + nb + g0), xq, g * 64, n_in, bias, g * 16, nbias)
+        xs = sx[so + g]
+        xi, bi = xo + g * 64, bo + g * 16
+        fa = q8dot(i4unpack64(packed, row + g0), xq, xi, n_in, bias, bi, nbias)
+        fb = q8dot(i4unpack64(packed, row + nb + g0), xq, xi, n_in, bias, bi, nbias)
         a = vfma16(vsplat16(scales[srow + g] * xs), fa, a)
         b = vfma16(vsplat16(scales[srow + n_chunks + g] * xs), fb, b)
     return a, b
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _q8_row(packed, scales, o, nb, xq, bias, sx, pf):  # type: ignore[no-untyped-def]
-    """Row ``o`` (one token): its 16-lane accumulator, the arithmetic of ``_q8_row_pair``."""
+def _q8_row(packed, scales, o, nb, xq, xo, bias, bo, sx, so, pf):  # type: ignore[no-untyped-def]
+    """Row ``o`` (one token, as ``_q8_row_pair``): its accumulator, the same arithmetic."""
     n_chunks = nb // 32
     n_in = nb * 2
     nbias = n_chunks * 16
@@ -284,8 +287,8 @@ def _q8_row(packed, scales, o, nb, xq, bias, sx, pf):  # type: ignore[no-untyped
         g0 = g * 32
         if pf > 0 and g % 2 == 0:
             prefetch(packed, row + g0 + pf)
-        f = q8dot(i4unpack64(packed, row + g0), xq, g * 64, n_in, bias, g * 16, nbias)
-        a = vfma16(vsplat16(scales[o * n_chunks + g] * sx[g]), f, a)
+        f = q8dot(i4unpack64(packed, row + g0), xq, xo + g * 64, n_in, bias, bo + g * 16, nbias)
+        a = vfma16(vsplat16(scales[o * n_chunks + g] * sx[so + g]), f, a)
     return a
 
 
@@ -294,45 +297,34 @@ def q8_gemv(packed, scales, n_out, nb, xq, bias, sx, out, pf):  # type: ignore[n
     """One token: out [O]; ``scales`` [O, G], one per 64-column chunk. Rows go in pairs
     sharing the activation loads."""
     for o in range(0, n_out - 1, 2):
-        a, b = _q8_row_pair(packed, scales, o, nb, xq, bias, sx, pf)
+        a, b = _q8_row_pair(packed, scales, o, nb, xq, 0, bias, 0, sx, 0, pf)
         out[o] = vhsum16(a)
         out[o + 1] = vhsum16(b)
     if n_out % 2:
         o = n_out - 1
-        out[o] = vhsum16(_q8_row(packed, scales, o, nb, xq, bias, sx, pf))
+        out[o] = vhsum16(_q8_row(packed, scales, o, nb, xq, 0, bias, 0, sx, 0, pf))
 
 
 @njit(nogil=True, cache=True)
-def q8_gemm(packed, scales, n_out, nb, xq, bias, sx, out, pf):  # type: ignore[no-untyped-def]
-    """T tokens: out [T, O]; per (token, row) exactly the arithmetic of ``q8_gemv``, each
-    weight chunk unpacked once per tile of tokens."""
+def q8_gemm(packed, scales, n_out, nb, xq, bias, sx, xstride, bstride, out, pf):  # type: ignore[no-untyped-def]
+    """T tokens: out [T, O], each (token, row) by the very code of ``q8_gemv`` (so row ``t``
+    is bit-identical to a one-token call). Rows outside, tokens inside: a pair of weight rows
+    stays in L1 while every token passes over it."""
     n_tok = out.shape[0]
-    n_in = nb * 2
     n_chunks = nb // 32
-    nbias = n_chunks * 16
-    acc = np.zeros(_TILE * 16, np.float32)  # [TILE, 16]
-    zero = vzero16()
-    for t0 in range(0, n_tok, _TILE):
-        nt = min(_TILE, n_tok - t0)
-        for o in range(n_out):
-            row = o * nb
-            for u in range(nt):
-                vstore16(acc, u * 16, zero)
-            for g in range(n_chunks):
-                g0 = g * 32
-                if pf > 0 and g % 2 == 0:
-                    prefetch(packed, row + g0 + pf)
-                w = i4unpack64(packed, row + g0)
-                sw = scales[o * n_chunks + g]
-                for u in range(nt):
-                    t = t0 + u
-                    f = q8dot(
-                        w, xq, t * 2 * n_in + g * 64, n_in, bias, t * 2 * nbias + g * 16, nbias
-                    )
-                    s = vsplat16(sw * sx[t * n_chunks + g])
-                    vstore16(acc, u * 16, vfma16(s, f, vload16(acc, u * 16)))
-            for u in range(nt):
-                out[t0 + u, o] = vhsum16(vload16(acc, u * 16))
+    for o in range(0, n_out - 1, 2):
+        for t in range(n_tok):
+            xo, bo, so = t * xstride, t * bstride, t * n_chunks
+            a, b = _q8_row_pair(
+                packed, scales, o, nb, xq, xo, bias, bo, sx, so, pf if t == 0 else 0
+            )
+            out[t, o] = vhsum16(a)
+            out[t, o + 1] = vhsum16(b)
+    if n_out % 2:
+        o = n_out - 1
+        for t in range(n_tok):
+            xo, bo, so = t * xstride, t * bstride, t * n_chunks
+            out[t, o] = vhsum16(_q8_row(packed, scales, o, nb, xq, xo, bias, bo, sx, so, pf))
 
 
 #: Every compiled kernel (tests check they were built with ``nogil=True``).

@@ -224,14 +224,16 @@ def matmul_int4_q8(
     pf = _check_prefetch(prefetch_distance)
     if n_tok == 0 or n_out == 0:
         return y
-    xq = np.empty(n_tok * 2 * n_in, np.int8)  # [T, 2, I] two digits, reordered per group
-    bias = np.empty(n_tok * 2 * n_chunks * 16, np.int32)  # [T, 2, G * 16]
+    # per token [2, I] digits and [2, G * 16] biases, plus 64 bytes so tokens do not alias
+    xstride, bstride = 2 * n_in + 64, 2 * n_chunks * 16 + 16
+    xq = np.empty(n_tok * xstride, np.int8)
+    bias = np.empty(n_tok * bstride, np.int32)
     sx = np.empty(n_tok * n_chunks, np.float32)  # [T * G]
-    q8_prep(xx, xq, bias, sx)
+    q8_prep(xx, xq, bias, sx, xstride, bstride)
     if n_tok == 1:
         q8_gemv(p, s, n_out, nb, xq, bias, sx, y.reshape(-1), pf)
     else:
-        q8_gemm(p, s, n_out, nb, xq, bias, sx, y, pf)
+        q8_gemm(p, s, n_out, nb, xq, bias, sx, xstride, bstride, y, pf)
     return y
 
 

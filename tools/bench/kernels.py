@@ -12,6 +12,8 @@ in the JSON too); multi-threaded ones with the wall clock:
   without the software prefetch, as weight GB/s (packed bytes + scales) and GFLOP/s;
 * int4-g64 small-T GEMM (T = 4, 8) on [2048, 6144], GFLOP/s and speed-up over T GEMVs;
 * int8 GEMV on an lm_head-like [4096, 1024];
+* the opt-in lossy ``--kernels fast-int8`` int4 GEMV / small-T GEMM on the same weights, and its
+  greedy agreement with the exact kernels on the bundled demo model;
 * one token through GLM-5's lm_head [154880, 6144] and an expert-sized [2048, 6144] with the
   output features split over every thread (``ExpertCompute.linear``, bit-identical) against
   one thread, wall clock.
@@ -19,7 +21,8 @@ in the JSON too); multi-threaded ones with the wall clock:
 Weights rotate over enough copies (> 48 MiB) that every call reads them from DRAM, not L3.
 The last line printed is one JSON object whose ``figure`` is the int4-g64 GEMV weight GB/s on
 [2048, 6144] divided by the single-thread DRAM read GB/s (the kernels are single-threaded), both
-medians on the thread CPU clock; ``figure_wall_clock`` is the same from wall-clock medians.
+medians on the thread CPU clock; ``figure_wall_clock`` is the same from wall-clock medians;
+``figure_fast_int8`` the same ratio for the opt-in lossy kernel.
 """
 
 # T tokens, I in features, O out features
@@ -51,7 +54,7 @@ from numba import njit, prange  # noqa: E402
 
 from runtime.compute import ExpertCompute  # noqa: E402
 from runtime.kernels.isa import exact_lanes, kernel_info  # noqa: E402
-from runtime.kernels.quant_matmul import matmul_int4, matmul_int8  # noqa: E402
+from runtime.kernels.quant_matmul import matmul_int4, matmul_int4_q8, matmul_int8  # noqa: E402
 from runtime.linear import Linear  # noqa: E402
 from storage.quant import QTensor, quantize  # noqa: E402
 
@@ -130,6 +133,47 @@ class _Case:
         return float(np.min(self.cpu if self.cpu_clock else self.wall))
 
 
+def _demo_agreement(tokens: int = 24) -> dict[str, float]:
+    """fast-int8 against exact on the bundled demo model: the share of positions whose argmax
+    agrees (teacher-forced on the exact greedy continuation of 4 prompts) and the share of
+    greedy tokens generated before the first divergence."""
+    from colibri._config import default_model_path
+    from runtime.context import StepContext
+    from runtime.models import load_model
+    from storage.container import Container
+
+    m = load_model(Container.open(default_model_path()))
+    exact, fast = StepContext(), StepContext(compute=ExpertCompute(kernels="fast-int8"))
+
+    def greedy(prompt: npt.NDArray[np.int64], ctx: StepContext) -> list[int]:
+        cache = m.new_cache()
+        logits = m.forward(prompt, cache, ctx=ctx).logits
+        out = [int(np.argmax(logits[-1]))]
+        while len(out) < tokens:
+            logits = m.forward(np.array(out[-1:], np.int64), cache, ctx=ctx).logits
+            out.append(int(np.argmax(logits[-1])))
+        return out
+
+    rng = np.random.default_rng(1)
+    same = prefix = total = 0
+    for _ in range(4):
+        prompt = rng.integers(3, m.config.vocab_size, 12).astype(np.int64)
+        want = greedy(prompt, exact)
+        seq = np.concatenate([prompt, np.array(want[:-1], np.int64)])
+        a = m.forward(seq, m.new_cache(), ctx=exact).logits[len(prompt) - 1 :]
+        b = m.forward(seq, m.new_cache(), ctx=fast).logits[len(prompt) - 1 :]
+        same += int((a.argmax(-1) == b.argmax(-1)).sum())
+        got = greedy(prompt, fast)
+        prefix += next(
+            (j for j, (u, v) in enumerate(zip(want, got, strict=True)) if u != v), tokens
+        )
+        total += tokens
+    return {
+        "teacher_forced": round(same / total, 3),
+        "before_first_divergence": round(prefix / total, 3),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default 15)")
@@ -167,7 +211,11 @@ def main(argv: list[str] | None = None) -> int:
         def gemv8(k: int, data=data, s=s, x1=x1, o=o, i=i) -> object:  # type: ignore[no-untyped-def]
             return matmul_int4(x1, data[k % len(data)], s, o, i, 64, lanes=8)
 
+        def gemv_q8(k: int, data=data, s=s, x1=x1, o=o, i=i) -> object:  # type: ignore[no-untyped-def]
+            return matmul_int4_q8(x1, data[k % len(data)], s, o, i, 64)
+
         cases.append(_Case(f"int4_gemv_{label}", gemv, len(data)))
+        cases.append(_Case(f"q8_gemv_{label}", gemv_q8, len(data)))
         cases.append(_Case(f"int4_gemv_{label}_noprefetch", gemv_nopf, len(data)))
         cases.append(_Case(f"int4_gemv_{label}_8lanes", gemv8, len(data)))
         if label == "2048x6144":
@@ -179,6 +227,11 @@ def main(argv: list[str] | None = None) -> int:
                         return matmul_int4(xt, data[k % len(data)], s, o, i, 64, lanes=w)
 
                     cases.append(_Case(f"int4_gemm_T{t}_{label}_{w}", gemm, len(data) // 2))
+
+                def gemm_q8(k: int, data=data, s=s, xt=xt, o=o, i=i) -> object:  # type: ignore[no-untyped-def]
+                    return matmul_int4_q8(xt, data[k % len(data)], s, o, i, 64)
+
+                cases.append(_Case(f"q8_gemm_T{t}_{label}", gemm_q8, len(data) // 2))
     q8 = quantize(rng.standard_normal((4096, 1024), dtype=np.float32), "int8")
     data8 = _copies(q8)
     s8 = np.asarray(q8.scales, dtype=np.float32)
@@ -303,6 +356,29 @@ def main(argv: list[str] | None = None) -> int:
             f"int4-g64 GEMM T={t} [2048, 6144]: {row['ms']} ms, {row['gflops']} GFLOP/s, "
             f"{row['speedup_vs_t_gemvs']}x the throughput of {t} GEMVs"
         )
+    report["fast_int8"] = {"int8_dot": kernel_info().int8_dot, "gemv": {}, "small_t": {}}
+    for label, (o, i) in shapes.items():
+        c, ce = by[f"q8_gemv_{label}"], by[f"int4_gemv_{label}"]
+        row = {
+            "ms": round(c.median * 1e3, 3),
+            "weight_gbs": round(gbs(weights[label].nbytes, c.median), 2),
+            "of_dram_1t": round(gbs(weights[label].nbytes, c.median) / dram_1t, 3),
+            "speedup_vs_exact": round(ce.median / c.median, 2),
+        }
+        report["fast_int8"]["gemv"][label] = row
+        print(
+            f"fast-int8 GEMV [{o}, {i}]: {row['ms']} ms, {row['weight_gbs']} GB/s weights "
+            f"({row['of_dram_1t']} of 1-thread DRAM read), {row['speedup_vs_exact']}x exact"
+        )
+    for t in (4, 8):
+        c, ce = by[f"q8_gemm_T{t}_2048x6144"], by[f"int4_gemm_T{t}_2048x6144_{lanes}"]
+        report["fast_int8"]["small_t"][f"T{t}_2048x6144"] = {
+            "ms": round(c.median * 1e3, 3),
+            "speedup_vs_exact": round(ce.median / c.median, 2),
+        }
+        print(f"fast-int8 GEMM T={t} [2048, 6144]: {ce.median / c.median:.2f}x exact")
+    report["fast_int8"]["demo_agreement"] = _demo_agreement()
+    print(f"fast-int8 greedy agreement on the demo model: {report['fast_int8']['demo_agreement']}")
     c8 = by["int8_gemv_4096x1024"]
     report["int8_gemv_4096x1024"] = {
         "ms": round(c8.median * 1e3, 3),
@@ -340,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         "figure_is": f"int4-g64 GEMV ({lanes}-lane kernel) weight GB/s [2048,6144] / 1-thread "
         "DRAM read GB/s (medians, thread CPU clock)",
         "figure_8_lanes": round(gbs(nbytes, by["int4_gemv_2048x6144_8lanes"].median) / dram_1t, 3),
+        "figure_fast_int8": report["fast_int8"]["gemv"]["2048x6144"]["of_dram_1t"],
         "figure_wall_clock": round(figure_wall, 3),
         "figure_best": round(figure_best, 3),
         **report,
