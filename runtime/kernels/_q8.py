@@ -27,11 +27,12 @@ CPU has it and with plain vector integer ops elsewhere, so the bits are the same
 x86-64 CPU.
 
 Layout of the prepared activations of token ``t`` (``xq`` rows of ``2 * I`` bytes: the ``h``
-digits, then the ``l`` digits; ``bias`` rows of ``2 * G * 16`` int32 in the same order):
+digits, then the ``l`` digits; ``bias`` rows of ``G * 16`` int32):
 per 64-column group ``g``, bytes ``g*64 : g*64+32`` hold columns ``g*64 + 0, 2, ..., 62`` (the
 low nibbles) and ``g*64+32 : g*64+64`` columns ``g*64 + 1, 3, ..., 63`` (the high nibbles), so
 that 32 packed bytes unpacked as ``[lo x 32 | hi x 32]`` line up with them byte for byte;
-``bias[.., g*16 + k] = -8 * (sum of the four digits of lane k)`` (the nibbles are ``q + 8``);
+``bias[.., g*16 + k] = -8 * (256 * (sum of the four h digits of lane k) + (sum of the four l
+digits))`` (the nibbles are ``q + 8``);
 ``sx[t, g] = max|x| / 127 / 256`` (0 for an all-zero group).
 
 Shape legend: T tokens, I in features (a multiple of 64 here), O out features, G = I / 64 groups,
@@ -144,13 +145,12 @@ def _make_q8dot(vnni: bool) -> Any:
         return acc
 
     @_intrinsic
-    def q8dot(
-        typingctx: Any, w: Any, xq: Any, xi: Any, xs: Any, bias: Any, bi: Any, bs: Any
-    ) -> Any:
-        """float32 of the 16 int32 lanes ``256 * (bh + h . w) + (bl + l . w)`` per run of four
-        bytes, with the ``h`` digits at ``xq[xi:]``, the ``l`` digits ``xs`` bytes later, and
-        their biases at ``bias[bi:]`` and ``bs`` further: exact integers, then one convert."""
-        ints = (xi, xs, bi, bs)
+    def q8dot(typingctx: Any, w: Any, xq: Any, xi: Any, xs: Any, bias: Any, bi: Any) -> Any:
+        """float32 of the 16 int32 lanes ``256 * (h . w) + (l . w) + bias`` per run of four
+        bytes, with the ``h`` digits at ``xq[xi:]``, the ``l`` digits ``xs`` bytes later and
+        the lanes' bias at ``bias[bi:]``: exact integers (two independent dot products, one
+        shift, one add), then one convert."""
+        ints = (xi, xs, bi)
         if (
             w != i8x64
             or not _c_array(xq, types.int8)
@@ -171,20 +171,15 @@ def _make_q8dot(vnni: bool) -> Any:
                 context.cast(builder, args[2], st[2], types.intp),
                 context.cast(builder, args[3], st[3], types.intp),
             )
-            bl_idx = builder.add(
-                context.cast(builder, args[5], st[5], types.intp),
-                context.cast(builder, args[6], st[6], types.intp),
+            zero = ir.Constant(v16i, None)
+            hi = dot4(builder, zero, args[0], load(1, args[2], st[2], v64b))
+            lo = dot4(
+                builder, load(4, args[5], st[5], v16i), args[0], load(1, xl_idx, types.intp, v64b)
             )
-            hi = dot4(
-                builder, load(4, args[5], st[5], v16i), args[0], load(1, args[2], st[2], v64b)
-            )
-            acc = builder.add(
-                builder.shl(hi, ir.Constant(v16i, [8] * 16)), load(4, bl_idx, types.intp, v16i)
-            )
-            acc = dot4(builder, acc, args[0], load(1, xl_idx, types.intp, v64b))
+            acc = builder.add(builder.shl(hi, ir.Constant(v16i, [8] * 16)), lo)
             return builder.sitofp(acc, ir.VectorType(_F32, 16))
 
-        return f32x16(w, xq, xi, xs, bias, bi, bs), codegen
+        return f32x16(w, xq, xi, xs, bias, bi), codegen
 
     return q8dot
 
@@ -201,12 +196,11 @@ q8dot_portable = _make_q8dot(False)
 @njit(nogil=True, cache=True)
 def q8_prep(x, xq, bias, sx, xstride, bstride):  # type: ignore[no-untyped-def]
     """x [T, I] -> xq int8 digits (token ``t`` at ``t * xstride``: [2, I], reordered, see the
-    module docstring), bias int32 (token ``t`` at ``t * bstride``: [2, G * 16]), sx [T, G].
-    The strides are a little more than ``2 * I`` / ``2 * G * 16`` so that the tokens of a tile
+    module docstring), bias int32 (token ``t`` at ``t * bstride``: [G * 16]), sx [T, G].
+    The strides are a little more than ``2 * I`` / ``G * 16`` so that the tokens of a tile
     do not all map to the same L1 sets (rows 4 KiB apart alias)."""
     n_tok, n_in = x.shape
     n_groups = n_in // 64
-    nbias = n_groups * 16
     lim = np.float32(127.0)
     fine = np.float32(256.0)
     for t in range(n_tok):
@@ -226,7 +220,6 @@ def q8_prep(x, xq, bias, sx, xstride, bstride):  # type: ignore[no-untyped-def]
                     xq[qh + n_in + c] = 0
                 for k in range(16):
                     bias[bh + k] = 0
-                    bias[bh + nbias + k] = 0
                 continue
             inv = lim / amax
             sx[t * n_groups + g] = amax / lim / fine  # / 256 exactly: a power of two
@@ -244,8 +237,7 @@ def q8_prep(x, xq, bias, sx, xstride, bstride):  # type: ignore[no-untyped-def]
                 for j in range(4):
                     sh += np.int32(xq[qh + 4 * k + j])
                     sl += np.int32(xq[qh + n_in + 4 * k + j])
-                bias[bh + k] = np.int32(-8) * sh
-                bias[bh + nbias + k] = np.int32(-8) * sl
+                bias[bh + k] = np.int32(-2048) * sh + np.int32(-8) * sl  # 256*(-8 sh) - 8 sl
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -256,7 +248,6 @@ def _q8_row_pair(packed, scales, o, nb, xq, xo, bias, bo, sx, so, pf):  # type: 
     load; each row's arithmetic is the same as alone (``_q8_row``)."""
     n_chunks = nb // 32
     n_in = nb * 2
-    nbias = n_chunks * 16
     row = o * nb
     srow = o * n_chunks
     a = vzero16()
@@ -268,8 +259,8 @@ def _q8_row_pair(packed, scales, o, nb, xq, xo, bias, bo, sx, so, pf):  # type: 
             prefetch(packed, row + nb + g0 + pf)
         xs = sx[so + g]
         xi, bi = xo + g * 64, bo + g * 16
-        fa = q8dot(i4unpack64(packed, row + g0), xq, xi, n_in, bias, bi, nbias)
-        fb = q8dot(i4unpack64(packed, row + nb + g0), xq, xi, n_in, bias, bi, nbias)
+        fa = q8dot(i4unpack64(packed, row + g0), xq, xi, n_in, bias, bi)
+        fb = q8dot(i4unpack64(packed, row + nb + g0), xq, xi, n_in, bias, bi)
         a = vfma16(vsplat16(scales[srow + g] * xs), fa, a)
         b = vfma16(vsplat16(scales[srow + n_chunks + g] * xs), fb, b)
     return a, b
@@ -280,14 +271,13 @@ def _q8_row(packed, scales, o, nb, xq, xo, bias, bo, sx, so, pf):  # type: ignor
     """Row ``o`` (one token, as ``_q8_row_pair``): its accumulator, the same arithmetic."""
     n_chunks = nb // 32
     n_in = nb * 2
-    nbias = n_chunks * 16
     row = o * nb
     a = vzero16()
     for g in range(n_chunks):
         g0 = g * 32
         if pf > 0 and g % 2 == 0:
             prefetch(packed, row + g0 + pf)
-        f = q8dot(i4unpack64(packed, row + g0), xq, xo + g * 64, n_in, bias, bo + g * 16, nbias)
+        f = q8dot(i4unpack64(packed, row + g0), xq, xo + g * 64, n_in, bias, bo + g * 16)
         a = vfma16(vsplat16(scales[o * n_chunks + g] * sx[so + g]), f, a)
     return a
 

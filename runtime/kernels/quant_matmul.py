@@ -224,8 +224,8 @@ def matmul_int4_q8(
     pf = _check_prefetch(prefetch_distance)
     if n_tok == 0 or n_out == 0:
         return y
-    # per token [2, I] digits and [2, G * 16] biases, plus 64 bytes so tokens do not alias
-    xstride, bstride = 2 * n_in + 64, 2 * n_chunks * 16 + 16
+    # per token [2, I] digits and [G * 16] biases, plus 64 bytes so tokens do not alias
+    xstride, bstride = 2 * n_in + 64, n_chunks * 16 + 16
     xq = np.empty(n_tok * xstride, np.int8)
     bias = np.empty(n_tok * bstride, np.int32)
     sx = np.empty(n_tok * n_chunks, np.float32)  # [T * G]
