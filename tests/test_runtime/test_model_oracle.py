@@ -307,8 +307,8 @@ def test_multi_token_step_is_bit_identical_to_decode(
 
     inner = runtime.linear.Linear.__call__
 
-    def rowwise(self: Any, x: np.ndarray) -> np.ndarray:
-        return np.concatenate([inner(self, x[i : i + 1]) for i in range(x.shape[0])])
+    def rowwise(self: Any, x: np.ndarray, **kw: Any) -> np.ndarray:
+        return np.concatenate([inner(self, x[i : i + 1], **kw) for i in range(x.shape[0])])
 
     monkeypatch.setattr(runtime.linear.Linear, "__call__", rowwise)
     m, ref = models(name), _ref(oracle_dir, name)

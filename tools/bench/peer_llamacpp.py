@@ -1,0 +1,403 @@
+"""Side-by-side peer benchmark: colibri against llama.cpp on the same weights, in one run.
+
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python tools/bench/peer_llamacpp.py \\
+        [--workdir /var/tmp/colibri-peer] [--shapes deepseek_v3 glm_moe_dsa] [--rounds 3]
+
+Needs ``llama-cpp-python`` (``pip install llama-cpp-python``: its sdist builds llama.cpp from
+source, 7-17 minutes on 2 cores); this tool builds nothing itself. Per shape it:
+
+1. makes a seeded HF checkpoint with transformers (bf16, ~2.2B parameters: DeepSeek-V3 or
+   GLM-5 layout, 64 routed experts x 5 MoE layers, ~0.4B active; weights random, the tokenizer
+   the oracle tool's), once, under ``--workdir``;
+2. converts it with ``coli convert`` (int4-g64, the default) and with the converter vendored in
+   the llama-cpp-python sdist of the installed version (fetched with ``pip download`` and unpacked
+   under ``--workdir``) to GGUF f16, then quantizes that to Q4_0 (``llama_model_quantize``);
+3. times both engines interleaved, ``--rounds`` rounds: prefill of a 64- and a 512-token prompt
+   (time to the first token) and greedy decode of ``--tokens`` tokens after a 64-token prompt.
+   Both on every usable CPU; llama.cpp with its default settings (and ``use_extra_bufts=False``,
+   which MLA models need in Q4_0), colibri with its defaults.
+
+The last line printed is one JSON object: ``figure`` = our decode tok/s / llama.cpp Q4_0 decode
+tok/s (the lower of the shapes' medians), ``prefill_ratio`` (64 and 512 tokens, per shape), both
+engines' numbers, the kernel variant and the machine. Token ids are the same for both engines;
+the text is noise (random weights), only speed is compared.
+
+Shape legend: T tokens, H hidden, E routed experts, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before numba starts (DESIGN.md section 4)
+
+import argparse
+import contextlib
+import importlib.metadata
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+SHAPES = ("deepseek_v3", "glm_moe_dsa")
+VOCAB = 32000  # embedding rows; the tokenizer has fewer, the rest are never produced by ids we feed
+
+# ~2.2B parameters, ~0.4B active: 1 dense + 5 MoE layers of 64 experts (6 per token + 1 shared).
+_COMMON: dict[str, Any] = dict(
+    vocab_size=VOCAB,
+    hidden_size=2048,
+    intermediate_size=5632,
+    moe_intermediate_size=1024,
+    num_hidden_layers=6,
+    first_k_dense_replace=1,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    n_shared_experts=1,
+    n_routed_experts=64,
+    num_experts_per_tok=6,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    q_lora_rank=512,
+    kv_lora_rank=256,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=64,
+    v_head_dim=64,
+    hidden_act="silu",
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+    attention_bias=False,
+    n_group=1,
+    topk_group=1,
+    rms_norm_eps=1e-6,
+    num_nextn_predict_layers=0,
+)
+
+# The small script that runs the vendored converter: our tokenizer's pre-tokenizer is not in its
+# table of known hashes, so it is named "gpt-2" (byte-level BPE, which it is).
+_CONVERT_SHIM = """
+import sys
+sys.path.insert(0, sys.argv[1])
+sys.path.insert(1, sys.argv[1] + "/gguf-py")
+from conversion import base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+sys.argv = [sys.argv[1] + "/convert_hf_to_gguf.py"] + sys.argv[2:]
+import runpy
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def _log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# ----------------------------------------------------------------------------- checkpoint
+
+
+def make_checkpoint(shape: str, out: Path, seed: int = 0) -> None:
+    """The seeded HF checkpoint of ``shape`` (bf16 safetensors, config, tokenizer) in ``out``."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    import make_oracle as mo
+
+    tok = mo.train_tokenizer()
+    ids = mo.special_ids(tok)
+    eos = [VOCAB - 1]  # a padding id: greedy decode on random weights runs its full length
+    cfg: Any
+    if shape == "deepseek_v3":
+        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+        cfg = DeepseekV3Config(**_COMMON, bos_token_id=ids["<|endoftext|>"], eos_token_id=eos)
+        cls: Any = DeepseekV3ForCausalLM
+    elif shape == "glm_moe_dsa":
+        from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+        n = _COMMON["num_hidden_layers"]
+        cfg = GlmMoeDsaConfig(
+            **_COMMON,
+            bos_token_id=ids["<|endoftext|>"],
+            eos_token_id=eos,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            mlp_layer_types=["dense"] + ["sparse"] * (n - 1),
+            index_topk=256,
+            index_head_dim=64,
+            index_n_heads=8,
+            indexer_types=["full" if i % 2 == 0 else "shared" for i in range(n)],
+        )
+        cls = GlmMoeDsaForCausalLM
+    else:
+        raise SystemExit(f"unknown shape {shape!r}; choose from {SHAPES}")
+    torch.manual_seed(seed)
+    with _default_dtype(torch.bfloat16):
+        model = cls(cfg)
+    model.eval()
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, max_shard_size="1GB")
+    d = json.loads((out / "config.json").read_text())
+    d["scoring_func"] = "sigmoid"  # llama.cpp's converter reads these legacy keys
+    d["topk_method"] = "noaux_tc"
+    d["num_nextn_predict_layers"] = 0
+    (out / "config.json").write_text(json.dumps(d, indent=2) + "\n")
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": cfg.bos_token_id, "eos_token_id": eos}) + "\n"
+    )
+    for fname, text in mo.tokenizer_files(tok).items():
+        (out / fname).write_text(text)
+    n_params = sum(p.numel() for p in model.parameters())
+    (out / ".complete").write_text(json.dumps({"parameters": n_params}) + "\n")
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: Any) -> Iterator[None]:
+    import torch
+
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+# ----------------------------------------------------------------------------- conversions
+
+
+def llama_source(workdir: Path) -> Path:
+    """vendor/llama.cpp of the installed llama-cpp-python's sdist (downloaded once)."""
+    version = importlib.metadata.version("llama-cpp-python")
+    src = workdir / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
+    if (src / "convert_hf_to_gguf.py").exists():
+        return src
+    _log(f"fetching the llama-cpp-python {version} sdist for its converter")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+         f"llama-cpp-python=={version}", "-d", str(workdir)],
+        check=True,
+    )  # fmt: skip
+    with tarfile.open(workdir / f"llama_cpp_python-{version}.tar.gz") as tf:
+        tf.extractall(workdir, filter="data")
+    return src
+
+
+def to_gguf(hf: Path, workdir: Path, shape: str) -> Path:
+    """HF checkpoint -> GGUF f16 (vendored converter) -> Q4_0 (llama_model_quantize)."""
+    import llama_cpp
+
+    q4 = workdir / f"{shape}-q4_0.gguf"
+    if q4.exists():
+        return q4
+    f16 = workdir / f"{shape}-f16.gguf"
+    if not f16.exists():
+        shim = workdir / "convert_shim.py"
+        shim.write_text(_CONVERT_SHIM)
+        src = llama_source(workdir)
+        _log(f"{shape}: converting to GGUF f16")
+        cmd = [sys.executable, str(shim), str(src), str(hf), "--outtype", "f16"]
+        subprocess.run([*cmd, "--outfile", str(f16)], check=True)
+    _log(f"{shape}: quantizing to Q4_0")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0
+    params.nthread = len(os.sched_getaffinity(0))
+    rc = llama_cpp.llama_model_quantize(str(f16).encode(), str(q4).encode(), params)
+    if rc != 0:
+        raise SystemExit(f"llama_model_quantize failed ({rc})")
+    return q4
+
+
+def to_colibri(hf: Path, workdir: Path, shape: str) -> Path:
+    from storage.convert import ConvertOptions, convert
+
+    out = workdir / f"{shape}-colibri"
+    if not (out / "config.json").exists():
+        _log(f"{shape}: coli convert (int4-g64)")
+        convert(hf, out, ConvertOptions())
+    return out
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+class Ours:
+    name = "colibri"
+
+    def __init__(self, path: Path) -> None:
+        import colibri
+
+        self._stack = contextlib.ExitStack()
+        self.model = self._stack.enter_context(colibri.open_model(path, learn=False))
+
+    def prefill(self, ids: list[int]) -> float:
+        t = time.perf_counter()
+        self.model.generate(ids, max_new_tokens=1)
+        return time.perf_counter() - t
+
+    def decode(self, ids: list[int], n: int) -> tuple[float, int]:
+        """(seconds for tokens 2..n, tokens after the first): prefill excluded by difference."""
+        t0 = time.perf_counter()
+        got = self.model.generate(ids, max_new_tokens=n)
+        total = time.perf_counter() - t0
+        return total - self.prefill(ids), len(got) - 1
+
+    def info(self) -> dict[str, Any]:
+        c = self.model.stats()["compute"]
+        return {"threads": c["threads"], "kernels": c["kernels"]}
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+class Peer:
+    name = "llama.cpp"
+
+    def __init__(self, gguf: Path, threads: int) -> None:
+        import llama_cpp
+
+        self.threads = threads
+        self.llm = llama_cpp.Llama(
+            model_path=str(gguf),
+            n_ctx=2048,
+            n_batch=512,
+            n_threads=threads,
+            n_threads_batch=threads,
+            use_extra_bufts=False,  # MLA + Q4_0 fails with the repacked buffer types
+            verbose=False,
+        )
+
+    def prefill(self, ids: list[int]) -> float:
+        self.llm.reset()
+        t = time.perf_counter()
+        self.llm.eval(ids)
+        self.llm.sample(top_k=1, temp=0.0)
+        return time.perf_counter() - t
+
+    def decode(self, ids: list[int], n: int) -> tuple[float, int]:
+        self.llm.reset()
+        self.llm.eval(ids)
+        tok = self.llm.sample(top_k=1, temp=0.0)
+        t = time.perf_counter()
+        for _ in range(n - 1):
+            self.llm.eval([tok])
+            tok = self.llm.sample(top_k=1, temp=0.0)
+        return time.perf_counter() - t, n - 1
+
+    def info(self) -> dict[str, Any]:
+        return {"threads": self.threads, "quant": "Q4_0"}
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [int(v) for v in rng.integers(3, 900, n)]  # ids inside the real tokenizer's range
+
+
+def bench_shape(
+    shape: str, ours_path: Path, gguf: Path, rounds: int, tokens: int
+) -> dict[str, Any]:
+    threads = len(os.sched_getaffinity(0))
+    engines: list[Any] = [Ours(ours_path), Peer(gguf, threads)]
+    p64, p512 = _prompt(64, 1), _prompt(512, 2)
+    res: dict[str, dict[str, list[float]]] = {
+        e.name: {"prefill_64": [], "prefill_512": [], "decode": []} for e in engines
+    }
+    try:
+        for e in engines:  # warm: JIT, caches, first allocations
+            e.prefill(p64)
+            e.decode(p64, 4)
+        for r in range(rounds):
+            order = engines if r % 2 == 0 else engines[::-1]  # interleaved, alternating first
+            for e in order:
+                res[e.name]["prefill_64"].append(64 / e.prefill(p64))
+                res[e.name]["prefill_512"].append(512 / e.prefill(p512))
+                sec, n = e.decode(p64, tokens)
+                res[e.name]["decode"].append(n / sec)
+                _log(
+                    f"{shape} round {r + 1}: {e.name:9} decode {res[e.name]['decode'][-1]:6.1f} "
+                    f"tok/s, prefill 64: {res[e.name]['prefill_64'][-1]:6.1f} tok/s, "
+                    f"512: {res[e.name]['prefill_512'][-1]:6.1f} tok/s"
+                )
+        infos = {e.name: e.info() for e in engines}
+    finally:
+        for e in engines:
+            e.close()
+    med = {k: {m: round(statistics.median(v), 2) for m, v in d.items()} for k, d in res.items()}
+    ours, peer = med["colibri"], med["llama.cpp"]
+    return {
+        "decode_ratio": round(ours["decode"] / peer["decode"], 3),
+        "prefill_ratio": {
+            "64": round(ours["prefill_64"] / peer["prefill_64"], 3),
+            "512": round(ours["prefill_512"] / peer["prefill_512"], 3),
+        },
+        "medians_tok_s": med,
+        "rounds_tok_s": res,
+        "engines": infos,
+    }
+
+
+def _cpu() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workdir", type=Path, default=Path("/var/tmp/colibri-peer"))
+    ap.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES))
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    ap.add_argument("--tokens", type=int, default=48, help="greedy tokens per decode run")
+    args = ap.parse_args(argv)
+    try:
+        version = importlib.metadata.version("llama-cpp-python")
+    except importlib.metadata.PackageNotFoundError:
+        raise SystemExit(
+            "llama-cpp-python is not installed: pip install llama-cpp-python (its sdist builds "
+            "llama.cpp from source, 7-17 minutes on 2 cores)"
+        ) from None
+    from runtime.kernels.isa import kernel_info
+
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    shapes: dict[str, Any] = {}
+    for shape in args.shapes:
+        hf = args.workdir / f"{shape}-hf"
+        if not (hf / ".complete").exists():
+            _log(f"{shape}: making the HF checkpoint (seeded, bf16)")
+            make_checkpoint(shape, hf)
+        ours = to_colibri(hf, args.workdir, shape)
+        gguf = to_gguf(hf, args.workdir, shape)
+        shapes[shape] = bench_shape(shape, ours, gguf, args.rounds, args.tokens)
+        shapes[shape]["parameters"] = json.loads((hf / ".complete").read_text())["parameters"]
+        _log(f"{shape}: decode ratio {shapes[shape]['decode_ratio']}, prefill ratio "
+             f"{shapes[shape]['prefill_ratio']}")  # fmt: skip
+    out = {
+        "figure": min(s["decode_ratio"] for s in shapes.values()),
+        "figure_is": "colibri decode tok/s / llama.cpp Q4_0 decode tok/s, medians of "
+        "interleaved rounds, the lower over the shapes",
+        "prefill_ratio": {k: s["prefill_ratio"] for k, s in shapes.items()},
+        "shapes": shapes,
+        "machine": {"cpu": _cpu(), "nproc": os.cpu_count(), "kernels": kernel_info().as_dict()},
+        "llama_cpp_python": version,
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
