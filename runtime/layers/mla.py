@@ -29,6 +29,7 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
+from runtime.kernels import attention as attention_kernel
 from runtime.layers.rms_norm import rms_norm
 from runtime.layers.rope import apply_rope
 from runtime.linear import Linear
@@ -233,18 +234,11 @@ def latent_attention(
     rows_after: int = 0,
 ) -> F32Array:
     """Absorbed attention of one sequence's queries (``q_lat`` [T, NH, C], ``q_rope``
-    [T, NH, R]) over its keys: one row at a time over its causal keys -> [T, NH, C]."""
-    t = q_lat.shape[0]
-    sc = np.float32(scale)
-    o_lat = np.empty_like(q_lat)  # [T, NH, C]
-    s_all = latent.shape[0]
-    for i in range(t):
-        end = s_all - rows_after - t + i + 1  # keys [0, end) are causal for row i
-        lat = latent[:end]  # [S_i, C]
-        scores = (q_lat[i] @ lat.T + q_rope[i] @ k_rope[:end].T) * sc  # [NH, S_i]
-        probs = softmax(scores, allowed[i, None, :end])  # [NH, S_i]
-        o_lat[i] = probs @ lat  # [NH, C]
-    return o_lat
+    [T, NH, R]) over its keys, each row over its causal keys -> [T, NH, C]: the numba kernel of
+    :mod:`runtime.kernels.attention` (fixed summation order, batch-invariant)."""
+    return attention_kernel.latent_attention(
+        q_lat, q_rope, latent, k_rope, allowed, scale, rows_after
+    )
 
 
 def unabsorb_values(w: MLAWeights, d: MLADims, o_lat: F32Array) -> F32Array:

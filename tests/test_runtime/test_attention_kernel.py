@@ -1,0 +1,79 @@
+"""The absorbed MLA attention kernel (runtime/kernels/attention.py): against a float64 numpy
+statement of the same math, batch invariance (a row alone equals the row among others), masks,
+bad shapes, and that it releases the GIL.
+
+# T query rows, NH heads, C latent width, R rope width, S keys
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from runtime.kernels import attention as att
+
+
+def _case(t: int, nh: int, c: int, r: int, s: int, rows_after: int, seed: int = 0) -> tuple:
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((t, nh, c), dtype=np.float32)
+    qr = rng.standard_normal((t, nh, r), dtype=np.float32)
+    lat = rng.standard_normal((s, c), dtype=np.float32)
+    kr = rng.standard_normal((s, r), dtype=np.float32)
+    allowed = rng.random((t, s)) > 0.3
+    allowed[np.arange(t), s - rows_after - t + np.arange(t)] = True  # each row sees itself
+    return q, qr, lat, kr, allowed
+
+
+def _reference(q, qr, lat, kr, allowed, scale, rows_after):  # type: ignore[no-untyped-def]
+    t, s = q.shape[0], lat.shape[0]
+    out = np.zeros(q.shape, np.float64)
+    for i in range(t):
+        end = s - rows_after - t + i + 1
+        sc = (q[i].astype(np.float64) @ lat[:end].T + qr[i].astype(np.float64) @ kr[:end].T) * scale
+        sc = np.where(allowed[i, :end], sc, -np.inf)
+        p = np.exp(sc - sc.max(axis=-1, keepdims=True))
+        p /= p.sum(axis=-1, keepdims=True)
+        out[i] = p @ lat[:end]
+    return out
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 16, 256, 64, 300, 0), (5, 4, 96, 16, 40, 3), (3, 2, 20, 5, 9, 1), (2, 3, 64, 32, 2, 0)],
+)
+def test_matches_float64_and_is_batch_invariant(shape: tuple[int, ...]) -> None:
+    t, nh, c, r, s, ra = shape
+    q, qr, lat, kr, allowed = _case(t, nh, c, r, s, ra)
+    got = att.latent_attention(q, qr, lat, kr, allowed, 0.125, ra)
+    want = _reference(q, qr, lat, kr, allowed, 0.125, ra)
+    assert np.abs(got - want).max() <= 1e-5 * max(1.0, float(np.abs(want).max()))
+    for i in range(t):  # each row alone, over only the keys it may see: the same bits
+        end = s - ra - t + i + 1
+        alone = att.latent_attention(
+            q[i : i + 1], qr[i : i + 1], lat[:end], kr[:end], allowed[i : i + 1, :end], 0.125
+        )
+        np.testing.assert_array_equal(alone[0], got[i])
+    np.testing.assert_array_equal(got, att.latent_attention(q, qr, lat, kr, allowed, 0.125, ra))
+
+
+def test_masked_keys_do_not_count() -> None:
+    q, qr, lat, kr, allowed = _case(1, 2, 32, 16, 10, 0)
+    allowed[:] = False
+    allowed[0, [2, 9]] = True
+    got = att.latent_attention(q, qr, lat, kr, allowed, 0.5)
+    lat2 = lat.copy()
+    lat2[[0, 1, 3, 4, 5, 6, 7, 8]] = 1e6  # values of masked keys are never read into the sum
+    np.testing.assert_array_equal(got, att.latent_attention(q, qr, lat2, kr, allowed, 0.5))
+
+
+def test_bad_shapes_are_refused() -> None:
+    q, qr, lat, kr, allowed = _case(2, 2, 32, 16, 10, 0)
+    with pytest.raises(ValueError, match="shapes do not agree"):
+        att.latent_attention(q, qr, lat[:, :16], kr, allowed, 0.5)
+    with pytest.raises(ValueError, match="rows_after"):
+        att.latent_attention(q, qr, lat, kr, allowed, 0.5, rows_after=9)
+
+
+def test_kernels_release_the_gil() -> None:
+    for k in att.KERNELS:
+        assert k.targetoptions.get("nogil") is True, k
