@@ -19,6 +19,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from runtime.kernels.heads import HeadsMatmul
 from runtime.layers.dsa_indexer import IndexerWeights
 from runtime.layers.gqa import GQAWeights
 from runtime.layers.mla import MLADims, MLAWeights
@@ -209,11 +210,19 @@ def _mla(c: ContainerLike, p: str, d: MLADims) -> MLAWeights:
     kv_b = lin(p + "kv_b_proj.weight")  # [NH * (N + V_), C]
     n, v, nh = d.qk_nope_head_dim, d.v_head_dim, d.num_attention_heads
     per = n + v
-    # Absorption needs x @ W_UK[h] (the transposed product); Linear only computes x @ W.T, so
-    # keep W_UK[h]^T as float32 (exact: the dequantized stored values). W_UV[h] is a row slice.
+    # Absorption needs q_nope[h] @ W_UK[h] (the transposed product), computed as a sum of W_UK
+    # rows from a float32 copy (exact: the dequantized stored values); W_UV[h] is a row slice.
     kv_b_f32 = dequantize(kv_b).reshape(nh, per, d.kv_lora_rank)  # [NH, N + V_, C]
-    w_uk_t = [f32_linear(kv_b_f32[h, :n].T) for h in range(nh)]  # NH x [C, N]
+    uk_heads = HeadsMatmul.axpy(kv_b_f32[:, :n])  # [NH, N, C]
     w_uv = [Linear(qtensor_rows(kv_b, h * per + n, (h + 1) * per)) for h in range(nh)]
+    # Every head's W_UV product in one numba call (the same kernels as w_uv, the same bits).
+    if kv_b.fmt.kind == "int4" and kv_b.scales is not None:
+        uv_heads = HeadsMatmul.int4_rows(
+            np.asarray(kv_b.data), kv_b.scales, kv_b.fmt.group_size, d.kv_lora_rank,
+            n, per, v, w_uv, w_uv[0].lanes,
+        )  # fmt: skip
+    else:
+        uv_heads = HeadsMatmul(w_uv)
     q: dict[str, Any] = {}
     if d.q_lora_rank is not None:
         q["q_a_proj"] = Linear(lin(p + "q_a_proj.weight"))
@@ -226,8 +235,9 @@ def _mla(c: ContainerLike, p: str, d: MLADims) -> MLAWeights:
         kv_a_layernorm=c.load_f32(p + "kv_a_layernorm.weight"),
         kv_b_proj=Linear(kv_b),
         o_proj=Linear(lin(p + "o_proj.weight")),
-        w_uk_t=w_uk_t,
+        uk_heads=uk_heads,
         w_uv=w_uv,
+        uv_heads=uv_heads,
         q_a_bias=_opt_f32(c, p + "q_a_proj.bias"),
         kv_a_bias=_opt_f32(c, p + "kv_a_proj_with_mqa.bias"),
         o_bias=_opt_f32(c, p + "o_proj.bias"),

@@ -42,9 +42,9 @@ def _dot(a, ai, b, bi, n):  # type: ignore[no-untyped-def]
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
-def _latent_attention(
+def _latent_attention(  # type: ignore[no-untyped-def]
     q_lat, q_rope, latent, k_rope, allowed, n_rows, n_heads, c, r, s_all, scale, rows_after, out
-):  # type: ignore[no-untyped-def]
+):
     """Flat arrays: q_lat [T*NH*C], q_rope [T*NH*R], latent [S*C], k_rope [S*R], allowed
     [T*S] (uint8), out [T*NH*C]."""
     scores = np.empty(s_all, np.float32)  # [S] one head's scores, then its weights

@@ -30,6 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from runtime.kernels import attention as attention_kernel
+from runtime.kernels.heads import HeadsMatmul
 from runtime.layers.rms_norm import rms_norm
 from runtime.layers.rope import apply_rope
 from runtime.linear import Linear
@@ -73,14 +74,15 @@ class MLADims:
 
 @dataclass(frozen=True, slots=True)
 class MLAWeights:
-    """One layer's attention weights; ``w_uk_t``/``w_uv`` are per-head views for absorption."""
+    """One layer's attention weights; ``uk_heads`` / ``w_uv`` are per-head for absorption."""
 
     kv_a_proj_with_mqa: Linear  # [C + R, D]
     kv_a_layernorm: F32Array  # [C]
     kv_b_proj: Linear  # [NH * (N + V), C]
     o_proj: Linear  # [D, NH * V]
-    w_uk_t: Sequence[Linear]  # NH x [C, N]: W_UK[h] transposed (derived, float32)
+    uk_heads: HeadsMatmul  # [T, NH, N] -> [T, NH, C] through W_UK[h] (derived, float32)
     w_uv: Sequence[Linear]  # NH x [V, C]: row slices of the stored kv_b_proj
+    uv_heads: HeadsMatmul | None = None  # every head's w_uv in one call (same bits)
     q_a_proj: Linear | None = None  # [Q, D]
     q_a_layernorm: F32Array | None = None  # [Q]
     q_b_proj: Linear | None = None  # [NH * (N + R), Q]
@@ -217,11 +219,7 @@ def attend(
 def absorb_queries(w: MLAWeights, d: MLADims, q_nope: F32Array) -> F32Array:
     """``q_nope`` [T, NH, N] folded into the latent space through W_UK: [T, NH, C]. Rows are
     independent (batch-invariant kernels), so the rows of several sequences may share a call."""
-    t = q_nope.shape[0]
-    q_lat = np.empty((t, d.num_attention_heads, d.kv_lora_rank), dtype=np.float32)
-    for h in range(d.num_attention_heads):
-        q_lat[:, h, :] = w.w_uk_t[h](np.ascontiguousarray(q_nope[:, h, :]))  # [T, C]
-    return q_lat
+    return w.uk_heads(q_nope)  # [T, NH, C]
 
 
 def latent_attention(
@@ -244,6 +242,8 @@ def latent_attention(
 def unabsorb_values(w: MLAWeights, d: MLADims, o_lat: F32Array) -> F32Array:
     """Latent attention outputs [T, NH, C] through W_UV -> [T, NH * V] (rows independent)."""
     t = o_lat.shape[0]
+    if w.uv_heads is not None:
+        return w.uv_heads(o_lat).reshape(t, d.num_attention_heads * d.v_head_dim)
     out = np.empty((t, d.num_attention_heads, d.v_head_dim), dtype=np.float32)  # [T, NH, V]
     for h in range(d.num_attention_heads):
         out[:, h, :] = w.w_uv[h](np.ascontiguousarray(o_lat[:, h, :]))  # [T, V]

@@ -77,3 +77,45 @@ def test_bad_shapes_are_refused() -> None:
 def test_kernels_release_the_gil() -> None:
     for k in att.KERNELS:
         assert k.targetoptions.get("nogil") is True, k
+
+
+# ----------------------------------------------------------------------------- per-head matmuls
+
+
+@pytest.mark.parametrize("fmt", ["int4-g64", "int4-row", "int4-g32", "int4-g24"])
+def test_heads_int4_rows_equal_per_head_linears(fmt: str) -> None:
+    """W_UV through one numba call: bit-identical to one Linear per head (same kernels)."""
+    from runtime.kernels.heads import HeadsMatmul
+    from runtime.linear import Linear
+    from runtime.weights import qtensor_rows
+    from storage.quant import quantize
+
+    nh, n, v, c = 3, 5, 7, 128
+    per = n + v
+    rng = np.random.default_rng(1)
+    kv_b = quantize(rng.standard_normal((nh * per, c), dtype=np.float32), fmt)
+    per_head = [Linear(qtensor_rows(kv_b, h * per + n, (h + 1) * per)) for h in range(nh)]
+    assert kv_b.scales is not None
+    fused = HeadsMatmul.int4_rows(
+        np.asarray(kv_b.data), kv_b.scales, kv_b.fmt.group_size, c, n, per, v, per_head,
+        per_head[0].lanes,
+    )  # fmt: skip
+    for t in (1, 4):
+        x = rng.standard_normal((t, nh, c), dtype=np.float32)
+        want = np.stack([lin(np.ascontiguousarray(x[:, h])) for h, lin in enumerate(per_head)], 1)
+        np.testing.assert_array_equal(fused(x), want)
+
+
+def test_heads_axpy_matches_float64_and_is_batch_invariant() -> None:
+    from runtime.kernels.heads import KERNELS, HeadsMatmul
+
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((4, 24, 70), dtype=np.float32)  # [NH, I, O], O not a multiple of 16
+    x = rng.standard_normal((6, 4, 24), dtype=np.float32)
+    got = HeadsMatmul.axpy(w)(x)
+    want = np.einsum("thi,hio->tho", x.astype(np.float64), w.astype(np.float64))
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    for t in range(6):
+        np.testing.assert_array_equal(HeadsMatmul.axpy(w)(x[t : t + 1])[0], got[t])
+    for k in KERNELS:
+        assert k.targetoptions.get("nogil") is True

@@ -1,0 +1,168 @@
+"""Per-head matmuls of MLA absorption in one call: ``out[t, h] = W[h] x[t, h]`` for every head.
+
+Why: absorbed attention multiplies each head's query by its own ``W_UK[h]`` and each head's
+latent output by its own ``W_UV[h]``; as one :class:`~runtime.linear.Linear` call per head that
+was 2 x NH Python calls per layer and token (32 per layer on a 16-head model), each a few
+multiply-adds, so a decode step spent milliseconds in call overhead. Here one numba call loops
+over the heads: ``W_UK`` as a sum of scaled rows (16 output lanes at a time, fixed order), and
+``W_UV`` through, per head, the very int4 kernels a per-head ``Linear`` runs (the same bits).
+
+Shape legend: T rows, NH heads, O out features per head, I in features, B = ceil(I / 2) packed
+bytes per int4 row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+from numba import njit
+
+from runtime.kernels._matmul_kernels import (
+    _i4_gemm,
+    _i4_gemm16,
+    _i4_gemv,
+    _i4_gemv16,
+    _i4_prep,
+)
+from runtime.kernels._simd import vfma16, vload16, vsplat16, vstore16, vzero16
+from runtime.kernels.quant_matmul import DEFAULT_PREFETCH, int4_lanes
+
+__all__ = ["KERNELS", "HeadsMatmul"]
+
+F32Array = npt.NDArray[np.float32]
+
+
+@njit(nogil=True, cache=True)
+def _heads_axpy(w, n_heads, n_in, n_out, x, out):  # type: ignore[no-untyped-def]
+    """w [NH * I * O] (head-major, ``W[h]`` stored [I, O]), x [T, NH, I] -> out [T, NH, O]:
+    ``out[t, h] = sum_i x[t, h, i] * W[h, i]``, ``i`` in increasing order, 16 output lanes at
+    a time (no horizontal sums). Per (t, h) the same code for any T."""
+    n_tok = x.shape[0]
+    o16 = n_out // 16 * 16
+    flat = out.reshape(-1)
+    for t in range(n_tok):
+        for h in range(n_heads):
+            base = (t * n_heads + h) * n_out
+            wbase = h * n_in * n_out
+            for k in range(0, o16, 16):
+                vstore16(flat, base + k, vzero16())
+            for k in range(o16, n_out):
+                flat[base + k] = np.float32(0.0)
+            for i in range(n_in):
+                xv = x[t, h, i]
+                xs = vsplat16(xv)
+                wi = wbase + i * n_out
+                for k in range(0, o16, 16):
+                    o = base + k
+                    vstore16(flat, o, vfma16(xs, vload16(w, wi + k), vload16(flat, o)))
+                for k in range(o16, n_out):
+                    flat[base + k] += xv * w[wi + k]
+
+
+@njit(nogil=True, cache=True)
+def _heads_i4(  # type: ignore[no-untyped-def]
+    packed, scales, row0, row_step, n_heads, n_out, n_in, gbytes, s_row, s_step, wide, x, out, pf
+):
+    """Head ``h`` = rows ``[row0 + h * row_step, + O)`` of an int4 matrix; x [T, NH, I] ->
+    out [T, NH, O]: ``_i4_prep`` then ``_i4_gemv[16]`` (T = 1) or ``_i4_gemm[16]`` per head."""
+    n_tok = x.shape[0]
+    nb = (n_in + 1) // 2
+    ys = (nb + 7) // 8 * 8 + 16
+    xh = np.empty((n_tok, n_in), np.float32)  # [T, I]
+    tmp = np.empty((n_tok, n_out), np.float32)  # [T, O]
+    flat = tmp.reshape(-1)
+    for h in range(n_heads):
+        r = row0 + h * row_step
+        p = packed[r * nb : (r + n_out) * nb]
+        s = scales[r * s_row : (r + n_out) * s_row]
+        for t in range(n_tok):
+            xh[t, :] = x[t, h, :]
+        y = _i4_prep(xh, nb, ys)
+        if n_tok == 1:
+            if wide:
+                _i4_gemv16(p, s, n_out, nb, gbytes, s_row, s_step, y, ys, flat, pf)
+            else:
+                _i4_gemv(p, s, n_out, nb, gbytes, s_row, s_step, y, ys, flat, pf)
+        elif wide:
+            _i4_gemm16(p, s, n_out, nb, gbytes, s_row, s_step, y, ys, tmp, pf)
+        else:
+            _i4_gemm(p, s, n_out, nb, gbytes, s_row, s_step, y, ys, tmp, pf)
+        for t in range(n_tok):
+            out[t, h, :] = tmp[t, :]
+
+
+class HeadsMatmul:
+    """``[T, NH, I] -> [T, NH, O]`` through one weight per head, in one numba call where the
+    weights allow it (float32 stacked ``[NH, O, I]``, or row ranges of one int4 matrix), else
+    head by head through ``Linear`` (the same result either way: the same kernels run)."""
+
+    def __init__(self, per_head: Sequence[object], run: object | None = None) -> None:
+        self._per_head = list(per_head)
+        self._run = run
+
+    @classmethod
+    def axpy(cls, w: F32Array) -> HeadsMatmul:
+        """``w`` [NH, I, O] float32: ``out[t, h] = x[t, h] @ w[h]`` as a sum of scaled rows of
+        ``w[h]`` (fixed order, batch-invariant; for short ``I`` and wide ``O``, as absorbing
+        queries through ``W_UK``: no per-output horizontal sums)."""
+        stacked = np.ascontiguousarray(w, dtype=np.float32)
+        nh, i, o = stacked.shape
+        flat = stacked.reshape(-1)
+
+        def run(x: F32Array) -> F32Array:
+            out = np.empty((x.shape[0], nh, o), np.float32)  # [T, NH, O]
+            _heads_axpy(flat, nh, i, o, x, out)
+            return out
+
+        return cls([], run)
+
+    @classmethod
+    def int4_rows(
+        cls,
+        packed: npt.NDArray[np.uint8],
+        scales: F32Array,
+        group_size: int | None,
+        n_in: int,
+        row0: int,
+        row_step: int,
+        n_out: int,
+        per_head: Sequence[object],
+        lanes: int,
+    ) -> HeadsMatmul:
+        """Head ``h`` = rows ``[row0 + h * row_step, + n_out)`` of an int4 matrix of ``n_in``
+        columns (``packed`` / ``scales`` flat, as stored)."""
+        if group_size is None:
+            s_row, s_step, gbytes = 1, 0, 32
+        elif group_size % 16:
+            return cls(per_head)  # the generic slow path: keep the per-head calls
+        else:
+            s_row, s_step, gbytes = (n_in + group_size - 1) // group_size, 1, group_size // 2
+        wide = int4_lanes(n_in, group_size, lanes) == 16
+        nh = len(per_head)
+        p = np.ascontiguousarray(packed).reshape(-1).view(np.uint8)
+        s = np.ascontiguousarray(scales, dtype=np.float32).reshape(-1)
+
+        def run(x: F32Array) -> F32Array:
+            out = np.empty((x.shape[0], nh, n_out), np.float32)  # [T, NH, O]
+            _heads_i4(
+                p, s, row0, row_step, nh, n_out, n_in, gbytes, s_row, s_step, wide, x, out,
+                DEFAULT_PREFETCH,
+            )  # fmt: skip
+            return out
+
+        return cls(per_head, run)
+
+    def __call__(self, x: npt.NDArray[np.floating]) -> F32Array:
+        xx = np.ascontiguousarray(x, dtype=np.float32)  # [T, NH, I]
+        if self._run is not None and xx.shape[0] > 0:
+            out: F32Array = self._run(xx)  # type: ignore[operator]
+            return out
+        t = xx.shape[0]
+        cols = [lin(np.ascontiguousarray(xx[:, h, :])) for h, lin in enumerate(self._per_head)]  # type: ignore[operator]
+        return np.stack(cols, axis=1) if cols else np.empty((t, 0, 0), np.float32)
+
+
+#: Every compiled kernel (tests check they were built with ``nogil=True``).
+KERNELS = (_heads_axpy, _heads_i4)
