@@ -85,13 +85,15 @@ _COMMON: dict[str, Any] = dict(
 )
 
 # The small script that runs the vendored converter: our tokenizer's pre-tokenizer is not in its
-# table of known hashes, so it is named "gpt-2" (byte-level BPE, which it is).
+# table of known hashes, so it is named "gpt-2" (byte-level BPE, which it is), and it lacks GLM's
+# special tokens ([gMASK], <|observation|>), so GLM models take the plain GPT-2 vocabulary path.
 _CONVERT_SHIM = """
 import sys
 sys.path.insert(0, sys.argv[1])
 sys.path.insert(1, sys.argv[1] + "/gguf-py")
 from conversion import base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+base.TextModel._set_vocab_glm = base.TextModel._set_vocab_gpt2
 sys.argv = [sys.argv[1] + "/convert_hf_to_gguf.py"] + sys.argv[2:]
 import runpy
 runpy.run_path(sys.argv[0], run_name="__main__")
