@@ -15,7 +15,8 @@ source, 7-17 minutes on 2 cores); this tool builds nothing itself. Per shape it:
 3. times both engines interleaved, ``--rounds`` rounds: prefill of a 64- and a 512-token prompt
    (time to the first token) and greedy decode of ``--tokens`` tokens after a 64-token prompt.
    Both on every usable CPU; llama.cpp with its default settings (and ``use_extra_bufts=False``,
-   which MLA models need in Q4_0), colibri with its defaults.
+   which MLA models need in Q4_0), colibri with its defaults (exact kernels) and, as a third
+   engine reported beside, with the opt-in lossy ``--kernels fast-int8`` (``--no-lossy``: skip).
 
 The last line printed is one JSON object: ``figure`` = our decode tok/s / llama.cpp Q4_0 decode
 tok/s (the lower of the shapes' medians), ``prefill_ratio`` (64 and 512 tokens, per shape), both
@@ -232,13 +233,14 @@ def to_colibri(hf: Path, workdir: Path, shape: str) -> Path:
 
 
 class Ours:
-    name = "colibri"
-
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, kernels: str = "exact") -> None:
         import colibri
 
+        self.name = "colibri" if kernels == "exact" else f"colibri {kernels}"
         self._stack = contextlib.ExitStack()
-        self.model = self._stack.enter_context(colibri.open_model(path, learn=False))
+        self.model = self._stack.enter_context(
+            colibri.open_model(path, learn=False, kernels=kernels)
+        )
 
     def prefill(self, ids: list[int]) -> float:
         t = time.perf_counter()
@@ -307,10 +309,12 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 
 def bench_shape(
-    shape: str, ours_path: Path, gguf: Path, rounds: int, tokens: int
+    shape: str, ours_path: Path, gguf: Path, rounds: int, tokens: int, lossy: bool
 ) -> dict[str, Any]:
     threads = len(os.sched_getaffinity(0))
     engines: list[Any] = [Ours(ours_path), Peer(gguf, threads)]
+    if lossy:  # the opt-in --kernels fast-int8, reported beside (never the figure)
+        engines.append(Ours(ours_path, "fast-int8"))
     p64, p512 = _prompt(64, 1), _prompt(512, 2)
     res: dict[str, dict[str, list[float]]] = {
         e.name: {"prefill_64": [], "prefill_512": [], "decode": []} for e in engines
@@ -320,14 +324,14 @@ def bench_shape(
             e.prefill(p64)
             e.decode(p64, 4)
         for r in range(rounds):
-            order = engines if r % 2 == 0 else engines[::-1]  # interleaved, alternating first
+            order = engines if r % 2 == 0 else engines[::-1]  # interleaved, alternating order
             for e in order:
                 res[e.name]["prefill_64"].append(64 / e.prefill(p64))
                 res[e.name]["prefill_512"].append(512 / e.prefill(p512))
                 sec, n = e.decode(p64, tokens)
                 res[e.name]["decode"].append(n / sec)
                 _log(
-                    f"{shape} round {r + 1}: {e.name:9} decode {res[e.name]['decode'][-1]:6.1f} "
+                    f"{shape} round {r + 1}: {e.name:19} decode {res[e.name]['decode'][-1]:6.1f} "
                     f"tok/s, prefill 64: {res[e.name]['prefill_64'][-1]:6.1f} tok/s, "
                     f"512: {res[e.name]['prefill_512'][-1]:6.1f} tok/s"
                 )
@@ -337,12 +341,18 @@ def bench_shape(
             e.close()
     med = {k: {m: round(statistics.median(v), 2) for m, v in d.items()} for k, d in res.items()}
     ours, peer = med["colibri"], med["llama.cpp"]
+    lossy_ratios = {
+        name: {m: round(v / peer[m], 3) for m, v in vals.items()}
+        for name, vals in med.items()
+        if name not in ("colibri", "llama.cpp")
+    }
     return {
         "decode_ratio": round(ours["decode"] / peer["decode"], 3),
         "prefill_ratio": {
             "64": round(ours["prefill_64"] / peer["prefill_64"], 3),
             "512": round(ours["prefill_512"] / peer["prefill_512"], 3),
         },
+        "lossy_ratios": lossy_ratios,
         "medians_tok_s": med,
         "rounds_tok_s": res,
         "engines": infos,
@@ -363,6 +373,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES))
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     ap.add_argument("--tokens", type=int, default=48, help="greedy tokens per decode run")
+    ap.add_argument(
+        "--no-lossy",
+        action="store_true",
+        help="skip the third engine, colibri with the opt-in lossy --kernels fast-int8",
+    )
     args = ap.parse_args(argv)
     try:
         version = importlib.metadata.version("llama-cpp-python")
@@ -383,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
             make_checkpoint(shape, hf)
         ours = to_colibri(hf, args.workdir, shape)
         gguf = to_gguf(hf, args.workdir, shape)
-        shapes[shape] = bench_shape(shape, ours, gguf, args.rounds, args.tokens)
+        shapes[shape] = bench_shape(shape, ours, gguf, args.rounds, args.tokens, not args.no_lossy)
         shapes[shape]["parameters"] = json.loads((hf / ".complete").read_text())["parameters"]
         _log(f"{shape}: decode ratio {shapes[shape]['decode_ratio']}, prefill ratio "
              f"{shapes[shape]['prefill_ratio']}")  # fmt: skip
