@@ -74,7 +74,7 @@ def _bind(q: QTensor, lanes: int) -> _MatMul:
             f"{q.fmt.name} weight [{o}, {i}] needs {n_scales} scales, got {scales.size}"
         )
     if kind == "int8":
-        return lambda x, out: matmul_int8(x, raw, scales, o, i, out=out)
+        return lambda x, out: matmul_int8(x, raw, scales, o, i, out=out, lanes=lanes)
     gs = q.fmt.group_size
     return lambda x, out: matmul_int4(x, raw, scales, o, i, gs, out=out, lanes=lanes)
 
@@ -100,7 +100,7 @@ def _bind_int8(q: QTensor) -> _MatMul | None:
 class Linear:
     """A weight ``[O, I]`` in any storage format. Call with float32 ``x [T, I]`` -> ``[T, O]``.
 
-    ``lanes`` is the int4 kernels' vector width (8 or 16; default: the CPU's, see
+    ``lanes`` is the int4 and int8 kernels' vector width (8 or 16; default: the CPU's, see
     :func:`runtime.kernels.isa.exact_lanes`). Raises :class:`storage.errors.FormatError` when
     the stored arrays do not match the format.
     """

@@ -53,6 +53,7 @@ from runtime.kernels._simd import (
     i4lo8,
     i4lo16,
     i8x8,
+    i8x16,
     vadd,
     vadd16,
     vfma,
@@ -523,6 +524,48 @@ def _col_matmul(w, scales, n_out, n_in, kind, xp, ip, out, pf):  # type: ignore[
                 out[t0 + u, o] = y
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _row_dot_i8x16(w, wi, n_in, xp, xi, tail, pf):  # type: ignore[no-untyped-def]
+    """``_row_dot`` for int8 rows with 16-lane vectors: four chains over 64-column chunks,
+    then 16-column blocks into chain 0, then the short last block from ``tail`` (zero padded,
+    16 bytes); lane sum in a fixed order. ``xp`` rows are padded to a multiple of 16."""
+    a0 = vzero16()
+    a1 = vzero16()
+    a2 = vzero16()
+    a3 = vzero16()
+    n64 = n_in // 64 * 64
+    n16 = n_in // 16 * 16
+    for c in range(0, n64, 64):
+        if pf > 0:
+            prefetch(w, wi + c + pf)
+        a0 = vfma16(i8x16(w, wi + c), vload16(xp, xi + c), a0)
+        a1 = vfma16(i8x16(w, wi + c + 16), vload16(xp, xi + c + 16), a1)
+        a2 = vfma16(i8x16(w, wi + c + 32), vload16(xp, xi + c + 32), a2)
+        a3 = vfma16(i8x16(w, wi + c + 48), vload16(xp, xi + c + 48), a3)
+    for c in range(n64, n16, 16):
+        a0 = vfma16(i8x16(w, wi + c), vload16(xp, xi + c), a0)
+    if n16 < n_in:
+        for k in range(n_in - n16):
+            tail[k] = w[wi + n16 + k]
+        a0 = vfma16(i8x16(tail, 0), vload16(xp, xi + n16), a0)
+    return vhsum16(vadd16(vadd16(a0, a1), vadd16(a2, a3)))
+
+
+@njit(nogil=True, cache=True)
+def _i8_matmul16(w, scales, n_out, n_in, xp, ip, out, pf):  # type: ignore[no-untyped-def]
+    """int8 rows with 16-lane vectors: out [T, O] from ``w`` (flat [O * I]) and ``xp``
+    [T * Ip] (rows padded to a multiple of 16); the per-row scale applied to the row sum.
+    The tiling of ``_col_matmul``: per (token, row) the same code for any T."""
+    n_tok = out.shape[0]
+    tail = np.zeros(16, np.uint8)  # [16] zero-padded last block
+    for t0 in range(0, n_tok, _TILE):
+        nt = min(_TILE, n_tok - t0)
+        for o in range(n_out):
+            for u in range(nt):
+                y = _row_dot_i8x16(w, o * n_in, n_in, xp, (t0 + u) * ip, tail, pf if u == 0 else 0)
+                out[t0 + u, o] = y * scales[o]
+
+
 @njit(nogil=True, cache=True)
 def _i4_generic_matmul(packed, scales, n_out, n_in, nb, gs, xp, ip, out):  # type: ignore[no-untyped-def]
     """Grouped int4 whose group size is not a multiple of 16 (bytes straddle groups).
@@ -554,6 +597,8 @@ KERNELS = (
     _i4_generic_matmul,
     _col_matmul,
     _row_dot,
+    _row_dot_i8x16,
+    _i8_matmul16,
     _i4_decode32,
     _i4_dot32,
     _fill_tail,

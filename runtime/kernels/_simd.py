@@ -42,6 +42,7 @@ __all__ = [
     "i4lo8",
     "i4lo16",
     "i8x8",
+    "i8x16",
     "vadd",
     "vadd16",
     "vfma",
@@ -310,6 +311,19 @@ def i8x8(typingctx: Any, arr: Any, idx: Any) -> Any:
         return builder.sitofp(raw, ir.VectorType(_F32, 8))
 
     return f32x8(arr, idx), codegen
+
+
+@_intrinsic
+def i8x16(typingctx: Any, arr: Any, idx: Any) -> Any:
+    """Bytes ``arr[idx : idx + 16]`` read as two's complement int8 -> 16 float32 lanes."""
+    if not _is_array(arr, types.uint8) or not isinstance(idx, types.Integer):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        raw = _load_vec(context, builder, sig, args, ir.IntType(8), 16)
+        return builder.sitofp(raw, ir.VectorType(_F32, 16))
+
+    return f32x16(arr, idx), codegen
 
 
 @_intrinsic

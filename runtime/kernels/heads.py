@@ -98,9 +98,15 @@ class HeadsMatmul:
     weights allow it (float32 stacked ``[NH, O, I]``, or row ranges of one int4 matrix), else
     head by head through ``Linear`` (the same result either way: the same kernels run)."""
 
-    def __init__(self, per_head: Sequence[object], run: object | None = None) -> None:
+    def __init__(
+        self,
+        per_head: Sequence[object],
+        run: object | None = None,
+        held: tuple[npt.NDArray[np.generic], ...] = (),
+    ) -> None:
         self._per_head = list(per_head)
         self._run = run
+        self.held = held  # the arrays ``run`` reads (RAM accounting walks attributes)
 
     @classmethod
     def axpy(cls, w: F32Array) -> HeadsMatmul:
@@ -116,7 +122,7 @@ class HeadsMatmul:
             _heads_axpy(flat, nh, i, o, x, out)
             return out
 
-        return cls([], run)
+        return cls([], run, (flat,))
 
     @classmethod
     def int4_rows(
@@ -152,7 +158,7 @@ class HeadsMatmul:
             )  # fmt: skip
             return out
 
-        return cls(per_head, run)
+        return cls(per_head, run, (p, s))
 
     def __call__(self, x: npt.NDArray[np.floating]) -> F32Array:
         xx = np.ascontiguousarray(x, dtype=np.float32)  # [T, NH, I]

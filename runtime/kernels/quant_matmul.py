@@ -29,6 +29,7 @@ from runtime.kernels._matmul_kernels import (
     _i4_gemv16,
     _i4_generic_matmul,
     _i4_prep,
+    _i8_matmul16,
     _pad_rows,
 )
 from runtime.kernels._matmul_kernels import KERNELS as _EXACT_KERNELS
@@ -58,8 +59,8 @@ KERNELS = _EXACT_KERNELS + _Q8_KERNELS
 #: neutral on the benchmark machine, see docs/benchmarks.md). 0 turns the prefetch off.
 DEFAULT_PREFETCH = 4096
 
-#: The int4 kernels' vector widths: 8 lanes (every shape) and 16 (groups of a multiple of 64
-#: columns that tile the row exactly; other shapes take the 8-lane kernel).
+#: The int4 and int8 kernels' vector widths: 8 lanes (every shape) and 16 (int8: every shape;
+#: int4: groups of a multiple of 64 columns that tile the row exactly, other shapes take 8).
 INT4_LANES = (8, 16)
 
 
@@ -335,10 +336,26 @@ def matmul_int8(
     *,
     out: F32Array | None = None,
     prefetch_distance: int = DEFAULT_PREFETCH,
+    lanes: int = 8,
 ) -> F32Array:
-    """``x [T, I] @ W.T -> [T, O]`` for int8 ``W``: two's complement bytes [O * I], scales [O]."""
+    """``x [T, I] @ W.T -> [T, O]`` for int8 ``W``: two's complement bytes [O * I], scales [O].
+
+    ``lanes`` 8 or 16: the vector width (each deterministic and batch-invariant; the two sum
+    in different orders)."""
+    if lanes not in INT4_LANES:
+        raise ValueError(f"lanes must be one of {INT4_LANES}, got {lanes}")
     n_out, n_in = int(out_features), int(in_features)
     _check_shape(n_out, n_in)
     ww = _check_weight("data", data, np.uint8, n_out * n_in)
     s = _check_weight("scales", scales, np.float32, n_out)
-    return _matmul_cols(_KIND_I8, x, ww, s, n_out, n_in, out, prefetch_distance)
+    if lanes == 8:
+        return _matmul_cols(_KIND_I8, x, ww, s, n_out, n_in, out, prefetch_distance)
+    xx = _check_x(x, n_in)
+    n_tok = xx.shape[0]
+    y = _check_out(out, n_tok, n_out)
+    pf = _check_prefetch(prefetch_distance)
+    if n_tok == 0 or n_out == 0:
+        return y
+    ip = (n_in + 15) // 16 * 16
+    _i8_matmul16(ww, s, n_out, n_in, _pad_rows(xx, ip), ip, y, pf)
+    return y

@@ -58,7 +58,8 @@ def _weights(fmt: str, o: int, i: int, seed: int = 0) -> QTensor:
 
 
 def _matmul(q: QTensor, lanes: int = 8) -> Callable[..., F32]:
-    """The kernel wrapper for ``q``'s format, as ``f(x, **kw) -> y`` (int4: ``lanes`` wide)."""
+    """The kernel wrapper for ``q``'s format, as ``f(x, **kw) -> y`` (int4 / int8: ``lanes``
+    wide)."""
     o, i = q.shape
     f = q.fmt
     data: npt.NDArray[Any] = q.data
@@ -71,7 +72,7 @@ def _matmul(q: QTensor, lanes: int = 8) -> Callable[..., F32]:
     assert q.scales is not None
     scales: F32 = q.scales
     if f.kind == "int8":
-        return lambda x, **kw: matmul_int8(x, data, scales, o, i, **kw)
+        return lambda x, **kw: matmul_int8(x, data, scales, o, i, lanes=lanes, **kw)
     return lambda x, **kw: matmul_int4(x, data, scales, o, i, f.group_size, lanes=lanes, **kw)
 
 
@@ -109,6 +110,20 @@ def test_realistic_expert_gemv_shapes(lanes: int) -> None:
         for t in (1, 5):
             x = _x(t, i)
             _assert_close(_matmul(q, lanes)(x), x, q)
+
+
+def test_int8_both_widths_exact_and_differently_ordered() -> None:
+    """int8 takes 16 lanes at every width (the tail block is zero padded); the widths agree to
+    float rounding, not bit for bit."""
+    for n_in in (1, 15, 16, 77, 200, 2048):
+        q = _weights("int8", 9, n_in, seed=n_in)
+        x = _x(3, n_in)
+        y8, y16 = _matmul(q, 8)(x), _matmul(q, 16)(x)
+        _assert_close(y16, x, q)
+        if n_in >= 64:
+            assert not np.array_equal(y8, y16)
+    with pytest.raises(ValueError, match="lanes"):
+        _matmul(_weights("int8", 2, 8), 32)(_x(1, 8))
 
 
 @pytest.mark.parametrize("fmt", ["int4-g64", "int4-g128", "int4-row", "int4-g32", "int4-g24"])
@@ -168,8 +183,8 @@ def test_special_values_propagate() -> None:
 def test_batch_invariant(fmt: str, n_in: int, lanes: int) -> None:
     # 37 rows: not a multiple of the kernels' row blocks; 64 tokens: several token tiles.
     # 384 columns: the int4 16-lane kernels (groups tiling the row), 200 / 77: the 8-lane ones.
-    if lanes == 16 and not fmt.startswith("int4"):
-        pytest.skip("16 lanes is an int4 kernel width")
+    if lanes == 16 and not fmt.startswith(("int4", "int8")):
+        pytest.skip("16 lanes is an int4 / int8 kernel width")
     q = _weights(fmt, 37, n_in)
     mm = _matmul(q, lanes)
     x = _x(64, n_in, seed=7)
