@@ -222,6 +222,17 @@ def _make(vt: Any) -> dict[str, Any]:
         return vt(arr, idx), codegen
 
     @_intrinsic
+    def i8(typingctx: Any, arr: Any, idx: Any) -> Any:
+        """Bytes ``arr[idx : idx + L]`` read as two's complement int8 -> float32."""
+        if not _is_array(arr, types.uint8) or not isinstance(idx, types.Integer):
+            return None
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            return builder.sitofp(_load_vec(context, builder, sig, args, ir.IntType(8), n), vf)
+
+        return vt(arr, idx), codegen
+
+    @_intrinsic
     def vadd(typingctx: Any, a: Any, b: Any) -> Any:
         """Lane-wise ``a + b``."""
         if a != vt or b != vt:
@@ -277,6 +288,7 @@ def _make(vt: Any) -> dict[str, Any]:
         vstore=vstore,
         i4byte=i4byte,
         i4lo=i4lo,
+        i8=i8,
         vadd=vadd,
         vmul=vmul,
         vfma=vfma,
@@ -290,40 +302,14 @@ _V16 = _make(f32x16)
 
 vzero, vsplat, vload, vstore = _V8["vzero"], _V8["vsplat"], _V8["vload"], _V8["vstore"]
 i4byte8, i4lo8, vadd, vmul = _V8["i4byte"], _V8["i4lo"], _V8["vadd"], _V8["vmul"]
-vfma, vhsum = _V8["vfma"], _V8["vhsum"]
+vfma, vhsum, i8x8 = _V8["vfma"], _V8["vhsum"], _V8["i8"]
 
 vzero16, vsplat16, vload16, vstore16 = _V16["vzero"], _V16["vsplat"], _V16["vload"], _V16["vstore"]
 i4byte16, i4lo16, vadd16, vmul16 = _V16["i4byte"], _V16["i4lo"], _V16["vadd"], _V16["vmul"]
-vfma16, vhsum16 = _V16["vfma"], _V16["vhsum"]
+vfma16, vhsum16, i8x16 = _V16["vfma"], _V16["vhsum"], _V16["i8"]
 
 
 # ----------------------------------------------------------------------------- 8-lane decodes
-
-
-@_intrinsic
-def i8x8(typingctx: Any, arr: Any, idx: Any) -> Any:
-    """Bytes ``arr[idx : idx + 8]`` read as two's complement int8 -> float32."""
-    if not _is_array(arr, types.uint8) or not isinstance(idx, types.Integer):
-        return None
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        raw = _load_vec(context, builder, sig, args, ir.IntType(8), 8)
-        return builder.sitofp(raw, ir.VectorType(_F32, 8))
-
-    return f32x8(arr, idx), codegen
-
-
-@_intrinsic
-def i8x16(typingctx: Any, arr: Any, idx: Any) -> Any:
-    """Bytes ``arr[idx : idx + 16]`` read as two's complement int8 -> 16 float32 lanes."""
-    if not _is_array(arr, types.uint8) or not isinstance(idx, types.Integer):
-        return None
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        raw = _load_vec(context, builder, sig, args, ir.IntType(8), 16)
-        return builder.sitofp(raw, ir.VectorType(_F32, 16))
-
-    return f32x16(arr, idx), codegen
 
 
 @_intrinsic

@@ -12,7 +12,7 @@ packed bytes per int4 row.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -115,6 +115,52 @@ def _check_prefetch(prefetch_distance: int) -> int:
     return int(prefetch_distance)
 
 
+class _Int4Call(NamedTuple):
+    """The checked arguments of an int4 matmul call."""
+
+    n_out: int
+    n_in: int
+    nb: int  # packed bytes per row
+    p: npt.NDArray[np.uint8]  # [O * B]
+    s: F32Array  # [O * S]
+    s_row: int  # scales per row
+    s_step: int  # scale index step per group (0: per-row scales)
+    gbytes: int  # packed bytes per group (32 for per-row: 64-column virtual groups)
+    gs: int  # group size (0: per row)
+    x: F32Array  # [T, I]
+    y: F32Array  # [T, O]
+    pf: int
+
+
+def _int4_call(
+    x: object,
+    packed: object,
+    scales: object,
+    out_features: int,
+    in_features: int,
+    group_size: int | None,
+    out: F32Array | None,
+    prefetch_distance: int,
+) -> _Int4Call:
+    n_out, n_in = int(out_features), int(in_features)
+    _check_shape(n_out, n_in)
+    nb = (n_in + 1) // 2
+    p = _check_weight("packed", packed, np.uint8, n_out * nb)
+    if group_size is None:  # per row: 64-column virtual groups sharing the row's scale
+        s_row, s_step, gbytes, gs = 1, 0, 32, 0
+    else:
+        gs = int(group_size)
+        if gs < 1:
+            raise ValueError(f"group_size must be positive, got {gs}")
+        s_row = (n_in + gs - 1) // gs
+        s_step, gbytes = 1, gs // 2
+    s = _check_weight("scales", scales, np.float32, n_out * s_row)
+    xx = _check_x(x, n_in)
+    y = _check_out(out, xx.shape[0], n_out)
+    pf = _check_prefetch(prefetch_distance)
+    return _Int4Call(n_out, n_in, nb, p, s, s_row, s_step, gbytes, gs, xx, y, pf)
+
+
 def matmul_int4(
     x: F32Array,
     packed: npt.NDArray[np.uint8],
@@ -137,23 +183,10 @@ def matmul_int4(
     """
     if lanes not in INT4_LANES:
         raise ValueError(f"lanes must be one of {INT4_LANES}, got {lanes}")
-    n_out, n_in = int(out_features), int(in_features)
-    _check_shape(n_out, n_in)
-    nb = (n_in + 1) // 2
-    p = _check_weight("packed", packed, np.uint8, n_out * nb)
-    if group_size is None:  # per row: 64-column virtual groups sharing the row's scale
-        s_row, s_step, gbytes, gs = 1, 0, 32, 0
-    else:
-        gs = int(group_size)
-        if gs < 1:
-            raise ValueError(f"group_size must be positive, got {gs}")
-        s_row = (n_in + gs - 1) // gs
-        s_step, gbytes = 1, gs // 2
-    s = _check_weight("scales", scales, np.float32, n_out * s_row)
-    xx = _check_x(x, n_in)
+    a = _int4_call(x, packed, scales, out_features, in_features, group_size, out, prefetch_distance)
+    n_out, n_in, nb, p, s, xx, y, pf = a.n_out, a.n_in, a.nb, a.p, a.s, a.x, a.y, a.pf
+    s_row, s_step, gbytes, gs = a.s_row, a.s_step, a.gbytes, a.gs
     n_tok = xx.shape[0]
-    y = _check_out(out, n_tok, n_out)
-    pf = _check_prefetch(prefetch_distance)
     if n_tok == 0 or n_out == 0:
         return y
     if gs and gs % 16 != 0:  # groups end mid-byte or mid-block: the exact slow path
@@ -206,23 +239,16 @@ def matmul_int4_q8(
     fast-int8``, :mod:`._q8`). Deterministic and batch-invariant like the exact kernels, and
     the same bits on every x86-64 CPU, but not equal to them: the activations lose precision.
     Only for :func:`q8_eligible` shapes (``ValueError`` otherwise)."""
-    n_out, n_in = int(out_features), int(in_features)
-    _check_shape(n_out, n_in)
-    if not q8_eligible(n_in, group_size):
+    if not q8_eligible(int(in_features), group_size):
         raise ValueError(
             f"the int8-activation kernel needs I a multiple of 64 and groups of a multiple of 64 "
-            f"tiling the row, got I={n_in}, group_size={group_size}"
+            f"tiling the row, got I={in_features}, group_size={group_size}"
         )
-    nb = n_in // 2
-    p = _check_weight("packed", packed, np.uint8, n_out * nb)
+    a = _int4_call(x, packed, scales, out_features, in_features, group_size, out, prefetch_distance)
+    n_out, n_in, nb, p, xx, y, pf = a.n_out, a.n_in, a.nb, a.p, a.x, a.y, a.pf
     n_chunks = n_in // 64
-    s_row = 1 if group_size is None else n_in // int(group_size)
-    s = _check_weight("scales", scales, np.float32, n_out * s_row)
-    s = q8_chunk_scales(s, n_out, n_chunks)
-    xx = _check_x(x, n_in)
+    s = q8_chunk_scales(a.s, n_out, n_chunks)
     n_tok = xx.shape[0]
-    y = _check_out(out, n_tok, n_out)
-    pf = _check_prefetch(prefetch_distance)
     if n_tok == 0 or n_out == 0:
         return y
     # per token [2, I] digits and [G * 16] biases, plus 64 bytes so tokens do not alias
