@@ -105,8 +105,8 @@ class EngineOptions(BaseModel):
     # use). Results are bit-identical for every count.
     threads: int | None = None
     # Matmul kernels: "exact" (bit-exact, batch-invariant) or "fast-int8", the opt-in lossy mode
-    # that rounds activations to int8 for int4 weights (VNNI where the CPU has it). Lossy:
-    # greedy tokens may differ from exact; stats(), /health and `coli info` say so.
+    # that rounds activations to two int8 digits for int4 weights (VNNI where the CPU has it).
+    # Lossy: greedy tokens may differ from exact; stats(), /health and `coli info` say so.
     kernels: Literal["exact", "fast-int8"] = "exact"
     state_dir: Path | None = None
     pin: bool = True

@@ -184,8 +184,8 @@ class Engine:
             compute = ExpertCompute(opts.resolved_threads(), kernels=opts.kernels)
             if opts.kernels != "exact":
                 _log.warning(
-                    "lossy kernels: activations are rounded to int8 for int4 weights; output "
-                    "differs from the exact kernels (greedy tokens may change)",
+                    "lossy kernels: activations are rounded to int8 digits for int4 weights; "
+                    "output differs from the exact kernels (greedy tokens may change)",
                     kernels=opts.kernels,
                 )
             try:

@@ -16,8 +16,9 @@ process-wide state besides the BLAS thread limit it sets for the duration of a p
   chunks. BLAS sums in its own order: rows agree with the exact kernels to float rounding, not
   bit for bit, which is why it is opt-in and never used for decode (rows < threshold).
 * **Kernels** (``kernels``): ``"exact"`` (the default) or ``"fast-int8"``, the labelled lossy
-  kernels that round activations to int8 per 64 columns for int4 weights (experts, dense and
-  shared MLPs, attention projections, ``lm_head``: every matmul that goes through this class).
+  kernels that round activations to two int8 digits per 64 columns for int4 weights (experts,
+  dense and shared MLPs, attention projections, ``lm_head``: every matmul that goes through
+  this class).
   Still deterministic and batch-invariant; not equal to the exact kernels.
 
 Shape legend: T tokens (rows), D hidden, F intermediate, K experts per token.

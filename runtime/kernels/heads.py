@@ -162,7 +162,7 @@ class HeadsMatmul:
 
     def __call__(self, x: npt.NDArray[np.floating]) -> F32Array:
         xx = np.ascontiguousarray(x, dtype=np.float32)  # [T, NH, I]
-        if self._run is not None and xx.shape[0] > 0:
+        if self._run is not None:
             out: F32Array = self._run(xx)  # type: ignore[operator]
             return out
         t = xx.shape[0]

@@ -104,6 +104,7 @@ def test_heads_int4_rows_equal_per_head_linears(fmt: str) -> None:
         x = rng.standard_normal((t, nh, c), dtype=np.float32)
         want = np.stack([lin(np.ascontiguousarray(x[:, h])) for h, lin in enumerate(per_head)], 1)
         np.testing.assert_array_equal(fused(x), want)
+    assert fused(np.zeros((0, nh, c), np.float32)).shape == (0, nh, v)
 
 
 def test_heads_axpy_matches_float64_and_is_batch_invariant() -> None:
@@ -117,5 +118,6 @@ def test_heads_axpy_matches_float64_and_is_batch_invariant() -> None:
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
     for t in range(6):
         np.testing.assert_array_equal(HeadsMatmul.axpy(w)(x[t : t + 1])[0], got[t])
+    assert HeadsMatmul.axpy(w)(x[:0]).shape == (0, 4, 70)
     for k in KERNELS:
         assert k.targetoptions.get("nogil") is True
