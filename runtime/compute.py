@@ -40,7 +40,7 @@ from runtime.kernels.dequant import dequantize
 from runtime.layers import moe as moe_ops
 from runtime.layers.swiglu import MLPWeights, swiglu
 from runtime.linear import Linear
-from runtime.weights import ExpertSource
+from runtime.weights import ExpertSource, Lookahead
 
 __all__ = ["KERNEL_MODES", "ExpertCompute", "KernelMode"]
 
@@ -51,6 +51,7 @@ KERNEL_MODES: tuple[KernelMode, ...] = ("exact", "fast-int8")
 
 F32Array = npt.NDArray[np.float32]
 R = TypeVar("R")
+S = TypeVar("S")
 
 
 class ExpertCompute:
@@ -200,16 +201,45 @@ class ExpertCompute:
         experts: Sequence[int],
         fn: Callable[[int, MLPWeights], R],
         macs: int,
+        lookahead: Lookahead | None = None,
     ) -> dict[int, R]:
         """``{e: fn(e, weights_e)}`` for every expert of the step, as they arrive from
         ``source``; on the pool when there is one and the step has ``macs >= parallel_min_macs``
-        multiply-adds (``source.map_arrivals``), else serially in arrival order."""
+        multiply-adds (``source.map_arrivals``), else serially in arrival order. ``lookahead``
+        goes to the source with the step (its reads queue behind the step's own)."""
+        return self.run_step(source, layer, experts, fn, macs, lookahead, None)[0]
+
+    def run_step(
+        self,
+        source: ExpertSource,
+        layer: int,
+        experts: Sequence[int],
+        fn: Callable[[int, MLPWeights], R],
+        macs: int,
+        lookahead: Lookahead | None,
+        side: Callable[[], S] | None,
+    ) -> tuple[dict[int, R], S | None]:
+        """:meth:`run`, plus ``side`` (the shared expert: work that needs no routed expert)
+        computed while the step's reads are in flight rather than after its last arrival: on a
+        worker from the start, or serially right after the first expert. Returns the outputs
+        and ``side()``'s result (None without ``side``)."""
         if self._pool is None or macs < self.parallel_min_macs:
-            return {e: fn(e, w) for e, w in source.arrivals(layer, experts)}
+            out: dict[int, R] = {}
+            extra: S | None = None
+            for e, w in source.arrivals(layer, experts, lookahead):
+                out[e] = fn(e, w)
+                if side is not None and len(out) == 1:
+                    extra = side()
+            return out, extra
         with self._lock:
             self.parallel_steps += 1
         with self._blas_single():
-            return source.map_arrivals(layer, experts, fn, self._pool)
+            fut = self._pool.submit(side) if side is not None else None
+            try:
+                out = source.map_arrivals(layer, experts, fn, self._pool, lookahead)
+            finally:
+                extra = fut.result() if fut is not None else None
+            return out, extra
 
     def as_dict(self) -> dict[str, int | str]:
         return {

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import anyio
 import anyio.from_thread
@@ -36,13 +36,20 @@ import numpy.typing as npt
 import structlog
 
 from runtime.linear import Linear
-from runtime.policies.tiers import Placement, PrefetchMode, StepHandle, TierPolicy, TierStats
-from runtime.weights import ExpertWeights
+from runtime.policies.tiers import (
+    LOOKAHEAD_PIECE,
+    Placement,
+    PrefetchMode,
+    StepHandle,
+    TierPolicy,
+    TierStats,
+)
+from runtime.weights import ExpertWeights, Lookahead
 from storage.aligned import HUGE_PAGE, aligned_empty, huge_backed_bytes, hugepage_support
 from storage.container import Container, ExpertExtent
 from storage.errors import ColibriError, ReadError
 from storage.integrity import Check, ExpertChecksums, crc32_of, crc_check, verify_views
-from storage.reader import Reader, ReadRequest, required_size
+from storage.reader import Reader, ReadRequest, aligned_extent, required_size
 
 _log = structlog.get_logger(__name__)
 
@@ -159,6 +166,52 @@ class _Step(StepHandle):
             stats.read_wait_lookahead_s += seconds
         else:
             stats.read_wait_demand_s += seconds
+
+
+class _Pieces:
+    """How a lookahead read goes to the device (:meth:`ExpertStore._read_into`): before each
+    piece, the gate (no demand read in flight or waiting) and the policy's word: go on, read
+    all the rest at once (a step now waits for it: a demand read from here on), or stop (its
+    layer's step began without it). The caller passed the gate for the first piece."""
+
+    def __init__(self, store: ExpertStore, key: Key) -> None:
+        self.store = store
+        self.key = key
+        self.demand = False  # a step joined it: the rest was read as a demand read
+        self._first = True
+        self._gated = True  # holding a gate ticket (lookahead, or demand once joined)
+
+    async def before(self) -> Literal["piece", "rest", "stop"]:
+        st, pol = self.store, self.store.policy
+        if not self._first:
+            await st._gate(demand=False)
+            self._gated = True
+        self._first = False
+        ready = pol.lookahead_ready(self.key)
+        if ready is False:
+            pol.piece_started(self.key, st._clock())
+            return "piece"
+        st._ungate(demand=False)
+        self._gated = False
+        if ready is None:
+            return "stop"
+        await st._gate(demand=True)
+        self.demand = self._gated = True
+        return "rest"
+
+    def after(self) -> None:
+        """The piece finished (or failed)."""
+        if self.demand:
+            return  # the demand ticket is given back by close()
+        st = self.store
+        st.policy.piece_done(self.key, st._clock())
+        st._ungate(demand=False)
+        self._gated = False
+
+    def close(self) -> None:
+        if self._gated:
+            self.store._ungate(demand=self.demand)
+            self._gated = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -335,7 +388,13 @@ class ExpertStore:
         return self.policy.tiers()
 
     # ------------------------------------------------------------------ reads
-    async def _read_into(self, key: Key, slot: _Slot) -> None:
+    async def _read_into(self, key: Key, slot: _Slot, pieces: _Pieces | None = None) -> bool:
+        """Read ``key`` into ``slot`` (blob and scales, checked under ``--verify-reads``).
+
+        ``pieces`` (a lookahead read): the blob goes to the device piece by piece
+        (``LOOKAHEAD_PIECE`` bytes), each piece first asking ``pieces.before`` whether to read
+        it, to read all the rest at once (a step now waits for it) or to stop. Returns False
+        when it stopped (the slot holds nothing usable)."""
         x = self.c.expert(*key)
         blob_req = ReadRequest(x.path, x.start, x.end - x.start)
         sreqs = _scale_requests(x)
@@ -348,14 +407,18 @@ class ExpertStore:
         checks = self._checks(key, x, sreqs)
         t0 = self._clock()
         try:
-            if self.placement is not None:  # the copy is chosen there; failover happens there
-                views = await self.placement.read_many(
-                    self.reader, key, [blob_req, *sreqs], bufs, checks
-                )
+            if pieces is None:
+                views = await self._read_reqs(key, [blob_req, *sreqs], bufs, checks)
             else:
-                views = await self.reader.read_many([blob_req, *sreqs], bufs)
-                if checks is not None:
-                    await verify_views(views, checks)
+                blob = await self._read_pieces(key, blob_req, slot.blob, pieces)
+                if blob is None:
+                    return False
+                rest = await self._read_reqs(key, sreqs, bufs[1:], checks and checks[1:])
+                views = [blob, *rest]
+                try:
+                    await verify_views(views[:1], (checks or [None])[:1])
+                except ReadError:  # a damaged copy: the whole read again (mirrors fail over)
+                    views = await self._read_reqs(key, [blob_req, *sreqs], bufs, checks)
             if self.checksums is not None and len(sreqs) > 1:  # scales in several pieces
                 self._check_scales(key, x, views[1:])
         except ColibriError:
@@ -363,13 +426,58 @@ class ExpertStore:
             raise
         finally:
             self.stats.read_wait_s += self._clock() - t0
-        self.stats.reads += 1 + len(sreqs)
+        whole = pieces is None  # (pieces are counted as they are read)
+        self.stats.reads += whole + len(sreqs)
         self.stats.experts_read += 1
-        self.stats.bytes_read += blob_req.length + sum(r.length for r in sreqs)
-        blob = np.frombuffer(views[0], dtype=np.uint8)
+        self.stats.bytes_read += whole * blob_req.length + sum(r.length for r in sreqs)
+        blob_u8 = np.frombuffer(views[0], dtype=np.uint8)
         svs = [np.frombuffer(v, dtype=np.uint8) for v in views[1:]]
-        slot.weights = _weights_from(x, blob, sreqs, svs)
+        slot.weights = _weights_from(x, blob_u8, sreqs, svs)
         slot.key = key
+        return True
+
+    async def _read_reqs(
+        self,
+        key: Key,
+        reqs: Sequence[ReadRequest],
+        bufs: Sequence[npt.NDArray[np.uint8]],
+        checks: Sequence[Check | None] | None,
+    ) -> list[Any]:
+        """Read ``reqs`` of ``key`` into ``bufs`` (through the copy placement, if any) and run
+        their checks; views in request order."""
+        if not reqs:
+            return []
+        if self.placement is not None:  # the copy is chosen there; failover happens there
+            views: list[Any] = await self.placement.read_many(self.reader, key, reqs, bufs, checks)
+            return views
+        views = list(await self.reader.read_many(reqs, bufs))
+        if checks is not None:
+            await verify_views(views, checks)
+        return views
+
+    async def _read_pieces(
+        self, key: Key, req: ReadRequest, buf: npt.NDArray[np.uint8], pieces: _Pieces
+    ) -> Any:
+        """``req`` (a blob) in aligned pieces into ``buf`` as ``pieces`` decides; its view, or
+        None when told to stop."""
+        aligned, head, _ = aligned_extent(req)
+        need = head + req.length
+        o = 0
+        while o < need:
+            what = await pieces.before()
+            if what == "stop":
+                return None
+            end = need if what == "rest" else min(need, o + LOOKAHEAD_PIECE)
+            piece = ReadRequest(req.path, aligned + o, end - o)
+            try:
+                with anyio.CancelScope(shield=True):  # the kernel writes into buf
+                    await self._read_reqs(key, [piece], [buf[o : o + required_size(piece)]], None)
+            finally:
+                pieces.after()
+            self.stats.reads += 1
+            self.stats.bytes_read += end - max(o, head)
+            o = end
+        return buf[head : head + req.length]
 
     def _checks(
         self, key: Key, x: ExpertExtent, sreqs: Sequence[ReadRequest]
@@ -425,59 +533,95 @@ class ExpertStore:
         self._slot_freed = anyio.Event()
 
     async def _gate(self, demand: bool) -> None:
-        """Wait until the policy lets this read start (:meth:`TierPolicy.try_issue`)."""
+        """Wait until the policy lets this read (or lookahead piece) start
+        (:meth:`TierPolicy.try_issue`)."""
         pol = self.policy
-        if pol.try_issue(demand=demand):
+        if pol.try_issue(demand=demand, now=self._clock()):
             return
         if demand:
-            pol.queue_demand(+1)
+            pol.queue_demand(+1, self._clock())
         try:
-            while not pol.try_issue(demand=demand):
+            while not pol.try_issue(demand=demand, now=self._clock()):
                 await self._io_changed.wait()
         finally:
             if demand:
-                pol.queue_demand(-1)
+                pol.queue_demand(-1, self._clock())
 
-    def _ungate(self) -> None:
-        self.policy.io_done()
+    def _ungate(self, demand: bool) -> None:
+        self.policy.io_done(demand=demand, now=self._clock())
         self._io_changed.set()
         self._io_changed = anyio.Event()
 
     # ------------------------------------------------------------------ one read
-    async def _fetch(self, key: Key, *, demand: bool) -> None:
-        pol = self.policy
-        if demand:
-            got = await self._take_slot(key, demand=True)
-            await self._gate(demand=True)
-        else:
-            gen = pol.generation(key[0])
-            await self._gate(demand=False)
-            ready = pol.lookahead_ready(key, gen)
-            if ready is None:  # the layer's step came and went without it: skip the read
-                self._ungate()
-                return
-            demand = ready  # a step waits for it now
-            got = await self._take_slot(key, demand=demand)
-            if got is None:  # no spare room for a lookahead read: skip it
-                pol.drop(key)
-                self._ungate()
-                return
-            if not demand:
-                pol.lookahead_started(key, self._clock())
+    async def _demand(self, key: Key) -> None:
+        """A demand read: a slot (waiting for one if need be), the gate, the whole expert."""
+        got = await self._take_slot(key, demand=True)
         assert got is not None
-        slot, where = got
+        await self._gate(demand=True)
         err: ColibriError | None = None
         try:
             with anyio.CancelScope(shield=True):  # never abandon a buffer the kernel writes into
-                await self._read_into(key, slot)
+                await self._read_into(key, got[0])
         except ColibriError as exc:
             err = exc
         finally:
-            self._ungate()
+            self._ungate(demand=True)
+        self._landed(key, *got, err, demand=True)
+
+    async def _lookahead(self, key: Key) -> None:
+        """A lookahead read: piece by piece on an idle device (:class:`_Pieces`); it becomes a
+        demand read when a step starts waiting for it, and stops when its layer's step began
+        without routing to it."""
+        pol = self.policy
+        await self._gate(demand=False)
+        ready = pol.lookahead_ready(key)
+        if ready is not False:
+            self._ungate(demand=False)
+            if ready is None:  # its layer's step came and went without it: skip the read
+                pol.drop(key)
+            else:  # a step already waits for it: an ordinary demand read
+                await self._demand(key)
+            return
+        got = await self._take_slot(key, demand=False)
+        if got is None:  # no spare room for a lookahead read: skip it
+            pol.drop(key)
+            self._ungate(demand=False)
+            return
+        slot, where = got
+        pieces = _Pieces(self, key)
+        err: ColibriError | None = None
+        try:
+            done = await self._read_into(key, slot, pieces)
+        except ColibriError as exc:
+            err, done = exc, True
+        except BaseException:  # cancelled between pieces (closing): give the slot back
+            self._stopped(key, slot, where)
+            raise
+        finally:
+            pieces.close()
+        if not done:
+            self._stopped(key, slot, where)
+            return
+        self._landed(key, slot, where, err, demand=pieces.demand)
+
+    def _stopped(self, key: Key, slot: _Slot, where: Placement) -> None:
+        """A lookahead read stopped part-way: its slot goes back."""
+        self.policy.drop(key, where)
+        if where.cached:
+            self._free_cache[key[0]].append(self._cached.pop(key))
+            slot.key, slot.weights = None, None
+        else:
+            self._return_transient(slot)
+
+    def _landed(
+        self, key: Key, slot: _Slot, where: Placement, err: ColibriError | None, *, demand: bool
+    ) -> None:
+        """A read finished: the policy says what happens to it (deliver, park, release, ...)."""
+        pol = self.policy
         if err is not None and where.cached:
             self._free_cache[key[0]].append(self._cached.pop(key))
         step = pol.waiters.get(key)
-        outcome = pol.landed(key, where, ok=err is None, demand=demand, now=self._clock())
+        outcome = pol.landed(key, where, ok=err is None, demand=demand)
         if outcome == "park":
             self._prefetched[key] = slot  # for the demand step of that layer
         elif outcome == "release":
@@ -489,14 +633,18 @@ class ExpertStore:
             step.out.put(err)
         elif outcome == "deliver":
             assert isinstance(step, _Step) and slot.weights is not None
-            if not where.cached:
+            joined = pol.adoptable(key)  # a lookahead read the step joined: the cache takes it
+            if not where.cached and not (joined and self._adopt(key, slot)):
                 self._held[key] = slot
                 step.held.add(key[1])  # before the put: the compute thread reads it after
             step.out.put((key[1], slot.weights))
 
     # ------------------------------------------------------------------ loop-side step API
-    def _loop_begin(self, step: _Step, experts: Sequence[int]) -> list[tuple[int, ExpertWeights]]:
-        """Resident experts now; misses are read and arrive through ``step.out``."""
+    def _loop_begin(
+        self, step: _Step, experts: Sequence[int], lookahead: Lookahead | None = None
+    ) -> list[tuple[int, ExpertWeights]]:
+        """Resident experts now; misses are read and arrive through ``step.out``. Then the
+        ``lookahead`` prediction queues its reads, behind this step's demand reads."""
         layer = step.layer
         ready: list[tuple[int, ExpertWeights]] = []
         for e, tier in self.policy.begin(step, experts, now=self._clock()):
@@ -511,19 +659,32 @@ class ExpertStore:
                 slot = self._pinned[key]
             elif tier == "lru":
                 slot = self._cached[key]
-            else:  # "parked": a lookahead result in a transient slot, now held by the step
+            else:  # "parked": a lookahead result in a transient slot, now the step's
                 slot = self._prefetched.pop(key)
-                self._held[key] = slot
-                step.held.add(e)
+                if not self._adopt(key, slot):
+                    self._held[key] = slot
+                    step.held.add(e)
             assert slot.weights is not None
             ready.append((e, slot.weights))
+        if lookahead is not None:
+            self._loop_prefetch(*lookahead)
         return ready
 
-    async def _demand(self, key: Key) -> None:
-        await self._fetch(key, demand=True)
-
-    async def _lookahead(self, key: Key) -> None:
-        await self._fetch(key, demand=False)
+    def _adopt(self, key: Key, slot: _Slot) -> bool:
+        """A step takes ``key``'s lookahead result from transient ``slot``: if the layer's LRU
+        takes it (:meth:`TierPolicy.adopt`), the slot becomes its cache slot and the victim's
+        (or a free cache slot's) buffer becomes transient; False leaves it transient."""
+        where = self.policy.adopt(key)
+        if where is None:
+            return False
+        spare = (
+            self._cached.pop(where.evicted)
+            if where.evicted is not None
+            else self._free_cache[key[0]].pop()
+        )
+        self._cached[key] = slot
+        self._return_transient(spare)
+        return True
 
     def _loop_done_with(self, layer: int, e: int) -> None:
         slot = self._held.pop((layer, e), None)
@@ -579,14 +740,17 @@ class StreamingExperts:
         pol = self.store.policy
         return layer in pol.lru and pol.reads_ahead(layer)
 
-    def arrivals(self, layer: int, experts: Sequence[int]) -> Iterator[tuple[int, ExpertWeights]]:
+    def arrivals(
+        self, layer: int, experts: Sequence[int], lookahead: Lookahead | None = None
+    ) -> Iterator[tuple[int, ExpertWeights]]:
         """Yield ``(expert, weights)`` for every id: resident first, then misses as they land.
+        ``lookahead`` (a prediction for a later layer) queues its reads behind this step's.
 
         Resume the generator only after computing with the yielded expert: its transient
         buffer is recycled then."""
         st = self.store
         step = _Step(layer)
-        ready = anyio.from_thread.run_sync(st._loop_begin, step, list(experts))
+        ready = anyio.from_thread.run_sync(st._loop_begin, step, list(experts), lookahead)
         try:
             for e, w in ready:
                 yield e, w
@@ -608,8 +772,10 @@ class StreamingExperts:
         experts: Sequence[int],
         fn: Callable[[int, ExpertWeights], R],
         pool: Executor,
+        lookahead: Lookahead | None = None,
     ) -> dict[int, R]:
-        """``{e: fn(e, weights)}`` with each expert computed on ``pool`` as soon as it arrives.
+        """``{e: fn(e, weights)}`` with each expert computed on ``pool`` as soon as it arrives
+        (``lookahead``: as for :meth:`arrivals`).
 
         The compute thread only dispatches: it waits on one queue for the next arrival or the
         next finished computation, and gives an expert's transient buffer back once its
@@ -617,7 +783,7 @@ class StreamingExperts:
         started computation is awaited before any buffer is recycled."""
         st = self.store
         step = _Step(layer)
-        ready = anyio.from_thread.run_sync(st._loop_begin, step, list(experts))
+        ready = anyio.from_thread.run_sync(st._loop_begin, step, list(experts), lookahead)
         results: dict[int, R] = {}
         pending = 0
         to_arrive = len(experts) - len(ready)

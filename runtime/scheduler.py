@@ -40,9 +40,16 @@ if TYPE_CHECKING:
     from runtime.experts import ExpertStore
     from runtime.layers.moe import MoEWeights
     from runtime.speculative import SpeculativeDecoder
-    from runtime.weights import ExpertSource, ExpertWeights
+    from runtime.weights import ExpertSource, ExpertWeights, Lookahead
 
-__all__ = ["BatchModel", "Scheduler", "SchedulerStats", "StepRequest", "moe_step"]
+__all__ = [
+    "BatchModel",
+    "Scheduler",
+    "SchedulerStats",
+    "StepRequest",
+    "moe_step",
+    "predict_next",
+]
 
 F32Array = npt.NDArray[np.float32]
 R = TypeVar("R")
@@ -61,8 +68,8 @@ def moe_step(
 
     1. **Route**: the router picks K experts per row and their gate weights.
     2. **Lookahead**: when the source wants it, layer L+1's router (``next_moe``) applied to
-       this layer's state predicts the next layer's experts and queues their reads (a hint:
-       it never changes a result).
+       this layer's state predicts the next layer's experts; their reads queue with this
+       step, behind its demand reads, most likely first (a hint: it never changes a result).
     3. **Union**: the unique experts over all rows are requested once.
     4. **Place + compute as arrivals land**: the source yields resident experts first, then
        misses as their reads complete; each is applied to its rows (on the compute pool when
@@ -73,9 +80,8 @@ def moe_step(
     t0 = time.perf_counter()
     ids, gates = moe_ops.route(moe, x)  # [T, K], [T, K]
     ctx.observe("route", layer, ids)
-    if next_moe is not None and experts.wants_lookahead(layer + 1):
-        nxt, _ = moe_ops.route(next_moe, x)  # [T, K]
-        experts.prefetch(layer + 1, moe_ops.union(nxt))
+    # queued with this step, behind its demand reads
+    lookahead = predict_next(experts, layer, next_moe, x)
     comp = ctx.compute
 
     def one(e: int, w: ExpertWeights) -> tuple[npt.NDArray[np.intp], F32Array]:
@@ -92,10 +98,30 @@ def moe_step(
         routed = moe_ops.combine(x, ids, outputs)
         ctx.timing.moe_s += time.perf_counter() - t0 - (t2 - t1)
         return routed + shared
-    outputs = comp.run(experts, layer, moe_ops.union(ids), one, macs=ids.size * expert_macs)
+    def shared_out() -> F32Array:
+        return moe_ops.shared(moe, x, comp.swiglu)
+
+    # the shared expert is computed while the step's reads are in flight
+    outputs, side = comp.run_step(
+        experts, layer, moe_ops.union(ids), one, ids.size * expert_macs, lookahead, shared_out
+    )
     routed = moe_ops.combine(x, ids, outputs)
-    ctx.timing.moe_s += time.perf_counter() - t0  # the shared expert counts as dense compute
-    return routed + moe_ops.shared(moe, x, comp.swiglu)
+    ctx.timing.moe_s += time.perf_counter() - t0
+    assert side is not None
+    return routed + side
+
+
+def predict_next(
+    experts: ExpertSource, layer: int, next_moe: MoEWeights | None, x: F32Array
+) -> Lookahead | None:
+    """Layer L+1's router (``next_moe``) applied to layer L's MLP input ``x`` [T, D]: the
+    experts L+1 will probably route to, most likely first; None when there is no MoE layer
+    next or the source would not read ahead for it now. A dense layer L calls it too (and
+    hands the result to ``experts.prefetch``), so the first MoE layer's reads start while
+    the dense layer computes."""
+    if next_moe is None or not experts.wants_lookahead(layer + 1):
+        return None
+    return layer + 1, moe_ops.ranked_union(*moe_ops.route(next_moe, x))
 
 
 # ----------------------------------------------------------------------------- the batcher
@@ -113,9 +139,10 @@ class TimeBreakdown:
     * ``read_wait_demand_s``: the compute thread waited for an expert a demand read brings;
     * ``read_wait_lookahead_s``: it waited for an expert a lookahead read was already bringing;
     * ``expert_compute_s``: routing and the routed experts (their thread-pool dispatch and the
-      hand-back of their buffers included);
-    * ``dense_compute_s``: everything else in the forward (attention, dense MLPs, shared
-      experts, norms, LM head, MTP drafts);
+      hand-back of their buffers included), and the shared experts, which are computed while
+      the routed experts' reads are in flight;
+    * ``dense_compute_s``: everything else in the forward (attention, dense MLPs, norms,
+      LM head, MTP drafts);
     * ``other_s``: getting onto and off the compute thread (event loop, thread hand-off).
     """
 

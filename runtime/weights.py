@@ -38,6 +38,7 @@ __all__ = [
     "ExpertWeights",
     "GQALayerWeights",
     "LayerWeights",
+    "Lookahead",
     "MTPWeights",
     "ModelWeights",
     "ResidentExperts",
@@ -54,6 +55,8 @@ R = TypeVar("R")
 
 # A routed expert is a SwiGLU MLP; the name says where it came from.
 ExpertWeights = MLPWeights
+# A prediction of a later layer's experts: (layer, expert ids, most likely first).
+Lookahead = tuple[int, Sequence[int]]
 
 
 class ExpertSource(Protocol):
@@ -67,10 +70,14 @@ class ExpertSource(Protocol):
         everything is resident); when False the caller does not even predict."""
         ...
 
-    def arrivals(self, layer: int, experts: Sequence[int]) -> Iterator[tuple[int, ExpertWeights]]:
+    def arrivals(
+        self, layer: int, experts: Sequence[int], lookahead: Lookahead | None = None
+    ) -> Iterator[tuple[int, ExpertWeights]]:
         """Yield ``(expert, weights)`` for each of ``experts`` (sorted, unique) of ``layer`` in
         the order they become available. The caller finishes computing with one expert before
-        resuming the iterator (a streaming source recycles that expert's buffer then)."""
+        resuming the iterator (a streaming source recycles that expert's buffer then).
+        ``lookahead``: a prediction ``(later layer, experts, most likely first)`` whose reads
+        go after this step's own (a hint, as for :meth:`prefetch`)."""
         ...
 
     def map_arrivals(
@@ -79,9 +86,11 @@ class ExpertSource(Protocol):
         experts: Sequence[int],
         fn: Callable[[int, ExpertWeights], R],
         pool: Executor,
+        lookahead: Lookahead | None = None,
     ) -> dict[int, R]:
         """``{e: fn(e, weights_e)}`` with each expert computed on ``pool`` as it arrives (a
-        streaming source recycles an expert's buffer once its computation finished)."""
+        streaming source recycles an expert's buffer once its computation finished).
+        ``lookahead``: as for :meth:`arrivals`."""
         ...
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
@@ -438,7 +447,9 @@ class ResidentExperts:
         except KeyError as exc:
             raise ModelError(f"layer {layer} expert {exc.args[0]} is not resident") from exc
 
-    def arrivals(self, layer: int, experts: Sequence[int]) -> Iterator[tuple[int, ExpertWeights]]:
+    def arrivals(
+        self, layer: int, experts: Sequence[int], lookahead: Lookahead | None = None
+    ) -> Iterator[tuple[int, ExpertWeights]]:
         yield from self.get(layer, experts).items()
 
     def map_arrivals(
@@ -447,6 +458,7 @@ class ResidentExperts:
         experts: Sequence[int],
         fn: Callable[[int, ExpertWeights], R],
         pool: Executor,
+        lookahead: Lookahead | None = None,
     ) -> dict[int, R]:
         """``{e: fn(e, weights)}`` computed on ``pool`` (every expert is already resident)."""
         futures = {e: pool.submit(fn, e, w) for e, w in self.get(layer, experts).items()}

@@ -35,7 +35,7 @@ import numpy.typing as npt
 import structlog
 
 from runtime.cluster.wire import pack_request, unpack_reply
-from runtime.weights import ExpertSource, ExpertWeights
+from runtime.weights import ExpertSource, ExpertWeights, Lookahead
 from storage.errors import ColibriError
 
 if TYPE_CHECKING:
@@ -198,8 +198,10 @@ class ClusterExperts:
     def wants_lookahead(self, layer: int) -> bool:
         return False  # the owners read their own experts
 
-    def arrivals(self, layer: int, experts: Sequence[int]) -> Iterator[tuple[int, ExpertWeights]]:
-        return self.local.arrivals(layer, experts)
+    def arrivals(
+        self, layer: int, experts: Sequence[int], lookahead: Lookahead | None = None
+    ) -> Iterator[tuple[int, ExpertWeights]]:
+        return self.local.arrivals(layer, experts)  # (no lookahead for fallbacks)
 
     def map_arrivals(
         self,
@@ -207,6 +209,7 @@ class ClusterExperts:
         experts: Sequence[int],
         fn: Callable[[int, ExpertWeights], R],
         pool: Executor,
+        lookahead: Lookahead | None = None,
     ) -> dict[int, R]:
         return self.local.map_arrivals(layer, experts, fn, pool)
 

@@ -49,6 +49,16 @@ def union(ids: I64Array) -> list[int]:
     return [int(e) for e in np.unique(ids)]
 
 
+def ranked_union(ids: I64Array, gates: F32Array) -> list[int]:
+    """The unique experts of ``ids`` [T, K], most likely first: by their largest gate weight
+    over the rows (ties by id). A lookahead prediction is read in this order."""
+    best: dict[int, float] = {}
+    for e, g in zip(ids.ravel().tolist(), gates.ravel().tolist(), strict=True):
+        if g > best.get(e, -np.inf):
+            best[e] = g
+    return sorted(best, key=lambda e: (-best[e], e))
+
+
 def expert_output(
     x: F32Array,
     ids: I64Array,

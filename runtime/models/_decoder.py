@@ -46,7 +46,7 @@ from runtime.layers.moe_router import RouterConfig
 from runtime.layers.rms_norm import rms_norm
 from runtime.layers.rope import Rope, RopeParameters, mla_softmax_scale
 from runtime.linear import Linear
-from runtime.scheduler import moe_step
+from runtime.scheduler import moe_step, predict_next
 from runtime.weights import (
     ContainerLike,
     ExpertSource,
@@ -380,6 +380,9 @@ class DecoderStack:
             macs = 3 * c.hidden_size * c.moe_intermediate_size  # one row through one expert
             y = moe_step(ctx, self.experts, layer, lw.moe, x, macs, self._next_router(layer))
         elif lw.mlp is not None:
+            ahead = predict_next(self.experts, layer, self._next_router(layer), x)
+            if ahead is not None:  # the next MoE layer's reads start while this one computes
+                self.experts.prefetch(*ahead)
             y = ctx.compute.swiglu(x, lw.mlp)  # [T, D]
         else:
             raise ModelError(f"layer {layer} has neither an MLP nor a MoE block")

@@ -9,18 +9,25 @@ expert lives and *when* it is read, so it can change speed, never an output.
 Per step of a layer: :meth:`TierPolicy.begin` sorts the routed experts into resident (pinned,
 LRU, parked lookahead), already in flight, or to read; :meth:`place` picks each read's slot
 (a cache slot, evicting the LRU victim, or a transient one); :meth:`try_issue` gates reads
-(at most ``read_depth`` in flight, demand reads first, lookahead only on an idle device);
+(at most ``read_depth`` demand reads in flight; a lookahead read goes to the device in pieces,
+one piece at a time, and only while no demand read is in flight or waiting);
 :meth:`landed` says what happens to a completed read (deliver, park, release);
 :meth:`end` closes the step. :meth:`lookahead` turns a prediction into reads, and
-:meth:`lookahead_ready` drops the ones that went stale while they waited for the device.
+:meth:`lookahead_ready`, asked before each piece, drops the ones that went stale: once the step
+of the layer they were for has begun without routing to them, the rest is not read.
+
+So a lookahead read never stands between a demand read and the device for more than one piece,
+and its results never evict a cached expert: they wait in transient slots, and a step that uses
+one takes it into the layer's LRU the way its own read would have been (:meth:`adopt`), so the
+cache holds what it would hold without lookahead.
 
 ``--prefetch auto`` (the default) keeps a ledger per layer: what its lookahead *saved* (the
 read time of a result a step then used, or the head start of a read a step joined in flight)
-against what it *cost* (the read time of a result nobody used, when it shared the device with
-demand reads). Every ``LEDGER_STEPS`` steps of the layer the difference feeds an average; the
-layer reads ahead while the average is positive. A layer starts off; while it is off every
-``PROBE_EVERY``-th step still reads ahead, so the ledger sees whether (and when) its routing is
-predictable: lookahead that loses costs at most one step in ``PROBE_EVERY``. ``on`` and ``off``
+against what it *cost* (the time its pieces shared the device with demand reads, measured
+piece by piece). Every ``LEDGER_STEPS`` steps of the layer the difference feeds an average;
+the layer reads ahead while the average is >= 0. A layer starts on; while it is off every
+``PROBE_EVERY``-th step still reads ahead, so the ledger sees when routing becomes predictable
+again: lookahead that loses costs at most one step in ``PROBE_EVERY``. ``on`` and ``off``
 force it. Only speed changes: a lookahead read never decides what a step computes.
 
 Shape legend: L layer, E expert, Key = (L, E); "transient" = a slot outside the cache (misses the
@@ -49,6 +56,13 @@ LEDGER_ALPHA = 0.5
 # ... and while it is off, every PROBE_EVERY-th step of the layer still reads ahead, so the
 # ledger sees when routing becomes predictable again.
 PROBE_EVERY = 8
+# A lookahead read goes to the device in pieces of this many bytes, so that a demand read that
+# arrives meanwhile waits for at most one piece, and a read that went stale stops early.
+LOOKAHEAD_PIECE = 4 << 20
+# At most this many reads per prediction, the most likely first: the device idles between two
+# layers for about one expert's read, and a read that has not started when its layer begins
+# is dropped anyway.
+LOOKAHEAD_READS = 2
 
 
 @dataclass
@@ -65,6 +79,7 @@ class TierStats:
     prefetch_issued: int = 0
     prefetch_used: int = 0
     prefetch_wasted: int = 0
+    prefetch_aborted: int = 0  # lookahead reads stopped part-way (their layer routed elsewhere)
     evictions: int = 0
     bypass: int = 0  # misses served through a transient slot
     read_errors: int = 0
@@ -75,7 +90,7 @@ class TierStats:
     lookahead_predicted_hits: int = 0  # routed experts the lookahead had predicted
     lookahead_routed: int = 0  # routed experts of layers that had a prediction
     lookahead_saved_s: float = 0.0  # demand read time lookahead results spared steps
-    lookahead_cost_s: float = 0.0  # read time of unused lookahead reads that ran beside demand
+    lookahead_cost_s: float = 0.0  # time lookahead pieces shared the device with demand reads
     lookahead_layers_off: int = 0  # layers --prefetch auto judged and keeps lookahead off for
 
     @property
@@ -109,7 +124,7 @@ class _Ledger:
     cost_s: float = 0.0
     steps: int = 0
     score: float | None = None  # EWMA of saved - cost per window
-    on: bool = False  # under "auto" a layer starts off: its probes must show that it pays
+    on: bool = True  # under "auto" a layer starts on; its ledger turns it off when it loses
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,11 +158,12 @@ class TierPolicy:
             prefetch = "on" if prefetch else "off"
         self.prefetch_mode: PrefetchMode = prefetch
         self._ledger = {layer: _Ledger() for layer in self.lru}
-        self._la_start: dict[Key, tuple[float, int]] = {}  # on the device: (start, demand reads)
-        self._la_read_s: dict[Key, float] = {}  # landed lookahead results: their read time
-        self._demand_reads = 0
-        # read time of lookahead results that ran beside demand reads: a cost once unused
-        self._pending_cost: dict[Key, float] = {}
+        self._la_start: dict[Key, float] = {}  # lookahead reads on the device: first piece
+        self._la_read_s: dict[Key, float] = {}  # lookahead reads: device time of their pieces
+        self._la_piece: dict[Key, tuple[float, float]] = {}  # piece on the device: (start, busy)
+        self._la_begun: dict[Key, int] = {}  # lookahead reads: their layer's begun steps then
+        self._begun: dict[int, int] = {}  # layer -> steps begun
+        self._lookahead_held: set[Key] = set()  # lookahead reads in flight a step joined
         self.prefill = False  # while prefilling, the LRU admits only into free slots
         self.stats = TierStats()
         self.pinned: set[Key] = set()
@@ -156,9 +172,12 @@ class TierPolicy:
         self.waiters: dict[Key, StepHandle] = {}
         self._lookahead_cached: set[Key] = set()  # lookahead reads that landed in a cache slot
         self._predicted: dict[int, set[int]] = {}  # layer -> lookahead prediction (for recall)
-        self._generation: dict[int, int] = {}  # layer -> steps ended (stale lookahead check)
-        self._io_inflight = 0
+        self._demand_inflight = 0
+        self._lookahead_inflight = 0
         self._demand_queued = 0
+        # seconds with a demand read in flight or waiting (up to _busy_since, if set)
+        self._demand_busy_s = 0.0
+        self._busy_since: float | None = None
 
     # ------------------------------------------------------------------ where experts are
     def cached(self, key: Key) -> bool:
@@ -186,6 +205,7 @@ class TierPolicy:
         layer = step.layer
         lru = self.lru[layer]
         lru.protect(experts)
+        self._begun[layer] = self._begun.get(layer, 0) + 1
         predicted = self._predicted.pop(layer, None)
         if predicted is not None:
             self.stats.lookahead_routed += len(experts)
@@ -215,9 +235,10 @@ class TierPolicy:
                 self.waiters[key] = step
                 if key in self.inflight:
                     self.stats.prefetch_used += 1  # a lookahead read already under way
+                    self._lookahead_held.add(key)
                     started = self._la_start.get(key)
                     if started is not None:  # its head start is read time the step saves
-                        self._saved(key, max(0.0, now - started[0]))
+                        self._saved(key, max(0.0, now - started))
                     out.append((e, "inflight"))
                 else:
                     self.inflight.add(key)
@@ -229,7 +250,7 @@ class TierPolicy:
         lookahead results of its layer that it did not use (their slots go back)."""
         step.aborted = True
         layer = step.layer
-        self._generation[layer] = self._generation.get(layer, 0) + 1
+        self._lookahead_held -= {k for k in self._lookahead_held if k[0] == layer}
         self.lru[layer].unprotect()
         for key in [k for k, s in self.waiters.items() if s is step]:
             del self.waiters[key]
@@ -244,20 +265,13 @@ class TierPolicy:
     # ------------------------------------------------------------------ --prefetch auto
     def _saved(self, key: Key, seconds: float) -> None:
         """A step used ``key``'s lookahead result: ``seconds`` of demand read time saved."""
-        self._pending_cost.pop(key, None)  # it was needed: the device time was not extra
         self._ledger[key[0]].saved_s += seconds
         self.stats.lookahead_saved_s += seconds
 
     def _wasted(self, key: Key) -> None:
-        """``key``'s lookahead result leaves unused: the time it shared the device with demand
-        reads was a cost."""
+        """``key``'s lookahead result leaves unused (its cost was booked piece by piece)."""
         self.stats.prefetch_wasted += 1
         self._la_read_s.pop(key, None)
-        cost = self._pending_cost.pop(key, 0.0)
-        led = self._ledger.get(key[0])
-        if led is not None:
-            led.cost_s += cost
-        self.stats.lookahead_cost_s += cost
 
     def _close_window(self, layer: int) -> None:
         """Count a step of ``layer``; every LEDGER_STEPS steps, judge its lookahead: on while
@@ -274,7 +288,7 @@ class TierPolicy:
         )
         led.saved_s = led.cost_s = 0.0
         if self.prefetch_mode == "auto":
-            led.on = led.score > 0.0
+            led.on = led.score >= 0.0
             self.stats.lookahead_layers_off = sum(
                 x.score is not None and not x.on for x in self._ledger.values()
             )
@@ -288,19 +302,48 @@ class TierPolicy:
         # the probe is the last step of a window, so the window it closes judges it
         return led.on or led.steps % PROBE_EVERY == PROBE_EVERY - 1
 
-    def lookahead_started(self, key: Key, now: float) -> None:
-        """A lookahead read of ``key`` went to the device at ``now``."""
-        self._la_start[key] = (now, self._demand_reads)
+    def piece_started(self, key: Key, now: float) -> None:
+        """A piece of ``key``'s lookahead read went to the device at ``now``."""
+        self._la_start.setdefault(key, now)
+        self._la_piece[key] = (now, self.demand_busy(now))
+
+    def piece_done(self, key: Key, now: float) -> None:
+        """That piece finished at ``now``: its device time counts to the read, and the time it
+        shared the device with demand reads is booked as the layer's lookahead cost."""
+        start, busy = self._la_piece.pop(key)
+        self._la_read_s[key] = self._la_read_s.get(key, 0.0) + max(0.0, now - start)
+        cost = max(0.0, self.demand_busy(now) - busy)
+        if cost:
+            self._ledger[key[0]].cost_s += cost
+            self.stats.lookahead_cost_s += cost
+
+    def demand_busy(self, now: float) -> float:
+        """Seconds, up to ``now``, during which a demand read was in flight or waiting."""
+        since = self._busy_since
+        return self._demand_busy_s + (now - since if since is not None else 0.0)
+
+    def _demand_changed(self, now: float) -> None:
+        busy = self._demand_inflight + self._demand_queued > 0
+        if busy and self._busy_since is None:
+            self._busy_since = now
+        elif not busy and self._busy_since is not None:
+            self._demand_busy_s += max(0.0, now - self._busy_since)
+            self._busy_since = None
 
     # ------------------------------------------------------------------ slots
     def place(self, key: Key, *, demand: bool) -> Placement | None:
-        """The slot for ``key``'s read: a cache slot when the layer's LRU can take it (evicting
-        its victim), else a transient one. Lookahead reads only use the spare half of the
-        transient slots. None: no slot now (a lookahead read is then skipped, a demand read
-        waits for :meth:`release_transient` and asks again)."""
+        """The slot for ``key``'s read: a cache slot when the layer's LRU can take it (a demand
+        read evicts its victim; a lookahead read only takes a free one), else a transient one.
+        Lookahead reads only use the spare half of the transient slots. None: no slot now (a
+        lookahead read is then skipped, a demand read waits for :meth:`release_transient` and
+        asks again)."""
         layer, e = key
         lru = self.lru[layer]
-        if lru.can_admit(prefill=self.prefill):
+        # a lookahead read takes a cache slot only when one is free: it never evicts
+        admit = lru.can_admit(prefill=self.prefill)
+        if not demand and lru.victim() is not None:
+            admit = False
+        if admit:
             victim = lru.admit(e, prefill=self.prefill)
             evicted = None
             if victim is not None:
@@ -325,40 +368,76 @@ class TierPolicy:
         self.transient_free += 1
         assert self.transient_free <= self.transient_slots
 
+    def adopt(self, key: Key) -> Placement | None:
+        """A step takes ``key``, a lookahead result in a transient slot (parked, or a read it
+        joined that just landed): the layer's LRU takes it as it would have taken the step's
+        own read (evicting its victim), so lookahead does not change what the cache holds.
+        Returns where it went (the store swaps buffers: the slot becomes a cache slot, the
+        victim's or a free cache slot's buffer becomes transient), or None when the LRU cannot
+        take it now (it stays in its transient slot until the step has computed with it)."""
+        self._lookahead_held.discard(key)
+        layer, e = key
+        lru = self.lru[layer]
+        if e in lru or not lru.can_admit(prefill=self.prefill):
+            return None
+        victim = lru.admit(e, prefill=self.prefill)
+        evicted = None
+        if victim is not None:
+            evicted = (layer, victim)
+            self.stats.evictions += 1
+            if evicted in self._lookahead_cached:
+                self._lookahead_cached.discard(evicted)
+                self._wasted(evicted)
+        self.release_transient()  # a buffer of the cache becomes the transient one
+        return Placement(True, evicted)
+
+    def adoptable(self, key: Key) -> bool:
+        """Whether ``key``, landing for a step, is a lookahead read the step joined in flight
+        (to :meth:`adopt` once it lands)."""
+        return key in self._lookahead_held
+
     # ------------------------------------------------------------------ the read gate
-    def try_issue(self, *, demand: bool) -> bool:
-        """Start one read if the gate allows it now: demand reads while fewer than
-        ``read_depth`` are in flight; lookahead reads only on an idle device with no demand
-        read waiting (they never delay what the current step needs). A few reads in flight
-        keep the device busy; all misses at once would share the bandwidth and land together
-        at the end, leaving nothing to overlap compute with."""
+    def try_issue(self, *, demand: bool, now: float = 0.0) -> bool:
+        """Start one read (a lookahead read: one piece) if the gate allows it now: demand reads
+        while fewer than ``read_depth`` demand reads are in flight; a lookahead piece only when
+        no demand read is in flight or waiting, and one piece at a time (so a demand read that
+        arrives meanwhile shares the device with at most one piece). A few demand reads in
+        flight keep the device busy; all misses at once would share the bandwidth and land
+        together at the end, leaving nothing to overlap compute with."""
         if demand:
-            ok = self._io_inflight < self.read_depth
-        else:
-            ok = self._io_inflight == 0 and self._demand_queued == 0
+            ok = self._demand_inflight < self.read_depth
+            if ok:
+                self._demand_inflight += 1
+                self._demand_changed(now)
+            return ok
+        ok = self._demand_inflight == 0 and self._demand_queued == 0
+        ok = ok and self._lookahead_inflight == 0
         if ok:
-            self._io_inflight += 1
-            if demand:
-                self._demand_reads += 1
+            self._lookahead_inflight += 1
         return ok
 
-    def queue_demand(self, delta: int) -> None:
+    def queue_demand(self, delta: int, now: float = 0.0) -> None:
         """A demand read starts (+1) or stops (-1) waiting at the gate."""
         self._demand_queued += delta
         assert self._demand_queued >= 0
+        self._demand_changed(now)
 
-    def io_done(self) -> None:
-        """A read that passed the gate finished (or was dropped after passing it)."""
-        self._io_inflight -= 1
-        assert self._io_inflight >= 0
+    def io_done(self, *, demand: bool, now: float = 0.0) -> None:
+        """A read (``demand``) or lookahead piece that passed the gate finished (or was dropped
+        after passing it)."""
+        if demand:
+            self._demand_inflight -= 1
+            assert self._demand_inflight >= 0
+            self._demand_changed(now)
+        else:
+            self._lookahead_inflight -= 1
+            assert self._lookahead_inflight >= 0
 
     # ------------------------------------------------------------------ lookahead
-    def generation(self, layer: int) -> int:
-        return self._generation.get(layer, 0)
-
     def lookahead(self, layer: int, experts: Sequence[int]) -> list[Key]:
-        """A prediction that ``layer`` will route to ``experts``: the keys to read ahead (not
-        resident, not in flight). They are marked in flight."""
+        """A prediction that ``layer`` will route to ``experts`` (most likely first): the keys
+        to read ahead, in that order (not resident, not in flight; at most ``LOOKAHEAD_READS``).
+        They are marked in flight."""
         if layer not in self.lru or not self.reads_ahead(layer):
             return []
         self._predicted[layer] = set(experts)
@@ -369,31 +448,47 @@ class TierPolicy:
                 continue
             if key in self.parked:
                 continue
+            if len(keys) == LOOKAHEAD_READS:
+                break
             self.stats.prefetch_issued += 1
             self.inflight.add(key)
+            self._la_begun[key] = self._begun.get(layer, 0)
             keys.append(key)
         return keys
 
-    def lookahead_ready(self, key: Key, generation: int) -> bool | None:
-        """A lookahead read of ``key`` (queued when its layer had ended ``generation`` steps)
-        passed the gate: True when a step now waits for it (it became a demand read), False to
-        go on as lookahead, None to drop it (its layer's step came and went without it)."""
+    def lookahead_ready(self, key: Key) -> bool | None:
+        """Asked before each piece of a lookahead read of ``key``: True when a step now waits
+        for it (the rest is a demand read), False to go on as lookahead, None to stop (the
+        step of its layer began since the prediction and did not route to it)."""
         if key in self.waiters:
+            self._la_begun.pop(key, None)
             return True
-        if self.generation(key[0]) != generation:
-            self.drop(key)
+        if self._begun.get(key[0], 0) != self._la_begun.get(key, -1):
             return None
         return False
 
-    def drop(self, key: Key) -> None:
-        """A queued lookahead read of ``key`` is not made (stale, or no spare slot)."""
+    def drop(self, key: Key, placement: Placement | None = None) -> None:
+        """A lookahead read of ``key`` stops: before its first piece (stale, or no spare slot:
+        it never happened) or part-way (counted aborted and wasted). ``placement``: the slot
+        it had (a transient one is counted back; a cache slot leaves the LRU, and the store
+        puts its buffer back on the free list)."""
+        if placement is not None:
+            if placement.cached:
+                self.lru[key[0]].unhold(key[1])
+                self.lru[key[0]].discard(key[1])
+            else:
+                self.release_transient()
         self.inflight.discard(key)
-        self.stats.prefetch_issued -= 1
+        self._la_begun.pop(key, None)
+        self._la_piece.pop(key, None)
+        if self._la_start.pop(key, None) is None:
+            self.stats.prefetch_issued -= 1
+            return
+        self.stats.prefetch_aborted += 1
+        self._wasted(key)
 
     # ------------------------------------------------------------------ completions
-    def landed(
-        self, key: Key, placement: Placement, *, ok: bool, demand: bool, now: float = 0.0
-    ) -> Landing:
+    def landed(self, key: Key, placement: Placement, *, ok: bool, demand: bool) -> Landing:
         """A read of ``key`` into ``placement`` finished (``ok``: without error; a failed read
         into a cache slot leaves the LRU, and the store gives that slot back). Returns what
         happens next:
@@ -410,20 +505,19 @@ class TierPolicy:
             lru.unhold(e)
             if not ok:
                 lru.discard(e)
-        started = self._la_start.pop(key, None)
-        if started is not None and ok and not demand:  # a lookahead result nobody waits for yet
-            read_s = max(0.0, now - started[0])
-            self._la_read_s[key] = read_s
-            if self._demand_reads != started[1]:  # it shared the device with demand reads
-                self._pending_cost[key] = read_s
+        self._la_start.pop(key, None)
+        self._la_begun.pop(key, None)
+        read_s = self._la_read_s.pop(key, 0.0)  # kept below for a result a step may use later
         step = self.waiters.pop(key, None)
         if step is None and placement.cached and ok and not demand:
             self._lookahead_cached.add(key)
+            self._la_read_s[key] = read_s
         if step is None or step.aborted:
             if placement.cached:
                 return "keep"
             if ok and step is None and not demand:
                 self.parked.add(key)
+                self._la_read_s[key] = read_s
                 return "park"
             self.release_transient()
             return "release"

@@ -197,3 +197,78 @@ def test_a_demand_miss_waits_for_the_lookahead_read_already_in_flight() -> None:
         _settled(store)
 
     _run(reader, body, prefetch=True)
+
+
+PIECE = 8192  # lookahead pieces this small split a TINY expert blob into several
+
+
+def _pieces_of(layer: int, e: int) -> list[int]:
+    x = C.expert(layer, e)
+    aligned = x.start - x.start % 4096
+    return list(range(aligned, x.start + (x.end - x.start), PIECE))
+
+
+def test_a_lookahead_read_stops_part_way_once_its_layer_routed_elsewhere(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("runtime.experts.LOOKAHEAD_PIECE", PIECE)
+    layer = LAYERS[1]
+    offsets = _pieces_of(layer, 4)
+    assert len(offsets) >= 3
+    gate = anyio.Event()
+    reader = FakeReader(rules=[Rule(offset=offsets[1], release=gate)])
+
+    async def body(store: ExpertStore, src: StreamingExperts) -> None:
+        await anyio.to_thread.run_sync(lambda: src.prefetch(layer, [4]))
+        await anyio.sleep(0.01)  # its second piece is on the device (stalled)
+        # the layer's step routes elsewhere: its demand read does not wait for the piece
+        assert await _step(src, layer, [7]) == {7: WANT[(layer, 7)]}
+        gate.set()
+        with anyio.fail_after(10):
+            while store._inflight:
+                await anyio.sleep(0.001)
+        read = [off for _, off in reader.extents]
+        assert read.count(offsets[0]) == read.count(offsets[1]) == 1
+        assert not set(offsets[2:]) & set(read)  # the rest was never read
+        st = store.stats
+        assert st.prefetch_aborted == 1 and st.prefetch_wasted == 1 and st.prefetch_used == 0
+        assert (layer, 4) not in store.tiers()
+        _settled(store)
+
+    _run(reader, body, prefetch=True, lru=2)
+
+
+def test_a_joined_lookahead_read_reads_the_rest_at_once_and_joins_the_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("runtime.experts.LOOKAHEAD_PIECE", PIECE)
+    layer = LAYERS[2]
+    offsets = _pieces_of(layer, 5)
+    gate = anyio.Event()
+    reader = FakeReader(rules=[Rule(offset=offsets[1], release=gate)])
+
+    async def body(store: ExpertStore, src: StreamingExperts) -> None:
+        await anyio.to_thread.run_sync(lambda: src.prefetch(layer, [5]))
+        await anyio.sleep(0.01)
+        async with anyio.create_task_group() as tg:
+            out: dict[str, Any] = {}
+
+            async def step() -> None:
+                out["got"] = await _step(src, layer, [5])
+
+            tg.start_soon(step)
+            await anyio.sleep(0.02)
+            gate.set()
+        assert out["got"] == {5: WANT[(layer, 5)]}
+        read = [off for _, off in reader.extents]
+        # two pieces as lookahead, then the rest in one request once the step waited for it
+        assert read.count(offsets[0]) == read.count(offsets[1]) == 1
+        assert offsets[2] in read and not set(offsets[3:]) & set(read)
+        # the cache took it as it would have taken the step's own read: no read the next time
+        assert store.tiers()[(layer, 5)] == "lru"
+        n = len(reader.extents)
+        assert await _step(src, layer, [5]) == {5: WANT[(layer, 5)]}
+        assert len(reader.extents) == n and store.stats.prefetch_used == 1
+        _settled(store)
+
+    _run(reader, body, prefetch=True, lru=2)

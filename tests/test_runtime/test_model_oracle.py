@@ -334,7 +334,8 @@ def test_expert_source_called_once_per_layer_with_sorted_union(
         def wants_lookahead(self, layer: int) -> bool:
             return False
 
-        def arrivals(self, layer: int, experts: Any) -> Any:
+        def arrivals(self, layer: int, experts: Any, lookahead: Any = None) -> Any:
+            assert lookahead is None  # no prediction for a source that does not ask for it
             calls.append((layer, list(experts)))
             return inner.arrivals(layer, experts)
 

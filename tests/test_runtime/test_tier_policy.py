@@ -100,17 +100,76 @@ def test_lookahead_uses_only_the_spare_half_of_the_transient_slots() -> None:
 def test_the_gate_puts_demand_reads_first() -> None:
     p = _policy(read_depth=2)
     assert p.try_issue(demand=True)
-    assert not p.try_issue(demand=False)  # the device is busy: no lookahead
+    assert not p.try_issue(demand=False)  # a demand read is in flight: no lookahead
     assert p.try_issue(demand=True)
     assert not p.try_issue(demand=True)  # read_depth reached
     p.queue_demand(+1)
-    p.io_done()
-    p.io_done()
+    p.io_done(demand=True)
+    p.io_done(demand=True)
     assert not p.try_issue(demand=False)  # idle, but a demand read is queued
     assert p.try_issue(demand=True)
     p.queue_demand(-1)
-    p.io_done()
-    assert p.try_issue(demand=False)
+    p.io_done(demand=True)
+    assert p.try_issue(demand=False)  # an idle device: one lookahead piece ...
+    assert not p.try_issue(demand=False)  # ... at a time
+    assert p.try_issue(demand=True)  # a demand read never waits behind lookahead
+    assert p.try_issue(demand=True)
+
+
+def test_lookahead_pieces_book_the_time_they_shared_the_device_with_demand_reads() -> None:
+    p = _policy()
+    (key,) = p.lookahead(2, [9])
+    assert p.try_issue(demand=False, now=0.0)
+    p.piece_started(key, 0.0)
+    p.piece_done(key, 1.0)  # alone on the device: free
+    p.io_done(demand=False, now=1.0)
+    assert p.stats.lookahead_cost_s == 0.0
+    assert p.try_issue(demand=False, now=1.0)
+    p.piece_started(key, 1.0)
+    assert p.try_issue(demand=True, now=1.5)  # a demand read arrives mid-piece
+    p.piece_done(key, 2.0)
+    p.io_done(demand=False, now=2.0)
+    assert p.stats.lookahead_cost_s == pytest.approx(0.5)
+    p.io_done(demand=True, now=3.0)
+    assert p.demand_busy(10.0) == pytest.approx(1.5)
+
+
+def test_a_lookahead_read_never_evicts_and_its_result_joins_the_cache_when_used() -> None:
+    p = _policy(lru_slots=1)
+    step = StepHandle(1)
+    p.begin(step, [0])
+    p.landed((1, 0), p.place((1, 0), demand=True), ok=True, demand=True)  # type: ignore[arg-type]
+    p.end(step)  # the layer's one cache slot holds 0
+    (key,) = p.lookahead(1, [4])
+    assert p.place(key, demand=False) == Placement(False)  # not 0's slot
+    assert p.landed(key, Placement(False), ok=True, demand=False) == "park"
+    assert p.tiers() == {(1, 0): "lru"}
+    step = StepHandle(1)
+    assert p.begin(step, [4]) == [(4, "parked")]
+    # the step takes it: the cache takes it as it would have taken the step's own read of it
+    assert p.adopt(key) == Placement(True, evicted=(1, 0))
+    assert p.transient_free == 4
+    p.end(step)
+    assert p.tiers() == {(1, 4): "lru"}
+    assert p.begin(StepHandle(1), [4]) == [(4, "lru")]
+
+
+def test_a_lookahead_read_stops_once_its_layer_began_without_it() -> None:
+    p = _policy(lru_slots=0)
+    (k9, k7) = p.lookahead(2, [9, 7])
+    assert p.lookahead_ready(k9) is False and p.lookahead_ready(k7) is False
+    where = p.place(k9, demand=False)
+    assert where == Placement(False)
+    p.piece_started(k9, 0.0)
+    p.piece_done(k9, 1.0)
+    step = StepHandle(2)
+    assert p.begin(step, [7]) == [(7, "inflight")]  # the step joins 7; 9 is not routed
+    assert p.adoptable(k7) and not p.adoptable(k9)
+    assert p.lookahead_ready(k7) is True  # its next piece is a demand read
+    assert p.lookahead_ready(k9) is None  # the rest of 9 is not read
+    p.drop(k9, where)
+    assert p.stats.prefetch_aborted == 1 and p.stats.prefetch_wasted == 1
+    assert p.transient_free == 4 and k9 not in p.inflight
 
 
 def test_a_parked_lookahead_is_used_by_its_step_or_given_back_at_its_end() -> None:
@@ -138,20 +197,21 @@ def test_a_step_waits_for_a_lookahead_read_in_flight_instead_of_reading_twice() 
     (key,) = p.lookahead(2, [9])
     step = StepHandle(2)
     assert p.begin(step, [9]) == [(9, "inflight")]
-    assert p.lookahead_ready(key, p.generation(2)) is True  # it became a demand read
+    assert p.lookahead_ready(key) is True  # it became a demand read
     where = p.place(key, demand=True)
     assert p.landed(key, where, ok=True, demand=True) == "deliver"  # type: ignore[arg-type]
 
 
 def test_a_stale_lookahead_is_dropped_when_it_reaches_the_device() -> None:
     p = _policy()
-    gen = p.generation(2)
     (key,) = p.lookahead(2, [9])
     step = StepHandle(2)
     p.begin(step, [1])
     p.end(step)  # layer 2's step came and went without expert 9
-    assert p.lookahead_ready(key, gen) is None
+    assert p.lookahead_ready(key) is None
+    p.drop(key)
     assert key not in p.inflight and p.stats.prefetch_issued == 0
+    assert p.stats.prefetch_aborted == 0  # nothing of it was read
 
 
 def test_a_failed_read_leaves_the_cache_and_reaches_its_step() -> None:
@@ -186,22 +246,24 @@ READ_S = 0.01  # fake seconds per read
 def _step_with_lookahead(
     p: TierPolicy, layer: int, predicted: list[int], routed: list[int]
 ) -> None:
-    """One step of ``layer`` on a fake clock: the previous layer read ``predicted`` ahead while
-    demand reads ran beside them, then the step routes to ``routed``."""
+    """One step of ``layer`` on a fake clock: the previous layer read ``predicted`` ahead, one
+    piece each, with a demand read arriving halfway through each piece, then the step routes to
+    ``routed``."""
     now = float(p.stats.experts_read)  # any increasing clock will do
     for key in p.lookahead(layer, predicted):
-        assert p.try_issue(demand=False)
+        assert p.try_issue(demand=False, now=now)
         where = p.place(key, demand=False)
         assert where is not None
-        p.lookahead_started(key, now)
-        assert p.try_issue(demand=True)  # a demand read of the current layer starts beside it
-        p.io_done()
-        p.landed(key, where, ok=True, demand=False, now=now + READ_S)
-        p.io_done()
+        p.piece_started(key, now)
+        assert p.try_issue(demand=True, now=now + READ_S / 2)  # it shares the device
+        p.piece_done(key, now + READ_S)
+        p.io_done(demand=False, now=now + READ_S)
+        p.io_done(demand=True, now=now + READ_S)
+        p.landed(key, where, ok=True, demand=False)
     step = StepHandle(layer)
     for e, tier in p.begin(step, routed, now=now + 2 * READ_S):
-        if tier == "parked":
-            p.release_transient()  # computed, its transient slot comes back
+        if tier == "parked" and p.adopt((layer, e)) is None:
+            p.release_transient()  # no cache slot: given back once computed
         if tier == "read":
             w = p.place((layer, e), demand=True)
             assert w is not None
@@ -212,21 +274,31 @@ def _step_with_lookahead(
     p.end(step)
 
 
-def test_auto_starts_off_and_reads_ahead_only_on_probe_steps_while_it_loses() -> None:
+def test_auto_turns_a_losing_layer_off_and_then_reads_ahead_only_on_probe_steps() -> None:
     p = _policy(lru_slots=0, transient_slots=8, prefetch="auto")
-    assert not p.reads_ahead(1)  # a layer starts off: lookahead must prove itself
-    for _ in range(3 * PROBE_EVERY):  # predictions never routed: pure cost
+    assert p.reads_ahead(1)  # a layer starts on: a lookahead piece costs little
+    for _ in range(LEDGER_STEPS):  # predictions never routed: pure cost
+        _step_with_lookahead(p, 1, [1, 2], [5, 6])
+    assert not p.reads_ahead(1) and p.stats.lookahead_layers_off == 1
+    issued = p.stats.prefetch_issued
+    assert issued == 2 * LEDGER_STEPS
+    for _ in range(2 * PROBE_EVERY):
         _step_with_lookahead(p, 1, [1, 2], [5, 6])
     st = p.stats
-    assert st.prefetch_issued == 2 * 3  # one probe step in PROBE_EVERY read ahead
-    assert st.lookahead_cost_s == pytest.approx(2 * 3 * READ_S)
+    assert st.prefetch_issued == issued + 2 * 2  # one probe step in PROBE_EVERY reads ahead
+    assert st.lookahead_cost_s == pytest.approx((issued + 4) * READ_S / 2)
     assert st.lookahead_saved_s == 0.0 and st.lookahead_layers_off == 1
 
 
-def test_auto_turns_lookahead_on_when_it_pays_and_off_again_when_it_stops() -> None:
+def test_auto_turns_lookahead_back_on_when_it_pays_and_off_again_when_it_stops() -> None:
     p = _policy(lru_slots=0, transient_slots=8, prefetch="auto")
-    for _ in range(PROBE_EVERY):  # the first probe's reads are all used
+    for _ in range(LEDGER_STEPS):  # unpredictable: off
+        _step_with_lookahead(p, 1, [1, 2], [5, 6])
+    assert not p.reads_ahead(1)
+    for _ in range(8 * PROBE_EVERY):  # predictable again: each probe's reads are all used
         _step_with_lookahead(p, 1, [3, 4], [3, 4])
+        if p.stats.lookahead_layers_off == 0:
+            break
     assert p.reads_ahead(1) and p.stats.lookahead_layers_off == 0
     assert p.stats.lookahead_saved_s > 0
     used = p.stats.prefetch_used
