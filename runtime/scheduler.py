@@ -98,6 +98,7 @@ def moe_step(
         routed = moe_ops.combine(x, ids, outputs)
         ctx.timing.moe_s += time.perf_counter() - t0 - (t2 - t1)
         return routed + shared
+
     def shared_out() -> F32Array:
         return moe_ops.shared(moe, x, comp.swiglu)
 
