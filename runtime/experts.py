@@ -199,12 +199,12 @@ class _Pieces:
         self.demand = self._gated = True
         return "rest"
 
-    def after(self) -> None:
-        """The piece finished (or failed)."""
+    def after(self, nbytes: int) -> None:
+        """The piece (``nbytes``) finished (or failed)."""
         if self.demand:
             return  # the demand ticket is given back by close()
         st = self.store
-        st.policy.piece_done(self.key, st._clock())
+        st.policy.piece_done(self.key, st._clock(), nbytes)
         st._ungate(demand=False)
         self._gated = False
 
@@ -473,7 +473,7 @@ class ExpertStore:
                 with anyio.CancelScope(shield=True):  # the kernel writes into buf
                     await self._read_reqs(key, [piece], [buf[o : o + required_size(piece)]], None)
             finally:
-                pieces.after()
+                pieces.after(piece.length)
             self.stats.reads += 1
             self.stats.bytes_read += end - max(o, head)
             o = end

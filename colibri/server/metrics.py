@@ -96,6 +96,7 @@ class _EngineCollector(Collector):
         pre.add_metric(["issued"], float(t.prefetch_issued))
         pre.add_metric(["used"], float(t.prefetch_used))
         pre.add_metric(["wasted"], float(t.prefetch_wasted))
+        pre.add_metric(["aborted"], float(t.prefetch_aborted))
         yield pre
         yield _counter("colibri:expert_evictions", "Experts evicted from the LRU", t.evictions)
         yield _counter("colibri:expert_read_errors", "Expert reads that failed", t.read_errors)

@@ -80,6 +80,7 @@ class TierStats:
     prefetch_used: int = 0
     prefetch_wasted: int = 0
     prefetch_aborted: int = 0  # lookahead reads stopped part-way (their layer routed elsewhere)
+    prefetch_wasted_bytes: int = 0  # blob bytes lookahead reads read for no step (pieces)
     evictions: int = 0
     bypass: int = 0  # misses served through a transient slot
     read_errors: int = 0
@@ -162,6 +163,7 @@ class TierPolicy:
         self._la_read_s: dict[Key, float] = {}  # lookahead reads: device time of their pieces
         self._la_piece: dict[Key, tuple[float, float]] = {}  # piece on the device: (start, busy)
         self._la_begun: dict[Key, int] = {}  # lookahead reads: their layer's begun steps then
+        self._la_bytes: dict[Key, int] = {}  # lookahead reads: blob bytes of their pieces
         self._begun: dict[int, int] = {}  # layer -> steps begun
         self._lookahead_held: set[Key] = set()  # lookahead reads in flight a step joined
         self.prefill = False  # while prefilling, the LRU admits only into free slots
@@ -265,12 +267,14 @@ class TierPolicy:
     # ------------------------------------------------------------------ --prefetch auto
     def _saved(self, key: Key, seconds: float) -> None:
         """A step used ``key``'s lookahead result: ``seconds`` of demand read time saved."""
+        self._la_bytes.pop(key, None)
         self._ledger[key[0]].saved_s += seconds
         self.stats.lookahead_saved_s += seconds
 
     def _wasted(self, key: Key) -> None:
         """``key``'s lookahead result leaves unused (its cost was booked piece by piece)."""
         self.stats.prefetch_wasted += 1
+        self.stats.prefetch_wasted_bytes += self._la_bytes.pop(key, 0)
         self._la_read_s.pop(key, None)
 
     def _close_window(self, layer: int) -> None:
@@ -307,11 +311,13 @@ class TierPolicy:
         self._la_start.setdefault(key, now)
         self._la_piece[key] = (now, self.demand_busy(now))
 
-    def piece_done(self, key: Key, now: float) -> None:
-        """That piece finished at ``now``: its device time counts to the read, and the time it
-        shared the device with demand reads is booked as the layer's lookahead cost."""
+    def piece_done(self, key: Key, now: float, nbytes: int = 0) -> None:
+        """That piece (``nbytes``) finished at ``now``: its device time counts to the read, and
+        the time it shared the device with demand reads is booked as the layer's lookahead
+        cost."""
         start, busy = self._la_piece.pop(key)
         self._la_read_s[key] = self._la_read_s.get(key, 0.0) + max(0.0, now - start)
+        self._la_bytes[key] = self._la_bytes.get(key, 0) + nbytes
         cost = max(0.0, self.demand_busy(now) - busy)
         if cost:
             self._ledger[key[0]].cost_s += cost
@@ -441,7 +447,7 @@ class TierPolicy:
         if layer not in self.lru or not self.reads_ahead(layer):
             return []
         self._predicted[layer] = set(experts)
-        keys = []
+        keys: list[Key] = []
         for e in experts:
             key = (layer, e)
             if key in self.pinned or e in self.lru[layer] or key in self.inflight:

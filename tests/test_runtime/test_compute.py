@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import pytest
 from _demo import demo_model
@@ -264,3 +265,56 @@ def test_cli_flags_reach_the_engine() -> None:
     assert st3["prefill_chunks"] > st1["prefill_chunks"]
     _, fast = run("--fast-prefill")
     assert fast["compute"]["fast_prefill"] is True
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_side_work_runs_before_the_last_read_lands(threads: int) -> None:
+    """``run_step``'s side work (the shared expert) is computed while the step's misses are
+    still being read, not after the last one lands."""
+    from fake_reader import FakeReader, Rule
+
+    from runtime.experts import ExpertStore, StreamingExperts
+    from storage.container import Container
+
+    c = Container.open(DEMO)
+    layer = c.expert_layers()[0]
+    gate = anyio.Event()
+    reader = FakeReader(rules=[Rule(offset=c.expert(layer, 5).start, release=gate)])
+    order: list[str] = []
+
+    async def main() -> None:
+        from runtime.experts import StoreLayout, slot_sizes
+
+        blob, scales = slot_sizes(c)
+        layout = StoreLayout((), 0, len(c.expert_layers()), 16, blob + max(scales, 4096))
+        async with anyio.create_task_group() as tg:
+            store = ExpertStore(c, reader, layout, prefetch="off", clock=reader.clock)
+            await store.start(tg)
+            comp = ExpertCompute(threads, parallel_min_macs=0)
+            token = anyio.lowlevel.current_token()
+
+            def side() -> str:  # (on a pool worker with 2 threads: the loop is named by token)
+                order.append("side")
+                anyio.from_thread.run_sync(gate.set, token=token)  # now expert 5 may land
+                return "done"
+
+            def fn(e: int, w: Any) -> int:
+                order.append(f"expert {e}")
+                return e
+
+            try:
+                with anyio.fail_after(30):  # a side run after the last arrival never comes
+                    out, extra = await anyio.to_thread.run_sync(
+                        lambda: comp.run_step(
+                            StreamingExperts(store), layer, [2, 5], fn, 1, None, side
+                        ),
+                        abandon_on_cancel=True,
+                    )
+            finally:
+                gate.set()
+                comp.close()
+                tg.cancel_scope.cancel()
+            assert out == {2: 2, 5: 5} and extra == "done"
+
+    anyio.run(main)
+    assert order.index("side") < order.index("expert 5")

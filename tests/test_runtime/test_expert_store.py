@@ -232,6 +232,7 @@ def test_a_lookahead_read_stops_part_way_once_its_layer_routed_elsewhere(
         assert not set(offsets[2:]) & set(read)  # the rest was never read
         st = store.stats
         assert st.prefetch_aborted == 1 and st.prefetch_wasted == 1 and st.prefetch_used == 0
+        assert st.prefetch_wasted_bytes == 2 * PIECE  # what its two pieces read
         assert (layer, 4) not in store.tiers()
         _settled(store)
 

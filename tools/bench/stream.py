@@ -126,8 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     read = s1["bytes_read"] - s0["bytes_read"]
     # "Missed" bytes are those the decode needed: demand misses and lookahead reads it used.
     # Lookahead reads it never used are counted apart (they cost bandwidth, not need).
-    expert_read = read / max(1, s1["experts_read"] - s0["experts_read"])
-    wasted = (s1["prefetch_wasted"] - s0["prefetch_wasted"]) * expert_read
+    # (the blob bytes of their pieces: a read stopped part-way counts what it read)
+    wasted = s1["prefetch_wasted_bytes"] - s0["prefetch_wasted_bytes"]
     per_token = (read - wasted) / steps
     achieved = steps / dt
     bound = gbps * 1e9 / per_token if per_token else float("inf")
@@ -137,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         "figure": round(achieved / bound, 3),
         "figure_vs_no_prefetch": round(tps[a.prefetch] / tps["off"], 3),
         "figure_vs_best_forced": round(tps[a.prefetch] / max(tps["on"], tps["off"]), 3),
+        "figure_by_prefetch": {m: round(v / bound, 3) for m, v in tps.items()},
         "tokens_per_s": round(achieved, 3),
         "tokens_per_s_by_prefetch": {m: round(v, 3) for m, v in tps.items()},
         "io_bound_tokens_per_s": round(bound, 3),
@@ -151,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
             s1["prefetch_used"] - s0["prefetch_used"],
             s1["prefetch_wasted"] - s0["prefetch_wasted"],
         ],
+        "prefetch_aborted": s1["prefetch_aborted"] - s0["prefetch_aborted"],
+        "bytes_wasted_per_token": int(wasted / steps),
         "lookahead_saved_cost_s": [
             round(s1["lookahead_saved_s"] - s0["lookahead_saved_s"], 3),
             round(s1["lookahead_cost_s"] - s0["lookahead_cost_s"], 3),
