@@ -25,9 +25,11 @@ cache holds what it would hold without lookahead.
 read time of a result a step then used, or the head start of a read a step joined in flight)
 against what it *cost* (the time its pieces shared the device with demand reads, measured
 piece by piece). Every ``LEDGER_STEPS`` steps of the layer the difference feeds an average;
-the layer reads ahead while the average is >= 0. A layer starts on; while it is off every
-``PROBE_EVERY``-th step still reads ahead, so the ledger sees when routing becomes predictable
-again: lookahead that loses costs at most one step in ``PROBE_EVERY``. ``on`` and ``off``
+the layer reads ahead while the average is >= 0. A layer starts off (the ledger counts disk
+time, not the event-loop CPU lookahead takes from compute on a small machine, so it has to
+show a gain first); while it is off every ``PROBE_EVERY``-th step still reads ahead, so the
+ledger sees whether and when routing is predictable: lookahead that loses costs at most one
+step in ``PROBE_EVERY``. ``on`` and ``off``
 force it. Only speed changes: a lookahead read never decides what a step computes.
 
 Shape legend: L layer, E expert, Key = (L, E); "transient" = a slot outside the cache (misses the
@@ -125,7 +127,7 @@ class _Ledger:
     cost_s: float = 0.0
     steps: int = 0
     score: float | None = None  # EWMA of saved - cost per window
-    on: bool = True  # under "auto" a layer starts on; its ledger turns it off when it loses
+    on: bool = False  # under "auto" a layer starts off: its probes must show that it pays
 
 
 @dataclass(frozen=True, slots=True)
