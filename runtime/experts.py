@@ -667,7 +667,7 @@ class ExpertStore:
             assert slot.weights is not None
             ready.append((e, slot.weights))
         if lookahead is not None:
-            self._loop_prefetch(*lookahead)
+            self._loop_prefetch(lookahead.layer, lookahead.experts, lookahead.cpu_s)
         return ready
 
     def _adopt(self, key: Key, slot: _Slot) -> bool:
@@ -700,7 +700,8 @@ class ExpertStore:
         for key in [k for k in self._held if k[0] == step.layer]:
             self._loop_done_with(*key)
 
-    def _loop_prefetch(self, layer: int, experts: Sequence[int]) -> None:
+    def _loop_prefetch(self, layer: int, experts: Sequence[int], cpu_s: float = 0.0) -> None:
+        self.policy.charge(layer, cpu_s)
         for key in self.policy.lookahead(layer, experts):
             self._tg.start_soon(self._lookahead, key)
 
@@ -732,6 +733,7 @@ class StreamingExperts:
 
     def __init__(self, store: ExpertStore) -> None:
         self.store = store
+        self._hop_s: dict[int, float] = {}  # layer -> seconds of its last prefetch hop
 
     def wants_lookahead(self, layer: int) -> bool:
         """Whether a prediction for ``layer`` would be read now (``--prefetch`` and, under
@@ -842,6 +844,11 @@ class StreamingExperts:
             if not isinstance(item, (BaseException, _Done)):
                 self._done_with(step, item[0])
 
-    def prefetch(self, layer: int, experts: Sequence[int]) -> None:
-        """Lookahead hint: queue reads for ``layer`` (lower priority, may be skipped)."""
-        anyio.from_thread.run_sync(self.store._loop_prefetch, layer, list(experts))
+    def prefetch(self, layer: int, experts: Sequence[int], cpu_s: float = 0.0) -> None:
+        """Lookahead hint: queue reads for ``layer`` (lower priority, may be skipped). The hop
+        to the event loop is compute time too: it is charged with the prediction's ``cpu_s``
+        to the layer's next prediction."""
+        t0 = time.perf_counter()
+        charge = cpu_s + self._hop_s.pop(layer, 0.0)
+        anyio.from_thread.run_sync(self.store._loop_prefetch, layer, list(experts), charge)
+        self._hop_s[layer] = time.perf_counter() - t0

@@ -34,13 +34,14 @@ import numpy.typing as npt
 from runtime.cluster.source import ClusterExperts
 from runtime.kv import KVCache
 from runtime.layers import moe as moe_ops
+from runtime.weights import Lookahead
 
 if TYPE_CHECKING:
     from runtime.context import Observer, StepContext
     from runtime.experts import ExpertStore
     from runtime.layers.moe import MoEWeights
     from runtime.speculative import SpeculativeDecoder
-    from runtime.weights import ExpertSource, ExpertWeights, Lookahead
+    from runtime.weights import ExpertSource, ExpertWeights
 
 __all__ = [
     "BatchModel",
@@ -122,7 +123,9 @@ def predict_next(
     the dense layer computes."""
     if next_moe is None or not experts.wants_lookahead(layer + 1):
         return None
-    return layer + 1, moe_ops.ranked_union(*moe_ops.route(next_moe, x))
+    t0 = time.perf_counter()
+    ranked = moe_ops.ranked_union(*moe_ops.route(next_moe, x))
+    return Lookahead(layer + 1, ranked, time.perf_counter() - t0)
 
 
 # ----------------------------------------------------------------------------- the batcher

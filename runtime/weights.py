@@ -55,8 +55,17 @@ R = TypeVar("R")
 
 # A routed expert is a SwiGLU MLP; the name says where it came from.
 ExpertWeights = MLPWeights
-# A prediction of a later layer's experts: (layer, expert ids, most likely first).
-Lookahead = tuple[int, Sequence[int]]
+
+
+@dataclass(frozen=True, slots=True)
+class Lookahead:
+    """A prediction of a later ``layer``'s ``experts`` (most likely first), and the
+    compute-thread seconds it took (``cpu_s``: what ``--prefetch auto`` charges the layer's
+    lookahead besides disk time)."""
+
+    layer: int
+    experts: Sequence[int]
+    cpu_s: float = 0.0
 
 
 class ExpertSource(Protocol):
@@ -93,8 +102,9 @@ class ExpertSource(Protocol):
         ``lookahead``: as for :meth:`arrivals`."""
         ...
 
-    def prefetch(self, layer: int, experts: Sequence[int]) -> None:
-        """Lookahead hint: ``layer`` will probably need ``experts`` soon (may be ignored)."""
+    def prefetch(self, layer: int, experts: Sequence[int], cpu_s: float = 0.0) -> None:
+        """Lookahead hint: ``layer`` will probably need ``experts`` soon (may be ignored);
+        ``cpu_s``: the compute time the prediction took (see :class:`Lookahead`)."""
         ...
 
 
@@ -467,5 +477,5 @@ class ResidentExperts:
     def wants_lookahead(self, layer: int) -> bool:
         return False  # everything is resident
 
-    def prefetch(self, layer: int, experts: Sequence[int]) -> None:
+    def prefetch(self, layer: int, experts: Sequence[int], cpu_s: float = 0.0) -> None:
         """Everything is resident: nothing to do."""

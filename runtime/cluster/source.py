@@ -213,7 +213,7 @@ class ClusterExperts:
     ) -> dict[int, R]:
         return self.local.map_arrivals(layer, experts, fn, pool)
 
-    def prefetch(self, layer: int, experts: Sequence[int]) -> None:
+    def prefetch(self, layer: int, experts: Sequence[int], cpu_s: float = 0.0) -> None:
         """Lookahead hints are not forwarded (each worker reads its own)."""
 
     # ------------------------------------------------------------------ one layer's step

@@ -382,7 +382,7 @@ class DecoderStack:
         elif lw.mlp is not None:
             ahead = predict_next(self.experts, layer, self._next_router(layer), x)
             if ahead is not None:  # the next MoE layer's reads start while this one computes
-                self.experts.prefetch(*ahead)
+                self.experts.prefetch(ahead.layer, ahead.experts, ahead.cpu_s)
             y = ctx.compute.swiglu(x, lw.mlp)  # [T, D]
         else:
             raise ModelError(f"layer {layer} has neither an MLP nor a MoE block")

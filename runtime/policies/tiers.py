@@ -23,14 +23,15 @@ cache holds what it would hold without lookahead.
 
 ``--prefetch auto`` (the default) keeps a ledger per layer: what its lookahead *saved* (the
 read time of a result a step then used, or the head start of a read a step joined in flight)
-against what it *cost* (the time its pieces shared the device with demand reads, measured
-piece by piece). Every ``LEDGER_STEPS`` steps of the layer the difference feeds an average;
-the layer reads ahead while the average is >= 0. A layer starts off (the ledger counts disk
-time, not the event-loop CPU lookahead takes from compute on a small machine, so it has to
-show a gain first); while it is off every ``PROBE_EVERY``-th step still reads ahead, so the
-ledger sees whether and when routing is predictable: lookahead that loses costs at most one
-step in ``PROBE_EVERY``. ``on`` and ``off``
-force it. Only speed changes: a lookahead read never decides what a step computes.
+against what it *cost*: the time its pieces shared the device with demand reads, measured
+piece by piece, and the compute-thread time of the predictions themselves (the next layer's
+router, and a dense layer's hop to the event loop), which on a small, compute-bound model is
+all lookahead does. Every ``LEDGER_STEPS`` steps of the layer the difference feeds an average;
+the layer reads ahead while the average is >= 0. A layer starts off (the event loop's own
+work for lookahead reads is not counted, so it has to show a gain first); while it is off
+every ``PROBE_EVERY``-th step still reads ahead, so the ledger sees whether and when routing
+is predictable: lookahead that loses costs at most one step in ``PROBE_EVERY``. ``on`` and
+``off`` force it. Only speed changes: a lookahead read never decides what a step computes.
 
 Shape legend: L layer, E expert, Key = (L, E); "transient" = a slot outside the cache (misses the
 LRU cannot take, lookahead results parked until their layer runs).
@@ -93,7 +94,8 @@ class TierStats:
     lookahead_predicted_hits: int = 0  # routed experts the lookahead had predicted
     lookahead_routed: int = 0  # routed experts of layers that had a prediction
     lookahead_saved_s: float = 0.0  # demand read time lookahead results spared steps
-    lookahead_cost_s: float = 0.0  # time lookahead pieces shared the device with demand reads
+    lookahead_cost_s: float = 0.0  # pieces' time beside demand reads + prediction compute
+    lookahead_cpu_s: float = 0.0  # ... of it, compute-thread time of predictions and hops
     lookahead_layers_off: int = 0  # layers --prefetch auto judged and keeps lookahead off for
 
     @property
@@ -324,6 +326,16 @@ class TierPolicy:
         if cost:
             self._ledger[key[0]].cost_s += cost
             self.stats.lookahead_cost_s += cost
+
+    def charge(self, layer: int, cpu_s: float) -> None:
+        """A prediction for ``layer`` took ``cpu_s`` seconds of the compute thread (the router
+        and, from a dense layer, the hop to the event loop): a cost of its lookahead."""
+        led = self._ledger.get(layer)
+        if led is None or cpu_s <= 0.0:
+            return
+        led.cost_s += cpu_s
+        self.stats.lookahead_cost_s += cpu_s
+        self.stats.lookahead_cpu_s += cpu_s
 
     def demand_busy(self, now: float) -> float:
         """Seconds, up to ``now``, during which a demand read was in flight or waiting."""

@@ -320,3 +320,19 @@ def test_forced_modes_ignore_the_ledger(mode: str) -> None:
     assert p.reads_ahead(1) is (mode == "on")
     assert p.stats.lookahead_layers_off == 0
     assert p.stats.prefetch_issued == (6 * LEDGER_STEPS if mode == "on" else 0)
+
+
+def test_auto_charges_the_compute_a_prediction_takes() -> None:
+    """On a compute-bound model a right prediction saves little disk time; the router and hop
+    it took are charged too, so a layer whose lookahead saves less than it costs stays off."""
+    p = _policy(lru_slots=0, transient_slots=8, prefetch="auto")
+    for _ in range(3 * PROBE_EVERY):
+        if p.reads_ahead(1):  # a probe: its prediction took compute time
+            p.charge(1, 4 * READ_S)
+        _step_with_lookahead(p, 1, [3, 4], [3, 4])  # used: saves 2 x READ_S per probe
+    st = p.stats
+    assert st.prefetch_used == 2 * 3 and st.lookahead_saved_s == pytest.approx(6 * READ_S)
+    assert st.lookahead_cpu_s == pytest.approx(3 * 4 * READ_S)
+    assert not p.reads_ahead(1) and st.lookahead_layers_off == 1
+    p.charge(7, 1.0)  # not a MoE layer: ignored
+    assert st.lookahead_cpu_s == pytest.approx(3 * 4 * READ_S)
