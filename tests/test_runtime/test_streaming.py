@@ -76,9 +76,19 @@ def test_reader_backends_do_not_change_output(reference: dict[str, Any], reader:
     assert np.array_equal(logits, reference["logits"])
 
 
-def test_lookahead_prefetch_is_used(reference: dict[str, Any]) -> None:
-    toks, _, st = _run(DEMO, ram_budget=budget_for_lru(DEMO, 4), prefetch=True, reader="threads")
+@pytest.mark.parametrize("piece", [None, 4096])
+def test_lookahead_prefetch_is_used(
+    reference: dict[str, Any], monkeypatch: pytest.MonkeyPatch, piece: int | None
+) -> None:
+    """Lookahead reads are used and change nothing, also when each goes to the disk in many
+    pieces (some stopped part-way, some joined by their step)."""
+    if piece is not None:
+        monkeypatch.setattr("runtime.experts.LOOKAHEAD_PIECE", piece)
+    toks, logits, st = _run(
+        DEMO, ram_budget=budget_for_lru(DEMO, 4), prefetch=True, reader="threads"
+    )
     assert toks == reference["tokens"]
+    assert np.array_equal(logits, reference["logits"])
     assert st["prefetch_issued"] > 0
     assert st["prefetch_used"] > 0
     assert st["prefetch_used"] + st["prefetch_wasted"] <= st["prefetch_issued"]

@@ -10,9 +10,10 @@ read the experts it misses. In the same run this measures
 
 The figure is achieved / bound (1.0 = compute and every other cost fully hidden behind reads).
 The same run also decodes with the other ``--prefetch`` modes, ``--rounds`` times each,
-interleaved (each mode's median run stands for it): ``figure_vs_no_prefetch`` is the chosen
-mode's tokens/s over ``off``'s, ``figure_vs_best_forced`` over the better of ``on`` and
-``off``; ``time`` is where the measured turn's wall time went (``stats()["time"]``).
+interleaved in an order that rotates each round (each mode's median run stands for it):
+``figure_vs_no_prefetch`` is the chosen mode's tokens/s over ``off``'s,
+``figure_vs_best_forced`` over the better of ``on`` and ``off``; ``time`` is where the
+measured turn's wall time went (``stats()["time"]``).
 
     python tools/bench/stream.py [--model /var/tmp/colibri-synth] [--tokens 24] [--fraction 0.2]
         [--prefetch auto|on|off] [--rounds 3]
@@ -123,8 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     # the disk's drift touches them alike).
     modes = [a.prefetch] + [m for m in ("off", "on") if m != a.prefetch]
     all_runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
-    for _ in range(max(1, a.rounds)):
-        for m in modes:
+    for r in range(max(1, a.rounds)):
+        # the order rotates round by round, so no mode always runs first (or right after
+        # another particular one)
+        for m in modes[r % len(modes) :] + modes[: r % len(modes)]:
             all_runs[m].append(decode_run(a, budget, m))
     gb_after, _ = anyio.run(storage_gbps, c, a.reader, a.reads, 2)
     gbps = (gb_before + gb_after) / 2
