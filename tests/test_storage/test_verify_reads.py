@@ -68,9 +68,16 @@ def test_damaged_expert_is_an_error_not_a_wrong_token(
         run_model(d, verify_reads=True)
 
 
+@pytest.mark.parametrize("prefetch", ["auto", "on"])
 def test_damaged_mirror_copy_is_demoted_and_the_output_unchanged(
-    reference: tuple[list[int], np.ndarray], tmp_path: Path, private_home: None
+    reference: tuple[list[int], np.ndarray],
+    tmp_path: Path,
+    private_home: None,
+    prefetch: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    if prefetch == "on":  # lookahead reads in many pieces, each through the copy placement
+        monkeypatch.setattr("runtime.experts.LOOKAHEAD_PIECE", 8192)
     mirror = Path(shutil.copytree(TINY, tmp_path / "mirror"))
     _damage_layer(mirror, LAYER)  # the primary stays intact
     toks, logits, st = run_model(
@@ -80,7 +87,10 @@ def test_damaged_mirror_copy_is_demoted_and_the_output_unchanged(
         disk_weights="0,1",  # the mirror serves first
         disk_adapt=False,
         verify_reads=True,
+        prefetch=prefetch,
     )
+    if prefetch == "on":
+        assert st["prefetch_issued"] > 0
     assert toks == reference[0] and np.array_equal(logits, reference[1])
     prim, mir = st["devices"]
     assert mir["demoted"] and "checksum" in (mir["demoted_reason"] or "")
