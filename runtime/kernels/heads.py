@@ -27,7 +27,7 @@ from runtime.kernels._matmul_kernels import (
     _i4_prep,
 )
 from runtime.kernels._simd import vfma16, vload16, vsplat16, vstore16, vzero16
-from runtime.kernels.quant_matmul import DEFAULT_PREFETCH, int4_lanes
+from runtime.kernels.quant_matmul import DEFAULT_PREFETCH, int4_lanes, int4_scale_walk
 
 __all__ = ["KERNELS", "HeadsMatmul"]
 
@@ -139,12 +139,9 @@ class HeadsMatmul:
     ) -> HeadsMatmul:
         """Head ``h`` = rows ``[row0 + h * row_step, + n_out)`` of an int4 matrix of ``n_in``
         columns (``packed`` / ``scales`` flat, as stored)."""
-        if group_size is None:
-            s_row, s_step, gbytes = 1, 0, 32
-        elif group_size % 16:
+        if group_size is not None and group_size % 16:
             return cls(per_head)  # the generic slow path: keep the per-head calls
-        else:
-            s_row, s_step, gbytes = (n_in + group_size - 1) // group_size, 1, group_size // 2
+        s_row, s_step, gbytes = int4_scale_walk(n_in, group_size)
         wide = int4_lanes(n_in, group_size, lanes) == 16
         nh = len(per_head)
         p = np.ascontiguousarray(packed).reshape(-1).view(np.uint8)

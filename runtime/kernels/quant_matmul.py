@@ -132,6 +132,15 @@ class _Int4Call(NamedTuple):
     pf: int
 
 
+def int4_scale_walk(n_in: int, group_size: int | None) -> tuple[int, int, int]:
+    """How the int4 kernels walk the scales of a row of ``n_in`` columns: (scales per row,
+    scale index step per group (0: one scale per row), packed bytes per group). Per-row scales
+    walk 64-column virtual groups."""
+    if group_size is None:
+        return 1, 0, 32
+    return (n_in + group_size - 1) // group_size, 1, group_size // 2
+
+
 def _int4_call(
     x: object,
     packed: object,
@@ -146,14 +155,10 @@ def _int4_call(
     _check_shape(n_out, n_in)
     nb = (n_in + 1) // 2
     p = _check_weight("packed", packed, np.uint8, n_out * nb)
-    if group_size is None:  # per row: 64-column virtual groups sharing the row's scale
-        s_row, s_step, gbytes, gs = 1, 0, 32, 0
-    else:
-        gs = int(group_size)
-        if gs < 1:
-            raise ValueError(f"group_size must be positive, got {gs}")
-        s_row = (n_in + gs - 1) // gs
-        s_step, gbytes = 1, gs // 2
+    gs = 0 if group_size is None else int(group_size)
+    if group_size is not None and gs < 1:
+        raise ValueError(f"group_size must be positive, got {gs}")
+    s_row, s_step, gbytes = int4_scale_walk(n_in, group_size)
     s = _check_weight("scales", scales, np.float32, n_out * s_row)
     xx = _check_x(x, n_in)
     y = _check_out(out, xx.shape[0], n_out)
