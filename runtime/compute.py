@@ -37,6 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from runtime.kernels.dequant import dequantize
+from runtime.kernels.quant_matmul import Q8Input, q8_input
 from runtime.layers import moe as moe_ops
 from runtime.layers.swiglu import MLPWeights, swiglu
 from runtime.linear import Linear
@@ -105,9 +106,33 @@ class ExpertCompute:
         self._pool = None
 
     # ------------------------------------------------------------------ matmul choice
-    def mm(self, lin: Linear, x: F32Array) -> F32Array:
-        """``lin(x)`` with this compute's kernels, on the calling thread."""
-        return lin(x, fast_int8=self.fast_int8)
+    def mm(self, lin: Linear, x: F32Array, q8: Q8Input | None = None) -> F32Array:
+        """``lin(x)`` with this compute's kernels, on the calling thread (``q8``: ``x`` already
+        rounded for the fast-int8 kernels)."""
+        return lin(x, fast_int8=self.fast_int8, q8=q8)
+
+    def _q8(self, lin: Linear, x: F32Array) -> Q8Input | None:
+        """``x`` rounded once for fast-int8 (None when ``lin`` takes the exact kernel)."""
+        if not self.fast_int8 or not lin.has_int8:
+            return None
+        return q8_input(x)
+
+    def _mlp_mm(self, split: bool) -> Callable[[Linear, F32Array], F32Array]:
+        """The matmul one ``swiglu`` call uses (:meth:`linear` when ``split``, else :meth:`mm`).
+        Under fast-int8 it rounds an input once for every weight that takes it (the gate and
+        up projections): it keeps the rounding of the last ``x`` by identity, which is safe
+        only within that one call, where ``x`` does not change."""
+        call = self.linear if split else self.mm
+        if not self.fast_int8:
+            return call
+        kept: list[tuple[F32Array, Q8Input | None]] = []
+
+        def mm(lin: Linear, x: F32Array) -> F32Array:
+            if not kept or kept[0][0] is not x:
+                kept[:] = [(x, self._q8(lin, x))]
+            return call(lin, x, kept[0][1])
+
+        return mm
 
     def _dense(self, lin: Linear, x: F32Array) -> F32Array:
         """``x @ W.T`` through a dequantized scratch and BLAS."""
@@ -142,22 +167,25 @@ class ExpertCompute:
         futures = [self._pool.submit(fn, a, b) for a, b in blocks]
         return [f.result() for f in futures]
 
-    def linear(self, lin: Linear, x: F32Array) -> F32Array:
+    def linear(self, lin: Linear, x: F32Array, q8: Q8Input | None = None) -> F32Array:
         """``x @ W.T`` [T, O]; for a few rows of a big weight (one token through ``lm_head``, a
         shared expert, a dense layer) the output features are split over the pool, one range
         per thread. Bit-identical to ``lin(x)``: every output feature is computed by the same
-        kernel code from the same row (:meth:`runtime.linear.Linear.split`)."""
+        kernel code from the same row (:meth:`runtime.linear.Linear.split`). Under fast-int8
+        the ranges share one rounding of ``x`` (``q8``, made here when not given)."""
         if (
             self._pool is None
             or x.shape[0] * lin.in_features * lin.out_features < self.split_min_macs
             or lin.out_features < 64 * self.threads
             or threading.current_thread().name.startswith(_WORKER_PREFIX)
         ):
-            return self.mm(lin, x)
+            return self.mm(lin, x, q8)
         xx = np.ascontiguousarray(x, dtype=np.float32)
+        if q8 is None:
+            q8 = self._q8(lin, xx)
         first, *rest = lin.split(self.threads)
-        futures = [self._pool.submit(self.mm, part, xx) for _, _, part in rest]
-        head = self.mm(first[2], xx)  # this thread computes the first range meanwhile
+        futures = [self._pool.submit(self.mm, part, xx, q8) for _, _, part in rest]
+        head = self.mm(first[2], xx, q8)  # this thread computes the first range meanwhile
         with self._lock:
             self.split_calls += 1
         return np.concatenate([head, *(f.result() for f in futures)], axis=1)  # [T, O]
@@ -171,9 +199,11 @@ class ExpertCompute:
         if not self.fast_min_rows or x.shape[0] < self.fast_min_rows:
             blocks = self.row_blocks(x.shape[0], 3 * w.gate.in_features * w.gate.out_features)
             if blocks is None:
-                return swiglu(x, w, self.mm if self._pool is None else self.linear)
+                return swiglu(x, w, self._mlp_mm(split=self._pool is not None))
             xx = np.ascontiguousarray(x, dtype=np.float32)
-            return np.concatenate(self.map_rows(blocks, lambda a, b: swiglu(xx[a:b], w, self.mm)))
+            return np.concatenate(
+                self.map_rows(blocks, lambda a, b: swiglu(xx[a:b], w, self._mlp_mm(split=False)))
+            )
         return swiglu(np.ascontiguousarray(x, dtype=np.float32), w, self._dense)  # [T, D]
 
     def expert_output(

@@ -22,6 +22,7 @@ import numpy.typing as npt
 
 from runtime.kernels.isa import exact_lanes
 from runtime.kernels.quant_matmul import (
+    Q8Input,
     matmul_bf16,
     matmul_f16,
     matmul_f32,
@@ -38,6 +39,7 @@ __all__ = ["Linear", "linear_from_array"]
 
 F32Array = npt.NDArray[np.float32]
 _MatMul = Callable[[F32Array, F32Array | None], F32Array]
+_MatMulQ8 = Callable[[F32Array, F32Array | None, Q8Input | None], F32Array]
 
 
 def _bind(q: QTensor, lanes: int) -> _MatMul:
@@ -79,7 +81,7 @@ def _bind(q: QTensor, lanes: int) -> _MatMul:
     return lambda x, out: matmul_int4(x, raw, scales, o, i, gs, out=out, lanes=lanes)
 
 
-def _bind_int8(q: QTensor) -> _MatMul | None:
+def _bind_int8(q: QTensor) -> _MatMulQ8 | None:
     """The int8-activation matmul (``--kernels fast-int8``) for ``q``, or None where the format
     or shape has none (that weight then stays on its exact kernel)."""
     o, i = q.shape
@@ -89,10 +91,10 @@ def _bind_int8(q: QTensor) -> _MatMul | None:
     scales = np.ascontiguousarray(q.scales, dtype=np.float32).reshape(-1)
     per_chunk: list[F32Array] = []  # [O * I / 64], made at the first call (no copy for g64)
 
-    def run(x: F32Array, out: F32Array | None) -> F32Array:
+    def run(x: F32Array, out: F32Array | None, q8: Q8Input | None = None) -> F32Array:
         if not per_chunk:
             per_chunk.append(q8_chunk_scales(scales, o, i // 64))
-        return matmul_int4_q8(x, raw, per_chunk[0], o, i, 64, out=out)
+        return matmul_int4_q8(x, raw, per_chunk[0], o, i, 64, out=out, q8=q8)
 
     return run
 
@@ -131,12 +133,15 @@ class Linear:
         *,
         out: F32Array | None = None,
         fast_int8: bool = False,
+        q8: Q8Input | None = None,
     ) -> F32Array:
         """``x [T, I] -> x @ W.T [T, O]`` (float32); ``out`` optionally receives the result.
 
         ``fast_int8``: the opt-in lossy kernel that rounds ``x`` to int8 per 64 columns
         (:func:`runtime.kernels.quant_matmul.matmul_int4_q8`), where this weight has one
-        (:attr:`has_int8`). Raises ``ValueError`` if ``x`` is not 2-D with ``I`` columns.
+        (:attr:`has_int8`); ``q8``: that rounding of ``x``, done once for several weights
+        (:func:`runtime.kernels.quant_matmul.q8_input`). Raises ``ValueError`` if ``x`` is not
+        2-D with ``I`` columns.
         """
         xx = np.ascontiguousarray(x, dtype=np.float32)  # [T, I]
         if xx.ndim != 2:
@@ -145,7 +150,7 @@ class Linear:
                 "(use x[None, :] for a single token)"
             )
         if fast_int8 and self._matmul_int8 is not None:
-            return self._matmul_int8(xx, out)  # [T, O]
+            return self._matmul_int8(xx, out, q8)  # [T, O]
         return self._matmul(xx, out)  # [T, O]
 
     def split(self, parts: int) -> list[tuple[int, int, Linear]]:

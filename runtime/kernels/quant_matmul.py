@@ -12,6 +12,7 @@ packed bytes per int4 row.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -40,6 +41,7 @@ __all__ = [
     "DEFAULT_PREFETCH",
     "INT4_LANES",
     "KERNELS",
+    "Q8Input",
     "matmul_bf16",
     "matmul_f16",
     "matmul_f32",
@@ -48,6 +50,7 @@ __all__ = [
     "matmul_int8",
     "q8_chunk_scales",
     "q8_eligible",
+    "q8_input",
 ]
 
 F32Array = npt.NDArray[np.float32]
@@ -238,12 +241,14 @@ def matmul_int4_q8(
     *,
     out: F32Array | None = None,
     prefetch_distance: int = DEFAULT_PREFETCH,
+    q8: Q8Input | None = None,
 ) -> F32Array:
     """``x [T, I] @ W.T -> [T, O]`` for int4 ``W`` with ``x`` rounded to two int8 digits
     (16-bit fixed point) per 64-column group: the opt-in lossy kernel (``--kernels
     fast-int8``, :mod:`._q8`). Deterministic and batch-invariant like the exact kernels, and
     the same bits on every x86-64 CPU, but not equal to them: the activations lose precision.
-    Only for :func:`q8_eligible` shapes (``ValueError`` otherwise)."""
+    Only for :func:`q8_eligible` shapes (``ValueError`` otherwise). ``q8``: ``x`` already
+    rounded by :func:`q8_input` (the same result, without rounding it again)."""
     if not q8_eligible(int(in_features), group_size):
         raise ValueError(
             f"the int8-activation kernel needs I a multiple of 64 and groups of a multiple of 64 "
@@ -251,22 +256,49 @@ def matmul_int4_q8(
         )
     a = _int4_call(x, packed, scales, out_features, in_features, group_size, out, prefetch_distance)
     n_out, n_in, nb, p, xx, y, pf = a.n_out, a.n_in, a.nb, a.p, a.x, a.y, a.pf
-    n_chunks = n_in // 64
-    s = q8_chunk_scales(a.s, n_out, n_chunks)
-    n_tok = xx.shape[0]
-    if n_tok == 0 or n_out == 0:
+    s = q8_chunk_scales(a.s, n_out, n_in // 64)
+    if xx.shape[0] == 0 or n_out == 0:
         return y
+    if q8 is None:
+        q8 = q8_input(xx)
+    elif q8.x.shape != xx.shape:
+        raise ValueError(f"q8 was rounded from x of shape {q8.x.shape}, not {xx.shape}")
+    if xx.shape[0] == 1:
+        q8_gemv(p, s, n_out, nb, q8.xq, q8.bias, q8.sx, y.reshape(-1), pf)
+    else:
+        q8_gemm(p, s, n_out, nb, q8.xq, q8.bias, q8.sx, q8.xstride, q8.bstride, y, pf)
+    return y
+
+
+@dataclass(frozen=True)
+class Q8Input:
+    """Activations ``x [T, I]`` rounded once for the int8-activation kernels (two int8 digits
+    and a bias per 64 columns per token, :func:`q8_input`), so several weights applied to the
+    same ``x`` (an MLP's gate and up, the output ranges of a split matmul) round it once."""
+
+    x: F32Array  # [T, I]
+    xq: npt.NDArray[np.int8]  # [T * xstride]
+    bias: npt.NDArray[np.int32]  # [T * bstride]
+    sx: F32Array  # [T * I / 64]
+    xstride: int
+    bstride: int
+
+
+def q8_input(x: npt.NDArray[np.floating]) -> Q8Input:
+    """``x [T, I]`` (I a multiple of 64) rounded for :func:`matmul_int4_q8`."""
+    xx = np.ascontiguousarray(x, dtype=np.float32)
+    if xx.ndim != 2 or xx.shape[1] % 64:
+        raise ValueError(f"q8_input needs x [T, I] with I a multiple of 64, got {xx.shape}")
+    n_tok, n_in = xx.shape
+    n_chunks = n_in // 64
     # per token [2, I] digits and [G * 16] biases, plus 64 bytes so tokens do not alias
     xstride, bstride = 2 * n_in + 64, n_chunks * 16 + 16
     xq = np.empty(n_tok * xstride, np.int8)
     bias = np.empty(n_tok * bstride, np.int32)
     sx = np.empty(n_tok * n_chunks, np.float32)  # [T * G]
-    q8_prep(xx, xq, bias, sx, xstride, bstride)
-    if n_tok == 1:
-        q8_gemv(p, s, n_out, nb, xq, bias, sx, y.reshape(-1), pf)
-    else:
-        q8_gemm(p, s, n_out, nb, xq, bias, sx, xstride, bstride, y, pf)
-    return y
+    if n_tok:
+        q8_prep(xx, xq, bias, sx, xstride, bstride)
+    return Q8Input(xx, xq, bias, sx, xstride, bstride)
 
 
 def int4_lanes(in_features: int, group_size: int | None, lanes: int) -> int:

@@ -162,6 +162,33 @@ def test_split_matmul_keeps_the_int8_bits() -> None:
     np.testing.assert_array_equal(got, lin(x, fast_int8=True))
 
 
+def test_one_rounding_serves_several_weights() -> None:
+    """``q8_input`` rounds ``x`` once; each weight given it computes the same bits as when it
+    rounds ``x`` itself (an MLP's gate and up share one rounding under ``ExpertCompute``)."""
+    from runtime.kernels.quant_matmul import q8_input
+    from runtime.layers.swiglu import MLPWeights, swiglu
+
+    gate, up = Linear(_weights("int4-g64", 512, 256, 1)), Linear(_weights("int4-g64", 512, 256, 2))
+    down = Linear(_weights("int4-g64", 256, 512, 3))
+    x = np.random.default_rng(4).standard_normal((3, 256), dtype=np.float32)
+    prepared = q8_input(x)
+    for lin in (gate, up):
+        np.testing.assert_array_equal(lin(x, fast_int8=True, q8=prepared), lin(x, fast_int8=True))
+    with pytest.raises(ValueError, match="rounded from x of shape"):
+        gate(x[:2], fast_int8=True, q8=prepared)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        q8_input(x[:, :100])
+    w = MLPWeights(gate, up, down)
+    want = swiglu(x, w, lambda lin, xx: lin(xx, fast_int8=True))
+    for threads in (1, 2):
+        comp = ExpertCompute(threads, kernels="fast-int8")
+        try:
+            np.testing.assert_array_equal(comp.swiglu(x, w), want)
+            np.testing.assert_array_equal(comp.swiglu(x[:1], w), want[:1])
+        finally:
+            comp.close()
+
+
 # ----------------------------------------------------------------------------- models
 
 AGREEMENT = 0.95  # the issue's bar for greedy tokens of the lossy mode against exact
