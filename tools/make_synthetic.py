@@ -7,6 +7,13 @@ chosen so activations stay O(1); the model computes noise, which is all a storag
 The layout is the converter's: every expert's three matrices adjacent and 4 KiB-aligned.
 
     python tools/make_synthetic.py --out /var/tmp/glm5-synth [--moe-layers 3] [--experts 256]
+        [--predictable]
+
+``--predictable`` scales every projection that writes into the residual stream (attention
+``o_proj``, every ``down_proj``) by ``PREDICTABLE_SCALE``: the stream then stays close to the
+token's embedding from layer to layer, so layer L+1's router applied to layer L's state
+predicts L+1's experts almost exactly, while sampled tokens still route to varied experts.
+That is the disk-bound model with predictable routing a lookahead benchmark needs.
 
 Generated in about a minute per MoE layer on a 2-core machine (mostly disk writes).
 """
@@ -32,6 +39,8 @@ from storage.quant import QuantFormat  # noqa: E402
 from storage.safetensors import TensorSpec, write_safetensors  # noqa: E402
 
 GS = 64
+# --predictable: the scale of the projections that write into the residual stream
+PREDICTABLE_SCALE = 0.001
 
 
 def synthetic_config(moe_layers: int, experts: int, top_k: int = 8) -> dict[str, object]:
@@ -83,7 +92,7 @@ Maker = Callable[[np.random.Generator], np.ndarray]
 
 
 def _tensors_for_layer(
-    arch: ArchConfig, names: list[str]
+    arch: ArchConfig, names: list[str], predictable: bool = False
 ) -> list[tuple[str, str, tuple[int, ...], int, Maker]]:
     """(name, dtype, shape, align, maker) in the converter's order: small tensors, then experts.
 
@@ -112,7 +121,9 @@ def _tensors_for_layer(
         o, i = role.shape
         fmt = QuantFormat("int8") if role.role == "io" else QuantFormat("int4", GS)
         nq, ns = fmt.weight_nbytes(o, i), fmt.n_scales(o, i)
-        small.append((name + ".qs", "F32", (ns,), 1, _scales(ns, fmt, i)))
+        writes_residual = name.endswith(("o_proj.weight", "down_proj.weight"))
+        gain = PREDICTABLE_SCALE if predictable and writes_residual else 1.0
+        small.append((name + ".qs", "F32", (ns,), 1, _scales(ns, fmt, i, gain)))
         maker = _int8_bytes(nq) if fmt.kind == "int8" else _nibbles(nq)
         packed = (name, "U8", (nq,), 1, maker)
         if role.role == "expert":
@@ -150,10 +161,10 @@ def _int8_bytes(n: int) -> Maker:
     return lambda rng: rng.integers(-127, 128, size=n, dtype=np.int8).view(np.uint8)
 
 
-def _scales(n: int, fmt: QuantFormat, i: int) -> Maker:
-    # uniform -7..7 has std 4.3 and uniform -127..127 std 73: weights ~ N(0, 1/i)
+def _scales(n: int, fmt: QuantFormat, i: int, gain: float = 1.0) -> Maker:
+    # uniform -7..7 has std 4.3 and uniform -127..127 std 73: weights ~ N(0, gain^2 / i)
     spread = 4.3 if fmt.kind == "int4" else 73.0
-    return lambda rng: np.full(n, 1.0 / (spread * np.sqrt(i)), dtype=np.float32)
+    return lambda rng: np.full(n, gain / (spread * np.sqrt(i)), dtype=np.float32)
 
 
 def _expert_sort_key(name: str) -> tuple[int, str]:
@@ -172,7 +183,14 @@ def _norm_size(name: str, arch: ArchConfig) -> int:
     return arch.hidden_size
 
 
-def build(out: Path, moe_layers: int, experts: int, seed: int = 0, top_k: int = 8) -> None:
+def build(
+    out: Path,
+    moe_layers: int,
+    experts: int,
+    seed: int = 0,
+    top_k: int = 8,
+    predictable: bool = False,
+) -> None:
     cfg = synthetic_config(moe_layers, experts, top_k)
     arch = ArchConfig.from_dict(cfg)
     if out.exists():
@@ -188,7 +206,7 @@ def build(out: Path, moe_layers: int, experts: int, seed: int = 0, top_k: int = 
     t0 = time.perf_counter()
     total = 0
     for k, layer in enumerate(sorted(by_layer)):
-        items = _tensors_for_layer(arch, sorted(by_layer[layer]))
+        items = _tensors_for_layer(arch, sorted(by_layer[layer]), predictable)
         specs = [TensorSpec(n, dt, shape, align) for n, dt, shape, align, _ in items]
         path = out / f"out-{k:05d}.safetensors"
         chunks = (make(rng) for *_, make in items)
@@ -213,8 +231,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--predictable",
+        action="store_true",
+        help="routing that layer L's state predicts for L+1 (for lookahead benchmarks)",
+    )
     a = ap.parse_args(argv)
-    build(a.out, a.moe_layers, a.experts, a.seed, a.top_k)
+    build(a.out, a.moe_layers, a.experts, a.seed, a.top_k, a.predictable)
     return 0
 
 

@@ -22,14 +22,12 @@ from storage.container import Container  # noqa: E402
 __all__ = ["budget_for", "drop_caches", "ensure_synthetic"]
 
 
-def ensure_synthetic(path: Path) -> None:
+def ensure_synthetic(path: Path, predictable: bool = False) -> None:
     """Build the synthetic model at ``path`` on first use (3 MoE layers x 256 experts, ~16 GiB,
-    about a minute)."""
+    about a minute per layer); ``predictable``: ``make_synthetic.py --predictable``."""
     if not (path / "config.json").exists():
-        subprocess.run(
-            [sys.executable, str(ROOT / "tools" / "make_synthetic.py"), "--out", str(path)],
-            check=True,
-        )
+        cmd = [sys.executable, str(ROOT / "tools" / "make_synthetic.py"), "--out", str(path)]
+        subprocess.run(cmd + ["--predictable"] * predictable, check=True)
 
 
 def budget_for(c: Container, path: Path, fraction: float) -> int:

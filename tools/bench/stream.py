@@ -16,12 +16,15 @@ interleaved in an order that rotates each round (each mode's median run stands f
 measured turn's wall time went (``stats()["time"]``).
 
     python tools/bench/stream.py [--model /var/tmp/colibri-synth] [--tokens 24] [--fraction 0.2]
-        [--prefetch auto|on|off] [--rounds 3]
+        [--prefetch auto|on|off] [--rounds 3] [--predictable]
 
-``--model`` may be any converted model (the demo model under a small ``--fraction`` is the
-correlated-routing case: consecutive tokens of a trained model share experts).
+``--model`` may be any converted model (the demo model under a small ``--fraction``: a trained
+model's consecutive tokens share experts, but at that size it is compute-bound).
+``--predictable`` uses the synthetic model whose layer L state predicts layer L+1's experts:
+disk-bound, with predictable routing, the case where lookahead should pay.
 
-The synthetic model is built on first use (3 MoE layers x 256 experts, ~16 GiB, about a minute).
+The synthetic models are built on first use (3 MoE layers x 256 experts, ~16 GiB, about a minute
+per layer).
 """
 
 from __future__ import annotations
@@ -98,7 +101,14 @@ def decode_run(a: argparse.Namespace, budget: int, prefetch: str) -> dict[str, A
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", type=Path, default=Path("/var/tmp/colibri-synth"))
+    ap.add_argument("--model", type=Path, default=None, help="default: the synthetic model")
+    ap.add_argument(
+        "--predictable",
+        action="store_true",
+        help="the synthetic model with predictable routing (make_synthetic.py --predictable, "
+        "built at /var/tmp/colibri-synth-predictable on first use): the disk-bound case where "
+        "lookahead should pay",
+    )
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--fraction", type=float, default=0.2, help="share of experts the budget holds")
     ap.add_argument("--reader", default="auto")
@@ -113,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-prefetch", dest="prefetch", action="store_const", const="off")
     a = ap.parse_args(argv)
 
-    ensure_synthetic(a.model)
+    if a.model is None:
+        a.model = Path("/var/tmp/colibri-synth" + "-predictable" * a.predictable)
+    ensure_synthetic(a.model, a.predictable)  # (a converted model's directory is left as is)
     c = Container.open(a.model)
     n_experts = len(c.expert_extents())
     experts_bytes = sum(x.nbytes for x in c.expert_extents())
