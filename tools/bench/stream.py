@@ -3,8 +3,9 @@
 With a RAM budget that holds < 25% of the experts, decode is bound by storage: each token must
 read the experts it misses. In the same run this measures
 
-* storage GB/s: cold random expert-shaped reads through the same reader backend (before and
-  after decoding, averaged: the disk drifts minute to minute);
+* storage GB/s: cold random expert-shaped reads through the same reader backend, the better of
+  one and two at a time (the decode has up to two demand reads in flight), before and after
+  decoding, averaged (the disk drifts minute to minute);
 * decode tokens/s and bytes read per decoded token (engine counters);
 * the I/O bound: storage GB/s / bytes per token, in tokens/s.
 
@@ -56,27 +57,40 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _synth import budget_for, drop_caches, ensure_synthetic  # noqa: E402
 
 
-async def storage_gbps(c: Container, reader_kind: str, n: int, seed: int) -> tuple[float, str]:
-    """Cold random whole-expert reads, one at a time (the decode path reads experts one by one
-    per miss, with a few in flight)."""
+async def storage_gbps(
+    c: Container, reader_kind: str, n: int, seed: int, depth: int = 1
+) -> tuple[float, str]:
+    """Cold random whole-expert reads, ``depth`` at a time (the decode path reads a layer's
+    misses a few at a time: its read depth is 2)."""
     rng = random.Random(seed)
     extents = c.expert_extents()
     picks = [extents[rng.randrange(len(extents))] for _ in range(n)]
     drop_caches()
     reader = await open_reader(reader_kind, probe_path=picks[0].path)  # type: ignore[arg-type]
     try:
-        buf = aligned_empty(
-            max(required_size(ReadRequest(x.path, x.start, x.nbytes)) for x in picks)
-        )
+        size = max(required_size(ReadRequest(x.path, x.start, x.nbytes)) for x in picks)
+        bufs = [aligned_empty(size) for _ in range(depth)]
         total = 0
         t0 = time.perf_counter()
-        for x in picks:
-            await reader.read_into(ReadRequest(x.path, x.start, x.nbytes), buf)
-            total += x.nbytes
+        for i in range(0, len(picks), depth):
+            batch = picks[i : i + depth]
+            async with anyio.create_task_group() as tg:
+                for x, buf in zip(batch, bufs, strict=False):
+                    tg.start_soon(reader.read_into, ReadRequest(x.path, x.start, x.nbytes), buf)
+            total += sum(x.nbytes for x in batch)
         dt = time.perf_counter() - t0
         return total / dt / 1e9, reader.name
     finally:
         await reader.aclose()
+
+
+def disk_gbps(c: Container, reader_kind: str, n: int, seed: int) -> tuple[float, str, list[float]]:
+    """The disk's rate for expert reads: the better of one and two reads at a time (the decode
+    reads up to two demand reads at once, so one at a time alone would understate the disk and
+    the bound could be beaten)."""
+    one, backend = anyio.run(storage_gbps, c, reader_kind, n, seed, 1)
+    two, _ = anyio.run(storage_gbps, c, reader_kind, n, seed + 100, 2)
+    return max(one, two), backend, [round(one, 3), round(two, 3)]
 
 
 def decode_run(a: argparse.Namespace, budget: int, prefetch: str) -> dict[str, Any]:
@@ -131,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     experts_bytes = sum(x.nbytes for x in c.expert_extents())
     budget = budget_for(c, a.model, a.fraction)  # dense + KV reserve + `fraction` of experts
 
-    gb_before, backend = anyio.run(storage_gbps, c, a.reader, a.reads, 1)
+    gb_before, backend, by_depth_before = disk_gbps(c, a.reader, a.reads, 1)
     # The chosen mode, and in the same run the other modes to compare with (interleaved, so
     # the disk's drift touches them alike).
     modes = [a.prefetch] + [m for m in ("off", "on") if m != a.prefetch]
@@ -141,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         # another particular one)
         for m in modes[r % len(modes) :] + modes[: r % len(modes)]:
             all_runs[m].append(decode_run(a, budget, m))
-    gb_after, _ = anyio.run(storage_gbps, c, a.reader, a.reads, 2)
+    gb_after, _, by_depth_after = disk_gbps(c, a.reader, a.reads, 2)
     gbps = (gb_before + gb_after) / 2
     # each mode's median run (by tokens/s) stands for it
     runs = {
@@ -176,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         "io_bound_tokens_per_s": round(bound, 3),
         "storage_gbps": round(gbps, 3),
         "storage_gbps_before_after": [round(gb_before, 3), round(gb_after, 3)],
+        # [one read at a time, two at a time], before and after decoding
+        "storage_gbps_by_depth": [by_depth_before, by_depth_after],
         "bytes_missed_per_token": int(per_token),
         "bytes_read_per_token": int(read / steps),
         "hit_rate": round(s1["hit_rate"], 3),
