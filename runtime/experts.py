@@ -31,6 +31,7 @@ from typing import Any, Literal, TypeVar
 
 import anyio
 import anyio.from_thread
+import anyio.lowlevel
 import numpy as np
 import numpy.typing as npt
 import structlog
@@ -464,6 +465,8 @@ class ExpertStore:
         need = head + req.length
         o = 0
         while o < need:
+            # (the gate may pass without waiting: a read cancelled at shutdown stops here)
+            await anyio.lowlevel.checkpoint_if_cancelled()
             what = await pieces.before()
             if what == "stop":
                 return None

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import anyio
 
 from storage.aligned import ALIGN
+from storage.errors import ReadError
 from storage.reader import (
     ReadRequest,
     U8Array,
@@ -246,6 +247,8 @@ class _UringReader(_ReaderBase):
             return buf[head:head]
         fd = await self._fd(req)
         async with self._slots:
+            if self._closed:  # closed while this read waited for its file or a ring slot
+                raise ReadError(f"{self.name} reader is closed (the engine is shutting down)")
             op = _Op(req, buf, fd, self.direct, self._ud())
             t0 = self._begin()
             try:

@@ -531,3 +531,42 @@ async def test_bench_storage_smoke(data_file: tuple[Path, bytes]) -> None:
     assert res["figure"] is None and res["figure_reason"] == "off"
     hp = res["hugepages"]  # the buffers (1 MiB reads: under 2 MiB, ordinary ones either way)
     assert hp["buffer_bytes"] >= 2 << 20 and hp["huge_backed_bytes"] is not None
+
+
+@pytest.mark.anyio
+async def test_a_read_that_waited_while_the_reader_closed_is_a_read_error(
+    data_file: tuple[Path, bytes],
+) -> None:
+    """A read that passed its checks, then waited (for its file) while the engine closed the
+    reader, fails with ReadError instead of reaching a ring that is gone."""
+    try:
+        r = await open_reader("uring", probe_path=data_file[0], queue_depth=4)
+    except ReadError as exc:
+        pytest.skip(f"uring backend unavailable here: {exc}")
+    opened = anyio.Event()
+    go = anyio.Event()
+    real_fd = r._fd  # type: ignore[attr-defined]
+
+    async def slow_fd(req: ReadRequest) -> int:
+        opened.set()
+        await go.wait()
+        fd: int = await real_fd(req)
+        return fd
+
+    r._fd = slow_fd  # type: ignore[attr-defined]
+    buf = aligned_empty(2 * ALIGN)
+    got: list[Exception] = []
+
+    async def read() -> None:
+        try:
+            await r.read_into(ReadRequest(data_file[0], 0, ALIGN), buf)
+        except Exception as exc:  # the test looks at what it was
+            got.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(read)
+        await opened.wait()
+        await r.aclose()  # the ring is released meanwhile
+        go.set()
+    assert len(got) == 1 and isinstance(got[0], ReadError), got
+    assert "closed" in str(got[0])
