@@ -360,18 +360,8 @@ class TierPolicy:
         layer, e = key
         lru = self.lru[layer]
         # a lookahead read takes a cache slot only when one is free: it never evicts
-        admit = lru.can_admit(prefill=self.prefill)
-        if not demand and lru.victim() is not None:
-            admit = False
-        if admit:
-            victim = lru.admit(e, prefill=self.prefill)
-            evicted = None
-            if victim is not None:
-                evicted = (layer, victim)
-                self.stats.evictions += 1
-                if evicted in self._lookahead_cached:
-                    self._lookahead_cached.discard(evicted)
-                    self._wasted(evicted)
+        if lru.can_admit(prefill=self.prefill) if demand else len(lru) < lru.capacity:
+            evicted = self._admit(key)
             lru.hold(e)  # not evictable while its read is in flight
             return Placement(True, evicted)
         if not demand and self.transient_free <= self.transient_slots // 2:
@@ -396,20 +386,26 @@ class TierPolicy:
         victim's or a free cache slot's buffer becomes transient), or None when the LRU cannot
         take it now (it stays in its transient slot until the step has computed with it)."""
         self._lookahead_held.discard(key)
-        layer, e = key
-        lru = self.lru[layer]
-        if e in lru or not lru.can_admit(prefill=self.prefill):
+        lru = self.lru[key[0]]
+        if key[1] in lru or not lru.can_admit(prefill=self.prefill):
             return None
-        victim = lru.admit(e, prefill=self.prefill)
-        evicted = None
-        if victim is not None:
-            evicted = (layer, victim)
-            self.stats.evictions += 1
-            if evicted in self._lookahead_cached:
-                self._lookahead_cached.discard(evicted)
-                self._wasted(evicted)
+        evicted = self._admit(key)
         self.release_transient()  # a buffer of the cache becomes the transient one
         return Placement(True, evicted)
+
+    def _admit(self, key: Key) -> Key | None:
+        """Put ``key`` in its layer's LRU (the caller checked it can): the key it evicted, if
+        any, counted (and booked wasted when it was an unused lookahead result)."""
+        layer, e = key
+        victim = self.lru[layer].admit(e, prefill=self.prefill)
+        if victim is None:
+            return None
+        evicted = (layer, victim)
+        self.stats.evictions += 1
+        if evicted in self._lookahead_cached:
+            self._lookahead_cached.discard(evicted)
+            self._wasted(evicted)
+        return evicted
 
     def adoptable(self, key: Key) -> bool:
         """Whether ``key``, landing for a step, is a lookahead read the step joined in flight
