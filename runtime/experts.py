@@ -784,8 +784,11 @@ class StreamingExperts:
 
         The compute thread only dispatches: it waits on one queue for the next arrival or the
         next finished computation, and gives an expert's transient buffer back once its
-        computation finished (so reads go on landing while workers compute). On an error every
-        started computation is awaited before any buffer is recycled."""
+        computation finished (so reads go on landing while workers compute). The step's last
+        arrival, when no other expert is still computing, is computed on the compute thread
+        itself, so its matmuls can split over the pool: that computation is the step's tail,
+        the time the disk idles before the next layer can route. On an error every started
+        computation is awaited before any buffer is recycled."""
         st = self.store
         step = _Step(layer)
         ready = anyio.from_thread.run_sync(st._loop_begin, step, list(experts), lookahead)
@@ -814,8 +817,18 @@ class StreamingExperts:
                     raise item
                 else:
                     to_arrive -= 1
-                    submit(*item)
-                    pending += 1
+                    if to_arrive or pending:
+                        submit(*item)
+                        pending += 1
+                        continue
+                    # The step's last arrival with every other expert done: nothing else can
+                    # run meanwhile, so compute it here, where ``fn`` may split its matmuls
+                    # over the pool (a worker cannot), instead of on one worker.
+                    e = item[0]
+                    try:
+                        results[e] = fn(*item)
+                    finally:
+                        self._done_with(step, e)
         finally:
             while pending:  # an error: no buffer may be recycled under a running computation
                 item = step.out.get()
