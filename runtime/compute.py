@@ -41,7 +41,7 @@ from runtime.kernels.quant_matmul import Q8Input, q8_input
 from runtime.layers import moe as moe_ops
 from runtime.layers.swiglu import MLPWeights, swiglu
 from runtime.linear import Linear
-from runtime.weights import ExpertSource, Lookahead
+from runtime.weights import ExpertSource, Guess, Lookahead
 
 __all__ = ["KERNEL_MODES", "ExpertCompute", "KernelMode"]
 
@@ -248,14 +248,22 @@ class ExpertCompute:
         macs: int,
         lookahead: Lookahead | None,
         side: Callable[[], S] | None,
+        guess: Guess | None = None,
     ) -> tuple[dict[int, R], S | None]:
         """:meth:`run`, plus ``side`` (the shared expert: work that needs no routed expert)
         computed while the step's reads are in flight rather than after its last arrival: on a
         worker from the start, or serially right after the first expert. Returns the outputs
-        and ``side()``'s result (None without ``side``)."""
+        and ``side()``'s result (None without ``side``).
+
+        ``guess`` (instead of ``lookahead``): the prediction not made yet. On the pool it is
+        made on a worker once the step's reads are queued (``source.map_arrivals``), so its
+        router is off the path that decides when the step's first read starts; serially it is
+        made here first."""
         if self._pool is None or macs < self.parallel_min_macs:
             out: dict[int, R] = {}
             extra: S | None = None
+            if guess is not None and lookahead is None:
+                lookahead = guess()
             for e, w in source.arrivals(layer, experts, lookahead):
                 out[e] = fn(e, w)
                 if side is not None and len(out) == 1:
@@ -266,7 +274,7 @@ class ExpertCompute:
         with self._blas_single():
             fut = self._pool.submit(side) if side is not None else None
             try:
-                out = source.map_arrivals(layer, experts, fn, self._pool, lookahead)
+                out = source.map_arrivals(layer, experts, fn, self._pool, lookahead, guess)
             finally:
                 extra = fut.result() if fut is not None else None
             return out, extra

@@ -45,7 +45,7 @@ from runtime.policies.tiers import (
     TierPolicy,
     TierStats,
 )
-from runtime.weights import ExpertWeights, Lookahead
+from runtime.weights import ExpertWeights, Guess, Lookahead
 from storage.aligned import HUGE_PAGE, aligned_empty, huge_backed_bytes, hugepage_support
 from storage.container import Container, ExpertExtent
 from storage.errors import ColibriError, ReadError
@@ -221,6 +221,13 @@ class _Done:
 
     expert: int
     future: Future[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class _Guessed:
+    """A step's prediction (:data:`runtime.weights.Guess`) was made on a worker."""
+
+    future: Future[Lookahead | None]
 
 
 class ExpertStore:
@@ -778,9 +785,16 @@ class StreamingExperts:
         fn: Callable[[int, ExpertWeights], R],
         pool: Executor,
         lookahead: Lookahead | None = None,
+        guess: Guess | None = None,
     ) -> dict[int, R]:
         """``{e: fn(e, weights)}`` with each expert computed on ``pool`` as soon as it arrives
         (``lookahead``: as for :meth:`arrivals`).
+
+        ``guess`` is made on ``pool`` once the step began (its demand reads are queued), and
+        the compute thread hands its prediction to the loop when it comes, while it waits for
+        arrivals anyway: the prediction's router is not on the path between the layer's
+        routing and its first read. A guess that is not made before the step's last expert
+        is computed is dropped (the next step has begun by then: too late to read ahead).
 
         The compute thread only dispatches: it waits on one queue for the next arrival or the
         next finished computation, and gives an expert's transient buffer back once its
@@ -800,13 +814,25 @@ class StreamingExperts:
             fut = pool.submit(fn, e, w)
             fut.add_done_callback(lambda f: step.out.put(_Done(e, f)))
 
+        guessing: Future[Lookahead | None] | None = None
         try:
+            if guess is not None:
+                guessing = pool.submit(guess)
+                guessing.add_done_callback(lambda f: step.out.put(_Guessed(f)))
             for e, w in ready:
                 submit(e, w)
                 pending += 1
+            t0 = time.perf_counter()
             while to_arrive or pending:
-                t0 = time.perf_counter()
                 item = step.out.get()
+                if isinstance(item, _Guessed):  # (handed over while waiting: t0 stands)
+                    guessing = None
+                    made = item.future.result()
+                    if made is not None:  # (made off the compute thread's path: no charge)
+                        anyio.from_thread.run_sync(
+                            st._loop_prefetch, made.layer, list(made.experts)
+                        )
+                    continue
                 if not pending and isinstance(item, tuple):  # nothing computing: a read stall
                     step.stalled(st.stats, item[0], time.perf_counter() - t0)
                 if isinstance(item, _Done):
@@ -820,22 +846,25 @@ class StreamingExperts:
                     if to_arrive or pending:
                         submit(*item)
                         pending += 1
-                        continue
-                    # The step's last arrival with every other expert done: nothing else can
-                    # run meanwhile, so compute it here, where ``fn`` may split its matmuls
-                    # over the pool (a worker cannot), instead of on one worker.
-                    e = item[0]
-                    try:
-                        results[e] = fn(*item)
-                    finally:
-                        self._done_with(step, e)
+                    else:
+                        # The step's last arrival with every other expert done: nothing else
+                        # can run meanwhile, so compute it here, where ``fn`` may split its
+                        # matmuls over the pool (a worker cannot), instead of on one worker.
+                        e = item[0]
+                        try:
+                            results[e] = fn(*item)
+                        finally:
+                            self._done_with(step, e)
+                t0 = time.perf_counter()
         finally:
+            if guessing is not None:
+                guessing.cancel()  # too late (a running one finishes unheard)
             while pending:  # an error: no buffer may be recycled under a running computation
                 item = step.out.get()
                 if isinstance(item, _Done):
                     pending -= 1
                     self._done_with(step, item.expert)
-                elif not isinstance(item, BaseException):
+                elif isinstance(item, tuple):
                     self._done_with(step, item[0])
             self._end_step(step)
         return results
@@ -857,7 +886,7 @@ class StreamingExperts:
                 item = step.out.get_nowait()
             except queue.Empty:
                 break
-            if not isinstance(item, (BaseException, _Done)):
+            if isinstance(item, tuple):
                 self._done_with(step, item[0])
 
     def prefetch(self, layer: int, experts: Sequence[int], cpu_s: float = 0.0) -> None:

@@ -34,7 +34,7 @@ import numpy.typing as npt
 from runtime.cluster.source import ClusterExperts
 from runtime.kv import KVCache
 from runtime.layers import moe as moe_ops
-from runtime.weights import Lookahead
+from runtime.weights import Guess, Lookahead
 
 if TYPE_CHECKING:
     from runtime.context import Observer, StepContext
@@ -49,6 +49,7 @@ __all__ = [
     "SchedulerStats",
     "StepRequest",
     "moe_step",
+    "next_guess",
     "predict_next",
 ]
 
@@ -69,8 +70,9 @@ def moe_step(
 
     1. **Route**: the router picks K experts per row and their gate weights.
     2. **Lookahead**: when the source wants it, layer L+1's router (``next_moe``) applied to
-       this layer's state predicts the next layer's experts; their reads queue with this
-       step, behind its demand reads, most likely first (a hint: it never changes a result).
+       this layer's state predicts the next layer's experts, on a pool worker while this
+       step's reads are in flight (serially: before them); their reads queue behind the
+       step's demand reads, most likely first (a hint: it never changes a result).
     3. **Union**: the unique experts over all rows are requested once.
     4. **Place + compute as arrivals land**: the source yields resident experts first, then
        misses as their reads complete; each is applied to its rows (on the compute pool when
@@ -81,8 +83,8 @@ def moe_step(
     t0 = time.perf_counter()
     ids, gates = moe_ops.route(moe, x)  # [T, K], [T, K]
     ctx.observe("route", layer, ids)
-    # queued with this step, behind its demand reads
-    lookahead = predict_next(experts, layer, next_moe, x)
+    # made while this step's reads are in flight; its reads queue behind them
+    guess = next_guess(experts, layer, next_moe, x)
     comp = ctx.compute
 
     def one(e: int, w: ExpertWeights) -> tuple[npt.NDArray[np.intp], F32Array]:
@@ -105,7 +107,7 @@ def moe_step(
 
     # the shared expert is computed while the step's reads are in flight
     outputs, side = comp.run_step(
-        experts, layer, moe_ops.union(ids), one, ids.size * expert_macs, lookahead, shared_out
+        experts, layer, moe_ops.union(ids), one, ids.size * expert_macs, None, shared_out, guess
     )
     routed = moe_ops.combine(x, ids, outputs)
     ctx.timing.moe_s += time.perf_counter() - t0
@@ -121,11 +123,27 @@ def predict_next(
     next or the source would not read ahead for it now. A dense layer L calls it too (and
     hands the result to ``experts.prefetch``), so the first MoE layer's reads start while
     the dense layer computes."""
+    guess = next_guess(experts, layer, next_moe, x)
+    return None if guess is None else guess()
+
+
+def next_guess(
+    experts: ExpertSource, layer: int, next_moe: MoEWeights | None, x: F32Array
+) -> Guess | None:
+    """:func:`predict_next` not made yet (None when it would not be made): ``moe_step`` hands
+    it to the compute, which makes it on a pool worker while the step's reads are in flight.
+    The prediction's ``cpu_s`` is its router's time, wherever it ran."""
     if next_moe is None or not experts.wants_lookahead(layer + 1):
         return None
-    t0 = time.perf_counter()
-    ranked = moe_ops.ranked_union(*moe_ops.route(next_moe, x))
-    return Lookahead(layer + 1, ranked, time.perf_counter() - t0)
+
+    router = next_moe
+
+    def guess() -> Lookahead:
+        t0 = time.perf_counter()
+        ranked = moe_ops.ranked_union(*moe_ops.route(router, x))
+        return Lookahead(layer + 1, ranked, time.perf_counter() - t0)
+
+    return guess
 
 
 # ----------------------------------------------------------------------------- the batcher

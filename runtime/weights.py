@@ -37,6 +37,7 @@ __all__ = [
     "ExpertSource",
     "ExpertWeights",
     "GQALayerWeights",
+    "Guess",
     "LayerWeights",
     "Lookahead",
     "MTPWeights",
@@ -68,6 +69,11 @@ class Lookahead:
     cpu_s: float = 0.0
 
 
+#: A prediction not made yet: called on a pool worker while a step's reads are in flight, so
+#: that its router does not delay the step (see :meth:`ExpertSource.map_arrivals`).
+Guess = Callable[[], Lookahead | None]
+
+
 class ExpertSource(Protocol):
     """Where routed experts come from (resident RAM, tiered cache + SSD reads, ...).
 
@@ -96,10 +102,13 @@ class ExpertSource(Protocol):
         fn: Callable[[int, ExpertWeights], R],
         pool: Executor,
         lookahead: Lookahead | None = None,
+        guess: Guess | None = None,
     ) -> dict[int, R]:
         """``{e: fn(e, weights_e)}`` with each expert computed on ``pool`` as it arrives (a
         streaming source recycles an expert's buffer once its computation finished).
-        ``lookahead``: as for :meth:`arrivals`."""
+        ``lookahead``: as for :meth:`arrivals`. ``guess``: a prediction to make on ``pool``
+        once the step's reads are queued (its reads then go after them, as ``lookahead``'s);
+        a source that reads nothing ahead ignores it."""
         ...
 
     def prefetch(self, layer: int, experts: Sequence[int], cpu_s: float = 0.0) -> None:
@@ -469,6 +478,7 @@ class ResidentExperts:
         fn: Callable[[int, ExpertWeights], R],
         pool: Executor,
         lookahead: Lookahead | None = None,
+        guess: Guess | None = None,
     ) -> dict[int, R]:
         """``{e: fn(e, weights)}`` computed on ``pool`` (every expert is already resident)."""
         futures = {e: pool.submit(fn, e, w) for e, w in self.get(layer, experts).items()}

@@ -35,7 +35,7 @@ import numpy.typing as npt
 import structlog
 
 from runtime.cluster.wire import pack_request, unpack_reply
-from runtime.weights import ExpertSource, ExpertWeights, Lookahead
+from runtime.weights import ExpertSource, ExpertWeights, Guess, Lookahead
 from storage.errors import ColibriError
 
 if TYPE_CHECKING:
@@ -210,6 +210,7 @@ class ClusterExperts:
         fn: Callable[[int, ExpertWeights], R],
         pool: Executor,
         lookahead: Lookahead | None = None,
+        guess: Guess | None = None,
     ) -> dict[int, R]:
         return self.local.map_arrivals(layer, experts, fn, pool)
 

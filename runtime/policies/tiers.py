@@ -23,10 +23,14 @@ cache holds what it would hold without lookahead.
 
 ``--prefetch auto`` (the default) keeps a ledger per layer: what its lookahead *saved* (the
 read time of a result a step then used, or the head start of a read a step joined in flight)
-against what it *cost*: the time its pieces shared the device with demand reads, measured
-piece by piece, and the compute-thread time of the predictions themselves (the next layer's
-router, and a dense layer's hop to the event loop), which on a small, compute-bound model is
-all lookahead does. Every ``LEDGER_STEPS`` steps of the layer the difference feeds an average;
+against what it *cost*: the device time its pieces took from demand reads they shared the
+device with (measured piece by piece: the overlap, weighted by a piece's share of the device,
+one request among those in flight), and the compute-thread time of the predictions made on
+the compute thread itself (the next layer's router where a step runs serially, and a dense
+layer's router and hop to the event loop), which on a small, compute-bound model is all
+lookahead does. A prediction made on a pool worker while the step's reads are in flight
+(:meth:`runtime.experts.StreamingExperts.map_arrivals`) is not on that path and is not charged.
+Every ``LEDGER_STEPS`` steps of the layer the difference feeds an average;
 the layer reads ahead while the average is >= 0. A layer starts off (the event loop's own
 work for lookahead reads is not counted, so it has to show a gain first); while it is off
 every ``PROBE_EVERY``-th step still reads ahead, so the ledger sees whether and when routing
@@ -181,9 +185,11 @@ class TierPolicy:
         self._demand_inflight = 0
         self._lookahead_inflight = 0
         self._demand_queued = 0
-        # seconds with a demand read in flight or waiting (up to _busy_since, if set)
+        # device seconds a lookahead piece beside demand reads takes from them (up to
+        # _busy_since, if set; the stretch since then counts at _busy_share), see demand_busy
         self._demand_busy_s = 0.0
         self._busy_since: float | None = None
+        self._busy_share = 0.5
 
     # ------------------------------------------------------------------ where experts are
     def cached(self, key: Key) -> bool:
@@ -338,17 +344,22 @@ class TierPolicy:
         self.stats.lookahead_cpu_s += cpu_s
 
     def demand_busy(self, now: float) -> float:
-        """Seconds, up to ``now``, during which a demand read was in flight or waiting."""
+        """Device seconds, up to ``now``, that a lookahead piece in flight beside the demand
+        reads would have taken from them: the time demand reads were in flight or waiting,
+        each stretch weighted by a piece's share of the device then, ``1 / (1 + k)`` with
+        ``k`` demand reads in flight (at least one), as the device serves the requests it
+        holds alike."""
         since = self._busy_since
-        return self._demand_busy_s + (now - since if since is not None else 0.0)
+        now_s = max(0.0, now - since) * self._busy_share if since is not None else 0.0
+        return self._demand_busy_s + now_s
 
     def _demand_changed(self, now: float) -> None:
-        busy = self._demand_inflight + self._demand_queued > 0
-        if busy and self._busy_since is None:
-            self._busy_since = now
-        elif not busy and self._busy_since is not None:
-            self._demand_busy_s += max(0.0, now - self._busy_since)
+        if self._busy_since is not None:  # close the stretch at its share
+            self._demand_busy_s += max(0.0, now - self._busy_since) * self._busy_share
             self._busy_since = None
+        if self._demand_inflight + self._demand_queued > 0:
+            self._busy_since = now
+            self._busy_share = 1.0 / (1 + max(1, self._demand_inflight))
 
     # ------------------------------------------------------------------ slots
     def place(self, key: Key, *, demand: bool) -> Placement | None:

@@ -4,6 +4,7 @@ streamed buffer back."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -318,3 +319,70 @@ def test_the_side_work_runs_before_the_last_read_lands(threads: int) -> None:
 
     anyio.run(main)
     assert order.index("side") < order.index("expert 5")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_guess_is_made_while_the_step_reads_and_its_reads_are_issued(threads: int) -> None:
+    """``run_step``'s ``guess`` (the next layer's prediction): on the pool it is made on a
+    worker while the step's misses are still being read (its router is not on the path to
+    the step's first read), serially before the step; either way its lookahead reads are
+    issued, and the step's outputs are the same as without it."""
+    from fake_reader import FakeReader, Rule
+
+    from runtime.experts import ExpertStore, StreamingExperts
+    from runtime.weights import Lookahead
+    from storage.container import Container
+
+    c = Container.open(DEMO)
+    layer, after = c.expert_layers()[:2]
+    gate = anyio.Event()
+    reader = FakeReader(rules=[Rule(offset=c.expert(layer, 5).start, release=gate)])
+    order: list[str] = []
+
+    async def main() -> None:
+        from runtime.experts import StoreLayout, slot_sizes
+
+        blob, scales = slot_sizes(c)
+        layout = StoreLayout((), 0, len(c.expert_layers()), 16, blob + max(scales, 4096))
+        async with anyio.create_task_group() as tg:
+            store = ExpertStore(c, reader, layout, prefetch="on", clock=reader.clock)
+            await store.start(tg)
+            comp = ExpertCompute(threads, parallel_min_macs=0)
+            token = anyio.lowlevel.current_token()
+            compute_thread: list[str] = []
+
+            def guess() -> Lookahead:
+                order.append("guess")
+                here = threading.current_thread().name
+                assert (here != compute_thread[0]) == (threads > 1)
+                if threads > 1:  # expert 5 may land now
+                    anyio.from_thread.run_sync(gate.set, token=token)
+                return Lookahead(after, [7, 3])
+
+            def fn(e: int, w: Any) -> int:
+                order.append(f"expert {e}")
+                return e
+
+            def step() -> tuple[dict[int, int], None]:
+                compute_thread.append(threading.current_thread().name)
+                if threads == 1:
+                    gate.set()  # (serially the guess comes first; nothing to wait for)
+                return comp.run_step(
+                    StreamingExperts(store), layer, [2, 5], fn, 1, None, None, guess
+                )
+
+            try:
+                with anyio.fail_after(30):  # a guess made only after the last arrival: hangs
+                    out, _ = await anyio.to_thread.run_sync(step, abandon_on_cancel=True)
+            finally:
+                gate.set()
+                comp.close()
+                tg.cancel_scope.cancel()
+            assert out == {2: 2, 5: 5}
+            assert store.policy.stats.prefetch_issued == 2  # both predicted experts of `after`
+
+    anyio.run(main)
+    if threads > 1:
+        assert order.index("guess") < order.index("expert 5")
+    else:
+        assert order[0] == "guess"

@@ -130,9 +130,13 @@ def test_lookahead_pieces_book_the_time_they_shared_the_device_with_demand_reads
     assert p.try_issue(demand=True, now=1.5)  # a demand read arrives mid-piece
     p.piece_done(key, 2.0)
     p.io_done(demand=False, now=2.0)
-    assert p.stats.lookahead_cost_s == pytest.approx(0.5)
+    # 0.5 s beside one demand read: the piece took half the device from it
+    assert p.stats.lookahead_cost_s == pytest.approx(0.25)
+    assert p.try_issue(demand=False, now=2.0) is False  # (no piece beside a demand read)
+    assert p.try_issue(demand=True, now=2.5)  # a second demand read: a piece's share is 1/3
     p.io_done(demand=True, now=3.0)
-    assert p.demand_busy(10.0) == pytest.approx(1.5)
+    p.io_done(demand=True, now=4.0)
+    assert p.demand_busy(10.0) == pytest.approx(1.0 / 2 + 0.5 / 3 + 1.0 / 2)
 
 
 def test_a_lookahead_read_never_evicts_and_its_result_joins_the_cache_when_used() -> None:
@@ -282,8 +286,8 @@ def test_auto_starts_off_and_reads_ahead_only_on_probe_steps_while_it_loses() ->
         _step_with_lookahead(p, 1, [1, 2], [5, 6])
     st = p.stats
     assert st.prefetch_issued == 2 * 3  # one probe step in PROBE_EVERY read ahead
-    # each probe read shared half its piece with a demand read
-    assert st.lookahead_cost_s == pytest.approx(2 * 3 * READ_S / 2)
+    # each probe read shared half its piece with a demand read, and took half the device
+    assert st.lookahead_cost_s == pytest.approx(2 * 3 * READ_S / 4)
     assert st.lookahead_saved_s == 0.0 and st.lookahead_layers_off == 1
 
 
