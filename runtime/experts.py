@@ -184,16 +184,18 @@ class _Pieces:
 
     async def before(self) -> Literal["piece", "rest", "stop"]:
         st, pol = self.store, self.store.policy
-        if not self._first:
-            await st._gate(demand=False)
-            self._gated = True
-        self._first = False
-        ready = pol.lookahead_ready(self.key)
+        if self._first:  # the caller holds the ticket
+            self._first = False
+            ready = pol.lookahead_ready(self.key)
+            if ready is not False:
+                st._ungate(demand=False)
+                self._gated = False
+        else:  # the next ticket, unless the policy decided meanwhile (no ticket then)
+            ready = await st._lookahead_gate(self.key)
+            self._gated = ready is False
         if ready is False:
             pol.piece_started(self.key, st._clock())
             return "piece"
-        st._ungate(demand=False)
-        self._gated = False
         if ready is None:
             return "stop"
         await st._gate(demand=True)
@@ -557,10 +559,30 @@ class ExpertStore:
             if demand:
                 pol.queue_demand(-1, self._clock())
 
-    def _ungate(self, demand: bool) -> None:
-        self.policy.io_done(demand=demand, now=self._clock())
+    async def _lookahead_gate(self, key: Key) -> bool | None:
+        """Wait for a lookahead piece's ticket (:meth:`TierPolicy.try_issue`), or for the
+        policy's word on ``key`` while it waits (:meth:`TierPolicy.lookahead_ready`): False
+        with the ticket held; True (a step now waits for it) or None (its layer's step began
+        without it) with no ticket. A step that joins a lookahead read waiting here (the
+        step's own demand reads hold the device) so takes its rest at once as a demand read,
+        instead of after them all (:meth:`_loop_begin` wakes the waiters)."""
+        pol = self.policy
+        while True:
+            ready = pol.lookahead_ready(key)
+            if ready is not False:
+                return ready
+            if pol.try_issue(demand=False, now=self._clock()):
+                return False
+            await self._io_changed.wait()
+
+    def _wake_gate(self) -> None:
+        """Wake every read waiting at the gate to ask the policy again."""
         self._io_changed.set()
         self._io_changed = anyio.Event()
+
+    def _ungate(self, demand: bool) -> None:
+        self.policy.io_done(demand=demand, now=self._clock())
+        self._wake_gate()
 
     # ------------------------------------------------------------------ one read
     async def _demand(self, key: Key) -> None:
@@ -583,10 +605,8 @@ class ExpertStore:
         demand read when a step starts waiting for it, and stops when its layer's step began
         without routing to it."""
         pol = self.policy
-        await self._gate(demand=False)
-        ready = pol.lookahead_ready(key)
-        if ready is not False:
-            self._ungate(demand=False)
+        ready = await self._lookahead_gate(key)
+        if ready is not False:  # (no ticket held)
             if ready is None:  # its layer's step came and went without it: skip the read
                 pol.drop(key)
             else:  # a step already waits for it: an ordinary demand read
@@ -678,6 +698,9 @@ class ExpertStore:
             ready.append((e, slot.weights))
         if lookahead is not None:
             self._loop_prefetch(lookahead.layer, lookahead.experts, lookahead.cpu_s)
+        # lookahead reads waiting for a piece's turn ask again: one this step joined goes on
+        # as a demand read, one for this layer it did not route to stops
+        self._wake_gate()
         return ready
 
     def _adopt(self, key: Key, slot: _Slot) -> bool:

@@ -239,6 +239,57 @@ def test_a_lookahead_read_stops_part_way_once_its_layer_routed_elsewhere(
     _run(reader, body, prefetch=True, lru=2)
 
 
+def test_a_step_takes_over_a_lookahead_read_waiting_for_its_next_piece(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A lookahead read between two pieces waits while a demand read holds the device; once a
+    step routes to it, its rest goes at once as a demand read, not after that demand read."""
+    monkeypatch.setattr("runtime.experts.LOOKAHEAD_PIECE", PIECE)
+    layer, other = LAYERS[2], LAYERS[1]
+    offsets = _pieces_of(layer, 5)
+    piece_gate, busy = anyio.Event(), anyio.Event()
+    reader = FakeReader(
+        rules=[
+            Rule(offset=offsets[1], release=piece_gate),
+            Rule(offset=C.expert(other, 7).start, release=busy),
+        ]
+    )
+
+    async def body(store: ExpertStore, src: StreamingExperts) -> None:
+        await anyio.to_thread.run_sync(lambda: src.prefetch(layer, [5]))
+        await anyio.sleep(0.01)  # its second piece is on the device (stalled)
+        out: dict[str, Any] = {}
+        async with anyio.create_task_group() as tg:
+
+            async def other_step() -> None:
+                out["other"] = await _step(src, other, [7])
+
+            tg.start_soon(other_step)  # its demand read holds the device (stalled)
+            await anyio.sleep(0.01)
+            piece_gate.set()  # the piece lands; the next one may not go beside a demand read
+            await anyio.sleep(0.01)
+            assert store.stats.prefetch_issued == 1 and (layer, 5) in store._inflight
+
+            def consume() -> dict[int, str]:
+                return {e: _digest(w) for e, w in src.arrivals(layer, [5])}
+
+            try:
+                with anyio.fail_after(5):  # (it would wait for the other read to land)
+                    got = await anyio.to_thread.run_sync(consume, abandon_on_cancel=True)
+            finally:
+                other_still_reading = "other" not in out
+                busy.set()
+        assert other_still_reading
+        assert got == {5: WANT[(layer, 5)]} and out["other"] == {7: WANT[(other, 7)]}
+        read = [off for _, off in reader.extents]
+        assert read.count(offsets[0]) == read.count(offsets[1]) == 1
+        assert offsets[2] in read and not set(offsets[3:]) & set(read)  # the rest: one request
+        assert store.stats.prefetch_used == 1
+        _settled(store)
+
+    _run(reader, body, prefetch=True, lru=2)
+
+
 def test_a_joined_lookahead_read_reads_the_rest_at_once_and_joins_the_cache(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
