@@ -821,11 +821,13 @@ class StreamingExperts:
 
         The compute thread only dispatches: it waits on one queue for the next arrival or the
         next finished computation, and gives an expert's transient buffer back once its
-        computation finished (so reads go on landing while workers compute). The step's last
-        arrival, when no other expert is still computing, is computed on the compute thread
-        itself, so its matmuls can split over the pool: that computation is the step's tail,
-        the time the disk idles before the next layer can route. On an error every started
-        computation is awaited before any buffer is recycled."""
+        computation finished (so reads go on landing while workers compute); once every
+        expert arrived, the buffers still held go back with the step's end, in its one hop to
+        the loop. The step's last arrival, when no other expert is still computing, is
+        computed on the compute thread itself, so its matmuls can split over the pool: that
+        computation is the step's tail, the time the disk idles before the next layer can
+        route. On an error every started computation is awaited before any buffer is
+        recycled."""
         st = self.store
         step = _Step(layer)
         ready = anyio.from_thread.run_sync(st._loop_begin, step, list(experts), lookahead)
@@ -860,7 +862,8 @@ class StreamingExperts:
                     step.stalled(st.stats, item[0], time.perf_counter() - t0)
                 if isinstance(item, _Done):
                     pending -= 1
-                    self._done_with(step, item.expert)
+                    if to_arrive:  # (after the last arrival the step's end gives it back)
+                        self._done_with(step, item.expert)
                     results[item.expert] = item.future.result()
                 elif isinstance(item, BaseException):
                     raise item
@@ -873,11 +876,7 @@ class StreamingExperts:
                         # The step's last arrival with every other expert done: nothing else
                         # can run meanwhile, so compute it here, where ``fn`` may split its
                         # matmuls over the pool (a worker cannot), instead of on one worker.
-                        e = item[0]
-                        try:
-                            results[e] = fn(*item)
-                        finally:
-                            self._done_with(step, e)
+                        results[item[0]] = fn(*item)  # (its slot: back with the step's end)
                 t0 = time.perf_counter()
         finally:
             if guessing is not None:
