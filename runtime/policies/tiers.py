@@ -34,7 +34,9 @@ Every ``LEDGER_STEPS`` steps of the layer the difference feeds an average;
 the layer reads ahead while the average is >= 0. A layer starts off (the event loop's own
 work for lookahead reads is not counted, so it has to show a gain first); while it is off
 every ``PROBE_EVERY``-th step still reads ahead, so the ledger sees whether and when routing
-is predictable: lookahead that loses costs at most one step in ``PROBE_EVERY``. ``on`` and
+is predictable: lookahead that loses costs at most one step in ``PROBE_EVERY``, and less as
+it keeps losing (each losing probe doubles the interval, up to ``PROBE_EVERY_MAX``; a layer
+that turns on starts over). ``on`` and
 ``off`` force it. Only speed changes: a lookahead read never decides what a step computes.
 
 Shape legend: L layer, E expert, Key = (L, E); "transient" = a slot outside the cache (misses the
@@ -61,8 +63,12 @@ LEDGER_STEPS = 8  # (PROBE_EVERY is a multiple of it: a probe is the last step o
 # ... by an exponentially weighted average of (read time saved - read time it cost) per window,
 LEDGER_ALPHA = 0.5
 # ... and while it is off, every PROBE_EVERY-th step of the layer still reads ahead, so the
-# ledger sees when routing becomes predictable again.
+# ledger sees when routing becomes predictable again; each probe that loses doubles that
+# interval, up to PROBE_EVERY_MAX steps (a compute-bound model pays ever less for probes that
+# never pay), and a layer that turns on starts over at PROBE_EVERY. (Both are multiples of
+# LEDGER_STEPS.)
 PROBE_EVERY = 8
+PROBE_EVERY_MAX = 64
 # A lookahead read goes to the device in pieces of this many bytes, so that a demand read that
 # arrives meanwhile waits for at most one piece, and a read that went stale stops early.
 LOOKAHEAD_PIECE = 4 << 20
@@ -134,6 +140,7 @@ class _Ledger:
     steps: int = 0
     score: float | None = None  # EWMA of saved - cost per window
     on: bool = False  # under "auto" a layer starts off: its probes must show that it pays
+    probe_every: int = PROBE_EVERY  # while off: one step in this many reads ahead
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,7 +309,12 @@ class TierPolicy:
         )
         led.saved_s = led.cost_s = 0.0
         if self.prefetch_mode == "auto":
+            probed = not led.on and led.steps % led.probe_every == 0  # this window's last step
             led.on = led.score >= 0.0
+            if led.on:
+                led.probe_every = PROBE_EVERY
+            elif probed and net < 0.0:  # the probe lost: the next one comes later
+                led.probe_every = min(PROBE_EVERY_MAX, 2 * led.probe_every)
             self.stats.lookahead_layers_off = sum(
                 x.score is not None and not x.on for x in self._ledger.values()
             )
@@ -314,7 +326,7 @@ class TierPolicy:
             return self.prefetch_mode == "on"
         led = self._ledger[layer]
         # the probe is the last step of a window, so the window it closes judges it
-        return led.on or led.steps % PROBE_EVERY == PROBE_EVERY - 1
+        return led.on or led.steps % led.probe_every == led.probe_every - 1
 
     def piece_started(self, key: Key, now: float) -> None:
         """A piece of ``key``'s lookahead read went to the device at ``now``."""

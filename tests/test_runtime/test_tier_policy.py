@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from runtime.policies import Placement, StepHandle, TierPolicy
-from runtime.policies.tiers import LEDGER_STEPS, PROBE_EVERY
+from runtime.policies.tiers import LEDGER_STEPS, PROBE_EVERY, PROBE_EVERY_MAX
 
 
 def _policy(**kw: object) -> TierPolicy:
@@ -282,13 +284,25 @@ def _step_with_lookahead(
 def test_auto_starts_off_and_reads_ahead_only_on_probe_steps_while_it_loses() -> None:
     p = _policy(lru_slots=0, transient_slots=8, prefetch="auto")
     assert not p.reads_ahead(1)  # a layer starts off: lookahead must prove itself
-    for _ in range(3 * PROBE_EVERY):  # predictions never routed: pure cost
+    probes = []
+    for i in range(6 * PROBE_EVERY_MAX):  # predictions never routed: pure cost
+        if p.reads_ahead(1):
+            probes.append(i)
         _step_with_lookahead(p, 1, [1, 2], [5, 6])
     st = p.stats
-    assert st.prefetch_issued == 2 * 3  # one probe step in PROBE_EVERY read ahead
+    # the first probe after PROBE_EVERY steps; each one that lost doubles the interval
+    assert probes[:5] == [PROBE_EVERY - 1, 2 * PROBE_EVERY - 1, 32 - 1, 64 - 1, 128 - 1]
+    assert [b - a for a, b in itertools.pairwise(probes)][-2:] == [PROBE_EVERY_MAX] * 2
+    assert st.prefetch_issued == 2 * len(probes)
     # each probe read shared half its piece with a demand read, and took half the device
-    assert st.lookahead_cost_s == pytest.approx(2 * 3 * READ_S / 4)
+    assert st.lookahead_cost_s == pytest.approx(2 * len(probes) * READ_S / 4)
     assert st.lookahead_saved_s == 0.0 and st.lookahead_layers_off == 1
+    # routing turns predictable: the next probe (at most PROBE_EVERY_MAX steps away) pays,
+    # the layer reads ahead again, and its probes would start over at PROBE_EVERY
+    for _ in range(PROBE_EVERY_MAX):
+        _step_with_lookahead(p, 1, [3, 4], [3, 4])
+    assert p.reads_ahead(1) and st.lookahead_layers_off == 0
+    assert p._ledger[1].probe_every == PROBE_EVERY
 
 
 def test_auto_turns_lookahead_on_when_it_pays_and_off_again_when_it_stops() -> None:
@@ -330,13 +344,16 @@ def test_auto_charges_the_compute_a_prediction_takes() -> None:
     """On a compute-bound model a right prediction saves little disk time; the router and hop
     it took are charged too, so a layer whose lookahead saves less than it costs stays off."""
     p = _policy(lru_slots=0, transient_slots=8, prefetch="auto")
-    for _ in range(3 * PROBE_EVERY):
+    n = 0
+    for _ in range(4 * PROBE_EVERY):
         if p.reads_ahead(1):  # a probe: its prediction took compute time
             p.charge(1, 4 * READ_S)
+            n += 1
         _step_with_lookahead(p, 1, [3, 4], [3, 4])  # used: saves 2 x READ_S per probe
     st = p.stats
-    assert st.prefetch_used == 2 * 3 and st.lookahead_saved_s == pytest.approx(6 * READ_S)
-    assert st.lookahead_cpu_s == pytest.approx(3 * 4 * READ_S)
+    assert n == 3  # (steps 7, 15, 31: each probe lost, so the next came later)
+    assert st.prefetch_used == 2 * n and st.lookahead_saved_s == pytest.approx(2 * n * READ_S)
+    assert st.lookahead_cpu_s == pytest.approx(n * 4 * READ_S)
     assert not p.reads_ahead(1) and st.lookahead_layers_off == 1
     p.charge(7, 1.0)  # not a MoE layer: ignored
-    assert st.lookahead_cpu_s == pytest.approx(3 * 4 * READ_S)
+    assert st.lookahead_cpu_s == pytest.approx(n * 4 * READ_S)
