@@ -17,7 +17,7 @@ interleaved in an order that rotates each round (each mode's median run stands f
 measured turn's wall time went (``stats()["time"]``).
 
     python tools/bench/stream.py [--model /var/tmp/colibri-synth] [--tokens 24] [--fraction 0.2]
-        [--prefetch auto|on|off] [--rounds 3] [--predictable]
+        [--prefetch auto|on|off] [--rounds 6] [--predictable]
 
 ``--model`` may be any converted model (the demo model under a small ``--fraction``: a trained
 model's consecutive tokens share experts, but at that size it is compute-bound).
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--rounds",
         type=int,
-        default=3,
+        default=6,
         help="decode runs per mode, interleaved; tokens/s are the medians (the machine drifts)",
     )
     ap.add_argument("--no-prefetch", dest="prefetch", action="store_const", const="off")
