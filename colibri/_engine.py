@@ -179,6 +179,7 @@ class Engine:
         model, plan, usage = await _plan(container, opts, report)
         store = None
         cluster: RayCluster | None = None
+        scheduler: Scheduler | None = None
         error: BaseException | None = None
         async with anyio.create_task_group() as tg:
             compute = ExpertCompute(opts.resolved_threads(), kernels=opts.kernels)
@@ -238,6 +239,8 @@ class Engine:
                         await anyio.to_thread.run_sync(cluster.close)
                     if store is not None:
                         await store.reader.aclose()
+                    if scheduler is not None:  # a forward left running ends while the loop runs
+                        await scheduler.wait_idle()
                     await anyio.to_thread.run_sync(compute.close)
                 tg.cancel_scope.cancel()
         if error is not None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -268,6 +269,9 @@ class Scheduler:
         self.store = store
         self.stats = SchedulerStats()
         self.limiter = anyio.CapacityLimiter(1)
+        # calls on the compute thread now (set there; read on the loop by wait_idle)
+        self._running = 0
+        self._running_lock = threading.Lock()
         self._pending: list[StepRequest] = []
         self._wake = anyio.Event()
         self._decoding = 0  # generations in their decode loop (they may queue steps)
@@ -299,6 +303,16 @@ class Scheduler:
             self.stats.forward_calls += 1
             self.stats.time.other_s += max(0.0, wall - inside[0])
 
+    async def wait_idle(self, poll_s: float = 0.005) -> None:
+        """Until nothing runs on the compute thread. A forward whose caller was torn down
+        without waiting for it (a server's request task cancelled by the event loop's own
+        shutdown) goes on running there, and it hops to the loop: the loop must outlive it,
+        or that thread waits forever on a loop that is gone (and the process with it). The
+        engine's close waits here, after closing the reader, so such a forward ends quickly
+        (its reads fail)."""
+        while self._running:
+            await anyio.sleep(poll_s)
+
     def _timed(self, fn: Callable[..., R], args: tuple[Any, ...], inside: list[float]) -> R:
         """Compute thread: ``fn(*args)``, its seconds (also left in ``inside[0]``) split into
         read waits (by reason), expert compute and dense compute."""
@@ -306,9 +320,13 @@ class Scheduler:
         t0, moe0 = time.perf_counter(), timing.moe_s
         dem0 = tiers.read_wait_demand_s if tiers is not None else 0.0
         la0 = tiers.read_wait_lookahead_s if tiers is not None else 0.0
+        with self._running_lock:
+            self._running += 1
         try:
             return fn(*args)
         finally:
+            with self._running_lock:
+                self._running -= 1
             t = self.stats.time
             total, moe = time.perf_counter() - t0, timing.moe_s - moe0
             inside[0] = total

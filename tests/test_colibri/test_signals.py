@@ -205,3 +205,41 @@ def test_convert_sigint_at_random_moments_then_resume_is_identical(tmp_path: Pat
             if f.name.endswith(".safetensors"):
                 assert f.read_bytes() == (dst / f.name).read_bytes(), f.name
     assert interrupted >= 2, "the signal never landed during the conversion"
+
+
+def test_closing_the_engine_waits_for_a_forward_left_running(tmp_path: Path) -> None:
+    """A forward still on the compute thread when the engine closes (its caller, an asyncio
+    task outside the engine's task groups, such as a server's request task, is only torn down
+    with the loop) hops to the loop as a streaming step does: the close waits for it, so the
+    hop is served and the process exits (it hung, waiting on a loop that was gone)."""
+    script = tmp_path / "left_running.py"
+    script.write_text(
+        """
+import asyncio, sys, threading
+import anyio, anyio.from_thread
+from colibri import Engine
+
+release, hopped = threading.Event(), []
+
+def forward_like():
+    release.wait(10)  # the compute thread is busy ...
+    anyio.from_thread.run_sync(hopped.append, 1)  # ... then hops to the loop
+    return 1
+
+async def main():
+    async with Engine.open(sys.argv[1], ram_budget=int(sys.argv[2])) as engine:
+        asyncio.get_running_loop().create_task(engine._scheduler.run(forward_like))
+        await anyio.sleep(0.2)  # on the compute thread now
+        threading.Timer(0.5, release.set).start()
+    print("hopped", hopped, flush=True)
+
+anyio.run(main)
+"""
+    )
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    p = subprocess.run(
+        [sys.executable, str(script), str(TINY), str(budget_for_lru(TINY, 1))],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "hopped [1]" in p.stdout, (p.stdout, p.stderr[-3000:])
