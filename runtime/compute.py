@@ -41,7 +41,7 @@ from runtime.kernels.quant_matmul import Q8Input, q8_input
 from runtime.layers import moe as moe_ops
 from runtime.layers.swiglu import MLPWeights, swiglu
 from runtime.linear import Linear
-from runtime.weights import ExpertSource, Guess, Lookahead
+from runtime.weights import ExpertSource, Guess
 
 __all__ = ["KERNEL_MODES", "ExpertCompute", "KernelMode"]
 
@@ -231,13 +231,14 @@ class ExpertCompute:
         experts: Sequence[int],
         fn: Callable[[int, MLPWeights], R],
         macs: int,
-        lookahead: Lookahead | None = None,
+        guess: Guess | None = None,
     ) -> dict[int, R]:
         """``{e: fn(e, weights_e)}`` for every expert of the step, as they arrive from
         ``source``; on the pool when there is one and the step has ``macs >= parallel_min_macs``
-        multiply-adds (``source.map_arrivals``), else serially in arrival order. ``lookahead``
-        goes to the source with the step (its reads queue behind the step's own)."""
-        return self.run_step(source, layer, experts, fn, macs, lookahead, None)[0]
+        multiply-adds (``source.map_arrivals``), else serially in arrival order. ``guess``: a
+        prediction of a later layer's experts whose reads queue behind the step's own (see
+        :meth:`run_step`)."""
+        return self.run_step(source, layer, experts, fn, macs, guess, None)[0]
 
     def run_step(
         self,
@@ -246,24 +247,22 @@ class ExpertCompute:
         experts: Sequence[int],
         fn: Callable[[int, MLPWeights], R],
         macs: int,
-        lookahead: Lookahead | None,
+        guess: Guess | None,
         side: Callable[[], S] | None,
-        guess: Guess | None = None,
     ) -> tuple[dict[int, R], S | None]:
         """:meth:`run`, plus ``side`` (the shared expert: work that needs no routed expert)
         computed while the step's reads are in flight rather than after its last arrival: on a
         worker from the start, or serially right after the first expert. Returns the outputs
         and ``side()``'s result (None without ``side``).
 
-        ``guess`` (instead of ``lookahead``): the prediction not made yet. On the pool it is
-        made on a worker once the step's reads are queued (``source.map_arrivals``), so its
-        router is off the path that decides when the step's first read starts; serially it is
-        made here first."""
+        ``guess``: the next layer's prediction, not made yet. On the pool it is made on a
+        worker once the step's reads are queued (``source.map_arrivals``), so its router is off
+        the path that decides when the step's first read starts; serially it is made here
+        first and goes to ``source.arrivals`` with the step."""
         if self._pool is None or macs < self.parallel_min_macs:
             out: dict[int, R] = {}
             extra: S | None = None
-            if guess is not None and lookahead is None:
-                lookahead = guess()
+            lookahead = guess() if guess is not None else None
             for e, w in source.arrivals(layer, experts, lookahead):
                 out[e] = fn(e, w)
                 if side is not None and len(out) == 1:
@@ -274,7 +273,7 @@ class ExpertCompute:
         with self._blas_single():
             fut = self._pool.submit(side) if side is not None else None
             try:
-                out = source.map_arrivals(layer, experts, fn, self._pool, lookahead, guess)
+                out = source.map_arrivals(layer, experts, fn, self._pool, guess)
             finally:
                 extra = fut.result() if fut is not None else None
             return out, extra

@@ -807,17 +807,16 @@ class StreamingExperts:
         experts: Sequence[int],
         fn: Callable[[int, ExpertWeights], R],
         pool: Executor,
-        lookahead: Lookahead | None = None,
         guess: Guess | None = None,
     ) -> dict[int, R]:
-        """``{e: fn(e, weights)}`` with each expert computed on ``pool`` as soon as it arrives
-        (``lookahead``: as for :meth:`arrivals`).
+        """``{e: fn(e, weights)}`` with each expert computed on ``pool`` as soon as it arrives.
 
-        ``guess`` is made on ``pool`` once the step began (its demand reads are queued), and
-        the compute thread hands its prediction to the loop when it comes, while it waits for
-        arrivals anyway: the prediction's router is not on the path between the layer's
-        routing and its first read. A guess that is not made before the step's last expert
-        is computed is dropped (the next step has begun by then: too late to read ahead).
+        ``guess`` (the next layer's prediction) is made on ``pool`` once the step began (its
+        demand reads are queued), and the compute thread hands its prediction to the loop when
+        it comes, while it waits for arrivals anyway: the prediction's router is not on the
+        path between the layer's routing and its first read. A guess that is not made before
+        the step's last expert is computed is dropped (the next step has begun by then: too
+        late to read ahead).
 
         The compute thread only dispatches: it waits on one queue for the next arrival or the
         next finished computation, and gives an expert's transient buffer back once its
@@ -830,7 +829,7 @@ class StreamingExperts:
         recycled."""
         st = self.store
         step = _Step(layer)
-        ready = anyio.from_thread.run_sync(st._loop_begin, step, list(experts), lookahead)
+        ready = anyio.from_thread.run_sync(st._loop_begin, step, list(experts))
         results: dict[int, R] = {}
         pending = 0
         to_arrive = len(experts) - len(ready)

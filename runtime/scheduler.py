@@ -108,7 +108,7 @@ def moe_step(
 
     # the shared expert is computed while the step's reads are in flight
     outputs, side = comp.run_step(
-        experts, layer, moe_ops.union(ids), one, ids.size * expert_macs, None, shared_out, guess
+        experts, layer, moe_ops.union(ids), one, ids.size * expert_macs, guess, shared_out
     )
     routed = moe_ops.combine(x, ids, outputs)
     ctx.timing.moe_s += time.perf_counter() - t0

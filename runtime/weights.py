@@ -101,14 +101,13 @@ class ExpertSource(Protocol):
         experts: Sequence[int],
         fn: Callable[[int, ExpertWeights], R],
         pool: Executor,
-        lookahead: Lookahead | None = None,
         guess: Guess | None = None,
     ) -> dict[int, R]:
         """``{e: fn(e, weights_e)}`` with each expert computed on ``pool`` as it arrives (a
         streaming source recycles an expert's buffer once its computation finished).
-        ``lookahead``: as for :meth:`arrivals`. ``guess``: a prediction to make on ``pool``
-        once the step's reads are queued (its reads then go after them, as ``lookahead``'s);
-        a source that reads nothing ahead ignores it."""
+        ``guess``: a prediction to make on ``pool`` once the step's reads are queued (its
+        reads then go after them, as the ``lookahead`` of :meth:`arrivals`); a source that
+        reads nothing ahead ignores it."""
         ...
 
     def prefetch(self, layer: int, experts: Sequence[int], cpu_s: float = 0.0) -> None:
@@ -477,7 +476,6 @@ class ResidentExperts:
         experts: Sequence[int],
         fn: Callable[[int, ExpertWeights], R],
         pool: Executor,
-        lookahead: Lookahead | None = None,
         guess: Guess | None = None,
     ) -> dict[int, R]:
         """``{e: fn(e, weights)}`` computed on ``pool`` (every expert is already resident)."""

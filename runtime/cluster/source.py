@@ -209,7 +209,6 @@ class ClusterExperts:
         experts: Sequence[int],
         fn: Callable[[int, ExpertWeights], R],
         pool: Executor,
-        lookahead: Lookahead | None = None,
         guess: Guess | None = None,
     ) -> dict[int, R]:
         return self.local.map_arrivals(layer, experts, fn, pool)

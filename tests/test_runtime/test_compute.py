@@ -367,9 +367,7 @@ def test_a_guess_is_made_while_the_step_reads_and_its_reads_are_issued(threads: 
                 compute_thread.append(threading.current_thread().name)
                 if threads == 1:
                     gate.set()  # (serially the guess comes first; nothing to wait for)
-                return comp.run_step(
-                    StreamingExperts(store), layer, [2, 5], fn, 1, None, None, guess
-                )
+                return comp.run_step(StreamingExperts(store), layer, [2, 5], fn, 1, guess, None)
 
             try:
                 with anyio.fail_after(30):  # a guess made only after the last arrival: hangs
