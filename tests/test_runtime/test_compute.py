@@ -4,7 +4,9 @@ streamed buffer back."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ from colibri._config import EngineOptions
 from colibri._engine import TokenEvent
 from runtime.compute import ExpertCompute
 from runtime.context import StepContext
+from runtime.experts import ExpertStore, StreamingExperts
 from runtime.kernels.dequant import dequantize
 from runtime.linear import Linear
 from runtime.models import load_model
@@ -268,30 +271,43 @@ def test_cli_flags_reach_the_engine() -> None:
     assert fast["compute"]["fast_prefill"] is True
 
 
+@contextlib.asynccontextmanager
+async def _store_holding_a_read(
+    c: Container, layer: int, expert: int, gate: anyio.Event, prefetch: str, threads: int
+) -> AsyncIterator[tuple[ExpertStore, ExpertCompute]]:
+    """A streaming store on ``c`` (no cache slots) whose read of ``layer``'s ``expert`` waits
+    for ``gate``, and a compute on ``threads``; on exit the gate opens, the compute's pool
+    stops and so does the store."""
+    from fake_reader import FakeReader, Rule
+
+    from runtime.experts import StoreLayout, slot_sizes
+
+    reader = FakeReader(rules=[Rule(offset=c.expert(layer, expert).start, release=gate)])
+    blob, scales = slot_sizes(c)
+    layout = StoreLayout((), 0, len(c.expert_layers()), 16, blob + max(scales, 4096))
+    async with anyio.create_task_group() as tg:
+        store = ExpertStore(c, reader, layout, prefetch=prefetch, clock=reader.clock)
+        await store.start(tg)
+        comp = ExpertCompute(threads, parallel_min_macs=0)
+        try:
+            yield store, comp
+        finally:
+            gate.set()
+            comp.close()
+            tg.cancel_scope.cancel()
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_side_work_runs_before_the_last_read_lands(threads: int) -> None:
     """``run_step``'s side work (the shared expert) is computed while the step's misses are
     still being read, not after the last one lands."""
-    from fake_reader import FakeReader, Rule
-
-    from runtime.experts import ExpertStore, StreamingExperts
-    from storage.container import Container
-
     c = Container.open(DEMO)
     layer = c.expert_layers()[0]
     gate = anyio.Event()
-    reader = FakeReader(rules=[Rule(offset=c.expert(layer, 5).start, release=gate)])
     order: list[str] = []
 
     async def main() -> None:
-        from runtime.experts import StoreLayout, slot_sizes
-
-        blob, scales = slot_sizes(c)
-        layout = StoreLayout((), 0, len(c.expert_layers()), 16, blob + max(scales, 4096))
-        async with anyio.create_task_group() as tg:
-            store = ExpertStore(c, reader, layout, prefetch="off", clock=reader.clock)
-            await store.start(tg)
-            comp = ExpertCompute(threads, parallel_min_macs=0)
+        async with _store_holding_a_read(c, layer, 5, gate, "off", threads) as (store, comp):
             token = anyio.lowlevel.current_token()
 
             def side() -> str:  # (on a pool worker with 2 threads: the loop is named by token)
@@ -303,19 +319,14 @@ def test_the_side_work_runs_before_the_last_read_lands(threads: int) -> None:
                 order.append(f"expert {e}")
                 return e
 
-            try:
-                with anyio.fail_after(30):  # a side run after the last arrival never comes
-                    out, extra = await anyio.to_thread.run_sync(
-                        lambda: comp.run_step(
-                            StreamingExperts(store), layer, [2, 5], fn, 1, None, side
-                        ),
-                        abandon_on_cancel=True,
-                    )
-            finally:
-                gate.set()
-                comp.close()
-                tg.cancel_scope.cancel()
-            assert out == {2: 2, 5: 5} and extra == "done"
+            with anyio.fail_after(30):  # a side run after the last arrival never comes
+                out, extra = await anyio.to_thread.run_sync(
+                    lambda: comp.run_step(
+                        StreamingExperts(store), layer, [2, 5], fn, 1, None, side
+                    ),
+                    abandon_on_cancel=True,
+                )
+        assert out == {2: 2, 5: 5} and extra == "done"
 
     anyio.run(main)
     assert order.index("side") < order.index("expert 5")
@@ -327,27 +338,15 @@ def test_a_guess_is_made_while_the_step_reads_and_its_reads_are_issued(threads: 
     worker while the step's misses are still being read (its router is not on the path to
     the step's first read), serially before the step; either way its lookahead reads are
     issued, and the step's outputs are the same as without it."""
-    from fake_reader import FakeReader, Rule
-
-    from runtime.experts import ExpertStore, StreamingExperts
     from runtime.weights import Lookahead
-    from storage.container import Container
 
     c = Container.open(DEMO)
     layer, after = c.expert_layers()[:2]
     gate = anyio.Event()
-    reader = FakeReader(rules=[Rule(offset=c.expert(layer, 5).start, release=gate)])
     order: list[str] = []
 
     async def main() -> None:
-        from runtime.experts import StoreLayout, slot_sizes
-
-        blob, scales = slot_sizes(c)
-        layout = StoreLayout((), 0, len(c.expert_layers()), 16, blob + max(scales, 4096))
-        async with anyio.create_task_group() as tg:
-            store = ExpertStore(c, reader, layout, prefetch="on", clock=reader.clock)
-            await store.start(tg)
-            comp = ExpertCompute(threads, parallel_min_macs=0)
+        async with _store_holding_a_read(c, layer, 5, gate, "on", threads) as (store, comp):
             token = anyio.lowlevel.current_token()
             compute_thread: list[str] = []
 
@@ -369,15 +368,10 @@ def test_a_guess_is_made_while_the_step_reads_and_its_reads_are_issued(threads: 
                     gate.set()  # (serially the guess comes first; nothing to wait for)
                 return comp.run_step(StreamingExperts(store), layer, [2, 5], fn, 1, guess, None)
 
-            try:
-                with anyio.fail_after(30):  # a guess made only after the last arrival: hangs
-                    out, _ = await anyio.to_thread.run_sync(step, abandon_on_cancel=True)
-            finally:
-                gate.set()
-                comp.close()
-                tg.cancel_scope.cancel()
-            assert out == {2: 2, 5: 5}
-            assert store.policy.stats.prefetch_issued == 2  # both predicted experts of `after`
+            with anyio.fail_after(30):  # a guess made only after the last arrival: hangs
+                out, _ = await anyio.to_thread.run_sync(step, abandon_on_cancel=True)
+        assert out == {2: 2, 5: 5}
+        assert store.policy.stats.prefetch_issued == 2  # both predicted experts of `after`
 
     anyio.run(main)
     if threads > 1:
