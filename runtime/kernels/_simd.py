@@ -21,9 +21,11 @@ Shape legend: L = 8 or 16 lanes of float32; idx is a flat element index into a C
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
+from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -41,6 +43,7 @@ __all__ = [
     "i4byte16",
     "i4lo8",
     "i4lo16",
+    "i4lo16_portable",
     "i8x8",
     "i8x16",
     "vadd",
@@ -146,6 +149,44 @@ def _lane_sum(builder: Any, lanes: list[Any]) -> Any:
     return builder.fadd(builder.fadd(h[0], h[2]), builder.fadd(h[1], h[3]))
 
 
+@functools.cache
+def _has_avx512f_codegen() -> bool:
+    """Whether the code numba generates for this CPU may use 512-bit AVX-512F instructions."""
+    try:
+        feats = llvm.get_host_cpu_features()
+    except RuntimeError:
+        return False
+    return bool(feats.get("avx512f"))
+
+
+def _make_i4lo(vt: Any, *, permute: bool) -> Any:
+    """The ``i4lo`` intrinsic of ``vt``; with ``permute`` (16 lanes, AVX-512F code) the nibble
+    is decoded by one ``vpermps`` lookup instead of and + or + sub: the same floats."""
+    n = int(vt.lanes)
+    vf, vi = ir.VectorType(_F32, n), ir.VectorType(_I32, n)
+
+    @_intrinsic
+    def i4lo(typingctx: Any, arr: Any, idx: Any) -> Any:
+        """Low nibbles of bytes ``arr[idx : idx + L]`` as float32 ``lo - 8``."""
+        if not _is_array(arr, types.uint8) or not isinstance(idx, types.Integer):
+            return None
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            wide = _bytes_as_i32(context, builder, sig, args, n)
+            if permute:
+                # vpermps reads only the low 4 bits of each index: table[k] = float(k - 8)
+                fnty = ir.FunctionType(vf, [vf, vi])
+                fn = builder.module.declare_intrinsic("llvm.x86.avx512.permvar.sf.512", fnty=fnty)
+                table = ir.Constant(vf, [float(k - 8) for k in range(16)])
+                return builder.call(fn, [table, wide])
+            nib = builder.and_(wide, _splat(ir.Constant(_I32, 15), vi))
+            return _magic_float(builder, nib, 8.0, n)
+
+        return vt(arr, idx), codegen
+
+    return i4lo
+
+
 def _make(vt: Any) -> dict[str, Any]:
     """The intrinsics of one vector type ``vt`` (``f32x8`` or ``f32x16``)."""
     n = int(vt.lanes)
@@ -208,18 +249,7 @@ def _make(vt: Any) -> dict[str, Any]:
 
         return vt(arr, idx), codegen
 
-    @_intrinsic
-    def i4lo(typingctx: Any, arr: Any, idx: Any) -> Any:
-        """Low nibbles of bytes ``arr[idx : idx + L]`` as float32 ``lo - 8``."""
-        if not _is_array(arr, types.uint8) or not isinstance(idx, types.Integer):
-            return None
-
-        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-            wide = _bytes_as_i32(context, builder, sig, args, n)
-            nib = builder.and_(wide, _splat(ir.Constant(_I32, 15), vi))
-            return _magic_float(builder, nib, 8.0, n)
-
-        return vt(arr, idx), codegen
+    i4lo = _make_i4lo(vt, permute=n == 16 and _has_avx512f_codegen())
 
     @_intrinsic
     def i8(typingctx: Any, arr: Any, idx: Any) -> Any:
@@ -307,6 +337,8 @@ vfma, vhsum, i8x8 = _V8["vfma"], _V8["vhsum"], _V8["i8"]
 vzero16, vsplat16, vload16, vstore16 = _V16["vzero"], _V16["vsplat"], _V16["vload"], _V16["vstore"]
 i4byte16, i4lo16, vadd16, vmul16 = _V16["i4byte"], _V16["i4lo"], _V16["vadd"], _V16["vmul"]
 vfma16, vhsum16, i8x16 = _V16["vfma"], _V16["vhsum"], _V16["i8"]
+#: ``i4lo16`` without ``vpermps`` (tests compare the two bit for bit on an AVX-512 machine).
+i4lo16_portable = _make_i4lo(f32x16, permute=False)
 
 
 # ----------------------------------------------------------------------------- 8-lane decodes

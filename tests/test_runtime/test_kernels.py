@@ -271,6 +271,29 @@ def test_scalar_intrinsics() -> None:
     assert got == np.float32(-2.75)
 
 
+def test_nibble_decode_by_table_lookup_gives_the_portable_floats() -> None:
+    """``i4lo16`` (one ``vpermps`` lookup where the code may use AVX-512F) and the portable
+    and + or + sub decode give the same float for every byte, so the 16-lane kernels give the
+    same bits on AVX2 and AVX-512 CPUs; both are ``lo - 8``."""
+    from numba import njit
+
+    from runtime.kernels._simd import i4lo16, i4lo16_portable, vstore16
+
+    @njit(nogil=True)
+    def both(packed):  # type: ignore[no-untyped-def]
+        a = np.zeros(packed.size, np.float32)
+        b = np.zeros(packed.size, np.float32)
+        for i in range(0, packed.size, 16):
+            vstore16(a, i, i4lo16(packed, i))
+            vstore16(b, i, i4lo16_portable(packed, i))
+        return a, b
+
+    packed = np.arange(256, dtype=np.uint8)[::-1].copy()
+    a, b = both(packed)
+    np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+    np.testing.assert_array_equal(a, (packed & 15).astype(np.float32) - 8)
+
+
 # ----------------------------------------------------------------------------- Linear
 
 
