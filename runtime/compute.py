@@ -167,24 +167,30 @@ class ExpertCompute:
         futures = [self._pool.submit(fn, a, b) for a, b in blocks]
         return [f.result() for f in futures]
 
+    def _splits(self, lin: Linear, n_rows: int) -> bool:
+        """Whether :meth:`linear` splits ``lin``'s output features over the pool for
+        ``n_rows`` rows."""
+        return not (
+            self._pool is None
+            or n_rows * lin.in_features * lin.out_features < self.split_min_macs
+            or lin.out_features < 64 * self.threads
+            or threading.current_thread().name.startswith(_WORKER_PREFIX)
+        )
+
     def linear(self, lin: Linear, x: F32Array, q8: Q8Input | None = None) -> F32Array:
         """``x @ W.T`` [T, O]; for a few rows of a big weight (one token through ``lm_head``, a
         shared expert, a dense layer) the output features are split over the pool, one range
         per thread. Bit-identical to ``lin(x)``: every output feature is computed by the same
         kernel code from the same row (:meth:`runtime.linear.Linear.split`). Under fast-int8
         the ranges share one rounding of ``x`` (``q8``, made here when not given)."""
-        if (
-            self._pool is None
-            or x.shape[0] * lin.in_features * lin.out_features < self.split_min_macs
-            or lin.out_features < 64 * self.threads
-            or threading.current_thread().name.startswith(_WORKER_PREFIX)
-        ):
+        pool = self._pool
+        if pool is None or not self._splits(lin, x.shape[0]):
             return self.mm(lin, x, q8)
         xx = np.ascontiguousarray(x, dtype=np.float32)
         if q8 is None:
             q8 = self._q8(lin, xx)
         first, *rest = lin.split(self.threads)
-        futures = [self._pool.submit(self.mm, part, xx, q8) for _, _, part in rest]
+        futures = [pool.submit(self.mm, part, xx, q8) for _, _, part in rest]
         head = self.mm(first[2], xx, q8)  # this thread computes the first range meanwhile
         with self._lock:
             self.split_calls += 1
@@ -199,11 +205,13 @@ class ExpertCompute:
         if not self.fast_min_rows or x.shape[0] < self.fast_min_rows:
             blocks = self.row_blocks(x.shape[0], 3 * w.gate.in_features * w.gate.out_features)
             if blocks is None:
-                return swiglu(x, w, self._mlp_mm(split=self._pool is not None))
+                n = x.shape[0]
+                if self.fast_int8 or any(self._splits(lin, n) for lin in w):
+                    return swiglu(x, w, self._mlp_mm(split=self._pool is not None))
+                return swiglu(x, w)  # int4: one fused kernel call
             xx = np.ascontiguousarray(x, dtype=np.float32)
-            return np.concatenate(
-                self.map_rows(blocks, lambda a, b: swiglu(xx[a:b], w, self._mlp_mm(split=False)))
-            )
+            mm = self._mlp_mm(split=False) if self.fast_int8 else None
+            return np.concatenate(self.map_rows(blocks, lambda a, b: swiglu(xx[a:b], w, mm)))
         return swiglu(np.ascontiguousarray(x, dtype=np.float32), w, self._dense)  # [T, D]
 
     def expert_output(

@@ -14,6 +14,7 @@ Shape legend: T tokens, I in features (``in_features``), O out features (``out_f
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 
@@ -22,7 +23,9 @@ import numpy.typing as npt
 
 from runtime.kernels.isa import exact_lanes
 from runtime.kernels.quant_matmul import (
+    Int4Weight,
     Q8Input,
+    int4_weight,
     matmul_bf16,
     matmul_f16,
     matmul_f32,
@@ -121,6 +124,19 @@ class Linear:
         """Whether ``fast_int8=True`` changes this weight's kernel (int4 with whole 64-column
         chunks); other weights always take their exact kernel."""
         return self._matmul_int8 is not None
+
+    @functools.cached_property
+    def int4(self) -> Int4Weight | None:
+        """This weight's arguments for the fused int4 SwiGLU kernel
+        (:func:`runtime.kernels.quant_matmul.swiglu_int4`), or None where it has none (another
+        format, or int4 groups that are not a multiple of 16 columns). Made at the first use."""
+        q = self.q
+        if q.fmt.kind != "int4" or q.scales is None:
+            return None
+        raw = np.asarray(q.data).reshape(-1).view(np.uint8)
+        scales = np.ascontiguousarray(q.scales, dtype=np.float32).reshape(-1)
+        o, i = q.shape
+        return int4_weight(raw, scales, o, i, q.fmt.group_size, self.lanes)
 
     @property
     def nbytes(self) -> int:

@@ -72,7 +72,7 @@ from runtime.kernels._simd import (
     vzero16,
 )
 
-__all__ = ["KERNELS"]
+__all__ = ["KERNELS", "i4_swiglu", "silu_mul"]
 
 _TILE = 8  # tokens per pass over the weights in the T >= 2 kernels (x tile stays in L1/L2)
 _ROWS = 16  # int4 T >= 2: rows per block sharing one activation segment in L1
@@ -584,8 +584,65 @@ def _i4_generic_matmul(packed, scales, n_out, n_in, nb, gs, xp, ip, out):  # typ
                 out[t0 + u, o] = _row_dot(w, 0, n_in, xp, (t0 + u) * ip, tail, _KIND_F32, 0)
 
 
+# ============================================================================ SwiGLU
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _silu_mul1(g, u):  # type: ignore[no-untyped-def]
+    """``silu(g) * u`` for one float32 element: ``(g * (0.5 + 0.5 * tanh(0.5 * g))) * u``."""
+    half = np.float32(0.5)
+    return (g * (half + half * np.tanh(half * g))) * u
+
+
+@njit(nogil=True, cache=True)
+def silu_mul(g, u, out):  # type: ignore[no-untyped-def]
+    """out [T, F] = silu(g) * u, elementwise, row by row (a row's values do not depend on T)."""
+    n_tok, n_f = g.shape
+    for t in range(n_tok):
+        for f in range(n_f):
+            out[t, f] = _silu_mul1(g[t, f], u[t, f])
+
+
+@njit(nogil=True, cache=True)
+def _i4_apply(y, ys, packed, scales, walk, out, pf):  # type: ignore[no-untyped-def]
+    """out [T, O] from the ``_i4_prep`` rows ``y`` (stride ``ys``) and an int4 weight: the
+    kernel ``matmul_int4`` picks for it (groups of a multiple of 16 columns). ``walk``:
+    (O, I, B, group bytes, scales per row, scale step, 16 lanes)."""
+    n_out, nb, gbytes, s_row, s_step, wide = walk[0], walk[2], walk[3], walk[4], walk[5], walk[6]
+    if out.shape[0] == 1:
+        if wide:
+            _i4_gemv16(packed, scales, n_out, nb, gbytes, s_row, s_step, y, ys, out[0], pf)
+        else:
+            _i4_gemv(packed, scales, n_out, nb, gbytes, s_row, s_step, y, ys, out[0], pf)
+    elif wide:
+        _i4_gemm16(packed, scales, n_out, nb, gbytes, s_row, s_step, y, ys, out, pf)
+    else:
+        _i4_gemm(packed, scales, n_out, nb, gbytes, s_row, s_step, y, ys, out, pf)
+
+
+@njit(nogil=True, cache=True)
+def i4_swiglu(x, gp, gsc, gw, upk, usc, uw, dp, dsc, dw, out, pf):  # type: ignore[no-untyped-def]
+    """``out [T, D] = down(silu(gate(x)) * up(x))`` for int4 projections in one call: the same
+    kernels on the same prepared activations as three ``matmul_int4`` calls and ``silu_mul``
+    (so the same bits), without the Python between them. Per projection: packed bytes, scales
+    and its walk (see ``_i4_apply``); gate and up share one preparation of ``x``."""
+    n_tok = x.shape[0]
+    ys = (gw[2] + 7) // 8 * 8 + 16
+    y = _i4_prep(x, gw[2], ys)
+    g = np.empty((n_tok, gw[0]), np.float32)
+    u = np.empty((n_tok, uw[0]), np.float32)
+    _i4_apply(y, ys, gp, gsc, gw, g, pf)
+    _i4_apply(y, ys, upk, usc, uw, u, pf)
+    silu_mul(g, u, g)
+    ys = (dw[2] + 7) // 8 * 8 + 16
+    _i4_apply(_i4_prep(g, dw[2], ys), ys, dp, dsc, dw, out, pf)
+
+
 #: Every compiled kernel (tests check they were built with ``nogil=True``).
 KERNELS = (
+    silu_mul,
+    _i4_apply,
+    i4_swiglu,
     _i4_prep,
     _pad_rows,
     _i4_gemv,

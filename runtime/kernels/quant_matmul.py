@@ -32,6 +32,8 @@ from runtime.kernels._matmul_kernels import (
     _i4_prep,
     _i8_matmul16,
     _pad_rows,
+    i4_swiglu,
+    silu_mul,
 )
 from runtime.kernels._matmul_kernels import KERNELS as _EXACT_KERNELS
 from runtime.kernels._q8 import KERNELS as _Q8_KERNELS
@@ -41,6 +43,7 @@ __all__ = [
     "DEFAULT_PREFETCH",
     "INT4_LANES",
     "KERNELS",
+    "Int4Weight",
     "Q8Input",
     "matmul_bf16",
     "matmul_f16",
@@ -51,6 +54,8 @@ __all__ = [
     "q8_chunk_scales",
     "q8_eligible",
     "q8_input",
+    "silu_times",
+    "swiglu_int4",
 ]
 
 F32Array = npt.NDArray[np.float32]
@@ -211,6 +216,73 @@ def matmul_int4(
         gemm = _i4_gemm16 if wide else _i4_gemm
         gemm(p, s, n_out, nb, gbytes, s_row, s_step, yy, ys, y, pf)
     return y
+
+
+class Int4Weight(NamedTuple):
+    """An int4 weight checked once for :func:`swiglu_int4`: its arrays and how the kernels walk
+    it, ``walk`` = (O, I, packed bytes per row, packed bytes per group, scales per row, scale
+    index step per group, 1 for the 16-lane kernel else 0)."""
+
+    packed: npt.NDArray[np.uint8]  # [O * B]
+    scales: F32Array  # [O * S]
+    walk: tuple[int, int, int, int, int, int, int]
+
+
+def int4_weight(
+    packed: npt.NDArray[np.uint8],
+    scales: F32Array,
+    out_features: int,
+    in_features: int,
+    group_size: int | None,
+    lanes: int,
+) -> Int4Weight | None:
+    """The weight's arguments for :func:`swiglu_int4`, checked as :func:`matmul_int4` checks
+    them; None for groups that are not a multiple of 16 columns (their slow exact path)."""
+    if lanes not in INT4_LANES:
+        raise ValueError(f"lanes must be one of {INT4_LANES}, got {lanes}")
+    x0 = np.empty((0, int(in_features)), np.float32)
+    a = _int4_call(x0, packed, scales, out_features, in_features, group_size, None, 0)
+    if (a.gs and a.gs % 16 != 0) or a.n_out == 0:
+        return None
+    wide = int(int4_lanes(a.n_in, group_size, lanes) == 16)
+    return Int4Weight(a.p, a.s, (a.n_out, a.n_in, a.nb, a.gbytes, a.s_row, a.s_step, wide))
+
+
+def silu_times(g: F32Array, u: F32Array) -> F32Array:
+    """``silu(g) * u`` [T, F] (float32, elementwise: ``(g * (0.5 + 0.5 tanh(g / 2))) * u``),
+    the one SwiGLU activation every path uses, fused or not."""
+    gg = np.ascontiguousarray(g, dtype=np.float32)
+    uu = np.ascontiguousarray(u, dtype=np.float32)
+    if gg.ndim != 2 or gg.shape != uu.shape:
+        raise ValueError(f"silu_times needs two [T, F] arrays, got {gg.shape} and {uu.shape}")
+    out = np.empty_like(gg)
+    silu_mul(gg, uu, out)
+    return out
+
+
+def swiglu_int4(
+    x: F32Array,
+    gate: Int4Weight,
+    up: Int4Weight,
+    down: Int4Weight,
+    *,
+    prefetch_distance: int = DEFAULT_PREFETCH,
+) -> F32Array:
+    """``down(silu(gate(x)) * up(x))`` [T, D] for int4 weights in one kernel call,
+    bit-identical to ``matmul_int4`` three times and :func:`silu_times` (same kernels, same
+    order), without the Python between the calls. Raises ``ValueError`` on a shape mismatch."""
+    n_f, n_d = gate.walk[0], gate.walk[1]
+    if up.walk[:2] != (n_f, n_d) or down.walk[:2] != (n_d, n_f):
+        raise ValueError(
+            f"swiglu_int4: gate {gate.walk[:2]}, up {up.walk[:2]} and down {down.walk[:2]} "
+            "are not [F, D], [F, D], [D, F]"
+        )
+    xx = _check_x(x, n_d)
+    pf = _check_prefetch(prefetch_distance)
+    out = np.empty((xx.shape[0], n_d), np.float32)
+    if xx.shape[0]:
+        i4_swiglu(xx, *gate, *up, *down, out, pf)
+    return out
 
 
 def q8_eligible(in_features: int, group_size: int | None) -> bool:

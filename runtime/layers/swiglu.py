@@ -11,9 +11,10 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
+from runtime.kernels.quant_matmul import Int4Weight, silu_times, swiglu_int4
 from runtime.linear import Linear
 
-__all__ = ["MLPWeights", "sigmoid", "silu", "swiglu"]
+__all__ = ["MLPWeights", "fused", "sigmoid", "silu", "swiglu"]
 
 F32Array = npt.NDArray[np.float32]
 
@@ -34,7 +35,10 @@ def sigmoid(x: F32Array) -> F32Array:
 
 
 def silu(x: F32Array) -> F32Array:
-    return (x * sigmoid(x)).astype(np.float32, copy=False)
+    """``x * sigmoid(x)`` in float32 (the activation :func:`swiglu` applies, same bits)."""
+    xx = np.asarray(x, dtype=np.float32)
+    flat = xx.reshape(1, -1)
+    return silu_times(flat, np.ones_like(flat)).reshape(xx.shape)
 
 
 MatMul = Callable[[Linear, F32Array], F32Array]
@@ -44,8 +48,24 @@ def _call(lin: Linear, x: F32Array) -> F32Array:
     return lin(x)
 
 
-def swiglu(x: F32Array, w: MLPWeights, mm: MatMul = _call) -> F32Array:
-    """``x`` [T, D] C-contiguous float32 -> [T, D]; ``mm(lin, x)`` applies a projection
-    (default ``lin(x)``; the compute's thread split or kernel choice otherwise)."""
-    h = silu(mm(w.gate, x)) * mm(w.up, x)  # [T, F]
-    return mm(w.down, np.ascontiguousarray(h, dtype=np.float32))  # [T, D]
+def fused(w: MLPWeights) -> tuple[Int4Weight, Int4Weight, Int4Weight] | None:
+    """The three projections' arguments for the one-call int4 SwiGLU kernel, or None when one
+    of them has none (another format)."""
+    g, u, d = w.gate.int4, w.up.int4, w.down.int4
+    if g is None or u is None or d is None:
+        return None
+    return g, u, d
+
+
+def swiglu(x: F32Array, w: MLPWeights, mm: MatMul | None = None) -> F32Array:
+    """``x`` [T, D] C-contiguous float32 -> [T, D]; ``mm(lin, x)`` applies a projection (the
+    compute's thread split or kernel choice). Without ``mm``, int4 weights take one fused
+    kernel call (:func:`runtime.kernels.quant_matmul.swiglu_int4`: the same bits as the three
+    projections and :func:`silu_times` one by one)."""
+    if mm is None:
+        f = fused(w)
+        if f is not None:
+            return swiglu_int4(np.ascontiguousarray(x, dtype=np.float32), *f)
+        mm = _call
+    h = silu_times(mm(w.gate, x), mm(w.up, x))  # [T, F]
+    return mm(w.down, h)  # [T, D]

@@ -294,6 +294,70 @@ def test_nibble_decode_by_table_lookup_gives_the_portable_floats() -> None:
     np.testing.assert_array_equal(a, (packed & 15).astype(np.float32) - 8)
 
 
+@pytest.mark.parametrize(
+    ("fmt", "d", "f", "lanes"),
+    [
+        ("int4-g64", 256, 128, 16),
+        ("int4-g64", 256, 128, 8),
+        ("int4-row", 200, 96, 16),  # per-row scales, 8-lane kernel for the odd widths
+        ("int4-g32", 192, 64, 16),  # groups of 32: the 8-lane kernel at either width
+        ("int4-g16", 77, 48, 8),  # a partial last group and an odd column count
+    ],
+)
+def test_fused_swiglu_is_the_three_projections_bit_for_bit(
+    fmt: str, d: int, f: int, lanes: int
+) -> None:
+    """``swiglu_int4`` (one kernel call) gives the bits of gate, up, ``silu_times`` and down
+    called one by one, for one token and for several, and stays batch-invariant."""
+    from runtime.kernels.quant_matmul import silu_times, swiglu_int4
+
+    gate, up, down = (
+        _weights(fmt, o, i, seed=s) for s, (o, i) in enumerate([(f, d), (f, d), (d, f)])
+    )
+    lin = [Linear(q, lanes=lanes) for q in (gate, up, down)]
+    w4 = [x.int4 for x in lin]
+    assert all(w is not None for w in w4)
+    x = _x(11, d, seed=3)
+    x[4] *= 1e3
+    want = lin[2](silu_times(lin[0](x), lin[1](x)))
+    got = swiglu_int4(x, *w4)  # type: ignore[misc]
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    for t in (0, 4, 10):
+        np.testing.assert_array_equal(swiglu_int4(x[t : t + 1], *w4)[0], got[t])  # type: ignore[misc]
+    assert swiglu_int4(x[:0], *w4).shape == (0, d)  # type: ignore[misc]
+    with pytest.raises(ValueError, match="features"):
+        swiglu_int4(x[:, :-1], *w4)  # type: ignore[misc]
+    with pytest.raises(ValueError, match="not \\[F, D\\]"):
+        swiglu_int4(x, w4[0], w4[2], w4[1])  # type: ignore[arg-type]
+
+
+def test_silu_times_values_and_layouts() -> None:
+    from runtime.kernels.quant_matmul import silu_times
+
+    g = np.array([[-200.0, -3.0, -0.0, 0.0, 1e-30, 2.5, 90.0, np.inf]], np.float32)
+    u = np.full_like(g, 2.0)
+    got = silu_times(g, u)
+    want = g.astype(np.float64) / (1 + np.exp(-g.astype(np.float64))) * 2
+    np.testing.assert_allclose(got[:, :-1], want[:, :-1], rtol=3e-7, atol=1e-37)
+    assert got[0, -1] == np.inf and got.dtype == np.float32
+    # a row's values do not depend on the other rows, nor on the layout it came in
+    big = _x(5, 300, seed=9)
+    ones = np.ones_like(big)
+    full = silu_times(big, ones)
+    np.testing.assert_array_equal(silu_times(big[2:3], ones[2:3])[0], full[2])
+    np.testing.assert_array_equal(silu_times(np.asfortranarray(big), ones), full)
+    with pytest.raises(ValueError, match="two \\[T, F\\] arrays"):
+        silu_times(big, ones[:, :5])
+
+
+def test_linear_int4_arguments_only_for_int4_with_whole_16_column_groups() -> None:
+    assert Linear(_weights("int4-g64", 8, 128)).int4 is not None
+    assert Linear(_weights("int4-row", 8, 77)).int4 is not None
+    assert Linear(_weights("int4-g24", 8, 96)).int4 is None  # the slow exact path
+    assert Linear(_weights("int8", 8, 128)).int4 is None
+    assert Linear(_weights("f32", 8, 128)).int4 is None
+
+
 # ----------------------------------------------------------------------------- Linear
 
 
