@@ -462,8 +462,14 @@ class Scheduler:
         while True:
             await self._wake.wait()
             self._wake = anyio.Event()
-            await self._gather()
-            while self._pending:
+            while True:
+                # Before every step, not only after a wake: the generations the last step
+                # woke queue their next step before it starts, so they stay in one batch
+                # (else one that queued while the step ran goes alone next, and the others
+                # after it: two half batches per token from then on).
+                await self._gather()
+                if not self._pending:
+                    break
                 batch = self._pending[: self.max_batch]
                 del self._pending[: len(batch)]
                 try:

@@ -31,7 +31,14 @@ from runtime.layers.rope import apply_rope
 from runtime.layers.topk import torch_topk_indices
 from runtime.linear import Linear
 
-__all__ = ["IndexerDims", "IndexerWeights", "index_keys", "index_scores", "select"]
+__all__ = [
+    "IndexerDims",
+    "IndexerWeights",
+    "index_keys",
+    "index_queries",
+    "index_scores",
+    "select",
+]
 
 F32Array = npt.NDArray[np.float32]
 BoolArray = npt.NDArray[np.bool_]
@@ -69,6 +76,23 @@ def index_keys(
     return k
 
 
+def index_queries(
+    w: IndexerWeights,
+    d: IndexerDims,
+    x: F32Array,
+    q_resid: F32Array,
+    cos: F32Array,
+    sin: F32Array,
+) -> tuple[F32Array, F32Array]:
+    """The new rows' index queries [T, HI, DI] (roped) and head weights [T, HI] (scaled by
+    ``1 / sqrt(HI)``); each row on its own."""
+    t, r = x.shape[0], d.qk_rope_head_dim
+    q = w.wq_b(q_resid).reshape(t, d.index_n_heads, d.index_head_dim)  # [T, HI, DI]
+    q = np.concatenate([apply_rope(q[:, :, :r], cos, sin, d.interleave), q[:, :, r:]], axis=-1)
+    hw = w.weights_proj(x) * np.float32(d.index_n_heads**-0.5)  # [T, HI]
+    return q, hw
+
+
 def index_scores(
     w: IndexerWeights,
     d: IndexerDims,
@@ -77,17 +101,18 @@ def index_scores(
     keys: F32Array,
     cos: F32Array,
     sin: F32Array,
+    *,
+    queries: tuple[F32Array, F32Array] | None = None,
 ) -> F32Array:
     """Scores [T, S] of every key for each new query; -inf for future keys.
 
     ``x`` [T, D] is the attention input (input-normed hidden), ``q_resid`` [T, Q], ``keys``
     [S, DI] all index keys including the new ones (new queries are the last T positions).
+    ``queries``: :func:`index_queries` of these rows when already made (several sequences'
+    rows share one projection: rows are independent, so the same bits).
     """
     t, s = x.shape[0], keys.shape[0]
-    r = d.qk_rope_head_dim
-    q = w.wq_b(q_resid).reshape(t, d.index_n_heads, d.index_head_dim)  # [T, HI, DI]
-    q = np.concatenate([apply_rope(q[:, :, :r], cos, sin, d.interleave), q[:, :, r:]], axis=-1)
-    hw = w.weights_proj(x) * np.float32(d.index_n_heads**-0.5)  # [T, HI]
+    q, hw = queries if queries is not None else index_queries(w, d, x, q_resid, cos, sin)
     scale = np.float32(d.index_head_dim**-0.5)
     scores = np.full((t, s), -np.inf, dtype=np.float32)  # [T, S]; future keys stay -inf
     for i in range(t):

@@ -93,6 +93,20 @@ class SeqState(NamedTuple):
     sin: F32Array
 
 
+class SelectionRows(NamedTuple):
+    """What a sparse selection computes per new row before it looks at a cache, made once for
+    the rows of several sequences (rows are independent: the same bits): index keys [N, DI],
+    and, when some sequence scores, index queries [N, HI, DI] and head weights [N, HI]."""
+
+    keys: F32Array
+    queries: tuple[F32Array, F32Array] | None
+
+    def part(self, lo: int, hi: int) -> SelectionRows:
+        """Rows ``lo:hi`` (one sequence's)."""
+        q = None if self.queries is None else (self.queries[0][lo:hi], self.queries[1][lo:hi])
+        return SelectionRows(self.keys[lo:hi], q)
+
+
 @dataclass(frozen=True, kw_only=True)
 class MoEConfig:
     """HF config keys every MoE decoder stack reads (field name = config key).
@@ -595,6 +609,8 @@ class MLAMoEModel(DecoderStack):
         o_lat = np.empty_like(q_lat_all)  # [N, NH, C]
         bounds = np.cumsum([0, *rows])
         new_sel: list[BoolArray | None] = []
+        ends = [seq.start + t for seq, t in zip(seqs, rows, strict=True)]
+        pre = self._selection_rows(layer, lw, x_all, proj_all, cos, sin, ends)
         for j, seq in enumerate(seqs):
             lo, hi = int(bounds[j]), int(bounds[j + 1])
             t, s = hi - lo, seq.start + hi - lo
@@ -604,8 +620,9 @@ class MLAMoEModel(DecoderStack):
             seq.cache.write(layer, seq.start, proj.latent, proj.k_rope)
             allowed = mla.causal_mask(t, s)  # [T, S]
             selection = self._sparse_selection(
-                ctx, layer, layer, lw, x_all[lo:hi], proj, seq, sel[j]
-            )
+                ctx, layer, layer, lw, x_all[lo:hi], proj, seq, sel[j],
+                rows=None if pre is None else pre.part(lo, hi),
+            )  # fmt: skip
             if selection is not None:
                 allowed &= selection
             o_lat[lo:hi] = mla.latent_attention(
@@ -704,6 +721,24 @@ class MLAMoEModel(DecoderStack):
         proj: mla.MLAProjection,
         seq: SeqState,
         prev_selection: BoolArray | None,
+        *,
+        rows: SelectionRows | None = None,
     ) -> BoolArray | None:
-        """Keys each new query may attend to beyond causality [T, S]; None = all (dense MLA)."""
+        """Keys each new query may attend to beyond causality [T, S]; None = all (dense MLA).
+        ``rows``: this sequence's part of :meth:`_selection_rows`, when made for a batch."""
+        return None
+
+    def _selection_rows(
+        self,
+        layer: int,
+        lw: LayerWeights,
+        x: F32Array,
+        proj: mla.MLAProjection,
+        cos: F32Array,
+        sin: F32Array,
+        ends: list[int],
+    ) -> SelectionRows | None:
+        """The per-row part of layer ``layer``'s sparse selection for the rows of several
+        sequences at once (``ends``: each sequence's length after this step), or None when
+        there is none to share (dense MLA: always)."""
         return None

@@ -29,7 +29,7 @@ import numpy.typing as npt
 from runtime.context import StepContext
 from runtime.layers import dsa_indexer as dsa
 from runtime.layers.mla import MLAProjection
-from runtime.models._decoder import MLAMoEConfig, MLAMoEModel, SeqState
+from runtime.models._decoder import MLAMoEConfig, MLAMoEModel, SelectionRows, SeqState
 from runtime.weights import ContainerLike, ExpertSource, LayerWeights, ModelWeights
 from storage.arch import ArchConfig
 from storage.errors import ConfigError, ModelError
@@ -128,6 +128,27 @@ class GlmMoeDsa(MLAMoEModel):
     def _index_head_dim(self) -> int:
         return self.config.index_head_dim
 
+    def _selection_rows(
+        self,
+        layer: int,
+        lw: LayerWeights,
+        x: F32Array,
+        proj: MLAProjection,
+        cos: F32Array,
+        sin: F32Array,
+        ends: list[int],
+    ) -> SelectionRows | None:
+        """Index keys for every row (and queries when some sequence scores) in one projection
+        each, for a layer that runs the indexer."""
+        if not self.config.runs_indexer(layer) or lw.indexer is None or proj.q_resid is None:
+            return None
+        dims = self.indexer_dims
+        keys = dsa.index_keys(lw.indexer, dims, x, cos, sin)  # [N, DI]
+        queries = None
+        if max(ends) > dims.index_topk:
+            queries = dsa.index_queries(lw.indexer, dims, x, proj.q_resid, cos, sin)
+        return SelectionRows(keys, queries)
+
     def _sparse_selection(
         self,
         ctx: StepContext,
@@ -138,6 +159,8 @@ class GlmMoeDsa(MLAMoEModel):
         proj: MLAProjection,
         seq: SeqState,
         prev_selection: BoolArray | None,
+        *,
+        rows: SelectionRows | None = None,
     ) -> BoolArray | None:
         if not self.config.runs_indexer(layer):
             return prev_selection  # "shared": the previous full layer's keys
@@ -158,13 +181,17 @@ class GlmMoeDsa(MLAMoEModel):
             return None
         if proj.q_resid is None:
             raise ModelError("the DSA indexer needs the MLA query residual (q_lora_rank)")
-        keys = dsa.index_keys(lw.indexer, self.indexer_dims, x, cos, sin)  # [T, DI]
+        if rows is not None:
+            keys = rows.keys
+        else:
+            keys = dsa.index_keys(lw.indexer, self.indexer_dims, x, cos, sin)  # [T, DI]
         cache.write_index(slot, start, keys)
         if s <= topk:
             return None  # every key is selected: skip scoring
         scores = dsa.index_scores(
-            lw.indexer, self.indexer_dims, x, proj.q_resid, cache.index_keys(slot, s), cos, sin
-        )  # [T, S]
+            lw.indexer, self.indexer_dims, x, proj.q_resid, cache.index_keys(slot, s), cos, sin,
+            queries=None if rows is None else rows.queries,
+        )  # [T, S]  # fmt: skip
         selection = dsa.select(scores, topk)  # [T, S]
         ctx.observe("dsa_scores", layer, scores)
         if selection is not None:

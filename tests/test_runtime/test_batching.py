@@ -83,3 +83,26 @@ def test_no_batching_option_still_works() -> None:
     ref, _ = _run(False)
     assert solo == ref
     assert st["decode_batches"] == 0
+
+
+def test_generations_that_decode_together_stay_in_one_step() -> None:
+    """Eight generations of the same length: once all of them decode, each step holds all of
+    them. (The batcher once started the next step as soon as one generation had queued: from
+    then on every token took a step of seven and a step of one.)"""
+
+    async def main() -> dict[str, Any]:
+        o = colibri.EngineOptions(learn=False, reader="threads", prefetch=False, draft="off")
+        async with colibri.Engine.open(DEMO, options=o) as eng:
+
+            async def one(p: list[int]) -> None:
+                async for _ in eng.generate(p, max_new_tokens=32, stop_token_ids=[]):
+                    pass
+
+            async with anyio.create_task_group() as tg:
+                for p in PROMPTS:
+                    tg.start_soon(one, p)
+            return eng.stats()
+
+    stats = anyio.run(main)
+    per_step = stats["decode_batched_sequences"] / stats["decode_batches"]
+    assert per_step > 6, (per_step, stats["decode_batches"])
