@@ -37,9 +37,9 @@ import numpy as np
 import numpy.typing as npt
 
 from runtime.kernels.dequant import dequantize
-from runtime.kernels.quant_matmul import Q8Input, q8_input
+from runtime.kernels.quant_matmul import Q8Input, q8_input, routed_expert_int4
 from runtime.layers import moe as moe_ops
-from runtime.layers.swiglu import MLPWeights, swiglu
+from runtime.layers.swiglu import MLPWeights, fused, swiglu
 from runtime.linear import Linear
 from runtime.weights import ExpertSource, Guess
 
@@ -217,7 +217,19 @@ class ExpertCompute:
     def expert_output(
         self, x: F32Array, ids: npt.NDArray[np.int64], gates: F32Array, e: int, w: MLPWeights
     ) -> tuple[npt.NDArray[np.intp], F32Array]:
-        """Expert ``e`` on the rows routed to it: (rows [n], gate-weighted output [n, D])."""
+        """Expert ``e`` on the rows routed to it: (rows [n], gate-weighted output [n, D]).
+        An int4 expert that :meth:`swiglu` would compute in one fused call for all ``T`` rows
+        (so for any ``n <= T`` of them) is one kernel call with the row selection, the gather
+        and the gate product in it: the same bits."""
+        t = x.shape[0]
+        f = None if self.fast_int8 else fused(w)
+        if (
+            f is not None
+            and (not self.fast_min_rows or t < self.fast_min_rows)
+            and self.row_blocks(t, 3 * w.gate.in_features * w.gate.out_features) is None
+            and not any(self._splits(lin, t) for lin in w)
+        ):
+            return routed_expert_int4(x, ids, gates, e, *f)
         return moe_ops.expert_output(x, ids, gates, e, w, self.swiglu)
 
     # ------------------------------------------------------------------ scheduling

@@ -72,7 +72,7 @@ from runtime.kernels._simd import (
     vzero16,
 )
 
-__all__ = ["KERNELS", "i4_swiglu", "silu_mul"]
+__all__ = ["KERNELS", "i4_expert", "i4_swiglu", "silu_mul"]
 
 _TILE = 8  # tokens per pass over the weights in the T >= 2 kernels (x tile stays in L1/L2)
 _ROWS = 16  # int4 T >= 2: rows per block sharing one activation segment in L1
@@ -638,9 +638,41 @@ def i4_swiglu(x, gp, gsc, gw, upk, usc, uw, dp, dsc, dw, out, pf):  # type: igno
     _i4_apply(_i4_prep(g, dw[2], ys), ys, dp, dsc, dw, out, pf)
 
 
+@njit(nogil=True, cache=True)
+def i4_expert(x, ids, gates, e, gp, gsc, gw, upk, usc, uw, dp, dsc, dw, pf):  # type: ignore[no-untyped-def]
+    """Routed expert ``e`` on the rows of ``x`` [T, D] routed to it (``ids`` [T, K]): (rows
+    [n] ascending, ``gate * swiglu(x[rows])`` [n, D]), as ``np.nonzero``, the gather,
+    ``i4_swiglu`` and the gate product compute it, in one call."""
+    n_tok, k = ids.shape
+    n = 0
+    for t in range(n_tok):
+        for j in range(k):
+            if ids[t, j] == e:
+                n += 1
+    rows = np.empty(n, np.intp)
+    g = np.empty(n, np.float32)
+    xe = np.empty((n, x.shape[1]), np.float32)
+    r = 0
+    for t in range(n_tok):
+        for j in range(k):
+            if ids[t, j] == e:
+                rows[r] = t
+                g[r] = gates[t, j]
+                xe[r] = x[t]
+                r += 1
+    out = np.empty((n, dw[0]), np.float32)
+    if n:
+        i4_swiglu(xe, gp, gsc, gw, upk, usc, uw, dp, dsc, dw, out, pf)
+    for r in range(n):
+        for c in range(out.shape[1]):
+            out[r, c] = out[r, c] * g[r]
+    return rows, out
+
+
 #: Every compiled kernel (tests check they were built with ``nogil=True``).
 KERNELS = (
     silu_mul,
+    i4_expert,
     _i4_apply,
     i4_swiglu,
     _i4_prep,

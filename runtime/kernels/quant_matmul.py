@@ -32,6 +32,7 @@ from runtime.kernels._matmul_kernels import (
     _i4_prep,
     _i8_matmul16,
     _pad_rows,
+    i4_expert,
     i4_swiglu,
     silu_mul,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "q8_chunk_scales",
     "q8_eligible",
     "q8_input",
+    "routed_expert_int4",
     "silu_times",
     "swiglu_int4",
 ]
@@ -283,6 +285,39 @@ def swiglu_int4(
     if xx.shape[0]:
         i4_swiglu(xx, *gate, *up, *down, out, pf)
     return out
+
+
+def routed_expert_int4(
+    x: F32Array,
+    ids: npt.NDArray[np.int64],
+    gates: F32Array,
+    e: int,
+    gate: Int4Weight,
+    up: Int4Weight,
+    down: Int4Weight,
+    *,
+    prefetch_distance: int = DEFAULT_PREFETCH,
+) -> tuple[npt.NDArray[np.intp], F32Array]:
+    """Routed expert ``e`` applied to the rows of ``x`` [T, D] that ``ids`` [T, K] route to
+    it: (rows [n] ascending, their gate-weighted outputs [n, D]), in one kernel call. The same
+    bits as ``np.nonzero(ids == e)``, the gather, :func:`swiglu_int4` and the product with
+    ``gates`` [T, K] one by one. Raises ``ValueError`` on a shape or dtype mismatch."""
+    n_f, n_d = gate.walk[0], gate.walk[1]
+    if up.walk[:2] != (n_f, n_d) or down.walk[:2] != (n_d, n_f):
+        raise ValueError("routed_expert_int4: the projections are not [F, D], [F, D], [D, F]")
+    xx = _check_x(x, n_d)
+    if not isinstance(ids, np.ndarray) or ids.dtype != np.int64 or ids.ndim != 2:
+        raise ValueError("ids must be an int64 array [T, K]")
+    if not isinstance(gates, np.ndarray) or gates.dtype != np.float32 or gates.shape != ids.shape:
+        raise ValueError(f"gates must be float32 with the shape of ids {ids.shape}")
+    if ids.shape[0] != xx.shape[0]:
+        raise ValueError(f"ids has {ids.shape[0]} rows, x has {xx.shape[0]}")
+    pf = _check_prefetch(prefetch_distance)
+    rows, out = i4_expert(
+        xx, np.ascontiguousarray(ids), np.ascontiguousarray(gates), int(e),
+        *gate, *up, *down, pf,
+    )  # fmt: skip
+    return rows, out
 
 
 def q8_eligible(in_features: int, group_size: int | None) -> bool:

@@ -331,6 +331,38 @@ def test_fused_swiglu_is_the_three_projections_bit_for_bit(
         swiglu_int4(x, w4[0], w4[2], w4[1])  # type: ignore[arg-type]
 
 
+def test_routed_expert_in_one_call_is_the_numpy_path_bit_for_bit() -> None:
+    """``routed_expert_int4`` (row selection, gather, fused SwiGLU, gate product in one call)
+    gives the rows and bits of ``moe.expert_output`` for experts routed to no row, one row and
+    several rows; bad arguments raise."""
+    from runtime.kernels.quant_matmul import routed_expert_int4
+    from runtime.layers import moe
+    from runtime.layers.swiglu import MLPWeights, fused
+
+    d, f = 128, 64
+    w = MLPWeights(*(Linear(_weights("int4-g64", o, i, seed=s)) for s, (o, i) in
+                     enumerate([(f, d), (f, d), (d, f)])))  # fmt: skip
+    f3 = fused(w)
+    assert f3 is not None
+    rng = np.random.default_rng(2)
+    ids = np.array([rng.permutation(16)[:4] for _ in range(9)], np.int64)  # [T, K]
+    ids[:, 2] = np.arange(9) % 3 + 20  # experts 20-22 get three rows each
+    gates = rng.random(ids.shape, dtype=np.float32)
+    x = _x(9, d, seed=4)
+    for e in (0, 3, 20, 21, 99):
+        want_rows, want = moe.expert_output(x, ids, gates, e, w)
+        rows, got = routed_expert_int4(x, ids, gates, e, *f3)
+        np.testing.assert_array_equal(rows, want_rows)
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert routed_expert_int4(x, ids, gates, 99, *f3)[1].shape == (0, d)
+    with pytest.raises(ValueError, match="int64"):
+        routed_expert_int4(x, ids.astype(np.int32), gates, 0, *f3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="gates"):
+        routed_expert_int4(x, ids, gates[:, :2], 0, *f3)
+    with pytest.raises(ValueError, match="rows"):
+        routed_expert_int4(x[:4], ids, gates, 0, *f3)
+
+
 def test_silu_times_values_and_layouts() -> None:
     from runtime.kernels.quant_matmul import silu_times
 
