@@ -112,6 +112,23 @@ def test_realistic_expert_gemv_shapes(lanes: int) -> None:
             _assert_close(_matmul(q, lanes)(x), x, q)
 
 
+@pytest.mark.parametrize("fmt", ["int4-g64", "int4-row", "int4-g128"])
+@pytest.mark.parametrize("n_in", [128, 2048, 2112])
+def test_int4_small_t_kernels_equal_one_token_calls(fmt: str, n_in: int) -> None:
+    """16 lanes, T = 2..9: rows of up to 2048 columns in 64-column groups take the
+    register-tile kernel (tiles of 4, the last of 1 to 4 tokens), longer rows and larger groups
+    the blocked one; every token's row equals its one-token call bit for bit."""
+    q = _weights(fmt, 40, n_in, seed=n_in)
+    mm = _matmul(q, 16)
+    x = _x(9, n_in, seed=1)
+    x[2] *= -1e4
+    alone = np.concatenate([mm(x[t : t + 1]) for t in range(9)])
+    for n_tok in range(2, 10):
+        got = mm(x[:n_tok])
+        np.testing.assert_array_equal(got.view(np.uint32), alone[:n_tok].view(np.uint32))
+    _assert_close(mm(x), x, q)
+
+
 def test_int8_both_widths_exact_and_differently_ordered() -> None:
     """int8 takes 16 lanes at every width (the tail block is zero padded); the widths agree to
     float rounding, not bit for bit."""
