@@ -79,10 +79,14 @@ _ROWS = 16  # int4 T >= 2: rows per block sharing one activation segment in L1
 _SEGMENT = 64  # int4 T >= 2: packed bytes per row segment (its activations: TILE * 512 B)
 _KIND_F32, _KIND_BF16, _KIND_F16, _KIND_I8 = 0, 1, 2, 3
 _NIBBLE_ZERO = 0x88  # a padding byte: both nibbles decode to weight 0
-#: int4 16 lanes, T >= 2: rows of at most this many packed bytes (2048 columns) take the
-#: register-tile kernel; 4 tokens of their activations (~32 KiB) stay in L1 (measured on
-#: [1024|2048, 2048]: 1.1-1.3x the blocked kernel; on 6144 columns it was slower)
-_REGS_MAX_NB = 1024
+#: int4 16 lanes, T >= 2: rows of at most this many packed bytes (1024 columns) take the
+#: register-tile kernel at any T, rows of up to ``_REGS_MAX_NB_FEW`` (2048 columns) for at most
+#: ``_REGS_FEW_T`` tokens. Measured against the blocked kernel: 1.1-1.2x for 256-1024 columns
+#: at T up to 64; at 2048 columns 1.15x at T=8, even at T=12-16, 0.74x at T=64; at 6144
+#: columns 0.82x at T=8 (four tokens of activations no longer fit in L1).
+_REGS_MAX_NB = 512
+_REGS_MAX_NB_FEW = 1024
+_REGS_FEW_T = 8
 
 
 # ============================================================================ x preparation
@@ -393,8 +397,8 @@ def _i4_gemm16_regs(packed, scales, n_out, nb, s_row, s_step, y, ys, out, pf):  
     """T tokens for ``gbytes == 32`` and short rows: rows outside, tokens inside in register
     tiles of 4 (the last one 1 to 4), each row's chunk decoded once per tile and every token's
     accumulator kept in a register across the whole row. Per (token, row) exactly the
-    arithmetic of ``_i4_gemv16``. Meant for rows whose 4 tokens of activations fit in L1
-    (``nb <= _REGS_MAX_NB``); longer rows take the blocked ``_i4_gemm16``."""
+    arithmetic of ``_i4_gemv16``. Meant for short rows (see ``_REGS_MAX_NB``); longer rows
+    take the blocked ``_i4_gemm16``."""
     n_tok = out.shape[0]
     n_groups = nb // 32
     t0 = 0
@@ -441,10 +445,10 @@ def _i4_gemm16(packed, scales, n_out, nb, gbytes, s_row, s_step, y, ys, out, pf)
     row and applied to every token of the tile, groups of a row in increasing order. Short
     rows of 64-column groups take ``_i4_gemm16_regs`` (accumulators in registers).
     """
-    if gbytes == 32 and nb <= _REGS_MAX_NB:
+    n_tok = out.shape[0]
+    if gbytes == 32 and (nb <= _REGS_MAX_NB or (nb <= _REGS_MAX_NB_FEW and n_tok <= _REGS_FEW_T)):
         _i4_gemm16_regs(packed, scales, n_out, nb, s_row, s_step, y, ys, out, pf)
         return
-    n_tok = out.shape[0]
     acc = np.zeros(_ROWS * _TILE * 16, np.float32)  # [ROWS, TILE, 16] accumulators
     pp = np.zeros(_TILE * 16, np.float32)  # [TILE, 16] group partials
     n_groups = nb // gbytes
