@@ -223,7 +223,8 @@ def _engine_options(fn: F) -> F:
         callback=_keep,
         help="Matmul kernels. 'exact': bit-exact and batch-invariant. 'fast-int8': LOSSY, "
         "opt-in: activations rounded to int8 for int4 weights (VNNI where the CPU has it); "
-        "faster decode, greedy tokens may differ from exact (env COLI_KERNELS).",
+        "greedy tokens may differ from exact; faster than exact only where measured so: "
+        "see docs/benchmarks.md (env COLI_KERNELS).",
     )(fn)
     fn = click.option(
         "--verify-reads/--no-verify-reads",
