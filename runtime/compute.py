@@ -37,7 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from runtime.kernels.dequant import dequantize
-from runtime.kernels.quant_matmul import Q8Input, q8_input, routed_expert_int4
+from runtime.kernels.quant_matmul import Int4Weight, Q8Input, q8_input, routed_expert_int4
 from runtime.layers import moe as moe_ops
 from runtime.layers.swiglu import MLPWeights, fused, swiglu
 from runtime.linear import Linear
@@ -202,13 +202,12 @@ class ExpertCompute:
         rows, each projection's output features (bit-identical either way: the kernels are
         batch-invariant, a row's result does not depend on the other rows, and an output
         feature does not depend on the others)."""
+        if self._fused_for(w, x.shape[0]) is not None:
+            return swiglu(x, w)  # int4: one fused kernel call
         if not self.fast_min_rows or x.shape[0] < self.fast_min_rows:
             blocks = self.row_blocks(x.shape[0], 3 * w.gate.in_features * w.gate.out_features)
             if blocks is None:
-                n = x.shape[0]
-                if self.fast_int8 or any(self._splits(lin, n) for lin in w):
-                    return swiglu(x, w, self._mlp_mm(split=self._pool is not None))
-                return swiglu(x, w)  # int4: one fused kernel call
+                return swiglu(x, w, self._mlp_mm(split=self._pool is not None))
             xx = np.ascontiguousarray(x, dtype=np.float32)
             mm = self._mlp_mm(split=False) if self.fast_int8 else None
             return np.concatenate(self.map_rows(blocks, lambda a, b: swiglu(xx[a:b], w, mm)))
@@ -221,16 +220,24 @@ class ExpertCompute:
         An int4 expert that :meth:`swiglu` would compute in one fused call for all ``T`` rows
         (so for any ``n <= T`` of them) is one kernel call with the row selection, the gather
         and the gate product in it: the same bits."""
-        t = x.shape[0]
-        f = None if self.fast_int8 else fused(w)
-        if (
-            f is not None
-            and (not self.fast_min_rows or t < self.fast_min_rows)
-            and self.row_blocks(t, 3 * w.gate.in_features * w.gate.out_features) is None
-            and not any(self._splits(lin, t) for lin in w)
-        ):
+        f = self._fused_for(w, x.shape[0])
+        if f is not None:
             return routed_expert_int4(x, ids, gates, e, *f)
         return moe_ops.expert_output(x, ids, gates, e, w, self.swiglu)
+
+    def _fused_for(
+        self, w: MLPWeights, n_rows: int
+    ) -> tuple[Int4Weight, Int4Weight, Int4Weight] | None:
+        """``fused(w)`` when :meth:`swiglu` runs ``n_rows`` rows (or fewer) of ``w`` as one
+        kernel call on this thread: exact kernels, an int4 expert, neither the BLAS path nor
+        rows split over the pool nor any projection's features split; else None."""
+        if self.fast_int8 or (self.fast_min_rows and n_rows >= self.fast_min_rows):
+            return None
+        if self.row_blocks(n_rows, 3 * w.gate.in_features * w.gate.out_features) is not None:
+            return None
+        if any(self._splits(lin, n_rows) for lin in w):
+            return None
+        return fused(w)
 
     # ------------------------------------------------------------------ scheduling
     @contextlib.contextmanager

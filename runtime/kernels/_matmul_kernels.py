@@ -72,7 +72,7 @@ from runtime.kernels._simd import (
     vzero16,
 )
 
-__all__ = ["KERNELS", "i4_expert", "i4_swiglu", "silu_mul"]
+__all__ = ["KERNELS", "i4_expert", "i4_matmul", "i4_swiglu", "silu_mul"]
 
 _TILE = 8  # tokens per pass over the weights in the T >= 2 kernels (x tile stays in L1/L2)
 _ROWS = 16  # int4 T >= 2: rows per block sharing one activation segment in L1
@@ -659,11 +659,25 @@ def silu_mul(g, u, out):  # type: ignore[no-untyped-def]
             out[t, f] = _silu_mul1(g[t, f], u[t, f])
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _i4_stride(nb):  # type: ignore[no-untyped-def]
+    """``Ys``: the ``_i4_prep`` row stride for ``nb`` packed bytes per weight row."""
+    return (nb + 7) // 8 * 8 + 16
+
+
+@njit(nogil=True, cache=True)
+def i4_matmul(x, packed, scales, walk, out, pf):  # type: ignore[no-untyped-def]
+    """out [T, O] = x [T, I] @ W.T for int4 ``W`` (groups of a multiple of 16 columns): the
+    activations prepared, then ``_i4_apply``. What ``matmul_int4`` runs after its checks."""
+    ys = _i4_stride(walk[2])
+    _i4_apply(_i4_prep(x, walk[2], ys), ys, packed, scales, walk, out, pf)
+
+
 @njit(nogil=True, cache=True)
 def _i4_apply(y, ys, packed, scales, walk, out, pf):  # type: ignore[no-untyped-def]
-    """out [T, O] from the ``_i4_prep`` rows ``y`` (stride ``ys``) and an int4 weight: the
-    kernel ``matmul_int4`` picks for it (groups of a multiple of 16 columns). ``walk``:
-    (O, I, B, group bytes, scales per row, scale step, 16 lanes)."""
+    """out [T, O] from the ``_i4_prep`` rows ``y`` (stride ``ys``) and an int4 weight (groups
+    of a multiple of 16 columns): the GEMV or GEMM of its width. ``walk``: (O, I, B, group
+    bytes, scales per row, scale step, 16 lanes)."""
     n_out, nb, gbytes, s_row, s_step, wide = walk[0], walk[2], walk[3], walk[4], walk[5], walk[6]
     if out.shape[0] == 1:
         if wide:
@@ -683,15 +697,14 @@ def i4_swiglu(x, gp, gsc, gw, upk, usc, uw, dp, dsc, dw, out, pf):  # type: igno
     (so the same bits), without the Python between them. Per projection: packed bytes, scales
     and its walk (see ``_i4_apply``); gate and up share one preparation of ``x``."""
     n_tok = x.shape[0]
-    ys = (gw[2] + 7) // 8 * 8 + 16
+    ys = _i4_stride(gw[2])
     y = _i4_prep(x, gw[2], ys)
     g = np.empty((n_tok, gw[0]), np.float32)
     u = np.empty((n_tok, uw[0]), np.float32)
     _i4_apply(y, ys, gp, gsc, gw, g, pf)
     _i4_apply(y, ys, upk, usc, uw, u, pf)
     silu_mul(g, u, g)
-    ys = (dw[2] + 7) // 8 * 8 + 16
-    _i4_apply(_i4_prep(g, dw[2], ys), ys, dp, dsc, dw, out, pf)
+    i4_matmul(g, dp, dsc, dw, out, pf)
 
 
 @njit(nogil=True, cache=True)
@@ -730,6 +743,7 @@ KERNELS = (
     _i4_gemm16_regs,
     silu_mul,
     i4_expert,
+    i4_matmul,
     _i4_apply,
     i4_swiglu,
     _i4_prep,

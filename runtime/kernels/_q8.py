@@ -41,18 +41,23 @@ B = I / 2 packed bytes per row; lanes: 16 int32 or float32.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, models, register_model
 
 from runtime.kernels._intrinsics import prefetch
-from runtime.kernels._simd import f32x16, vfma16, vhsum16, vsplat16, vzero16
+from runtime.kernels._simd import (
+    f32x16,
+    host_codegen_features,
+    vfma16,
+    vhsum16,
+    vsplat16,
+    vzero16,
+)
 
 __all__ = [
     "KERNELS",
@@ -68,14 +73,9 @@ __all__ = [
 _I8, _I32, _F32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
 
 
-@functools.cache
 def has_vnni_codegen() -> bool:
     """Whether the code numba generates for this CPU may use ``vpdpbusd`` (512-bit VNNI)."""
-    try:
-        feats = llvm.get_host_cpu_features()
-    except RuntimeError:
-        return False
-    return bool(feats.get("avx512vnni")) and bool(feats.get("avx512bw"))
+    return {"avx512vnni", "avx512bw"} <= host_codegen_features()
 
 
 def _intrinsic(fn: Callable[..., Any]) -> Any:

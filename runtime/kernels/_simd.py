@@ -39,6 +39,7 @@ __all__ = [
     "f16x8",
     "f32x8",
     "f32x16",
+    "host_codegen_features",
     "i4byte8",
     "i4byte16",
     "i4lo8",
@@ -150,13 +151,18 @@ def _lane_sum(builder: Any, lanes: list[Any]) -> Any:
 
 
 @functools.cache
-def _has_avx512f_codegen() -> bool:
-    """Whether the code numba generates for this CPU may use 512-bit AVX-512F instructions."""
+def host_codegen_features() -> frozenset[str]:
+    """The CPU features LLVM may use in the code numba generates here (empty when LLVM cannot
+    tell): what decides whether a kernel may emit an ISA-specific intrinsic."""
     try:
         feats = llvm.get_host_cpu_features()
     except RuntimeError:
-        return False
-    return bool(feats.get("avx512f"))
+        return frozenset()
+    return frozenset(name for name, on in feats.items() if on)
+
+
+def _has_avx512f_codegen() -> bool:
+    return "avx512f" in host_codegen_features()
 
 
 def _make_i4lo(vt: Any, *, permute: bool) -> Any:

@@ -24,15 +24,11 @@ from runtime.kernels._matmul_kernels import (
     _KIND_F32,
     _KIND_I8,
     _col_matmul,
-    _i4_gemm,
-    _i4_gemm16,
-    _i4_gemv,
-    _i4_gemv16,
     _i4_generic_matmul,
-    _i4_prep,
     _i8_matmul16,
     _pad_rows,
     i4_expert,
+    i4_matmul,
     i4_swiglu,
     silu_mul,
 )
@@ -141,6 +137,11 @@ class _Int4Call(NamedTuple):
     y: F32Array  # [T, O]
     pf: int
 
+    def walk(self, lanes: int) -> tuple[int, int, int, int, int, int, int]:
+        """How ``i4_matmul`` / ``i4_swiglu`` walk this weight (see :class:`Int4Weight`)."""
+        wide = int(int4_lanes(self.n_in, self.gs or None, lanes) == 16)
+        return (self.n_out, self.n_in, self.nb, self.gbytes, self.s_row, self.s_step, wide)
+
 
 def int4_scale_walk(n_in: int, group_size: int | None) -> tuple[int, int, int]:
     """How the int4 kernels walk the scales of a row of ``n_in`` columns: (scales per row,
@@ -199,8 +200,7 @@ def matmul_int4(
     if lanes not in INT4_LANES:
         raise ValueError(f"lanes must be one of {INT4_LANES}, got {lanes}")
     a = _int4_call(x, packed, scales, out_features, in_features, group_size, out, prefetch_distance)
-    n_out, n_in, nb, p, s, xx, y, pf = a.n_out, a.n_in, a.nb, a.p, a.s, a.x, a.y, a.pf
-    s_row, s_step, gbytes, gs = a.s_row, a.s_step, a.gbytes, a.gs
+    n_out, n_in, nb, p, s, xx, y, pf, gs = a.n_out, a.n_in, a.nb, a.p, a.s, a.x, a.y, a.pf, a.gs
     n_tok = xx.shape[0]
     if n_tok == 0 or n_out == 0:
         return y
@@ -208,15 +208,7 @@ def matmul_int4(
         ip = _round8(n_in)
         _i4_generic_matmul(p, s, n_out, n_in, nb, gs, _pad_rows(xx, ip), ip, y)
         return y
-    ys = _round8(nb) + 16
-    yy = _i4_prep(xx, nb, ys)
-    wide = int4_lanes(n_in, group_size, lanes) == 16
-    if n_tok == 1:
-        gemv = _i4_gemv16 if wide else _i4_gemv
-        gemv(p, s, n_out, nb, gbytes, s_row, s_step, yy, ys, y.reshape(-1), pf)
-    else:
-        gemm = _i4_gemm16 if wide else _i4_gemm
-        gemm(p, s, n_out, nb, gbytes, s_row, s_step, yy, ys, y, pf)
+    i4_matmul(xx, p, s, a.walk(lanes), y, pf)
     return y
 
 
@@ -246,8 +238,18 @@ def int4_weight(
     a = _int4_call(x0, packed, scales, out_features, in_features, group_size, None, 0)
     if (a.gs and a.gs % 16 != 0) or a.n_out == 0:
         return None
-    wide = int(int4_lanes(a.n_in, group_size, lanes) == 16)
-    return Int4Weight(a.p, a.s, (a.n_out, a.n_in, a.nb, a.gbytes, a.s_row, a.s_step, wide))
+    return Int4Weight(a.p, a.s, a.walk(lanes))
+
+
+def _check_mlp(who: str, gate: Int4Weight, up: Int4Weight, down: Int4Weight) -> int:
+    """D, after checking that the projections are [F, D], [F, D], [D, F]."""
+    n_f, n_d = gate.walk[0], gate.walk[1]
+    if up.walk[:2] != (n_f, n_d) or down.walk[:2] != (n_d, n_f):
+        raise ValueError(
+            f"{who}: gate {gate.walk[:2]}, up {up.walk[:2]} and down {down.walk[:2]} "
+            "are not [F, D], [F, D], [D, F]"
+        )
+    return n_d
 
 
 def silu_times(g: F32Array, u: F32Array) -> F32Array:
@@ -273,12 +275,7 @@ def swiglu_int4(
     """``down(silu(gate(x)) * up(x))`` [T, D] for int4 weights in one kernel call,
     bit-identical to ``matmul_int4`` three times and :func:`silu_times` (same kernels, same
     order), without the Python between the calls. Raises ``ValueError`` on a shape mismatch."""
-    n_f, n_d = gate.walk[0], gate.walk[1]
-    if up.walk[:2] != (n_f, n_d) or down.walk[:2] != (n_d, n_f):
-        raise ValueError(
-            f"swiglu_int4: gate {gate.walk[:2]}, up {up.walk[:2]} and down {down.walk[:2]} "
-            "are not [F, D], [F, D], [D, F]"
-        )
+    n_d = _check_mlp("swiglu_int4", gate, up, down)
     xx = _check_x(x, n_d)
     pf = _check_prefetch(prefetch_distance)
     out = np.empty((xx.shape[0], n_d), np.float32)
@@ -302,9 +299,7 @@ def routed_expert_int4(
     it: (rows [n] ascending, their gate-weighted outputs [n, D]), in one kernel call. The same
     bits as ``np.nonzero(ids == e)``, the gather, :func:`swiglu_int4` and the product with
     ``gates`` [T, K] one by one. Raises ``ValueError`` on a shape or dtype mismatch."""
-    n_f, n_d = gate.walk[0], gate.walk[1]
-    if up.walk[:2] != (n_f, n_d) or down.walk[:2] != (n_d, n_f):
-        raise ValueError("routed_expert_int4: the projections are not [F, D], [F, D], [D, F]")
+    n_d = _check_mlp("routed_expert_int4", gate, up, down)
     xx = _check_x(x, n_d)
     if not isinstance(ids, np.ndarray) or ids.dtype != np.int64 or ids.ndim != 2:
         raise ValueError("ids must be an int64 array [T, K]")
