@@ -37,9 +37,16 @@ import numpy as np
 import numpy.typing as npt
 
 from runtime.kernels.dequant import dequantize
-from runtime.kernels.quant_matmul import Int4Weight, Q8Input, q8_input, routed_expert_int4
+from runtime.kernels.quant_matmul import (
+    Int4Weight,
+    Q8Input,
+    Q8Weight,
+    q8_input,
+    routed_expert_int4,
+    routed_expert_int4_q8,
+)
 from runtime.layers import moe as moe_ops
-from runtime.layers.swiglu import MLPWeights, fused, swiglu
+from runtime.layers.swiglu import MLPWeights, fused, fused_q8, swiglu, swiglu_q8
 from runtime.linear import Linear
 from runtime.weights import ExpertSource, Guess
 
@@ -48,6 +55,11 @@ __all__ = ["KERNEL_MODES", "ExpertCompute", "KernelMode"]
 _WORKER_PREFIX = "colibri-expert"
 SPLIT_MIN_MACS = 1 << 23
 KernelMode = Literal["exact", "fast-int8"]
+#: One-call SwiGLU weights: the exact int4 kernel's, or (fast-int8) the int8 kernel's.
+Fused = tuple[
+    tuple[Int4Weight, Int4Weight, Int4Weight] | None,
+    tuple[Q8Weight, Q8Weight, Q8Weight] | None,
+]
 KERNEL_MODES: tuple[KernelMode, ...] = ("exact", "fast-int8")
 
 F32Array = npt.NDArray[np.float32]
@@ -202,8 +214,9 @@ class ExpertCompute:
         rows, each projection's output features (bit-identical either way: the kernels are
         batch-invariant, a row's result does not depend on the other rows, and an output
         feature does not depend on the others)."""
-        if self._fused_for(w, x.shape[0]) is not None:
-            return swiglu(x, w)  # int4: one fused kernel call
+        f = self._fused_for(w, x.shape[0])
+        if f is not None:  # int4: one fused kernel call
+            return swiglu_q8(x, f[1]) if f[1] is not None else swiglu(x, w)
         if not self.fast_min_rows or x.shape[0] < self.fast_min_rows:
             blocks = self.row_blocks(x.shape[0], 3 * w.gate.in_features * w.gate.out_features)
             if blocks is None:
@@ -222,22 +235,29 @@ class ExpertCompute:
         and the gate product in it: the same bits."""
         f = self._fused_for(w, x.shape[0])
         if f is not None:
-            return routed_expert_int4(x, ids, gates, e, *f)
+            if f[1] is not None:
+                return routed_expert_int4_q8(x, ids, gates, e, *f[1])
+            assert f[0] is not None
+            return routed_expert_int4(x, ids, gates, e, *f[0])
         return moe_ops.expert_output(x, ids, gates, e, w, self.swiglu)
 
-    def _fused_for(
-        self, w: MLPWeights, n_rows: int
-    ) -> tuple[Int4Weight, Int4Weight, Int4Weight] | None:
-        """``fused(w)`` when :meth:`swiglu` runs ``n_rows`` rows (or fewer) of ``w`` as one
-        kernel call on this thread: exact kernels, an int4 expert, neither the BLAS path nor
-        rows split over the pool nor any projection's features split; else None."""
-        if self.fast_int8 or (self.fast_min_rows and n_rows >= self.fast_min_rows):
+    def _fused_for(self, w: MLPWeights, n_rows: int) -> Fused | None:
+        """How :meth:`swiglu` runs ``n_rows`` rows (or fewer) of ``w`` as one kernel call on
+        this thread: (``fused(w)``, None) with the exact kernels, (None, ``fused_q8(w)``) under
+        fast-int8 when all three projections have the int8 kernel. None when it does not:
+        another format, the BLAS path, rows split over the pool or a projection's features
+        split."""
+        if self.fast_min_rows and n_rows >= self.fast_min_rows:
             return None
         if self.row_blocks(n_rows, 3 * w.gate.in_features * w.gate.out_features) is not None:
             return None
         if any(self._splits(lin, n_rows) for lin in w):
             return None
-        return fused(w)
+        if self.fast_int8:
+            q = fused_q8(w)
+            return None if q is None else (None, q)
+        f = fused(w)
+        return None if f is None else (f, None)
 
     # ------------------------------------------------------------------ scheduling
     @contextlib.contextmanager

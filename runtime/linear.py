@@ -25,6 +25,7 @@ from runtime.kernels.isa import exact_lanes
 from runtime.kernels.quant_matmul import (
     Int4Weight,
     Q8Input,
+    Q8Weight,
     int4_weight,
     matmul_bf16,
     matmul_f16,
@@ -34,6 +35,7 @@ from runtime.kernels.quant_matmul import (
     matmul_int8,
     q8_chunk_scales,
     q8_eligible,
+    q8_weight,
 )
 from storage.errors import FormatError
 from storage.quant import QTensor, QuantFormat
@@ -137,6 +139,19 @@ class Linear:
         scales = np.ascontiguousarray(q.scales, dtype=np.float32).reshape(-1)
         o, i = q.shape
         return int4_weight(raw, scales, o, i, q.fmt.group_size, self.lanes)
+
+    @functools.cached_property
+    def q8(self) -> Q8Weight | None:
+        """This weight's arguments for the one-call fast-int8 SwiGLU kernel
+        (:func:`runtime.kernels.quant_matmul.swiglu_int4_q8`), or None where it has none
+        (:attr:`has_int8` false). Made at the first use."""
+        q = self.q
+        if not self.has_int8 or q.scales is None:
+            return None
+        raw = np.asarray(q.data).reshape(-1).view(np.uint8)
+        scales = np.ascontiguousarray(q.scales, dtype=np.float32).reshape(-1)
+        o, i = q.shape
+        return q8_weight(raw, scales, o, i, q.fmt.group_size)
 
     @property
     def nbytes(self) -> int:

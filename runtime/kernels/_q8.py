@@ -50,6 +50,7 @@ from numba import njit, types
 from numba.extending import intrinsic, models, register_model
 
 from runtime.kernels._intrinsics import prefetch
+from runtime.kernels._matmul_kernels import silu_mul
 from runtime.kernels._simd import (
     f32x16,
     host_codegen_features,
@@ -63,9 +64,13 @@ __all__ = [
     "KERNELS",
     "has_vnni_codegen",
     "i4unpack64",
+    "q8_expert",
     "q8_gemm",
     "q8_gemv",
+    "q8_matmul",
     "q8_prep",
+    "q8_strides",
+    "q8_swiglu",
     "q8dot",
     "q8dot_portable",
 ]
@@ -317,5 +322,106 @@ def q8_gemm(packed, scales, n_out, nb, xq, bias, sx, xstride, bstride, out, pf):
             out[t, o] = vhsum16(_q8_row(packed, scales, o, nb, xq, xo, bias, bo, sx, so, pf))
 
 
+# ============================================================================ whole calls
+
+
+@njit(nogil=True, cache=True, inline="always")
+def q8_strides(n_in):  # type: ignore[no-untyped-def]
+    """(xstride, bstride) of ``q8_prep`` for rows of ``n_in`` columns: the ``[2, I]`` digits
+    and ``G * 16`` biases of a token, plus 64 bytes / 16 ints so that tokens do not alias."""
+    return 2 * n_in + 64, n_in // 64 * 16 + 16
+
+
+@njit(nogil=True, cache=True)
+def _q8_apply(xq, bias, sx, xstride, bstride, packed, scales, n_out, out, pf):  # type: ignore[no-untyped-def]
+    """out [T, O] from rounded activations (``q8_prep``) and an int4 weight with one scale per
+    64-column chunk: ``q8_gemv`` for one token, ``q8_gemm`` for several."""
+    nb = packed.size // max(n_out, 1)
+    if out.shape[0] == 1:
+        q8_gemv(packed, scales, n_out, nb, xq, bias, sx, out[0], pf)
+    elif out.shape[0] > 1:
+        q8_gemm(packed, scales, n_out, nb, xq, bias, sx, xstride, bstride, out, pf)
+
+
+@njit(nogil=True, cache=True)
+def _q8_round(x):  # type: ignore[no-untyped-def]
+    """``x [T, I]`` rounded by ``q8_prep``: (digits, biases, scales, xstride, bstride)."""
+    n_tok, n_in = x.shape
+    xstride, bstride = q8_strides(n_in)
+    xq = np.empty(n_tok * xstride, np.int8)
+    bias = np.empty(n_tok * bstride, np.int32)
+    sx = np.empty(n_tok * (n_in // 64), np.float32)
+    if n_tok:
+        q8_prep(x, xq, bias, sx, xstride, bstride)
+    return xq, bias, sx, xstride, bstride
+
+
+@njit(nogil=True, cache=True)
+def q8_matmul(x, packed, scales, out, pf):  # type: ignore[no-untyped-def]
+    """out [T, O] = x [T, I] @ W.T with ``x`` rounded here: what ``matmul_int4_q8`` computes
+    (the same rounding, the same kernels, so the same bits), in one call."""
+    xq, bias, sx, xstride, bstride = _q8_round(x)
+    _q8_apply(xq, bias, sx, xstride, bstride, packed, scales, out.shape[1], out, pf)
+
+
+@njit(nogil=True, cache=True)
+def q8_swiglu(x, gp, gs, up, us, dp, ds, out, pf):  # type: ignore[no-untyped-def]
+    """``out [T, D] = down(silu(gate(x)) * up(x))`` under fast-int8, in one call: ``x``
+    rounded once for gate and up, then ``silu_mul``, then the down projection on the rounded
+    product: the same bits as three ``matmul_int4_q8`` calls and ``silu_times``. Per
+    projection: packed bytes [O * I / 2] and one scale per 64-column chunk [O * I / 64]."""
+    n_tok = x.shape[0]
+    n_f = gs.size * 64 // x.shape[1]
+    xq, bias, sx, xstride, bstride = _q8_round(x)
+    g = np.empty((n_tok, n_f), np.float32)
+    u = np.empty((n_tok, n_f), np.float32)
+    _q8_apply(xq, bias, sx, xstride, bstride, gp, gs, n_f, g, pf)
+    _q8_apply(xq, bias, sx, xstride, bstride, up, us, n_f, u, pf)
+    silu_mul(g, u, g)
+    q8_matmul(g, dp, ds, out, pf)
+
+
+@njit(nogil=True, cache=True)
+def q8_expert(x, ids, gates, e, gp, gs, up, us, dp, ds, pf):  # type: ignore[no-untyped-def]
+    """Routed expert ``e`` under fast-int8 on the rows of ``x`` [T, D] routed to it (``ids``
+    [T, K]): (rows [n] ascending, ``gate * swiglu(x[rows])`` [n, D]), as ``np.nonzero``, the
+    gather, ``q8_swiglu`` and the gate product compute it, in one call."""
+    n_tok, k = ids.shape
+    n = 0
+    for t in range(n_tok):
+        for j in range(k):
+            if ids[t, j] == e:
+                n += 1
+    rows = np.empty(n, np.intp)
+    g = np.empty(n, np.float32)
+    xe = np.empty((n, x.shape[1]), np.float32)
+    r = 0
+    for t in range(n_tok):
+        for j in range(k):
+            if ids[t, j] == e:
+                rows[r] = t
+                g[r] = gates[t, j]
+                xe[r] = x[t]
+                r += 1
+    out = np.empty((n, x.shape[1]), np.float32)
+    if n:
+        q8_swiglu(xe, gp, gs, up, us, dp, ds, out, pf)
+    for r in range(n):
+        for c in range(out.shape[1]):
+            out[r, c] = out[r, c] * g[r]
+    return rows, out
+
+
 #: Every compiled kernel (tests check they were built with ``nogil=True``).
-KERNELS = (q8_prep, q8_gemv, q8_gemm, _q8_row, _q8_row_pair)
+KERNELS = (
+    q8_prep,
+    q8_gemv,
+    q8_gemm,
+    _q8_row,
+    _q8_row_pair,
+    _q8_apply,
+    _q8_round,
+    q8_matmul,
+    q8_swiglu,
+    q8_expert,
+)

@@ -34,7 +34,7 @@ from runtime.kernels._matmul_kernels import (
 )
 from runtime.kernels._matmul_kernels import KERNELS as _EXACT_KERNELS
 from runtime.kernels._q8 import KERNELS as _Q8_KERNELS
-from runtime.kernels._q8 import q8_gemm, q8_gemv, q8_prep
+from runtime.kernels._q8 import _q8_apply, q8_expert, q8_matmul, q8_prep, q8_strides, q8_swiglu
 
 __all__ = [
     "DEFAULT_PREFETCH",
@@ -42,6 +42,7 @@ __all__ = [
     "KERNELS",
     "Int4Weight",
     "Q8Input",
+    "Q8Weight",
     "matmul_bf16",
     "matmul_f16",
     "matmul_f32",
@@ -51,9 +52,12 @@ __all__ = [
     "q8_chunk_scales",
     "q8_eligible",
     "q8_input",
+    "q8_weight",
     "routed_expert_int4",
+    "routed_expert_int4_q8",
     "silu_times",
     "swiglu_int4",
+    "swiglu_int4_q8",
 ]
 
 F32Array = npt.NDArray[np.float32]
@@ -301,18 +305,23 @@ def routed_expert_int4(
     ``gates`` [T, K] one by one. Raises ``ValueError`` on a shape or dtype mismatch."""
     n_d = _check_mlp("routed_expert_int4", gate, up, down)
     xx = _check_x(x, n_d)
-    if not isinstance(ids, np.ndarray) or ids.dtype != np.int64 or ids.ndim != 2:
-        raise ValueError("ids must be an int64 array [T, K]")
-    if not isinstance(gates, np.ndarray) or gates.dtype != np.float32 or gates.shape != ids.shape:
-        raise ValueError(f"gates must be float32 with the shape of ids {ids.shape}")
-    if ids.shape[0] != xx.shape[0]:
-        raise ValueError(f"ids has {ids.shape[0]} rows, x has {xx.shape[0]}")
+    _check_routing(ids, gates, xx.shape[0])
     pf = _check_prefetch(prefetch_distance)
     rows, out = i4_expert(
         xx, np.ascontiguousarray(ids), np.ascontiguousarray(gates), int(e),
         *gate, *up, *down, pf,
     )  # fmt: skip
     return rows, out
+
+
+def _check_routing(ids: object, gates: object, n_tok: int) -> None:
+    """``ids`` int64 [T, K] and ``gates`` float32 of the same shape, for ``n_tok`` rows."""
+    if not isinstance(ids, np.ndarray) or ids.dtype != np.int64 or ids.ndim != 2:
+        raise ValueError("ids must be an int64 array [T, K]")
+    if not isinstance(gates, np.ndarray) or gates.dtype != np.float32 or gates.shape != ids.shape:
+        raise ValueError(f"gates must be float32 with the shape of ids {ids.shape}")
+    if ids.shape[0] != n_tok:
+        raise ValueError(f"ids has {ids.shape[0]} rows, x has {n_tok}")
 
 
 def q8_eligible(in_features: int, group_size: int | None) -> bool:
@@ -357,19 +366,102 @@ def matmul_int4_q8(
             f"tiling the row, got I={in_features}, group_size={group_size}"
         )
     a = _int4_call(x, packed, scales, out_features, in_features, group_size, out, prefetch_distance)
-    n_out, n_in, nb, p, xx, y, pf = a.n_out, a.n_in, a.nb, a.p, a.x, a.y, a.pf
+    n_out, n_in, p, xx, y, pf = a.n_out, a.n_in, a.p, a.x, a.y, a.pf
     s = q8_chunk_scales(a.s, n_out, n_in // 64)
     if xx.shape[0] == 0 or n_out == 0:
         return y
     if q8 is None:
-        q8 = q8_input(xx)
+        q8_matmul(xx, p, s, y, pf)
     elif q8.x.shape != xx.shape:
         raise ValueError(f"q8 was rounded from x of shape {q8.x.shape}, not {xx.shape}")
-    if xx.shape[0] == 1:
-        q8_gemv(p, s, n_out, nb, q8.xq, q8.bias, q8.sx, y.reshape(-1), pf)
     else:
-        q8_gemm(p, s, n_out, nb, q8.xq, q8.bias, q8.sx, q8.xstride, q8.bstride, y, pf)
+        _q8_apply(q8.xq, q8.bias, q8.sx, q8.xstride, q8.bstride, p, s, n_out, y, pf)
     return y
+
+
+class Q8Weight(NamedTuple):
+    """An int4 weight checked once for the one-call fast-int8 SwiGLU (:func:`swiglu_int4_q8`):
+    packed bytes [O * I / 2], one scale per 64-column chunk [O * I / 64], O and I."""
+
+    packed: npt.NDArray[np.uint8]
+    scales: F32Array
+    n_out: int
+    n_in: int
+
+
+def q8_weight(
+    packed: npt.NDArray[np.uint8],
+    scales: F32Array,
+    out_features: int,
+    in_features: int,
+    group_size: int | None,
+) -> Q8Weight | None:
+    """The weight's arguments for :func:`swiglu_int4_q8`, checked as :func:`matmul_int4_q8`
+    checks them; None where the int8-activation kernel does not apply (:func:`q8_eligible`)."""
+    if not q8_eligible(int(in_features), group_size):
+        return None
+    x0 = np.empty((0, int(in_features)), np.float32)
+    a = _int4_call(x0, packed, scales, out_features, in_features, group_size, None, 0)
+    if a.n_out == 0:
+        return None
+    return Q8Weight(a.p, q8_chunk_scales(a.s, a.n_out, a.n_in // 64), a.n_out, a.n_in)
+
+
+def _check_mlp_q8(who: str, gate: Q8Weight, up: Q8Weight, down: Q8Weight) -> int:
+    """D, after checking that the projections are [F, D], [F, D], [D, F]."""
+    n_f, n_d = gate.n_out, gate.n_in
+    if (up.n_out, up.n_in) != (n_f, n_d) or (down.n_out, down.n_in) != (n_d, n_f):
+        raise ValueError(
+            f"{who}: gate {gate[2:]}, up {up[2:]} and down {down[2:]} are not [F, D], [F, D], "
+            "[D, F]"
+        )
+    return n_d
+
+
+def swiglu_int4_q8(
+    x: F32Array,
+    gate: Q8Weight,
+    up: Q8Weight,
+    down: Q8Weight,
+    *,
+    prefetch_distance: int = DEFAULT_PREFETCH,
+) -> F32Array:
+    """``down(silu(gate(x)) * up(x))`` [T, D] under ``--kernels fast-int8`` in one kernel call:
+    bit-identical to :func:`matmul_int4_q8` for gate and up (``x`` rounded once), then
+    :func:`silu_times`, then :func:`matmul_int4_q8` for down. Raises ``ValueError`` on a shape
+    mismatch."""
+    n_d = _check_mlp_q8("swiglu_int4_q8", gate, up, down)
+    xx = _check_x(x, n_d)
+    pf = _check_prefetch(prefetch_distance)
+    out = np.empty((xx.shape[0], n_d), np.float32)
+    if xx.shape[0]:
+        q8_swiglu(xx, *gate[:2], *up[:2], *down[:2], out, pf)
+    return out
+
+
+def routed_expert_int4_q8(
+    x: F32Array,
+    ids: npt.NDArray[np.int64],
+    gates: F32Array,
+    e: int,
+    gate: Q8Weight,
+    up: Q8Weight,
+    down: Q8Weight,
+    *,
+    prefetch_distance: int = DEFAULT_PREFETCH,
+) -> tuple[npt.NDArray[np.intp], F32Array]:
+    """:func:`routed_expert_int4` under ``--kernels fast-int8``: the rows of ``x`` routed to
+    expert ``e``, ascending, and their gate-weighted :func:`swiglu_int4_q8` outputs, in one
+    kernel call (the same bits as the steps one by one)."""
+    n_d = _check_mlp_q8("routed_expert_int4_q8", gate, up, down)
+    xx = _check_x(x, n_d)
+    _check_routing(ids, gates, xx.shape[0])
+    pf = _check_prefetch(prefetch_distance)
+    rows, out = q8_expert(
+        xx, np.ascontiguousarray(ids), np.ascontiguousarray(gates), int(e),
+        *gate[:2], *up[:2], *down[:2], pf,
+    )  # fmt: skip
+    return rows, out
 
 
 @dataclass(frozen=True)
@@ -393,8 +485,7 @@ def q8_input(x: npt.NDArray[np.floating]) -> Q8Input:
         raise ValueError(f"q8_input needs x [T, I] with I a multiple of 64, got {xx.shape}")
     n_tok, n_in = xx.shape
     n_chunks = n_in // 64
-    # per token [2, I] digits and [G * 16] biases, plus 64 bytes so tokens do not alias
-    xstride, bstride = 2 * n_in + 64, n_chunks * 16 + 16
+    xstride, bstride = q8_strides(n_in)
     xq = np.empty(n_tok * xstride, np.int8)
     bias = np.empty(n_tok * bstride, np.int32)
     sx = np.empty(n_tok * n_chunks, np.float32)  # [T * G]

@@ -11,10 +11,16 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from runtime.kernels.quant_matmul import Int4Weight, silu_times, swiglu_int4
+from runtime.kernels.quant_matmul import (
+    Int4Weight,
+    Q8Weight,
+    silu_times,
+    swiglu_int4,
+    swiglu_int4_q8,
+)
 from runtime.linear import Linear
 
-__all__ = ["MLPWeights", "fused", "sigmoid", "silu", "swiglu"]
+__all__ = ["MLPWeights", "fused", "fused_q8", "sigmoid", "silu", "swiglu", "swiglu_q8"]
 
 F32Array = npt.NDArray[np.float32]
 
@@ -55,6 +61,21 @@ def fused(w: MLPWeights) -> tuple[Int4Weight, Int4Weight, Int4Weight] | None:
     if g is None or u is None or d is None:
         return None
     return g, u, d
+
+
+def fused_q8(w: MLPWeights) -> tuple[Q8Weight, Q8Weight, Q8Weight] | None:
+    """The three projections' arguments for the one-call fast-int8 SwiGLU kernel, or None when
+    one of them has no int8-activation kernel."""
+    g, u, d = w.gate.q8, w.up.q8, w.down.q8
+    if g is None or u is None or d is None:
+        return None
+    return g, u, d
+
+
+def swiglu_q8(x: F32Array, f: tuple[Q8Weight, Q8Weight, Q8Weight]) -> F32Array:
+    """:func:`swiglu` under ``--kernels fast-int8`` for weights that all have the int8 kernel
+    (``f`` = :func:`fused_q8`): one kernel call, the same bits as the projections one by one."""
+    return swiglu_int4_q8(np.ascontiguousarray(x, dtype=np.float32), *f)
 
 
 def swiglu(x: F32Array, w: MLPWeights, mm: MatMul | None = None) -> F32Array:

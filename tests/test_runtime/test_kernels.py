@@ -381,6 +381,71 @@ def test_routed_expert_in_one_call_is_the_numpy_path_bit_for_bit() -> None:
         routed_expert_int4(x[:4], ids, gates, 0, *f3)
 
 
+@pytest.mark.parametrize(("fmt", "d", "f"), [("int4-g64", 256, 128), ("int4-row", 192, 320)])
+def test_fast_int8_swiglu_and_expert_in_one_call_are_the_projections_bit_for_bit(
+    fmt: str, d: int, f: int
+) -> None:
+    """Under fast-int8, ``swiglu_int4_q8`` (one kernel call: ``x`` rounded once for gate and
+    up, the activation, the product rounded for down) gives the bits of ``matmul_int4_q8``
+    for gate and up on one rounding, ``silu_times`` and ``matmul_int4_q8`` for down, for one
+    token and several; ``routed_expert_int4_q8`` gives the rows and bits of the numpy expert
+    path on those projections; bad arguments raise."""
+    from runtime.kernels.quant_matmul import (
+        q8_input,
+        routed_expert_int4_q8,
+        silu_times,
+        swiglu_int4_q8,
+    )
+    from runtime.layers import moe
+    from runtime.layers.swiglu import MLPWeights, fused_q8
+
+    w = MLPWeights(*(Linear(_weights(fmt, o, i, seed=s)) for s, (o, i) in
+                     enumerate([(f, d), (f, d), (d, f)])))  # fmt: skip
+    f3 = fused_q8(w)
+    assert f3 is not None
+
+    def unfused(x: F32) -> F32:
+        q = q8_input(x)
+        g = w.gate(x, fast_int8=True, q8=q)
+        u = w.up(x, fast_int8=True, q8=q)
+        return w.down(silu_times(g, u), fast_int8=True)
+
+    x = _x(11, d, seed=3)
+    x[4] *= 1e3
+    got = swiglu_int4_q8(x, *f3)
+    np.testing.assert_array_equal(got.view(np.uint32), unfused(x).view(np.uint32))
+    for t in (0, 4, 10):
+        np.testing.assert_array_equal(swiglu_int4_q8(x[t : t + 1], *f3)[0], got[t])
+    assert swiglu_int4_q8(x[:0], *f3).shape == (0, d)
+    # lossy but close: the exact kernels' result to the activations' 16-bit rounding
+    np.testing.assert_allclose(got, w.down(silu_times(w.gate(x), w.up(x))), rtol=0.05, atol=0.5)
+    with pytest.raises(ValueError, match="features"):
+        swiglu_int4_q8(x[:, :-1], *f3)
+    with pytest.raises(ValueError, match="not \\[F, D\\]"):
+        swiglu_int4_q8(x, f3[0], f3[2], f3[1])
+
+    rng = np.random.default_rng(2)
+    ids = np.array([rng.permutation(16)[:4] for _ in range(9)], np.int64)  # [T, K]
+    ids[:, 2] = np.arange(9) % 3 + 20  # experts 20-22 get three rows each
+    gates = rng.random(ids.shape, dtype=np.float32)
+    xe = x[:9]
+    for e in (0, 3, 20, 99):
+        want_rows, want = moe.expert_output(xe, ids, gates, e, w, lambda v, _w: unfused(v))
+        rows, out = routed_expert_int4_q8(xe, ids, gates, e, *f3)
+        np.testing.assert_array_equal(rows, want_rows)
+        np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))
+    with pytest.raises(ValueError, match="rows"):
+        routed_expert_int4_q8(xe[:4], ids, gates, 0, *f3)
+
+
+def test_linear_q8_arguments_only_where_the_int8_kernel_applies() -> None:
+    assert Linear(_weights("int4-g64", 8, 128)).q8 is not None
+    assert Linear(_weights("int4-g128", 8, 256)).q8 is not None
+    assert Linear(_weights("int4-g32", 8, 128)).q8 is None  # groups smaller than a chunk
+    assert Linear(_weights("int4-row", 8, 100)).q8 is None  # not whole 64-column chunks
+    assert Linear(_weights("int8", 8, 128)).q8 is None
+
+
 def test_silu_times_values_and_layouts() -> None:
     from runtime.kernels.quant_matmul import silu_times
 
