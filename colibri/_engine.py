@@ -35,7 +35,7 @@ from runtime.grammar import GrammarSpec, TokenGrammar
 from runtime.kernels.isa import kernel_info
 from runtime.kv import KVCache
 from runtime.planner import choose_prefill_chunk
-from runtime.sampling import Sampler, SamplingParams, log_softmax
+from runtime.sampling import LogitNorm, Sampler, SamplingParams, log_softmax, logit_norm
 from runtime.scheduler import Scheduler
 from runtime.speculative import CostModel, DraftPolicy, SpecStats, SpeculativeDecoder
 from storage.atomic import remove_leftovers
@@ -88,26 +88,29 @@ def _as_ids(token_ids: Sequence[int] | npt.NDArray[np.integer]) -> npt.NDArray[n
     return ids
 
 
-def _check_finite(logits: npt.NDArray[np.float32], i: int) -> None:
+def _check_finite(logits: npt.NDArray[np.float32], i: int) -> LogitNorm:
     """NaN or inf logits mean damaged weights (or a kernel bug): stop instead of emitting a
-    token drawn from garbage."""
-    if not np.isfinite(logits).all():
+    token drawn from garbage. Returns the row's :class:`LogitNorm` (its token's logprob)."""
+    norm = logit_norm(logits)
+    if not norm.finite:
         raise ModelError(
             f"the model produced non-finite logits (NaN or inf) for output token {i}: the "
             "weights are probably damaged; check them with `coli doctor --verify`"
         )
+    return norm
 
 
 def _token_event(
-    tok: int, index: int, logits: npt.NDArray[np.float32], top_logprobs: int
+    tok: int, index: int, logits: npt.NDArray[np.float32], top_logprobs: int, norm: LogitNorm
 ) -> TokenEvent:
-    """The event for ``tok`` chosen from ``logits`` [V] (its logprob and the top list)."""
-    lsm = log_softmax(logits)  # [V]
+    """The event for ``tok`` chosen from ``logits`` [V] (its logprob and the top list);
+    ``norm``: the row's :func:`logit_norm` (the whole log-softmax only for a top list)."""
     top: tuple[tuple[int, float], ...] = ()
     if top_logprobs > 0:
+        lsm = log_softmax(logits)  # [V]
         best = np.argsort(-lsm, kind="stable")[:top_logprobs]
         top = tuple((int(t), float(lsm[t])) for t in best)
-    return TokenEvent(tok, index, float(lsm[tok]), top)
+    return TokenEvent(tok, index, norm.logprob(logits, tok), top)
 
 
 class Engine:
@@ -331,10 +334,10 @@ class Engine:
                 async with sched.decoding():
                     while rows:
                         for tok, row in rows:
-                            _check_finite(row, i)
+                            norm = _check_finite(row, i)
                             out_tokens.append(tok)
                             self._counters["generated_tokens"] += 1
-                            yield _token_event(tok, i, row, top_logprobs)
+                            yield _token_event(tok, i, row, top_logprobs, norm)
                             i += 1
                             if tok in stops:
                                 reason = "stop"
@@ -346,11 +349,11 @@ class Engine:
                 logits = await sched.prefill(ids[reused:], cache)
                 async with sched.decoding():
                     for i in range(max_new_tokens):
-                        _check_finite(logits, i)
+                        norm = _check_finite(logits, i)
                         tok = sampler.sample(logits)
                         out_tokens.append(tok)
                         self._counters["generated_tokens"] += 1
-                        yield _token_event(tok, i, logits, top_logprobs)
+                        yield _token_event(tok, i, logits, top_logprobs, norm)
                         if tok in stops:
                             reason = "stop"
                             break

@@ -13,10 +13,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
+from numba import njit
 
 from storage.errors import ModelError
 
-__all__ = ["Sampler", "SamplingParams", "log_softmax"]
+__all__ = ["LogitNorm", "Sampler", "SamplingParams", "log_softmax", "logit_norm"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +55,49 @@ def _as_int(x: object) -> int | None:
         return operator.index(x)  # type: ignore[arg-type]  # int and numpy ints, not floats
     except TypeError:
         return None
+
+
+@njit(nogil=True, cache=True)
+def _logit_norm(x):  # type: ignore[no-untyped-def]
+    """(number of non-finite values, max, log of the sum of exp(x - max)) of x [V], float64
+    accumulation in index order: one pass to check and find the max, one for the sum."""
+    bad = 0
+    m = -np.inf
+    for v in x:
+        f = np.float64(v)
+        if not np.isfinite(f):
+            bad += 1
+        elif f > m:
+            m = f
+    total = 0.0
+    if bad == 0:
+        for v in x:
+            total += np.exp(np.float64(v) - m)
+    return bad, m, np.log(total) if bad == 0 else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class LogitNorm:
+    """What a token's log-probability needs from its row of logits, in one scan
+    (:func:`logit_norm`): whether every logit is finite, their max and ``log(sum(exp(x -
+    max)))``."""
+
+    finite: bool
+    max: float
+    log_sum: float
+
+    def logprob(self, logits: npt.NDArray[np.float32], tok: int) -> float:
+        """``log_softmax(logits)[tok]``, the same formula: ``(x[tok] - max) - log_sum``."""
+        return (float(logits[tok]) - self.max) - self.log_sum
+
+
+def logit_norm(logits: npt.NDArray[np.float32]) -> LogitNorm:
+    """One numba scan of ``logits`` [V] (float32, any length >= 1): see :class:`LogitNorm`.
+    Cheaper than :func:`log_softmax` when one token's log-probability is all that is needed
+    (it agrees to float64 rounding: the sum runs in index order, numpy's pairwise)."""
+    x = np.ascontiguousarray(logits, dtype=np.float32).reshape(-1)
+    bad, m, log_sum = _logit_norm(x)
+    return LogitNorm(bad == 0, float(m), float(log_sum))
 
 
 def log_softmax(logits: npt.NDArray[np.float32]) -> npt.NDArray[np.float64]:

@@ -262,3 +262,28 @@ def test_valid_edge_params() -> None:
     SamplingParams(temperature=0.0, top_p=1.0, top_k=0, seed=0)
     SamplingParams(temperature=1e-9, top_p=1e-9, top_k=np.int64(3), seed=np.int64(2**40))  # type: ignore[arg-type]
     assert SamplingParams().greedy and not SamplingParams(temperature=0.1).greedy
+
+
+def test_logit_norm_is_the_log_softmax_of_one_token_and_finds_bad_rows() -> None:
+    """``logit_norm`` (one numba scan, what every emitted token's logprob uses) gives
+    ``log_softmax(x)[tok]`` to float64 rounding, for large and tiny spreads, and reports any
+    NaN or inf; it is compiled ``nogil``."""
+    from runtime.sampling import _logit_norm, logit_norm
+
+    rng = np.random.default_rng(11)
+    for x in (
+        rng.standard_normal(4096).astype(np.float32) * 8,
+        np.full(7, 3.5, np.float32),
+        np.array([1e30, -1e30, 0.0], np.float32),
+        np.array([-2.0], np.float32),
+    ):
+        norm = logit_norm(x)
+        assert norm.finite
+        want = log_softmax(x)
+        for tok in range(0, x.size, max(1, x.size // 13)):
+            assert norm.logprob(x, tok) == pytest.approx(want[tok], rel=1e-12, abs=1e-12)
+    for bad in (np.nan, np.inf, -np.inf):
+        x = np.zeros(10, np.float32)
+        x[6] = bad
+        assert not logit_norm(x).finite
+    assert _logit_norm.targetoptions.get("nogil") is True
