@@ -36,7 +36,7 @@ from runtime.kernels.isa import kernel_info
 from runtime.kv import KVCache
 from runtime.planner import choose_prefill_chunk
 from runtime.sampling import LogitNorm, Sampler, SamplingParams, log_softmax, logit_norm
-from runtime.scheduler import Scheduler
+from runtime.scheduler import Ahead, Scheduler
 from runtime.speculative import CostModel, DraftPolicy, SpecStats, SpeculativeDecoder
 from storage.atomic import remove_leftovers
 from storage.container import Container
@@ -323,6 +323,12 @@ class Engine:
             cache.truncate(reused)
         self._counters["prompt_tokens"] += int(ids.size)
         self._counters["prompt_tokens_reused"] += reused
+        # The next step is queued before a token is handed out (with the batcher): the
+        # consumer's work on the token (a server's text, JSON and socket writes) overlaps the
+        # step, and a batched step does not wait for it. A consumer that stops early leaves
+        # the queued step to ``ahead.abandon``.
+        pipelined = sched.max_batch > 1
+        ahead: Ahead | None = None
         try:
             spec = None
             if max_new_tokens > 0:
@@ -333,18 +339,32 @@ class Engine:
                 i = 0
                 async with sched.decoding():
                     while rows:
-                        for tok, row in rows:
+                        # the rows handed out: up to a stop token or the limit
+                        n = 0
+                        for tok, _ in rows:
+                            n += 1
+                            if tok in stops or i + n >= max_new_tokens:
+                                break
+                        last = rows[n - 1][0]
+                        more = last not in stops and i + n < max_new_tokens
+                        if more and pipelined:
+                            ahead = sched.round_ahead(spec, cache, last, max_new_tokens - i - n)
+                        for tok, row in rows[:n]:
                             norm = _check_finite(row, i)
                             out_tokens.append(tok)
                             self._counters["generated_tokens"] += 1
                             yield _token_event(tok, i, row, top_logprobs, norm)
                             i += 1
-                            if tok in stops:
-                                reason = "stop"
-                                break
-                        if reason == "stop" or i >= max_new_tokens:
+                        if not more:
+                            reason = "stop" if last in stops else reason
                             break
-                        rows = await sched.speculative_round(spec, cache, tok, max_new_tokens - i)
+                        if ahead is not None:
+                            nxt, ahead = ahead, None
+                            rows = await nxt.rows()
+                        else:
+                            rows = await sched.speculative_round(
+                                spec, cache, last, max_new_tokens - i
+                            )
             elif max_new_tokens > 0:
                 logits = await sched.prefill(ids[reused:], cache)
                 async with sched.decoding():
@@ -353,18 +373,25 @@ class Engine:
                         tok = sampler.sample(logits)
                         out_tokens.append(tok)
                         self._counters["generated_tokens"] += 1
+                        more = tok not in stops and i + 1 < max_new_tokens
+                        if more and pipelined:
+                            ahead = sched.decode_ahead(cache, tok)
                         yield _token_event(tok, i, logits, top_logprobs, norm)
-                        if tok in stops:
-                            reason = "stop"
+                        if not more:
+                            reason = "stop" if tok in stops else reason
                             break
-                        if i + 1 == max_new_tokens:
-                            break
-                        logits = await sched.decode(cache, tok)
+                        if ahead is not None:
+                            nxt, ahead = ahead, None
+                            logits = await nxt.logits()
+                        else:
+                            logits = await sched.decode(cache, tok)
         except anyio.get_cancelled_exc_class():
             reason = "cancelled"
             raise
         finally:
             with anyio.CancelScope(shield=True):
+                if ahead is not None:
+                    await ahead.abandon()
                 await self._end_turn()
         dt = time.perf_counter() - t0
         yield DoneEvent(

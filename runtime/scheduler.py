@@ -228,19 +228,76 @@ class BatchModel(Protocol):
 @dataclass(eq=False)
 class StepRequest:
     """One generation's rows for the next batched step: ``ids`` (a decode token), or
-    ``prepare`` (a speculative round drafts on the compute thread right before the step)."""
+    ``prepare`` (a speculative round drafts on the compute thread right before the step; it
+    is told how many rows the step's other generations have)."""
 
     cache: KVCache
     done: anyio.Event
     ids: npt.NDArray[np.int64] | None = None
-    prepare: Callable[[], npt.NDArray[np.int64]] | None = None
+    prepare: Callable[[int], npt.NDArray[np.int64]] | None = None
     logits: F32Array | None = None  # [T, V]
     hidden: F32Array | None = None  # [T, D]
     shared: bool = False  # other generations' rows were in the same forward
+    # (rows, seconds) of the step's forward, on its first speculative request only (the cost
+    # model learns a wide step's cost once per step)
+    step: tuple[int, float] | None = None
+    unions: list[int] = dataclasses.field(default_factory=list)  # a lone round's, streaming
     error: BaseException | None = None
 
 
 PrefillHook = Callable[[npt.NDArray[np.int64], F32Array], None]
+
+
+@dataclass(eq=False)
+class Ahead:
+    """A generation's next step, queued before the caller needs it (:meth:`Scheduler.
+    decode_ahead`, :meth:`Scheduler.round_ahead`). Exactly one of :meth:`logits` (a decode
+    step), :meth:`rows` (a speculative round) or :meth:`abandon` ends it."""
+
+    sched: Scheduler
+    req: StepRequest
+    start: int  # the cache's length when it was queued
+    spec: SpeculativeDecoder | None = None
+
+    async def logits(self) -> F32Array:
+        """The decode step's logits [V] (waits for its step)."""
+        await self.sched._finish(self.req)
+        assert self.req.logits is not None
+        row: F32Array = self.req.logits[-1]
+        return row
+
+    async def rows(self) -> list[tuple[int, F32Array]]:
+        """The speculative round's emitted (token, logits row) pairs (waits for its step,
+        then accepts or resamples the drafts). A cancelled caller keeps the round's first
+        row (its token was emitted) and never unchecked drafts."""
+        spec, req, cache = self.spec, self.req, self.req.cache
+        assert spec is not None
+        try:
+            await self.sched._finish(req)
+        except BaseException:
+            spec.abandon()
+            if req.ids is not None and cache.length > self.start + 1:
+                cache.truncate(self.start + 1)  # keep `tok` (emitted), never unchecked drafts
+            raise
+        assert req.logits is not None and req.hidden is not None
+        return spec.accept(
+            req.logits, req.hidden, shared=req.shared, step=req.step, unions=req.unions
+        )
+
+    async def abandon(self) -> None:
+        """The caller stopped before needing this step (a consumer that closed the generation
+        after its last token): the step leaves the queue, or (already running) finishes, and
+        its rows are cut from the cache, which is as if it had never been queued."""
+        sched, req = self.sched, self.req
+        if req in sched._pending:
+            sched._pending.remove(req)
+        else:
+            with anyio.CancelScope(shield=True):
+                await req.done.wait()
+            if req.cache.length > self.start:
+                req.cache.truncate(self.start)
+        if self.spec is not None:
+            self.spec.abandon()
 
 
 class Scheduler:
@@ -401,11 +458,6 @@ class Scheduler:
         finally:
             self._decoding -= 1
 
-    @property
-    def batching(self) -> bool:
-        """Whether steps go through the batcher now (batching on, others decoding)."""
-        return self.max_batch > 1 and self._decoding > 1
-
     async def decode(self, cache: KVCache, tok: int) -> F32Array:
         """Logits [V] after feeding ``tok``. With ``max_batch`` > 1 the step joins the decode
         steps of every other active generation in one forward (their expert reads unioned);
@@ -413,37 +465,60 @@ class Scheduler:
         ids = np.array([tok], dtype=np.int64)
         if self.max_batch <= 1:
             return await self.run(self._last_row, ids, cache, None, self.ctx)
-        req = StepRequest(cache, anyio.Event(), ids=ids)
-        await self._submit(req)
-        assert req.logits is not None
-        row: F32Array = req.logits[-1]
-        return row
+        return await self.decode_ahead(cache, tok).logits()
+
+    def decode_ahead(self, cache: KVCache, tok: int) -> Ahead:
+        """Queue the decode step of ``tok`` now and return at once (``max_batch`` > 1): the
+        caller hands out the token it just sampled while the step waits for, or runs in, the
+        next batched step; :meth:`Ahead.logits` then waits for its row. Without this every
+        generation's step waited for the consumer of its last token (a server's text, JSON
+        and socket work), one generation after the other, before a step could start."""
+        if self.max_batch <= 1:
+            raise RuntimeError("decode_ahead needs the batcher (max_batch > 1)")
+        req = StepRequest(cache, anyio.Event(), ids=np.array([tok], dtype=np.int64))
+        ahead = Ahead(self, req, cache.length)
+        self._queue(req)
+        return ahead
 
     async def speculative_round(
         self, spec: SpeculativeDecoder, cache: KVCache, tok: int, remaining: int
     ) -> list[tuple[int, F32Array]]:
-        """One speculative round of ``spec``: alone on the compute thread, or (others decoding)
-        its drafts computed right before the batched step and its k + 1 verify rows in that
-        step next to the other generations' rows (bit-identical to running them alone)."""
-        if not self.batching:
+        """One speculative round of ``spec``: alone on the compute thread (no batcher), or
+        (:meth:`round_ahead`) its drafts computed right before a batched step and its k + 1
+        verify rows in that step, next to any other generations' rows (bit-identical to
+        running them alone)."""
+        if self.max_batch <= 1:
             return await self.run(spec.step, tok, remaining)
-        start = cache.length
-        req = StepRequest(cache, anyio.Event(), prepare=lambda: spec.draft(tok, remaining))
-        try:
-            await self._submit(req)
-        except BaseException:
-            spec.abandon()
-            if req.ids is not None and cache.length > start + 1:
-                cache.truncate(start + 1)  # keep `tok` (emitted), never unchecked drafts
-            raise
-        assert req.logits is not None and req.hidden is not None
-        return spec.accept(req.logits, req.hidden, shared=req.shared)
+        return await self.round_ahead(spec, cache, tok, remaining).rows()
 
-    async def _submit(self, req: StepRequest) -> None:
-        """Queue ``req`` for the batcher and wait for its rows. A cancelled caller leaves the
-        queue, or (its step already running) waits for the step to finish with its cache."""
+    def round_ahead(
+        self, spec: SpeculativeDecoder, cache: KVCache, tok: int, remaining: int
+    ) -> Ahead:
+        """Queue a speculative round after ``tok`` now (as :meth:`decode_ahead`); its drafts
+        are made on the compute thread right before the step, :meth:`Ahead.rows` accepts."""
+        if self.max_batch <= 1:
+            raise RuntimeError("round_ahead needs the batcher (max_batch > 1)")
+
+        def prepare(others: int) -> npt.NDArray[np.int64]:
+            return spec.draft(tok, remaining, others)
+
+        req = StepRequest(cache, anyio.Event(), prepare=prepare)
+        ahead = Ahead(self, req, cache.length, spec)
+        self._queue(req)
+        return ahead
+
+    def _queue(self, req: StepRequest) -> None:
         self._pending.append(req)
         self._wake.set()
+
+    async def _submit(self, req: StepRequest) -> None:
+        """Queue ``req`` for the batcher and wait for its rows (:meth:`_finish`)."""
+        self._queue(req)
+        await self._finish(req)
+
+    async def _finish(self, req: StepRequest) -> None:
+        """Wait for the rows of ``req`` (queued). A cancelled caller leaves the queue, or (its
+        step already running) waits for the step to finish with its cache."""
         try:
             await req.done.wait()
         except BaseException:
@@ -503,10 +578,13 @@ class Scheduler:
         """Compute thread: prepare each request's rows (a failed draft fails only its own
         generation), then one ``forward_batch`` over all of them; returns those that ran."""
         live: list[StepRequest] = []
-        for r in batch:
+        for i, r in enumerate(batch):
             if r.prepare is not None:
+                # the others' rows: those prepared so far, one for each of the rest
+                others = sum(q.ids.size for q in live if q.ids is not None)
+                others += len(batch) - i - 1
                 try:
-                    r.ids = r.prepare()
+                    r.ids = r.prepare(others)
                 except Exception as exc:
                     r.error = exc
                     continue
@@ -517,9 +595,28 @@ class Scheduler:
         for r in live:
             assert r.ids is not None  # set at creation or by prepare
             ids.append(r.ids)
-        outs = self.model.forward_batch(ids, [r.cache for r in live], ctx=self.ctx)
+        ctx = self.ctx
+        unions: list[int] = []
+        lone = live[0] if len(live) == 1 and live[0].prepare is not None else None
+        if lone is not None and self.store is not None and ids[0].size > 1:
+            # a lone verify round, streaming: the cost model learns how wide its routing was
+            n_main = int(getattr(getattr(self.model, "config", None), "num_hidden_layers", 0))
+
+            def observe(event: str, layer: int, arr: Any) -> None:
+                if event == "route" and layer < n_main:
+                    unions.append(int(np.unique(arr).size))
+
+            ctx = ctx.observing(observe)
+        t0 = time.perf_counter()
+        outs = self.model.forward_batch(ids, [r.cache for r in live], ctx=ctx)
+        step = (sum(int(x.size) for x in ids), time.perf_counter() - t0)
+        if lone is not None:
+            lone.unions = unions
         for r, o in zip(live, outs, strict=True):
             r.logits = o.logits
             r.hidden = o.hidden
             r.shared = len(live) > 1
+        first = next((r for r in live if r.prepare is not None), None)
+        if first is not None:
+            first.step = step
         return live

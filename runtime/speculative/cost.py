@@ -92,7 +92,11 @@ class CostModel:
         compute = max(seconds - stall, 1e-9)
         if rows == 1:
             self.t1 = _ewma(self.t1, compute, w)
-        elif self.t1 is not None:
+        else:
+            if self.t1 is None:
+                # only wide (batched) steps seen so far: take every row as costing the same
+                # until a one-row step shows the fixed part (errs against drafting when wide)
+                self.t1 = compute / rows
             self.t_row = _ewma(self.t_row, max(compute - self.t1, 0.0) / (rows - 1), w)
         if misses > 0:
             self.t_miss = _ewma(self.t_miss, stall / misses, w)
@@ -157,19 +161,26 @@ class CostModel:
         misses = self.moe_layers * self.union(rows) * (1.0 - self.hit_rate)
         return t1 + t_row * (rows - 1) + misses * t_miss
 
-    def speedup(self, source: str, k: int) -> float:
-        """Estimated tokens/s with k drafts from ``source`` over plain decoding."""
+    def speedup(self, source: str, k: int, others: int = 0) -> float:
+        """Estimated tokens/s with k drafts from ``source`` over plain decoding. ``others``:
+        rows of other generations in the same (batched) step; the step's tokens/s is what
+        counts then: ``(others + E(k)) / (step(others + 1 + k) + draft(k))`` against
+        ``(others + 1) / step(others + 1)`` (each other row taken as one token). Alone
+        (``others`` 0) that is ``E(k) * step(1) / (step(k + 1) + draft(k))``; in a wide step
+        a draft's rows and its drafting cost every generation time, for one more token of
+        one of them, so drafting pays less the wider the step."""
         if k <= 0:
             return 1.0
-        cost = self.step_cost(k + 1) + self.draft_seconds(source, k)
-        return self.expected(source, k) * self.step_cost(1) / cost
+        o = max(int(others), 0)
+        cost = self.step_cost(o + 1 + k) + self.draft_seconds(source, k)
+        return (o + self.expected(source, k)) * self.step_cost(o + 1) / ((o + 1) * cost)
 
-    def best(self, source: str, max_k: int | None = None) -> tuple[int, float]:
-        """(k, speed-up) of the best k in 1..max_k."""
+    def best(self, source: str, max_k: int | None = None, others: int = 0) -> tuple[int, float]:
+        """(k, speed-up) of the best k in 1..max_k (``others``: see :meth:`speedup`)."""
         top = self.max_k if max_k is None else max_k
         best_k, best_s = 0, 1.0
         for k in range(1, top + 1):
-            s = self.speedup(source, k)
+            s = self.speedup(source, k, others)
             if s > best_s:
                 best_k, best_s = k, s
         return best_k, best_s
@@ -177,18 +188,19 @@ class CostModel:
     def pays(self, source: str) -> bool:
         return self.best(source)[1] >= 1.0 + self.margin
 
-    def choose(self, options: Mapping[str, int]) -> tuple[str | None, int, bool]:
+    def choose(self, options: Mapping[str, int], others: int = 0) -> tuple[str | None, int, bool]:
         """This round's drafts: ``options`` maps each key that has drafts now to how many it
         can give; returns (key, k, probe), (None, 0, False) for a plain step. The key and k
         of the best estimated tokens/s win when they beat plain decoding by ``margin``; when
-        nothing pays, a due probe (k = 1) replaces the plain step."""
+        nothing pays, a due probe (k = 1) replaces the plain step. ``others``: rows of other
+        generations in the same step (:meth:`speedup`)."""
         best_key: str | None = None
         best_k, best_s = 0, 1.0 + self.margin
         paying = []
         for key, top in options.items():
             if top <= 0:
                 continue
-            k, s = self.best(key, top)
+            k, s = self.best(key, top, others)
             if s >= 1.0 + self.margin:
                 paying.append(key)
                 if s >= best_s:
@@ -213,10 +225,11 @@ class CostModel:
                 self._since_probe[key] = n
         return (probe, 1, True) if probe is not None else (None, 0, False)
 
-    def plan(self, source: str, max_k: int | None = None) -> int:
-        """Drafts to propose from ``source`` alone this round (0: not now), probes included."""
+    def plan(self, source: str, max_k: int | None = None, others: int = 0) -> int:
+        """Drafts to propose from ``source`` alone this round (0: not now), probes included
+        (``others``: see :meth:`speedup`)."""
         top = self.max_k if max_k is None else max_k
-        return self.choose({source: top})[1] if top > 0 else 0
+        return self.choose({source: top}, others)[1] if top > 0 else 0
 
     def snapshot(self) -> dict[str, Any]:
         """The model's state for ``stats()``."""

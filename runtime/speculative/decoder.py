@@ -141,7 +141,7 @@ class SpeculativeDecoder:
         logits, hidden, unions = self._forward(ids)  # [k + 1, V], [k + 1, D]
         return self.accept(logits, hidden, t_fwd=time.perf_counter() - t1, unions=unions)
 
-    def draft(self, last: int, remaining: int) -> npt.NDArray[np.int64]:
+    def draft(self, last: int, remaining: int, others: int = 0) -> npt.NDArray[np.int64]:
         """Plan a round after ``last`` (emitted, not yet in the cache) that emits at most
         ``remaining`` (>= 1) tokens: returns its verify rows ``[last, *drafts]`` [k + 1]. Their
         forward runs next over ``cache`` (alone, or in the engine's batched step with other
@@ -163,13 +163,15 @@ class SpeculativeDecoder:
         t_fwd: float | None = None,
         unions: Sequence[int] = (),
         shared: bool = False,
+        step: tuple[int, float] | None = None,
     ) -> list[Emitted]:
         """Finish the round :meth:`draft` planned from its verify rows' ``logits`` [k + 1, V]
         and ``hidden`` [k + 1, D] (already in the cache): accept or resample the drafts, cut
         the cache to what was emitted (all but the final token), feed the MTP head. ``t_fwd``:
         the forward's seconds when it ran alone (the cost model learns from it; None for a
         batched step, whose time the other rows share); ``shared``: other generations' rows
-        were in the same forward."""
+        were in the same forward; ``step``: (rows, seconds) of that batched forward, given to
+        one generation per step (the cost model learns what a wide step costs)."""
         r = self._round
         if r is None:
             raise RuntimeError("accept() without a drafted round")
@@ -179,7 +181,7 @@ class SpeculativeDecoder:
         self.cache.truncate(r.start + m)  # keep last, e1..e(m-1): the rejected rows are gone
         if self._mtp is not None:
             self._mtp.observe(r.ids[:m], hidden[:m])
-        self._telemetry(r, m, acc, t_fwd, list(unions), shared)
+        self._telemetry(r, m, acc, t_fwd, list(unions), shared, step)
         return emitted
 
     def abandon(self) -> None:
@@ -187,7 +189,7 @@ class SpeculativeDecoder:
         self._round = None
 
     # ---- drafting
-    def _propose(self, last: int, room: int) -> _Draft:
+    def _propose(self, last: int, room: int, others: int = 0) -> _Draft:
         d = _Draft()
         if room <= 0:
             return d
@@ -196,7 +198,7 @@ class SpeculativeDecoder:
         if self._grammar_drafts and self.grammar is not None:
             forced = self.grammar.forced()[:_MAX_FORCED]
             if forced:
-                kg = len(forced) if fixed else self.cost.plan("grammar", len(forced))
+                kg = len(forced) if fixed else self.cost.plan("grammar", len(forced), others)
                 kg = min(kg, room)
                 d.add(forced[:kg], "grammar", "grammar")
                 cap = min(room, max(cap, kg))
@@ -228,7 +230,7 @@ class SpeculativeDecoder:
             options["mtp"] = left
         if look:
             options[look_key] = len(look)
-        key, want, d.probe = self.cost.choose(options)
+        key, want, d.probe = self.cost.choose(options, others)
         if key == "mtp":
             self._draft_mtp(d, last, want)
         elif key is not None:
@@ -369,10 +371,14 @@ class SpeculativeDecoder:
         t_fwd: float | None,
         unions: list[int],
         shared: bool,
+        step: tuple[int, float] | None = None,
     ) -> None:
         st, cost, d = self.stats, self.cost, r.draft
         k = len(d.tokens)
         rows = k + 1
+        if t_fwd is None and step is not None:  # a batched step: its rows and seconds
+            rows, t_fwd = step
+            unions = []
         # row `acc` rejected its draft when it emitted a token (not cut by a stop or the budget)
         missed = acc if acc < k and acc < m else -1
         for src in SOURCES:
@@ -384,7 +390,7 @@ class SpeculativeDecoder:
             st.accepted[src] += took
             # acceptance per position: drafts before the first miss, and the miss, were checked
             cost.observe_proposal(d.keys.get(src, src), took + int(missed in idx), took)
-        if t_fwd is not None:  # a batched step's time and reads belong to all its rows
+        if t_fwd is not None:
             stall_s, misses, looked = 0.0, 0, 0
             after = self._store_snapshot()
             if r.before is not None and after is not None:

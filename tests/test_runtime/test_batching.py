@@ -4,6 +4,7 @@ expert reads of a step are unioned (bytes read per token fall as users are added
 from __future__ import annotations
 
 import functools
+from contextlib import aclosing
 from typing import Any
 
 import anyio
@@ -106,3 +107,64 @@ def test_generations_that_decode_together_stay_in_one_step() -> None:
     stats = anyio.run(main)
     per_step = stats["decode_batched_sequences"] / stats["decode_batches"]
     assert per_step > 6, (per_step, stats["decode_batches"])
+
+
+@pytest.mark.parametrize("draft", ["off", "mtp:2"])
+def test_the_next_step_is_queued_before_a_token_is_handed_out(draft: str) -> None:
+    """While the consumer works on a token (a server's text, JSON and socket writes), the
+    generation's next step already waits in the batcher's queue, so the step does not wait
+    for the consumer; after the last token nothing is queued."""
+
+    async def main() -> list[int]:
+        o = colibri.EngineOptions(learn=False, reader="threads", prefetch=False, draft=draft)
+        async with colibri.Engine.open(DEMO, options=o) as eng:
+            sched = eng._scheduler
+            queued = []
+            async for ev in eng.generate(PROMPTS[1], max_new_tokens=9, stop_token_ids=[]):
+                if isinstance(ev, TokenEvent):
+                    queued.append(len(sched._pending))
+            return queued
+
+    assert anyio.run(main) == [1] * 8 + [0]
+
+
+@pytest.mark.parametrize("draft", ["off", "mtp:2"])
+@pytest.mark.parametrize("wait", [0.0, 0.2])
+def test_a_consumer_that_stops_early_leaves_the_cache_as_without_run_ahead(
+    draft: str, wait: float
+) -> None:
+    """The consumer stops after five tokens, at once (its queued step leaves the queue) or
+    after the step ran (its row is cut): the kept cache holds the prompt and every handed-out
+    token but the last, as a generation that never queued ahead would, and continuing from it
+    gives the tokens of a fresh run."""
+    prompt = PROMPTS[2]
+
+    async def main() -> tuple[list[int], list[int], list[int], list[int]]:
+        o = colibri.EngineOptions(learn=False, reader="threads", prefetch=False, draft=draft)
+        async with colibri.Engine.open(DEMO, options=o) as eng:
+            cache = eng.new_cache()
+            toks: list[int] = []
+            agen = eng.generate(prompt, max_new_tokens=20, stop_token_ids=[], cache=cache)
+            async with aclosing(agen):  # type: ignore[type-var]
+                async for ev in agen:
+                    if isinstance(ev, TokenEvent):
+                        toks.append(ev.token_id)
+                        if len(toks) == 5:
+                            await anyio.sleep(wait)
+                            break
+            kept = [int(t) for t in cache.tokens[: cache.length]]
+
+            async def six(**kw: Any) -> list[int]:
+                out = []
+                async for ev in eng.generate(prompt + toks, max_new_tokens=6, **kw):
+                    if isinstance(ev, TokenEvent):
+                        out.append(ev.token_id)
+                return out
+
+            more = await six(cache=cache)
+            fresh = await six()
+            return toks, kept, more, fresh
+
+    toks, kept, more, fresh = anyio.run(main)
+    assert kept == prompt + toks[:4]
+    assert more == fresh

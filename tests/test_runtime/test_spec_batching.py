@@ -3,6 +3,7 @@ batched step (one forward_batch) and every generation's tokens equal its solo ou
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import anyio
@@ -14,6 +15,7 @@ import colibri
 from colibri._engine import DoneEvent, TokenEvent
 from runtime.grammar import GrammarSpec
 from runtime.kv import KVCache
+from runtime.speculative.cost import CostModel
 
 DEMO = demo_model()
 N = 24
@@ -219,3 +221,33 @@ def test_cancelling_one_generation_mid_batch_leaves_the_others_intact() -> None:
     assert kept.length <= len(prompts[0]) + len(cut)
     assert [int(t) for t in kept.tokens] == truth[: kept.length]
     assert st["speculative"]["batched_verify_rounds"] > 0
+
+
+def test_the_cost_model_learns_what_a_batched_step_costs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batched step's forward (all its generations' rows) is observed once per step: the
+    auto policy weighs drafts against what wide steps really cost. With ``mtp:2`` a round
+    alone has 3 rows; every observed step wider than that was a shared one."""
+    prompts = _prompts(4)
+    seen: list[tuple[int, float]] = []
+    real = CostModel.observe_step
+
+    def spy(self: CostModel, rows: int, seconds: float, **kw: Any) -> None:
+        seen.append((rows, seconds))
+        real(self, rows, seconds, **kw)
+
+    monkeypatch.setattr(CostModel, "observe_step", spy)
+
+    async def main() -> dict[str, Any]:
+        async with colibri.Engine.open(DEMO, options=_options(max_batch=8)) as eng:
+            async with anyio.create_task_group() as tg:
+                for p in prompts:
+                    tg.start_soon(functools.partial(_gen, eng, p, draft="mtp:2"))
+            return eng.stats()
+
+    st = anyio.run(main)
+    wide = [rows for rows, _ in seen if rows > 3]
+    assert wide, seen
+    # once per step, not once per generation in it
+    assert len(wide) <= st["decode_batches"]
+    assert st["speculative"]["batched_verify_rounds"] > len(wide)
+    assert all(s > 0 for _, s in seen)

@@ -425,6 +425,37 @@ def test_cost_model_streaming_reads_can_make_drafting_lose() -> None:
     assert cm.plan("mtp") > 0
 
 
+def test_cost_model_weighs_drafts_against_the_whole_batched_step() -> None:
+    """Measured on the demo model: a one-row step 4 ms, each further row 1 ms, an MTP draft
+    1 ms, acceptance 0.6. Alone a draft pays; in a step of eight generations its row and its
+    drafting cost all eight, for one more token of one: it does not."""
+    cm = CostModel(top_k=4, n_experts=64, moe_layers=2, max_k=3)
+    for _ in range(10):
+        cm.observe_step(1, 0.004)
+        cm.observe_step(2, 0.005)
+        cm.observe_draft("mtp", 1, 0.001)
+    assert cm.t_row == pytest.approx(0.001)
+    assert cm.speedup("mtp", 1) == cm.speedup("mtp", 1, others=0)
+    alone = cm.speedup("mtp", 1)
+    assert alone == pytest.approx(1.6 * 0.004 / (0.005 + 0.001))
+    assert cm.plan("mtp") > 0
+    # (7 + E) tokens in step(9) + draft, against 8 tokens in step(8)
+    wide = cm.speedup("mtp", 1, others=7)
+    assert wide == pytest.approx((7 + 1.6) * 0.011 / (8 * (0.012 + 0.001)))
+    assert wide < 1.0 < alone
+    assert cm.best("mtp", others=7) == (0, 1.0)
+    assert cm.choose({"mtp": 3}, others=7) == (None, 0, False)
+    assert cm.choose({"mtp": 3}, others=0)[1] > 0
+    # a server whose steps were all batched from the start: each row is taken as costing the
+    # same until a one-row step is seen, and a draft in a step of eight does not pay
+    cm = CostModel(top_k=4, n_experts=64, moe_layers=2, max_k=3)
+    cm.observe_draft("mtp", 1, 0.001)
+    cm.observe_step(8, 0.012)
+    assert cm.t1 == pytest.approx(0.0015) and cm.t_row == pytest.approx(0.0015)
+    assert cm.speedup("mtp", 1, others=7) < 1.0
+    assert cm.choose({"mtp": 3}, others=7) == (None, 0, False)
+
+
 def test_expected_tokens() -> None:
     assert expected_tokens(0.0, 3) == 1.0
     assert expected_tokens(1.0, 3) == 4.0
