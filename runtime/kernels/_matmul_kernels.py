@@ -607,16 +607,101 @@ def _row_dot_i8x16(w, wi, n_in, xp, xi, tail, pf):  # type: ignore[no-untyped-de
     return vhsum16(vadd16(vadd16(a0, a1), vadd16(a2, a3)))
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _dot4_i8x16(w, wi, n_in, xp, xi, tails, pf):  # type: ignore[no-untyped-def]
+    """``_row_dot_i8x16`` of one token for the four weight rows starting at ``wi``,
+    ``wi + n_in``, ``wi + 2 n_in``, ``wi + 3 n_in``: each 16-column block of the token's
+    activations is loaded once for the four rows, and every row keeps its own four chains,
+    so per row the same FMAs in the same order as the one-row dot (the same bits). ``tails``
+    [64] holds the rows' zero-padded last blocks (filled by the caller). ``pf`` > 0: the next
+    block of rows is prefetched meanwhile, four cache lines per 64 columns, in order."""
+    wj, wk, wl = wi + n_in, wi + 2 * n_in, wi + 3 * n_in
+    a0, a1, a2, a3 = vzero16(), vzero16(), vzero16(), vzero16()
+    b0, b1, b2, b3 = vzero16(), vzero16(), vzero16(), vzero16()
+    c0, c1, c2, c3 = vzero16(), vzero16(), vzero16(), vzero16()
+    d0, d1, d2, d3 = vzero16(), vzero16(), vzero16(), vzero16()
+    n64 = n_in // 64 * 64
+    n16 = n_in // 16 * 16
+    nxt = wi + 4 * n_in
+    for c in range(0, n64, 64):
+        if pf > 0:
+            p = nxt + 4 * c
+            prefetch(w, p)
+            prefetch(w, p + 64)
+            prefetch(w, p + 128)
+            prefetch(w, p + 192)
+        x0 = vload16(xp, xi + c)
+        x1 = vload16(xp, xi + c + 16)
+        x2 = vload16(xp, xi + c + 32)
+        x3 = vload16(xp, xi + c + 48)
+        a0 = vfma16(i8x16(w, wi + c), x0, a0)
+        a1 = vfma16(i8x16(w, wi + c + 16), x1, a1)
+        a2 = vfma16(i8x16(w, wi + c + 32), x2, a2)
+        a3 = vfma16(i8x16(w, wi + c + 48), x3, a3)
+        b0 = vfma16(i8x16(w, wj + c), x0, b0)
+        b1 = vfma16(i8x16(w, wj + c + 16), x1, b1)
+        b2 = vfma16(i8x16(w, wj + c + 32), x2, b2)
+        b3 = vfma16(i8x16(w, wj + c + 48), x3, b3)
+        c0 = vfma16(i8x16(w, wk + c), x0, c0)
+        c1 = vfma16(i8x16(w, wk + c + 16), x1, c1)
+        c2 = vfma16(i8x16(w, wk + c + 32), x2, c2)
+        c3 = vfma16(i8x16(w, wk + c + 48), x3, c3)
+        d0 = vfma16(i8x16(w, wl + c), x0, d0)
+        d1 = vfma16(i8x16(w, wl + c + 16), x1, d1)
+        d2 = vfma16(i8x16(w, wl + c + 32), x2, d2)
+        d3 = vfma16(i8x16(w, wl + c + 48), x3, d3)
+    for c in range(n64, n16, 16):
+        x0 = vload16(xp, xi + c)
+        a0 = vfma16(i8x16(w, wi + c), x0, a0)
+        b0 = vfma16(i8x16(w, wj + c), x0, b0)
+        c0 = vfma16(i8x16(w, wk + c), x0, c0)
+        d0 = vfma16(i8x16(w, wl + c), x0, d0)
+    if n16 < n_in:
+        x0 = vload16(xp, xi + n16)
+        a0 = vfma16(i8x16(tails, 0), x0, a0)
+        b0 = vfma16(i8x16(tails, 16), x0, b0)
+        c0 = vfma16(i8x16(tails, 32), x0, c0)
+        d0 = vfma16(i8x16(tails, 48), x0, d0)
+    return (
+        vhsum16(vadd16(vadd16(a0, a1), vadd16(a2, a3))),
+        vhsum16(vadd16(vadd16(b0, b1), vadd16(b2, b3))),
+        vhsum16(vadd16(vadd16(c0, c1), vadd16(c2, c3))),
+        vhsum16(vadd16(vadd16(d0, d1), vadd16(d2, d3))),
+    )
+
+
 @njit(nogil=True, cache=True)
 def _i8_matmul16(w, scales, n_out, n_in, xp, ip, out, pf):  # type: ignore[no-untyped-def]
     """int8 rows with 16-lane vectors: out [T, O] from ``w`` (flat [O * I]) and ``xp``
     [T * Ip] (rows padded to a multiple of 16); the per-row scale applied to the row sum.
-    The tiling of ``_col_matmul``: per (token, row) the same code for any T."""
+
+    Rows in blocks of four (``_dot4_i8x16``: each activation block is loaded once for four
+    rows, where loading it per row made the one-token GEMV bound by activation loads), the
+    last one to three alone (``_row_dot_i8x16``). Per (token, row) both run the same FMAs in
+    the same order, so a token's row is bit-identical for any T and any row count."""
     n_tok = out.shape[0]
     tail = np.zeros(16, np.uint8)  # [16] zero-padded last block
-    for t0 in range(0, n_tok, _TILE):
+    tails = np.zeros(64, np.uint8)  # [4, 16] the same for a block of four rows
+    n16 = n_in // 16 * 16
+    rem = n_in - n16
+    o4 = n_out // 4 * 4
+    for t0 in range(0, n_tok, _TILE):  # (the tile's activations stay in L1/L2)
         nt = min(_TILE, n_tok - t0)
-        for o in range(n_out):
+        for o in range(0, o4, 4):
+            wi = o * n_in
+            if rem > 0:
+                for r in range(4):
+                    for k in range(rem):
+                        tails[16 * r + k] = w[wi + r * n_in + n16 + k]
+            for u in range(nt):
+                y0, y1, y2, y3 = _dot4_i8x16(
+                    w, wi, n_in, xp, (t0 + u) * ip, tails, pf if u == 0 else 0
+                )
+                out[t0 + u, o] = y0 * scales[o]
+                out[t0 + u, o + 1] = y1 * scales[o + 1]
+                out[t0 + u, o + 2] = y2 * scales[o + 2]
+                out[t0 + u, o + 3] = y3 * scales[o + 3]
+        for o in range(o4, n_out):
             for u in range(nt):
                 y = _row_dot_i8x16(w, o * n_in, n_in, xp, (t0 + u) * ip, tail, pf if u == 0 else 0)
                 out[t0 + u, o] = y * scales[o]
