@@ -46,7 +46,8 @@ def _latent_attention(  # type: ignore[no-untyped-def]
     q_lat, q_rope, latent, k_rope, allowed, n_rows, n_heads, c, r, s_all, scale, rows_after, out
 ):
     """Flat arrays: q_lat [T*NH*C], q_rope [T*NH*R], latent [S*C], k_rope [S*R], allowed
-    [T*S] (uint8), out [T*NH*C]."""
+    [T*S] (uint8; an empty array: every causal key), out [T*NH*C]."""
+    masked = allowed.size > 0
     scores = np.empty(s_all, np.float32)  # [S] one head's scores, then its weights
     c16 = c // 16 * 16
     neg_inf = np.float32(-np.inf)
@@ -58,7 +59,7 @@ def _latent_attention(  # type: ignore[no-untyped-def]
             qr = (i * n_heads + h) * r
             top = neg_inf
             for s in range(end):
-                if allowed[arow + s]:
+                if not masked or allowed[arow + s]:
                     v = (
                         _dot(q_lat, qi, latent, s * c, c) + _dot(q_rope, qr, k_rope, s * r, r)
                     ) * scale
@@ -67,7 +68,7 @@ def _latent_attention(  # type: ignore[no-untyped-def]
                         top = v
             total = np.float32(0.0)
             for s in range(end):
-                if allowed[arow + s]:
+                if not masked or allowed[arow + s]:
                     e = np.exp(scores[s] - top)
                     scores[s] = e
                     total += e
@@ -76,7 +77,7 @@ def _latent_attention(  # type: ignore[no-untyped-def]
             for k in range(c16, c):
                 out[qi + k] = np.float32(0.0)
             for s in range(end):
-                if allowed[arow + s]:
+                if not masked or allowed[arow + s]:
                     p = scores[s] / total
                     pv = vsplat16(p)
                     for k in range(0, c16, 16):
@@ -91,12 +92,13 @@ def latent_attention(
     q_rope: F32Array,
     latent: F32Array,
     k_rope: F32Array,
-    allowed: npt.NDArray[np.bool_],
+    allowed: npt.NDArray[np.bool_] | None,
     scale: float,
     rows_after: int = 0,
 ) -> F32Array:
     """``q_lat`` [T, NH, C], ``q_rope`` [T, NH, R], ``latent`` [S, C], ``k_rope`` [S, R],
-    ``allowed`` [T, S] -> [T, NH, C] (see the module docstring)."""
+    ``allowed`` [T, S] or None (every causal key: the kernel bounds each row's keys itself, so
+    a mask is only needed for a sparse selection) -> [T, NH, C] (see the module docstring)."""
     t, nh, c = q_lat.shape
     s_all, r = latent.shape[0], k_rope.shape[1]
     if latent.shape[1] != c or k_rope.shape[0] != s_all or q_rope.shape[:2] != (t, nh):
@@ -104,21 +106,31 @@ def latent_attention(
             f"shapes do not agree: q_lat {q_lat.shape}, q_rope {q_rope.shape}, "
             f"latent {latent.shape}, k_rope {k_rope.shape}"
         )
-    if allowed.shape != (t, s_all) or not 0 <= rows_after <= s_all - t:
-        raise ValueError(f"allowed {allowed.shape} / rows_after {rows_after} for T={t}, S={s_all}")
+    if (allowed is not None and allowed.shape != (t, s_all)) or not 0 <= rows_after <= s_all - t:
+        shape = None if allowed is None else allowed.shape
+        raise ValueError(f"allowed {shape} / rows_after {rows_after} for T={t}, S={s_all}")
     out = np.empty((t, nh, c), dtype=np.float32)  # [T, NH, C]
     if t == 0:
         return out
-
-    def flat(a: npt.NDArray[np.float32]) -> F32Array:
-        return np.ascontiguousarray(a, dtype=np.float32).reshape(-1)
-
-    mask = np.ascontiguousarray(allowed).view(np.uint8).reshape(-1)  # [T * S]
+    if allowed is None:
+        mask = _NO_MASK
+    else:
+        mask = np.ascontiguousarray(allowed).view(np.uint8).reshape(-1)  # [T * S]
     _latent_attention(
-        flat(q_lat), flat(q_rope), flat(latent), flat(k_rope), mask,
+        _flat(q_lat), _flat(q_rope), _flat(latent), _flat(k_rope), mask,
         t, nh, c, r, s_all, np.float32(scale), rows_after, out.reshape(-1),
     )  # fmt: skip
     return out
+
+
+_NO_MASK = np.zeros(0, dtype=np.uint8)  # read-only by use: the kernel only reads a mask
+
+
+def _flat(a: F32Array) -> F32Array:
+    """``a`` as a flat C-contiguous float32 array (a view when it already is one)."""
+    if a.dtype != np.float32 or not a.flags.c_contiguous:
+        a = np.ascontiguousarray(a, dtype=np.float32)
+    return a.reshape(-1)
 
 
 #: Every compiled kernel (tests check they were built with ``nogil=True``).

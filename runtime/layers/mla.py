@@ -227,12 +227,13 @@ def latent_attention(
     q_rope: F32Array,
     latent: F32Array,
     k_rope: F32Array,
-    allowed: BoolArray,
+    allowed: BoolArray | None,
     scale: float,
     rows_after: int = 0,
 ) -> F32Array:
     """Absorbed attention of one sequence's queries (``q_lat`` [T, NH, C], ``q_rope``
-    [T, NH, R]) over its keys, each row over its causal keys -> [T, NH, C]: the numba kernel of
+    [T, NH, R]) over its keys, each row over its causal keys (those ``allowed`` [T, S] marks,
+    when given) -> [T, NH, C]: the numba kernel of
     :mod:`runtime.kernels.attention` (fixed summation order, batch-invariant)."""
     return attention_kernel.latent_attention(
         q_lat, q_rope, latent, k_rope, allowed, scale, rows_after

@@ -613,24 +613,22 @@ class MLAMoEModel(DecoderStack):
         pre = self._selection_rows(layer, lw, x_all, proj_all, cos, sin, ends)
         for j, seq in enumerate(seqs):
             lo, hi = int(bounds[j]), int(bounds[j + 1])
-            t, s = hi - lo, seq.start + hi - lo
+            s = seq.start + hi - lo
             proj = mla.MLAProjection(
                 *(None if v is None else v[lo:hi] for v in proj_all)  # type: ignore[arg-type]
             )
             seq.cache.write(layer, seq.start, proj.latent, proj.k_rope)
-            allowed = mla.causal_mask(t, s)  # [T, S]
             selection = self._sparse_selection(
                 ctx, layer, layer, lw, x_all[lo:hi], proj, seq, sel[j],
                 rows=None if pre is None else pre.part(lo, hi),
             )  # fmt: skip
-            if selection is not None:
-                allowed &= selection
+            # the kernel bounds every row by its causal keys: a mask only for a selection
             o_lat[lo:hi] = mla.latent_attention(
                 q_lat_all[lo:hi],
                 proj.q_rope,
                 seq.cache.latent(layer, s),
                 seq.cache.k_rope(layer, s),
-                allowed,
+                selection,
                 self.softmax_scale,
             )
             new_sel.append(selection)

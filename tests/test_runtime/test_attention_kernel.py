@@ -66,6 +66,22 @@ def test_masked_keys_do_not_count() -> None:
     np.testing.assert_array_equal(got, att.latent_attention(q, qr, lat2, kr, allowed, 0.5))
 
 
+@pytest.mark.parametrize("shape", [(1, 4, 64, 16, 50, 0), (4, 2, 40, 8, 30, 3)])
+def test_no_mask_is_every_causal_key(shape: tuple[int, ...]) -> None:
+    """``allowed=None`` (the batched decode step without a sparse selection: it builds no
+    mask) gives the same bits as the full causal mask, and a key past a row's causal end
+    never counts either way."""
+    t, nh, c, r, s, ra = shape
+    q, qr, lat, kr, _ = _case(t, nh, c, r, s, ra)
+    causal = np.arange(s)[None, :] <= (np.arange(t) + (s - ra - t))[:, None]  # [T, S]
+    got = att.latent_attention(q, qr, lat, kr, None, 0.25, ra)
+    np.testing.assert_array_equal(got, att.latent_attention(q, qr, lat, kr, causal, 0.25, ra))
+    everything = np.ones((t, s), dtype=bool)  # a mask that also marks later keys
+    np.testing.assert_array_equal(got, att.latent_attention(q, qr, lat, kr, everything, 0.25, ra))
+    want = _reference(q, qr, lat, kr, causal, 0.25, ra)
+    assert np.abs(got - want).max() <= 1e-5 * max(1.0, float(np.abs(want).max()))
+
+
 def test_bad_shapes_are_refused() -> None:
     q, qr, lat, kr, allowed = _case(2, 2, 32, 16, 10, 0)
     with pytest.raises(ValueError, match="shapes do not agree"):
