@@ -155,6 +155,35 @@ def test_int8_16_lane_row_blocks_equal_one_row_one_token_calls(n_in: int) -> Non
     _assert_close(matmul_int8(x, q.data, q.scales, o, n_in, lanes=16), x, q)
 
 
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "f16", "int8"])
+@pytest.mark.parametrize("n_in", [5, 77, 256])
+def test_8_lane_row_pairs_equal_one_row_one_token_calls(fmt: str, n_in: int) -> None:
+    """The 8-lane kernel of f32 / bf16 / f16 / int8 takes rows in pairs that share each
+    activation load, an odd last row alone; every (token, row) is the same bits as that row
+    alone with that token alone, for every T."""
+    o = 9  # four pairs and one row alone
+    q = _weights(fmt, o, n_in, seed=n_in)
+    x = _x(10, n_in, seed=5)
+    x[3] *= -1e4
+
+    def row(r: int) -> QTensor:
+        if q.scales is None:  # float formats: [O, I]
+            return QTensor(q.fmt, (1, n_in), q.data[r : r + 1].copy())
+        data = q.data.reshape(o, n_in)[r].copy()
+        return QTensor(q.fmt, (1, n_in), data, q.scales[r : r + 1].copy())
+
+    singles = [_matmul(row(r), 8) for r in range(o)]
+    alone = np.array(
+        [[float(singles[r](x[t : t + 1])[0, 0]) for r in range(o)] for t in range(10)],
+        dtype=np.float32,
+    )
+    mm = _matmul(q, 8)
+    for n_tok in (1, 2, 5, 8, 10):
+        got = mm(x[:n_tok])
+        np.testing.assert_array_equal(got.view(np.uint32), alone[:n_tok].view(np.uint32))
+    _assert_close(mm(x), x, q)
+
+
 def test_int8_both_widths_exact_and_differently_ordered() -> None:
     """int8 takes 16 lanes at every width (the tail block is zero padded); the widths agree to
     float rounding, not bit for bit."""
