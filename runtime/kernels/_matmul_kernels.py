@@ -561,6 +561,19 @@ def _row_dot(w, wi, n_in, xp, xi, tail, kind, pf):  # type: ignore[no-untyped-de
 
 
 @njit(nogil=True, cache=True, inline="always")
+def _chains8(w, wi, kind, x0, x1, x2, x3, a0, a1, a2, a3):  # type: ignore[no-untyped-def]
+    """One weight row's four chains over the 32 columns at ``w[wi:]``: chain ``k`` gets
+    ``weights[8k : 8k + 8] * x_k`` (the activations, loaded once by the caller for every row
+    that shares them)."""
+    return (
+        vfma(_wload8(w, wi, kind), x0, a0),
+        vfma(_wload8(w, wi + 8, kind), x1, a1),
+        vfma(_wload8(w, wi + 16, kind), x2, a2),
+        vfma(_wload8(w, wi + 24, kind), x3, a3),
+    )
+
+
+@njit(nogil=True, cache=True, inline="always")
 def _dot2(w, wi, n_in, xp, xi, tails, kind, pf):  # type: ignore[no-untyped-def]
     """``_row_dot`` of one token for the two weight rows at ``wi`` and ``wi + n_in``: each
     8-column block of the activations is loaded once for both rows (one load per FMA instead
@@ -580,14 +593,8 @@ def _dot2(w, wi, n_in, xp, xi, tails, kind, pf):  # type: ignore[no-untyped-def]
         x1 = vload(xp, xi + c + 8)
         x2 = vload(xp, xi + c + 16)
         x3 = vload(xp, xi + c + 24)
-        a0 = vfma(_wload8(w, wi + c, kind), x0, a0)
-        a1 = vfma(_wload8(w, wi + c + 8, kind), x1, a1)
-        a2 = vfma(_wload8(w, wi + c + 16, kind), x2, a2)
-        a3 = vfma(_wload8(w, wi + c + 24, kind), x3, a3)
-        b0 = vfma(_wload8(w, wj + c, kind), x0, b0)
-        b1 = vfma(_wload8(w, wj + c + 8, kind), x1, b1)
-        b2 = vfma(_wload8(w, wj + c + 16, kind), x2, b2)
-        b3 = vfma(_wload8(w, wj + c + 24, kind), x3, b3)
+        a0, a1, a2, a3 = _chains8(w, wi + c, kind, x0, x1, x2, x3, a0, a1, a2, a3)
+        b0, b1, b2, b3 = _chains8(w, wj + c, kind, x0, x1, x2, x3, b0, b1, b2, b3)
     for c in range(n32, n8, 8):
         x0 = vload(xp, xi + c)
         a0 = vfma(_wload8(w, wi + c, kind), x0, a0)
@@ -666,6 +673,18 @@ def _row_dot_i8x16(w, wi, n_in, xp, xi, tail, pf):  # type: ignore[no-untyped-de
 
 
 @njit(nogil=True, cache=True, inline="always")
+def _chains_i8x16(w, wi, x0, x1, x2, x3, a0, a1, a2, a3):  # type: ignore[no-untyped-def]
+    """One int8 row's four chains over the 64 columns at ``w[wi:]`` (``_chains8`` with 16
+    lanes)."""
+    return (
+        vfma16(i8x16(w, wi), x0, a0),
+        vfma16(i8x16(w, wi + 16), x1, a1),
+        vfma16(i8x16(w, wi + 32), x2, a2),
+        vfma16(i8x16(w, wi + 48), x3, a3),
+    )
+
+
+@njit(nogil=True, cache=True, inline="always")
 def _dot4_i8x16(w, wi, n_in, xp, xi, tails, pf):  # type: ignore[no-untyped-def]
     """``_row_dot_i8x16`` of one token for the four weight rows starting at ``wi``,
     ``wi + n_in``, ``wi + 2 n_in``, ``wi + 3 n_in``: each 16-column block of the token's
@@ -692,22 +711,10 @@ def _dot4_i8x16(w, wi, n_in, xp, xi, tails, pf):  # type: ignore[no-untyped-def]
         x1 = vload16(xp, xi + c + 16)
         x2 = vload16(xp, xi + c + 32)
         x3 = vload16(xp, xi + c + 48)
-        a0 = vfma16(i8x16(w, wi + c), x0, a0)
-        a1 = vfma16(i8x16(w, wi + c + 16), x1, a1)
-        a2 = vfma16(i8x16(w, wi + c + 32), x2, a2)
-        a3 = vfma16(i8x16(w, wi + c + 48), x3, a3)
-        b0 = vfma16(i8x16(w, wj + c), x0, b0)
-        b1 = vfma16(i8x16(w, wj + c + 16), x1, b1)
-        b2 = vfma16(i8x16(w, wj + c + 32), x2, b2)
-        b3 = vfma16(i8x16(w, wj + c + 48), x3, b3)
-        c0 = vfma16(i8x16(w, wk + c), x0, c0)
-        c1 = vfma16(i8x16(w, wk + c + 16), x1, c1)
-        c2 = vfma16(i8x16(w, wk + c + 32), x2, c2)
-        c3 = vfma16(i8x16(w, wk + c + 48), x3, c3)
-        d0 = vfma16(i8x16(w, wl + c), x0, d0)
-        d1 = vfma16(i8x16(w, wl + c + 16), x1, d1)
-        d2 = vfma16(i8x16(w, wl + c + 32), x2, d2)
-        d3 = vfma16(i8x16(w, wl + c + 48), x3, d3)
+        a0, a1, a2, a3 = _chains_i8x16(w, wi + c, x0, x1, x2, x3, a0, a1, a2, a3)
+        b0, b1, b2, b3 = _chains_i8x16(w, wj + c, x0, x1, x2, x3, b0, b1, b2, b3)
+        c0, c1, c2, c3 = _chains_i8x16(w, wk + c, x0, x1, x2, x3, c0, c1, c2, c3)
+        d0, d1, d2, d3 = _chains_i8x16(w, wl + c, x0, x1, x2, x3, d0, d1, d2, d3)
     for c in range(n64, n16, 16):
         x0 = vload16(xp, xi + c)
         a0 = vfma16(i8x16(w, wi + c), x0, a0)
