@@ -27,11 +27,12 @@ Shape legend: T tokens (rows), D hidden, F intermediate, K experts per token.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -48,7 +49,7 @@ from runtime.kernels.quant_matmul import (
 from runtime.layers import moe as moe_ops
 from runtime.layers.swiglu import MLPWeights, fused, fused_q8, swiglu, swiglu_q8
 from runtime.linear import Linear
-from runtime.weights import ExpertSource, Guess
+from runtime.weights import ExpertSource, Guess, ResidentExperts
 
 __all__ = ["KERNEL_MODES", "ExpertCompute", "KernelMode"]
 
@@ -106,6 +107,9 @@ class ExpertCompute:
                 else None
             )
         self._scratch = threading.local()  # per worker thread: one dequantized projection
+        # per thread: True while the compute thread runs its share of a step's jobs (it then
+        # splits nothing over the pool, like a worker)
+        self._sharing = threading.local()
         self._lock = threading.Lock()
         self.fast_calls = 0  # projections computed by dequantize + BLAS
         self.parallel_steps = 0  # MoE steps spread over the pool
@@ -167,17 +171,51 @@ class ExpertCompute:
             self._pool is None
             or n_rows < 2 * self.threads
             or n_rows * macs_per_row < self.parallel_min_macs
-            or threading.current_thread().name.startswith(_WORKER_PREFIX)
+            or self._on_worker()
         ):
             return None
         edges = np.linspace(0, n_rows, self.threads + 1).astype(int)
         return [(int(a), int(b)) for a, b in itertools.pairwise(edges) if b > a]
 
-    def map_rows(self, blocks: Sequence[tuple[int, int]], fn: Callable[[int, int], R]) -> list[R]:
-        """``[fn(a, b) for each block]`` on the pool (in block order)."""
+    def _on_worker(self) -> bool:
+        """Whether this thread is one of the pool's workers, or the compute thread running its
+        share of a step's jobs (:meth:`_share`): either must not wait on the pool."""
+        return threading.current_thread().name.startswith(_WORKER_PREFIX) or bool(
+            getattr(self._sharing, "on", False)
+        )
+
+    def _share(self, jobs: Sequence[Callable[[], R]]) -> list[R]:
+        """``[job() for job in jobs]`` on this thread and ``threads - 1`` pool workers, each
+        taking the next job in order until none is left: one hand-off per worker instead of
+        one per job, and this thread computes instead of waiting. A job's error is raised once
+        every runner has stopped."""
         assert self._pool is not None
-        futures = [self._pool.submit(fn, a, b) for a, b in blocks]
-        return [f.result() for f in futures]
+        results: list[Any] = [None] * len(jobs)
+        todo = iter(range(len(jobs)))
+        lock = threading.Lock()
+
+        def runner() -> None:
+            while True:
+                with lock:
+                    i = next(todo, None)
+                if i is None:
+                    return
+                results[i] = jobs[i]()
+
+        helpers = [self._pool.submit(runner) for _ in range(min(self.threads, len(jobs)) - 1)]
+        self._sharing.on = True
+        try:
+            runner()
+        finally:
+            self._sharing.on = False
+            for f in helpers:
+                f.result()
+        return results
+
+    def map_rows(self, blocks: Sequence[tuple[int, int]], fn: Callable[[int, int], R]) -> list[R]:
+        """``[fn(a, b) for each block]`` on this thread and the pool (:meth:`_share`), in block
+        order."""
+        return self._share([functools.partial(fn, a, b) for a, b in blocks])
 
     def _splits(self, lin: Linear, n_rows: int) -> bool:
         """Whether :meth:`linear` splits ``lin``'s output features over the pool for
@@ -186,7 +224,7 @@ class ExpertCompute:
             self._pool is None
             or n_rows * lin.in_features * lin.out_features < self.split_min_macs
             or lin.out_features < 64 * self.threads
-            or threading.current_thread().name.startswith(_WORKER_PREFIX)
+            or self._on_worker()
         )
 
     def linear(self, lin: Linear, x: F32Array, q8: Q8Input | None = None) -> F32Array:
@@ -318,6 +356,15 @@ class ExpertCompute:
         with self._lock:
             self.parallel_steps += 1
         with self._blas_single():
+            if isinstance(source, ResidentExperts):  # every weight here: jobs, no arrivals
+                ws = list(source.get(layer, experts).items())
+                jobs: list[Callable[[], Any]] = [side] if side is not None else []
+                jobs += [functools.partial(fn, e, w) for e, w in ws]
+                got = self._share(jobs)
+                routed = got[1:] if side is not None else got
+                return dict(zip([e for e, _ in ws], routed, strict=True)), (
+                    got[0] if side is not None else None
+                )
             fut = self._pool.submit(side) if side is not None else None
             try:
                 out = source.map_arrivals(layer, experts, fn, self._pool, guess)

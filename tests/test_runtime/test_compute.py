@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -120,6 +121,46 @@ def test_threads_give_bit_identical_rows_resident() -> None:
         assert pool.compute.split_calls > 0  # ... and split one-row matmuls
     finally:
         pool.compute.close()
+
+
+def test_shared_jobs_run_here_and_on_the_workers_in_order() -> None:
+    """A step's jobs (resident experts, row blocks) run on the calling thread and the workers,
+    each taking the next job: every result in its job's place, the calling thread computing
+    too (and splitting nothing over the pool meanwhile), a job's error raised once all
+    runners stopped."""
+    comp = ExpertCompute(3)
+    here = threading.current_thread()
+    ran: list[tuple[int, threading.Thread, bool]] = []
+
+    def job(i: int) -> int:
+        time.sleep(0.01)  # long enough that every runner takes some
+        ran.append((i, threading.current_thread(), comp._on_worker()))
+        return i * i
+
+    try:
+        assert comp._share([lambda i=i: job(i) for i in range(9)]) == [i * i for i in range(9)]
+        assert sorted(i for i, _, _ in ran) == list(range(9))
+        threads = {t for _, t, _ in ran}
+        assert here in threads and len(threads) == 3  # this thread and both workers
+        assert all(worker for _, _, worker in ran)  # nobody waits on the pool inside a job
+        assert not comp._on_worker()  # ... and this thread is itself again afterwards
+        rows = comp.map_rows([(0, 2), (2, 5), (5, 6)], lambda a, b: list(range(a, b)))
+        assert rows == [[0, 1], [2, 3, 4], [5]]
+
+        done: list[int] = []
+
+        def bad(i: int) -> int:
+            time.sleep(0.01)
+            if i == 1:
+                raise ValueError("job 1 failed")
+            done.append(i)
+            return i
+
+        with pytest.raises(ValueError, match="job 1 failed"):
+            comp._share([lambda i=i: bad(i) for i in range(6)])
+        assert sorted(done) == [0, 2, 3, 4, 5]  # the others ran to the end before the raise
+    finally:
+        comp.close()
 
 
 async def _stream(opts: EngineOptions, compute: Any = None) -> tuple[list[int], dict[str, Any]]:

@@ -49,6 +49,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+# Run as a script, this folder is on sys.path, and its kernels.py would shadow the `kernels`
+# package that transformers (5.x) imports: the folder goes (nothing here is imported from it).
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 import numpy as np  # noqa: E402
 
