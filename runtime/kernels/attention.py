@@ -26,6 +26,7 @@ from runtime.kernels._simd import vfma16, vhsum16, vload16, vsplat16, vstore16, 
 __all__ = ["KERNELS", "latent_attention"]
 
 F32Array = npt.NDArray[np.float32]
+_KEY_BLOCK = 8  # keys whose weighted values are added per pass over the output (their rows: L1)
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -41,50 +42,144 @@ def _dot(a, ai, b, bi, n):  # type: ignore[no-untyped-def]
     return s
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _dot4(a, a0, n, b, bi):  # type: ignore[no-untyped-def]
+    """:func:`_dot` of ``b[bi : bi + n]`` with the four rows of ``a`` at ``a0, a0 + n,
+    a0 + 2n, a0 + 3n`` (four heads' queries against one key), side by side: four independent
+    chains share each load of ``b`` and keep the FMA unit busy where one chain waits on its
+    latency. Each result takes :func:`_dot`'s operations in its order: the same bits."""
+    n16 = n // 16 * 16
+    a1, a2, a3 = a0 + n, a0 + 2 * n, a0 + 3 * n
+    acc0 = vzero16()
+    acc1 = vzero16()
+    acc2 = vzero16()
+    acc3 = vzero16()
+    for c in range(0, n16, 16):
+        y = vload16(b, bi + c)
+        acc0 = vfma16(vload16(a, a0 + c), y, acc0)
+        acc1 = vfma16(vload16(a, a1 + c), y, acc1)
+        acc2 = vfma16(vload16(a, a2 + c), y, acc2)
+        acc3 = vfma16(vload16(a, a3 + c), y, acc3)
+    zero = np.float32(0.0)
+    s0 = vhsum16(acc0) if n16 > 0 else zero
+    s1 = vhsum16(acc1) if n16 > 0 else zero
+    s2 = vhsum16(acc2) if n16 > 0 else zero
+    s3 = vhsum16(acc3) if n16 > 0 else zero
+    for c in range(n16, n):
+        y1 = b[bi + c]
+        s0 += a[a0 + c] * y1
+        s1 += a[a1 + c] * y1
+        s2 += a[a2 + c] * y1
+        s3 += a[a3 + c] * y1
+    return s0, s1, s2, s3
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _score(q_lat, q_rope, latent, k_rope, qh, c, r, s, scale, scores, at, top, h):  # type: ignore[no-untyped-def]
+    """One head's score for key ``s`` into ``scores[at]``, its running max into ``top[h]``."""
+    v = (_dot(q_lat, qh * c, latent, s * c, c) + _dot(q_rope, qh * r, k_rope, s * r, r)) * scale
+    scores[at] = v
+    if v > top[h]:
+        top[h] = v
+
+
 @njit(nogil=True, cache=True, error_model="numpy")
 def _latent_attention(  # type: ignore[no-untyped-def]
     q_lat, q_rope, latent, k_rope, allowed, n_rows, n_heads, c, r, s_all, scale, rows_after, out
 ):
     """Flat arrays: q_lat [T*NH*C], q_rope [T*NH*R], latent [S*C], k_rope [S*R], allowed
-    [T*S] (uint8; an empty array: every causal key), out [T*NH*C]."""
+    [T*S] (uint8; an empty array: every causal key), out [T*NH*C].
+
+    Per row, keys are the outer loop and heads the inner one: a key's latent row is read from
+    memory once for all heads (it then sits in L1), not once per head; scores take four heads
+    at a time (:func:`_dot4`), weighted values ``_KEY_BLOCK`` keys per pass over the output
+    (four 16-column sums side by side, loaded and stored once per block). Every (head, key)
+    score, every exponential and every output column's sum over keys is still computed with
+    the operations, and in the order, of the module docstring: only independent computations
+    are interleaved."""
     masked = allowed.size > 0
-    scores = np.empty(s_all, np.float32)  # [S] one head's scores, then its weights
+    keys = np.empty(s_all, np.int64)  # the row's keys, increasing
+    scores = np.empty(n_heads * s_all, np.float32)  # [NH, S] scores, then exp weights
+    top = np.empty(n_heads, np.float32)  # [NH]
+    total = np.empty(n_heads, np.float32)  # [NH]
     c16 = c // 16 * 16
-    neg_inf = np.float32(-np.inf)
+    h4 = n_heads // 4 * 4
     for i in range(n_rows):
         end = s_all - rows_after - n_rows + i + 1  # keys [0, end) are causal for row i
-        arow = i * s_all
+        m = 0
+        for s in range(end):
+            if not masked or allowed[i * s_all + s]:
+                keys[m] = s
+                m += 1
+        q0 = i * n_heads
+        top[:] = np.float32(-np.inf)
+        total[:] = np.float32(0.0)
+        for j in range(m):
+            s = keys[j]
+            for h in range(0, h4, 4):
+                d0, d1, d2, d3 = _dot4(q_lat, (q0 + h) * c, c, latent, s * c)
+                e0, e1, e2, e3 = _dot4(q_rope, (q0 + h) * r, r, k_rope, s * r)
+                for u, v in ((0, (d0 + e0) * scale), (1, (d1 + e1) * scale),
+                             (2, (d2 + e2) * scale), (3, (d3 + e3) * scale)):  # fmt: skip
+                    scores[(h + u) * s_all + s] = v
+                    if v > top[h + u]:
+                        top[h + u] = v
+            for h in range(h4, n_heads):
+                _score(q_lat, q_rope, latent, k_rope, q0 + h, c, r, s, scale, scores,
+                       h * s_all + s, top, h)  # fmt: skip
         for h in range(n_heads):
-            qi = (i * n_heads + h) * c
-            qr = (i * n_heads + h) * r
-            top = neg_inf
-            for s in range(end):
-                if not masked or allowed[arow + s]:
-                    v = (
-                        _dot(q_lat, qi, latent, s * c, c) + _dot(q_rope, qr, k_rope, s * r, r)
-                    ) * scale
-                    scores[s] = v
-                    if v > top:
-                        top = v
-            total = np.float32(0.0)
-            for s in range(end):
-                if not masked or allowed[arow + s]:
-                    e = np.exp(scores[s] - top)
-                    scores[s] = e
-                    total += e
+            hs = h * s_all
+            for j in range(m):
+                s = keys[j]
+                e = np.exp(scores[hs + s] - top[h])
+                scores[hs + s] = e
+                total[h] += e
+            for j in range(m):  # the weights, in place (p = e / total, as before)
+                s = keys[j]
+                scores[hs + s] = scores[hs + s] / total[h]
+        for h in range(n_heads):
+            qi = (q0 + h) * c
             for k in range(0, c16, 16):
                 vstore16(out, qi + k, vzero16())
             for k in range(c16, c):
                 out[qi + k] = np.float32(0.0)
-            for s in range(end):
-                if not masked or allowed[arow + s]:
-                    p = scores[s] / total
-                    pv = vsplat16(p)
-                    for k in range(0, c16, 16):
-                        o = qi + k
-                        vstore16(out, o, vfma16(pv, vload16(latent, s * c + k), vload16(out, o)))
-                    for k in range(c16, c):
-                        out[qi + k] += p * latent[s * c + k]
+        c64 = c16 // 64 * 64
+        for j0 in range(0, m, _KEY_BLOCK):  # a block's latent rows stay in L1 for every head
+            j1 = min(j0 + _KEY_BLOCK, m)
+            for h in range(n_heads):
+                qi = (q0 + h) * c
+                hs = h * s_all
+                for k in range(0, c64, 64):  # four independent 16-column sums side by side
+                    o = qi + k
+                    a0 = vload16(out, o)
+                    a1 = vload16(out, o + 16)
+                    a2 = vload16(out, o + 32)
+                    a3 = vload16(out, o + 48)
+                    for j in range(j0, j1):
+                        s = keys[j]
+                        pv = vsplat16(scores[hs + s])
+                        li = s * c + k
+                        a0 = vfma16(pv, vload16(latent, li), a0)
+                        a1 = vfma16(pv, vload16(latent, li + 16), a1)
+                        a2 = vfma16(pv, vload16(latent, li + 32), a2)
+                        a3 = vfma16(pv, vload16(latent, li + 48), a3)
+                    vstore16(out, o, a0)
+                    vstore16(out, o + 16, a1)
+                    vstore16(out, o + 32, a2)
+                    vstore16(out, o + 48, a3)
+                for k in range(c64, c16, 16):
+                    o = qi + k
+                    acc = vload16(out, o)
+                    for j in range(j0, j1):
+                        s = keys[j]
+                        acc = vfma16(vsplat16(scores[hs + s]), vload16(latent, s * c + k), acc)
+                    vstore16(out, o, acc)
+                for k in range(c16, c):
+                    a = out[qi + k]
+                    for j in range(j0, j1):
+                        s = keys[j]
+                        a += scores[hs + s] * latent[s * c + k]
+                    out[qi + k] = a
 
 
 def latent_attention(
@@ -134,4 +229,4 @@ def _flat(a: F32Array) -> F32Array:
 
 
 #: Every compiled kernel (tests check they were built with ``nogil=True``).
-KERNELS = (_latent_attention, _dot)
+KERNELS = (_latent_attention, _dot, _dot4, _score)

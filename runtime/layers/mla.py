@@ -175,7 +175,7 @@ def attend(
     p: MLAProjection,
     latent: F32Array,
     k_rope: F32Array,
-    allowed: BoolArray,
+    allowed: BoolArray | None,
     scale: float,
     absorbed: bool,
     *,
@@ -185,7 +185,8 @@ def attend(
     """Attention of the new queries over all keys -> o_proj output [T, D].
 
     ``latent`` [S, C] and ``k_rope`` [S, R] include the new rows; ``allowed`` [T, S] is the
-    causal mask, narrowed by the DSA selection where the model has one. ``rows_after``: how many
+    causal mask, narrowed by the DSA selection where the model has one (None: every causal
+    key, the same result as the causal mask). ``rows_after``: how many
     new rows follow these T (absorbed form only: a block of a step's rows computed on its own,
     with exactly the products the whole step would run for them).
     """
@@ -204,6 +205,8 @@ def attend(
     # Head-major GEMMs: the fast order for a prefill chunk (rows may depend on T by rounding;
     # prefill and decode are held to a tolerance, not bit identity).
     s = latent.shape[0]
+    if allowed is None:
+        allowed = causal_mask(t, s)  # [T, S]
     kv = w.kv_b_proj(np.ascontiguousarray(latent))  # [S, NH * (N + V)]
     kv = kv.reshape(s, nh, d.qk_nope_head_dim + d.v_head_dim)  # [S, NH, N + V]
     k_nope = kv[:, :, : d.qk_nope_head_dim].transpose(1, 2, 0)  # [NH, N, S]

@@ -654,10 +654,10 @@ class MLAMoEModel(DecoderStack):
         x = rms_norm(h, lw.input_layernorm, c.rms_norm_eps)  # [T, D]
         proj = self._project(ctx, lw, x, seq.cos, seq.sin)
         seq.cache.write(slot, seq.start, proj.latent, proj.k_rope)
-        allowed = mla.causal_mask(t, s)  # [T, S]
         selection = self._sparse_selection(ctx, layer, slot, lw, x, proj, seq, prev_selection)
-        if selection is not None:
-            allowed &= selection
+        # None: every causal key (the kernels bound each row by its causal keys themselves,
+        # so a mask is built only for a sparse selection)
+        allowed = None if selection is None else mla.causal_mask(t, s) & selection  # [T, S]
         if ctx.attention_mode == "auto":
             absorbed = mla.prefer_absorbed(d, t, s)
         else:
@@ -672,8 +672,8 @@ class MLAMoEModel(DecoderStack):
                     *(None if v is None else v[a:b] for v in proj)  # type: ignore[arg-type]
                 )
                 return mla.attend(
-                    lw.attn, d, part, latent, k_rope, allowed[a:b], self.softmax_scale, True,
-                    rows_after=t - b,
+                    lw.attn, d, part, latent, k_rope, None if allowed is None else allowed[a:b],
+                    self.softmax_scale, True, rows_after=t - b,
                 )  # fmt: skip
 
             out = np.concatenate(comp.map_rows(blocks, rows))

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from numba import njit
 
 from runtime.kernels import attention as att
+from runtime.kernels._simd import vfma16, vload16, vsplat16, vstore16, vzero16
 
 
 def _case(t: int, nh: int, c: int, r: int, s: int, rows_after: int, seed: int = 0) -> tuple:
@@ -66,11 +68,80 @@ def test_masked_keys_do_not_count() -> None:
     np.testing.assert_array_equal(got, att.latent_attention(q, qr, lat2, kr, allowed, 0.5))
 
 
-@pytest.mark.parametrize("shape", [(1, 4, 64, 16, 50, 0), (4, 2, 40, 8, 30, 3)])
+@njit(nogil=True, error_model="numpy")
+def _one_head_one_key(  # type: ignore[no-untyped-def]
+    q_lat, q_rope, latent, k_rope, allowed, n_rows, n_heads, c, r, s_all, scale, rows_after, out
+):
+    """The kernel's math written plainly (heads outer, keys inner, one key at a time): the
+    operations and their order per (row, head, key) that the module docstring states, which
+    the blocked kernel must reproduce bit for bit."""
+    masked = allowed.size > 0
+    scores = np.empty(s_all, np.float32)
+    c16 = c // 16 * 16
+    for i in range(n_rows):
+        end = s_all - rows_after - n_rows + i + 1
+        for h in range(n_heads):
+            qi = (i * n_heads + h) * c
+            qr = (i * n_heads + h) * r
+            top = np.float32(-np.inf)
+            for s in range(end):
+                if not masked or allowed[i * s_all + s]:
+                    v = (
+                        att._dot(q_lat, qi, latent, s * c, c)
+                        + att._dot(q_rope, qr, k_rope, s * r, r)
+                    ) * scale
+                    scores[s] = v
+                    if v > top:
+                        top = v
+            total = np.float32(0.0)
+            for s in range(end):
+                if not masked or allowed[i * s_all + s]:
+                    e = np.exp(scores[s] - top)
+                    scores[s] = e
+                    total += e
+            for k in range(0, c16, 16):
+                vstore16(out, qi + k, vzero16())
+            for k in range(c16, c):
+                out[qi + k] = np.float32(0.0)
+            for s in range(end):
+                if not masked or allowed[i * s_all + s]:
+                    p = scores[s] / total
+                    pv = vsplat16(p)
+                    for k in range(0, c16, 16):
+                        o = qi + k
+                        vstore16(out, o, vfma16(pv, vload16(latent, s * c + k), vload16(out, o)))
+                    for k in range(c16, c):
+                        out[qi + k] += p * latent[s * c + k]
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 16, 256, 64, 111, 0), (3, 5, 40, 8, 29, 2), (2, 7, 512, 64, 300, 1), (1, 3, 17, 5, 9, 0)],
+)
+@pytest.mark.parametrize("masked", [False, True])
+def test_blocked_kernel_is_the_plain_loop_bit_for_bit(shape: tuple[int, ...], masked: bool) -> None:
+    """Keys outer, four heads per score pass, eight keys per pass over the output: the same
+    bits as one head and one key at a time (odd head counts, widths not a multiple of 16 or
+    64, a row's later rows, masks included)."""
+    t, nh, c, r, s, ra = shape
+    q, qr, lat, kr, allowed = _case(t, nh, c, r, s, ra, seed=5)
+    got = att.latent_attention(q, qr, lat, kr, allowed if masked else None, 0.07, ra)
+    want = np.empty(t * nh * c, np.float32)
+    mask = allowed.view(np.uint8).reshape(-1) if masked else np.zeros(0, np.uint8)
+    _one_head_one_key(
+        q.reshape(-1), qr.reshape(-1), lat.reshape(-1), kr.reshape(-1), mask,
+        t, nh, c, r, s, np.float32(0.07), ra, want,
+    )  # fmt: skip
+    np.testing.assert_array_equal(got, want.reshape(t, nh, c))
+
+
+@pytest.mark.parametrize(
+    "shape", [(1, 4, 64, 16, 50, 0), (4, 2, 40, 8, 30, 3), (2, 3, 512, 64, 37, 1)]
+)
 def test_no_mask_is_every_causal_key(shape: tuple[int, ...]) -> None:
     """``allowed=None`` (the batched decode step without a sparse selection: it builds no
-    mask) gives the same bits as the full causal mask, and a key past a row's causal end
-    never counts either way."""
+    mask) gives the same bits as the full causal mask (its scores four keys at a time, the
+    mask's one by one), and a key past a row's causal end never counts either way."""
     t, nh, c, r, s, ra = shape
     q, qr, lat, kr, _ = _case(t, nh, c, r, s, ra)
     causal = np.arange(s)[None, :] <= (np.arange(t) + (s - ra - t))[:, None]  # [T, S]

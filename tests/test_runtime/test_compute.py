@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -131,9 +130,11 @@ def test_shared_jobs_run_here_and_on_the_workers_in_order() -> None:
     comp = ExpertCompute(3)
     here = threading.current_thread()
     ran: list[tuple[int, threading.Thread, bool]] = []
+    all_three = threading.Barrier(3)
 
     def job(i: int) -> int:
-        time.sleep(0.01)  # long enough that every runner takes some
+        if i < 3:  # a runner held here takes no other job: the first three need three runners
+            all_three.wait(timeout=60)
         ran.append((i, threading.current_thread(), comp._on_worker()))
         return i * i
 
@@ -150,7 +151,6 @@ def test_shared_jobs_run_here_and_on_the_workers_in_order() -> None:
         done: list[int] = []
 
         def bad(i: int) -> int:
-            time.sleep(0.01)
             if i == 1:
                 raise ValueError("job 1 failed")
             done.append(i)
