@@ -223,9 +223,10 @@ async def test_engine_open_streams_events(anyio_backend: str, state_dir: Path) -
 
 @pytest.mark.anyio
 async def test_engine_does_not_block_the_event_loop(anyio_backend: str, state_dir: Path) -> None:
-    # A long prompt makes the prefill one compute call of noticeable length: a loop blocked by
-    # model math could tick at most once during it.
-    long_prompt = [int(x) for x in np.arange(256) % 900 + 5]
+    # A long prompt makes the prefill compute of noticeable length (~80 ms here; 256 tokens
+    # took ~35 ms, too close to the three ticks asked for): a loop blocked by model math could
+    # tick at most once during it. (500 + 8 tokens fit the demo model's 512 positions.)
+    long_prompt = [int(x) for x in np.arange(500) % 900 + 5]
     ticks_in_prefill = 0
     ticks = 0
     running = True
