@@ -75,9 +75,8 @@ def _dot4(a, a0, n, b, bi):  # type: ignore[no-untyped-def]
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _score(q_lat, q_rope, latent, k_rope, qh, c, r, s, scale, scores, at, top, h):  # type: ignore[no-untyped-def]
-    """One head's score for key ``s`` into ``scores[at]``, its running max into ``top[h]``."""
-    v = (_dot(q_lat, qh * c, latent, s * c, c) + _dot(q_rope, qh * r, k_rope, s * r, r)) * scale
+def _keep(scores, at, top, h, v):  # type: ignore[no-untyped-def]
+    """Head ``h``'s score ``v`` into ``scores[at]``, its running max into ``top[h]``."""
     scores[at] = v
     if v > top[h]:
         top[h] = v
@@ -119,14 +118,14 @@ def _latent_attention(  # type: ignore[no-untyped-def]
             for h in range(0, h4, 4):
                 d0, d1, d2, d3 = _dot4(q_lat, (q0 + h) * c, c, latent, s * c)
                 e0, e1, e2, e3 = _dot4(q_rope, (q0 + h) * r, r, k_rope, s * r)
-                for u, v in ((0, (d0 + e0) * scale), (1, (d1 + e1) * scale),
-                             (2, (d2 + e2) * scale), (3, (d3 + e3) * scale)):  # fmt: skip
-                    scores[(h + u) * s_all + s] = v
-                    if v > top[h + u]:
-                        top[h + u] = v
+                _keep(scores, h * s_all + s, top, h, (d0 + e0) * scale)
+                _keep(scores, (h + 1) * s_all + s, top, h + 1, (d1 + e1) * scale)
+                _keep(scores, (h + 2) * s_all + s, top, h + 2, (d2 + e2) * scale)
+                _keep(scores, (h + 3) * s_all + s, top, h + 3, (d3 + e3) * scale)
             for h in range(h4, n_heads):
-                _score(q_lat, q_rope, latent, k_rope, q0 + h, c, r, s, scale, scores,
-                       h * s_all + s, top, h)  # fmt: skip
+                qh = q0 + h
+                d = _dot(q_lat, qh * c, latent, s * c, c) + _dot(q_rope, qh * r, k_rope, s * r, r)
+                _keep(scores, h * s_all + s, top, h, d * scale)
         for h in range(n_heads):
             hs = h * s_all
             for j in range(m):
@@ -229,4 +228,4 @@ def _flat(a: F32Array) -> F32Array:
 
 
 #: Every compiled kernel (tests check they were built with ``nogil=True``).
-KERNELS = (_latent_attention, _dot, _dot4, _score)
+KERNELS = (_latent_attention, _dot, _dot4, _keep)

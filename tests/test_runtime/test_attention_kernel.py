@@ -140,8 +140,8 @@ def test_blocked_kernel_is_the_plain_loop_bit_for_bit(shape: tuple[int, ...], ma
 )
 def test_no_mask_is_every_causal_key(shape: tuple[int, ...]) -> None:
     """``allowed=None`` (the batched decode step without a sparse selection: it builds no
-    mask) gives the same bits as the full causal mask (its scores four keys at a time, the
-    mask's one by one), and a key past a row's causal end never counts either way."""
+    mask) gives the same bits as the full causal mask, and a key past a row's causal end
+    never counts either way."""
     t, nh, c, r, s, ra = shape
     q, qr, lat, kr, _ = _case(t, nh, c, r, s, ra)
     causal = np.arange(s)[None, :] <= (np.arange(t) + (s - ra - t))[:, None]  # [T, S]
