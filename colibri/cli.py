@@ -9,7 +9,6 @@ traceback.
 from __future__ import annotations
 
 import os
-import signal
 import sys
 
 
@@ -22,8 +21,13 @@ def _exit_now(signum: int, frame: object) -> None:
 # Only when this process is the `coli` program, never in one that merely imports this module.
 _PROGRAM = __name__ == "__main__" or os.path.basename(sys.argv[0]) == "coli"
 if _PROGRAM:  # until the command runs (main() installs the real handlers)
-    signal.signal(signal.SIGINT, _exit_now)
-    signal.signal(signal.SIGTERM, _exit_now)
+    # through the built-in `_signal` (loaded with the interpreter): `import signal` builds its
+    # enums first, milliseconds in which a Ctrl-C would still end in a traceback
+    _sig = __import__("_signal")
+    _sig.signal(_sig.SIGINT, _exit_now)
+    _sig.signal(_sig.SIGTERM, _exit_now)
+
+import signal
 
 
 def _finished_exit() -> None:
