@@ -23,8 +23,8 @@ Determinism and batch invariance hold as for the exact kernels: integer sums are
 order, the rounding of a token depends only on that token, and the float combination (16 lanes,
 ``acc = fma(sw * sx, float(dot), acc)`` per group in increasing order, fixed lane sum) is the
 same code for one token or 64. Every machine computes the same integers, with VNNI where the
-CPU has it and with plain vector integer ops elsewhere, so the bits are the same on every
-x86-64 CPU.
+CPU has it, ``vpmaddubsw`` + ``vpmaddwd`` on AVX2 and plain vector integer ops elsewhere, so
+the bits are the same on every x86-64 CPU.
 
 Layout of the prepared activations of token ``t`` (``xq`` rows of ``2 * I`` bytes: the ``h``
 digits, then the ``l`` digits; ``bias`` rows of ``G * 16`` int32):
@@ -62,6 +62,7 @@ from runtime.kernels._simd import (
 
 __all__ = [
     "KERNELS",
+    "has_avx2_codegen",
     "has_vnni_codegen",
     "i4unpack64",
     "q8_expert",
@@ -72,6 +73,8 @@ __all__ = [
     "q8_strides",
     "q8_swiglu",
     "q8dot",
+    "q8dot_avx2",
+    "q8dot_kind",
     "q8dot_portable",
 ]
 
@@ -130,18 +133,51 @@ def i4unpack64(typingctx: Any, packed: Any, idx: Any) -> Any:
     return i8x64(packed, idx), codegen
 
 
-def _make_q8dot(vnni: bool) -> Any:
-    """The ``q8dot`` intrinsic, with ``vpdpbusd`` or with plain vector integer ops (the same
-    integers: products are at most 15 * 127 and every sum stays far inside int32)."""
+def has_avx2_codegen() -> bool:
+    """Whether the code numba generates for this CPU may use AVX2's ``vpmaddubsw``."""
+    return "avx2" in host_codegen_features()
+
+
+def _dot4_avx2(builder: Any, acc: Any, w: Any, xv: Any) -> Any:
+    """``dot4`` from AVX2 ops, 32 bytes at a time: ``vpmaddubsw`` adds the products of byte
+    pairs into int16 (at most 2 * 15 * 127, so it never saturates), ``vpmaddwd`` by ones adds
+    int16 pairs into int32: lane k holds bytes 4k..4k+3, as ``vpdpbusd`` sums them."""
+    v32b, v16s = ir.VectorType(_I8, 32), ir.VectorType(ir.IntType(16), 16)
+    v8i = ir.VectorType(_I32, 8)
+    mod = builder.module
+    maddubs = mod.declare_intrinsic(
+        "llvm.x86.avx2.pmadd.ub.sw", fnty=ir.FunctionType(v16s, [v32b, v32b])
+    )
+    maddwd = mod.declare_intrinsic(
+        "llvm.x86.avx2.pmadd.wd", fnty=ir.FunctionType(v8i, [v16s, v16s])
+    )
+    ones = ir.Constant(v16s, [1] * 16)
+    halves = []
+    for h in range(2):
+        sel = ir.Constant(ir.VectorType(_I32, 32), list(range(32 * h, 32 * h + 32)))
+        pairs = builder.call(
+            maddubs, [builder.shuffle_vector(w, w, sel), builder.shuffle_vector(xv, xv, sel)]
+        )
+        halves.append(builder.call(maddwd, [pairs, ones]))
+    joined = ir.Constant(ir.VectorType(_I32, 16), list(range(16)))
+    return builder.add(acc, builder.shuffle_vector(halves[0], halves[1], joined))
+
+
+def _make_q8dot(kind: str) -> Any:
+    """The ``q8dot`` intrinsic: ``kind`` "vnni" (``vpdpbusd``), "avx2" (``vpmaddubsw`` +
+    ``vpmaddwd``) or "portable" (plain vector integer ops). The same integers: products are
+    at most 15 * 127 and every sum stays far inside int32."""
 
     def dot4(builder: Any, acc: Any, w: Any, xv: Any) -> Any:
         """``acc[k] + sum_{j<4} w[4k+j] * x[4k+j]`` (w unsigned, x signed bytes)."""
         v16i = ir.VectorType(_I32, 16)
-        if vnni:
+        if kind == "vnni":
             fnty = ir.FunctionType(v16i, [v16i, v16i, v16i])
             fn = builder.module.declare_intrinsic("llvm.x86.avx512.vpdpbusd.512", fnty=fnty)
             x32 = builder.bitcast(xv, v16i)
             return builder.call(fn, [acc, builder.bitcast(w, v16i), x32])
+        if kind == "avx2":
+            return _dot4_avx2(builder, acc, w, xv)
         v64i = ir.VectorType(_I32, 64)
         prod = builder.mul(builder.zext(w, v64i), builder.sext(xv, v64i))
         for j in range(4):
@@ -189,10 +225,19 @@ def _make_q8dot(vnni: bool) -> Any:
     return q8dot
 
 
-#: What the kernels use: ``vpdpbusd`` where numba's code for this CPU may have it.
-q8dot = _make_q8dot(has_vnni_codegen())
-#: The same integers without VNNI (tests compare the two bit for bit on a VNNI machine).
-q8dot_portable = _make_q8dot(False)
+def q8dot_kind() -> str:
+    """Which ``q8dot`` the kernels use here: "vnni", "avx2" or "portable"."""
+    if has_vnni_codegen():
+        return "vnni"
+    return "avx2" if has_avx2_codegen() else "portable"
+
+
+#: What the kernels use: the fastest integer dot numba's code for this CPU may have.
+q8dot = _make_q8dot(q8dot_kind())
+#: The same integers from AVX2 ops and from plain ones (tests compare them bit for bit with
+#: ``q8dot`` where the CPU has the instructions).
+q8dot_avx2 = _make_q8dot("avx2")
+q8dot_portable = _make_q8dot("portable")
 
 
 # ============================================================================ kernels

@@ -94,11 +94,14 @@ def test_batch_invariant_and_deterministic(fmt: str) -> None:
     np.testing.assert_array_equal(whole, _q8(q, x))
 
 
-def test_vnni_and_portable_integer_paths_agree() -> None:
-    """The 16 int32 lanes from ``vpdpbusd`` (where present) and from plain integer ops are the
-    same numbers, so the kernels give the same bits on every x86-64 CPU."""
-
-    unpack, dot, portable = q8mod.i4unpack64, q8mod.q8dot, q8mod.q8dot_portable
+@pytest.mark.parametrize("variant", ["q8dot", "q8dot_avx2"])
+def test_vnni_avx2_and_portable_integer_paths_agree(variant: str) -> None:
+    """The 16 int32 lanes from ``vpdpbusd`` or ``vpmaddubsw`` + ``vpmaddwd`` (where present)
+    and from plain integer ops are the same numbers, so the kernels give the same bits on
+    every x86-64 CPU. ``q8dot`` is the one the kernels use here."""
+    if variant == "q8dot_avx2" and not q8mod.has_avx2_codegen():
+        pytest.skip("this CPU has no AVX2 (vpmaddubsw)")
+    unpack, dot, portable = q8mod.i4unpack64, getattr(q8mod, variant), q8mod.q8dot_portable
 
     @njit(nogil=True)
     def both(packed, xq, bias, n):  # type: ignore[no-untyped-def]
@@ -128,7 +131,7 @@ def test_vnni_and_portable_integer_paths_agree() -> None:
     dl = (w * xl).reshape(n, 16, 4).sum(axis=2)
     want = 256 * dh + dl + bias.reshape(n, 16)
     np.testing.assert_array_equal(a.reshape(n, 16), want.astype(np.float32))
-    print(f"vpdpbusd in use: {q8mod.has_vnni_codegen()}")
+    print(f"q8dot in use: {q8mod.q8dot_kind()}")
 
 
 def test_eligibility_and_linear_fallback() -> None:
