@@ -4,12 +4,14 @@ With a RAM budget that holds < 25% of the experts, decode is bound by storage: e
 read the experts it misses. In the same run this measures
 
 * storage GB/s: cold random expert-shaped reads through the same reader backend, the better of
-  one and two at a time (the decode has up to two demand reads in flight), before and after
-  decoding, averaged (the disk drifts minute to minute);
+  one and two at a time (the decode has up to two demand reads in flight), before every decode
+  run and after the last (the disk drifts minute to minute, on some virtual disks 2x);
 * decode tokens/s and bytes read per decoded token (engine counters);
-* the I/O bound: storage GB/s / bytes per token, in tokens/s.
+* each run's I/O bound: the mean of the storage GB/s measured right before and right after it
+  / bytes per token, in tokens/s.
 
-The figure is achieved / bound (1.0 = compute and every other cost fully hidden behind reads).
+A run's figure is achieved / its bound (1.0 = compute and every other cost fully hidden behind
+reads); ``figure`` is the chosen mode's median run figure.
 The same run also decodes with the other ``--prefetch`` modes, ``--rounds`` times each,
 interleaved in an order that rotates each round (each mode's median run stands for it):
 ``figure_vs_no_prefetch`` is the chosen mode's tokens/s over ``off``'s,
@@ -145,54 +147,84 @@ def main(argv: list[str] | None = None) -> int:
     experts_bytes = sum(x.nbytes for x in c.expert_extents())
     budget = budget_for(c, a.model, a.fraction)  # dense + KV reserve + `fraction` of experts
 
-    gb_before, backend, by_depth_before = disk_gbps(c, a.reader, a.reads, 1)
+    # The disk is measured before every decode run and after the last: a run's bound is the
+    # mean of the measurements on either side of it, so a disk that drifts (2x within minutes
+    # on some virtual disks) moves the bound with the run it bounds.
+    gb_first, backend, by_depth_first = disk_gbps(c, a.reader, a.reads, 1)
+    disk = [gb_first]  # disk[i] is measured right before run i, disk[-1] after the last
     # The chosen mode, and in the same run the other modes to compare with (interleaved, so
     # the disk's drift touches them alike).
     modes = [a.prefetch] + [m for m in ("off", "on") if m != a.prefetch]
     all_runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    in_order: list[dict[str, Any]] = []
     for r in range(max(1, a.rounds)):
         # the order rotates round by round, so no mode always runs first (or right after
         # another particular one)
         for m in modes[r % len(modes) :] + modes[: r % len(modes)]:
-            all_runs[m].append(decode_run(a, budget, m))
-    gb_after, _, by_depth_after = disk_gbps(c, a.reader, a.reads, 2)
-    gbps = (gb_before + gb_after) / 2
+            if in_order:
+                disk.append(disk_gbps(c, a.reader, a.reads, 1 + len(disk))[0])
+            run = decode_run(a, budget, m)
+            all_runs[m].append(run)
+            in_order.append(run)
+    gb_last, _, by_depth_last = disk_gbps(c, a.reader, a.reads, 1 + len(disk))
+    disk.append(gb_last)
+    for i, run in enumerate(in_order):
+        run["gbps"] = (disk[i] + disk[i + 1]) / 2
+    gbps = sum(disk) / len(disk)
+
+    def per_token(run: dict[str, Any]) -> float:
+        """Bytes the decode needed per token of the turn (prefill of 4 + decode): demand misses
+        and the lookahead reads it used; lookahead reads it never used are counted apart
+        (they cost bandwidth, not need; a piece stopped part-way counts what it read)."""
+        s0, s1 = run["s0"], run["s1"]
+        read = s1["bytes_read"] - s0["bytes_read"]
+        return (
+            float(read - (s1["prefetch_wasted_bytes"] - s0["prefetch_wasted_bytes"]))
+            / run["tokens"]
+        )
+
+    def figure(run: dict[str, Any]) -> float:
+        """The run's tokens/s over its own I/O bound."""
+        need = per_token(run)
+        bound = run["gbps"] * 1e9 / need if need else float("inf")
+        return float(run["tokens"] / run["seconds"] / bound)
+
     # each mode's median run (by tokens/s) stands for it
     runs = {
         m: sorted(rs, key=lambda r: r["tokens"] / r["seconds"])[len(rs) // 2]
         for m, rs in all_runs.items()
     }
+    # and its median run by figure for the figure
+    figures = {m: sorted(figure(r) for r in rs)[len(rs) // 2] for m, rs in all_runs.items()}
 
     main_run = runs[a.prefetch]
     s0, s1, dt, steps = main_run["s0"], main_run["s1"], main_run["seconds"], main_run["tokens"]
-    # Every token of the second generate (prefill of 4 + decode) counts: bytes per token over
-    # the whole turn, so the bound and the achieved rate cover the same work.
     read = s1["bytes_read"] - s0["bytes_read"]
-    # "Missed" bytes are those the decode needed: demand misses and lookahead reads it used.
-    # Lookahead reads it never used are counted apart (they cost bandwidth, not need).
-    # (the blob bytes of their pieces: a read stopped part-way counts what it read)
     wasted = s1["prefetch_wasted_bytes"] - s0["prefetch_wasted_bytes"]
-    per_token = (read - wasted) / steps
     achieved = steps / dt
-    bound = gbps * 1e9 / per_token if per_token else float("inf")
+    bound = main_run["gbps"] * 1e9 / per_token(main_run) if per_token(main_run) else float("inf")
     resident_share = (s1["lru_slots_per_layer"] * len(c.expert_layers()) + s1["pinned"]) / n_experts
     tps = {m: r["tokens"] / r["seconds"] for m, r in runs.items()}
     result = {
-        "figure": round(achieved / bound, 3),
+        "figure": round(figures[a.prefetch], 3),
         "figure_vs_no_prefetch": round(tps[a.prefetch] / tps["off"], 3),
         "figure_vs_best_forced": round(tps[a.prefetch] / max(tps["on"], tps["off"]), 3),
-        "figure_by_prefetch": {m: round(v / bound, 3) for m, v in tps.items()},
+        "figure_by_prefetch": {m: round(v, 3) for m, v in figures.items()},
+        "figure_rounds": {m: [round(figure(r), 3) for r in rs] for m, rs in all_runs.items()},
         "tokens_per_s": round(achieved, 3),
         "tokens_per_s_by_prefetch": {m: round(v, 3) for m, v in tps.items()},
         "tokens_per_s_rounds": {
             m: [round(r["tokens"] / r["seconds"], 3) for r in rs] for m, rs in all_runs.items()
         },
+        # the median tokens/s run's own bound
         "io_bound_tokens_per_s": round(bound, 3),
         "storage_gbps": round(gbps, 3),
-        "storage_gbps_before_after": [round(gb_before, 3), round(gb_after, 3)],
-        # [one read at a time, two at a time], before and after decoding
-        "storage_gbps_by_depth": [by_depth_before, by_depth_after],
-        "bytes_missed_per_token": int(per_token),
+        # every measurement, in order: before the first run, between runs, after the last
+        "storage_gbps_runs": [round(g, 3) for g in disk],
+        "storage_gbps_before_after": [round(disk[0], 3), round(disk[-1], 3)],
+        # [one read at a time, two at a time], first and last measurement
+        "storage_gbps_by_depth": [by_depth_first, by_depth_last],
+        "bytes_missed_per_token": int(per_token(main_run)),
         "bytes_read_per_token": int(read / steps),
         "hit_rate": round(s1["hit_rate"], 3),
         "lookahead_recall": round(s1["lookahead_recall"], 3),
@@ -210,6 +242,13 @@ def main(argv: list[str] | None = None) -> int:
         "lookahead_layers_off": s1["lookahead_layers_off"],
         # where the decode's wall time went (stats()["time"] over the measured turn)
         "time": main_run["time"],
+        # the share of the measured turn the compute waited on reads: near 0, the decode is
+        # bound by compute and the figure says how much faster than the disk it could go
+        "read_wait_share": round(
+            (main_run["time"]["read_wait_demand_s"] + main_run["time"]["read_wait_lookahead_s"])
+            / dt,
+            3,
+        ),
         "time_by_prefetch": {m: r["time"] for m, r in runs.items()},
         "read_wait_s": round(s1["read_wait_s"] - s0["read_wait_s"], 3),
         "compute_stall_s": round(s1["compute_stall_s"] - s0["compute_stall_s"], 3),
