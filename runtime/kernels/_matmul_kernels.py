@@ -606,15 +606,52 @@ def _dot2(w, wi, n_in, xp, xi, tails, kind, pf):  # type: ignore[no-untyped-def]
     return vhsum(vadd(vadd(a0, a1), vadd(a2, a3))), vhsum(vadd(vadd(b0, b1), vadd(b2, b3)))
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _dot1x2(w, wi, n_in, xp, xi, xj, tail, kind, pf):  # type: ignore[no-untyped-def]
+    """``_row_dot`` of the weight row at ``wi`` for two tokens (activations at ``xi`` and
+    ``xj``): each 8-weight block is loaded and converted once for both, and every token keeps
+    its own four chains, so per token the same FMAs in the same order as ``_row_dot`` (the
+    same bits). ``tail`` [8] holds the row's zero-padded last block (filled by the caller)."""
+    a0, a1, a2, a3 = vzero(), vzero(), vzero(), vzero()
+    b0, b1, b2, b3 = vzero(), vzero(), vzero(), vzero()
+    n32 = n_in // 32 * 32
+    n8 = n_in // 8 * 8
+    for c in range(0, n32, 32):
+        if pf > 0:
+            prefetch(w, wi + c + pf)
+        w0 = _wload8(w, wi + c, kind)
+        w1 = _wload8(w, wi + c + 8, kind)
+        w2 = _wload8(w, wi + c + 16, kind)
+        w3 = _wload8(w, wi + c + 24, kind)
+        a0 = vfma(w0, vload(xp, xi + c), a0)
+        a1 = vfma(w1, vload(xp, xi + c + 8), a1)
+        a2 = vfma(w2, vload(xp, xi + c + 16), a2)
+        a3 = vfma(w3, vload(xp, xi + c + 24), a3)
+        b0 = vfma(w0, vload(xp, xj + c), b0)
+        b1 = vfma(w1, vload(xp, xj + c + 8), b1)
+        b2 = vfma(w2, vload(xp, xj + c + 16), b2)
+        b3 = vfma(w3, vload(xp, xj + c + 24), b3)
+    for c in range(n32, n8, 8):
+        w0 = _wload8(w, wi + c, kind)
+        a0 = vfma(w0, vload(xp, xi + c), a0)
+        b0 = vfma(w0, vload(xp, xj + c), b0)
+    if n8 < n_in:
+        w0 = _wload8(tail, 0, kind)
+        a0 = vfma(w0, vload(xp, xi + n8), a0)
+        b0 = vfma(w0, vload(xp, xj + n8), b0)
+    return vhsum(vadd(vadd(a0, a1), vadd(a2, a3))), vhsum(vadd(vadd(b0, b1), vadd(b2, b3)))
+
+
 @njit(nogil=True, cache=True)
 def _col_matmul(w, scales, n_out, n_in, kind, xp, ip, out, pf):  # type: ignore[no-untyped-def]
     """out [T, O] for f32 / bf16 / f16 / int8 rows of ``w`` (flat [O * I]); ``xp`` [T * Ip].
 
-    int8 applies the per-row scale once to the row sum. Tokens are taken in tiles so the x tile
-    stays in cache while each weight row is read once per tile; rows in pairs that share each
-    activation load (``_dot2``), an odd last row alone (``_row_dot``): per (token, row) the
-    same code for any T and any row count (batch invariant, and a split of the rows over
-    threads changes no bit). ``pf`` is in elements.
+    int8 applies the per-row scale once to the row sum. One token: rows in pairs that share
+    each activation load (``_dot2``), an odd last row alone (``_row_dot``). Several: tokens in
+    tiles (the x tile stays in cache while each weight row is read once per tile), and per row
+    tokens in pairs that share each weight block's load and conversion (``_dot1x2``), an odd
+    last token alone. Per (token, row) the same code for any T and any row count (batch
+    invariant, and a split of the rows over threads changes no bit). ``pf`` is in elements.
     """
     n_tok = out.shape[0]
     tail = np.zeros(8, w.dtype)  # [8] zero-padded last block
@@ -622,6 +659,27 @@ def _col_matmul(w, scales, n_out, n_in, kind, xp, ip, out, pf):  # type: ignore[
     n8 = n_in // 8 * 8
     rem = n_in - n8
     o2 = n_out // 2 * 2
+    if n_tok > 1:
+        for t0 in range(0, n_tok, _TILE):
+            nt = min(_TILE, n_tok - t0)
+            for o in range(n_out):
+                wi = o * n_in
+                for k in range(rem):
+                    tail[k] = w[wi + n8 + k]
+                for u in range(0, nt - 1, 2):
+                    xi = (t0 + u) * ip
+                    y0, y1 = _dot1x2(w, wi, n_in, xp, xi, xi + ip, tail, kind, pf if u == 0 else 0)
+                    if kind == _KIND_I8:
+                        y0 = y0 * scales[o]
+                        y1 = y1 * scales[o]
+                    out[t0 + u, o] = y0
+                    out[t0 + u + 1, o] = y1
+                if nt % 2:
+                    y = _row_dot(w, wi, n_in, xp, (t0 + nt - 1) * ip, tail, kind, 0)
+                    if kind == _KIND_I8:
+                        y = y * scales[o]
+                    out[t0 + nt - 1, o] = y
+        return
     for t0 in range(0, n_tok, _TILE):
         nt = min(_TILE, n_tok - t0)
         for o in range(0, o2, 2):
