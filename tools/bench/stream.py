@@ -183,11 +183,14 @@ def main(argv: list[str] | None = None) -> int:
             / run["tokens"]
         )
 
+    def io_bound(run: dict[str, Any]) -> float:
+        """The run's own I/O bound, tokens/s: its disk rate / the bytes it needed per token."""
+        need = per_token(run)
+        return float(run["gbps"] * 1e9 / need) if need else float("inf")
+
     def figure(run: dict[str, Any]) -> float:
         """The run's tokens/s over its own I/O bound."""
-        need = per_token(run)
-        bound = run["gbps"] * 1e9 / need if need else float("inf")
-        return float(run["tokens"] / run["seconds"] / bound)
+        return float(run["tokens"] / run["seconds"] / io_bound(run))
 
     # each mode's median run (by tokens/s) stands for it
     runs = {
@@ -202,7 +205,6 @@ def main(argv: list[str] | None = None) -> int:
     read = s1["bytes_read"] - s0["bytes_read"]
     wasted = s1["prefetch_wasted_bytes"] - s0["prefetch_wasted_bytes"]
     achieved = steps / dt
-    bound = main_run["gbps"] * 1e9 / per_token(main_run) if per_token(main_run) else float("inf")
     resident_share = (s1["lru_slots_per_layer"] * len(c.expert_layers()) + s1["pinned"]) / n_experts
     tps = {m: r["tokens"] / r["seconds"] for m, r in runs.items()}
     result = {
@@ -217,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             m: [round(r["tokens"] / r["seconds"], 3) for r in rs] for m, rs in all_runs.items()
         },
         # the median tokens/s run's own bound
-        "io_bound_tokens_per_s": round(bound, 3),
+        "io_bound_tokens_per_s": round(io_bound(main_run), 3),
         "storage_gbps": round(gbps, 3),
         # every measurement, in order: before the first run, between runs, after the last
         "storage_gbps_runs": [round(g, 3) for g in disk],
