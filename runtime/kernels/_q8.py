@@ -23,8 +23,15 @@ Determinism and batch invariance hold as for the exact kernels: integer sums are
 order, the rounding of a token depends only on that token, and the float combination (16 lanes,
 ``acc = fma(sw * sx, float(dot), acc)`` per group in increasing order, fixed lane sum) is the
 same code for one token or 64. Every machine computes the same integers, with VNNI where the
-CPU has it, ``vpmaddubsw`` + ``vpmaddwd`` on AVX2 and plain vector integer ops elsewhere, so
-the bits are the same on every x86-64 CPU.
+CPU has it, ``vpmaddwd`` on AVX2 and plain vector integer ops elsewhere, so the bits are the
+same on every x86-64 CPU.
+
+On AVX2 without VNNI the two digits are stored as one 16-bit word ``256 * h + l`` (``WORDS``):
+one ``vpmaddwd`` multiplies 16 weight words by 16 activation words and adds pairs, where the
+digit layout needs ``vpmaddubsw`` + ``vpmaddwd`` for each digit; CPUs with one vector-multiply
+pipe (Zen 1) are bound by those multiplies. Per 64-column chunk the words sit in four planes
+of 16, columns ``4m``, ``4m + 2``, ``4m + 1``, ``4m + 3`` (word ``m``), which is what 32
+packed bytes read as 16 words give after ``& 15``, ``>> 8 & 15``, ``>> 4 & 15``, ``>> 12``.
 
 Layout of the prepared activations of token ``t`` (``xq`` rows of ``2 * I`` bytes: the ``h``
 digits, then the ``l`` digits; ``bias`` rows of ``G * 16`` int32):
@@ -65,20 +72,23 @@ __all__ = [
     "has_avx2_codegen",
     "has_vnni_codegen",
     "i4unpack64",
+    "i4words64",
     "q8_expert",
     "q8_gemm",
     "q8_gemv",
     "q8_matmul",
     "q8_prep",
+    "q8_prep_as",
     "q8_strides",
     "q8_swiglu",
     "q8dot",
     "q8dot_avx2",
     "q8dot_kind",
     "q8dot_portable",
+    "q8dotw",
 ]
 
-_I8, _I32, _F32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
+_I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
 
 
 def has_vnni_codegen() -> bool:
@@ -131,6 +141,92 @@ def i4unpack64(typingctx: Any, packed: Any, idx: Any) -> Any:
         return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 64), list(range(64))))
 
     return i8x64(packed, idx), codegen
+
+
+class I16x64(types.Type):
+    """numba type of 64 unpacked int4 weights as words (``<64 x i16>``, values 0..15)."""
+
+    def __init__(self) -> None:
+        super().__init__(name="i16x64")
+
+
+i16x64 = I16x64()
+
+
+@register_model(I16x64)
+class _I16x64Model(models.PrimitiveModel):
+    def __init__(self, dmm: Any, fe_type: Any) -> None:
+        super().__init__(dmm, fe_type, ir.VectorType(_I16, 64))  # type: ignore[no-untyped-call]
+
+
+@_intrinsic
+def i4words64(typingctx: Any, packed: Any, idx: Any) -> Any:
+    """32 packed bytes ``packed[idx : idx + 32]`` read as 16 little-endian words ``v`` ->
+    ``[v & 15 | v >> 8 & 15 | v >> 4 & 15 | v >> 12]``: the nibbles of columns ``4m``,
+    ``4m + 2``, ``4m + 1``, ``4m + 3`` of the 64-column chunk (word ``m`` of each plane)."""
+    if not _c_array(packed, types.uint8) or not isinstance(idx, types.Integer):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        p = _ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        v16 = ir.VectorType(_I16, 16)
+        raw = builder.load(builder.bitcast(p, v16.as_pointer()), align=1)
+        mask = ir.Constant(v16, [15] * 16)
+
+        def shr(n: int) -> Any:
+            return builder.lshr(raw, ir.Constant(v16, [n] * 16))
+
+        planes = [
+            builder.and_(raw, mask),
+            builder.and_(shr(8), mask),
+            builder.and_(shr(4), mask),
+            shr(12),
+        ]
+        v32 = ir.VectorType(_I32, 32)
+        a = builder.shuffle_vector(planes[0], planes[1], ir.Constant(v32, list(range(32))))
+        b = builder.shuffle_vector(planes[2], planes[3], ir.Constant(v32, list(range(32))))
+        return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, 64), list(range(64))))
+
+    return i16x64(packed, idx), codegen
+
+
+@_intrinsic
+def q8dotw(typingctx: Any, w: Any, xq: Any, xi: Any, xs: Any, bias: Any, bi: Any) -> Any:
+    """``q8dot`` for the word layout: the 64 activation words ``256 * h + l`` at byte
+    ``xq[xi:]`` (planes as ``i4words64``) times the weight words by ``vpmaddwd``, two products
+    per int32, then the two planes of each half added: lane ``k`` holds the very integer
+    ``256 * (h . w) + (l . w) + bias`` of ``q8dot``'s lane ``k``. ``xs`` is unused (one
+    multiply per pair of products instead of two per quad: half the vector multiplies)."""
+    ints = (xi, xs, bi)
+    if (
+        w != i16x64
+        or not _c_array(xq, types.int8)
+        or not _c_array(bias, types.int32)
+        or not all(isinstance(v, types.Integer) for v in ints)
+    ):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        st = sig.args
+        v16s, v8i, v16i = ir.VectorType(_I16, 16), ir.VectorType(_I32, 8), ir.VectorType(_I32, 16)
+        maddwd = builder.module.declare_intrinsic(
+            "llvm.x86.avx2.pmadd.wd", fnty=ir.FunctionType(v8i, [v16s, v16s])
+        )
+        px = _ptr(context, builder, st[1], args[1], st[2], args[2])
+        xw = builder.load(builder.bitcast(px, ir.VectorType(_I16, 64).as_pointer()), align=1)
+        prods = []
+        for k in range(4):
+            sel = ir.Constant(ir.VectorType(_I32, 16), list(range(16 * k, 16 * k + 16)))
+            wk = builder.shuffle_vector(args[0], args[0], sel)
+            xk = builder.shuffle_vector(xw, xw, sel)
+            prods.append(builder.call(maddwd, [wk, xk]))
+        lo, hi = builder.add(prods[0], prods[1]), builder.add(prods[2], prods[3])
+        acc = builder.shuffle_vector(lo, hi, ir.Constant(v16i, list(range(16))))
+        pb = _ptr(context, builder, st[4], args[4], st[5], args[5])
+        acc = builder.add(acc, builder.load(builder.bitcast(pb, v16i.as_pointer()), align=1))
+        return builder.sitofp(acc, ir.VectorType(_F32, 16))
+
+    return f32x16(w, xq, xi, xs, bias, bi), codegen
 
 
 def has_avx2_codegen() -> bool:
@@ -239,16 +335,36 @@ q8dot = _make_q8dot(q8dot_kind())
 q8dot_avx2 = _make_q8dot("avx2")
 q8dot_portable = _make_q8dot("portable")
 
+#: Where the integer dot is AVX2 without VNNI, the activations are stored as 16-bit words
+#: ``256 * h + l`` (``q8dotw``, one ``vpmaddwd`` per 16 products) instead of two digit rows
+#: (``q8dot``, two ``vpmaddubsw`` + two ``vpmaddwd`` per 32): the same integers, half the
+#: vector multiplies, which bound the kernel on CPUs with one vector-multiply pipe.
+WORDS = q8dot_kind() == "avx2"
+_unpack = i4words64 if WORDS else i4unpack64
+_dot = q8dotw if WORDS else q8dot
+#: Bytes of a token's prepared activations per 64-column chunk, at ``t * xstride + g * _XG``
+#: (the digit layout keeps its ``l`` digits ``I`` bytes after the ``h`` digits).
+_XG = 128 if WORDS else 64
+
 
 # ============================================================================ kernels
 
 
 @njit(nogil=True, cache=True)
 def q8_prep(x, xq, bias, sx, xstride, bstride):  # type: ignore[no-untyped-def]
-    """x [T, I] -> xq int8 digits (token ``t`` at ``t * xstride``: [2, I], reordered, see the
-    module docstring), bias int32 (token ``t`` at ``t * bstride``: [G * 16]), sx [T, G].
+    """x [T, I] -> xq (token ``t`` at ``t * xstride``, in this machine's layout: ``WORDS``),
+    bias int32 (token ``t`` at ``t * bstride``: [G * 16]), sx [T, G]; see ``q8_prep_as``."""
+    q8_prep_as(x, xq, bias, sx, xstride, bstride, WORDS)
+
+
+@njit(nogil=True, cache=True)
+def q8_prep_as(x, xq, bias, sx, xstride, bstride, words):  # type: ignore[no-untyped-def]
+    """x [T, I] -> xq: per token, either the int8 digits ([2, I], reordered, see the module
+    docstring) or, with ``words``, per 64-column chunk the 64 int16 words ``256 * h + l`` in
+    the planes of ``i4words64``; bias and sx as ``q8_prep``: the same digits either way.
     The strides are a little more than ``2 * I`` / ``G * 16`` so that the tokens of a tile
     do not all map to the same L1 sets (rows 4 KiB apart alias)."""
+    xg = 128 if words else 64
     n_tok, n_in = x.shape
     n_groups = n_in // 64
     lim = np.float32(127.0)
@@ -261,32 +377,44 @@ def q8_prep(x, xq, bias, sx, xstride, bstride):  # type: ignore[no-untyped-def]
                 a = abs(x[t, c0 + c])
                 if a > amax:
                     amax = a
-            qh = t * xstride + c0  # the h digits of this group; the l digits n_in later
+            # digit layout: the h digits of this group here, the l digits n_in later;
+            # word layout: 64 words (128 bytes) here
+            qh = t * xstride + g * xg
             bh = t * bstride + g * 16
             if amax == 0.0:
                 sx[t * n_groups + g] = np.float32(0.0)
                 for c in range(64):
-                    xq[qh + c] = 0
-                    xq[qh + n_in + c] = 0
+                    if words:
+                        xq[qh + c] = 0
+                        xq[qh + 64 + c] = 0
+                    else:
+                        xq[qh + c] = 0
+                        xq[qh + n_in + c] = 0
                 for k in range(16):
                     bias[bh + k] = 0
                 continue
             inv = lim / amax
             sx[t * n_groups + g] = amax / lim / fine  # / 256 exactly: a power of two
-            for j in range(64):
-                col = c0 + 2 * j if j < 32 else c0 + 2 * (j - 32) + 1
-                v = x[t, col] * inv
-                h = np.rint(v)
-                lo = np.rint((v - h) * fine)
-                lo = min(max(lo, np.float32(-127.0)), np.float32(127.0))
-                xq[qh + j] = np.int8(h)
-                xq[qh + n_in + j] = np.int8(lo)
             for k in range(16):
                 sh = np.int32(0)
                 sl = np.int32(0)
-                for j in range(4):
-                    sh += np.int32(xq[qh + 4 * k + j])
-                    sl += np.int32(xq[qh + n_in + 4 * k + j])
+                for j in range(4 * k, 4 * k + 4):  # position j of [low nibbles | high nibbles]
+                    col = c0 + 2 * j if j < 32 else c0 + 2 * (j - 32) + 1
+                    v = x[t, col] * inv
+                    h = np.rint(v)
+                    lo = np.rint((v - h) * fine)
+                    lo = min(max(lo, np.float32(-127.0)), np.float32(127.0))
+                    sh += np.int32(h)
+                    sl += np.int32(lo)
+                    if words:  # plane (col & 1) * 2 + (col >> 1 & 1), word (col - c0) >> 2
+                        c = col - c0
+                        wi = qh + 2 * (((c & 1) * 2 + ((c >> 1) & 1)) * 16 + (c >> 2))
+                        word = np.int32(256) * np.int32(h) + np.int32(lo)
+                        xq[wi] = np.int8(np.int16(word) & 255)  # little-endian int16
+                        xq[wi + 1] = np.int8(np.int16(word) >> 8)
+                    else:
+                        xq[qh + j] = np.int8(h)
+                        xq[qh + n_in + j] = np.int8(lo)
                 bias[bh + k] = np.int32(-2048) * sh + np.int32(-8) * sl  # 256*(-8 sh) - 8 sl
 
 
@@ -308,9 +436,9 @@ def _q8_row_pair(packed, scales, o, nb, xq, xo, bias, bo, sx, so, pf):  # type: 
             prefetch(packed, row + g0 + pf)
             prefetch(packed, row + nb + g0 + pf)
         xs = sx[so + g]
-        xi, bi = xo + g * 64, bo + g * 16
-        fa = q8dot(i4unpack64(packed, row + g0), xq, xi, n_in, bias, bi)
-        fb = q8dot(i4unpack64(packed, row + nb + g0), xq, xi, n_in, bias, bi)
+        xi, bi = xo + g * _XG, bo + g * 16
+        fa = _dot(_unpack(packed, row + g0), xq, xi, n_in, bias, bi)
+        fb = _dot(_unpack(packed, row + nb + g0), xq, xi, n_in, bias, bi)
         a = vfma16(vsplat16(scales[srow + g] * xs), fa, a)
         b = vfma16(vsplat16(scales[srow + n_chunks + g] * xs), fb, b)
     return a, b
@@ -327,7 +455,7 @@ def _q8_row(packed, scales, o, nb, xq, xo, bias, bo, sx, so, pf):  # type: ignor
         g0 = g * 32
         if pf > 0 and g % 2 == 0:
             prefetch(packed, row + g0 + pf)
-        f = q8dot(i4unpack64(packed, row + g0), xq, xo + g * 64, n_in, bias, bo + g * 16)
+        f = _dot(_unpack(packed, row + g0), xq, xo + g * _XG, n_in, bias, bo + g * 16)
         a = vfma16(vsplat16(scales[o * n_chunks + g] * sx[so + g]), f, a)
     return a
 
@@ -460,6 +588,7 @@ def q8_expert(x, ids, gates, e, gp, gs, up, us, dp, ds, pf):  # type: ignore[no-
 #: Every compiled kernel (tests check they were built with ``nogil=True``).
 KERNELS = (
     q8_prep,
+    q8_prep_as,
     q8_gemv,
     q8_gemm,
     _q8_row,

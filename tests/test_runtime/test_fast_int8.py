@@ -134,6 +134,61 @@ def test_vnni_avx2_and_portable_integer_paths_agree(variant: str) -> None:
     print(f"q8dot in use: {q8mod.q8dot_kind()}")
 
 
+def test_word_layout_gives_the_digit_integers() -> None:
+    """AVX2 without VNNI stores the activations as words ``256 * h + l`` and multiplies them by
+    ``vpmaddwd`` (``q8dotw``): from the same ``x``, its prep holds the very digits, biases and
+    scales of the digit layout, and its 16 lanes are the integers of the portable digit path
+    lane for lane, so the kernels give the same bits whichever layout a CPU takes."""
+    if not q8mod.has_avx2_codegen():
+        pytest.skip("this CPU has no AVX2 (vpmaddwd)")
+    rng = np.random.default_rng(6)
+    n_tok, n_in = 3, 320
+    n_g = n_in // 64
+    x = rng.standard_normal((n_tok, n_in), dtype=np.float32)
+    x[1, 64:128] = 0  # an all-zero chunk
+    x[2, :64] *= 1e4  # digits at the extremes
+    xstride, bstride = q8mod.q8_strides(n_in)
+    prepped = []
+    for words in (False, True):
+        xq = np.zeros(n_tok * xstride, np.int8)
+        bias = np.zeros(n_tok * bstride, np.int32)
+        sx = np.zeros(n_tok * n_g, np.float32)
+        q8mod.q8_prep_as(x, xq, bias, sx, xstride, bstride, words)
+        prepped.append((xq, bias, sx))
+    (xd, bd, sd), (xw, bw, sw) = prepped
+    np.testing.assert_array_equal(bd, bw)
+    np.testing.assert_array_equal(sd, sw)
+    for t in range(n_tok):
+        row = xd[t * xstride : t * xstride + 2 * n_in].astype(np.int32)
+        h, lo = row[:n_in].reshape(n_g, 64), row[n_in:].reshape(n_g, 64)
+        pos = np.r_[0:64:2, 1:64:2]  # position j of [low | high nibbles] holds column pos[j]
+        v = np.empty((n_g, 64), np.int32)
+        v[:, pos] = 256 * h + lo  # by column
+        wv = xw[t * xstride : t * xstride + 2 * n_in].view(np.int16).reshape(n_g, 4, 16)
+        for plane, first in enumerate((0, 2, 1, 3)):  # columns 4m, 4m+2, 4m+1, 4m+3
+            np.testing.assert_array_equal(wv[:, plane, :], v[:, first::4])
+
+    @njit(nogil=True)
+    def lanes(packed, xd, xw, bias, n_g, n_in, xstride, bstride, n_tok):  # type: ignore[no-untyped-def]
+        a = np.zeros(n_tok * n_g * 16, np.float32)
+        b = np.zeros(n_tok * n_g * 16, np.float32)
+        for t in range(n_tok):
+            for g in range(n_g):
+                bi, out = t * bstride + g * 16, (t * n_g + g) * 16
+                ww = q8mod.i4words64(packed, g * 32)
+                wd = q8mod.i4unpack64(packed, g * 32)
+                vstore16(a, out, q8mod.q8dotw(ww, xw, t * xstride + g * 128, 0, bias, bi))
+                dot = q8mod.q8dot_portable(wd, xd, t * xstride + g * 64, n_in, bias, bi)
+                vstore16(b, out, dot)
+        return a, b
+
+    packed = rng.integers(0, 256, n_g * 32, dtype=np.uint8)
+    packed[:32] = 0xFF  # nibbles at the extremes
+    a, b = lanes(packed, xd, xw, bd, n_g, n_in, xstride, bstride, n_tok)
+    np.testing.assert_array_equal(a, b)
+    assert np.count_nonzero(a) > a.size // 2
+
+
 def test_eligibility_and_linear_fallback() -> None:
     assert q8_eligible(128, 64) and q8_eligible(128, None) and q8_eligible(256, 128)
     assert not q8_eligible(96, 32) and not q8_eligible(200, 64) and not q8_eligible(192, 128)
