@@ -87,6 +87,10 @@ _NIBBLE_ZERO = 0x88  # a padding byte: both nibbles decode to weight 0
 _REGS_MAX_NB = 512
 _REGS_MAX_NB_FEW = 1024
 _REGS_FEW_T = 8
+#: int4 8 lanes: up to ``_FEW_MAX_T`` tokens take ``_i4_gemm_few`` (64-column groups or per-row
+#: scales), in runs of up to ``_FEW_RUN`` tokens per pass over a row; more take ``_i4_gemm``.
+_FEW_MAX_T = 4
+_FEW_RUN = 4
 
 
 # ============================================================================ x preparation
@@ -334,6 +338,60 @@ def _i4_gemm(packed, scales, n_out, nb, gbytes, s_row, s_step, y, ys, out, pf): 
             for r in range(nr):
                 for u in range(nt):
                     out[t0 + u, o0 + r] = vhsum(vload(acc, (r * _TILE + u) * 8))
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _i4_row_few(packed, scales, row, srow, s_step, n_full, y, ys, y0, nt, pf):  # type: ignore[no-untyped-def]
+    """One weight row against ``nt`` (1..4) tokens whose ``_i4_prep`` rows start at ``y0``:
+    each decoded chunk serves every token, the accumulators stay in registers. Per token
+    exactly the arithmetic of ``_i4_gemv``'s hot path (the unused accumulators stay zero)."""
+    a = vzero()
+    b = vzero()
+    c = vzero()
+    d = vzero()
+    step = 2 * ys
+    for g in range(n_full):
+        g0 = g * 32
+        if pf > 0:
+            prefetch(packed, row + g0 + pf)
+        w = _i4_decode32(packed, row + g0)
+        s = vsplat(scales[srow + g * s_step])
+        a = vfma(s, _i4_dot32(w, y, y0 + g0, ys), a)
+        if nt > 1:
+            b = vfma(s, _i4_dot32(w, y, y0 + step + g0, ys), b)
+        if nt > 2:
+            c = vfma(s, _i4_dot32(w, y, y0 + 2 * step + g0, ys), c)
+        if nt > 3:
+            d = vfma(s, _i4_dot32(w, y, y0 + 3 * step + g0, ys), d)
+    return a, b, c, d
+
+
+@njit(nogil=True, cache=True)
+def _i4_gemm_few(packed, scales, n_out, nb, s_row, s_step, y, ys, out, pf):  # type: ignore[no-untyped-def]
+    """A few tokens (at most ``_FEW_MAX_T``), one 32-byte chunk per group (``gbytes == 32``,
+    ``nb`` a multiple of 32): per row, the tokens in runs of up to ``_FEW_RUN`` that share each
+    decoded chunk, with their accumulators in registers (``_i4_row_few``). Per (token, row)
+    exactly the arithmetic of ``_i4_gemv``'s hot path, so the same bits. (The blocked
+    ``_i4_gemm`` keeps its accumulators in memory: on a core with two address units its loads
+    and stores, not its FMAs, bound it at a few tokens.)"""
+    n_tok = out.shape[0]
+    n_full = nb // 32
+    for o in range(n_out):
+        row = o * nb
+        srow = o * s_row
+        for t in range(0, n_tok, _FEW_RUN):
+            nt = min(_FEW_RUN, n_tok - t)
+            a, b, c, d = _i4_row_few(
+                packed, scales, row, srow, s_step, n_full, y, ys, t * 2 * ys, nt,
+                pf if t == 0 else 0,
+            )  # fmt: skip
+            out[t, o] = vhsum(a)
+            if nt > 1:
+                out[t + 1, o] = vhsum(b)
+            if nt > 2:
+                out[t + 2, o] = vhsum(c)
+            if nt > 3:
+                out[t + 3, o] = vhsum(d)
 
 
 # ============================================================================ int4, 16 lanes
@@ -894,6 +952,8 @@ def _i4_apply(y, ys, packed, scales, walk, out, pf):  # type: ignore[no-untyped-
             _i4_gemv(packed, scales, n_out, nb, gbytes, s_row, s_step, y, ys, out[0], pf)
     elif wide:
         _i4_gemm16(packed, scales, n_out, nb, gbytes, s_row, s_step, y, ys, out, pf)
+    elif gbytes == 32 and nb % 32 == 0 and out.shape[0] <= _FEW_MAX_T:
+        _i4_gemm_few(packed, scales, n_out, nb, s_row, s_step, y, ys, out, pf)
     else:
         _i4_gemm(packed, scales, n_out, nb, gbytes, s_row, s_step, y, ys, out, pf)
 
@@ -958,6 +1018,7 @@ KERNELS = (
     _pad_rows,
     _i4_gemv,
     _i4_gemm,
+    _i4_gemm_few,
     _i4_gemv16,
     _i4_gemm16,
     _i4_decode32x16,

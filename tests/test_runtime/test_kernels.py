@@ -114,13 +114,16 @@ def test_realistic_expert_gemv_shapes(lanes: int) -> None:
 
 @pytest.mark.parametrize("fmt", ["int4-g64", "int4-row", "int4-g128"])
 @pytest.mark.parametrize("n_in", [128, 2048, 2112])
-def test_int4_small_t_kernels_equal_one_token_calls(fmt: str, n_in: int) -> None:
-    """16 lanes, T = 2..9: rows of 64-column groups take the register-tile kernel (tiles of
+@pytest.mark.parametrize("lanes", [8, 16])
+def test_int4_small_t_kernels_equal_one_token_calls(fmt: str, n_in: int, lanes: int) -> None:
+    """T = 2..9. 16 lanes: rows of 64-column groups take the register-tile kernel (tiles of
     4, the last of 1 to 4 tokens) up to 1024 columns, and up to 2048 columns for at most 8
-    tokens (T = 9 at 2048: the blocked one), longer rows and larger groups the blocked one;
-    every token's row equals its one-token call bit for bit."""
+    tokens (T = 9 at 2048: the blocked one), longer rows and larger groups the blocked one.
+    8 lanes: up to 4 tokens on 64-column groups or per-row scales (whole 32-byte chunks: not
+    2112 columns) take the few-token kernel, the rest the blocked one. Every token's row
+    equals its one-token call bit for bit."""
     q = _weights(fmt, 40, n_in, seed=n_in)
-    mm = _matmul(q, 16)
+    mm = _matmul(q, lanes)
     x = _x(9, n_in, seed=1)
     x[2] *= -1e4
     alone = np.concatenate([mm(x[t : t + 1]) for t in range(9)])
