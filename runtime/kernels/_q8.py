@@ -230,7 +230,8 @@ def q8dotw(typingctx: Any, w: Any, xq: Any, xi: Any, xs: Any, bias: Any, bi: Any
 
 
 def has_avx2_codegen() -> bool:
-    """Whether the code numba generates for this CPU may use AVX2's ``vpmaddubsw``."""
+    """Whether the code numba generates for this CPU may use AVX2's ``vpmaddubsw`` and
+    ``vpmaddwd``."""
     return "avx2" in host_codegen_features()
 
 
@@ -364,8 +365,9 @@ def q8_prep_as(x, xq, bias, sx, xstride, bstride, words):  # type: ignore[no-unt
     the planes of ``i4words64``; bias and sx as ``q8_prep``: the same digits either way.
     The strides are a little more than ``2 * I`` / ``G * 16`` so that the tokens of a tile
     do not all map to the same L1 sets (rows 4 KiB apart alias)."""
-    xg = 128 if words else 64
     n_tok, n_in = x.shape
+    xg = 128 if words else 64  # a chunk's bytes at qh (digits: its h digits)
+    half = 64 if words else n_in  # where the second half of a chunk's bytes starts after qh
     n_groups = n_in // 64
     lim = np.float32(127.0)
     fine = np.float32(256.0)
@@ -384,12 +386,8 @@ def q8_prep_as(x, xq, bias, sx, xstride, bstride, words):  # type: ignore[no-unt
             if amax == 0.0:
                 sx[t * n_groups + g] = np.float32(0.0)
                 for c in range(64):
-                    if words:
-                        xq[qh + c] = 0
-                        xq[qh + 64 + c] = 0
-                    else:
-                        xq[qh + c] = 0
-                        xq[qh + n_in + c] = 0
+                    xq[qh + c] = 0
+                    xq[qh + half + c] = 0
                 for k in range(16):
                     bias[bh + k] = 0
                 continue
@@ -409,9 +407,9 @@ def q8_prep_as(x, xq, bias, sx, xstride, bstride, words):  # type: ignore[no-unt
                     if words:  # plane (col & 1) * 2 + (col >> 1 & 1), word (col - c0) >> 2
                         c = col - c0
                         wi = qh + 2 * (((c & 1) * 2 + ((c >> 1) & 1)) * 16 + (c >> 2))
-                        word = np.int32(256) * np.int32(h) + np.int32(lo)
-                        xq[wi] = np.int8(np.int16(word) & 255)  # little-endian int16
-                        xq[wi + 1] = np.int8(np.int16(word) >> 8)
+                        word = np.int16(np.int32(256) * np.int32(h) + np.int32(lo))
+                        xq[wi] = np.int8(word & 255)  # little-endian int16
+                        xq[wi + 1] = np.int8(word >> 8)
                     else:
                         xq[qh + j] = np.int8(h)
                         xq[qh + n_in + j] = np.int8(lo)
