@@ -490,6 +490,7 @@ class Engine:
             fast_prefill_matmuls=pre.fast_calls,
             kernels=self._kernels.as_dict(),
             split_matmuls=comp.split_calls + (0 if pre is comp else pre.split_calls),
+            split_experts=comp.split_experts + (0 if pre is comp else pre.split_experts),
         )
         store = self._store
         if store is None:

@@ -30,6 +30,7 @@ class ComputeStats:
     fast_prefill_matmuls: int  # projections computed by dequantize + BLAS
     kernels: dict[str, Any] | None = None  # runtime.kernels.isa.kernel_info(): variant, CPU ISA
     split_matmuls: int = 0  # one-token matmuls whose output features ran on every thread
+    split_experts: int = 0  # routed experts computed in parts by every thread (uneven steps)
 
 
 @dataclass(frozen=True, slots=True)

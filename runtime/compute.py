@@ -37,11 +37,13 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from runtime.countdown import Countdown, iterations_per_us
 from runtime.kernels.dequant import dequantize
 from runtime.kernels.quant_matmul import (
     Int4Weight,
     Q8Input,
     Q8Weight,
+    SplitExpert,
     q8_input,
     routed_expert_int4,
     routed_expert_int4_q8,
@@ -55,6 +57,8 @@ __all__ = ["KERNEL_MODES", "ExpertCompute", "KernelMode"]
 
 _WORKER_PREFIX = "colibri-expert"
 SPLIT_MIN_MACS = 1 << 23
+#: How long a thread waiting for the other parts of a split expert polls before it sleeps (us).
+POLL_US = 2000.0
 KernelMode = Literal["exact", "fast-int8"]
 #: One-call SwiGLU weights: the exact int4 kernel's, or (fast-int8) the int8 kernel's.
 Fused = tuple[
@@ -96,9 +100,11 @@ class ExpertCompute:
         self._owns_pool = share is None
         self.threads: int
         self._pool: ThreadPoolExecutor | None
+        self._poll_iters: int
         if share is not None:
             self.threads = share.threads
             self._pool = share._pool
+            self._poll_iters = share._poll_iters
         else:
             self.threads = threads
             self._pool = (
@@ -106,6 +112,7 @@ class ExpertCompute:
                 if threads > 1
                 else None
             )
+            self._poll_iters = int(POLL_US * iterations_per_us()) if threads > 1 else 0
         self._scratch = threading.local()  # per worker thread: one dequantized projection
         # per thread: True while the compute thread runs its share of a step's jobs (it then
         # splits nothing over the pool, like a worker)
@@ -114,6 +121,7 @@ class ExpertCompute:
         self.fast_calls = 0  # projections computed by dequantize + BLAS
         self.parallel_steps = 0  # MoE steps spread over the pool
         self.split_calls = 0  # matmuls whose output features were split over the pool
+        self.split_experts = 0  # routed experts computed in parts by several threads
 
     def close(self) -> None:
         """Stop the pool (when this instance started it); later steps run serially."""
@@ -212,6 +220,33 @@ class ExpertCompute:
                 f.result()
         return results
 
+    def _part_jobs(self, parts: SplitExpert) -> list[Callable[[], None]]:
+        """:meth:`_share` jobs computing ``parts``: the activation ranges, then the output
+        ranges, each of which first waits for every activation range. Runners take jobs in
+        order and finish what they took, so the wait always ends (a failed range counts as
+        finished; its error is what the step raises)."""
+        n_h = len(parts.f_edges) - 1
+        ready = Countdown(n_h, self._poll_iters)
+
+        def h(i: int) -> None:
+            ok = False
+            try:
+                parts.h_part(i)
+                ok = True
+            finally:
+                ready.tick(ok)
+
+        def out(i: int) -> None:
+            ready.wait()
+            if not ready.failed:
+                parts.out_part(i)
+
+        with self._lock:
+            self.split_experts += 1
+        jobs: list[Callable[[], None]] = [functools.partial(h, i) for i in range(n_h)]
+        jobs += [functools.partial(out, i) for i in range(len(parts.d_edges) - 1)]
+        return jobs
+
     def map_rows(self, blocks: Sequence[tuple[int, int]], fn: Callable[[int, int], R]) -> list[R]:
         """``[fn(a, b) for each block]`` on this thread and the pool (:meth:`_share`), in block
         order."""
@@ -279,6 +314,24 @@ class ExpertCompute:
             return routed_expert_int4(x, ids, gates, e, *f[0])
         return moe_ops.expert_output(x, ids, gates, e, w, self.swiglu)
 
+    def split_expert(
+        self, x: F32Array, ids: npt.NDArray[np.int64], gates: F32Array, e: int, w: MLPWeights
+    ) -> SplitExpert | None:
+        """:meth:`expert_output` in parts for every thread of the pool (the same bits), or None
+        when it is not one exact int4 kernel call (see :meth:`_fused_for`) or there is no
+        pool."""
+        if self._pool is None:
+            return None
+        was = getattr(self._sharing, "on", False)
+        self._sharing.on = True  # decided as for a job of the step (which splits nothing)
+        try:
+            f = self._fused_for(w, x.shape[0])
+        finally:
+            self._sharing.on = was
+        if f is None or f[0] is None:
+            return None
+        return SplitExpert(x, ids, gates, e, *f[0], self.threads)
+
     def _fused_for(self, w: MLPWeights, n_rows: int) -> Fused | None:
         """How :meth:`swiglu` runs ``n_rows`` rows (or fewer) of ``w`` as one kernel call on
         this thread: (``fused(w)``, None) with the exact kernels, (None, ``fused_q8(w)``) under
@@ -334,6 +387,7 @@ class ExpertCompute:
         macs: int,
         guess: Guess | None,
         side: Callable[[], S] | None,
+        split: Callable[[int, MLPWeights], SplitExpert | None] | None = None,
     ) -> tuple[dict[int, R], S | None]:
         """:meth:`run`, plus ``side`` (the shared expert: work that needs no routed expert)
         computed while the step's reads are in flight rather than after its last arrival: on a
@@ -343,7 +397,12 @@ class ExpertCompute:
         ``guess``: the next layer's prediction, not made yet. On the pool it is made on a
         worker once the step's reads are queued (``source.map_arrivals``), so its router is off
         the path that decides when the step's first read starts; serially it is made here
-        first and goes to ``source.arrivals`` with the step."""
+        first and goes to ``source.arrivals`` with the step.
+
+        ``split``: an expert in parts (:meth:`split_expert` with the step's rows: the parts
+        give ``fn``'s result, bit for bit). When every expert is resident and the jobs do not
+        divide evenly over the threads, the last expert runs in parts on all of them, so no
+        thread idles through a whole expert at the step's end."""
         if self._pool is None or macs < self.parallel_min_macs:
             out: dict[int, R] = {}
             extra: S | None = None
@@ -360,7 +419,15 @@ class ExpertCompute:
                 ws = list(source.get(layer, experts).items())
                 jobs: list[Callable[[], Any]] = [side] if side is not None else []
                 jobs += [functools.partial(fn, e, w) for e, w in ws]
+                parts = None
+                if split is not None and ws and len(jobs) % self.threads:
+                    parts = split(*ws[-1])
+                n_whole = len(jobs) - (parts is not None)
+                if parts is not None:
+                    jobs = jobs[:n_whole] + self._part_jobs(parts)
                 got = self._share(jobs)
+                if parts is not None:
+                    got = [*got[:n_whole], parts.result()]
                 routed = got[1:] if side is not None else got
                 return dict(zip([e for e, _ in ws], routed, strict=True)), (
                     got[0] if side is not None else None
@@ -379,5 +446,6 @@ class ExpertCompute:
             "fast_calls": self.fast_calls,
             "parallel_steps": self.parallel_steps,
             "split_calls": self.split_calls,
+            "split_experts": self.split_experts,
             "kernels": self.kernels,
         }

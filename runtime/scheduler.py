@@ -40,6 +40,7 @@ from runtime.weights import Guess, Lookahead
 if TYPE_CHECKING:
     from runtime.context import Observer, StepContext
     from runtime.experts import ExpertStore
+    from runtime.kernels.quant_matmul import SplitExpert
     from runtime.layers.moe import MoEWeights
     from runtime.speculative import SpeculativeDecoder
     from runtime.weights import ExpertSource, ExpertWeights
@@ -107,8 +108,11 @@ def moe_step(
         return moe_ops.shared(moe, x, comp.swiglu)
 
     # the shared expert is computed while the step's reads are in flight
+    def parts(e: int, w: ExpertWeights) -> SplitExpert | None:
+        return comp.split_expert(x, ids, gates, e, w)
+
     outputs, side = comp.run_step(
-        experts, layer, moe_ops.union(ids), one, ids.size * expert_macs, guess, shared_out
+        experts, layer, moe_ops.union(ids), one, ids.size * expert_macs, guess, shared_out, parts
     )
     routed = moe_ops.combine(x, ids, outputs)
     ctx.timing.moe_s += time.perf_counter() - t0

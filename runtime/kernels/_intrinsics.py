@@ -6,8 +6,11 @@
 * :func:`f16_bits_to_f32` — IEEE half bits (uint16) -> float32 (exact; ``vcvtph2ps`` with F16C).
   numba's CPU target has no float16 type, so f16 weights travel as raw uint16 bits.
 * :func:`u32_bits_to_f32` — reinterpret uint32 bits as float32 (bf16 is the top half of an f32).
+* :func:`load_acquire` — an atomic (acquire) load of an int64 array element: a loop polling a
+  cell another thread writes must read memory on every pass (a plain load may be hoisted out
+  of the loop).
 
-All three are pure functions of their inputs and safe in ``nogil`` code.
+The first three are pure functions of their inputs; all four are safe in ``nogil`` code.
 
 Shape legend: idx: flat element index into a C-contiguous array; u: an unsigned integer holding raw
 bits.
@@ -22,7 +25,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-__all__ = ["f16_bits_to_f32", "prefetch", "u32_bits_to_f32"]
+__all__ = ["f16_bits_to_f32", "load_acquire", "prefetch", "u32_bits_to_f32"]
 
 _I32 = ir.IntType(32)
 
@@ -90,5 +93,26 @@ def u32_bits_to_f32(typingctx: Any, bits: Any) -> Any:
         elif width < 32:
             val = builder.zext(val, _I32)
         return builder.bitcast(val, ir.FloatType())
+
+    return sig, codegen
+
+
+@_intrinsic
+def load_acquire(typingctx: Any, arr: Any, idx: Any) -> Any:
+    """``load_acquire(arr, idx)``: ``arr.flat[idx]`` of an int64 array, read atomically with
+    acquire ordering (no bounds check: ``idx`` must be in range)."""
+    if (
+        not isinstance(arr, types.Array)
+        or arr.dtype != types.int64
+        or not isinstance(idx, types.Integer)
+    ):
+        return None
+    sig = types.int64(arr, idx)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        arr_val, idx_val = args
+        ary = context.make_array(signature.args[0])(context, builder, arr_val)
+        offset = context.cast(builder, idx_val, signature.args[1], types.intp)
+        return builder.load_atomic(builder.gep(ary.data, [offset]), "acquire", 8)
 
     return sig, codegen

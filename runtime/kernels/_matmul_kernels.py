@@ -976,10 +976,9 @@ def i4_swiglu(x, gp, gsc, gw, upk, usc, uw, dp, dsc, dw, out, pf):  # type: igno
 
 
 @njit(nogil=True, cache=True)
-def i4_expert(x, ids, gates, e, gp, gsc, gw, upk, usc, uw, dp, dsc, dw, pf):  # type: ignore[no-untyped-def]
-    """Routed expert ``e`` on the rows of ``x`` [T, D] routed to it (``ids`` [T, K]): (rows
-    [n] ascending, ``gate * swiglu(x[rows])`` [n, D]), as ``np.nonzero``, the gather,
-    ``i4_swiglu`` and the gate product compute it, in one call."""
+def expert_gather(x, ids, gates, e):  # type: ignore[no-untyped-def]
+    """The rows of ``x`` [T, D] that ``ids`` [T, K] route to expert ``e``: (rows [n] ascending,
+    their gate weights [n], ``x[rows]`` [n, D]), as ``np.nonzero(ids == e)`` and the gathers."""
     n_tok, k = ids.shape
     n = 0
     for t in range(n_tok):
@@ -997,6 +996,16 @@ def i4_expert(x, ids, gates, e, gp, gsc, gw, upk, usc, uw, dp, dsc, dw, pf):  # 
                 g[r] = gates[t, j]
                 xe[r] = x[t]
                 r += 1
+    return rows, g, xe
+
+
+@njit(nogil=True, cache=True)
+def i4_expert(x, ids, gates, e, gp, gsc, gw, upk, usc, uw, dp, dsc, dw, pf):  # type: ignore[no-untyped-def]
+    """Routed expert ``e`` on the rows of ``x`` [T, D] routed to it (``ids`` [T, K]): (rows
+    [n] ascending, ``gate * swiglu(x[rows])`` [n, D]), as ``np.nonzero``, the gather,
+    ``i4_swiglu`` and the gate product compute it, in one call."""
+    rows, g, xe = expert_gather(x, ids, gates, e)
+    n = rows.shape[0]
     out = np.empty((n, dw[0]), np.float32)
     if n:
         i4_swiglu(xe, gp, gsc, gw, upk, usc, uw, dp, dsc, dw, out, pf)
@@ -1006,11 +1015,55 @@ def i4_expert(x, ids, gates, e, gp, gsc, gw, upk, usc, uw, dp, dsc, dw, pf):  # 
     return rows, out
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _i4_rows(walk, a, b):  # type: ignore[no-untyped-def]
+    """The walk of rows ``[a, b)`` of an int4 weight (their bytes and scales are contiguous)."""
+    return (b - a, walk[1], walk[2], walk[3], walk[4], walk[5], walk[6])
+
+
+@njit(nogil=True, cache=True)
+def i4_swiglu_part(xe, gp, gsc, gw, upk, usc, uw, a, b, h, pf):  # type: ignore[no-untyped-def]
+    """``h[:, a:b] = silu(gate(xe)) * up(xe)`` for intermediate features ``[a, b)`` only: the
+    same kernels on the same prepared rows as ``i4_swiglu`` (a feature's value does not depend
+    on which rows share the call; ``a`` a multiple of 16 keeps ``silu_mul``'s walk), so these
+    columns carry the same bits as the whole call's."""
+    n_tok = xe.shape[0]
+    ys = _i4_stride(gw[2])
+    y = _i4_prep(xe, gw[2], ys)
+    g = np.empty((n_tok, b - a), np.float32)
+    u = np.empty((n_tok, b - a), np.float32)
+    gpart = (gp[a * gw[2] : b * gw[2]], gsc[a * gw[4] : b * gw[4]], _i4_rows(gw, a, b))
+    upart = (upk[a * uw[2] : b * uw[2]], usc[a * uw[4] : b * uw[4]], _i4_rows(uw, a, b))
+    _i4_apply(y, ys, gpart[0], gpart[1], gpart[2], g, pf)
+    _i4_apply(y, ys, upart[0], upart[1], upart[2], u, pf)
+    silu_mul(g, u, g)
+    for t in range(n_tok):
+        for f in range(b - a):
+            h[t, a + f] = g[t, f]
+
+
+@njit(nogil=True, cache=True)
+def i4_down_part(h, dp, dsc, dw, c, d, g, out, pf):  # type: ignore[no-untyped-def]
+    """``out[:, c:d] = g[:, None] * (h @ down.T)[:, c:d]``: output features ``[c, d)`` of a
+    routed expert from its whole SwiGLU activation ``h`` [n, F] and gate weights ``g`` [n]
+    (the same bits as those columns of ``i4_expert``)."""
+    n_tok = h.shape[0]
+    part = np.empty((n_tok, d - c), np.float32)
+    rows = _i4_rows(dw, c, d)
+    i4_matmul(h, dp[c * dw[2] : d * dw[2]], dsc[c * dw[4] : d * dw[4]], rows, part, pf)
+    for r in range(n_tok):
+        for j in range(d - c):
+            out[r, c + j] = part[r, j] * g[r]
+
+
 #: Every compiled kernel (tests check they were built with ``nogil=True``).
 KERNELS = (
     _i4_gemm16_regs,
     silu_mul,
     i4_expert,
+    expert_gather,
+    i4_swiglu_part,
+    i4_down_part,
     i4_matmul,
     _i4_apply,
     i4_swiglu,

@@ -27,9 +27,12 @@ from runtime.kernels._matmul_kernels import (
     _i4_generic_matmul,
     _i8_matmul16,
     _pad_rows,
+    expert_gather,
+    i4_down_part,
     i4_expert,
     i4_matmul,
     i4_swiglu,
+    i4_swiglu_part,
     silu_mul,
 )
 from runtime.kernels._matmul_kernels import KERNELS as _EXACT_KERNELS
@@ -43,6 +46,7 @@ __all__ = [
     "Int4Weight",
     "Q8Input",
     "Q8Weight",
+    "SplitExpert",
     "matmul_bf16",
     "matmul_f16",
     "matmul_f32",
@@ -312,6 +316,72 @@ def routed_expert_int4(
         *gate, *up, *down, pf,
     )  # fmt: skip
     return rows, out
+
+
+class SplitExpert:
+    """Routed expert ``e`` (int4, as :func:`routed_expert_int4` takes it) in parts that threads
+    can share: every :meth:`h_part` (ranges of the SwiGLU activation's features) must finish
+    before any :meth:`out_part` (ranges of the output features) starts; then :meth:`result` is
+    what :func:`routed_expert_int4` returns, bit for bit (each feature is computed by the same
+    kernel code from the same prepared rows, ranges start at multiples of 16 columns).
+    ``parts``: ranges per phase (fewer when a projection is narrow). Raises ``ValueError`` as
+    :func:`routed_expert_int4` does, and when no row routes to ``e``."""
+
+    def __init__(
+        self,
+        x: F32Array,
+        ids: npt.NDArray[np.int64],
+        gates: F32Array,
+        e: int,
+        gate: Int4Weight,
+        up: Int4Weight,
+        down: Int4Weight,
+        parts: int,
+        *,
+        prefetch_distance: int = DEFAULT_PREFETCH,
+    ) -> None:
+        n_d = _check_mlp("SplitExpert", gate, up, down)
+        xx = _check_x(x, n_d)
+        _check_routing(ids, gates, xx.shape[0])
+        self._pf = _check_prefetch(prefetch_distance)
+        rows, g, xe = expert_gather(xx, np.ascontiguousarray(ids), np.ascontiguousarray(gates), e)
+        if rows.shape[0] == 0:
+            raise ValueError(f"no row routes to expert {e}")
+        self.rows: npt.NDArray[np.intp] = rows
+        self._g, self._xe = g, xe
+        self._w = (gate, up, down)
+        n_f = gate.walk[0]
+        self.f_edges = _edges16(n_f, parts)  # feature ranges of h
+        self.d_edges = _edges16(n_d, parts)  # output feature ranges
+        self.h = np.empty((rows.shape[0], n_f), np.float32)  # [n, F]
+        self.out = np.empty((rows.shape[0], n_d), np.float32)  # [n, D]
+
+    def h_part(self, i: int) -> None:
+        """Features ``f_edges[i]:f_edges[i + 1]`` of the activation ``silu(gate(x)) * up(x)``."""
+        gate, up, _ = self._w
+        a, b = self.f_edges[i], self.f_edges[i + 1]
+        i4_swiglu_part(self._xe, *gate, *up, a, b, self.h, self._pf)
+
+    def out_part(self, i: int) -> None:
+        """Output features ``d_edges[i]:d_edges[i + 1]``, gate-weighted (every :meth:`h_part`
+        done)."""
+        c, d = self.d_edges[i], self.d_edges[i + 1]
+        i4_down_part(self.h, *self._w[2], c, d, self._g, self.out, self._pf)
+
+    def result(self) -> tuple[npt.NDArray[np.intp], F32Array]:
+        return self.rows, self.out
+
+
+def _edges16(n: int, parts: int) -> list[int]:
+    """``[0, ..., n]``: ``parts`` near-equal ranges of ``n`` whose inner edges are multiples of
+    16 (empty ranges dropped)."""
+    edges = [0]
+    for i in range(1, max(1, parts)):
+        cut = round(n * i / parts / 16) * 16
+        if edges[-1] < cut < n:
+            edges.append(cut)
+    edges.append(n)
+    return edges
 
 
 def _check_routing(ids: object, gates: object, n_tok: int) -> None:

@@ -163,6 +163,88 @@ def test_shared_jobs_run_here_and_on_the_workers_in_order() -> None:
         comp.close()
 
 
+@pytest.mark.parametrize("poll_iters", [0, 10**9])
+def test_a_countdown_waits_for_every_part(poll_iters: int) -> None:
+    """``Countdown.wait`` returns once every part ticked (polled or slept: the same), also
+    when a part failed (which it records); the poll kernel runs without the GIL."""
+    from runtime.countdown import KERNELS, Countdown, iterations_per_us
+
+    assert all(k.targetoptions.get("nogil") is True for k in KERNELS)
+    assert iterations_per_us() > 0
+    cd = Countdown(3, poll_iters)
+    go = threading.Event()
+
+    def part(ok: bool) -> None:
+        go.wait(timeout=60)
+        cd.tick(ok)
+
+    threads = [threading.Thread(target=part, args=(i != 1,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    waiter = threading.Thread(target=cd.wait)
+    waiter.start()
+    waiter.join(timeout=0.2)
+    assert waiter.is_alive()  # nothing ticked yet: still waiting
+    go.set()
+    waiter.join(timeout=60)
+    assert not waiter.is_alive() and cd.failed
+    for t in threads:
+        t.join()
+    Countdown(0, poll_iters).wait()  # nothing to wait for
+    with pytest.raises(ValueError, match="parts"):
+        Countdown(-1, 0)
+
+
+def test_an_uneven_step_splits_its_last_expert_over_the_threads() -> None:
+    """With every expert resident and more jobs than divide evenly over the threads, the last
+    expert of a MoE step runs in parts on all of them (``split_experts``), bit-identical to
+    the serial path; a part that fails raises from the step instead of leaving the other
+    thread waiting for it."""
+    from runtime.kernels.quant_matmul import SplitExpert
+    from runtime.layers import moe as moe_ops
+    from runtime.scheduler import moe_step
+
+    c = Container.open(DEMO)
+    m = load_model(c)
+    ids = np.array(PROMPT[:12], dtype=np.int64)
+    serial = StepContext()
+    ref_cache, cache = m.new_cache(), m.new_cache()
+    comp = ExpertCompute(2, parallel_min_macs=0)
+    try:
+        ctx = StepContext(comp)
+        for t in range(ids.size):  # token by token: the steps of decode
+            want = m.forward(ids[t : t + 1], ref_cache, ctx=serial).logits
+            got = m.forward(ids[t : t + 1], cache, ctx=ctx).logits
+            assert np.array_equal(got, want), t
+        assert comp.split_experts > 0
+
+        layer = next(i for i, lw in enumerate(m.weights.layers) if lw.moe is not None)
+        lw = m.weights.layers[layer]
+        x = np.random.default_rng(1).standard_normal((1, m.config.hidden_size)).astype(np.float32)
+        routed = set(moe_ops.route(lw.moe, x)[0].ravel().tolist())
+        assert (len(routed) + 1) % 2 == 1  # K experts plus the shared one: an odd step
+        macs = 3 * m.config.hidden_size * m.config.moe_intermediate_size
+
+        class Broken(SplitExpert):
+            def h_part(self, i: int) -> None:
+                if i == 1:
+                    raise RuntimeError("part 1 failed")
+                super().h_part(i)
+
+        def broken(x: Any, ids: Any, gates: Any, e: int, w: Any) -> SplitExpert:
+            from runtime.layers.swiglu import fused
+
+            f = fused(w)
+            assert f is not None
+            return Broken(x, ids, gates, e, *f, 2)
+
+        comp.split_expert = broken  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="part 1 failed"):
+            moe_step(StepContext(comp), m.experts, layer, lw.moe, x, macs)
+    finally:
+        comp.close()
+
+
 async def _stream(opts: EngineOptions, compute: Any = None) -> tuple[list[int], dict[str, Any]]:
     async with colibri.Engine.open(options=opts) as eng:
         sched = eng._scheduler

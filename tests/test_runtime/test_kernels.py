@@ -439,6 +439,48 @@ def test_routed_expert_in_one_call_is_the_numpy_path_bit_for_bit() -> None:
         routed_expert_int4(x[:4], ids, gates, 0, *f3)
 
 
+@pytest.mark.parametrize("lanes", [8, 16])
+@pytest.mark.parametrize(("fmt", "d", "f"), [("int4-g64", 256, 192), ("int4-row", 160, 320),
+                                             ("int4-g32", 96, 48)])  # fmt: skip
+def test_split_expert_parts_are_the_one_call_bit_for_bit(
+    fmt: str, d: int, f: int, lanes: int
+) -> None:
+    """``SplitExpert``: the activation ranges then the output ranges, run in any order within
+    a phase, give the rows and bits of ``routed_expert_int4`` for experts routed to one row
+    and to several (the ranges start at multiples of 16 columns; a range starting elsewhere
+    changes ``silu_mul``'s or the kernels' walk and would fail this)."""
+    from runtime.kernels.quant_matmul import SplitExpert, routed_expert_int4
+    from runtime.layers.swiglu import MLPWeights, fused
+
+    w = MLPWeights(*(Linear(_weights(fmt, o, i, seed=s), lanes=lanes) for s, (o, i) in
+                     enumerate([(f, d), (f, d), (d, f)])))  # fmt: skip
+    f3 = fused(w)
+    assert f3 is not None
+    rng = np.random.default_rng(7)
+    ids = np.array([rng.permutation(16)[:4] for _ in range(6)], np.int64)  # [T, K]
+    ids[:, 1] = np.arange(6) % 2 + 20  # experts 20 and 21 get three rows each
+    ids[0, 3] = 30  # expert 30: one row
+    gates = rng.random(ids.shape, dtype=np.float32)
+    x = _x(6, d, seed=8)
+    for e in (20, 30):
+        want_rows, want = routed_expert_int4(x, ids, gates, e, *f3)
+        for parts in (2, 3):
+            sp = SplitExpert(x, ids, gates, e, *f3, parts)
+            assert sp.f_edges[0] == 0 and sp.f_edges[-1] == f and len(sp.f_edges) == parts + 1
+            assert all(a % 16 == 0 for a in sp.f_edges[:-1] + sp.d_edges[:-1])
+            for i in reversed(range(len(sp.f_edges) - 1)):
+                sp.h_part(i)
+            for i in reversed(range(len(sp.d_edges) - 1)):
+                sp.out_part(i)
+            rows, got = sp.result()
+            np.testing.assert_array_equal(rows, want_rows)
+            np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    with pytest.raises(ValueError, match="no row routes"):
+        SplitExpert(x, ids, gates, 99, *f3, 2)
+    with pytest.raises(ValueError, match="rows"):
+        SplitExpert(x[:4], ids, gates, 20, *f3, 2)
+
+
 @pytest.mark.parametrize(("fmt", "d", "f"), [("int4-g64", 256, 128), ("int4-row", 192, 320)])
 def test_fast_int8_swiglu_and_expert_in_one_call_are_the_projections_bit_for_bit(
     fmt: str, d: int, f: int
