@@ -46,7 +46,7 @@ def route(w: MoEWeights, x: F32Array) -> tuple[I64Array, F32Array]:
 
 def union(ids: I64Array) -> list[int]:
     """Sorted unique experts over all rows of the step (each is fetched and applied once)."""
-    return [int(e) for e in np.unique(ids)]
+    return sorted(set(ids.ravel().tolist()))  # (np.unique's ~12 us per call: ~2 us here)
 
 
 def ranked_union(ids: I64Array, gates: F32Array) -> list[int]:
@@ -86,7 +86,10 @@ def combine(
         if e not in outputs:
             raise ModelError(f"expert {e} was routed but the expert source did not provide it")
         rows, ye = outputs[e]
-        out[rows] += ye  # rows are unique per expert (top-k ids are distinct)
+        if rows.size == 1:  # one row (decode): basic indexing, the same adds
+            out[rows[0]] += ye[0]
+        else:
+            out[rows] += ye  # rows are unique per expert (top-k ids are distinct)
     return out
 
 

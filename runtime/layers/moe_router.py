@@ -76,7 +76,7 @@ def route(logits: F32Array, bias: F32Array, cfg: RouterConfig) -> tuple[I64Array
         expert_mask = np.repeat(group_mask, e // g, axis=1)  # [T, E]
         choice = np.where(expert_mask, choice, np.float32(-np.inf)).astype(np.float32)
     ids = np.sort(torch_topk_indices(choice, cfg.num_experts_per_tok), axis=1)  # [T, K]
-    weights = np.take_along_axis(scores, ids, axis=1)  # [T, K]
+    weights = scores[np.arange(t)[:, None], ids]  # [T, K] (take_along_axis, without its ~20 us)
     if cfg.norm_topk_prob:
         weights = weights / (weights.sum(axis=-1, keepdims=True) + np.float32(cfg.norm_eps))
     weights = (weights * np.float32(cfg.routed_scaling_factor)).astype(np.float32)  # [T, K]

@@ -15,7 +15,10 @@ F32Array = npt.NDArray[np.float32]
 
 def rms_norm(x: F32Array, weight: F32Array, eps: float) -> F32Array:
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last axis (HF ``*RMSNorm``)."""
-    var = np.mean(np.square(x), axis=-1, keepdims=True, dtype=np.float32)  # [T, 1]
+    # np.mean's sum and division without its wrapper (~10 us per call on a decode step):
+    # the same float32 sum, and one correctly rounded division by the width, so the same bits
+    ss = np.add.reduce(np.square(x), axis=-1, keepdims=True, dtype=np.float32)  # [T, 1]
+    var = ss / np.float32(x.shape[-1])  # [T, 1]
     inv = np.float32(1.0) / np.sqrt(var + np.float32(eps))  # [T, 1]
     return (weight * (x * inv)).astype(np.float32, copy=False)  # [T, D]
 

@@ -9,8 +9,10 @@ kernel (``aten/src/ATen/native/TopKImpl.h``) copies ``(value, index)`` pairs and
 is deterministic, so we reproduce it by porting those libstdc++ routines (verified against
 torch 2.13 on thousands of tie-heavy rows).
 
-Rows whose boundary is not tied have one correct answer, found with ``np.argpartition``; only
-tied rows run the (pure Python, O(n)) port. A tie among ``-inf`` entries (a causally masked
+Rows whose boundary is not tied have one correct answer, found with ``np.argpartition`` (or,
+for a small ``k`` such as an MoE router's, a ``nogil`` selection kernel that spares the dozen
+numpy calls: ~5 us instead of ~95 us for one row of 64 experts); only tied rows run the (pure
+Python, O(n)) port. A tie among ``-inf`` entries (a causally masked
 region) is resolved arbitrarily when ``exact_masked_ties`` is False, because the caller masks
 those entries anyway.
 
@@ -23,8 +25,12 @@ import math
 
 import numpy as np
 import numpy.typing as npt
+from numba import njit
 
-__all__ = ["torch_topk_indices"]
+__all__ = ["KERNELS", "torch_topk_indices"]
+
+#: Largest ``k`` the selection kernel takes (it keeps the k best in a sorted run: O(N k) worst).
+_KERNEL_MAX_K = 32
 
 F32Array = npt.NDArray[np.float32]
 I64Array = npt.NDArray[np.int64]
@@ -54,6 +60,13 @@ def torch_topk_indices(
         return np.zeros((r, 0), dtype=np.int64)
     if k == n:
         return np.broadcast_to(np.arange(n, dtype=np.int64), (r, n)).copy()
+    if lengths is None and k <= _KERNEL_MAX_K:
+        out = np.empty((r, k), np.int64)  # [R, k]
+        tied = np.empty(r, np.bool_)  # [R]
+        if _select(v, k, exact_masked_ties, out, tied):
+            for row in np.flatnonzero(tied):
+                out[row] = _libstdcxx_topk(v[row].tolist(), k)
+        return out
     part = np.argpartition(-v, k - 1, axis=1)  # [R, N]: first k are a valid top-k set
     out = np.ascontiguousarray(part[:, :k], dtype=np.int64)  # [R, k]
     kth = np.take_along_axis(v, part[:, k - 1 : k], axis=1)[:, 0]  # [R] k-th largest
@@ -65,6 +78,54 @@ def torch_topk_indices(
         n_row = n if lengths is None else int(lengths[row])
         out[row] = _libstdcxx_topk(v[row, :n_row].tolist(), k)
     return out
+
+
+@njit(nogil=True, cache=True)
+def _select(v, k, exact_masked_ties, out, tied):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """Per row of ``v`` [R, N] (0 < k < N): ``out[r]`` the indices of the k largest non-NaN
+    values (a value replaces the k-th only when strictly larger) and ``tied[r]`` whether that
+    set is ambiguous: a NaN in the row, fewer than k other values, or a value outside the set
+    equal to the k-th (counted with ``>=``, so -0.0 ties 0.0 as ``==`` does in the numpy
+    path), except a k-th of -inf unless ``exact_masked_ties``. Returns how many rows tied."""
+    n_rows, n = v.shape
+    best = np.empty(k, np.float32)
+    n_tied = 0
+    for r in range(n_rows):
+        cnt = 0
+        nan = False
+        for j in range(n):
+            x = v[r, j]
+            if x != x:
+                nan = True
+                continue
+            if cnt < k:
+                p = cnt
+                cnt += 1
+            elif x > best[k - 1]:
+                p = k - 1
+            else:
+                continue
+            while p > 0 and best[p - 1] < x:
+                best[p] = best[p - 1]
+                out[r, p] = out[r, p - 1]
+                p -= 1
+            best[p] = x
+            out[r, p] = j
+        if cnt < k:
+            tied[r] = True
+        else:
+            kv = best[k - 1]
+            ge = 0
+            for j in range(n):
+                if v[r, j] >= kv:
+                    ge += 1
+            tied[r] = (nan or ge > k) and (exact_masked_ties or kv != -np.inf)
+        n_tied += tied[r]
+    return n_tied
+
+
+#: Every compiled kernel (tests check they were built with ``nogil=True``).
+KERNELS = (_select,)
 
 
 # ----------------------------------------------------------------------------- libstdc++ port

@@ -251,15 +251,36 @@ def test_apply_rope_matches_both_pairings(interleave: bool) -> None:
     np.testing.assert_allclose(apply_rope(k, cos, sin, interleave), wk[0, 0].numpy(), atol=1e-6)
 
 
+def test_rms_norm_is_the_mean_formula_bit_for_bit() -> None:
+    """``rms_norm`` sums and divides without ``np.mean``'s wrapper: the same float32 sum and a
+    correctly rounded division, so the bits of the plain formula for every width and scale."""
+    rng = np.random.default_rng(9)
+    for d in (7, 64, 100, 512, 2048, 7168):
+        for scale in (1e-5, 1.0, 1e5):
+            x = (rng.standard_normal((3, d)) * scale).astype(np.float32)
+            w = rng.standard_normal(d).astype(np.float32)
+            var = np.mean(np.square(x), axis=-1, keepdims=True, dtype=np.float32)
+            want = (w * (x * (np.float32(1.0) / np.sqrt(var + np.float32(1e-6))))).astype(
+                np.float32
+            )
+            got = rms_norm(x, w, 1e-6)
+            np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 # ----------------------------------------------------------------------------- top-k, router
 
 
 def test_topk_sets_equal_torch_including_ties() -> None:
+    """Both ways of finding an untied set (the selection kernel for k <= 32, argpartition
+    beyond) and the tie port give torch's set: integer runs, zeros, -inf masks, NaNs and
+    signed zeros; without ``exact_masked_ties`` only a k-th value of -inf may differ."""
     rng = np.random.default_rng(2)
-    for trial in range(300):
+    for trial in range(480):
         n = int(rng.integers(2, 300))
         k = int(rng.integers(1, n + 1)) if trial % 2 else int(rng.integers(1, max(2, n // 64 + 1)))
-        kind = trial % 4
+        if trial % 3 == 0:
+            k = min(k, int(rng.integers(1, 33)))  # the router's sizes: the kernel's range
+        kind = trial % 6
         if kind == 0:
             x = rng.integers(0, 4, (3, n)).astype(np.float32)
         elif kind == 1:
@@ -267,14 +288,23 @@ def test_topk_sets_equal_torch_including_ties() -> None:
         elif kind == 2:
             x = rng.standard_normal((3, n))
             x[rng.random((3, n)) < 0.3] = -np.inf
-        else:
+        elif kind == 3:
             x = np.zeros((3, n))
             x[rng.random((3, n)) < 0.5] = -np.inf
+        elif kind == 4:
+            x = rng.standard_normal((3, n))
+            x[rng.random((3, n)) < 0.05] = np.nan
+        else:
+            x = np.where(rng.random((3, n)) < 0.5, -0.0, rng.integers(-1, 2, (3, n)))
         x = x.astype(np.float32)
         want = torch.from_numpy(x).topk(k, dim=-1).indices.numpy()
         got = torch_topk_indices(x, k, exact_masked_ties=True)
+        loose = torch_topk_indices(x, k)
         for row in range(3):
             assert set(got[row].tolist()) == set(want[row].tolist()), (trial, row)
+            kth = np.sort(x[row][want[row]])[0]
+            if not np.isneginf(kth):
+                assert set(loose[row].tolist()) == set(want[row].tolist()), (trial, row)
 
 
 @pytest.mark.parametrize("groups", [(1, 1), (4, 2), (8, 3)])
