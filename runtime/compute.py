@@ -247,6 +247,24 @@ class ExpertCompute:
         jobs += [functools.partial(out, i) for i in range(len(parts.d_edges) - 1)]
         return jobs
 
+    def _parts_here(
+        self, fn: Callable[[int, MLPWeights], R], split: Callable[[int, MLPWeights], Any]
+    ) -> Callable[[int, MLPWeights], R]:
+        """``fn`` for ``map_arrivals``: on a worker as it is; on the compute thread (the step's
+        last arrival, which a source computes there once every other expert is done) in parts
+        on every thread when ``split`` gives them, instead of on one thread while the others
+        idle. The same result either way."""
+
+        def run(e: int, w: MLPWeights) -> R:
+            parts = None if self._on_worker() else split(e, w)
+            if parts is None:
+                return fn(e, w)
+            self._share(self._part_jobs(parts))
+            got: R = parts.result()
+            return got
+
+        return run
+
     def map_rows(self, blocks: Sequence[tuple[int, int]], fn: Callable[[int, int], R]) -> list[R]:
         """``[fn(a, b) for each block]`` on this thread and the pool (:meth:`_share`), in block
         order."""
@@ -402,7 +420,8 @@ class ExpertCompute:
         ``split``: an expert in parts (:meth:`split_expert` with the step's rows: the parts
         give ``fn``'s result, bit for bit). When every expert is resident and the jobs do not
         divide evenly over the threads, the last expert runs in parts on all of them, so no
-        thread idles through a whole expert at the step's end."""
+        thread idles through a whole expert at the step's end; when experts stream in, so does
+        the last arrival (:meth:`_parts_here`)."""
         if self._pool is None or macs < self.parallel_min_macs:
             out: dict[int, R] = {}
             extra: S | None = None
@@ -434,7 +453,8 @@ class ExpertCompute:
                 )
             fut = self._pool.submit(side) if side is not None else None
             try:
-                out = source.map_arrivals(layer, experts, fn, self._pool, guess)
+                run = fn if split is None else self._parts_here(fn, split)
+                out = source.map_arrivals(layer, experts, run, self._pool, guess)
             finally:
                 extra = fut.result() if fut is not None else None
             return out, extra

@@ -275,6 +275,7 @@ def test_threads_give_identical_output_streaming() -> None:
     )
     assert st["compute"]["parallel_steps"] > 0
     assert st["experts"]["misses"] > 0  # experts really streamed through map_arrivals
+    assert st["compute"]["split_experts"] > 0  # ... the last arrival in parts on both threads
     assert got == ref
     assert st["logprobs"] == st_ref["logprobs"]
 
