@@ -30,7 +30,7 @@ from numba import njit
 __all__ = ["KERNELS", "torch_topk_indices"]
 
 #: Largest ``k`` the selection kernel takes (it keeps the k best in a sorted run: O(N k) worst).
-_KERNEL_MAX_K = 32
+_KERNEL_MAX_K = 64
 
 F32Array = npt.NDArray[np.float32]
 I64Array = npt.NDArray[np.int64]
@@ -60,12 +60,17 @@ def torch_topk_indices(
         return np.zeros((r, 0), dtype=np.int64)
     if k == n:
         return np.broadcast_to(np.arange(n, dtype=np.int64), (r, n)).copy()
-    if lengths is None and k <= _KERNEL_MAX_K:
+    if k <= _KERNEL_MAX_K:
+        n_rows = (
+            np.full(r, n, np.int64)
+            if lengths is None
+            else np.ascontiguousarray(lengths, dtype=np.int64)
+        )  # [R]
         out = np.empty((r, k), np.int64)  # [R, k]
         tied = np.empty(r, np.bool_)  # [R]
-        if _select(v, k, exact_masked_ties, out, tied):
+        if _select(v, k, n_rows, exact_masked_ties, out, tied):
             for row in np.flatnonzero(tied):
-                out[row] = _libstdcxx_topk(v[row].tolist(), k)
+                out[row] = _libstdcxx_topk(v[row, : n_rows[row]].tolist(), k)
         return out
     part = np.argpartition(-v, k - 1, axis=1)  # [R, N]: first k are a valid top-k set
     out = np.ascontiguousarray(part[:, :k], dtype=np.int64)  # [R, k]
@@ -81,16 +86,18 @@ def torch_topk_indices(
 
 
 @njit(nogil=True, cache=True)
-def _select(v, k, exact_masked_ties, out, tied):  # type: ignore[no-untyped-def]  # pragma: no cover
-    """Per row of ``v`` [R, N] (0 < k < N): ``out[r]`` the indices of the k largest non-NaN
-    values (a value replaces the k-th only when strictly larger) and ``tied[r]`` whether that
-    set is ambiguous: a NaN in the row, fewer than k other values, or a value outside the set
-    equal to the k-th (counted with ``>=``, so -0.0 ties 0.0 as ``==`` does in the numpy
-    path), except a k-th of -inf unless ``exact_masked_ties``. Returns how many rows tied."""
-    n_rows, n = v.shape
+def _select(v, k, lengths, exact_masked_ties, out, tied):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """Per row ``r`` of ``v`` [R, N], over its first ``lengths[r]`` values (each >= k): ``out[r]``
+    the indices of the k largest non-NaN values (a value replaces the k-th only when strictly
+    larger) and ``tied[r]`` whether that set is ambiguous: a NaN among them, fewer than k other
+    values, or a value outside the set equal to the k-th (counted with ``>=``, so -0.0 ties
+    0.0 as ``==`` does in the numpy path), except a k-th of -inf unless ``exact_masked_ties``.
+    Returns how many rows tied."""
+    n_rows = v.shape[0]
     best = np.empty(k, np.float32)
     n_tied = 0
     for r in range(n_rows):
+        n = lengths[r]
         cnt = 0
         nan = False
         for j in range(n):

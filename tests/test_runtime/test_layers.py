@@ -307,6 +307,26 @@ def test_topk_sets_equal_torch_including_ties() -> None:
                 assert set(loose[row].tolist()) == set(want[row].tolist()), (trial, row)
 
 
+def test_topk_with_lengths_is_torch_on_each_prefix() -> None:
+    """``lengths``: each row's set is ``torch.topk`` of its first ``lengths[r]`` values, ties
+    included, whatever the -inf tail (the DSA indexer's causal rows), on the selection
+    kernel's sizes (k <= 64) and beyond."""
+    rng = np.random.default_rng(5)
+    for trial in range(240):
+        k = int(rng.integers(1, 65)) if trial % 3 else int(rng.integers(65, 130))
+        n = k + int(rng.integers(0, 200))
+        lengths = rng.integers(k, n + 1, size=4)
+        x = (rng.integers(0, 3, (4, n)) if trial % 2 else rng.standard_normal((4, n))).astype(
+            np.float32
+        )
+        x[np.arange(n)[None, :] >= lengths[:, None]] = -np.inf  # the masked tail
+        got = torch_topk_indices(x, k, lengths=lengths)
+        for row in range(4):
+            prefix = torch.from_numpy(x[row, : lengths[row]].copy())
+            want = prefix.topk(k).indices.numpy()
+            assert set(got[row].tolist()) == set(want.tolist()), (trial, row)
+
+
 @pytest.mark.parametrize("groups", [(1, 1), (4, 2), (8, 3)])
 def test_router_matches_transformers(groups: tuple[int, int]) -> None:
     n_group, topk_group = groups
