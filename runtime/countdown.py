@@ -7,6 +7,8 @@ first polls the count in a ``nogil`` loop of atomic loads (:func:`poll_change`: 
 ``pause``, which a KVM host may take for a spinning lock and deschedule) for at most
 ``poll_iters`` reads, then sleeps on a condition as usual. The poll is bounded, so a machine
 shared with another process loses at most that much of a core per wait, never a time slice.
+
+Shape legend: cell: an int64 array [1] (the count another thread bumps); no other arrays.
 """
 
 from __future__ import annotations
