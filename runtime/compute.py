@@ -340,28 +340,25 @@ class ExpertCompute:
         pool."""
         if self._pool is None:
             return None
-        was = getattr(self._sharing, "on", False)
-        self._sharing.on = True  # decided as for a job of the step (which splits nothing)
-        try:
-            f = self._fused_for(w, x.shape[0])
-        finally:
-            self._sharing.on = was
+        f = self._fused_for(w, x.shape[0], in_job=True)
         if f is None or f[0] is None:
             return None
         return SplitExpert(x, ids, gates, e, *f[0], self.threads)
 
-    def _fused_for(self, w: MLPWeights, n_rows: int) -> Fused | None:
+    def _fused_for(self, w: MLPWeights, n_rows: int, *, in_job: bool = False) -> Fused | None:
         """How :meth:`swiglu` runs ``n_rows`` rows (or fewer) of ``w`` as one kernel call on
-        this thread: (``fused(w)``, None) with the exact kernels, (None, ``fused_q8(w)``) under
-        fast-int8 when all three projections have the int8 kernel. None when it does not:
-        another format, the BLAS path, rows split over the pool or a projection's features
-        split."""
+        this thread (``in_job``: as a job of a step on the pool would, where nothing splits):
+        (``fused(w)``, None) with the exact kernels, (None, ``fused_q8(w)``) under fast-int8
+        when all three projections have the int8 kernel. None when it does not: another
+        format, the BLAS path, rows split over the pool or a projection's features split."""
         if self.fast_min_rows and n_rows >= self.fast_min_rows:
             return None
-        if self.row_blocks(n_rows, 3 * w.gate.in_features * w.gate.out_features) is not None:
-            return None
-        if any(self._splits(lin, n_rows) for lin in w):
-            return None
+        if not in_job:
+            macs = 3 * w.gate.in_features * w.gate.out_features
+            if self.row_blocks(n_rows, macs) is not None:
+                return None
+            if any(self._splits(lin, n_rows) for lin in w):
+                return None
         if self.fast_int8:
             q = fused_q8(w)
             return None if q is None else (None, q)
@@ -441,12 +438,12 @@ class ExpertCompute:
                 parts = None
                 if split is not None and ws and len(jobs) % self.threads:
                     parts = split(*ws[-1])
-                n_whole = len(jobs) - (parts is not None)
-                if parts is not None:
-                    jobs = jobs[:n_whole] + self._part_jobs(parts)
-                got = self._share(jobs)
-                if parts is not None:
-                    got = [*got[:n_whole], parts.result()]
+                if parts is None:
+                    got = self._share(jobs)
+                else:  # the last expert's job becomes its parts' jobs
+                    whole = jobs[:-1]
+                    got = self._share(whole + self._part_jobs(parts))[: len(whole)]
+                    got.append(parts.result())
                 routed = got[1:] if side is not None else got
                 return dict(zip([e for e, _ in ws], routed, strict=True)), (
                     got[0] if side is not None else None

@@ -107,10 +107,10 @@ def moe_step(
     def shared_out() -> F32Array:
         return moe_ops.shared(moe, x, comp.swiglu)
 
-    # the shared expert is computed while the step's reads are in flight
     def parts(e: int, w: ExpertWeights) -> SplitExpert | None:
         return comp.split_expert(x, ids, gates, e, w)
 
+    # the shared expert is computed while the step's reads are in flight
     outputs, side = comp.run_step(
         experts, layer, moe_ops.union(ids), one, ids.size * expert_macs, guess, shared_out, parts
     )

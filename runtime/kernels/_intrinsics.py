@@ -39,6 +39,14 @@ def _bitwidth(numba_int: Any) -> int:
     return int(numba_int.bitwidth)
 
 
+def _element_ptr(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+    """LLVM pointer to ``arr.flat[idx]`` for an intrinsic called as ``(arr, idx, ...)`` (raw
+    pointer arithmetic, no bounds check)."""
+    ary = context.make_array(signature.args[0])(context, builder, args[0])
+    offset = context.cast(builder, args[1], signature.args[1], types.intp)
+    return builder.gep(ary.data, [offset])
+
+
 @_intrinsic
 def prefetch(typingctx: Any, arr: Any, idx: Any) -> Any:
     """``prefetch(arr, idx)``: hint the cache to load the line holding ``arr.flat[idx]``."""
@@ -47,11 +55,7 @@ def prefetch(typingctx: Any, arr: Any, idx: Any) -> Any:
     sig = types.void(arr, idx)
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        arr_val, idx_val = args
-        ary = context.make_array(signature.args[0])(context, builder, arr_val)
-        offset = context.cast(builder, idx_val, signature.args[1], types.intp)
-        # Raw pointer arithmetic, no bounds check: prefetching past the end is harmless.
-        ptr = builder.gep(ary.data, [offset])
+        ptr = _element_ptr(context, builder, signature, args)  # past the end is harmless here
         fnty = ir.FunctionType(ir.VoidType(), [ptr.type, _I32, _I32, _I32])
         fn = builder.module.declare_intrinsic("llvm.prefetch", [ptr.type], fnty)
         # rw=0 (read), locality=3 (keep in all levels), cache type=1 (data)
@@ -110,9 +114,7 @@ def load_acquire(typingctx: Any, arr: Any, idx: Any) -> Any:
     sig = types.int64(arr, idx)
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        arr_val, idx_val = args
-        ary = context.make_array(signature.args[0])(context, builder, arr_val)
-        offset = context.cast(builder, idx_val, signature.args[1], types.intp)
-        return builder.load_atomic(builder.gep(ary.data, [offset]), "acquire", 8)
+        ptr = _element_ptr(context, builder, signature, args)
+        return builder.load_atomic(ptr, "acquire", 8)
 
     return sig, codegen

@@ -1032,10 +1032,10 @@ def i4_swiglu_part(xe, gp, gsc, gw, upk, usc, uw, a, b, h, pf):  # type: ignore[
     y = _i4_prep(xe, gw[2], ys)
     g = np.empty((n_tok, b - a), np.float32)
     u = np.empty((n_tok, b - a), np.float32)
-    gpart = (gp[a * gw[2] : b * gw[2]], gsc[a * gw[4] : b * gw[4]], _i4_rows(gw, a, b))
-    upart = (upk[a * uw[2] : b * uw[2]], usc[a * uw[4] : b * uw[4]], _i4_rows(uw, a, b))
-    _i4_apply(y, ys, gpart[0], gpart[1], gpart[2], g, pf)
-    _i4_apply(y, ys, upart[0], upart[1], upart[2], u, pf)
+    _i4_apply(y, ys, gp[a * gw[2] : b * gw[2]], gsc[a * gw[4] : b * gw[4]], _i4_rows(gw, a, b),
+              g, pf)  # fmt: skip
+    _i4_apply(y, ys, upk[a * uw[2] : b * uw[2]], usc[a * uw[4] : b * uw[4]], _i4_rows(uw, a, b),
+              u, pf)  # fmt: skip
     silu_mul(g, u, g)
     for t in range(n_tok):
         for f in range(b - a):

@@ -307,15 +307,31 @@ def routed_expert_int4(
     it: (rows [n] ascending, their gate-weighted outputs [n, D]), in one kernel call. The same
     bits as ``np.nonzero(ids == e)``, the gather, :func:`swiglu_int4` and the product with
     ``gates`` [T, K] one by one. Raises ``ValueError`` on a shape or dtype mismatch."""
-    n_d = _check_mlp("routed_expert_int4", gate, up, down)
+    xx, ids, gates, pf = _check_expert(
+        "routed_expert_int4", x, ids, gates, gate, up, down, prefetch_distance
+    )
+    rows, out = i4_expert(xx, ids, gates, int(e), *gate, *up, *down, pf)
+    return rows, out
+
+
+def _check_expert(
+    who: str,
+    x: object,
+    ids: object,
+    gates: object,
+    gate: Int4Weight,
+    up: Int4Weight,
+    down: Int4Weight,
+    prefetch_distance: int,
+) -> tuple[F32Array, npt.NDArray[np.int64], F32Array, int]:
+    """A routed int4 expert call's arguments checked (``_check_mlp``, ``_check_x``,
+    ``_check_routing``, ``_check_prefetch``): ``x``, ``ids`` and ``gates`` contiguous, and the
+    prefetch distance."""
+    n_d = _check_mlp(who, gate, up, down)
     xx = _check_x(x, n_d)
     _check_routing(ids, gates, xx.shape[0])
     pf = _check_prefetch(prefetch_distance)
-    rows, out = i4_expert(
-        xx, np.ascontiguousarray(ids), np.ascontiguousarray(gates), int(e),
-        *gate, *up, *down, pf,
-    )  # fmt: skip
-    return rows, out
+    return xx, np.ascontiguousarray(ids), np.ascontiguousarray(gates), pf
 
 
 class SplitExpert:
@@ -340,17 +356,16 @@ class SplitExpert:
         *,
         prefetch_distance: int = DEFAULT_PREFETCH,
     ) -> None:
-        n_d = _check_mlp("SplitExpert", gate, up, down)
-        xx = _check_x(x, n_d)
-        _check_routing(ids, gates, xx.shape[0])
-        self._pf = _check_prefetch(prefetch_distance)
-        rows, g, xe = expert_gather(xx, np.ascontiguousarray(ids), np.ascontiguousarray(gates), e)
+        xx, ids, gates, self._pf = _check_expert(
+            "SplitExpert", x, ids, gates, gate, up, down, prefetch_distance
+        )
+        rows, g, xe = expert_gather(xx, ids, gates, e)
         if rows.shape[0] == 0:
             raise ValueError(f"no row routes to expert {e}")
         self.rows: npt.NDArray[np.intp] = rows
         self._g, self._xe = g, xe
         self._w = (gate, up, down)
-        n_f = gate.walk[0]
+        n_f, n_d = gate.walk[0], down.walk[0]
         self.f_edges = _edges16(n_f, parts)  # feature ranges of h
         self.d_edges = _edges16(n_d, parts)  # output feature ranges
         self.h = np.empty((rows.shape[0], n_f), np.float32)  # [n, F]
