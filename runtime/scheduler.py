@@ -35,6 +35,7 @@ import numpy.typing as npt
 from runtime.cluster.source import ClusterExperts
 from runtime.kv import KVCache
 from runtime.layers import moe as moe_ops
+from runtime.speculative.drafts import HeadGen, HeadRows, run_heads
 from runtime.weights import Guess, Lookahead
 
 if TYPE_CHECKING:
@@ -200,6 +201,10 @@ class SchedulerStats:
     decode_batches: int = 0
     decode_batched_rows: int = 0
     decode_batched_sequences: int = 0
+    # MTP head calls made for the drafts of batched steps, and the drafts they served (several
+    # generations' drafts share a call: drafts / calls > 1)
+    draft_head_calls: int = 0
+    draft_head_drafts: int = 0
     time: TimeBreakdown = dataclasses.field(default_factory=TimeBreakdown)
 
     def copy(self) -> SchedulerStats:
@@ -238,7 +243,7 @@ class StepRequest:
     cache: KVCache
     done: anyio.Event
     ids: npt.NDArray[np.int64] | None = None
-    prepare: Callable[[int], npt.NDArray[np.int64]] | None = None
+    prepare: Callable[[int], HeadGen[npt.NDArray[np.int64]]] | None = None
     logits: F32Array | None = None  # [T, V]
     hidden: F32Array | None = None  # [T, D]
     shared: bool = False  # other generations' rows were in the same forward
@@ -503,8 +508,8 @@ class Scheduler:
         if self.max_batch <= 1:
             raise RuntimeError("round_ahead needs the batcher (max_batch > 1)")
 
-        def prepare(others: int) -> npt.NDArray[np.int64]:
-            return spec.draft(tok, remaining, others)
+        def prepare(others: int) -> HeadGen[npt.NDArray[np.int64]]:
+            return spec.draft_steps(tok, remaining, others)
 
         req = StepRequest(cache, anyio.Event(), prepare=prepare)
         ahead = Ahead(self, req, cache.length, spec)
@@ -566,6 +571,57 @@ class Scheduler:
                     for r in batch:
                         r.done.set()
 
+    def _drafts(self, batch: list[StepRequest]) -> None:
+        """Set ``ids`` of every request that prepares them (speculative rounds). Their drafts
+        run in step: each runs until it needs the MTP head, then one batched head call
+        (:func:`run_heads`) serves all that wait, until every draft is done. Each draft is
+        told the rows of the step's other generations: the rows planned so far, one for each
+        request after it."""
+        waiting: list[tuple[StepRequest, HeadGen[npt.NDArray[np.int64]], HeadRows]] = []
+        planned = 0
+        for i, r in enumerate(batch):
+            if r.prepare is None:
+                planned += 0 if r.ids is None else int(r.ids.size)
+                continue
+            others = planned + len(batch) - i - 1
+            try:
+                gen = r.prepare(others)
+                ask = next(gen)
+            except StopIteration as done:
+                r.ids = done.value
+                planned += int(done.value.size)
+            except Exception as exc:
+                r.error = exc
+            else:
+                waiting.append((r, gen, ask))
+                planned += ask.planned
+        ctx = self.ctx
+        while waiting:
+            self.stats.draft_head_calls += 1
+            self.stats.draft_head_drafts += len(waiting)
+            try:
+                outs = run_heads(self.model, ctx, [ask for _, _, ask in waiting])
+            except Exception as exc:  # the shared call failed: each draft winds down with it
+                for r, gen, _ in waiting:
+                    try:
+                        gen.throw(exc)
+                    except StopIteration as done:
+                        r.ids = done.value
+                    except Exception as err:
+                        r.error = err
+                return
+            still = []
+            for (r, gen, _), out in zip(waiting, outs, strict=True):
+                try:
+                    ask = gen.send(out)
+                except StopIteration as done:
+                    r.ids = done.value
+                except Exception as exc:
+                    r.error = exc
+                else:
+                    still.append((r, gen, ask))
+            waiting = still
+
     async def _gather(self) -> None:
         """Let the generations woken by the last step queue their next one: wait until every
         decoding generation has queued (or a full batch is there), or until ``GATHER_TURNS``
@@ -580,19 +636,10 @@ class Scheduler:
 
     def _batch_step(self, batch: list[StepRequest]) -> list[StepRequest]:
         """Compute thread: prepare each request's rows (a failed draft fails only its own
-        generation), then one ``forward_batch`` over all of them; returns those that ran."""
-        live: list[StepRequest] = []
-        for i, r in enumerate(batch):
-            if r.prepare is not None:
-                # the others' rows: those prepared so far, one for each of the rest
-                others = sum(q.ids.size for q in live if q.ids is not None)
-                others += len(batch) - i - 1
-                try:
-                    r.ids = r.prepare(others)
-                except Exception as exc:
-                    r.error = exc
-                    continue
-            live.append(r)
+        generation; the MTP head calls of every draft run together, :meth:`_drafts`), then
+        one ``forward_batch`` over all of them; returns those that ran."""
+        self._drafts(batch)
+        live = [r for r in batch if r.error is None and r.ids is not None]
         if not live:
             return live
         ids = []

@@ -283,6 +283,17 @@ class DecoderStack:
     ) -> tuple[F32Array, F32Array]:
         raise ModelError("this model has no MTP head (num_nextn_predict_layers / weights)")
 
+    def mtp_step_batch(
+        self,
+        hiddens: Sequence[F32Array],
+        next_ids: Sequence[npt.NDArray[np.integer]],
+        mtp_caches: Sequence[KVCache],
+        *,
+        last_only: bool = True,
+        ctx: StepContext | None = None,
+    ) -> list[tuple[F32Array, F32Array]]:
+        raise ModelError("this model has no MTP head (num_nextn_predict_layers / weights)")
+
     # ------------------------------------------------------------------------------ forward
 
     def forward(
@@ -359,12 +370,15 @@ class DecoderStack:
         hs: list[F32Array],
         seqs: list[SeqState],
         sel: list[BoolArray | None],
+        slot: int | None = None,
     ) -> tuple[list[F32Array], list[BoolArray | None]]:
-        """Attention half of main layer ``layer`` for every sequence of the step (each over its
-        own cache): the new hidden rows and sparse selections per sequence. A stack may share
-        the projections of all sequences' rows (rows are independent: bit-identical)."""
+        """Attention half of layer ``layer`` for every sequence of the step (each over its own
+        cache, at ``slot``: default ``layer``; the MTP layer's is 0): the new hidden rows and
+        sparse selections per sequence. A stack may share the projections of all sequences'
+        rows (rows are independent: bit-identical)."""
+        at = layer if slot is None else slot
         out = [
-            self._attention(ctx, layer, layer, lw, h, seq, prev)
+            self._attention(ctx, layer, at, lw, h, seq, prev)
             for h, seq, prev in zip(hs, seqs, sel, strict=True)
         ]
         return [h for h, _ in out], [s for _, s in out]
@@ -538,34 +552,66 @@ class MLAMoEModel(DecoderStack):
     ) -> tuple[F32Array, F32Array]:
         """:meth:`mtp_forward` that also returns the head's normed output [T, D] (the input of a
         chained draft) and, with ``last_only``, logits of the last row only ([1, V])."""
+        out = self.mtp_step_batch([hidden], [next_ids], [mtp_cache], last_only=last_only, ctx=ctx)
+        return out[0]
+
+    def mtp_step_batch(
+        self,
+        hiddens: Sequence[F32Array],
+        next_ids: Sequence[npt.NDArray[np.integer]],
+        mtp_caches: Sequence[KVCache],
+        *,
+        last_only: bool = True,
+        ctx: StepContext | None = None,
+    ) -> list[tuple[F32Array, F32Array]]:
+        """:meth:`mtp_step` for several sequences in one call, each (``hiddens[j]`` [T_j, D],
+        ``next_ids[j]`` [T_j]) after the rows already in its own ``mtp_caches[j]``: the head's
+        projections and its MoE run once over every sequence's rows (each expert read once
+        for all of them), attention per sequence. Each sequence's (logits [1 or T_j, V],
+        normed [T_j, D]) is bit-identical to its :meth:`mtp_step` alone."""
         if not self.weights.mtp:
             raise ModelError("this model has no MTP head (num_nextn_predict_layers / weights)")
+        if not (len(hiddens) == len(next_ids) == len(mtp_caches)) or not hiddens:
+            raise ModelError("mtp_step_batch needs hidden rows, ids and a cache per sequence")
         ctx = ctx if ctx is not None else StepContext()
         mw = self.weights.mtp[0]
         c = self.config
-        next_ids = np.asarray(next_ids, dtype=np.int64).reshape(-1)
-        t = next_ids.shape[0]
-        if hidden.shape != (t, c.hidden_size):
-            raise ModelError(f"hidden {hidden.shape} does not match next_ids [{t}]")
-        start = mtp_cache.length
-        cos, sin = self.rope.cos_sin(np.arange(start, start + t))  # [T, R/2]
-        mtp_cache.reserve(start + t)
-        e = embed_rows(mw.embed if mw.embed is not None else self.weights.embed, next_ids)
+        seqs: list[SeqState] = []
+        ids_all: list[npt.NDArray[np.int64]] = []
+        for hidden, ids_in, cache in zip(hiddens, next_ids, mtp_caches, strict=True):
+            ids = np.asarray(ids_in, dtype=np.int64).reshape(-1)
+            t = ids.shape[0]
+            if t == 0 or hidden.shape != (t, c.hidden_size):
+                raise ModelError(f"hidden {hidden.shape} does not match next_ids [{t}]")
+            start = cache.length
+            cos, sin = self.rope.cos_sin(np.arange(start, start + t))  # [T, R/2]
+            cache.reserve(start + t)
+            seqs.append(SeqState(cache, start, cos, sin))
+            ids_all.append(ids)
+        bounds = np.cumsum([0] + [ids.shape[0] for ids in ids_all])
+        e = embed_rows(
+            mw.embed if mw.embed is not None else self.weights.embed, np.concatenate(ids_all)
+        )
+        h_in = np.concatenate([np.asarray(h, dtype=np.float32) for h in hiddens])  # [N, D]
         eh = np.concatenate(
-            [rms_norm(e, mw.enorm, c.rms_norm_eps), rms_norm(hidden, mw.hnorm, c.rms_norm_eps)],
+            [rms_norm(e, mw.enorm, c.rms_norm_eps), rms_norm(h_in, mw.hnorm, c.rms_norm_eps)],
             axis=-1,
-        )  # [T, 2D]
-        u = mw.eh_proj(eh)  # [T, D]
-        seq = SeqState(mtp_cache, start, cos, sin)
+        )  # [N, 2D]
+        u = mw.eh_proj(eh)  # [N, D]
         n = c.num_hidden_layers
-        h, _ = self._attention(ctx, n, 0, mw.layer, u, seq, None)
-        out = self._mlp(ctx, n, mw.layer, h)
-        normed = rms_norm(out, mw.shared_head_norm, c.rms_norm_eps)  # [T, D]
-        rows = normed[-1:] if last_only else normed  # [1 or T, D]
-        logits = ctx.compute.linear(mw.shared_head, np.ascontiguousarray(rows))  # [1 or T, V]
-        mtp_cache.write_tokens(start, next_ids)
-        mtp_cache.commit(start + t)
-        return logits, normed
+        us = [u[bounds[j] : bounds[j + 1]] for j in range(len(seqs))]
+        hs, _ = self._attention_step(ctx, n, mw.layer, us, seqs, [None] * len(seqs), slot=0)
+        out = self._mlp(ctx, n, mw.layer, np.concatenate(hs))  # [N, D]
+        normed = rms_norm(out, mw.shared_head_norm, c.rms_norm_eps)  # [N, D]
+        rows = normed[bounds[1:] - 1] if last_only else normed  # [n_seq or N, D]
+        logits = ctx.compute.linear(mw.shared_head, np.ascontiguousarray(rows))
+        res = []
+        for j, (ids, seq) in enumerate(zip(ids_all, seqs, strict=True)):
+            seq.cache.write_tokens(seq.start, ids)
+            seq.cache.commit(seq.start + ids.shape[0])
+            lo, hi = bounds[j], bounds[j + 1]
+            res.append((logits[j : j + 1] if last_only else logits[lo:hi], normed[lo:hi]))
+        return res
 
     # ------------------------------------------------------------------------------ layers
 
@@ -577,6 +623,7 @@ class MLAMoEModel(DecoderStack):
         hs: list[F32Array],
         seqs: list[SeqState],
         sel: list[BoolArray | None],
+        slot: int | None = None,
     ) -> tuple[list[F32Array], list[BoolArray | None]]:
         """Several decoding sequences (each a few rows, absorbed form): the norms, projections,
         W_UK / W_UV and ``o_proj`` run once over the rows of all of them (one small-T matmul
@@ -599,7 +646,8 @@ class MLAMoEModel(DecoderStack):
             or not all(absorbed)
             or comp.row_blocks(n, d.num_attention_heads * d.kv_lora_rank * 4) is not None
         ):
-            return super()._attention_step(ctx, layer, lw, hs, seqs, sel)
+            return super()._attention_step(ctx, layer, lw, hs, seqs, sel, slot)
+        at = layer if slot is None else slot
         h_all = np.concatenate(hs)  # [N, D]
         x_all = rms_norm(h_all, lw.input_layernorm, c.rms_norm_eps)  # [N, D]
         cos = np.concatenate([seq.cos for seq in seqs])
@@ -617,17 +665,17 @@ class MLAMoEModel(DecoderStack):
             proj = mla.MLAProjection(
                 *(None if v is None else v[lo:hi] for v in proj_all)  # type: ignore[arg-type]
             )
-            seq.cache.write(layer, seq.start, proj.latent, proj.k_rope)
+            seq.cache.write(at, seq.start, proj.latent, proj.k_rope)
             selection = self._sparse_selection(
-                ctx, layer, layer, lw, x_all[lo:hi], proj, seq, sel[j],
+                ctx, layer, at, lw, x_all[lo:hi], proj, seq, sel[j],
                 rows=None if pre is None else pre.part(lo, hi),
             )  # fmt: skip
             # the kernel bounds every row by its causal keys: a mask only for a selection
             o_lat[lo:hi] = mla.latent_attention(
                 q_lat_all[lo:hi],
                 proj.q_rope,
-                seq.cache.latent(layer, s),
-                seq.cache.k_rope(layer, s),
+                seq.cache.latent(at, s),
+                seq.cache.k_rope(at, s),
                 selection,
                 self.softmax_scale,
             )

@@ -176,6 +176,7 @@ class GQAMoEModel(DecoderStack):
         hs: list[F32Array],
         seqs: list[SeqState],
         sel: list[BoolArray | None],
+        slot: int | None = None,
     ) -> tuple[list[F32Array], list[BoolArray | None]]:
         """Several decoding sequences: norms, q/k/v projections and ``o_proj`` once over all
         their rows (one small-T matmul per weight), the attention per sequence over its own
@@ -187,7 +188,8 @@ class GQAMoEModel(DecoderStack):
         n = sum(rows)
         per_row = sum(lin.in_features * lin.out_features for lin in (w.q_proj, w.k_proj, w.v_proj))
         if len(hs) < 2 or comp.row_blocks(n, per_row) is not None:
-            return super()._attention_step(ctx, layer, lw, hs, seqs, sel)
+            return super()._attention_step(ctx, layer, lw, hs, seqs, sel, slot)
+        at = layer if slot is None else slot
         h_all = np.concatenate(hs)  # [N, D]
         x_all = rms_norm(h_all, lw.input_layernorm, self.config.rms_norm_eps)  # [N, D]
         cos = np.concatenate([seq.cos for seq in seqs])
@@ -198,8 +200,8 @@ class GQAMoEModel(DecoderStack):
         for j, seq in enumerate(seqs):
             lo, hi = int(bounds[j]), int(bounds[j + 1])
             s = seq.start + hi - lo
-            seq.cache.write(layer, seq.start, k[lo:hi], v[lo:hi])
-            keys, values = seq.cache.keys(layer, s), seq.cache.values(layer, s)
+            seq.cache.write(at, seq.start, k[lo:hi], v[lo:hi])
+            keys, values = seq.cache.keys(at, s), seq.cache.values(at, s)
             heads[lo:hi] = gqa.attend_heads(d, q[lo:hi], keys, values)
         y = h_all + gqa.out_proj(w, heads, comp.linear)  # [N, D]
         return [y[bounds[j] : bounds[j + 1]] for j in range(len(seqs))], [None] * len(seqs)

@@ -27,10 +27,11 @@ from runtime.speculative._common import (
 )
 from runtime.speculative.acceptance import accept_or_resample, sample_from
 from runtime.speculative.cost import CostModel
-from runtime.speculative.drafts import MtpDrafter, lookup_match
+from runtime.speculative.drafts import HeadGen, HeadRows, MtpDrafter, lookup_match, run_alone
 from runtime.speculative.policy import DraftPolicy
 from runtime.speculative.stats import SpecStats
 
+IdArray = npt.NDArray[np.int64]
 _MAX_FORCED = 16  # a forced grammar span is drafted whole, up to this many tokens per step
 
 
@@ -48,6 +49,25 @@ class _Draft:
             self.sources.append(source)
             self.q.append(None)
         self.keys[source] = key
+
+
+class _Clock:
+    """Seconds a draft spent: its own compute, plus its share of each head call it waited on
+    (a batched head call's time is shared by the drafts in it, not charged whole to each)."""
+
+    def __init__(self) -> None:
+        self.spent = 0.0
+        self._since = time.perf_counter()
+
+    def pause(self) -> None:
+        self.spent += time.perf_counter() - self._since
+
+    def resume(self, share: float) -> None:
+        self.spent += share
+        self._since = time.perf_counter()
+
+    def now(self) -> float:
+        return self.spent + time.perf_counter() - self._since
 
 
 @dataclass
@@ -145,12 +165,19 @@ class SpeculativeDecoder:
         """Plan a round after ``last`` (emitted, not yet in the cache) that emits at most
         ``remaining`` (>= 1) tokens: returns its verify rows ``[last, *drafts]`` [k + 1]. Their
         forward runs next over ``cache`` (alone, or in the engine's batched step with other
-        generations' rows), then :meth:`accept` takes its logits and hidden rows. Compute
-        thread (MTP drafting runs the head)."""
+        generations' rows: ``others`` of them), then :meth:`accept` takes its logits and
+        hidden rows. Compute thread (MTP drafting runs the head)."""
+        return run_alone(self.model, self.ctx, self.draft_steps(last, remaining, others))
+
+    def draft_steps(self, last: int, remaining: int, others: int = 0) -> HeadGen[IdArray]:
+        """:meth:`draft` as a generator that yields each MTP head call it needs
+        (:class:`HeadRows`) and is sent its result, so that the scheduler can run the head
+        calls of several generations' drafts as one batched call (:func:`run_heads`)."""
         t0 = time.perf_counter()
+        clock = _Clock()
         start = self.cache.length
-        d = self._propose(last, max(0, remaining - 1))
-        t_draft = time.perf_counter() - t0
+        d = yield from self._propose(clock, last, max(0, remaining - 1), others)
+        t_draft = clock.now()
         ids = np.array([last, *d.tokens], dtype=np.int64)  # [k + 1]
         self._round = _Round(d, ids, start, t0, t_draft, self._store_snapshot())
         return ids
@@ -189,7 +216,7 @@ class SpeculativeDecoder:
         self._round = None
 
     # ---- drafting
-    def _propose(self, last: int, room: int, others: int = 0) -> _Draft:
+    def _propose(self, clock: _Clock, last: int, room: int, others: int = 0) -> HeadGen[_Draft]:
         d = _Draft()
         if room <= 0:
             return d
@@ -219,7 +246,7 @@ class SpeculativeDecoder:
         if fixed:
             # a pinned source, or "N": the MTP head when the model has one, else lookup
             if self._mtp is not None:
-                self._draft_mtp(d, last, left)
+                yield from self._draft_mtp(clock, d, last, left)
             else:
                 d.add(look, "lookup", look_key)
             return d
@@ -232,25 +259,28 @@ class SpeculativeDecoder:
             options[look_key] = len(look)
         key, want, d.probe = self.cost.choose(options, others)
         if key == "mtp":
-            self._draft_mtp(d, last, want)
+            yield from self._draft_mtp(clock, d, last, want)
         elif key is not None:
             d.add(look[:want], "lookup", key)
         return d
 
-    def _draft_mtp(self, d: _Draft, last: int, want: int) -> None:
+    def _draft_mtp(self, clock: _Clock, d: _Draft, last: int, want: int) -> HeadGen[None]:
         """Chain ``want`` MTP drafts after ``d``'s tokens and tell the cost model what the
         first draft (the head over the positions accepted since it last ran) and the chained
         ones cost; a first draft that caught the head up on a backlog (the prompt, rows from
-        rounds it sat out) is a one-off the estimate leaves out."""
+        rounds it sat out) is a one-off the estimate leaves out. Each head call is yielded
+        (:meth:`draft_steps`); ``clock`` counts this draft's own time and its share of them."""
         assert self._mtp is not None
         head = self._mtp
         d.keys["mtp"] = "mtp"
-        t0 = time.perf_counter()
+        t0 = clock.now()
         backlog = len(head.pend_t) > self.cost.max_k + 1
-        real = head.flush(last)
-        if real is None:
+        planned = 1 + len(d.tokens) + want  # the verify rows this round expects to give
+        ask = head.flush_rows(last, planned)
+        if ask is None:
             return
-        z, g = real  # [V], [D]
+        z, g = yield from self._head(clock, ask)  # [V], [D]
+        head.flushed(last)
         real_len = head.cache.length
         pushed = 0
         t_first: float | None = None
@@ -261,7 +291,7 @@ class SpeculativeDecoder:
                 if self.grammar is not None:
                     self.grammar.push([t])
                     pushed += 1
-                z, g = head.chain(g, t)
+                z, g = yield from self._head(clock, head.chain_rows(g, t, planned))
             for i in range(want):
                 zm = self._masked(z)
                 if not np.isfinite(zm).any():
@@ -276,21 +306,30 @@ class SpeculativeDecoder:
                 d.sources.append("mtp")
                 d.q.append(q)
                 if t_first is None:
-                    t_first = time.perf_counter() - t0
+                    t_first = clock.now() - t0
                 if tok in self.stops or i + 1 == want:
                     break
                 if self.grammar is not None:
                     self.grammar.push([tok])
                     pushed += 1
-                z, g = head.chain(g, tok)
+                z, g = yield from self._head(clock, head.chain_rows(g, tok, planned))
                 chained += 1
         finally:
             if self.grammar is not None:
                 self.grammar.rollback(pushed)
             head.cache.truncate(real_len)  # chained rows are drafts, never history
         if t_first is not None:
-            rest = time.perf_counter() - t0 - t_first
+            rest = clock.now() - t0 - t_first
             self.cost.observe_draft_parts("mtp", None if backlog else t_first, chained, rest)
+
+    @staticmethod
+    def _head(clock: _Clock, ask: HeadRows) -> HeadGen[tuple[F32Array, F32Array]]:
+        """One head call of a draft: yielded to whoever drives the draft; its share of the
+        call's time goes on ``clock``."""
+        clock.pause()
+        z, g, share = yield ask
+        clock.resume(share)
+        return z, g
 
     def _legal(self, before: list[int], toks: list[int]) -> list[int]:
         """``toks`` (drafted after ``before``) cut at the first token the grammar rejects and

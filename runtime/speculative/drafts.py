@@ -5,8 +5,10 @@ Shape legend: see ``runtime.speculative``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import time
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -15,6 +17,7 @@ from runtime.context import StepContext
 from runtime.kv import KVCache
 from runtime.speculative._common import F32Array
 
+R = TypeVar("R")
 MAX_PENDING = 128  # MTP rows kept while the head is off (older history is dropped)
 
 
@@ -47,6 +50,56 @@ def lookup_draft(
     return lookup_match(history, k, max_ngram=max_ngram)[0]
 
 
+@dataclass(eq=False)
+class HeadRows:
+    """Rows one draft needs from the MTP head: ``h`` [T, D] main (or head) hidden states and
+    ``t`` [T] their next tokens, after the rows already in ``head.cache``. ``planned``: the
+    verify rows the draft expects to give (the scheduler counts them for the other rounds of
+    its step)."""
+
+    head: MtpDrafter
+    h: F32Array
+    t: npt.NDArray[np.int64]
+    planned: int = 1
+
+
+# What the head gives back for a HeadRows: the last row's logits [V] and normed output [D],
+# and the seconds of the call charged to this draft (its share of a batched call).
+HeadOut = tuple[F32Array, F32Array, float]
+# A draft that runs the head: yields HeadRows, is sent HeadOut, returns its result.
+HeadGen = Generator[HeadRows, HeadOut, R]
+
+
+def run_heads(model: Any, ctx: StepContext | None, asks: Sequence[HeadRows]) -> list[HeadOut]:
+    """One head call for the rows of every draft in ``asks`` (each over its own cache): one
+    ``mtp_step_batch`` (rows of several drafts share the head's weights and experts; each
+    draft's result is the bits of its call alone). The call's seconds are shared by rows."""
+    t0 = time.perf_counter()
+    if len(asks) == 1:
+        a = asks[0]
+        outs = [model.mtp_step(a.h, a.t, a.head.cache, ctx=ctx)]
+    else:
+        outs = model.mtp_step_batch(
+            [a.h for a in asks], [a.t for a in asks], [a.head.cache for a in asks], ctx=ctx
+        )
+    dt = time.perf_counter() - t0
+    rows = sum(int(a.t.size) for a in asks)
+    return [
+        (logits[-1], normed[-1], dt * int(a.t.size) / rows)
+        for a, (logits, normed) in zip(asks, outs, strict=True)
+    ]
+
+
+def run_alone(model: Any, ctx: StepContext | None, gen: HeadGen[R]) -> R:
+    """Drive one draft generator to its result, each head call on its own."""
+    try:
+        ask = next(gen)
+        while True:
+            ask = gen.send(run_heads(model, ctx, [ask])[0])
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+
+
 class MtpDrafter:
     """The MTP head's cache and the main hidden states it has not seen yet.
 
@@ -76,23 +129,33 @@ class MtpDrafter:
             del self.pend_h[:-MAX_PENDING]
             del self.pend_t[:-MAX_PENDING]
 
-    def flush(self, last: int | None) -> tuple[F32Array, F32Array] | None:
-        """Run the pending rows (plus (wait, ``last``) when given) through the head; returns
-        the last row's (logits [V], normed output [D]), or None when nothing was pending."""
+    def flush_rows(self, last: int | None, planned: int = 1) -> HeadRows | None:
+        """The head call that catches it up: the pending rows (plus (wait, ``last``) when
+        given); None when nothing is pending. :meth:`flushed` marks them run."""
         h, t = list(self.pend_h), list(self.pend_t)
         if last is not None and self.wait is not None:
             h.append(self.wait)
             t.append(int(last))
         if not t:
             return None
-        logits, normed = self.model.mtp_step(
-            np.stack(h), np.array(t, np.int64), self.cache, ctx=self.ctx
-        )
+        return HeadRows(self, np.stack(h), np.array(t, np.int64), planned)
+
+    def flushed(self, last: int | None) -> None:
+        """The rows of :meth:`flush_rows` (with the same ``last``) ran through the head."""
         self.pend_h.clear()
         self.pend_t.clear()
         if last is not None:
             self.wait = None
-        return logits[-1], normed[-1]
+
+    def flush(self, last: int | None) -> tuple[F32Array, F32Array] | None:
+        """Run the pending rows (plus (wait, ``last``) when given) through the head; returns
+        the last row's (logits [V], normed output [D]), or None when nothing was pending."""
+        ask = self.flush_rows(last)
+        if ask is None:
+            return None
+        z, g, _ = run_heads(self.model, self.ctx, [ask])[0]
+        self.flushed(last)
+        return z, g
 
     def forget(self) -> None:
         """A main step ran without giving hidden states (a batched plain step): the head's
@@ -101,9 +164,12 @@ class MtpDrafter:
         self.pend_t.clear()
         self.wait = None
 
+    def chain_rows(self, g: F32Array, token: int, planned: int = 1) -> HeadRows:
+        """The head call of one chained draft row from its own output ``g`` [D] and
+        ``token``."""
+        return HeadRows(self, g[None, :], np.array([token], np.int64), planned)
+
     def chain(self, g: F32Array, token: int) -> tuple[F32Array, F32Array]:
         """One chained draft row from the head's own output ``g`` [D] and ``token``."""
-        logits, normed = self.model.mtp_step(
-            g[None, :], np.array([token], np.int64), self.cache, ctx=self.ctx
-        )
-        return logits[-1], normed[-1]
+        z, out, _ = run_heads(self.model, self.ctx, [self.chain_rows(g, token)])[0]
+        return z, out

@@ -98,6 +98,18 @@ def test_concurrent_greedy_speculative_equals_solo_plain(budget: str | None) -> 
     assert st["decode_batched_sequences"] / st["decode_batches"] > 1
 
 
+def test_drafts_of_a_batched_step_share_the_mtp_head_calls() -> None:
+    # Four generations drafting with the head: each step's drafts run the head together (one
+    # batched call serves several drafts), and every generation's tokens are its solo ones.
+    prompts = _prompts(4)
+    jobs = [(p, {"draft": "mtp:2"}) for p in prompts]
+    got, st = _together(jobs, max_batch=8)
+    assert got == _solo([(p, {"draft": "off"}) for p in prompts])
+    assert st["speculative"]["batched_proposed"] > 0
+    assert st["draft_head_calls"] > 0
+    assert st["draft_head_drafts"] > 1.5 * st["draft_head_calls"]
+
+
 FORCING = GrammarSpec.json_schema(
     {
         "type": "object",

@@ -182,6 +182,76 @@ def test_mtp_step_is_mtp_forward(models: dict) -> None:
     assert normed.shape == hidden.shape
 
 
+@pytest.mark.parametrize("name", ["demo", "glm_moe_dsa", "deepseek_v3"])
+def test_mtp_step_batch_gives_each_sequence_its_bits_alone(name: str, models: dict) -> None:
+    """Three sequences in one head call (caches of 0, 70 and 5 rows: the DSA head scores a
+    cache beyond index_topk; 1, 3 and 1 new rows): every sequence's logits, normed output
+    and cache are bit for bit those of its own ``mtp_step``, with and without last_only."""
+    if name not in models:
+        pytest.skip("oracle checkpoints need torch + transformers")
+    model = models[name]
+    rng = np.random.default_rng(3)
+    d = model.config.hidden_size
+    before = [0, 70, 5]
+    new = [1, 3, 1]
+
+    def caches() -> list[KVCache]:
+        out = []
+        for j, n in enumerate(before):
+            c = model.new_mtp_cache()
+            if n:
+                h = np.random.default_rng(j).standard_normal((n, d)).astype(np.float32)
+                model.mtp_step(h, np.arange(3, 3 + n), c)
+            out.append(c)
+        return out
+
+    hs = [rng.standard_normal((t, d)).astype(np.float32) for t in new]
+    ids = [rng.integers(3, 999, size=t) for t in new]
+    for last_only in (True, False):
+        alone_caches, batch_caches = caches(), caches()
+        alone = [
+            model.mtp_step(h, i, c, last_only=last_only)
+            for h, i, c in zip(hs, ids, alone_caches, strict=True)
+        ]
+        got = model.mtp_step_batch(hs, ids, batch_caches, last_only=last_only)
+        for (z0, g0), (z1, g1), c0, c1 in zip(alone, got, alone_caches, batch_caches, strict=True):
+            assert z1.shape == z0.shape and np.array_equal(z1, z0)
+            assert np.array_equal(g1, g0)
+            assert _same_cache(c1, c0)
+
+
+def test_draft_weighs_the_other_rows_of_its_step(models: dict) -> None:
+    """``draft(..., others)`` reaches the cost model: an MTP draft that pays alone is not
+    made when seven other generations share the step (their rows and its drafting cost all
+    of them for one more token of one)."""
+    model = models["demo"]
+    prompt = _prompts(1)[0]
+
+    def decoder() -> SpeculativeDecoder:
+        cm = CostModel(top_k=model.config.num_experts_per_tok, max_k=3)
+        for _ in range(10):
+            cm.observe_step(1, 0.004)
+            cm.observe_step(2, 0.005)
+            cm.observe_draft("mtp", 1, 0.001)
+            cm.observe_proposal("mtp", 1, 1)
+        dec = SpeculativeDecoder(
+            model,
+            model.new_cache(),
+            Sampler(SamplingParams()),
+            prompt=prompt,
+            policy=DraftPolicy.parse("mtp"),
+            cost=cm,
+            stats=SpecStats(),
+            stop_ids=EOS,
+        )
+        out = model.forward(np.array(prompt), dec.cache)
+        dec.prefill_hook(np.array(prompt), out.hidden)
+        return dec
+
+    assert decoder().draft(5, 8).size > 1  # alone: drafts
+    assert decoder().draft(5, 8, others=7).size == 1  # in a step of eight: none
+
+
 def _engine_runs(
     opts: dict[str, Any], prompts: list[list[int]], drafts: list[str], n: int = N_TOKENS
 ) -> tuple[dict[str, list[list[int]]], dict[str, Any]]:
