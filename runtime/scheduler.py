@@ -238,18 +238,18 @@ class BatchModel(Protocol):
 class StepRequest:
     """One generation's rows for the next batched step: ``ids`` (a decode token), or
     ``prepare`` (a speculative round drafts on the compute thread right before the step; it
-    is told how many rows the step's other generations have)."""
+    is told how many rows the step's other generations have, and how many generations)."""
 
     cache: KVCache
     done: anyio.Event
     ids: npt.NDArray[np.int64] | None = None
-    prepare: Callable[[int], HeadGen[npt.NDArray[np.int64]]] | None = None
+    prepare: Callable[[int, int], HeadGen[npt.NDArray[np.int64]]] | None = None
     logits: F32Array | None = None  # [T, V]
     hidden: F32Array | None = None  # [T, D]
     shared: bool = False  # other generations' rows were in the same forward
-    # (rows, seconds) of the step's forward, on its first speculative request only (the cost
-    # model learns a wide step's cost once per step)
-    step: tuple[int, float] | None = None
+    # (rows, seconds, sequences) of the step's forward, on its first speculative request only
+    # (the cost model learns a wide step's cost once per step)
+    step: tuple[int, float, int] | None = None
     unions: list[int] = dataclasses.field(default_factory=list)  # a lone round's, streaming
     error: BaseException | None = None
 
@@ -508,8 +508,8 @@ class Scheduler:
         if self.max_batch <= 1:
             raise RuntimeError("round_ahead needs the batcher (max_batch > 1)")
 
-        def prepare(others: int) -> HeadGen[npt.NDArray[np.int64]]:
-            return spec.draft_steps(tok, remaining, others)
+        def prepare(others: int, other_seqs: int) -> HeadGen[npt.NDArray[np.int64]]:
+            return spec.draft_steps(tok, remaining, others, other_seqs)
 
         req = StepRequest(cache, anyio.Event(), prepare=prepare)
         ahead = Ahead(self, req, cache.length, spec)
@@ -585,7 +585,7 @@ class Scheduler:
                 continue
             others = planned + len(batch) - i - 1
             try:
-                gen = r.prepare(others)
+                gen = r.prepare(others, len(batch) - 1)
                 ask = next(gen)
             except StopIteration as done:
                 r.ids = done.value
@@ -660,7 +660,7 @@ class Scheduler:
             ctx = ctx.observing(observe)
         t0 = time.perf_counter()
         outs = self.model.forward_batch(ids, [r.cache for r in live], ctx=ctx)
-        step = (sum(int(x.size) for x in ids), time.perf_counter() - t0)
+        step = (sum(int(x.size) for x in ids), time.perf_counter() - t0, len(live))
         if lone is not None:
             lone.unions = unions
         for r, o in zip(live, outs, strict=True):

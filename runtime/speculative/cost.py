@@ -42,7 +42,11 @@ class CostModel:
     the newly accepted positions for its first draft, then one row per further draft),
     ``step(r) = t1 + t_row * (r - 1) + misses(r) * t_miss`` and ``misses(r) = moe_layers *
     U(r) * (1 - hit_rate)`` with ``U(r) = min(E, K + (r - 1) * K * overlap)`` distinct experts
-    per layer (``overlap`` 1 until routing of wider steps is seen). The round's choice is the
+    per layer (``overlap`` 1 until routing of wider steps is seen). A batched step of ``s``
+    generations' ``r`` rows costs ``t1 + t_seq * (s - 1) + t_wide * (r - s)`` (+ misses): a
+    further generation brings its own attention, cache and routing, a further row of one
+    already there (a draft) much less, so the two are learned apart (``t_seq`` from batched
+    steps without drafts, ``t_wide`` from those with some). The round's choice is the
     key and k of the highest tokens per second, when that beats plain decoding by ``margin``.
     Acceptance per position is A / (A + R) over exponentially decayed counts (window
     ~``window`` checks). When nothing pays, a key that is off gets a k=1 probe after
@@ -59,7 +63,9 @@ class CostModel:
     margin: float = 0.03
     ewma: float = 0.2
     t1: float | None = None  # compute seconds of a one-row step
-    t_row: float | None = None  # extra compute seconds per extra row
+    t_row: float | None = None  # extra compute seconds per extra row (one generation)
+    t_seq: float | None = None  # extra compute seconds per extra generation (batched step)
+    t_wide: float | None = None  # extra compute seconds per draft row in a batched step
     t_miss: float | None = None  # stall seconds per missed expert
     hit_rate: float = 1.0  # resident: every expert is a hit
     overlap: float = 1.0  # new distinct experts per extra row, as a fraction of K
@@ -84,20 +90,40 @@ class CostModel:
             c[1] = c[1] * d + (0.0 if ok else 1.0)
 
     def observe_step(
-        self, rows: int, seconds: float, *, stall: float = 0.0, misses: int = 0, lookups: int = 0
+        self,
+        rows: int,
+        seconds: float,
+        *,
+        seqs: int = 1,
+        stall: float = 0.0,
+        misses: int = 0,
+        lookups: int = 0,
     ) -> None:
-        """A verify (or plain) step of ``rows`` rows took ``seconds``, ``stall`` of them waiting
-        for ``misses`` expert reads, out of ``lookups`` expert look-ups (streaming)."""
+        """A verify (or plain) step of ``rows`` rows of ``seqs`` generations took ``seconds``,
+        ``stall`` of them waiting for ``misses`` expert reads, out of ``lookups`` expert
+        look-ups (streaming)."""
         w = self.ewma
         compute = max(seconds - stall, 1e-9)
-        if rows == 1:
+        if seqs <= 1 and rows == 1:
             self.t1 = _ewma(self.t1, compute, w)
+        elif seqs <= 1:
+            if self.t1 is None:
+                self.t1 = compute / rows  # every row the same until a one-row step is seen
+            self.t_row = _ewma(self.t_row, max(compute - self.t1, 0.0) / (rows - 1), w)
         else:
             if self.t1 is None:
-                # only wide (batched) steps seen so far: take every row as costing the same
-                # until a one-row step shows the fixed part (errs against drafting when wide)
+                # only batched steps seen so far: take every row as costing the same until a
+                # one-row step shows the fixed part (errs against drafting when wide)
                 self.t1 = compute / rows
-            self.t_row = _ewma(self.t_row, max(compute - self.t1, 0.0) / (rows - 1), w)
+            extra = compute - self.t1
+            drafts = rows - seqs
+            if drafts <= 0:
+                self.t_seq = _ewma(self.t_seq, max(extra, 0.0) / (seqs - 1), w)
+            elif self.t_seq is not None:
+                rest = max(extra - self.t_seq * (seqs - 1), 0.0)
+                self.t_wide = _ewma(self.t_wide, rest / drafts, w)
+            else:  # no draft-free batched step seen yet: every extra row alike
+                self.t_seq = _ewma(self.t_seq, max(extra, 0.0) / (rows - 1), w)
         if misses > 0:
             self.t_miss = _ewma(self.t_miss, stall / misses, w)
         if lookups > 0:
@@ -153,34 +179,46 @@ class CostModel:
     def union(self, rows: int) -> float:
         return min(float(self.n_experts), self.top_k * (1.0 + (rows - 1) * self.overlap))
 
-    def step_cost(self, rows: int) -> float:
-        """Estimated seconds of a step with ``rows`` rows."""
+    def step_cost(self, rows: int, seqs: int = 1) -> float:
+        """Estimated seconds of a step with ``rows`` rows of ``seqs`` generations."""
         t1 = self.t1 if self.t1 is not None else 1.0
         t_row = self.t_row if self.t_row is not None else 0.1 * t1
         t_miss = self.t_miss if self.t_miss is not None else 0.0
         misses = self.moe_layers * self.union(rows) * (1.0 - self.hit_rate)
-        return t1 + t_row * (rows - 1) + misses * t_miss
+        if seqs <= 1:
+            return t1 + t_row * (rows - 1) + misses * t_miss
+        t_seq = self.t_seq if self.t_seq is not None else t_row
+        t_wide = self.t_wide if self.t_wide is not None else min(t_row, t_seq)
+        return t1 + t_seq * (seqs - 1) + t_wide * max(rows - seqs, 0) + misses * t_miss
 
-    def speedup(self, source: str, k: int, others: int = 0) -> float:
+    def speedup(self, source: str, k: int, others: int = 0, other_seqs: int | None = None) -> float:
         """Estimated tokens/s with k drafts from ``source`` over plain decoding. ``others``:
-        rows of other generations in the same (batched) step; the step's tokens/s is what
-        counts then: ``(others + E(k)) / (step(others + 1 + k) + draft(k))`` against
-        ``(others + 1) / step(others + 1)`` (each other row taken as one token). Alone
-        (``others`` 0) that is ``E(k) * step(1) / (step(k + 1) + draft(k))``; in a wide step
-        a draft's rows and its drafting cost every generation time, for one more token of
-        one of them, so drafting pays less the wider the step."""
+        rows of other generations in the same (batched) step, ``other_seqs`` of them (default:
+        one row each); the step's tokens/s is what counts then: ``(others + E(k)) /
+        (step(others + 1 + k) + draft(k))`` against ``(others + 1) / step(others + 1)`` (each
+        other row taken as one token). Alone (``others`` 0) that is ``E(k) * step(1) /
+        (step(k + 1) + draft(k))``; in a wide step a draft's rows and its drafting cost every
+        generation time, for one more token of one of them, so drafting pays less the wider
+        the step."""
         if k <= 0:
             return 1.0
         o = max(int(others), 0)
-        cost = self.step_cost(o + 1 + k) + self.draft_seconds(source, k)
-        return (o + self.expected(source, k)) * self.step_cost(o + 1) / ((o + 1) * cost)
+        s = 1 + (o if other_seqs is None else max(min(int(other_seqs), o), 0))
+        cost = self.step_cost(o + 1 + k, s) + self.draft_seconds(source, k)
+        return (o + self.expected(source, k)) * self.step_cost(o + 1, s) / ((o + 1) * cost)
 
-    def best(self, source: str, max_k: int | None = None, others: int = 0) -> tuple[int, float]:
+    def best(
+        self,
+        source: str,
+        max_k: int | None = None,
+        others: int = 0,
+        other_seqs: int | None = None,
+    ) -> tuple[int, float]:
         """(k, speed-up) of the best k in 1..max_k (``others``: see :meth:`speedup`)."""
         top = self.max_k if max_k is None else max_k
         best_k, best_s = 0, 1.0
         for k in range(1, top + 1):
-            s = self.speedup(source, k, others)
+            s = self.speedup(source, k, others, other_seqs)
             if s > best_s:
                 best_k, best_s = k, s
         return best_k, best_s
@@ -188,7 +226,9 @@ class CostModel:
     def pays(self, source: str) -> bool:
         return self.best(source)[1] >= 1.0 + self.margin
 
-    def choose(self, options: Mapping[str, int], others: int = 0) -> tuple[str | None, int, bool]:
+    def choose(
+        self, options: Mapping[str, int], others: int = 0, other_seqs: int | None = None
+    ) -> tuple[str | None, int, bool]:
         """This round's drafts: ``options`` maps each key that has drafts now to how many it
         can give; returns (key, k, probe), (None, 0, False) for a plain step. The key and k
         of the best estimated tokens/s win when they beat plain decoding by ``margin``; when
@@ -200,7 +240,7 @@ class CostModel:
         for key, top in options.items():
             if top <= 0:
                 continue
-            k, s = self.best(key, top, others)
+            k, s = self.best(key, top, others, other_seqs)
             if s >= 1.0 + self.margin:
                 paying.append(key)
                 if s >= best_s:
@@ -225,11 +265,17 @@ class CostModel:
                 self._since_probe[key] = n
         return (probe, 1, True) if probe is not None else (None, 0, False)
 
-    def plan(self, source: str, max_k: int | None = None, others: int = 0) -> int:
+    def plan(
+        self,
+        source: str,
+        max_k: int | None = None,
+        others: int = 0,
+        other_seqs: int | None = None,
+    ) -> int:
         """Drafts to propose from ``source`` alone this round (0: not now), probes included
-        (``others``: see :meth:`speedup`)."""
+        (``others``, ``other_seqs``: see :meth:`speedup`)."""
         top = self.max_k if max_k is None else max_k
-        return self.choose({source: top}, others)[1] if top > 0 else 0
+        return self.choose({source: top}, others, other_seqs)[1] if top > 0 else 0
 
     def snapshot(self) -> dict[str, Any]:
         """The model's state for ``stats()``."""
@@ -237,6 +283,8 @@ class CostModel:
         return {
             "t1_s": self.t1,
             "t_row_s": self.t_row,
+            "t_seq_s": self.t_seq,
+            "t_wide_s": self.t_wide,
             "t_miss_s": self.t_miss,
             "hit_rate": self.hit_rate,
             "overlap": self.overlap,

@@ -161,22 +161,28 @@ class SpeculativeDecoder:
         logits, hidden, unions = self._forward(ids)  # [k + 1, V], [k + 1, D]
         return self.accept(logits, hidden, t_fwd=time.perf_counter() - t1, unions=unions)
 
-    def draft(self, last: int, remaining: int, others: int = 0) -> npt.NDArray[np.int64]:
+    def draft(
+        self, last: int, remaining: int, others: int = 0, other_seqs: int | None = None
+    ) -> npt.NDArray[np.int64]:
         """Plan a round after ``last`` (emitted, not yet in the cache) that emits at most
         ``remaining`` (>= 1) tokens: returns its verify rows ``[last, *drafts]`` [k + 1]. Their
         forward runs next over ``cache`` (alone, or in the engine's batched step with other
-        generations' rows: ``others`` of them), then :meth:`accept` takes its logits and
-        hidden rows. Compute thread (MTP drafting runs the head)."""
-        return run_alone(self.model, self.ctx, self.draft_steps(last, remaining, others))
+        generations' rows: ``others`` rows of ``other_seqs`` generations, default one row
+        each), then :meth:`accept` takes its logits and hidden rows. Compute thread (MTP
+        drafting runs the head)."""
+        gen = self.draft_steps(last, remaining, others, other_seqs)
+        return run_alone(self.model, self.ctx, gen)
 
-    def draft_steps(self, last: int, remaining: int, others: int = 0) -> HeadGen[IdArray]:
+    def draft_steps(
+        self, last: int, remaining: int, others: int = 0, other_seqs: int | None = None
+    ) -> HeadGen[IdArray]:
         """:meth:`draft` as a generator that yields each MTP head call it needs
         (:class:`HeadRows`) and is sent its result, so that the scheduler can run the head
         calls of several generations' drafts as one batched call (:func:`run_heads`)."""
         t0 = time.perf_counter()
         clock = _Clock()
         start = self.cache.length
-        d = yield from self._propose(clock, last, max(0, remaining - 1), others)
+        d = yield from self._propose(clock, last, max(0, remaining - 1), others, other_seqs)
         t_draft = clock.now()
         ids = np.array([last, *d.tokens], dtype=np.int64)  # [k + 1]
         self._round = _Round(d, ids, start, t0, t_draft, self._store_snapshot())
@@ -190,14 +196,15 @@ class SpeculativeDecoder:
         t_fwd: float | None = None,
         unions: Sequence[int] = (),
         shared: bool = False,
-        step: tuple[int, float] | None = None,
+        step: tuple[int, float, int] | None = None,
     ) -> list[Emitted]:
         """Finish the round :meth:`draft` planned from its verify rows' ``logits`` [k + 1, V]
         and ``hidden`` [k + 1, D] (already in the cache): accept or resample the drafts, cut
         the cache to what was emitted (all but the final token), feed the MTP head. ``t_fwd``:
         the forward's seconds when it ran alone (the cost model learns from it; None for a
         batched step, whose time the other rows share); ``shared``: other generations' rows
-        were in the same forward; ``step``: (rows, seconds) of that batched forward, given to
+        were in the same forward; ``step``: (rows, seconds, sequences) of that batched forward,
+        given to
         one generation per step (the cost model learns what a wide step costs)."""
         r = self._round
         if r is None:
@@ -216,7 +223,9 @@ class SpeculativeDecoder:
         self._round = None
 
     # ---- drafting
-    def _propose(self, clock: _Clock, last: int, room: int, others: int = 0) -> HeadGen[_Draft]:
+    def _propose(
+        self, clock: _Clock, last: int, room: int, others: int, other_seqs: int | None
+    ) -> HeadGen[_Draft]:
         d = _Draft()
         if room <= 0:
             return d
@@ -225,7 +234,11 @@ class SpeculativeDecoder:
         if self._grammar_drafts and self.grammar is not None:
             forced = self.grammar.forced()[:_MAX_FORCED]
             if forced:
-                kg = len(forced) if fixed else self.cost.plan("grammar", len(forced), others)
+                kg = (
+                    len(forced)
+                    if fixed
+                    else self.cost.plan("grammar", len(forced), others, other_seqs)
+                )
                 kg = min(kg, room)
                 d.add(forced[:kg], "grammar", "grammar")
                 cap = min(room, max(cap, kg))
@@ -257,7 +270,7 @@ class SpeculativeDecoder:
             options["mtp"] = left
         if look:
             options[look_key] = len(look)
-        key, want, d.probe = self.cost.choose(options, others)
+        key, want, d.probe = self.cost.choose(options, others, other_seqs)
         if key == "mtp":
             yield from self._draft_mtp(clock, d, last, want)
         elif key is not None:
@@ -410,13 +423,13 @@ class SpeculativeDecoder:
         t_fwd: float | None,
         unions: list[int],
         shared: bool,
-        step: tuple[int, float] | None = None,
+        step: tuple[int, float, int] | None = None,
     ) -> None:
         st, cost, d = self.stats, self.cost, r.draft
         k = len(d.tokens)
-        rows = k + 1
-        if t_fwd is None and step is not None:  # a batched step: its rows and seconds
-            rows, t_fwd = step
+        rows, seqs = k + 1, 1
+        if t_fwd is None and step is not None:  # a batched step: its rows, seconds, sequences
+            rows, t_fwd, seqs = step
             unions = []
         # row `acc` rejected its draft when it emitted a token (not cut by a stop or the budget)
         missed = acc if acc < k and acc < m else -1
@@ -435,7 +448,7 @@ class SpeculativeDecoder:
             if r.before is not None and after is not None:
                 stall_s = after[0] - r.before[0]
                 misses, looked = after[1] - r.before[1], after[2] - r.before[2]
-            cost.observe_step(rows, t_fwd, stall=stall_s, misses=misses, lookups=looked)
+            cost.observe_step(rows, t_fwd, seqs=seqs, stall=stall_s, misses=misses, lookups=looked)
             if unions:
                 cost.observe_union(rows, sum(unions) / len(unions))
         st.rounds += 1
