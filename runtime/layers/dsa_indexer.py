@@ -134,6 +134,11 @@ def select(scores: F32Array, topk: int) -> BoolArray | None:
     t, s = scores.shape
     if topk >= s:
         return None
+    if t == 1:  # a decode row: all S keys are causal and S > topk (the same set, less numpy)
+        keep = torch_topk_indices(scores, topk)  # [1, topk]
+        one: BoolArray = np.zeros((1, s), dtype=bool)
+        one[0, keep[0]] = True
+        return one
     n_keys = np.arange(t) + (s - t) + 1  # [T] causal keys per query
     mask: BoolArray = np.arange(s)[None, :] < n_keys[:, None]  # [T, S] every causal key
     long = np.flatnonzero(n_keys > topk)  # queries that must choose

@@ -488,6 +488,11 @@ def test_indexer_selection_matches_transformers() -> None:
         n_ties += int(fin.size > cfg.index_topk and fin[cfg.index_topk - 1] == fin[cfg.index_topk])
     assert n_ties > 0, "the test should exercise exact ties (relu zeros)"
     assert dsa.select(scores[:, :6], 6) is None  # index_topk >= S: no-op
+    # a decode row (T = 1, its own path) selects what the same query did in the T-row call
+    for row in range(cfg.index_topk, t):
+        one = dsa.select(scores[row : row + 1, : row + 1], cfg.index_topk)
+        assert one is not None and one.shape == (1, row + 1)
+        assert np.array_equal(one[0], sel[row, : row + 1]), row
 
 
 # ----------------------------------------------------------------------------- MoE, MLP
