@@ -16,6 +16,7 @@ from colibri._engine import DoneEvent, TokenEvent
 from runtime.grammar import GrammarSpec
 from runtime.kv import KVCache
 from runtime.speculative.cost import CostModel
+from storage.errors import ModelError
 
 DEMO = demo_model()
 N = 24
@@ -108,6 +109,48 @@ def test_drafts_of_a_batched_step_share_the_mtp_head_calls() -> None:
     assert st["speculative"]["batched_proposed"] > 0
     assert st["draft_head_calls"] > 0
     assert st["draft_head_drafts"] > 1.5 * st["draft_head_calls"]
+
+
+def test_a_failed_shared_head_call_fails_only_the_drafts_in_it() -> None:
+    # Fault injection: the batched MTP head call fails. The generations whose drafts were in
+    # it get the error; a generation decoding without drafts in the same steps finishes with
+    # its solo tokens, and the engine serves the next request (a lone head call) as before.
+    prompts = _prompts(4)
+    ref = _solo([(p, {"draft": "off"}) for p in prompts])
+
+    async def main() -> tuple[list[Any], list[int]]:
+        results: list[Any] = [None] * 4
+        async with colibri.Engine.open(DEMO, options=_options(max_batch=8)) as eng:
+            model = eng._model
+            real = model.mtp_step_batch
+
+            def failing(hiddens: Any, *a: Any, **kw: Any) -> Any:
+                if len(hiddens) > 1:
+                    raise ModelError("injected head failure")
+                return real(hiddens, *a, **kw)
+
+            model.mtp_step_batch = failing
+
+            async def one(i: int) -> None:
+                try:
+                    results[i] = await _gen(eng, prompts[i], draft="off" if i == 3 else "mtp:2")
+                except ModelError as exc:
+                    results[i] = exc
+
+            try:
+                async with anyio.create_task_group() as tg:
+                    for i in range(4):
+                        tg.start_soon(one, i)
+            finally:
+                del model.mtp_step_batch
+            after = await _gen(eng, prompts[0], draft="mtp:2")
+            return results, after
+
+    results, after = anyio.run(main)
+    failed = [r for r in results[:3] if isinstance(r, ModelError)]
+    assert len(failed) >= 2 and all("injected" in str(e) for e in failed)
+    assert results[3] == ref[3]
+    assert after == ref[0]
 
 
 FORCING = GrammarSpec.json_schema(
