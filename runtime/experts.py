@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar
 
 import anyio
 import anyio.from_thread
@@ -54,11 +54,33 @@ from storage.reader import Reader, ReadRequest, aligned_extent, required_size
 
 _log = structlog.get_logger(__name__)
 
-__all__ = ["ExpertStore", "StoreLayout", "StreamingExperts", "TierStats", "plan_layout"]
+__all__ = [
+    "ExpertStore",
+    "StoreLayout",
+    "StreamingExperts",
+    "TierStats",
+    "TraceEvent",
+    "plan_layout",
+]
 
 Key = tuple[int, int]
 R = TypeVar("R")
 ALIGN = 4096
+
+
+class TraceEvent(NamedTuple):
+    """One interval of the streaming timeline (:attr:`ExpertStore.trace`), ``time.perf_counter``
+    seconds: ``kind`` "read" (a demand read of expert ``expert``'s blob and scales, from the
+    device starting on it to its completion), "piece" (one piece of a lookahead read),
+    "compute" (expert ``expert`` computed on the compute side) or "step" (a MoE layer's step
+    on the compute thread, from asking for its experts to handing the last back; ``expert``
+    is how many it asked for)."""
+
+    kind: str
+    layer: int
+    expert: int
+    t0: float
+    t1: float
 
 
 @dataclass(frozen=True)
@@ -283,6 +305,9 @@ class ExpertStore:
         self._tg: Any = None
         self.nbytes = 0
         self.fixed_buffers = False
+        # A timeline for tools (tools/bench/stream_timeline.py): None (off, the default) or a
+        # list that reads, expert computations and steps are appended to as TraceEvents.
+        self.trace: list[TraceEvent] | None = None
 
     @property
     def prefill(self) -> bool:
@@ -435,7 +460,10 @@ class ExpertStore:
             self.stats.read_errors += 1
             raise
         finally:
-            self.stats.read_wait_s += self._clock() - t0
+            t1 = self._clock()
+            self.stats.read_wait_s += t1 - t0
+            if self.trace is not None and pieces is None:
+                self.trace.append(TraceEvent("read", key[0], key[1], t0, t1))
         whole = pieces is None  # (pieces are counted as they are read)
         self.stats.reads += whole + len(sreqs)
         self.stats.experts_read += 1
@@ -481,11 +509,14 @@ class ExpertStore:
                 return None
             end = need if what == "rest" else min(need, o + LOOKAHEAD_PIECE)
             piece = ReadRequest(req.path, aligned + o, end - o)
+            t0 = self._clock()
             try:
                 with anyio.CancelScope(shield=True):  # the kernel writes into buf
                     await self._read_reqs(key, [piece], [buf[o : o + required_size(piece)]], None)
             finally:
                 pieces.after(piece.length)
+                if self.trace is not None:
+                    self.trace.append(TraceEvent("piece", key[0], key[1], t0, self._clock()))
             self.stats.reads += 1
             self.stats.bytes_read += end - max(o, head)
             o = end
@@ -759,6 +790,21 @@ def _weights_from(
     return ExpertWeights(Linear(q["gate_proj"]), Linear(q["up_proj"]), Linear(q["down_proj"]))
 
 
+def _traced(
+    fn: Callable[[int, ExpertWeights], R], trace: list[TraceEvent], layer: int
+) -> Callable[[int, ExpertWeights], R]:
+    """``fn`` that also appends a "compute" :class:`TraceEvent` for each call."""
+
+    def run(e: int, w: ExpertWeights) -> R:
+        t0 = time.perf_counter()
+        try:
+            return fn(e, w)
+        finally:
+            trace.append(TraceEvent("compute", layer, e, t0, time.perf_counter()))
+
+    return run
+
+
 class StreamingExperts:
     """``ExpertSource`` for the compute thread, backed by an :class:`ExpertStore` on the loop.
 
@@ -784,22 +830,32 @@ class StreamingExperts:
         Resume the generator only after computing with the yielded expert: its transient
         buffer is recycled then."""
         st = self.store
+        trace = st.trace
         step = _Step(layer)
+        t_step = time.perf_counter()
         ready = anyio.from_thread.run_sync(st._loop_begin, step, list(experts), lookahead)
         try:
             for e, w in ready:
+                t1 = time.perf_counter()
                 yield e, w
+                if trace is not None:
+                    trace.append(TraceEvent("compute", layer, e, t1, time.perf_counter()))
                 self._done_with(step, e)
             for _ in range(len(experts) - len(ready)):
                 t0 = time.perf_counter()
                 item = step.out.get()
                 if isinstance(item, BaseException):
                     raise item
-                step.stalled(st.stats, item[0], time.perf_counter() - t0)
+                t1 = time.perf_counter()
+                step.stalled(st.stats, item[0], t1 - t0)
                 yield item
+                if trace is not None:
+                    trace.append(TraceEvent("compute", layer, item[0], t1, time.perf_counter()))
                 self._done_with(step, item[0])
         finally:
             self._end_step(step)
+            if trace is not None:
+                trace.append(TraceEvent("step", layer, len(experts), t_step, time.perf_counter()))
 
     def map_arrivals(
         self,
@@ -828,11 +884,15 @@ class StreamingExperts:
         route. On an error every started computation is awaited before any buffer is
         recycled."""
         st = self.store
+        trace = st.trace
         step = _Step(layer)
+        t_step = time.perf_counter()
         ready = anyio.from_thread.run_sync(st._loop_begin, step, list(experts))
         results: dict[int, R] = {}
         pending = 0
         to_arrive = len(experts) - len(ready)
+        if trace is not None:  # every expert's computation on the timeline
+            fn = _traced(fn, trace, layer)
 
         def submit(e: int, w: ExpertWeights) -> None:
             fut = pool.submit(fn, e, w)
@@ -888,6 +948,8 @@ class StreamingExperts:
                 elif isinstance(item, tuple):
                     self._done_with(step, item[0])
             self._end_step(step)
+            if trace is not None:
+                trace.append(TraceEvent("step", layer, len(experts), t_step, time.perf_counter()))
         return results
 
     def _done_with(self, step: _Step, expert: int) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -213,3 +215,41 @@ def test_time_breakdown_accounts_for_the_forwards() -> None:
         else:
             assert st["experts"]["misses"] > 0 and waits > 0
             assert waits == pytest.approx(st["experts"]["compute_stall_s"])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_streaming_timeline_records_reads_computations_and_steps(
+    reference: dict[str, Any], threads: int
+) -> None:
+    """``ExpertStore.trace`` (tools/bench/stream_timeline.py): one "read" per expert read, one
+    "step" per MoE layer per forward, one "compute" per expert a step asked for, each interval
+    inside the turn, and the same tokens as without it (serial steps and steps on the pool)."""
+    budget = budget_for_lru(DEMO, 1)
+    opts = dict(learn=False, pin=False, prefetch="off", reader="threads", threads=threads)
+    with colibri.open_model(DEMO, ram_budget=budget, **opts) as m:
+        store = m.engine._store
+        assert store is not None and store.trace is None
+        if threads > 1:  # every step on the pool (map_arrivals), tiny as the demo's are
+            m.engine._scheduler.ctx.compute.parallel_min_macs = 0
+        m.generate(PROMPT[:2], max_new_tokens=1)
+        before = m.stats()["experts"]["experts_read"]
+        trace: list[Any] = []
+        store.trace = trace
+        t0 = time.perf_counter()
+        toks = m.generate(PROMPT, max_new_tokens=24, draft="off")  # one forward per token
+        t1 = time.perf_counter()
+        store.trace = None
+        read = m.stats()["experts"]["experts_read"] - before
+        assert (m.stats()["compute"]["parallel_steps"] > 0) == (threads > 1)
+    assert toks == reference["tokens"]
+    kinds = {k: [e for e in trace if e.kind == k] for k in ("read", "piece", "compute", "step")}
+    assert len(kinds["read"]) == read > 0 and not kinds["piece"]
+    # per streamed MoE layer one step per forward: the prompt's prefill (one chunk), then one
+    # decode step per further token
+    per_layer = Counter(e.layer for e in kinds["step"])
+    assert per_layer and set(per_layer) <= set(Container.open(DEMO).expert_layers())
+    assert set(per_layer.values()) == {len(toks)}
+    assert len(kinds["compute"]) == sum(e.expert for e in kinds["step"])
+    assert all(t0 <= e.t0 <= e.t1 <= t1 for e in trace)
+    for e in kinds["compute"]:  # each computation inside a step of its layer
+        assert any(s.layer == e.layer and s.t0 <= e.t0 <= e.t1 <= s.t1 for s in kinds["step"])
