@@ -23,6 +23,7 @@ buffers.
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, Future
@@ -66,6 +67,9 @@ __all__ = [
 Key = tuple[int, int]
 R = TypeVar("R")
 ALIGN = 4096
+# How long a streaming step on the pool waits for its first demand read to reach the device
+# before its resident experts start computing (the event loop needs a core to send it).
+ISSUE_WAIT_S = 0.003
 
 
 class TraceEvent(NamedTuple):
@@ -177,6 +181,8 @@ class _Step(StepHandle):
     and the experts a lookahead read was already bringing when it began."""
 
     out: queue.SimpleQueue[Any] = field(default_factory=queue.SimpleQueue)
+    # set once the step's first demand read goes to the device (or when it needs none)
+    issued: threading.Event = field(default_factory=threading.Event)
     via_lookahead: set[int] = field(default_factory=set)
     # experts handed over in a transient slot: the compute side gives those back one by one
     # (the others live in pinned or cache slots: no hop to the loop is needed for them)
@@ -621,6 +627,9 @@ class ExpertStore:
         got = await self._take_slot(key, demand=True)
         assert got is not None
         await self._gate(demand=True)
+        step = self.policy.waiters.get(key)
+        if isinstance(step, _Step):
+            step.issued.set()  # (the reader submits it before its first await)
         err: ColibriError | None = None
         try:
             with anyio.CancelScope(shield=True):  # never abandon a buffer the kernel writes into
@@ -708,10 +717,12 @@ class ExpertStore:
         ``lookahead`` prediction queues its reads, behind this step's demand reads."""
         layer = step.layer
         ready: list[tuple[int, ExpertWeights]] = []
+        demand = 0
         for e, tier in self.policy.begin(step, experts, now=self._clock()):
             key = (layer, e)
             if tier == "read":
                 self._tg.start_soon(self._demand, key)
+                demand += 1
                 continue
             if tier == "inflight":
                 step.via_lookahead.add(e)
@@ -727,6 +738,8 @@ class ExpertStore:
                     step.held.add(e)
             assert slot.weights is not None
             ready.append((e, slot.weights))
+        if not demand:
+            step.issued.set()
         if lookahead is not None:
             self._loop_prefetch(lookahead.layer, lookahead.experts, lookahead.cpu_s)
         # lookahead reads waiting for a piece's turn ask again: one this step joined goes on
@@ -900,6 +913,11 @@ class StreamingExperts:
 
         guessing: Future[Lookahead | None] | None = None
         try:
+            if to_arrive and (ready or guess is not None):
+                # Work for the pool now would take both cores from the event loop, which has
+                # yet to send the step's first read to the device (up to ~2 ms late, measured
+                # with tools/bench/stream_timeline.py): let it go first, within a bound.
+                step.issued.wait(ISSUE_WAIT_S)
             if guess is not None:
                 guessing = pool.submit(guess)
                 guessing.add_done_callback(lambda f: step.out.put(_Guessed(f)))

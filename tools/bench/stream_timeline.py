@@ -16,8 +16,10 @@ a fixed seed as ``stream.py`` does. Every instant of the measured turn is in exa
 * ``idle_between_steps``: no read, outside every MoE step (the next layer's attention and
   router, dense layers, ``lm_head``, sampling).
 
-Printed per token and as shares of the turn; the last line is a JSON object whose ``figure``
-is ``disk_busy`` / wall time (1.0: the disk never idles).
+Printed per token and as shares of the turn, with two medians over the steps that read: how
+long after a step began its first read reached the device, and how long the step ran on after
+its last read landed. The last line is a JSON object whose ``figure`` is ``disk_busy`` / wall
+time (1.0: the disk never idles).
 """
 
 from __future__ import annotations
@@ -103,6 +105,24 @@ def breakdown(events: list[TraceEvent], t0: float, t1: float) -> dict[str, float
     }
 
 
+def step_edges(events: list[TraceEvent]) -> dict[str, float]:
+    """Medians over the steps that read: from the step's start to its first read on the
+    device, and from its last read's completion to the step's end (the tail), in ms."""
+    first: list[float] = []
+    tail: list[float] = []
+    reads = [e for e in events if e.kind == "read"]
+    for s in (e for e in events if e.kind == "step"):
+        mine = [r for r in reads if r.layer == s.layer and s.t0 <= r.t0 <= s.t1]
+        if mine:
+            first.append(min(r.t0 for r in mine) - s.t0)
+            tail.append(s.t1 - max(r.t1 for r in mine))
+
+    def median_ms(xs: list[float]) -> float:
+        return round(1e3 * sorted(xs)[len(xs) // 2], 3) if xs else float("nan")
+
+    return {"first_read_ms_p50": median_ms(first), "tail_ms_p50": median_ms(tail)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", type=Path, default=None, help="default: the synthetic model")
@@ -138,6 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'bucket':26} {'ms/token':>9} {'share':>7}")
     for k, v in parts.items():
         print(f"{k:26} {1e3 * v / n:9.2f} {v / wall:7.3f}")
+    edges = step_edges(trace)
+    print(
+        f"per step that reads (medians): first read {edges['first_read_ms_p50']} ms after the "
+        f"step began; the step ended {edges['tail_ms_p50']} ms after its last read landed"
+    )
     result: dict[str, Any] = {
         "figure": round(parts["disk_busy"] / wall, 4),
         "figure_is": "share of the decode turn's wall time a read is on the device",
@@ -146,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         "ms_per_token": {k: round(1e3 * v / n, 3) for k, v in parts.items()},
         "share": {k: round(v / wall, 4) for k, v in parts.items()},
         "events": counts,
+        **edges,
         "prefetch": a.prefetch,
         "model": str(a.model),
     }
