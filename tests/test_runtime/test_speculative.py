@@ -90,26 +90,47 @@ def _plain(model: Any, prompt: list[int], n: int) -> Run:
     return Run(out, cache, None)
 
 
-def _speculative(
-    model: Any, prompt: list[int], n: int, policy: str, *, temperature: float = 0.0, seed: int = 0
-) -> Run:
-    cache = model.new_cache()
+def _prefilled(
+    model: Any,
+    prompt: list[int],
+    policy: str,
+    cost: CostModel | None = None,
+    *,
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> tuple[SpeculativeDecoder, np.ndarray]:
+    """A decoder over a new cache holding ``prompt`` (its rows queued for the MTP head), and
+    the prompt's last logits [V]."""
     dec = SpeculativeDecoder(
         model,
-        cache,
+        model.new_cache(),
         Sampler(SamplingParams(temperature=temperature, seed=seed)),
         prompt=prompt,
         policy=DraftPolicy.parse(policy),
-        cost=CostModel(top_k=model.config.num_experts_per_tok),
+        cost=cost if cost is not None else CostModel(top_k=model.config.num_experts_per_tok),
         stats=SpecStats(),
         stop_ids=EOS,
     )
-    out = model.forward(np.array(prompt), cache)
+    out = model.forward(np.array(prompt), dec.cache)
     dec.prefill_hook(np.array(prompt), out.hidden)
-    toks = [dec.first(out.logits[-1])]
+    return dec, out.logits[-1]
+
+
+def _speculative(
+    model: Any,
+    prompt: list[int],
+    n: int,
+    policy: str,
+    *,
+    temperature: float = 0.0,
+    seed: int = 0,
+    cost: CostModel | None = None,
+) -> Run:
+    dec, last = _prefilled(model, prompt, policy, cost, temperature=temperature, seed=seed)
+    toks = [dec.first(last)]
     while len(toks) < n and toks[-1] not in EOS:
         toks += [t for t, _ in dec.step(toks[-1], n - len(toks))]
-    return Run(toks, cache, dec)
+    return Run(toks, dec.cache, dec)
 
 
 def _same_cache(a: KVCache, b: KVCache) -> bool:
@@ -234,19 +255,7 @@ def test_draft_weighs_the_other_rows_of_its_step(models: dict) -> None:
             cm.observe_step(2, 0.005)
             cm.observe_draft("mtp", 1, 0.001)
             cm.observe_proposal("mtp", 1, 1)
-        dec = SpeculativeDecoder(
-            model,
-            model.new_cache(),
-            Sampler(SamplingParams()),
-            prompt=prompt,
-            policy=DraftPolicy.parse("mtp"),
-            cost=cm,
-            stats=SpecStats(),
-            stop_ids=EOS,
-        )
-        out = model.forward(np.array(prompt), dec.cache)
-        dec.prefill_hook(np.array(prompt), out.hidden)
-        return dec
+        return _prefilled(model, prompt, "mtp", cm)[0]
 
     assert decoder().draft(5, 8).size > 1  # alone: drafts
     assert decoder().draft(5, 8, others=7).size == 1  # in a step of eight: none
@@ -655,25 +664,11 @@ def test_auto_combines_lookup_and_mtp_in_one_generation(models: dict) -> None:
     head = [int(x) for x in rng.integers(3, 999, size=10)]
     prompt = head * 3
     ref = _plain(model, prompt, N_TOKENS)
-    cache = model.new_cache()
-    dec = SpeculativeDecoder(
-        model,
-        cache,
-        Sampler(SamplingParams()),
-        prompt=prompt,
-        policy=DraftPolicy.parse("auto"),
-        cost=cm,
-        stats=SpecStats(),
-        stop_ids=EOS,
-    )
-    out = model.forward(np.array(prompt), cache)
-    dec.prefill_hook(np.array(prompt), out.hidden)
-    toks = [dec.first(out.logits[-1])]
-    while len(toks) < N_TOKENS and toks[-1] not in EOS:
-        toks += [t for t, _ in dec.step(toks[-1], N_TOKENS - len(toks))]
-    assert toks == ref.tokens
-    assert _same_cache(cache, ref.cache)
-    assert dec.stats.proposed["lookup"] > 0 and dec.stats.proposed["mtp"] > 0
+    got = _speculative(model, prompt, N_TOKENS, "auto", cost=cm)
+    assert got.tokens == ref.tokens
+    assert _same_cache(got.cache, ref.cache)
+    assert got.decoder is not None
+    assert got.decoder.stats.proposed["lookup"] > 0 and got.decoder.stats.proposed["mtp"] > 0
 
 
 # ----------------------------------------------------------------------------- drafts, options
