@@ -281,7 +281,11 @@ class DecoderStack:
         last_only: bool = True,
         ctx: StepContext | None = None,
     ) -> tuple[F32Array, F32Array]:
-        raise ModelError("this model has no MTP head (num_nextn_predict_layers / weights)")
+        """``mtp_forward`` that also returns the head's normed output [T, D] (the input of a
+        chained draft) and, with ``last_only``, logits of the last row only ([1, V]): one
+        sequence of :meth:`mtp_step_batch`."""
+        out = self.mtp_step_batch([hidden], [next_ids], [mtp_cache], last_only=last_only, ctx=ctx)
+        return out[0]
 
     def mtp_step_batch(
         self,
@@ -540,20 +544,6 @@ class MLAMoEModel(DecoderStack):
         cache, positions from ``mtp_cache.length``), then ``shared_head.head(shared_head.norm)``.
         """
         return self.mtp_step(hidden, next_ids, mtp_cache, last_only=False, ctx=ctx)[0]
-
-    def mtp_step(
-        self,
-        hidden: F32Array,
-        next_ids: npt.NDArray[np.integer],
-        mtp_cache: KVCache,
-        *,
-        last_only: bool = True,
-        ctx: StepContext | None = None,
-    ) -> tuple[F32Array, F32Array]:
-        """:meth:`mtp_forward` that also returns the head's normed output [T, D] (the input of a
-        chained draft) and, with ``last_only``, logits of the last row only ([1, V])."""
-        out = self.mtp_step_batch([hidden], [next_ids], [mtp_cache], last_only=last_only, ctx=ctx)
-        return out[0]
 
     def mtp_step_batch(
         self,
