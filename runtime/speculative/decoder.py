@@ -127,7 +127,7 @@ class SpeculativeDecoder:
         drafts_on = policy.mode != "off" and not reproducible
         self._mtp: MtpDrafter | None = None
         if drafts_on and policy.source in ("any", "mtp") and model.has_mtp:
-            self._mtp = MtpDrafter(model, self.ctx)
+            self._mtp = MtpDrafter(model)
         # prompt lookup: pinned, or where there is no head, or (auto) next to the head
         self._lookup = drafts_on and (
             policy.source == "lookup"

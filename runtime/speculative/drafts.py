@@ -75,13 +75,9 @@ def run_heads(model: Any, ctx: StepContext | None, asks: Sequence[HeadRows]) -> 
     ``mtp_step_batch`` (rows of several drafts share the head's weights and experts; each
     draft's result is the bits of its call alone). The call's seconds are shared by rows."""
     t0 = time.perf_counter()
-    if len(asks) == 1:
-        a = asks[0]
-        outs = [model.mtp_step(a.h, a.t, a.head.cache, ctx=ctx)]
-    else:
-        outs = model.mtp_step_batch(
-            [a.h for a in asks], [a.t for a in asks], [a.head.cache for a in asks], ctx=ctx
-        )
+    outs = model.mtp_step_batch(
+        [a.h for a in asks], [a.t for a in asks], [a.head.cache for a in asks], ctx=ctx
+    )
     dt = time.perf_counter() - t0
     rows = sum(int(a.t.size) for a in asks)
     return [
@@ -107,9 +103,7 @@ class MtpDrafter:
     pending rows continue them; ``wait`` is the main hidden of the last fed position, whose next
     token is not known yet."""
 
-    def __init__(self, model: Any, ctx: StepContext | None = None) -> None:
-        self.model = model
-        self.ctx = ctx
+    def __init__(self, model: Any) -> None:
         self.cache: KVCache = model.new_mtp_cache()
         self.pend_h: list[F32Array] = []  # P rows of [D]
         self.pend_t: list[int] = []  # P next tokens
@@ -147,16 +141,6 @@ class MtpDrafter:
         if last is not None:
             self.wait = None
 
-    def flush(self, last: int | None) -> tuple[F32Array, F32Array] | None:
-        """Run the pending rows (plus (wait, ``last``) when given) through the head; returns
-        the last row's (logits [V], normed output [D]), or None when nothing was pending."""
-        ask = self.flush_rows(last)
-        if ask is None:
-            return None
-        z, g, _ = run_heads(self.model, self.ctx, [ask])[0]
-        self.flushed(last)
-        return z, g
-
     def forget(self) -> None:
         """A main step ran without giving hidden states (a batched plain step): the head's
         history continues after a gap."""
@@ -168,8 +152,3 @@ class MtpDrafter:
         """The head call of one chained draft row from its own output ``g`` [D] and
         ``token``."""
         return HeadRows(self, g[None, :], np.array([token], np.int64), planned)
-
-    def chain(self, g: F32Array, token: int) -> tuple[F32Array, F32Array]:
-        """One chained draft row from the head's own output ``g`` [D] and ``token``."""
-        z, out, _ = run_heads(self.model, self.ctx, [self.chain_rows(g, token)])[0]
-        return z, out
