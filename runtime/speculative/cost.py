@@ -104,26 +104,23 @@ class CostModel:
         look-ups (streaming)."""
         w = self.ewma
         compute = max(seconds - stall, 1e-9)
-        if seqs <= 1 and rows == 1:
+        if rows == 1:
             self.t1 = _ewma(self.t1, compute, w)
-        elif seqs <= 1:
-            if self.t1 is None:
-                self.t1 = compute / rows  # every row the same until a one-row step is seen
-            self.t_row = _ewma(self.t_row, max(compute - self.t1, 0.0) / (rows - 1), w)
         else:
             if self.t1 is None:
-                # only batched steps seen so far: take every row as costing the same until a
-                # one-row step shows the fixed part (errs against drafting when wide)
+                # no one-row step seen yet: take every row as costing the same until one shows
+                # the fixed part (errs against drafting when wide)
                 self.t1 = compute / rows
-            extra = compute - self.t1
-            drafts = rows - seqs
-            if drafts <= 0:
-                self.t_seq = _ewma(self.t_seq, max(extra, 0.0) / (seqs - 1), w)
+            extra = max(compute - self.t1, 0.0)
+            if seqs <= 1:
+                self.t_row = _ewma(self.t_row, extra / (rows - 1), w)
+            elif rows == seqs:
+                self.t_seq = _ewma(self.t_seq, extra / (seqs - 1), w)
             elif self.t_seq is not None:
                 rest = max(extra - self.t_seq * (seqs - 1), 0.0)
-                self.t_wide = _ewma(self.t_wide, rest / drafts, w)
+                self.t_wide = _ewma(self.t_wide, rest / (rows - seqs), w)
             else:  # no draft-free batched step seen yet: every extra row alike
-                self.t_seq = _ewma(self.t_seq, max(extra, 0.0) / (rows - 1), w)
+                self.t_seq = _ewma(self.t_seq, extra / (rows - 1), w)
         if misses > 0:
             self.t_miss = _ewma(self.t_miss, stall / misses, w)
         if lookups > 0:
