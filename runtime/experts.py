@@ -38,6 +38,7 @@ import numpy.typing as npt
 import structlog
 
 from runtime.linear import Linear
+from runtime.policies.pieces import PieceTicket, PieceWindow, piece_ranges
 from runtime.policies.tiers import (
     LOOKAHEAD_PIECE,
     Placement,
@@ -74,11 +75,11 @@ ISSUE_WAIT_S = 0.003
 
 class TraceEvent(NamedTuple):
     """One interval of the streaming timeline (:attr:`ExpertStore.trace`), ``time.perf_counter``
-    seconds: ``kind`` "read" (a demand read of expert ``expert``'s blob and scales, from the
-    device starting on it to its completion), "piece" (one piece of a lookahead read),
-    "compute" (expert ``expert`` computed on the compute side) or "step" (a MoE layer's step
-    on the compute thread, from asking for its experts to handing the last back; ``expert``
-    is how many it asked for)."""
+    seconds: ``kind`` "read" (a demand read of expert ``expert``'s blob and scales, from its
+    turn at the device to its completion), "piece" (one piece of a lookahead read, or of a
+    demand read sent in several), "compute" (expert ``expert`` computed on the compute side) or
+    "step" (a MoE layer's step on the compute thread, from asking for its experts to handing the
+    last back; ``expert`` is how many it asked for)."""
 
     kind: str
     layer: int
@@ -272,6 +273,8 @@ class ExpertStore:
         prefetch: PrefetchMode | bool = "auto",
         prefill_admit: bool = False,
         read_depth: int = 2,
+        read_piece: int | None = None,
+        read_window: int | None = None,
         placement: Any = None,
         checksums: ExpertChecksums | None = None,
         clock: Callable[[], float] = time.perf_counter,
@@ -295,6 +298,21 @@ class ExpertStore:
         self.stats: TierStats = self.policy.stats
         self._clock = clock
         self._blob_bytes, self._scales_bytes = slot_sizes(container)
+        # Demand reads go through a window, first come first served (runtime.policies.pieces):
+        # up to ``read_depth`` whole experts on the device, except that the last read of a
+        # burst goes once the one before it landed, so that the two do not land together.
+        # ``read_piece`` sends every expert in pieces of that many bytes instead (gate and up
+        # first), with about one expert plus one piece on the device: the experts land one
+        # after another, but on the virtio disk measured (docs/benchmarks.md) less in flight
+        # read slower than the overlap gained, so whole reads are the default.
+        expert = self._blob_bytes + self._scales_bytes
+        if read_window is None:  # (the scales go with an expert's first piece)
+            if read_piece is None:
+                read_window = read_depth * expert
+            else:
+                read_window = max(1, read_depth - 1) * expert + read_piece + self._scales_bytes
+        self._piece = read_piece
+        self._window = PieceWindow(read_window, lambda: self.policy.demand_queued > 0)
         # Expert blobs of 2 MiB and more go on transparent huge pages where the kernel allows
         # it (fewer page-table walks per O_DIRECT read); hugepage_report() says what it got.
         self.hugepages = hugepage_support()
@@ -429,9 +447,17 @@ class ExpertStore:
         return self.policy.tiers()
 
     # ------------------------------------------------------------------ reads
-    async def _read_into(self, key: Key, slot: _Slot, pieces: _Pieces | None = None) -> bool:
+    async def _read_into(
+        self,
+        key: Key,
+        slot: _Slot,
+        pieces: _Pieces | None = None,
+        issued: threading.Event | None = None,
+    ) -> bool:
         """Read ``key`` into ``slot`` (blob and scales, checked under ``--verify-reads``).
 
+        Without ``pieces`` (a demand read): through the piece window (:meth:`_read_ordered`);
+        ``issued`` is set when its first piece goes to the device.
         ``pieces`` (a lookahead read): the blob goes to the device piece by piece
         (``LOOKAHEAD_PIECE`` bytes), each piece first asking ``pieces.before`` whether to read
         it, to read all the rest at once (a step now waits for it) or to stop. Returns False
@@ -447,9 +473,12 @@ class ExpertStore:
             off += need
         checks = self._checks(key, x, sreqs)
         t0 = self._clock()
+        n_reqs = 1 + len(sreqs)
         try:
             if pieces is None:
-                views = await self._read_reqs(key, [blob_req, *sreqs], bufs, checks)
+                views, n_reqs = await self._read_ordered(
+                    key, x, blob_req, sreqs, bufs, checks, issued
+                )
             else:
                 blob = await self._read_pieces(key, blob_req, slot.blob, pieces)
                 if blob is None:
@@ -470,8 +499,8 @@ class ExpertStore:
             self.stats.read_wait_s += t1 - t0
             if self.trace is not None and pieces is None:
                 self.trace.append(TraceEvent("read", key[0], key[1], t0, t1))
-        whole = pieces is None  # (pieces are counted as they are read)
-        self.stats.reads += whole + len(sreqs)
+        whole = pieces is None  # (lookahead pieces are counted as they are read)
+        self.stats.reads += n_reqs if whole else len(sreqs)
         self.stats.experts_read += 1
         self.stats.bytes_read += whole * blob_req.length + sum(r.length for r in sreqs)
         blob_u8 = np.frombuffer(views[0], dtype=np.uint8)
@@ -479,6 +508,100 @@ class ExpertStore:
         slot.weights = _weights_from(x, blob_u8, sreqs, svs)
         slot.key = key
         return True
+
+    async def _read_ordered(
+        self,
+        key: Key,
+        x: ExpertExtent,
+        blob_req: ReadRequest,
+        sreqs: list[ReadRequest],
+        bufs: Sequence[npt.NDArray[np.uint8]],
+        checks: Sequence[Check | None] | None,
+        issued: threading.Event | None,
+    ) -> tuple[list[Any], int]:
+        """A demand read through the piece window (:mod:`runtime.policies.pieces`), sent
+        when the window lets it: one read of blob and scales, checked as it is read, or, with
+        ``read_piece``, the blob in pieces (gate and up projections first, the scales with the
+        first piece) all queued now, in this order, and checked once all landed. Returns the
+        views (blob, then scales) and how many requests it took. A failed piece raises after
+        the others finished (the kernel writes into the buffer until then)."""
+        blob_buf, scale_bufs = bufs[0], bufs[1:]
+        if self._piece is None:
+            reqs = [blob_req, *sreqs]
+            out: list[Any] = [None]
+            granted = anyio.Event()
+            ticket = self._window.add(sum(r.length for r in reqs), granted.set)
+            await self._send_piece(key, reqs, list(bufs), granted, ticket, out, 0, issued, checks)
+            if isinstance(out[0], ColibriError):
+                raise out[0]
+            return out[0], len(reqs)
+        aligned, head, _ = aligned_extent(blob_req)
+        need = head + blob_req.length
+        first = [(o, o + n) for p, (o, n, _, _) in x.parts.items() if p in ("gate_proj", "up_proj")]
+        jobs: list[tuple[list[ReadRequest], list[npt.NDArray[np.uint8]]]] = []
+        for a, b in piece_ranges(head, need, first, piece=self._piece, align=ALIGN):
+            req = ReadRequest(blob_req.path, aligned + a, b - a)
+            lo = a // ALIGN * ALIGN
+            jobs.append(([req], [blob_buf[lo : lo + required_size(req)]]))
+        jobs[0][0].extend(sreqs)
+        jobs[0][1].extend(scale_bufs)
+        out = [None] * len(jobs)
+        events = [anyio.Event() for _ in jobs]
+        tickets = [
+            self._window.add(sum(r.length for r in reqs), ev.set, opens=i == 0)
+            for i, ((reqs, _), ev) in enumerate(zip(jobs, events, strict=True))
+        ]
+        async with anyio.create_task_group() as tg:
+            for i, (reqs, pbufs) in enumerate(jobs):
+                go = issued if i == 0 else None
+                tg.start_soon(
+                    self._send_piece, key, reqs, pbufs, events[i], tickets[i], out, i, go, None,
+                    len(jobs) > 1,
+                )  # fmt: skip
+        for got in out:
+            if isinstance(got, ColibriError):
+                raise got
+        views: list[Any] = [blob_buf[head:need], *out[0][1:]]
+        if checks is not None:
+            try:
+                await verify_views(views, checks)
+            except ReadError:  # a damaged copy: the whole read again (mirrors fail over)
+                views = await self._read_reqs(key, [blob_req, *sreqs], bufs, checks)
+        return views, len(jobs) + len(sreqs)
+
+    async def _send_piece(
+        self,
+        key: Key,
+        reqs: list[ReadRequest],
+        bufs: list[npt.NDArray[np.uint8]],
+        granted: anyio.Event,
+        ticket: PieceTicket,
+        out: list[Any],
+        i: int,
+        issued: threading.Event | None,
+        checks: Sequence[Check | None] | None,
+        traced: bool = False,
+    ) -> None:
+        """One read (or piece) of :meth:`_read_ordered`: wait for the window, read (and run
+        ``checks``); ``out[i]`` is its views or its error. ``traced``: a "piece" on the
+        timeline (a whole read is the "read" :meth:`_read_into` records)."""
+        try:
+            await granted.wait()
+        except BaseException:
+            self._window.drop(ticket)
+            raise
+        if issued is not None:
+            issued.set()  # (the reader submits the read before its first await)
+        t0 = self._clock()
+        try:
+            with anyio.CancelScope(shield=True):  # the kernel writes into the buffer
+                out[i] = await self._read_reqs(key, reqs, bufs, checks)
+        except ColibriError as exc:
+            out[i] = exc
+        finally:
+            self._window.finish(ticket)
+            if traced and self.trace is not None:
+                self.trace.append(TraceEvent("piece", key[0], key[1], t0, self._clock()))
 
     async def _read_reqs(
         self,
@@ -589,6 +712,7 @@ class ExpertStore:
             return
         if demand:
             pol.queue_demand(+1, self._clock())
+            self._window.pump()  # a read held back as the last of its burst need not be
         try:
             while not pol.try_issue(demand=demand, now=self._clock()):
                 await self._io_changed.wait()
@@ -628,12 +752,11 @@ class ExpertStore:
         assert got is not None
         await self._gate(demand=True)
         step = self.policy.waiters.get(key)
-        if isinstance(step, _Step):
-            step.issued.set()  # (the reader submits it before its first await)
+        issued = step.issued if isinstance(step, _Step) else None
         err: ColibriError | None = None
         try:
             with anyio.CancelScope(shield=True):  # never abandon a buffer the kernel writes into
-                await self._read_into(key, got[0])
+                await self._read_into(key, got[0], issued=issued)
         except ColibriError as exc:
             err = exc
         finally:

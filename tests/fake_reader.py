@@ -6,7 +6,7 @@ plus scales) looks up the first scripted rule matching its blob's (path, offset)
     accounting can be checked exactly;
   * raises :class:`ReadError` (a damaged sector), or
   * blocks until its ``release`` event is set (a slow device, for cancellation tests).
-It records how many reads were in flight at once and every extent it read.
+It records how many reads (and bytes) were in flight at once and every extent it read.
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ class FakeReader:
     stats: ReaderStats = field(default_factory=ReaderStats)
     in_flight: int = 0
     peak: int = 0
+    bytes_in_flight: int = 0
+    peak_bytes: int = 0
     extents: list[tuple[Path, int]] = field(default_factory=list)
     closed: bool = False
 
@@ -77,6 +79,9 @@ class FakeReader:
         rule = self._rule(reqs[0])
         self.in_flight += 1
         self.peak = max(self.peak, self.in_flight)
+        nbytes = sum(r.length for r in reqs)
+        self.bytes_in_flight += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.bytes_in_flight)
         try:
             if rule is not None and rule.release is not None:
                 await rule.release.wait()
@@ -102,6 +107,7 @@ class FakeReader:
             return out
         finally:
             self.in_flight -= 1
+            self.bytes_in_flight -= nbytes
 
     def register_buffers(self, bufs: Sequence[U8Array]) -> bool:
         return False

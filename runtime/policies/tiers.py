@@ -455,6 +455,11 @@ class TierPolicy:
             self._lookahead_inflight += 1
         return ok
 
+    @property
+    def demand_queued(self) -> int:
+        """Demand reads waiting at the gate now."""
+        return self._demand_queued
+
     def queue_demand(self, delta: int, now: float = 0.0) -> None:
         """A demand read starts (+1) or stops (-1) waiting at the gate."""
         self._demand_queued += delta

@@ -47,10 +47,20 @@ def _layout(lru: int = 2, transient: int = 2 * TOP_K) -> StoreLayout:
 Body = Callable[[ExpertStore, StreamingExperts], Awaitable[None]]
 
 
-def _run(reader: FakeReader, body: Body, *, prefetch: bool = False, **layout: int) -> None:
+def _run(
+    reader: FakeReader,
+    body: Body,
+    *,
+    prefetch: bool = False,
+    read_piece: int | None = None,
+    **layout: int,
+) -> None:
     async def main() -> None:
         async with anyio.create_task_group() as tg:
-            store = ExpertStore(C, reader, _layout(**layout), prefetch=prefetch, clock=reader.clock)
+            opts: dict[str, Any] = {} if read_piece is None else {"read_piece": read_piece}
+            store = ExpertStore(
+                C, reader, _layout(**layout), prefetch=prefetch, clock=reader.clock, **opts
+            )
             await store.start(tg)
             try:
                 await body(store, StreamingExperts(store))
@@ -324,3 +334,97 @@ def test_a_joined_lookahead_read_reads_the_rest_at_once_and_joins_the_cache(
         _settled(store)
 
     _run(reader, body, prefetch=True, lru=2)
+
+
+# Demand reads in pieces (runtime/policies/pieces.py): the tiny model's experts are 36 KiB
+# (down, gate, up: 12 KiB each), read here in pieces of 8 KiB.
+PIECE = 8192
+
+
+def _demand_pieces(layer: int, e: int) -> list[int]:
+    """The file offsets expert ``e``'s blob pieces start at, in the order they should go."""
+    x = C.expert(layer, e)
+    lo = min(x.parts[p][0] for p in ("gate_proj", "up_proj"))
+    rel = list(range(lo, x.nbytes, PIECE)) + list(range(0, lo, PIECE))
+    return [x.start + r for r in rel]
+
+
+def test_a_demand_read_goes_in_pieces_gate_and_up_first_and_lands_whole() -> None:
+    layer = LAYERS[0]
+    reader = FakeReader()
+
+    async def body(store: ExpertStore, src: StreamingExperts) -> None:
+        reads = store.stats.reads
+        assert await _step(src, layer, [5]) == {5: WANT[(layer, 5)]}
+        assert [off for _, off in reader.extents] == _demand_pieces(layer, 5)
+        assert len(_demand_pieces(layer, 5)) > 2
+        # every request counted: the pieces, plus the scales (one request, with the first)
+        assert store.stats.reads - reads == len(reader.extents) + 1
+        assert store.stats.experts_read == 1
+        # a step of several misses: all in order, within the window, every byte right
+        experts = [1, 2, 3, 4, 6, 7]
+        assert await _step(src, layer, experts) == {e: WANT[(layer, e)] for e in experts}
+        assert reader.peak_bytes <= store._window.window
+        assert store._window.inflight_bytes == 0 and store._window.queued == 0
+        _settled(store)
+
+    _run(reader, body, read_piece=PIECE, lru=0)
+
+
+@pytest.mark.parametrize("piece", [None, PIECE])
+def test_the_last_read_of_a_step_waits_for_the_one_before_it(piece: int | None) -> None:
+    """Two misses, nothing else waiting: the second goes once the first landed, so the first is
+    computed while the second reads (two reads on the device together land together); whole
+    reads (the default) or in pieces."""
+    layer = LAYERS[1]
+    gate = anyio.Event()
+
+    def offsets(e: int) -> list[int]:
+        return _demand_pieces(layer, e) if piece else [C.expert(layer, e).start]
+
+    first = offsets(2)
+    reader = FakeReader(rules=[Rule(offset=first[0], release=gate)])
+
+    async def body(store: ExpertStore, src: StreamingExperts) -> None:
+        async with anyio.create_task_group() as tg:
+            out: dict[str, Any] = {}
+
+            async def step() -> None:
+                out["got"] = await _step(src, layer, [2, 6])
+
+            tg.start_soon(step)
+            try:
+                with anyio.fail_after(10):
+                    while not reader.in_flight:
+                        await anyio.sleep(0.001)
+                await anyio.sleep(0.02)
+                sent = {off for _, off in reader.extents} | {first[0]}
+                assert not sent & set(offsets(6))  # 6 waits for all of 2
+            finally:
+                gate.set()
+        assert out["got"] == {e: WANT[(layer, e)] for e in (2, 6)}
+        read = [off for _, off in reader.extents]
+        n = len(first)  # (extents are recorded as reads complete: 2's first piece came last)
+        assert sorted(read[:n]) == sorted(first) and read[n:] == offsets(6)  # 2, then 6
+        _settled(store)
+
+    _run(reader, body, read_piece=piece, lru=0)
+
+
+def test_a_failed_piece_fails_its_read_after_the_others_and_returns_every_slot() -> None:
+    layer = LAYERS[2]
+    bad = _demand_pieces(layer, 5)[2]
+    reader = FakeReader(rules=[Rule(offset=bad, error=True, times=1)])
+
+    async def body(store: ExpertStore, src: StreamingExperts) -> None:
+        with pytest.raises(ReadError, match="injected"):
+            await _step(src, layer, [1, 5, 9])
+        with anyio.fail_after(10):
+            while store._inflight:
+                await anyio.sleep(0.001)
+        _settled(store)
+        assert store._window.inflight_bytes == 0 and store._window.queued == 0
+        assert store.stats.read_errors == 1
+        assert await _step(src, layer, [5]) == {5: WANT[(layer, 5)]}
+
+    _run(reader, body, read_piece=PIECE, lru=0)
