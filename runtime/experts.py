@@ -312,7 +312,7 @@ class ExpertStore:
             else:
                 read_window = max(1, read_depth - 1) * expert + read_piece + self._scales_bytes
         self._piece = read_piece
-        self._window = PieceWindow(read_window, lambda: self.policy.demand_queued > 0)
+        self._window = PieceWindow(read_window, self._reads_behind)
         # Expert blobs of 2 MiB and more go on transparent huge pages where the kernel allows
         # it (fewer page-table walks per O_DIRECT read); hugepage_report() says what it got.
         self.hugepages = hugepage_support()
@@ -332,6 +332,15 @@ class ExpertStore:
         # A timeline for tools (tools/bench/stream_timeline.py): None (off, the default) or a
         # list that reads, expert computations and steps are appended to as TraceEvents.
         self.trace: list[TraceEvent] | None = None
+
+    def _reads_behind(self) -> bool:
+        """Whether a demand read may share the device with the ones before it
+        (:class:`PieceWindow`'s backlog): while more demand reads wait at the gate, or always
+        when mirrors serve reads (two reads may then be on two devices, which do not share
+        their bandwidth)."""
+        if self.placement is not None and len(self.placement.copies) > 1:
+            return True
+        return self.policy.demand_queued > 0
 
     @property
     def prefill(self) -> bool:

@@ -5,7 +5,9 @@ and the compute-thread facade, without a model."""
 from __future__ import annotations
 
 import hashlib
+import shutil
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -19,6 +21,8 @@ from runtime.experts import ExpertStore, StoreLayout, StreamingExperts, slot_siz
 from runtime.weights import ExpertWeights, ResidentExperts
 from storage.container import Container
 from storage.errors import ReadError
+from storage.multidisk.identity import ModelCopy
+from storage.multidisk.placement import Placement
 
 C = Container.open(TINY)
 LAYERS = C.expert_layers()
@@ -428,3 +432,39 @@ def test_a_failed_piece_fails_its_read_after_the_others_and_returns_every_slot()
         assert await _step(src, layer, [5]) == {5: WANT[(layer, 5)]}
 
     _run(reader, body, read_piece=PIECE, lru=0)
+
+
+def test_with_a_mirror_the_last_read_does_not_wait(tmp_path: Path) -> None:
+    """Two reads may be on two devices when mirrors serve reads: the last one goes at once."""
+    layer = LAYERS[1]
+    mirror = tmp_path / "mirror"
+    mirror.mkdir()
+    shards = sorted({C.expert(layer, e).path for e in ALL})
+    for f in shards:
+        shutil.copyfile(f, mirror / f.name)
+    copies = [
+        ModelCopy(0, TINY, None, {f: f for f in shards}),
+        ModelCopy(1, mirror, None, {f: mirror / f.name for f in shards}),
+    ]
+    gate = anyio.Event()
+    reader = FakeReader(rules=[Rule(offset=C.expert(layer, 2).start, release=gate)])
+
+    async def body(store: ExpertStore, src: StreamingExperts) -> None:
+        store.placement = Placement(copies, adapt=False)
+        async with anyio.create_task_group() as tg:
+            out: dict[str, Any] = {}
+
+            async def step() -> None:
+                out["got"] = await _step(src, layer, [2, 6])
+
+            tg.start_soon(step)
+            try:
+                with anyio.fail_after(10):  # 6 is read while 2 is still on its device
+                    while C.expert(layer, 6).start not in {o for _, o in reader.extents}:
+                        await anyio.sleep(0.001)
+            finally:
+                gate.set()
+        assert out["got"] == {e: WANT[(layer, e)] for e in (2, 6)}
+        _settled(store)
+
+    _run(reader, body, lru=0)
