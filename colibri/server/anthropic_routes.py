@@ -295,6 +295,7 @@ async def messages(request: Request) -> Response:
         anthropic=True,
         stream=req.stream,
         on_finish=lambda: st.admission.cancel(ticket),
+        stopping=st.stopping,
     )
     return resp  # type: ignore[return-value]  # an ASGI app Starlette sends as the response
 

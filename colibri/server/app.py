@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -400,6 +400,14 @@ class _Server(uvicorn.Server):
     for the exit status (130 / 143)."""
 
     stopped_by: int | None = None
+    on_shutdown: Callable[[], None] | None = None  # (AppState.stopping.set)
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        # generations in flight end now (a 503 / error event), not when uvicorn's grace
+        # period runs out and it cancels their tasks from outside
+        if self.on_shutdown is not None:
+            self.on_shutdown()
+        await super().shutdown(sockets=sockets)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if self.stopped_by is None:
@@ -452,6 +460,7 @@ async def serve(config: ServerConfig, options: EngineOptions, *, web: bool = Fal
             if config.stats_interval > 0:
                 tg.start_soon(_throughput_lines, app.state.colibri, config.stats_interval)
             server = _Server(uv)
+            server.on_shutdown = app.state.colibri.stopping.set
             await server.serve(sockets=[sock])
             tg.cancel_scope.cancel()
     return server.stopped_by

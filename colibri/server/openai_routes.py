@@ -281,7 +281,9 @@ def _whole_body(
 
 def _respond(st: AppState, ticket: Ticket, runner: Runner, stream: bool) -> Response:
     """The response that runs ``runner``; the queue place is given back however it ends."""
-    resp = GenerationResponse(runner, stream=stream, on_finish=lambda: st.admission.cancel(ticket))
+    resp = GenerationResponse(
+        runner, stream=stream, on_finish=lambda: st.admission.cancel(ticket), stopping=st.stopping
+    )
     return resp  # type: ignore[return-value]  # an ASGI app; Starlette just awaits it
 
 

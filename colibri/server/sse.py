@@ -71,7 +71,9 @@ class GenerationResponse:
     """An ASGI response that runs ``runner(responder)`` and cancels it on client disconnect.
 
     ``anthropic``: errors in Anthropic's shape (and as an ``error`` event mid-stream);
-    ``stream``: the runner sends SSE (ended here); ``on_finish``: called however it ends."""
+    ``stream``: the runner sends SSE (ended here); ``on_finish``: called however it ends;
+    ``stopping``: set when the server shuts down: the generation stops and the client gets a
+    503 (an ``error`` event mid-stream), instead of the request being cut off later."""
 
     def __init__(
         self,
@@ -80,14 +82,17 @@ class GenerationResponse:
         anthropic: bool = False,
         stream: bool = False,
         on_finish: Callable[[], None] | None = None,
+        stopping: anyio.Event | None = None,
     ) -> None:
         self._runner = runner
         self._anthropic = anthropic
         self._stream = stream
         self._on_finish = on_finish
+        self._stopping = stopping
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         responder = Responder(send)
+        stopped = False
         try:
             async with anyio.create_task_group() as tg:
 
@@ -99,11 +104,22 @@ class GenerationResponse:
                             tg.cancel_scope.cancel()
                             return
 
+                async def stop(event: anyio.Event) -> None:
+                    nonlocal stopped
+                    await event.wait()
+                    stopped = True
+                    tg.cancel_scope.cancel()
+
                 tg.start_soon(watch)
+                if self._stopping is not None:
+                    tg.start_soon(stop, self._stopping)
                 try:
                     await self._run(responder)
                 finally:
                     tg.cancel_scope.cancel()
+            if stopped and not responder.disconnected:
+                with anyio.move_on_after(1):  # (a client that stopped reading gets no more)
+                    await self._fail(responder, ApiError(503, "the server is shutting down"))
         finally:
             if self._on_finish is not None:
                 self._on_finish()

@@ -275,6 +275,8 @@ class AppState:
     think_template: bool = False
     engine_identity: str = "0"
     kv_dir: Path | None = None
+    # set when the server shuts down: generations in flight stop (sse.GenerationResponse)
+    stopping: anyio.Event = field(default_factory=anyio.Event)
     _text_limiter: anyio.CapacityLimiter | None = None
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:

@@ -120,7 +120,8 @@ def test_server_stops_on_a_signal_with_a_generation_in_flight(
     tmp_path: Path, command: str, sig: int
 ) -> None:
     """`coli serve` / `coli web` with a long streaming answer in flight: one signal ends the
-    process with 130 / 143, quickly, no traceback; its slot file and usage stay loadable."""
+    process with 130 / 143, quickly, no traceback; the answer ends with an error event saying
+    why; its slot file and usage stay loadable."""
     import threading
 
     import httpx
@@ -167,6 +168,9 @@ def test_server_stops_on_a_signal_with_a_generation_in_flight(
     assert srv.proc.returncode == 128 + sig, (srv.proc.returncode, log)
     assert "Traceback" not in log and "ExceptionGroup" not in log, log
     assert took < EXIT_WITHIN_S, (took, log)
+    t.join(10)
+    # the answer in flight was ended by the server, with a reason, not cut off
+    assert any("the server is shutting down" in line for line in got), got[-3:]
     h = read_header(kv / ".coli_kv.0")  # the finished turn was persisted and is whole
     assert h.n_records > 0
     c = Container.open(TINY)
