@@ -83,6 +83,29 @@ async def _step(src: StreamingExperts, layer: int, experts: list[int]) -> dict[i
     return await anyio.to_thread.run_sync(consume)
 
 
+async def _step_while(
+    src: StreamingExperts,
+    layer: int,
+    experts: list[int],
+    gate: anyio.Event,
+    meanwhile: Callable[[], Awaitable[None]],
+) -> dict[int, str]:
+    """:func:`_step` with a read stalled until ``gate`` is set: ``meanwhile()`` runs while the
+    step waits, then the gate opens (also when ``meanwhile`` fails: nothing hangs)."""
+    out: dict[str, dict[int, str]] = {}
+    async with anyio.create_task_group() as tg:
+
+        async def step() -> None:
+            out["got"] = await _step(src, layer, experts)
+
+        tg.start_soon(step)
+        try:
+            await meanwhile()
+        finally:
+            gate.set()
+    return out["got"]
+
+
 def _settled(store: ExpertStore) -> None:
     """Nothing in flight, held or parked; every transient slot is back."""
     assert not store._inflight
@@ -191,16 +214,8 @@ def test_a_demand_miss_waits_for_the_lookahead_read_already_in_flight() -> None:
     async def body(store: ExpertStore, src: StreamingExperts) -> None:
         await anyio.to_thread.run_sync(lambda: src.prefetch(layer, [4]))
         await anyio.sleep(0.01)  # the lookahead read is on the device (stalled)
-        async with anyio.create_task_group() as tg:
-            out: dict[str, Any] = {}
-
-            async def step() -> None:
-                out["got"] = await _step(src, layer, [4])
-
-            tg.start_soon(step)
-            await anyio.sleep(0.05)
-            gate.set()
-        assert out["got"] == {4: WANT[(layer, 4)]}
+        got = await _step_while(src, layer, [4], gate, lambda: anyio.sleep(0.05))
+        assert got == {4: WANT[(layer, 4)]}
         offsets = [off for _, off in reader.extents]
         assert offsets.count(C.expert(layer, 4).start) == 1  # read once, not twice
         st = store.stats
@@ -316,16 +331,8 @@ def test_a_joined_lookahead_read_reads_the_rest_at_once_and_joins_the_cache(
     async def body(store: ExpertStore, src: StreamingExperts) -> None:
         await anyio.to_thread.run_sync(lambda: src.prefetch(layer, [5]))
         await anyio.sleep(0.01)
-        async with anyio.create_task_group() as tg:
-            out: dict[str, Any] = {}
-
-            async def step() -> None:
-                out["got"] = await _step(src, layer, [5])
-
-            tg.start_soon(step)
-            await anyio.sleep(0.02)
-            gate.set()
-        assert out["got"] == {5: WANT[(layer, 5)]}
+        got = await _step_while(src, layer, [5], gate, lambda: anyio.sleep(0.02))
+        assert got == {5: WANT[(layer, 5)]}
         read = [off for _, off in reader.extents]
         # two pieces as lookahead, then the rest in one request once the step waited for it
         assert read.count(offsets[0]) == read.count(offsets[1]) == 1
@@ -341,8 +348,7 @@ def test_a_joined_lookahead_read_reads_the_rest_at_once_and_joins_the_cache(
 
 
 # Demand reads in pieces (runtime/policies/pieces.py): the tiny model's experts are 36 KiB
-# (down, gate, up: 12 KiB each), read here in pieces of 8 KiB.
-PIECE = 8192
+# (down, gate, up: 12 KiB each), read here in pieces of PIECE bytes too.
 
 
 def _demand_pieces(layer: int, e: int) -> list[int]:
@@ -390,23 +396,16 @@ def test_the_last_read_of_a_step_waits_for_the_one_before_it(piece: int | None) 
     reader = FakeReader(rules=[Rule(offset=first[0], release=gate)])
 
     async def body(store: ExpertStore, src: StreamingExperts) -> None:
-        async with anyio.create_task_group() as tg:
-            out: dict[str, Any] = {}
+        async def meanwhile() -> None:
+            with anyio.fail_after(10):
+                while not reader.in_flight:
+                    await anyio.sleep(0.001)
+            await anyio.sleep(0.02)
+            sent = {off for _, off in reader.extents} | {first[0]}
+            assert not sent & set(offsets(6))  # 6 waits for all of 2
 
-            async def step() -> None:
-                out["got"] = await _step(src, layer, [2, 6])
-
-            tg.start_soon(step)
-            try:
-                with anyio.fail_after(10):
-                    while not reader.in_flight:
-                        await anyio.sleep(0.001)
-                await anyio.sleep(0.02)
-                sent = {off for _, off in reader.extents} | {first[0]}
-                assert not sent & set(offsets(6))  # 6 waits for all of 2
-            finally:
-                gate.set()
-        assert out["got"] == {e: WANT[(layer, e)] for e in (2, 6)}
+        got = await _step_while(src, layer, [2, 6], gate, meanwhile)
+        assert got == {e: WANT[(layer, e)] for e in (2, 6)}
         read = [off for _, off in reader.extents]
         n = len(first)  # (extents are recorded as reads complete: 2's first piece came last)
         assert sorted(read[:n]) == sorted(first) and read[n:] == offsets(6)  # 2, then 6
@@ -451,20 +450,14 @@ def test_with_a_mirror_the_last_read_does_not_wait(tmp_path: Path) -> None:
 
     async def body(store: ExpertStore, src: StreamingExperts) -> None:
         store.placement = Placement(copies, adapt=False)
-        async with anyio.create_task_group() as tg:
-            out: dict[str, Any] = {}
 
-            async def step() -> None:
-                out["got"] = await _step(src, layer, [2, 6])
+        async def meanwhile() -> None:
+            with anyio.fail_after(10):  # 6 is read while 2 is still on its device
+                while C.expert(layer, 6).start not in {o for _, o in reader.extents}:
+                    await anyio.sleep(0.001)
 
-            tg.start_soon(step)
-            try:
-                with anyio.fail_after(10):  # 6 is read while 2 is still on its device
-                    while C.expert(layer, 6).start not in {o for _, o in reader.extents}:
-                        await anyio.sleep(0.001)
-            finally:
-                gate.set()
-        assert out["got"] == {e: WANT[(layer, e)] for e in (2, 6)}
+        got = await _step_while(src, layer, [2, 6], gate, meanwhile)
+        assert got == {e: WANT[(layer, e)] for e in (2, 6)}
         _settled(store)
 
     _run(reader, body, lru=0)
