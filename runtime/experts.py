@@ -482,7 +482,7 @@ class ExpertStore:
             off += need
         checks = self._checks(key, x, sreqs)
         t0 = self._clock()
-        n_reqs = 1 + len(sreqs)
+        n_reqs = len(sreqs)  # (a lookahead read counts its blob pieces as they are read)
         try:
             if pieces is None:
                 views, n_reqs = await self._read_ordered(
@@ -508,8 +508,8 @@ class ExpertStore:
             self.stats.read_wait_s += t1 - t0
             if self.trace is not None and pieces is None:
                 self.trace.append(TraceEvent("read", key[0], key[1], t0, t1))
-        whole = pieces is None  # (lookahead pieces are counted as they are read)
-        self.stats.reads += n_reqs if whole else len(sreqs)
+        whole = pieces is None
+        self.stats.reads += n_reqs
         self.stats.experts_read += 1
         self.stats.bytes_read += whole * blob_req.length + sum(r.length for r in sreqs)
         blob_u8 = np.frombuffer(views[0], dtype=np.uint8)
