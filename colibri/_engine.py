@@ -491,6 +491,7 @@ class Engine:
             kernels=self._kernels.as_dict(),
             split_matmuls=comp.split_calls + (0 if pre is comp else pre.split_calls),
             split_experts=comp.split_experts + (0 if pre is comp else pre.split_experts),
+            early_experts=comp.early_experts + (0 if pre is comp else pre.early_experts),
         )
         store = self._store
         if store is None:

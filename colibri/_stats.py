@@ -31,6 +31,7 @@ class ComputeStats:
     kernels: dict[str, Any] | None = None  # runtime.kernels.isa.kernel_info(): variant, CPU ISA
     split_matmuls: int = 0  # one-token matmuls whose output features ran on every thread
     split_experts: int = 0  # routed experts computed in parts by every thread (uneven steps)
+    early_experts: int = 0  # ... of them, streamed, begun before their down projection landed
 
 
 @dataclass(frozen=True, slots=True)

@@ -122,6 +122,7 @@ class ExpertCompute:
         self.parallel_steps = 0  # MoE steps spread over the pool
         self.split_calls = 0  # matmuls whose output features were split over the pool
         self.split_experts = 0  # routed experts computed in parts by several threads
+        self.early_experts = 0  # ... of them, begun before their down projection landed
 
     def close(self) -> None:
         """Stop the pool (when this instance started it); later steps run serially."""
@@ -264,6 +265,33 @@ class ExpertCompute:
             return got
 
         return run
+
+    def _early(
+        self, split: Callable[[int, MLPWeights], SplitExpert | None]
+    ) -> Callable[[int, MLPWeights], Callable[[], Any] | None]:
+        """``early`` for ``map_arrivals``: given an expert whose gate and up projections
+        landed (its down projection not yet), compute its activation ranges on every thread
+        now and return what computes its output ranges once the rest landed: with the ranges
+        of :meth:`_part_jobs`, so the result is :meth:`_parts_here`'s, bit for bit. None
+        when ``split`` gives no parts."""
+
+        def start(e: int, w: MLPWeights) -> Callable[[], Any] | None:
+            parts = split(e, w)
+            if parts is None:
+                return None
+            with self._lock:
+                self.split_experts += 1
+                self.early_experts += 1
+            n_h, n_d = len(parts.f_edges) - 1, len(parts.d_edges) - 1
+            self._share([functools.partial(parts.h_part, i) for i in range(n_h)])
+
+            def finish() -> Any:
+                self._share([functools.partial(parts.out_part, i) for i in range(n_d)])
+                return parts.result()
+
+            return finish
+
+        return start
 
     def map_rows(self, blocks: Sequence[tuple[int, int]], fn: Callable[[int, int], R]) -> list[R]:
         """``[fn(a, b) for each block]`` on this thread and the pool (:meth:`_share`), in block
@@ -418,7 +446,8 @@ class ExpertCompute:
         give ``fn``'s result, bit for bit). When every expert is resident and the jobs do not
         divide evenly over the threads, the last expert runs in parts on all of them, so no
         thread idles through a whole expert at the step's end; when experts stream in, so does
-        the last arrival (:meth:`_parts_here`)."""
+        the last arrival (:meth:`_parts_here`), which may begin with its gate and up
+        projections while its down projection is still being read (:meth:`_early`)."""
         if self._pool is None or macs < self.parallel_min_macs:
             out: dict[int, R] = {}
             extra: S | None = None
@@ -450,8 +479,11 @@ class ExpertCompute:
                 )
             fut = self._pool.submit(side) if side is not None else None
             try:
-                run = fn if split is None else self._parts_here(fn, split)
-                out = source.map_arrivals(layer, experts, run, self._pool, guess)
+                if split is None:
+                    out = source.map_arrivals(layer, experts, fn, self._pool, guess)
+                else:
+                    run, early = self._parts_here(fn, split), self._early(split)
+                    out = source.map_arrivals(layer, experts, run, self._pool, guess, early)
             finally:
                 extra = fut.result() if fut is not None else None
             return out, extra
@@ -464,5 +496,6 @@ class ExpertCompute:
             "parallel_steps": self.parallel_steps,
             "split_calls": self.split_calls,
             "split_experts": self.split_experts,
+            "early_experts": self.early_experts,
             "kernels": self.kernels,
         }

@@ -22,10 +22,11 @@ buffers.
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, TypeVar
@@ -38,7 +39,7 @@ import numpy.typing as npt
 import structlog
 
 from runtime.linear import Linear
-from runtime.policies.pieces import PieceTicket, PieceWindow, piece_ranges
+from runtime.policies.pieces import PieceTicket, PieceWindow, early_ranges, piece_ranges
 from runtime.policies.tiers import (
     LOOKAHEAD_PIECE,
     Placement,
@@ -188,6 +189,9 @@ class _Step(StepHandle):
     # experts handed over in a transient slot: the compute side gives those back one by one
     # (the others live in pinned or cache slots: no hop to the loop is needed for them)
     held: set[int] = field(default_factory=set)
+    # the consumer takes :class:`_Early` items (an expert whose gate and up projections landed)
+    early: bool = False
+    last_read: int | None = None  # the expert of the step's last demand read (sent last)
 
     def stalled(self, stats: TierStats, expert: int, seconds: float) -> None:
         """The compute thread waited ``seconds`` until ``expert`` arrived."""
@@ -255,6 +259,18 @@ class _Done:
 
 
 @dataclass(frozen=True, slots=True)
+class _Early:
+    """``expert``'s gate and up projections (and all its scales) landed in ``weights``; its
+    down projection is still being read. The same expert arrives whole later (or its error),
+    in the same buffer: only its gate and up may be computed with until then. After an error
+    the step fails and what was computed early is dropped with it (the slot goes back at
+    once, so it may read bytes a later read wrote: never a result that is used)."""
+
+    expert: int
+    weights: ExpertWeights
+
+
+@dataclass(frozen=True, slots=True)
 class _Guessed:
     """A step's prediction (:data:`runtime.weights.Guess`) was made on a worker."""
 
@@ -275,6 +291,7 @@ class ExpertStore:
         read_depth: int = 2,
         read_piece: int | None = None,
         read_window: int | None = None,
+        early_reads: bool = True,
         placement: Any = None,
         checksums: ExpertChecksums | None = None,
         clock: Callable[[], float] = time.perf_counter,
@@ -313,6 +330,12 @@ class ExpertStore:
                 read_window = max(1, read_depth - 1) * expert + read_piece + self._scales_bytes
         self._piece = read_piece
         self._window = PieceWindow(read_window, self._reads_behind)
+        # ``early_reads``: a whole demand read that goes to the device alone (the last of its
+        # burst, the window holding nothing else) is read in two stages, the gate and up
+        # projections first, each stage as two requests; a step that takes early arrivals
+        # (StreamingExperts.map_arrivals with ``early``) computes the first half of that
+        # expert while its down projection is still being read.
+        self.early_reads = early_reads
         # Expert blobs of 2 MiB and more go on transparent huge pages where the kernel allows
         # it (fewer page-table walks per O_DIRECT read); hugepage_report() says what it got.
         self.hugepages = hugepage_support()
@@ -341,6 +364,12 @@ class ExpertStore:
         if self.placement is not None and len(self.placement.copies) > 1:
             return True
         return self.policy.demand_queued > 0
+
+    def _alone(self) -> bool:
+        """Whether the demand read just granted is the only one on the device, with none
+        waiting behind it (in the window or at the gate): the last of its burst."""
+        w = self._window
+        return w.granted == 1 and not w.queued and not self._reads_behind()
 
     @property
     def prefill(self) -> bool:
@@ -462,11 +491,13 @@ class ExpertStore:
         slot: _Slot,
         pieces: _Pieces | None = None,
         issued: threading.Event | None = None,
+        early: _Step | None = None,
     ) -> bool:
         """Read ``key`` into ``slot`` (blob and scales, checked under ``--verify-reads``).
 
         Without ``pieces`` (a demand read): through the piece window (:meth:`_read_ordered`);
-        ``issued`` is set when its first piece goes to the device.
+        ``issued`` is set when its first piece goes to the device; ``early``: the step
+        waiting for it, when that step takes early arrivals.
         ``pieces`` (a lookahead read): the blob goes to the device piece by piece
         (``LOOKAHEAD_PIECE`` bytes), each piece first asking ``pieces.before`` whether to read
         it, to read all the rest at once (a step now waits for it) or to stop. Returns False
@@ -486,7 +517,7 @@ class ExpertStore:
         try:
             if pieces is None:
                 views, n_reqs = await self._read_ordered(
-                    key, x, blob_req, sreqs, bufs, checks, issued
+                    key, x, blob_req, sreqs, bufs, checks, issued, early
                 )
             else:
                 blob = await self._read_pieces(key, blob_req, slot.blob, pieces)
@@ -527,23 +558,35 @@ class ExpertStore:
         bufs: Sequence[npt.NDArray[np.uint8]],
         checks: Sequence[Check | None] | None,
         issued: threading.Event | None,
+        early: _Step | None = None,
     ) -> tuple[list[Any], int]:
         """A demand read through the piece window (:mod:`runtime.policies.pieces`), sent
         when the window lets it: one read of blob and scales, checked as it is read, or, with
         ``read_piece``, the blob in pieces (gate and up projections first, the scales with the
         first piece) all queued now, in this order, and checked once all landed. Returns the
         views (blob, then scales) and how many requests it took. A failed piece raises after
-        the others finished (the kernel writes into the buffer until then)."""
+        the others finished (the kernel writes into the buffer until then).
+
+        A whole read that goes to the device alone, for a step that takes early arrivals,
+        goes in two stages (:meth:`_read_early`)."""
         blob_buf, scale_bufs = bufs[0], bufs[1:]
         if self._piece is None:
             reqs = [blob_req, *sreqs]
             out: list[Any] = [None]
             granted = anyio.Event()
             ticket = self._window.add(sum(r.length for r in reqs), granted.set)
-            await self._send_piece(key, reqs, list(bufs), granted, ticket, out, 0, issued, checks)
-            if isinstance(out[0], ColibriError):
-                raise out[0]
-            return out[0], len(reqs)
+            staged: Callable[[], Awaitable[tuple[list[Any], int]]] | None = None
+            if early is not None and self.early_reads and checks is None:
+                # (unchecked reads only: a copy found damaged after its first stage was
+                # computed with would be read again under a computation already begun)
+                staged = functools.partial(self._read_early, key, x, blob_req, sreqs, bufs, early)
+            await self._send_piece(
+                key, reqs, list(bufs), granted, ticket, out, 0, issued, checks, staged=staged
+            )
+            got = out[0]
+            if isinstance(got, ColibriError):
+                raise got
+            return got if isinstance(got, tuple) else (got, len(reqs))
         aligned, head, _ = aligned_extent(blob_req)
         need = head + blob_req.length
         first = [(o, o + n) for p, (o, n, _, _) in x.parts.items() if p in ("gate_proj", "up_proj")]
@@ -590,10 +633,13 @@ class ExpertStore:
         issued: threading.Event | None,
         checks: Sequence[Check | None] | None,
         traced: bool = False,
+        staged: Callable[[], Awaitable[tuple[list[Any], int]]] | None = None,
     ) -> None:
         """One read (or piece) of :meth:`_read_ordered`: wait for the window, read (and run
         ``checks``); ``out[i]`` is its views or its error. ``traced``: a "piece" on the
-        timeline (a whole read is the "read" :meth:`_read_into` records)."""
+        timeline (a whole read is the "read" :meth:`_read_into` records). ``staged``: a whole
+        read that, when it goes to the device alone (:meth:`_alone`), ``staged()`` reads
+        instead (``out[i]`` is then its views and request count)."""
         try:
             await granted.wait()
         except BaseException:
@@ -604,13 +650,58 @@ class ExpertStore:
         t0 = self._clock()
         try:
             with anyio.CancelScope(shield=True):  # the kernel writes into the buffer
-                out[i] = await self._read_reqs(key, reqs, bufs, checks)
+                if staged is not None and self._alone():
+                    out[i] = await staged()
+                else:
+                    out[i] = await self._read_reqs(key, reqs, bufs, checks)
         except ColibriError as exc:
             out[i] = exc
         finally:
             self._window.finish(ticket)
             if traced and self.trace is not None:
                 self.trace.append(TraceEvent("piece", key[0], key[1], t0, self._clock()))
+
+    async def _read_early(
+        self,
+        key: Key,
+        x: ExpertExtent,
+        blob_req: ReadRequest,
+        sreqs: list[ReadRequest],
+        bufs: Sequence[npt.NDArray[np.uint8]],
+        step: _Step,
+    ) -> tuple[list[Any], int]:
+        """A whole demand read in two stages (:func:`~runtime.policies.pieces.early_ranges`):
+        the gate and up projections with every scale, handed to ``step`` as an
+        :class:`_Early` arrival as soon as they landed, then the rest; each stage's requests
+        go together. Only for unchecked reads. Returns the views (blob, then scales) and how
+        many requests it took."""
+        aligned, head, _ = aligned_extent(blob_req)
+        need = head + blob_req.length
+        first = [(o, o + n) for p, (o, n, _, _) in x.parts.items() if p in ("gate_proj", "up_proj")]
+        one, two = early_ranges(head, need, first, align=ALIGN)
+        if not one:
+            return await self._read_reqs(key, [blob_req, *sreqs], bufs, None), 1 + len(sreqs)
+        blob_buf, scale_bufs = bufs[0], bufs[1:]
+
+        def stage(ranges: list[tuple[int, int]]) -> tuple[list[ReadRequest], list[Any]]:
+            reqs, out = [], []
+            for a, b in ranges:
+                r = ReadRequest(blob_req.path, aligned + a, b - a)
+                lo = a // ALIGN * ALIGN
+                reqs.append(r)
+                out.append(blob_buf[lo : lo + required_size(r)])
+            return reqs, out
+
+        reqs1, bufs1 = stage(one)
+        got = await self._read_reqs(key, [*reqs1, *sreqs], [*bufs1, *scale_bufs], None)
+        scales = got[len(reqs1) :]
+        blob = blob_buf[head:need]
+        svs = [np.frombuffer(v, dtype=np.uint8) for v in scales]
+        self.stats.early_arrivals += 1
+        step.out.put(_Early(key[1], _weights_from(x, np.frombuffer(blob, np.uint8), sreqs, svs)))
+        reqs2, bufs2 = stage(two)
+        await self._read_reqs(key, reqs2, bufs2, None)
+        return [blob, *scales], len(reqs1) + len(reqs2) + len(sreqs)
 
     async def _read_reqs(
         self,
@@ -765,7 +856,10 @@ class ExpertStore:
         err: ColibriError | None = None
         try:
             with anyio.CancelScope(shield=True):  # never abandon a buffer the kernel writes into
-                await self._read_into(key, got[0], issued=issued)
+                early = None
+                if isinstance(step, _Step) and step.early and step.last_read == key[1]:
+                    early = step  # (the step's last read: it may come in two stages)
+                await self._read_into(key, got[0], issued=issued, early=early)
         except ColibriError as exc:
             err = exc
         finally:
@@ -854,6 +948,7 @@ class ExpertStore:
             key = (layer, e)
             if tier == "read":
                 self._tg.start_soon(self._demand, key)
+                step.last_read = e
                 demand += 1
                 continue
             if tier == "inflight":
@@ -935,6 +1030,22 @@ def _weights_from(
     return ExpertWeights(Linear(q["gate_proj"]), Linear(q["up_proj"]), Linear(q["down_proj"]))
 
 
+def _arriving(item: tuple[int, ExpertWeights] | _Early) -> int:
+    """The expert an arrival (whole, or its early stage) is of."""
+    return item.expert if isinstance(item, _Early) else item[0]
+
+
+def _traced_call(fn: Callable[[], R], trace: list[TraceEvent] | None, layer: int, expert: int) -> R:
+    """``fn()``, on the timeline as ``expert``'s computation when tracing."""
+    if trace is None:
+        return fn()
+    t0 = time.perf_counter()
+    try:
+        return fn()
+    finally:
+        trace.append(TraceEvent("compute", layer, expert, t0, time.perf_counter()))
+
+
 def _traced(
     fn: Callable[[int, ExpertWeights], R], trace: list[TraceEvent], layer: int
 ) -> Callable[[int, ExpertWeights], R]:
@@ -1009,6 +1120,7 @@ class StreamingExperts:
         fn: Callable[[int, ExpertWeights], R],
         pool: Executor,
         guess: Guess | None = None,
+        early: Callable[[int, ExpertWeights], Callable[[], R] | None] | None = None,
     ) -> dict[int, R]:
         """``{e: fn(e, weights)}`` with each expert computed on ``pool`` as soon as it arrives.
 
@@ -1026,11 +1138,14 @@ class StreamingExperts:
         the loop. The step's last arrival, when no other expert is still computing, is
         computed on the compute thread itself, so its matmuls can split over the pool: that
         computation is the step's tail, the time the disk idles before the next layer can
-        route. On an error every started computation is awaited before any buffer is
-        recycled."""
+        route. With ``early``, that last expert may come in two stages (the store reads a read
+        that goes to the device alone gate and up first: :meth:`ExpertStore._read_early`):
+        ``early`` computes with its gate and up projections while its down projection is
+        still being read, and what it returns finishes the expert once it landed. On an
+        error every started computation is awaited before any buffer is recycled."""
         st = self.store
         trace = st.trace
-        step = _Step(layer)
+        step = _Step(layer, early=early is not None)
         t_step = time.perf_counter()
         ready = anyio.from_thread.run_sync(st._loop_begin, step, list(experts))
         results: dict[int, R] = {}
@@ -1044,6 +1159,7 @@ class StreamingExperts:
             fut.add_done_callback(lambda f: step.out.put(_Done(e, f)))
 
         guessing: Future[Lookahead | None] | None = None
+        finish: tuple[int, Callable[[], R]] | None = None  # the last expert, begun early
         try:
             if to_arrive and (ready or guess is not None):
                 # Work for the pool now would take both cores from the event loop, which has
@@ -1067,8 +1183,15 @@ class StreamingExperts:
                             st._loop_prefetch, made.layer, list(made.experts)
                         )
                     continue
-                if not pending and isinstance(item, tuple):  # nothing computing: a read stall
-                    step.stalled(st.stats, item[0], time.perf_counter() - t0)
+                if not pending and isinstance(item, (tuple, _Early)):  # nothing computing
+                    step.stalled(st.stats, _arriving(item), time.perf_counter() - t0)
+                if isinstance(item, _Early):  # (not the whole expert: to_arrive stands)
+                    if early is not None and to_arrive == 1 and not pending:
+                        first = functools.partial(early, item.expert, item.weights)
+                        rest = _traced_call(first, trace, layer, item.expert)
+                        finish = None if rest is None else (item.expert, rest)
+                    t0 = time.perf_counter()
+                    continue
                 if isinstance(item, _Done):
                     pending -= 1
                     if to_arrive:  # (after the last arrival the step's end gives it back)
@@ -1085,7 +1208,10 @@ class StreamingExperts:
                         # The step's last arrival with every other expert done: nothing else
                         # can run meanwhile, so compute it here, where ``fn`` may split its
                         # matmuls over the pool (a worker cannot), instead of on one worker.
-                        results[item[0]] = fn(*item)  # (its slot: back with the step's end)
+                        if finish is not None and finish[0] == item[0]:  # begun early
+                            results[item[0]] = _traced_call(finish[1], trace, layer, item[0])
+                        else:
+                            results[item[0]] = fn(*item)  # (its slot: back with the step's end)
                 t0 = time.perf_counter()
         finally:
             if guessing is not None:

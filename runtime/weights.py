@@ -102,12 +102,17 @@ class ExpertSource(Protocol):
         fn: Callable[[int, ExpertWeights], R],
         pool: Executor,
         guess: Guess | None = None,
+        early: Callable[[int, ExpertWeights], Callable[[], R] | None] | None = None,
     ) -> dict[int, R]:
         """``{e: fn(e, weights_e)}`` with each expert computed on ``pool`` as it arrives (a
         streaming source recycles an expert's buffer once its computation finished).
         ``guess``: a prediction to make on ``pool`` once the step's reads are queued (its
         reads then go after them, as the ``lookahead`` of :meth:`arrivals`); a source that
-        reads nothing ahead ignores it."""
+        reads nothing ahead ignores it. ``early``: for the step's last expert, when a source
+        hands over its gate and up projections before its down projection landed,
+        ``early(e, partial_weights)`` computes what needs only those and returns what
+        finishes ``fn(e, weights)`` (the same result) once it landed, or None (then ``fn``
+        runs as usual); a source that reads whole experts ignores it."""
         ...
 
     def prefetch(self, layer: int, experts: Sequence[int], cpu_s: float = 0.0) -> None:
@@ -477,6 +482,7 @@ class ResidentExperts:
         fn: Callable[[int, ExpertWeights], R],
         pool: Executor,
         guess: Guess | None = None,
+        early: Callable[[int, ExpertWeights], Callable[[], R] | None] | None = None,
     ) -> dict[int, R]:
         """``{e: fn(e, weights)}`` computed on ``pool`` (every expert is already resident)."""
         futures = {e: pool.submit(fn, e, w) for e, w in self.get(layer, experts).items()}

@@ -210,8 +210,9 @@ class ClusterExperts:
         fn: Callable[[int, ExpertWeights], R],
         pool: Executor,
         guess: Guess | None = None,
+        early: Callable[[int, ExpertWeights], Callable[[], R] | None] | None = None,
     ) -> dict[int, R]:
-        return self.local.map_arrivals(layer, experts, fn, pool)
+        return self.local.map_arrivals(layer, experts, fn, pool, early=early)
 
     def prefetch(self, layer: int, experts: Sequence[int], cpu_s: float = 0.0) -> None:
         """Lookahead hints are not forwarded (each worker reads its own)."""

@@ -16,8 +16,15 @@ expert's computation needs first), so that a smaller window orders even the midd
 Measured on a virtio disk, less in flight read slower than that gained, so the store sends whole
 experts unless told otherwise (``ExpertStore(read_piece=...)``).
 
-Only the order and timing of reads change, never a byte read: an expert is handed over once
-all of it landed, exactly as a whole read would have left it.
+The last read of a burst, alone on the device, may go in two stages (:func:`early_ranges`):
+the gate and up projections, then the rest, each stage as a couple of requests sent together
+(the disk measured reads two requests faster than one). The store hands the first stage to a
+step that can begin the expert's computation with it (its activation) while the down
+projection is read, instead of computing the whole expert after the disk went quiet.
+
+Only the order and timing of reads change, never a byte read: an expert is handed over whole
+once all of it landed, exactly as a whole read would have left it (an early hand-over is of
+its gate and up bytes only, and says so).
 
 Shape legend: byte ranges ``(a, b)`` are offsets in an expert's read buffer, whose byte 0 is
 the file offset of the blob rounded down to ``align``; the blob is ``[head, need)``.
@@ -28,7 +35,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable
 
-__all__ = ["DEMAND_PIECE", "PieceTicket", "PieceWindow", "piece_ranges"]
+__all__ = ["DEMAND_PIECE", "PieceTicket", "PieceWindow", "early_ranges", "piece_ranges"]
 
 # The piece size to try for demand reads sent in pieces (the block layer splits requests into
 # a few MiB anyway).
@@ -71,6 +78,39 @@ def piece_ranges(
     ranges += _split(head, lo, piece, align)
     ranges += _split(hi, need, piece, align)
     return ranges
+
+
+def early_ranges(
+    head: int,
+    need: int,
+    first: Iterable[tuple[int, int]],
+    *,
+    parts: int = 2,
+    align: int = 4096,
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """One expert's blob ``[head, need)`` read in two stages: the ranges covering ``first``
+    (relative to the blob start: the gate and up projections), then the rest; each stage in
+    at most ``parts`` near-equal ranges, sent together (a device reads two requests faster
+    than one). Together they cover ``[head, need)`` exactly once and every inner cut is a
+    multiple of ``align``. The second stage is empty when ``first`` covers the whole blob;
+    both are empty when nothing is worth a second stage (no ``first``, or a blob of at most
+    two ``align`` blocks): read it whole."""
+    if not 0 <= head < need or parts < 1 or align < 1:
+        raise ValueError(f"bad early plan: blob [{head}, {need}), {parts} parts, align {align}")
+    spans = [(head + a, head + b) for a, b in first if b > a]
+    if not spans or need - head <= 2 * align:
+        return [], []
+    lo = max(head, min(a for a, _ in spans) // align * align)
+    hi = min(need, -(-max(b for _, b in spans) // align) * align)
+
+    def cut(a: int, b: int) -> list[tuple[int, int]]:
+        if a >= b:
+            return []
+        blocks = -(-(b - a // align * align) // align)  # align blocks the range touches
+        piece = -(-blocks // parts) * align
+        return _split(a, b, piece, align)
+
+    return cut(lo, hi), cut(head, lo) + cut(hi, need)
 
 
 class PieceTicket:

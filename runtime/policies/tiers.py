@@ -107,6 +107,7 @@ class TierStats:
     lookahead_cost_s: float = 0.0  # pieces' time beside demand reads + prediction compute
     lookahead_cpu_s: float = 0.0  # ... of it, compute-thread time of predictions and hops
     lookahead_layers_off: int = 0  # layers --prefetch auto judged and keeps lookahead off for
+    early_arrivals: int = 0  # experts handed over with gate and up landed, down still read
 
     @property
     def hit_rate(self) -> float:

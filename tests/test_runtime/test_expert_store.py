@@ -4,9 +4,12 @@ and the compute-thread facade, without a model."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import shutil
+import threading
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -57,11 +60,14 @@ def _run(
     *,
     prefetch: bool = False,
     read_piece: int | None = None,
+    early_reads: bool = True,
     **layout: int,
 ) -> None:
     async def main() -> None:
         async with anyio.create_task_group() as tg:
-            opts: dict[str, Any] = {} if read_piece is None else {"read_piece": read_piece}
+            opts: dict[str, Any] = {"early_reads": early_reads}
+            if read_piece is not None:
+                opts["read_piece"] = read_piece
             store = ExpertStore(
                 C, reader, _layout(**layout), prefetch=prefetch, clock=reader.clock, **opts
             )
@@ -459,5 +465,164 @@ def test_with_a_mirror_the_last_read_does_not_wait(tmp_path: Path) -> None:
         got = await _step_while(src, layer, [2, 6], gate, meanwhile)
         assert got == {e: WANT[(layer, e)] for e in (2, 6)}
         _settled(store)
+
+    _run(reader, body, lru=0)
+
+
+# ---------------------------------------------------------------------- early arrivals
+def _gate_up_digest(w: ExpertWeights) -> str:
+    h = hashlib.sha256()
+    for lin in (w.gate, w.up):
+        h.update(np.ascontiguousarray(lin.q.data).tobytes())
+        assert lin.q.scales is not None
+        h.update(lin.q.scales.tobytes())
+    return h.hexdigest()
+
+
+GATE_UP = {k: _gate_up_digest(RESIDENT.get(k[0], [k[1]])[k[1]]) for k in WANT}
+
+
+def _stage_offsets(layer: int, e: int) -> tuple[int, int]:
+    """Where expert ``e``'s two stages start in its file: its gate projection's block (the
+    TINY layout is down, gate, up), then its blob's start (down)."""
+    x = C.expert(layer, e)
+    assert x.parts["down_proj"][0] == 0 and x.start % 4096 == 0
+    return x.start + x.parts["gate_proj"][0], x.start
+
+
+class _Early:
+    """A consumer that takes early arrivals, as ``ExpertCompute`` does: ``early`` notes what
+    it saw (the gate and up bytes, whether the down stage had landed) and returns what
+    finishes the expert from the same weights once it landed whole."""
+
+    def __init__(self, reader: FakeReader) -> None:
+        self.reader = reader
+        self.seen: list[tuple[int, str, bool]] = []
+        self.called = threading.Event()
+
+    def early(self, layer: int) -> Callable[[int, ExpertWeights], Callable[[], str]]:
+        def start(e: int, w: ExpertWeights) -> Callable[[], str]:
+            down_landed = _stage_offsets(layer, e)[1] in {o for _, o in self.reader.extents}
+            self.seen.append((e, _gate_up_digest(w), down_landed))
+            self.called.set()
+            return lambda: _digest(w)  # the partial weights, now whole
+
+        return start
+
+
+async def _map_step(
+    src: StreamingExperts,
+    layer: int,
+    experts: list[int],
+    early: Callable[[int, ExpertWeights], Callable[[], str]] | None,
+    pool: ThreadPoolExecutor | None = None,
+) -> dict[int, str]:
+    """One layer's step on the pool path (``map_arrivals``, one worker), digesting each
+    expert."""
+
+    def consume() -> dict[int, str]:
+        with ThreadPoolExecutor(1) if pool is None else contextlib.nullcontext(pool) as p:
+            return src.map_arrivals(layer, experts, lambda e, w: _digest(w), p, early=early)
+
+    return await anyio.to_thread.run_sync(consume)
+
+
+def test_a_read_alone_hands_over_gate_and_up_before_down_lands() -> None:
+    """One miss: read in two stages (gate and up with the scales, then down); the consumer's
+    ``early`` runs while the down stage is held back, and what it returns finishes the expert
+    from the same buffer, whole."""
+    layer = LAYERS[0]
+    first, second = _stage_offsets(layer, 5)
+    gate = anyio.Event()
+    reader = FakeReader(rules=[Rule(offset=second, release=gate)])
+    con = _Early(reader)
+
+    async def body(store: ExpertStore, src: StreamingExperts) -> None:
+        out: dict[str, dict[int, str]] = {}
+
+        async def step() -> None:
+            out["got"] = await _map_step(src, layer, [5], con.early(layer))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(step)
+            try:
+                with anyio.fail_after(10):
+                    while not con.called.is_set():
+                        await anyio.sleep(0.001)
+                assert reader.in_flight == 1  # the down stage, held
+            finally:
+                gate.set()
+        assert out["got"] == {5: WANT[(layer, 5)]}
+        assert con.seen == [(5, GATE_UP[(layer, 5)], False)]
+        assert [o for _, o in reader.extents] == [first, second]
+        assert store.stats.early_arrivals == 1 and store.stats.experts_read == 1
+        assert store.stats.reads == 5  # gate, up and the scales; then down in two
+        _settled(store)
+
+    _run(reader, body, lru=0)
+
+
+@pytest.mark.parametrize("mode", ["early", "no consumer", "store off"])
+def test_only_a_read_alone_goes_in_two_stages(mode: str) -> None:
+    """Two misses: the first goes whole (the second waits behind it), the second, alone on the
+    device, in two stages; with a consumer that takes no early arrivals, or a store told not
+    to (``early_reads=False``), both go whole. The bytes are the same every way. (The second's
+    first stage is held until the first expert's computation is done: only an expert that is
+    the last with nothing else computing is begun early.)"""
+    layer = LAYERS[1]
+    gate = anyio.Event()
+    six = _stage_offsets(layer, 6)[0] if mode == "early" else C.expert(layer, 6).start
+    reader = FakeReader(rules=[Rule(offset=six, release=gate)])
+    con = _Early(reader)
+
+    async def body(store: ExpertStore, src: StreamingExperts) -> None:
+        early = None if mode == "no consumer" else con.early(layer)
+        out: dict[str, dict[int, str]] = {}
+        with ThreadPoolExecutor(1) as pool:
+
+            async def step() -> None:
+                out["got"] = await _map_step(src, layer, [2, 6], early, pool)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(step)
+                try:
+                    with anyio.fail_after(10):
+                        while not reader.in_flight or len(reader.extents) < 1:
+                            await anyio.sleep(0.001)
+                    # 2 landed; once the worker is free, its computation was handed back
+                    await anyio.to_thread.run_sync(pool.submit(lambda: None).result)
+                finally:
+                    gate.set()
+        got = out["got"]
+        assert got == {e: WANT[(layer, e)] for e in (2, 6)}
+        read = [o for _, o in reader.extents]
+        if mode == "early":
+            assert read == [C.expert(layer, 2).start, *_stage_offsets(layer, 6)]
+            # (its down stage is not held here: it may have landed by then)
+            assert [seen[:2] for seen in con.seen] == [(6, GATE_UP[(layer, 6)])]
+            assert store.stats.early_arrivals == 1
+        else:
+            assert read == [C.expert(layer, e).start for e in (2, 6)]
+            assert not con.seen and store.stats.early_arrivals == 0
+        _settled(store)
+
+    _run(reader, body, lru=0, early_reads=mode != "store off")
+
+
+def test_a_failed_down_stage_fails_the_step_and_returns_every_slot() -> None:
+    layer = LAYERS[2]
+    reader = FakeReader(rules=[Rule(offset=_stage_offsets(layer, 5)[1], error=True, times=1)])
+    con = _Early(reader)
+
+    async def body(store: ExpertStore, src: StreamingExperts) -> None:
+        with pytest.raises(ReadError, match="injected"):
+            await _map_step(src, layer, [5], con.early(layer))
+        assert [e for e, _, _ in con.seen] == [5]  # begun early, then the error
+        with anyio.fail_after(10):
+            while store._inflight:
+                await anyio.sleep(0.001)
+        _settled(store)
+        assert store.stats.read_errors == 1
+        assert await _map_step(src, layer, [5], con.early(layer)) == {5: WANT[(layer, 5)]}
 
     _run(reader, body, lru=0)

@@ -1,5 +1,5 @@
 """runtime/policies/pieces.py on its own: which bytes of an expert go to the device first
-(``piece_ranges``) and when each demand read piece may go (``PieceWindow``)."""
+(``piece_ranges``, ``early_ranges``) and when each demand read piece may go (``PieceWindow``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from runtime.policies.pieces import PieceWindow, piece_ranges
+from runtime.policies.pieces import PieceWindow, early_ranges, piece_ranges
 
 A = 4096
 
@@ -59,6 +59,40 @@ class _Log:
 
     def cb(self, name: str):  # type: ignore[no-untyped-def]
         return lambda: self.granted.append(name)
+
+
+@pytest.mark.parametrize("head", [0, 1000])
+@pytest.mark.parametrize("parts", [1, 2, 3])
+def test_early_stages_gate_and_up_then_the_rest(head: int, parts: int) -> None:
+    mib = 1 << 20
+    first = [(6 * mib, 12 * mib), (12 * mib, 18 * mib)]  # down, gate, up
+    need = head + 18 * mib + 100
+    one, two = early_ranges(head, need, first, parts=parts)
+    _covers(one + two, head, need)
+    lo = (head + 6 * mib) // A * A
+    hi = min(need, -(-(head + 18 * mib) // A) * A)
+    assert one[0][0] == lo and one[-1][1] == hi  # exactly the gate and up blocks first
+    assert one == sorted(one) and two == sorted(two)
+    # down in ``parts``, and the blob's tail past up's last block in one more
+    assert len(one) == parts and len(two) == parts + (hi < need)
+    sizes = [b - a for a, b in one]
+    assert max(sizes) - min(sizes) <= parts * A  # near-equal parts
+
+
+def test_early_stages_degenerate_plans() -> None:
+    # gate and up are the whole blob: one stage
+    one, two = early_ranges(0, 8 * A, [(0, 4 * A), (4 * A, 8 * A)])
+    assert one == [(0, 4 * A), (4 * A, 8 * A)] and two == []
+    # nothing to put first, or too small a blob: read it whole
+    assert early_ranges(0, 8 * A, []) == ([], [])
+    assert early_ranges(0, 2 * A, [(0, A)]) == ([], [])
+    # parts larger than the blocks: never an empty range
+    one, two = early_ranges(0, 3 * A, [(A, 2 * A)], parts=8)
+    assert one == [(A, 2 * A)] and two == [(0, A), (2 * A, 3 * A)]
+    with pytest.raises(ValueError, match="early plan"):
+        early_ranges(5, 5, [(0, 1)])
+    with pytest.raises(ValueError, match="early plan"):
+        early_ranges(0, 10 * A, [(0, A)], parts=0)
 
 
 def test_pieces_go_in_order_within_the_window() -> None:

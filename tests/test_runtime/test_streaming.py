@@ -233,6 +233,7 @@ def test_the_streaming_timeline_records_reads_computations_and_steps(
             m.engine._scheduler.ctx.compute.parallel_min_macs = 0
         m.generate(PROMPT[:2], max_new_tokens=1)
         before = m.stats()["experts"]["experts_read"]
+        early_before = m.stats()["compute"]["early_experts"]
         trace: list[Any] = []
         store.trace = trace
         t0 = time.perf_counter()
@@ -240,6 +241,8 @@ def test_the_streaming_timeline_records_reads_computations_and_steps(
         t1 = time.perf_counter()
         store.trace = None
         read = m.stats()["experts"]["experts_read"] - before
+        # an expert begun before its down projection landed is computed in two stretches
+        early = m.stats()["compute"]["early_experts"] - early_before
         assert (m.stats()["compute"]["parallel_steps"] > 0) == (threads > 1)
     assert toks == reference["tokens"]
     kinds = {k: [e for e in trace if e.kind == k] for k in ("read", "piece", "compute", "step")}
@@ -249,7 +252,26 @@ def test_the_streaming_timeline_records_reads_computations_and_steps(
     per_layer = Counter(e.layer for e in kinds["step"])
     assert per_layer and set(per_layer) <= set(Container.open(DEMO).expert_layers())
     assert set(per_layer.values()) == {len(toks)}
-    assert len(kinds["compute"]) == sum(e.expert for e in kinds["step"])
+    assert len(kinds["compute"]) == sum(e.expert for e in kinds["step"]) + early
     assert all(t0 <= e.t0 <= e.t1 <= t1 for e in trace)
     for e in kinds["compute"]:  # each computation inside a step of its layer
         assert any(s.layer == e.layer and s.t0 <= e.t0 <= e.t1 <= s.t1 for s in kinds["step"])
+
+
+@pytest.mark.parametrize("lru", [0, 2])
+def test_experts_begun_before_their_down_projection_landed_change_nothing(
+    reference: dict[str, Any], lru: int
+) -> None:
+    """Steps on the pool (two threads): a step's last read, alone on the device, comes in two
+    stages, and its expert's gate and up projections are computed while its down projection
+    is still being read. Tokens and logits stay bit-identical, and it did happen."""
+    opts = dict(learn=False, pin=False, prefetch="off", reader="threads", threads=2)
+    with colibri.open_model(DEMO, ram_budget=budget_for_lru(DEMO, lru), **opts) as m:
+        m.engine._scheduler.ctx.compute.parallel_min_macs = 0  # tiny as the demo's steps are
+        toks = m.generate(PROMPT, max_new_tokens=24, draft="off")
+        logits = m.forward(PROMPT)
+        st = m.stats()
+    assert toks == reference["tokens"]
+    assert np.array_equal(logits, reference["logits"])
+    assert st["experts"]["early_arrivals"] > 0
+    assert 0 < st["compute"]["early_experts"] <= st["experts"]["early_arrivals"]
