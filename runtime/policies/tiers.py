@@ -33,10 +33,14 @@ lookahead does. A prediction made on a pool worker while the step's reads are in
 Every ``LEDGER_STEPS`` steps of the layer the difference feeds an average;
 the layer reads ahead while the average is >= 0. A layer starts off (the event loop's own
 work for lookahead reads is not counted, so it has to show a gain first); while it is off
-every ``PROBE_EVERY``-th step still reads ahead, so the ledger sees whether and when routing
-is predictable: lookahead that loses costs at most one step in ``PROBE_EVERY``, and less as
-it keeps losing (each losing probe doubles the interval, up to ``PROBE_EVERY_MAX``; a layer
-that turns on starts over). ``on`` and
+every ``PROBE_EVERY``-th step may still read ahead (a probe), so the ledger sees whether and
+when routing is predictable. The step before each probe is a *dry* probe: its prediction is
+made and scored against what the layer then routes to, but not read. The probe reads only
+when every read the dry probe would have made was routed; otherwise it stays dry too and
+costs no disk time (on random routing most probes stay dry). Lookahead that loses costs at
+most one step's reads in ``PROBE_EVERY``, and less as it keeps losing (each losing or dry
+probe doubles the interval, up to ``PROBE_EVERY_MAX``; a layer that turns on starts over);
+a window that read nothing ahead never turns a layer on. ``on`` and
 ``off`` force it. Only speed changes: a lookahead read never decides what a step computes.
 
 Shape legend: L layer, E expert, Key = (L, E); "transient" = a slot outside the cache (misses the
@@ -107,6 +111,7 @@ class TierStats:
     lookahead_cost_s: float = 0.0  # pieces' time beside demand reads + prediction compute
     lookahead_cpu_s: float = 0.0  # ... of it, compute-thread time of predictions and hops
     lookahead_layers_off: int = 0  # layers --prefetch auto judged and keeps lookahead off for
+    lookahead_dry_probes: int = 0  # predictions of off layers scored, not read (auto)
     early_arrivals: int = 0  # experts handed over with gate and up landed, down still read
 
     @property
@@ -142,6 +147,8 @@ class _Ledger:
     score: float | None = None  # EWMA of saved - cost per window
     on: bool = False  # under "auto" a layer starts off: its probes must show that it pays
     probe_every: int = PROBE_EVERY  # while off: one step in this many reads ahead
+    promising: bool = False  # the last dry probe's reads would all have been used
+    wet: bool = False  # this window's probe read ahead
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +197,7 @@ class TierPolicy:
         self.waiters: dict[Key, StepHandle] = {}
         self._lookahead_cached: set[Key] = set()  # lookahead reads that landed in a cache slot
         self._predicted: dict[int, set[int]] = {}  # layer -> lookahead prediction (for recall)
+        self._dry: dict[int, set[int]] = {}  # layer -> what a dry probe would have read
         self._demand_inflight = 0
         self._lookahead_inflight = 0
         self._demand_queued = 0
@@ -230,6 +238,9 @@ class TierPolicy:
         if predicted is not None:
             self.stats.lookahead_routed += len(experts)
             self.stats.lookahead_predicted_hits += len(predicted.intersection(experts))
+        would = self._dry.pop(layer, None)
+        if would is not None:  # a dry probe: would every read it skipped have been used?
+            self._ledger[layer].promising = bool(would) and would.issubset(experts)
         out: list[tuple[int, Tier]] = []
         for e in experts:
             key = (layer, e)
@@ -311,23 +322,32 @@ class TierPolicy:
         led.saved_s = led.cost_s = 0.0
         if self.prefetch_mode == "auto":
             probed = not led.on and led.steps % led.probe_every == 0  # this window's last step
-            led.on = led.score >= 0.0
+            wet, led.wet = led.wet, False
+            if led.on or wet:  # (off, a window that read nothing ahead cannot turn it on)
+                led.on = led.score >= 0.0
             if led.on:
                 led.probe_every = PROBE_EVERY
-            elif probed and net < 0.0:  # the probe lost: the next one comes later
-                led.probe_every = min(PROBE_EVERY_MAX, 2 * led.probe_every)
+            elif probed and (net < 0.0 or not wet):  # the probe lost (or stayed dry): the
+                led.probe_every = min(PROBE_EVERY_MAX, 2 * led.probe_every)  # next comes later
             self.stats.lookahead_layers_off = sum(
                 x.score is not None and not x.on for x in self._ledger.values()
             )
 
     def reads_ahead(self, layer: int) -> bool:
-        """Whether a prediction for ``layer`` is read now: always under "on", never under
-        "off"; under "auto" while the layer's ledger says it pays, and on probe steps."""
+        """Whether a prediction for ``layer`` is made now: always under "on", never under
+        "off"; under "auto" while the layer's ledger says it pays, and on a layer that is off,
+        for its probe step and the step before it (the dry probe: see :meth:`lookahead`)."""
         if self.prefetch_mode != "auto":
             return self.prefetch_mode == "on"
         led = self._ledger[layer]
         # the probe is the last step of a window, so the window it closes judges it
-        return led.on or led.steps % led.probe_every == led.probe_every - 1
+        return led.on or led.steps % led.probe_every >= led.probe_every - 2
+
+    def _probe_reads(self, layer: int) -> bool:
+        """Under "auto", for a layer that is off: whether this step's prediction is read (a
+        wet probe) rather than only scored (dry)."""
+        led = self._ledger[layer]
+        return led.steps % led.probe_every == led.probe_every - 1 and led.promising
 
     def piece_started(self, key: Key, now: float) -> None:
         """A piece of ``key``'s lookahead read went to the device at ``now``."""
@@ -495,10 +515,18 @@ class TierPolicy:
                 continue
             if len(keys) == LOOKAHEAD_READS:
                 break
+            keys.append(key)
+        led = self._ledger[layer]
+        if self.prefetch_mode == "auto" and not led.on:
+            if not self._probe_reads(layer):  # dry: scored when the layer routes, not read
+                self._dry[layer] = {e for _, e in keys}
+                self.stats.lookahead_dry_probes += 1
+                return []
+            led.wet = True
+        for key in keys:
             self.stats.prefetch_issued += 1
             self.inflight.add(key)
             self._la_begun[key] = self._begun.get(layer, 0)
-            keys.append(key)
         return keys
 
     def lookahead_ready(self, key: Key) -> bool | None:

@@ -290,19 +290,42 @@ def test_auto_starts_off_and_reads_ahead_only_on_probe_steps_while_it_loses() ->
             probes.append(i)
         _step_with_lookahead(p, 1, [1, 2], [5, 6])
     st = p.stats
-    # the first probe after PROBE_EVERY steps; each one that lost doubles the interval
-    assert probes[:5] == [PROBE_EVERY - 1, 2 * PROBE_EVERY - 1, 32 - 1, 64 - 1, 128 - 1]
-    assert [b - a for a, b in itertools.pairwise(probes)][-2:] == [PROBE_EVERY_MAX] * 2
-    assert st.prefetch_issued == 2 * len(probes)
-    # each probe read shared half its piece with a demand read, and took half the device
-    assert st.lookahead_cost_s == pytest.approx(2 * len(probes) * READ_S / 4)
+    # the first probe after PROBE_EVERY steps, a dry one on the step before each; each probe
+    # that lost (here: stayed dry, its dry probe's guess not routed) doubles the interval
+    wet_steps = [PROBE_EVERY - 1, 2 * PROBE_EVERY - 1, 32 - 1, 64 - 1, 128 - 1]
+    assert probes[:10] == [i for w in wet_steps for i in (w - 1, w)]
+    assert [b - a for a, b in itertools.pairwise(probes[1::2])][-2:] == [PROBE_EVERY_MAX] * 2
+    # guesses that a dry probe showed unused are never read: no disk time lost to them
+    assert st.prefetch_issued == 0 and st.lookahead_cost_s == 0.0
+    assert st.lookahead_dry_probes == len(probes)
     assert st.lookahead_saved_s == 0.0 and st.lookahead_layers_off == 1
-    # routing turns predictable: the next probe (at most PROBE_EVERY_MAX steps away) pays,
-    # the layer reads ahead again, and its probes would start over at PROBE_EVERY
+    # routing turns predictable: the next dry probe (at most PROBE_EVERY_MAX steps away) is
+    # promising, so the probe after it reads, pays, the layer reads ahead again, and its
+    # probes would start over at PROBE_EVERY
     for _ in range(PROBE_EVERY_MAX):
         _step_with_lookahead(p, 1, [3, 4], [3, 4])
     assert p.reads_ahead(1) and st.lookahead_layers_off == 0
     assert p._ledger[1].probe_every == PROBE_EVERY
+
+
+def test_a_probe_reads_only_after_a_dry_probe_whose_guess_was_routed() -> None:
+    """The step before a probe predicts without reading (dry); the probe reads only when the
+    dry probe's would-be reads were all routed; otherwise it stays dry too. A wet probe that
+    loses still costs its reads and turns nothing on."""
+    p = _policy(lru_slots=0, transient_slots=8, prefetch="auto")
+    for i in range(PROBE_EVERY - 1):  # the dry probe's guess is routed
+        routed = [1, 2] if i == PROBE_EVERY - 2 else [5, 6]
+        _step_with_lookahead(p, 1, [1, 2], routed)
+    assert p.stats.lookahead_dry_probes == 1 and p.stats.prefetch_issued == 0
+    _step_with_lookahead(p, 1, [3, 4], [5, 6])  # the probe reads; its guess is not routed
+    st = p.stats
+    assert st.prefetch_issued == 2 and st.prefetch_wasted == 2 and st.lookahead_cost_s > 0
+    assert st.lookahead_layers_off == 1 and p._ledger[1].probe_every == 2 * PROBE_EVERY
+    # the next dry probe's guess is routed only in part: its probe stays dry
+    for i in range(2 * PROBE_EVERY):
+        routed = [1, 5] if i == 2 * PROBE_EVERY - 2 else [5, 6]
+        _step_with_lookahead(p, 1, [1, 2], routed)
+    assert st.prefetch_issued == 2 and st.lookahead_dry_probes == 3
 
 
 def test_auto_turns_lookahead_on_when_it_pays_and_off_again_when_it_stops() -> None:
@@ -346,14 +369,16 @@ def test_auto_charges_the_compute_a_prediction_takes() -> None:
     p = _policy(lru_slots=0, transient_slots=8, prefetch="auto")
     n = 0
     for _ in range(4 * PROBE_EVERY):
-        if p.reads_ahead(1):  # a probe: its prediction took compute time
-            p.charge(1, 4 * READ_S)
+        if p.reads_ahead(1):  # a probe (dry or wet): its prediction took compute time
+            p.charge(1, 2 * READ_S)
             n += 1
-        _step_with_lookahead(p, 1, [3, 4], [3, 4])  # used: saves 2 x READ_S per probe
+        _step_with_lookahead(p, 1, [3, 4], [3, 4])  # used: saves 2 x READ_S per wet probe
     st = p.stats
-    assert n == 3  # (steps 7, 15, 31: each probe lost, so the next came later)
-    assert st.prefetch_used == 2 * n and st.lookahead_saved_s == pytest.approx(2 * n * READ_S)
-    assert st.lookahead_cpu_s == pytest.approx(n * 4 * READ_S)
+    assert n == 6  # (dry 6, 14, 30, wet 7, 15, 31: each probe lost, the next came later)
+    wet = n // 2
+    assert st.prefetch_used == 2 * wet
+    assert st.lookahead_saved_s == pytest.approx(2 * wet * READ_S)
+    assert st.lookahead_cpu_s == pytest.approx(n * 2 * READ_S)
     assert not p.reads_ahead(1) and st.lookahead_layers_off == 1
     p.charge(7, 1.0)  # not a MoE layer: ignored
-    assert st.lookahead_cpu_s == pytest.approx(n * 4 * READ_S)
+    assert st.lookahead_cpu_s == pytest.approx(n * 2 * READ_S)
