@@ -118,6 +118,31 @@ def _scale_requests(x: ExpertExtent) -> list[ReadRequest]:
     return reqs
 
 
+def _blob_ranges(
+    blob_req: ReadRequest, x: ExpertExtent
+) -> tuple[int, int, int, list[tuple[int, int]]]:
+    """For a blob read in parts: its aligned start, where the blob begins and ends in the
+    aligned buffer (``head``, ``need``) and the byte ranges of its gate and up projections
+    (from the aligned start; those go first)."""
+    aligned, head, _ = aligned_extent(blob_req)
+    first = [(o, o + n) for p, (o, n, _, _) in x.parts.items() if p in ("gate_proj", "up_proj")]
+    return aligned, head, head + blob_req.length, first
+
+
+def _range_reads(
+    blob_req: ReadRequest, aligned: int, ranges: Sequence[tuple[int, int]], blob_buf: Any
+) -> tuple[list[ReadRequest], list[Any]]:
+    """One request per ``(a, b)`` range of the blob (offsets from its ``aligned`` start) and
+    the views of ``blob_buf`` they read into."""
+    reqs, bufs = [], []
+    for a, b in ranges:
+        r = ReadRequest(blob_req.path, aligned + a, b - a)
+        lo = a // ALIGN * ALIGN
+        reqs.append(r)
+        bufs.append(blob_buf[lo : lo + required_size(r)])
+    return reqs, bufs
+
+
 def slot_sizes(c: Container) -> tuple[int, int]:
     """(blob buffer bytes, scales buffer bytes) that hold any expert's aligned read superset."""
     blob = scales = 0
@@ -587,14 +612,11 @@ class ExpertStore:
             if isinstance(got, ColibriError):
                 raise got
             return got if isinstance(got, tuple) else (got, len(reqs))
-        aligned, head, _ = aligned_extent(blob_req)
-        need = head + blob_req.length
-        first = [(o, o + n) for p, (o, n, _, _) in x.parts.items() if p in ("gate_proj", "up_proj")]
-        jobs: list[tuple[list[ReadRequest], list[npt.NDArray[np.uint8]]]] = []
-        for a, b in piece_ranges(head, need, first, piece=self._piece, align=ALIGN):
-            req = ReadRequest(blob_req.path, aligned + a, b - a)
-            lo = a // ALIGN * ALIGN
-            jobs.append(([req], [blob_buf[lo : lo + required_size(req)]]))
+        aligned, head, need, first = _blob_ranges(blob_req, x)
+        jobs = [
+            _range_reads(blob_req, aligned, [r], blob_buf)
+            for r in piece_ranges(head, need, first, piece=self._piece, align=ALIGN)
+        ]
         jobs[0][0].extend(sreqs)
         jobs[0][1].extend(scale_bufs)
         out = [None] * len(jobs)
@@ -675,31 +697,19 @@ class ExpertStore:
         :class:`_Early` arrival as soon as they landed, then the rest; each stage's requests
         go together. Only for unchecked reads. Returns the views (blob, then scales) and how
         many requests it took."""
-        aligned, head, _ = aligned_extent(blob_req)
-        need = head + blob_req.length
-        first = [(o, o + n) for p, (o, n, _, _) in x.parts.items() if p in ("gate_proj", "up_proj")]
+        aligned, head, need, first = _blob_ranges(blob_req, x)
         one, two = early_ranges(head, need, first, align=ALIGN)
         if not one:
             return await self._read_reqs(key, [blob_req, *sreqs], bufs, None), 1 + len(sreqs)
         blob_buf, scale_bufs = bufs[0], bufs[1:]
-
-        def stage(ranges: list[tuple[int, int]]) -> tuple[list[ReadRequest], list[Any]]:
-            reqs, out = [], []
-            for a, b in ranges:
-                r = ReadRequest(blob_req.path, aligned + a, b - a)
-                lo = a // ALIGN * ALIGN
-                reqs.append(r)
-                out.append(blob_buf[lo : lo + required_size(r)])
-            return reqs, out
-
-        reqs1, bufs1 = stage(one)
+        reqs1, bufs1 = _range_reads(blob_req, aligned, one, blob_buf)
         got = await self._read_reqs(key, [*reqs1, *sreqs], [*bufs1, *scale_bufs], None)
         scales = got[len(reqs1) :]
         blob = blob_buf[head:need]
         svs = [np.frombuffer(v, dtype=np.uint8) for v in scales]
         self.stats.early_arrivals += 1
         step.out.put(_Early(key[1], _weights_from(x, np.frombuffer(blob, np.uint8), sreqs, svs)))
-        reqs2, bufs2 = stage(two)
+        reqs2, bufs2 = _range_reads(blob_req, aligned, two, blob_buf)
         await self._read_reqs(key, reqs2, bufs2, None)
         return [blob, *scales], len(reqs1) + len(reqs2) + len(sreqs)
 
