@@ -1131,6 +1131,8 @@ class StreamingExperts:
         pool: Executor,
         guess: Guess | None = None,
         early: Callable[[int, ExpertWeights], Callable[[], R] | None] | None = None,
+        *,
+        started: Callable[[], None] | None = None,
     ) -> dict[int, R]:
         """``{e: fn(e, weights)}`` with each expert computed on ``pool`` as soon as it arrives.
 
@@ -1139,7 +1141,9 @@ class StreamingExperts:
         it comes, while it waits for arrivals anyway: the prediction's router is not on the
         path between the layer's routing and its first read. A guess that is not made before
         the step's last expert is computed is dropped (the next step has begun by then: too
-        late to read ahead).
+        late to read ahead). ``started`` (the caller's own work for ``pool``, such as the
+        shared expert) is called after the guess went to ``pool``, under the same wait for the
+        step's first read.
 
         The compute thread only dispatches: it waits on one queue for the next arrival or the
         next finished computation, and gives an expert's transient buffer back once its
@@ -1171,7 +1175,7 @@ class StreamingExperts:
         guessing: Future[Lookahead | None] | None = None
         finish: tuple[int, Callable[[], R]] | None = None  # the last expert, begun early
         try:
-            if to_arrive and (ready or guess is not None):
+            if to_arrive and (ready or guess is not None or started is not None):
                 # Work for the pool now would take both cores from the event loop, which has
                 # yet to send the step's first read to the device (up to ~2 ms late, measured
                 # with tools/bench/stream_timeline.py): let it go first, within a bound.
@@ -1179,6 +1183,8 @@ class StreamingExperts:
             if guess is not None:
                 guessing = pool.submit(guess)
                 guessing.add_done_callback(lambda f: step.out.put(_Guessed(f)))
+            if started is not None:  # (the caller's own pool work: after the first read too)
+                started()
             for e, w in ready:
                 submit(e, w)
                 pending += 1

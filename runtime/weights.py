@@ -103,6 +103,8 @@ class ExpertSource(Protocol):
         pool: Executor,
         guess: Guess | None = None,
         early: Callable[[int, ExpertWeights], Callable[[], R] | None] | None = None,
+        *,
+        started: Callable[[], None] | None = None,
     ) -> dict[int, R]:
         """``{e: fn(e, weights_e)}`` with each expert computed on ``pool`` as it arrives (a
         streaming source recycles an expert's buffer once its computation finished).
@@ -112,7 +114,9 @@ class ExpertSource(Protocol):
         hands over its gate and up projections before its down projection landed,
         ``early(e, partial_weights)`` computes what needs only those and returns what
         finishes ``fn(e, weights)`` (the same result) once it landed, or None (then ``fn``
-        runs as usual); a source that reads whole experts ignores it."""
+        runs as usual); a source that reads whole experts ignores it. ``started``: called
+        once on the calling thread before any work goes to ``pool``: once the step's first
+        read is on the device (within a bound), at once when nothing is read."""
         ...
 
     def prefetch(self, layer: int, experts: Sequence[int], cpu_s: float = 0.0) -> None:
@@ -483,8 +487,12 @@ class ResidentExperts:
         pool: Executor,
         guess: Guess | None = None,
         early: Callable[[int, ExpertWeights], Callable[[], R] | None] | None = None,
+        *,
+        started: Callable[[], None] | None = None,
     ) -> dict[int, R]:
         """``{e: fn(e, weights)}`` computed on ``pool`` (every expert is already resident)."""
+        if started is not None:
+            started()
         futures = {e: pool.submit(fn, e, w) for e, w in self.get(layer, experts).items()}
         return {e: f.result() for e, f in futures.items()}
 

@@ -211,8 +211,10 @@ class ClusterExperts:
         pool: Executor,
         guess: Guess | None = None,
         early: Callable[[int, ExpertWeights], Callable[[], R] | None] | None = None,
+        *,
+        started: Callable[[], None] | None = None,
     ) -> dict[int, R]:
-        return self.local.map_arrivals(layer, experts, fn, pool, early=early)
+        return self.local.map_arrivals(layer, experts, fn, pool, early=early, started=started)
 
     def prefetch(self, layer: int, experts: Sequence[int], cpu_s: float = 0.0) -> None:
         """Lookahead hints are not forwarded (each worker reads its own)."""
