@@ -9,10 +9,11 @@ read the experts it misses. In the same run this measures
 * decode tokens/s and bytes read per decoded token (engine counters);
 * each run's I/O bound: the mean of the storage GB/s measured right before and right after it
   / bytes per token, in tokens/s;
-* once after the last run, storage GB/s while another thread streams memory (as the expert
-  compute does while reads are in flight): ``storage_gbps_memory_busy``, and the median
-  tokens/s run's figure against a bound at that rate, ``figure_memory_busy_bound`` (on a
-  virtual disk the host's copy into guest memory competes with the guest's memory traffic).
+* after the last run, storage GB/s while another thread streams memory (as the expert
+  compute does while reads are in flight), alternating with the memory idle:
+  ``storage_memory_busy_ratio`` (busy / idle), and ``figure`` against a bound scaled by that
+  ratio, ``figure_memory_busy_bound`` (on a virtual disk the host's copy into guest memory
+  competes with the guest's own memory traffic).
 
 A run's figure is achieved / its bound (1.0 = compute and every other cost fully hidden behind
 reads); ``figure`` is the chosen mode's median run figure.
@@ -208,7 +209,13 @@ def main(argv: list[str] | None = None) -> int:
             in_order.append(run)
     gb_last, _, by_depth_last = disk_gbps(c, a.reader, a.reads, 1 + len(disk))
     disk.append(gb_last)
-    gb_busy = disk_gbps_memory_busy(c, a.reader, a.reads, 1 + len(disk))
+    # memory busy against idle, in adjacent pairs (the disk drifts): idle (the last
+    # measurement above), busy, idle, busy
+    seed = 1 + len(disk)
+    busy = [disk_gbps_memory_busy(c, a.reader, a.reads, seed)]
+    idle = [gb_last, disk_gbps(c, a.reader, a.reads, seed + 1)[0]]
+    busy.append(disk_gbps_memory_busy(c, a.reader, a.reads, seed + 2))
+    busy_ratio = sum(busy) / sum(idle)
     for i, run in enumerate(in_order):
         run["gbps"] = (disk[i] + disk[i + 1]) / 2
     gbps = sum(disk) / len(disk)
@@ -267,11 +274,15 @@ def main(argv: list[str] | None = None) -> int:
         "storage_gbps_before_after": [round(disk[0], 3), round(disk[-1], 3)],
         # [one read at a time, two at a time], first and last measurement
         "storage_gbps_by_depth": [by_depth_first, by_depth_last],
-        # after the last run, while another thread streams memory (as expert compute does):
-        # the bound with that rate instead is what a decode could reach with its reads and
-        # its compute perfectly overlapped, on a disk that shares memory bandwidth with them
-        "storage_gbps_memory_busy": round(gb_busy, 3),
-        "figure_memory_busy_bound": round(achieved * per_token(main_run) / (gb_busy * 1e9), 3),
+        # after the last run, while another thread streams memory (as expert compute does)
+        # and not, alternately: [idle, busy, idle, busy]; the ratio of their means scales the
+        # bound to what a decode could reach with reads and compute perfectly overlapped, on
+        # a disk that shares memory bandwidth with the compute
+        "storage_gbps_memory_busy_pairs": [
+            round(g, 3) for g in (idle[0], busy[0], idle[1], busy[1])
+        ],
+        "storage_memory_busy_ratio": round(busy_ratio, 3),
+        "figure_memory_busy_bound": round(figures[a.prefetch] / busy_ratio, 3),
         "bytes_missed_per_token": int(per_token(main_run)),
         "bytes_read_per_token": int(read / steps),
         "hit_rate": round(s1["hit_rate"], 3),
