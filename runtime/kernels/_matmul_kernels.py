@@ -410,11 +410,14 @@ def _i4_decode32x16(packed, i):  # type: ignore[no-untyped-def]
 
 @njit(nogil=True, cache=True, inline="always")
 def _i4_dot32x16(w, y, yi, ys):  # type: ignore[no-untyped-def]
-    """Partial (16 lanes) of one decoded 32-byte chunk: two chains, fixed combine order."""
+    """Partial (16 lanes) of one decoded 32-byte chunk: one multiply-add chain in a fixed
+    order (bytes 0-15 high and low, then 16-31). One chain, not two joined by an add: one
+    vector op fewer per 64 weights, and the kernels are bound by vector ops (measured on an
+    AVX-512 Intel guest: GEMV 11.4 -> 13.6 GB/s from cache, 9.6 -> 10.7 from DRAM)."""
     zi = yi + ys
-    a = vfma16(w[2], vload16(y, yi + 16), vmul16(w[0], vload16(y, yi)))
-    c = vfma16(w[3], vload16(y, zi + 16), vmul16(w[1], vload16(y, zi)))
-    return vadd16(a, c)
+    a = vfma16(w[1], vload16(y, zi), vmul16(w[0], vload16(y, yi)))
+    a = vfma16(w[2], vload16(y, yi + 16), a)
+    return vfma16(w[3], vload16(y, zi + 16), a)
 
 
 @njit(nogil=True, cache=True)
