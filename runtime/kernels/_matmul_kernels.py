@@ -49,11 +49,11 @@ from runtime.kernels._simd import (
     bf16x8,
     f16x8,
     i4byte8,
-    i4byte16,
     i4lo8,
     i4lo16,
     i8x8,
     i8x16,
+    u8f16,
     vadd,
     vadd16,
     vfma,
@@ -63,7 +63,6 @@ from runtime.kernels._simd import (
     vload,
     vload16,
     vmul,
-    vmul16,
     vsplat,
     vsplat16,
     vstore,
@@ -79,6 +78,7 @@ _ROWS = 16  # int4 T >= 2: rows per block sharing one activation segment in L1
 _SEGMENT = 64  # int4 T >= 2: packed bytes per row segment (its activations: TILE * 512 B)
 _KIND_F32, _KIND_BF16, _KIND_F16, _KIND_I8 = 0, 1, 2, 3
 _NIBBLE_ZERO = 0x88  # a padding byte: both nibbles decode to weight 0
+_PLANES = 3  # ``_i4_prep`` planes per token: y1, y2, the 16-lane chunk offsets
 #: int4 16 lanes, T >= 2: rows of at most this many packed bytes (1024 columns) take the
 #: register-tile kernel at any T, rows of up to ``_REGS_MAX_NB_FEW`` (2048 columns) for at most
 #: ``_REGS_FEW_T`` tokens. Measured against the blocked kernel: 1.1-1.2x for 256-1024 columns
@@ -98,27 +98,40 @@ _FEW_RUN = 4
 
 @njit(nogil=True, cache=True)
 def _i4_prep(x, nb, ys):  # type: ignore[no-untyped-def]
-    """x [T, I] -> y flat [T, 2, Ys]: per token ``y1`` then ``y2`` (zero padded), see below.
+    """x [T, I] -> y flat [T, 3, Ys]: per token ``y1``, ``y2`` (zero padded) and the 16-lane
+    chunk offsets ``c``, see below.
 
     For byte ``j`` (columns 2j, 2j+1): ``y1 = x[2j+1] / 16`` and ``y2 = x[2j] - y1``, so that
     ``(byte - 136) * y1 + (lo - 8) * y2 = (lo - 8) * x[2j] + (hi - 8) * x[2j+1]``: two FMAs per
-    byte and no shift to extract the high nibble. ``Ys`` is B rounded up to 8 plus 16 floats so
-    that the rows of different tokens do not all map to the same L1 sets (4 KiB aliasing).
+    byte and no shift to extract the high nibble (the 8-lane kernels). The 16-lane kernels
+    take ``byte`` itself (one int -> float convert instead of an or and a subtraction) and
+    begin each 32-byte chunk's chain at ``c``: lane ``l`` of the chunk at byte ``k`` holds
+    ``-(136 * y1[k+l] + 136 * y1[k+16+l])`` (stored at ``k + l``), which puts the ``- 136``
+    back. ``Ys`` is B rounded up to 8 plus 16 floats so that the rows of different tokens do
+    not all map to the same L1 sets (4 KiB aliasing).
     """
     n_tok, n_in = x.shape
-    y = np.zeros(n_tok * 2 * ys, np.float32)  # [T, 2, Ys]
+    y = np.zeros(n_tok * _PLANES * ys, np.float32)  # [T, 3, Ys]
     sixteenth = np.float32(0.0625)
+    bias = np.float32(136.0)
     half = n_in // 2
     for t in range(n_tok):
         xt = x[t]  # [I]
-        y1 = y[t * 2 * ys : t * 2 * ys + ys]  # [Ys] view
-        y2 = y[t * 2 * ys + ys : (t + 1) * 2 * ys]  # [Ys] view
+        base = t * _PLANES * ys
+        y1 = y[base : base + ys]  # [Ys] view
+        y2 = y[base + ys : base + 2 * ys]  # [Ys] view
+        c = y[base + 2 * ys : base + 3 * ys]  # [Ys] view
         for j in range(half):
             a = xt[2 * j + 1] * sixteenth  # exact: a power of two
             y1[j] = a
             y2[j] = xt[2 * j] - a
         if n_in % 2:
             y2[half] = xt[n_in - 1]  # the last byte's high nibble is padding (x = 0)
+        for k in range(0, ys - 31, 32):
+            for lane in range(16):
+                lo = bias * y1[k + lane]
+                hi = bias * y1[k + 16 + lane]
+                c[k + lane] = -(lo + hi)
     return y
 
 
@@ -286,7 +299,7 @@ def _i4_gemm(packed, scales, n_out, nb, gbytes, s_row, s_step, y, ys, out, pf): 
                                     prefetch(packed, row + g0 + seg)
                                 w = _i4_decode32(packed, row + g0)
                                 for u in range(nt):
-                                    q = _i4_dot32(w, y, (t0 + u) * 2 * ys + g0, ys)
+                                    q = _i4_dot32(w, y, (t0 + u) * _PLANES * ys + g0, ys)
                                     ai = a0 + u * 8
                                     vstore(acc, ai, vfma(s, q, vload(acc, ai)))
                                 g0 += gbytes
@@ -297,7 +310,7 @@ def _i4_gemm(packed, scales, n_out, nb, gbytes, s_row, s_step, y, ys, out, pf): 
                                     prefetch(packed, row + c + seg)
                                 w = _i4_decode32(packed, row + c)
                                 for u in range(nt):
-                                    q = _i4_dot32(w, y, (t0 + u) * 2 * ys + c, ys)
+                                    q = _i4_dot32(w, y, (t0 + u) * _PLANES * ys + c, ys)
                                     if c == g0:
                                         vstore(pp, u * 8, q)
                                     else:
@@ -323,7 +336,7 @@ def _i4_gemm(packed, scales, n_out, nb, gbytes, s_row, s_step, y, ys, out, pf): 
                                     wb = i4byte8(tail, 0)
                                     wl = i4lo8(tail, 0)
                                 for u in range(nt):
-                                    yi = (t0 + u) * 2 * ys + c
+                                    yi = (t0 + u) * _PLANES * ys + c
                                     vstore(pb, u * 8, vfma(wb, vload(y, yi), vload(pb, u * 8)))
                                     vstore(pl, u * 8, vfma(wl, vload(y, yi + ys), vload(pl, u * 8)))
                             for u in range(nt):
@@ -349,7 +362,7 @@ def _i4_row_few(packed, scales, row, srow, s_step, n_full, y, ys, y0, nt, pf):  
     b = vzero()
     c = vzero()
     d = vzero()
-    step = 2 * ys
+    step = _PLANES * ys
     for g in range(n_full):
         g0 = g * 32
         if pf > 0:
@@ -382,7 +395,7 @@ def _i4_gemm_few(packed, scales, n_out, nb, s_row, s_step, y, ys, out, pf):  # t
         for t in range(0, n_tok, _FEW_RUN):
             nt = min(_FEW_RUN, n_tok - t)
             a, b, c, d = _i4_row_few(
-                packed, scales, row, srow, s_step, n_full, y, ys, t * 2 * ys, nt,
+                packed, scales, row, srow, s_step, n_full, y, ys, t * _PLANES * ys, nt,
                 pf if t == 0 else 0,
             )  # fmt: skip
             out[t, o] = vhsum(a)
@@ -399,11 +412,12 @@ def _i4_gemm_few(packed, scales, n_out, nb, s_row, s_step, y, ys, out, pf):  # t
 
 @njit(nogil=True, cache=True, inline="always")
 def _i4_decode32x16(packed, i):  # type: ignore[no-untyped-def]
-    """32 packed bytes at ``i`` -> (byte - 136, lo - 8) 16-lane vectors for each of 2 halves."""
+    """32 packed bytes at ``i`` -> (byte, lo - 8) 16-lane vectors for each of 2 halves (the
+    ``- 136`` of the byte is in the chunk offsets of ``_i4_prep``)."""
     return (
-        i4byte16(packed, i),
+        u8f16(packed, i),
         i4lo16(packed, i),
-        i4byte16(packed, i + 16),
+        u8f16(packed, i + 16),
         i4lo16(packed, i + 16),
     )
 
@@ -411,11 +425,13 @@ def _i4_decode32x16(packed, i):  # type: ignore[no-untyped-def]
 @njit(nogil=True, cache=True, inline="always")
 def _i4_dot32x16(w, y, yi, ys):  # type: ignore[no-untyped-def]
     """Partial (16 lanes) of one decoded 32-byte chunk: one multiply-add chain in a fixed
-    order (bytes 0-15 high and low, then 16-31). One chain, not two joined by an add: one
-    vector op fewer per 64 weights, and the kernels are bound by vector ops (measured on an
-    AVX-512 Intel guest: GEMV 11.4 -> 13.6 GB/s from cache, 9.6 -> 10.7 from DRAM)."""
+    order, from the chunk's offsets (``y[yi + 2 * ys:]``) through bytes 0-15 (whole byte,
+    then low nibble) and 16-31. The kernels are bound by vector ops, and this is 4 per 16
+    bytes where the two-chain sum of ``byte - 136`` products took 7 (measured on an AVX-512
+    Intel guest, see docs/benchmarks.md)."""
     zi = yi + ys
-    a = vfma16(w[1], vload16(y, zi), vmul16(w[0], vload16(y, yi)))
+    a = vfma16(w[0], vload16(y, yi), vload16(y, zi + ys))
+    a = vfma16(w[1], vload16(y, zi), a)
     a = vfma16(w[2], vload16(y, yi + 16), a)
     return vfma16(w[3], vload16(y, zi + 16), a)
 
@@ -465,8 +481,8 @@ def _i4_gemm16_regs(packed, scales, n_out, nb, s_row, s_step, y, ys, out, pf):  
     t0 = 0
     while t0 < n_tok:
         nt = min(4, n_tok - t0)
-        y0 = t0 * 2 * ys
-        y1, y2, y3 = y0 + 2 * ys, y0 + 4 * ys, y0 + 6 * ys
+        y0 = t0 * _PLANES * ys
+        y1, y2, y3 = y0 + _PLANES * ys, y0 + 2 * _PLANES * ys, y0 + 3 * _PLANES * ys
         for o in range(n_out):
             row = o * nb
             srow = o * s_row
@@ -535,14 +551,14 @@ def _i4_gemm16(packed, scales, n_out, nb, gbytes, s_row, s_step, y, ys, out, pf)
                         if gbytes == 32:
                             w = _i4_decode32x16(packed, row + g0)
                             for u in range(nt):
-                                q = _i4_dot32x16(w, y, (t0 + u) * 2 * ys + g0, ys)
+                                q = _i4_dot32x16(w, y, (t0 + u) * _PLANES * ys + g0, ys)
                                 ai = a0 + u * 16
                                 vstore16(acc, ai, vfma16(s, q, vload16(acc, ai)))
                             continue
                         for c in range(g0, g0 + gbytes, 32):
                             w = _i4_decode32x16(packed, row + c)
                             for u in range(nt):
-                                q = _i4_dot32x16(w, y, (t0 + u) * 2 * ys + c, ys)
+                                q = _i4_dot32x16(w, y, (t0 + u) * _PLANES * ys + c, ys)
                                 if c == g0:
                                     vstore16(pp, u * 16, q)
                                 else:

@@ -47,6 +47,7 @@ __all__ = [
     "i4lo16_portable",
     "i8x8",
     "i8x16",
+    "u8f16",
     "vadd",
     "vadd16",
     "vfma",
@@ -258,6 +259,17 @@ def _make(vt: Any) -> dict[str, Any]:
     i4lo = _make_i4lo(vt, permute=n == 16 and _has_avx512f_codegen())
 
     @_intrinsic
+    def u8f(typingctx: Any, arr: Any, idx: Any) -> Any:
+        """Bytes ``arr[idx : idx + L]`` as float32 ``byte`` (0..255, exact): one convert."""
+        if not _is_array(arr, types.uint8) or not isinstance(idx, types.Integer):
+            return None
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            return builder.sitofp(_bytes_as_i32(context, builder, sig, args, n), vf)
+
+        return vt(arr, idx), codegen
+
+    @_intrinsic
     def i8(typingctx: Any, arr: Any, idx: Any) -> Any:
         """Bytes ``arr[idx : idx + L]`` read as two's complement int8 -> float32."""
         if not _is_array(arr, types.uint8) or not isinstance(idx, types.Integer):
@@ -324,6 +336,7 @@ def _make(vt: Any) -> dict[str, Any]:
         vstore=vstore,
         i4byte=i4byte,
         i4lo=i4lo,
+        u8f=u8f,
         i8=i8,
         vadd=vadd,
         vmul=vmul,
@@ -342,7 +355,7 @@ vfma, vhsum, i8x8 = _V8["vfma"], _V8["vhsum"], _V8["i8"]
 
 vzero16, vsplat16, vload16, vstore16 = _V16["vzero"], _V16["vsplat"], _V16["vload"], _V16["vstore"]
 i4byte16, i4lo16, vadd16, vmul16 = _V16["i4byte"], _V16["i4lo"], _V16["vadd"], _V16["vmul"]
-vfma16, vhsum16, i8x16 = _V16["vfma"], _V16["vhsum"], _V16["i8"]
+vfma16, vhsum16, i8x16, u8f16 = _V16["vfma"], _V16["vhsum"], _V16["i8"], _V16["u8f"]
 #: ``i4lo16`` without ``vpermps`` (tests compare the two bit for bit on an AVX-512 machine).
 i4lo16_portable = _make_i4lo(f32x16, permute=False)
 
