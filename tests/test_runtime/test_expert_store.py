@@ -516,13 +516,20 @@ async def _map_step(
     experts: list[int],
     early: Callable[[int, ExpertWeights], Callable[[], str]] | None,
     pool: ThreadPoolExecutor | None = None,
+    digested: Callable[[int], None] | None = None,
 ) -> dict[int, str]:
     """One layer's step on the pool path (``map_arrivals``, one worker), digesting each
-    expert."""
+    expert (``digested(e)`` once it was)."""
+
+    def digest(e: int, w: ExpertWeights) -> str:
+        out = _digest(w)
+        if digested is not None:
+            digested(e)
+        return out
 
     def consume() -> dict[int, str]:
         with ThreadPoolExecutor(1) if pool is None else contextlib.nullcontext(pool) as p:
-            return src.map_arrivals(layer, experts, lambda e, w: _digest(w), p, early=early)
+            return src.map_arrivals(layer, experts, digest, p, early=early)
 
     return await anyio.to_thread.run_sync(consume)
 
@@ -578,10 +585,13 @@ def test_only_a_read_alone_goes_in_two_stages(mode: str) -> None:
     async def body(store: ExpertStore, src: StreamingExperts) -> None:
         early = None if mode == "no consumer" else con.early(layer)
         out: dict[str, dict[int, str]] = {}
+        two_done = threading.Event()
         with ThreadPoolExecutor(1) as pool:
 
             async def step() -> None:
-                out["got"] = await _map_step(src, layer, [2, 6], early, pool)
+                out["got"] = await _map_step(
+                    src, layer, [2, 6], early, pool, lambda e: e == 2 and two_done.set()
+                )
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(step)
@@ -589,7 +599,10 @@ def test_only_a_read_alone_goes_in_two_stages(mode: str) -> None:
                     with anyio.fail_after(10):
                         while not reader.in_flight or len(reader.extents) < 1:
                             await anyio.sleep(0.001)
-                    # 2 landed; once the worker is free, its computation was handed back
+                        # 2 landed and was computed (not just landed: the compute thread may
+                        # not have handed it to the worker yet); once the worker takes the
+                        # next job, the computation's end was handed back too
+                        await anyio.to_thread.run_sync(two_done.wait, abandon_on_cancel=True)
                     await anyio.to_thread.run_sync(pool.submit(lambda: None).result)
                 finally:
                     gate.set()
