@@ -17,8 +17,12 @@ exactly ``(lo - 8) * x[2j] + (hi - 8) * x[2j+1]``: two FMAs per byte, no shift f
 nibble, and both factors come from one widened load (OR-ing the int into the mantissa of 2**23
 gives the float without an int->float convert or numba's int64 promotion). Per row: for each
 group a partial ``p`` (8 lanes), then ``acc = fma(scale, p, acc)``; the result is the fixed-order
-lane sum of ``acc``. Groups of a multiple of 64 columns are read in 32-byte chunks with four
-independent FMA chains, other groups (and the last, partial one) 8 bytes at a time, the final
+lane sum of ``acc``. The 16-lane kernels take the byte whole instead (``float(byte)``, one
+convert) and start each 32-byte chunk's single FMA chain at a per-lane offset that ``_i4_prep``
+stores in a third plane (``-136 * y1`` of the chunk's two bytes per lane), which puts the
+``- 136`` back: four FMAs per chunk. Groups of a multiple of 64 columns are read in 32-byte
+chunks (8 lanes: four independent FMA chains), other groups (and the last, partial one) 8
+bytes at a time, the final
 short block from a copy padded with zero weights (byte 0x88). Per-row int4 uses 64-column virtual
 groups with the row's scale. Group sizes that are not a multiple of 16 (bytes straddle groups)
 take a slower exact path that dequantizes each row into a scratch row first.
@@ -32,8 +36,8 @@ The JIT cache (``cache=True``) is keyed on this file only: after editing ``_simd
 ``_intrinsics.py``, delete ``runtime/kernels/__pycache__/_matmul_kernels*.nb*``.
 
 Shape legend: T tokens, I in features, O out features, G scale groups per row, B = ceil(I / 2)
-packed bytes per int4 row, Ys = B rounded up to 8, plus 16 (activation row stride), Ip = I rounded
-up to 8.
+packed bytes per int4 row, Ys = B rounded up to 8, plus 16 (activation plane stride; a token
+has three planes), Ip = I rounded up to 8.
 """
 
 from __future__ import annotations
