@@ -115,8 +115,9 @@ class ExpertSource(Protocol):
         ``early(e, partial_weights)`` computes what needs only those and returns what
         finishes ``fn(e, weights)`` (the same result) once it landed, or None (then ``fn``
         runs as usual); a source that reads whole experts ignores it. ``started``: called
-        once on the calling thread before any work goes to ``pool``: once the step's first
-        read is on the device (within a bound), at once when nothing is read."""
+        once on the calling thread, when the caller's own work (the shared expert) may go to
+        ``pool``: once the step's first read is on the device (within a bound), at once when
+        nothing is read."""
         ...
 
     def prefetch(self, layer: int, experts: Sequence[int], cpu_s: float = 0.0) -> None:
