@@ -499,8 +499,7 @@ class ExpertCompute:
                     )
             finally:
                 extra = side_job[0].result() if side_job else None
-            if side is not None and not side_job:  # (a source that never began the step)
-                extra = side()
+            assert side is None or side_job  # every source calls ``started`` once
             return out, extra
 
     def as_dict(self) -> dict[str, int | str]:
