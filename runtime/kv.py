@@ -26,6 +26,7 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
+from runtime.kernels.aligned import zeros_aligned
 from storage.errors import ModelError
 
 __all__ = ["KVCache"]
@@ -64,13 +65,10 @@ class KVCache:
             raise ModelError("a KV cache with indexed layers needs index_head_dim > 0")
         self.length = 0
         self._cap = max(1, capacity)
-        self._latent = [np.zeros((self._cap, kv_lora_rank), np.float32) for _ in range(n_layers)]
-        self._k_rope = [
-            np.zeros((self._cap, qk_rope_head_dim), np.float32) for _ in range(n_layers)
-        ]
+        self._latent = [zeros_aligned((self._cap, kv_lora_rank)) for _ in range(n_layers)]
+        self._k_rope = [zeros_aligned((self._cap, qk_rope_head_dim)) for _ in range(n_layers)]
         self._index = {
-            layer: np.zeros((self._cap, index_head_dim), np.float32)
-            for layer in self.indexed_layers
+            layer: zeros_aligned((self._cap, index_head_dim)) for layer in self.indexed_layers
         }
         self._tokens = np.zeros(self._cap, np.int32)
 
@@ -85,7 +83,7 @@ class KVCache:
             cap *= 2
 
         def grow(a: F32Array) -> F32Array:
-            b = np.zeros((cap, *a.shape[1:]), a.dtype)
+            b = zeros_aligned((cap, *a.shape[1:]), a.dtype)
             b[: self._cap] = a
             return b
 

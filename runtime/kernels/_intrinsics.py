@@ -12,6 +12,12 @@
 
 The first three are pure functions of their inputs; all four are safe in ``nogil`` code.
 
+And one allocation helper, :func:`zeros64`: numba's ``np.zeros`` aligns arrays to 32 bytes only,
+and a 64-byte vector load from an address 32 bytes off a cache line touches two lines. The
+16-lane int4 GEMV read its activation planes that way in about half of the calls (depending on
+the heap), 1.25x slower: 12.6 against 16.2 GB/s in L2 on an AVX-512 Intel guest
+(docs/benchmarks.md).
+
 Shape legend: idx: flat element index into a C-contiguous array; u: an unsigned integer holding raw
 bits.
 """
@@ -21,11 +27,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.extending import intrinsic
 
-__all__ = ["f16_bits_to_f32", "load_acquire", "prefetch", "u32_bits_to_f32"]
+__all__ = ["f16_bits_to_f32", "load_acquire", "prefetch", "u32_bits_to_f32", "zeros64"]
+
+#: alignment of the arrays :func:`zeros64` returns (one cache line, one 512-bit vector)
+ALIGN = 64
 
 _I32 = ir.IntType(32)
 
@@ -118,3 +128,12 @@ def load_acquire(typingctx: Any, arr: Any, idx: Any) -> Any:
         return builder.load_atomic(ptr, "acquire", 8)
 
     return sig, codegen
+
+
+@njit(nogil=True, cache=True)
+def zeros64(n, dtype):  # type: ignore[no-untyped-def]
+    """``np.zeros(n, dtype)`` whose first element starts a 64-byte cache line (a view into a
+    slightly larger allocation, which it keeps alive). For itemsizes that divide 64."""
+    buf = np.zeros(n + ALIGN, dtype)
+    off = ((ALIGN - buf.ctypes.data % ALIGN) % ALIGN) // buf.itemsize
+    return buf[off : off + n]

