@@ -14,9 +14,12 @@ source, 7-17 minutes on 2 cores); this tool builds nothing itself. Per shape it:
    under ``--workdir``) to GGUF f16, then quantizes that to Q4_0 (``llama_model_quantize``);
 3. times both engines interleaved, ``--rounds`` rounds: prefill of a 64- and a 512-token prompt
    (time to the first token) and greedy decode of ``--tokens`` tokens after a 64-token prompt.
-   Both on every usable CPU; llama.cpp with its default settings (and ``use_extra_bufts=False``,
-   which MLA models need in Q4_0), colibri with its defaults (exact kernels) and, as a third
-   engine reported beside, with the opt-in lossy ``--kernels fast-int8`` (``--no-lossy``: skip).
+   Both on every usable CPU; llama.cpp with its default settings (where they abort, as the
+   repacked weight buffers do for MLA models in Q4_0 on some CPUs, ``use_extra_bufts=False``:
+   ``use_extra_bufts`` in the JSON) in a process of its own with ``OMP_WAIT_POLICY`` unset (its
+   OpenMP default; this process sets ``PASSIVE`` for numba), colibri with its defaults (exact
+   kernels) and, as a third engine reported beside, with the opt-in lossy ``--kernels
+   fast-int8`` (``--no-lossy``: skip).
 
 The last line printed is one JSON object: ``figure`` = our decode tok/s / llama.cpp Q4_0 decode
 tok/s (the lower of the shapes' medians), ``prefill_ratio`` (64 and 512 tokens, per shape), both
@@ -266,22 +269,40 @@ class Ours:
         self._stack.close()
 
 
-class Peer:
+class _LocalPeer:
+    """llama.cpp through llama-cpp-python in this process (the worker of :class:`Peer`)."""
+
     name = "llama.cpp"
 
-    def __init__(self, gguf: Path, threads: int) -> None:
+    def __init__(self, gguf: Path, threads: int, extra_bufts: bool) -> None:
         import llama_cpp
+        import llama_cpp.llama_cpp as low
 
         self.threads = threads
-        self.llm = llama_cpp.Llama(
-            model_path=str(gguf),
-            n_ctx=2048,
-            n_batch=512,
-            n_threads=threads,
-            n_threads_batch=threads,
-            use_extra_bufts=False,  # MLA + Q4_0 fails with the repacked buffer types
-            verbose=False,
-        )
+        # ``extra_bufts``: llama.cpp's repacked (and, where present, AMX) weight buffers, its
+        # default. Llama() swallows unknown keywords (``use_extra_bufts=False`` given to it does
+        # nothing), so the choice goes into the model parameters that Llama() asks
+        # llama_model_default_params() for while it loads.
+        default_params = low.llama_model_default_params
+
+        def params() -> Any:
+            p = default_params()
+            p.use_extra_bufts = extra_bufts
+            return p
+
+        low.llama_model_default_params = params
+        try:
+            self.llm = llama_cpp.Llama(
+                model_path=str(gguf),
+                n_ctx=2048,
+                n_batch=512,
+                n_threads=threads,
+                n_threads_batch=threads,
+                verbose=False,
+            )
+        finally:
+            low.llama_model_default_params = default_params
+        self.prefill([1, 2, 3])  # a graph that the backends cannot place aborts here
 
     def prefill(self, ids: list[int]) -> float:
         self.llm.reset()
@@ -305,6 +326,99 @@ class Peer:
 
     def close(self) -> None:
         self.llm.close()
+
+
+class Peer:
+    """llama.cpp in a worker process (``--peer-worker``) whose environment has no
+    ``OMP_WAIT_POLICY`` (this tool sets ``PASSIVE`` for numba, as colibri does): llama.cpp's
+    OpenMP threads spin between its many small parallel regions by default, and passive waiting
+    cost it ~25% of its decode speed (31 against 40.5 tok/s on the DeepSeek-V3 shape, Intel
+    guest, 2026-12-05). Its process sleeps while the other engines run."""
+
+    name = "llama.cpp"
+
+    def __init__(self, gguf: Path, threads: int) -> None:
+        self.threads = threads
+        # llama.cpp's default first (repacked weight buffers); MLA models in Q4_0 abort with
+        # them on some CPUs (GGML_ASSERT cur_backend_id != -1, seen on an AMX Intel guest with
+        # 0.3.36), and then it runs without them: its best setting that works here.
+        self.extra_bufts = True
+        try:
+            self._start(gguf, threads)
+        except RuntimeError as exc:
+            _log(f"llama.cpp: {exc}; again without the extra buffer types (use_extra_bufts=0)")
+            self.extra_bufts = False
+            self._start(gguf, threads)
+
+    def _start(self, gguf: Path, threads: int) -> None:
+        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--peer-worker", str(gguf)]
+        self._proc = subprocess.Popen(
+            [*cmd, str(threads), str(int(self.extra_bufts))],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            text=True,
+        )
+        self._ask({"op": "ready"})
+
+    def _ask(self, req: dict[str, Any]) -> dict[str, Any]:
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        try:
+            self._proc.stdin.write(json.dumps(req) + "\n")
+            self._proc.stdin.flush()
+        except OSError:  # it already exited: say how, below
+            pass
+        for line in self._proc.stdout:
+            if line.startswith(_REPLY):
+                reply: dict[str, Any] = json.loads(line[len(_REPLY) :])
+                return reply
+        raise RuntimeError(f"the llama.cpp worker exited (status {self._proc.wait()})")
+
+    def prefill(self, ids: list[int]) -> float:
+        return float(self._ask({"op": "prefill", "ids": ids})["s"])
+
+    def decode(self, ids: list[int], n: int) -> tuple[float, int]:
+        r = self._ask({"op": "decode", "ids": ids, "n": n})
+        return float(r["s"]), int(r["n"])
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "threads": self.threads,
+            "quant": "Q4_0",
+            "process": "own, OMP_WAIT_POLICY unset (llama.cpp's default spin-then-sleep)",
+            "use_extra_bufts": self.extra_bufts,
+        }
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._ask({"op": "close"})
+        self._proc.wait(timeout=60)
+
+
+_REPLY = "@@peer "  # marks the worker's replies on its stdout (anything else there is skipped)
+
+
+def _peer_worker(gguf: str, threads: int, extra_bufts: bool) -> int:
+    """Serve :class:`Peer` requests (JSON lines on stdin) with a :class:`_LocalPeer`."""
+    # this file set PASSIVE at import; libgomp reads the variable when llama_cpp loads it
+    os.environ.pop("OMP_WAIT_POLICY", None)
+    peer = _LocalPeer(Path(gguf), threads, extra_bufts)
+    for line in sys.stdin:
+        req = json.loads(line)
+        op = req["op"]
+        if op == "prefill":
+            reply: dict[str, Any] = {"s": peer.prefill(req["ids"])}
+        elif op == "decode":
+            sec, n = peer.decode(req["ids"], req["n"])
+            reply = {"s": sec, "n": n}
+        else:
+            reply = {}
+        print(_REPLY + json.dumps(reply), flush=True)
+        if op == "close":
+            break
+    peer.close()
+    return 0
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -372,6 +486,9 @@ def _cpu() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--peer-worker"]:
+        return _peer_worker(argv[1], int(argv[2]), argv[3] == "1")
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workdir", type=Path, default=Path("/var/tmp/colibri-peer"))
     ap.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES))
