@@ -83,14 +83,12 @@ _SEGMENT = 64  # int4 T >= 2: packed bytes per row segment (its activations: TIL
 _KIND_F32, _KIND_BF16, _KIND_F16, _KIND_I8 = 0, 1, 2, 3
 _NIBBLE_ZERO = 0x88  # a padding byte: both nibbles decode to weight 0
 _PLANES = 3  # ``_i4_prep`` planes per token: y1, y2, the 16-lane chunk offsets
-#: int4 16 lanes, T >= 2: rows of at most this many packed bytes (1024 columns) take the
-#: register-tile kernel at any T, rows of up to ``_REGS_MAX_NB_FEW`` (2048 columns) for at most
-#: ``_REGS_FEW_T`` tokens. Measured against the blocked kernel: 1.1-1.2x for 256-1024 columns
-#: at T up to 64; at 2048 columns 1.15x at T=8, even at T=12-16, 0.74x at T=64; at 6144
-#: columns 0.82x at T=8 (four tokens of activations no longer fit in L1).
-_REGS_MAX_NB = 512
-_REGS_MAX_NB_FEW = 1024
-_REGS_FEW_T = 8
+#: int4 16 lanes, T >= 2: rows of at most this many packed bytes (2048 columns) take the
+#: register-tile kernel at any T, longer rows the blocked one. Measured against the blocked
+#: kernel with 64-byte aligned activations (AVX-512 Intel guest, 2026-12-05): 1.2-1.35x at
+#: 2048 columns for T = 12-64 (1.0x at T <= 8), 0.78-0.85x at 4096 and 6144 columns from T = 8
+#: (four tokens' activation planes no longer fit in L1), 0.95-0.99x there at T = 4.
+_REGS_MAX_NB = 1024
 #: int4 8 lanes: up to ``_FEW_MAX_T`` tokens take ``_i4_gemm_few`` (64-column groups or per-row
 #: scales), in runs of up to ``_FEW_RUN`` tokens per pass over a row; more take ``_i4_gemm``.
 _FEW_MAX_T = 4
@@ -527,7 +525,7 @@ def _i4_gemm16(packed, scales, n_out, nb, gbytes, s_row, s_step, y, ys, out, pf)
     rows of 64-column groups take ``_i4_gemm16_regs`` (accumulators in registers).
     """
     n_tok = out.shape[0]
-    if gbytes == 32 and (nb <= _REGS_MAX_NB or (nb <= _REGS_MAX_NB_FEW and n_tok <= _REGS_FEW_T)):
+    if gbytes == 32 and nb <= _REGS_MAX_NB:
         _i4_gemm16_regs(packed, scales, n_out, nb, s_row, s_step, y, ys, out, pf)
         return
     acc = zeros64(_ROWS * _TILE * 16, np.float32)  # [ROWS, TILE, 16] accumulators
