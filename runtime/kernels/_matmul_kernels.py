@@ -83,11 +83,12 @@ _SEGMENT = 64  # int4 T >= 2: packed bytes per row segment (its activations: TIL
 _KIND_F32, _KIND_BF16, _KIND_F16, _KIND_I8 = 0, 1, 2, 3
 _NIBBLE_ZERO = 0x88  # a padding byte: both nibbles decode to weight 0
 _PLANES = 3  # ``_i4_prep`` planes per token: y1, y2, the 16-lane chunk offsets
-#: int4 16 lanes, T >= 2: rows of at most this many packed bytes (2048 columns) take the
-#: register-tile kernel at any T, longer rows the blocked one. Measured against the blocked
-#: kernel with 64-byte aligned activations (AVX-512 Intel guest, 2026-12-05): 1.2-1.35x at
-#: 2048 columns for T = 12-64 (1.0x at T <= 8), 0.78-0.85x at 4096 and 6144 columns from T = 8
-#: (four tokens' activation planes no longer fit in L1), 0.95-0.99x there at T = 4.
+#: int4 16 lanes, T >= 2 on 64-column groups: the register-tile kernel (``_i4_gemm16_regs``)
+#: takes every call of at least 4 tokens, and rows of at most this many packed bytes (2048
+#: columns) at any T; the blocked one takes 2-3 tokens on longer rows. Against the blocked
+#: kernel (AVX-512 Intel guest, 2026-12-05, aligned planes): rows in pairs x 4 tokens
+#: 1.3-1.8x at 2048-6144 columns and T = 4-48; one row x 4 tokens (the kernel before) had won
+#: only up to 2048 columns (1.2-1.35x) and lost at 4096-6144 (0.78-0.85x from T = 8).
 _REGS_MAX_NB = 1024
 #: int4 8 lanes: up to ``_FEW_MAX_T`` tokens take ``_i4_gemm_few`` (64-column groups or per-row
 #: scales), in runs of up to ``_FEW_RUN`` tokens per pass over a row; more take ``_i4_gemm``.
@@ -471,47 +472,108 @@ def _i4_gemv16(packed, scales, n_out, nb, gbytes, s_row, s_step, y, ys, out, pf)
         out[o] = vhsum16(acc)
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _i4_pairs16(packed, scales, n_pairs, nb, s_row, s_step, y, ys, out, pf, t0):  # type: ignore[no-untyped-def]
+    """Tokens ``t0 .. t0 + 3`` against rows ``0 .. 2 * n_pairs - 1``, two rows at a time: each
+    chunk of both rows decoded once, each activation load shared by the two rows, the eight
+    accumulators in registers across the whole rows."""
+    n_groups = nb // 32
+    y0 = t0 * _PLANES * ys
+    y1, y2, y3 = y0 + _PLANES * ys, y0 + 2 * _PLANES * ys, y0 + 3 * _PLANES * ys
+    for pair in range(n_pairs):
+        o = 2 * pair
+        row = o * nb
+        rowb = row + nb
+        srow = o * s_row
+        srowb = srow + s_row
+        a0 = vzero16()
+        a1 = vzero16()
+        a2 = vzero16()
+        a3 = vzero16()
+        b0 = vzero16()
+        b1 = vzero16()
+        b2 = vzero16()
+        b3 = vzero16()
+        for g in range(n_groups):
+            g0 = g * 32
+            if pf > 0 and g % 2 == 0:
+                prefetch(packed, row + g0 + pf)
+                prefetch(packed, rowb + g0 + pf)
+            w = _i4_decode32x16(packed, row + g0)
+            v = _i4_decode32x16(packed, rowb + g0)
+            sc = vsplat16(scales[srow + g * s_step])
+            sd = vsplat16(scales[srowb + g * s_step])
+            a0 = vfma16(sc, _i4_dot32x16(w, y, y0 + g0, ys), a0)
+            b0 = vfma16(sd, _i4_dot32x16(v, y, y0 + g0, ys), b0)
+            a1 = vfma16(sc, _i4_dot32x16(w, y, y1 + g0, ys), a1)
+            b1 = vfma16(sd, _i4_dot32x16(v, y, y1 + g0, ys), b1)
+            a2 = vfma16(sc, _i4_dot32x16(w, y, y2 + g0, ys), a2)
+            b2 = vfma16(sd, _i4_dot32x16(v, y, y2 + g0, ys), b2)
+            a3 = vfma16(sc, _i4_dot32x16(w, y, y3 + g0, ys), a3)
+            b3 = vfma16(sd, _i4_dot32x16(v, y, y3 + g0, ys), b3)
+        out[t0, o] = vhsum16(a0)
+        out[t0 + 1, o] = vhsum16(a1)
+        out[t0 + 2, o] = vhsum16(a2)
+        out[t0 + 3, o] = vhsum16(a3)
+        out[t0, o + 1] = vhsum16(b0)
+        out[t0 + 1, o + 1] = vhsum16(b1)
+        out[t0 + 2, o + 1] = vhsum16(b2)
+        out[t0 + 3, o + 1] = vhsum16(b3)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _i4_rows16(packed, scales, o0, n_out, nb, s_row, s_step, y, ys, out, pf, t0, nt):  # type: ignore[no-untyped-def]
+    """Tokens ``t0 .. t0 + nt - 1`` (``nt`` 1 to 4) against rows ``o0 .. n_out - 1``, one row at
+    a time: each chunk decoded once for the tile, the accumulators in registers."""
+    n_groups = nb // 32
+    y0 = t0 * _PLANES * ys
+    y1, y2, y3 = y0 + _PLANES * ys, y0 + 2 * _PLANES * ys, y0 + 3 * _PLANES * ys
+    for o in range(o0, n_out):
+        row = o * nb
+        srow = o * s_row
+        a0 = vzero16()
+        a1 = vzero16()
+        a2 = vzero16()
+        a3 = vzero16()
+        for g in range(n_groups):
+            g0 = g * 32
+            if pf > 0 and g % 2 == 0:
+                prefetch(packed, row + g0 + pf)
+            w = _i4_decode32x16(packed, row + g0)
+            sc = vsplat16(scales[srow + g * s_step])
+            a0 = vfma16(sc, _i4_dot32x16(w, y, y0 + g0, ys), a0)
+            if nt >= 2:
+                a1 = vfma16(sc, _i4_dot32x16(w, y, y1 + g0, ys), a1)
+            if nt >= 3:
+                a2 = vfma16(sc, _i4_dot32x16(w, y, y2 + g0, ys), a2)
+            if nt == 4:
+                a3 = vfma16(sc, _i4_dot32x16(w, y, y3 + g0, ys), a3)
+        out[t0, o] = vhsum16(a0)
+        if nt >= 2:
+            out[t0 + 1, o] = vhsum16(a1)
+        if nt >= 3:
+            out[t0 + 2, o] = vhsum16(a2)
+        if nt == 4:
+            out[t0 + 3, o] = vhsum16(a3)
+
+
 @njit(nogil=True, cache=True)
 def _i4_gemm16_regs(packed, scales, n_out, nb, s_row, s_step, y, ys, out, pf):  # type: ignore[no-untyped-def]
-    """T tokens for ``gbytes == 32`` and short rows: rows outside, tokens inside in register
-    tiles of 4 (the last one 1 to 4), each row's chunk decoded once per tile and every token's
-    accumulator kept in a register across the whole row. Per (token, row) exactly the
-    arithmetic of ``_i4_gemv16``. Meant for short rows (see ``_REGS_MAX_NB``); longer rows
-    take the blocked ``_i4_gemm16``."""
+    """T tokens for ``gbytes == 32``: tokens in register tiles of 4; a full tile takes the rows
+    in pairs (``_i4_pairs16``: per pair and chunk two decodes and 20 activation loads for 40
+    multiply-adds), a last odd row and a short last tile (1 to 3 tokens) row by row
+    (``_i4_rows16``). Every token's accumulator stays in a register across the whole row, so
+    no activation tile has to stay in L1. Per (token, row) exactly the arithmetic of
+    ``_i4_gemv16``."""
     n_tok = out.shape[0]
-    n_groups = nb // 32
     t0 = 0
     while t0 < n_tok:
         nt = min(4, n_tok - t0)
-        y0 = t0 * _PLANES * ys
-        y1, y2, y3 = y0 + _PLANES * ys, y0 + 2 * _PLANES * ys, y0 + 3 * _PLANES * ys
-        for o in range(n_out):
-            row = o * nb
-            srow = o * s_row
-            a0 = vzero16()
-            a1 = vzero16()
-            a2 = vzero16()
-            a3 = vzero16()
-            for g in range(n_groups):
-                g0 = g * 32
-                if pf > 0 and g % 2 == 0:
-                    prefetch(packed, row + g0 + pf)
-                w = _i4_decode32x16(packed, row + g0)
-                sc = vsplat16(scales[srow + g * s_step])
-                a0 = vfma16(sc, _i4_dot32x16(w, y, y0 + g0, ys), a0)
-                if nt >= 2:
-                    a1 = vfma16(sc, _i4_dot32x16(w, y, y1 + g0, ys), a1)
-                if nt >= 3:
-                    a2 = vfma16(sc, _i4_dot32x16(w, y, y2 + g0, ys), a2)
-                if nt == 4:
-                    a3 = vfma16(sc, _i4_dot32x16(w, y, y3 + g0, ys), a3)
-            out[t0, o] = vhsum16(a0)
-            if nt >= 2:
-                out[t0 + 1, o] = vhsum16(a1)
-            if nt >= 3:
-                out[t0 + 2, o] = vhsum16(a2)
-            if nt == 4:
-                out[t0 + 3, o] = vhsum16(a3)
+        o0 = 0
+        if nt == 4:
+            _i4_pairs16(packed, scales, n_out // 2, nb, s_row, s_step, y, ys, out, pf, t0)
+            o0 = n_out - n_out % 2
+        _i4_rows16(packed, scales, o0, n_out, nb, s_row, s_step, y, ys, out, pf, t0, nt)
         t0 += nt
 
 
@@ -521,11 +583,12 @@ def _i4_gemm16(packed, scales, n_out, nb, gbytes, s_row, s_step, y, ys, out, pf)
 
     Blocking as in ``_i4_gemm``: token tiles of ``_TILE``, row blocks of ``_ROWS`` and column
     segments of whole groups, so a tile's activations stay in L1; each chunk is decoded once per
-    row and applied to every token of the tile, groups of a row in increasing order. Short
-    rows of 64-column groups take ``_i4_gemm16_regs`` (accumulators in registers).
+    row and applied to every token of the tile, groups of a row in increasing order. Rows of
+    64-column groups take ``_i4_gemm16_regs`` (accumulators in registers) from 4 tokens on, and
+    at any T when they are short (``_REGS_MAX_NB``).
     """
     n_tok = out.shape[0]
-    if gbytes == 32 and nb <= _REGS_MAX_NB:
+    if gbytes == 32 and (nb <= _REGS_MAX_NB or n_tok >= 4):
         _i4_gemm16_regs(packed, scales, n_out, nb, s_row, s_step, y, ys, out, pf)
         return
     acc = zeros64(_ROWS * _TILE * 16, np.float32)  # [ROWS, TILE, 16] accumulators
