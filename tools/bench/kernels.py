@@ -59,6 +59,9 @@ from runtime.kernels.quant_matmul import matmul_int4, matmul_int4_q8, matmul_int
 from runtime.linear import Linear  # noqa: E402
 from storage.quant import QTensor, quantize  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _memory import read_sum  # noqa: E402
+
 GIB = 1 << 30
 MIN_ROTATE_BYTES = 48 << 20
 
@@ -78,15 +81,6 @@ def _last_level_cache_bytes(cpu0: Path = Path("/sys/devices/system/cpu/cpu0/cach
 #: Weights rotate over copies of at least twice the last-level cache (some guests report a
 #: shared 480 MiB L3: a 48 MiB rotation ran from it at 15.9 GB/s where DRAM gave 11).
 ROTATE_BYTES = max(MIN_ROTATE_BYTES, 2 * _last_level_cache_bytes())
-
-
-@njit(nogil=True, cache=True)
-def _read_one_thread(a):  # type: ignore[no-untyped-def]
-    """Sum of a uint64 array (integer adds vectorize; the loop is bound by DRAM reads)."""
-    s = np.uint64(0)
-    for i in range(a.size):
-        s += a[i]
-    return s
 
 
 @njit(parallel=True, cache=True)
@@ -202,11 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
 
     big = np.ones(GIB // 8, dtype=np.uint64)  # 1 GiB, pages touched
-    _read_one_thread(big)
+    read_sum(big)
     _read_all_threads(big)
 
     cases: list[_Case] = [
-        _Case("dram_read_1t", lambda k: _read_one_thread(big), 1),
+        _Case("dram_read_1t", lambda k: read_sum(big), 1),
         _Case("dram_read_all", lambda k: _read_all_threads(big), 1, cpu_clock=False),
     ]
     shapes = {"2048x6144": (2048, 6144), "6144x2048": (6144, 2048)}

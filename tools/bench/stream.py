@@ -56,7 +56,6 @@ if str(ROOT) not in sys.path:
 
 import anyio  # noqa: E402
 import numpy as np  # noqa: E402
-from numba import njit  # noqa: E402
 
 import colibri  # noqa: E402
 from storage.aligned import aligned_empty  # noqa: E402
@@ -64,6 +63,7 @@ from storage.container import Container  # noqa: E402
 from storage.reader import ReadRequest, open_reader, required_size  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _memory import read_sum  # noqa: E402
 from _synth import budget_for, drop_caches, ensure_synthetic  # noqa: E402
 
 
@@ -103,15 +103,6 @@ def disk_gbps(c: Container, reader_kind: str, n: int, seed: int) -> tuple[float,
     return max(one, two), backend, [round(one, 3), round(two, 3)]
 
 
-@njit(nogil=True, cache=True)
-def _stream_memory(a):  # type: ignore[no-untyped-def]
-    """Sum of ``a``: a loop bound by DRAM reads, off the GIL."""
-    s = np.uint64(0)
-    for i in range(a.size):
-        s += a[i]
-    return s
-
-
 def disk_gbps_memory_busy(c: Container, reader_kind: str, n: int, seed: int) -> float:
     """:func:`disk_gbps` while another thread streams memory, as a decode's expert compute
     does between and during reads. On a virtual disk the host copies what it reads into guest
@@ -119,12 +110,12 @@ def disk_gbps_memory_busy(c: Container, reader_kind: str, n: int, seed: int) -> 
     2-vCPU guest, 2.05 GB/s against 2.3-2.5 with the memory idle (a thread computing in cache
     took nothing from it)."""
     a = np.ones(32 << 20, dtype=np.uint64)  # 256 MiB: far beyond the caches
-    _stream_memory(a[:8])  # (compiled before the clock matters)
+    read_sum(a[:8])  # (compiled before the clock matters)
     stop = threading.Event()
 
     def traffic() -> None:
         while not stop.is_set():
-            _stream_memory(a)
+            read_sum(a)
 
     t = threading.Thread(target=traffic, name="memory-traffic", daemon=True)
     t.start()
