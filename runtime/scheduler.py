@@ -8,7 +8,9 @@ Read this file top to bottom to follow a token.
 2. :class:`Scheduler` owns the compute thread: one forward at a time under its limiter, prefill
    in chunks, and the decode steps of every active generation gathered into one
    ``forward_batch`` (each step contributes one row, or a speculative round's verify rows), so
-   each layer reads the union of their experts once. Rows are bit-identical to solo decoding.
+   each layer reads the union of their experts once; so are the prefill chunks of prompts that
+   arrive together (up to ``prefill_chunk`` rows a step). Rows are bit-identical to solo
+   decoding and to a prompt prefilled alone.
 
 The model supplies the math (``forward_batch``), the expert source the bytes (resident RAM or the
 tiered store on the event loop), :class:`~runtime.context.StepContext` how to compute. The
@@ -195,6 +197,9 @@ class SchedulerStats:
     compute_seconds: float = 0.0
     prefill_tokens: int = 0
     prefill_chunks: int = 0
+    # the forwards that computed them: one step holds the chunks of every prompt queued
+    # together (up to ``prefill_chunk`` rows), and its seconds and reads count once
+    prefill_steps: int = 0
     prefill_seconds: float = 0.0
     prefill_bytes_read: int = 0
     prefill_expert_reads: int = 0
@@ -218,6 +223,8 @@ class SchedulerStats:
             d["prefill_bytes_per_token"] = self.prefill_bytes_read / self.prefill_tokens
         if self.prefill_chunks:
             d["prefill_expert_reads_per_chunk"] = self.prefill_expert_reads / self.prefill_chunks
+        if self.prefill_steps:
+            d["prefill_chunks_per_step"] = self.prefill_chunks / self.prefill_steps
         return d
 
 
@@ -234,16 +241,24 @@ class BatchModel(Protocol):
     ) -> list[Any]: ...
 
 
+PrefillHook = Callable[[npt.NDArray[np.int64], F32Array], None]
+
+
 @dataclass(eq=False)
 class StepRequest:
     """One generation's rows for the next batched step: ``ids`` (a decode token), or
     ``prepare`` (a speculative round drafts on the compute thread right before the step; it
-    is told how many rows the step's other generations have, and how many generations)."""
+    is told how many rows the step's other generations have, and how many generations), or
+    (``prefill``) a prompt chunk: only its last row's logits are computed, and ``hook`` sees
+    its rows' hidden states. Prefill chunks and decode rows go in separate steps (a prefill
+    step runs under the scheduler's prefill context)."""
 
     cache: KVCache
     done: anyio.Event
     ids: npt.NDArray[np.int64] | None = None
     prepare: Callable[[int, int], HeadGen[npt.NDArray[np.int64]]] | None = None
+    prefill: bool = False
+    hook: PrefillHook | None = None
     logits: F32Array | None = None  # [T, V]
     hidden: F32Array | None = None  # [T, D]
     shared: bool = False  # other generations' rows were in the same forward
@@ -252,9 +267,6 @@ class StepRequest:
     step: tuple[int, float, int] | None = None
     unions: list[int] = dataclasses.field(default_factory=list)  # a lone round's, streaming
     error: BaseException | None = None
-
-
-PrefillHook = Callable[[npt.NDArray[np.int64], F32Array], None]
 
 
 @dataclass(eq=False)
@@ -414,33 +426,83 @@ class Scheduler:
         """Prefill ``ids`` in chunks; returns the last position's logits [V].
 
         Each chunk is one expert-major step per layer: every token of the chunk is routed, the
-        union of experts is read once and applied to all its rows. The KV of each chunk is
-        committed before the next, so an interrupted prefill keeps what it finished. While
-        prefilling, the LRU admits only into free slots (a chunk touches most experts once and
-        would otherwise flush the decode hot set). ``hook(ids, hidden [T, D])`` sees every
-        chunk (the speculative decoder feeds them to the MTP head)."""
+        union of experts is read once and applied to all its rows. With the batcher
+        (``max_batch`` > 1) a chunk waits in the queue like a decode step, and the chunks of
+        prompts queued together share one step (up to ``prefill_chunk`` rows and ``max_batch``
+        prompts): their expert reads are unioned too, and each prompt's rows are the bits of
+        its prefill alone. The KV of each chunk is committed before the next, so an
+        interrupted prefill keeps what it finished. While prefilling, the LRU admits only into
+        free slots (a chunk touches most experts once and would otherwise flush the decode hot
+        set). ``hook(ids, hidden [T, D])`` sees every chunk (the speculative decoder feeds them
+        to the MTP head)."""
+        last: F32Array | None = None
+        for i in range(0, int(ids.size), self.prefill_chunk):
+            part = ids[i : i + self.prefill_chunk]
+            req = StepRequest(cache, anyio.Event(), ids=part, prefill=True, hook=hook)
+            if self.max_batch > 1:
+                await self._submit(req)
+            else:
+                await self._prefill_run([req])
+                if req.error is not None:
+                    raise req.error
+            self.stats.prefill_chunks += 1
+            assert req.logits is not None
+            last = req.logits[-1]
+        self.stats.prefill_tokens += int(ids.size)
+        assert last is not None
+        return last
+
+    async def _prefill_run(self, batch: list[StepRequest]) -> None:
+        """Event loop: one prefill step over ``batch`` (:meth:`_prefill_step`), with the
+        store's prefill admission on and the step's time and reads counted once."""
         store, st = self.store, self.stats
         t0 = time.perf_counter()
         bytes0 = store.stats.bytes_read if store is not None else 0
         reads0 = store.stats.experts_read if store is not None else 0
-        last: F32Array | None = None
         try:
-            if store is not None and ids.size > 1:
+            if store is not None and any(r.ids is not None and r.ids.size > 1 for r in batch):
                 store.prefill = True
-            for i in range(0, int(ids.size), self.prefill_chunk):
-                part = ids[i : i + self.prefill_chunk]
-                last = await self.run(self._last_row, part, cache, hook, self.prefill_ctx)
-                st.prefill_chunks += 1
+            await self.run(self._prefill_step, batch)
         finally:
             if store is not None:
                 store.prefill = False
-        st.prefill_tokens += int(ids.size)
-        st.prefill_seconds += time.perf_counter() - t0
-        if store is not None:
-            st.prefill_bytes_read += store.stats.bytes_read - bytes0
-            st.prefill_expert_reads += store.stats.experts_read - reads0
-        assert last is not None
-        return last
+            st.prefill_steps += 1
+            st.prefill_seconds += time.perf_counter() - t0
+            if store is not None:
+                st.prefill_bytes_read += store.stats.bytes_read - bytes0
+                st.prefill_expert_reads += store.stats.experts_read - reads0
+
+    def _prefill_step(self, batch: list[StepRequest]) -> None:
+        """Compute thread: the prefill chunks of ``batch`` in one ``forward_batch`` (the last
+        row's logits of each), then each one's hook. When the shared forward fails, each chunk
+        runs again alone from where its cache was, so that only a chunk that fails by itself
+        fails its generation."""
+        starts = [r.cache.length for r in batch]
+        try:
+            outs = self.model.forward_batch(
+                [r.ids for r in batch if r.ids is not None],
+                [r.cache for r in batch],
+                last_only=True,
+                ctx=self.prefill_ctx,
+            )
+        except Exception:
+            if len(batch) == 1:
+                raise
+            for r, start in zip(batch, starts, strict=True):
+                if r.cache.length > start:
+                    r.cache.truncate(start)
+                try:
+                    self._prefill_step([r])
+                except Exception as exc:
+                    r.error = exc
+            return
+        for r, o in zip(batch, outs, strict=True):
+            r.logits = o.logits
+            if r.hook is not None:
+                try:
+                    r.hook(r.ids, o.hidden)  # type: ignore[arg-type]
+                except Exception as exc:
+                    r.error = exc
 
     def _last_row(
         self,
@@ -554,9 +616,11 @@ class Scheduler:
                 await self._gather()
                 if not self._pending:
                     break
-                batch = self._pending[: self.max_batch]
-                del self._pending[: len(batch)]
+                batch = self._take()
                 try:
+                    if batch[0].prefill:
+                        await self._prefill_run(batch)
+                        continue
                     live = await self.run(self._batch_step, batch)
                     self.stats.decode_batches += 1
                     self.stats.decode_batched_sequences += len(live)
@@ -570,6 +634,26 @@ class Scheduler:
                 finally:
                     for r in batch:
                         r.done.set()
+
+    def _take(self) -> list[StepRequest]:
+        """The next step's requests, out of the queue: of the oldest request's kind, in queue
+        order, up to ``max_batch`` of them; decode rows, or prefill chunks up to
+        ``prefill_chunk`` rows in all (at least one chunk)."""
+        if not self._pending[0].prefill:
+            batch = [r for r in self._pending if not r.prefill][: self.max_batch]
+        else:
+            batch, rows = [], 0
+            for r in self._pending:
+                if not r.prefill:
+                    continue
+                n = 0 if r.ids is None else int(r.ids.size)
+                if batch and (len(batch) == self.max_batch or rows + n > self.prefill_chunk):
+                    break
+                batch.append(r)
+                rows += n
+        for r in batch:
+            self._pending.remove(r)
+        return batch
 
     def _drafts(self, batch: list[StepRequest]) -> None:
         """Set ``ids`` of every request that prepares them (speculative rounds). Their drafts
@@ -628,11 +712,11 @@ class Scheduler:
         loop turns passed without a new request."""
         quiet = 0
         while quiet < GATHER_TURNS:
-            n = len(self._pending)
+            n = sum(not r.prefill for r in self._pending)  # prefill chunks go in other steps
             if n >= min(self._decoding, self.max_batch):
                 return
             await anyio.sleep(0)
-            quiet = 0 if len(self._pending) > n else quiet + 1
+            quiet = 0 if sum(not r.prefill for r in self._pending) > n else quiet + 1
 
     def _batch_step(self, batch: list[StepRequest]) -> list[StepRequest]:
         """Compute thread: prepare each request's rows (a failed draft fails only its own

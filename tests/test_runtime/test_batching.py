@@ -168,3 +168,84 @@ def test_a_consumer_that_stops_early_leaves_the_cache_as_without_run_ahead(
     toks, kept, more, fresh = anyio.run(main)
     assert kept == prompt + toks[:4]
     assert more == fresh
+
+
+def _prefill_all(concurrent: bool, budget: str | None) -> tuple[list[Any], dict[str, Any]]:
+    """Every prompt of PROMPTS prefilled into a fresh cache (at once, or one after the other):
+    their last rows' logits and the engine's counters."""
+
+    async def main() -> tuple[list[Any], dict[str, Any]]:
+        o = colibri.EngineOptions(learn=False, reader="threads", prefetch=False, ram_budget=budget)
+        async with colibri.Engine.open(DEMO, options=o) as eng:
+            sched = eng._scheduler
+            got: list[Any] = [None] * len(PROMPTS)
+
+            async def one(k: int) -> None:
+                ids = np.asarray(PROMPTS[k], dtype=np.int64)
+                got[k] = await sched.prefill(ids, eng.new_cache())
+
+            if concurrent:
+                async with anyio.create_task_group() as tg:
+                    for k in range(len(PROMPTS)):
+                        tg.start_soon(one, k)
+            else:
+                for k in range(len(PROMPTS)):
+                    await one(k)
+            return got, eng.stats()
+
+    return anyio.run(main)
+
+
+@pytest.mark.parametrize("budget", [None, "4600KiB"])
+def test_prompts_queued_together_share_prefill_steps(budget: str | None) -> None:
+    """Eight prompts that arrive together are prefilled in shared steps: each prompt's logits
+    are the bits of its prefill alone, the steps are fewer than the chunks, and streaming, the
+    union of their experts is read once per step instead of once per prompt."""
+    solo, s_stats = _prefill_all(False, budget)
+    together, t_stats = _prefill_all(True, budget)
+    for a, b in zip(solo, together, strict=True):
+        assert np.array_equal(a, b)
+    assert s_stats["prefill_steps"] == s_stats["prefill_chunks"] == len(PROMPTS)
+    assert t_stats["prefill_chunks"] == len(PROMPTS)
+    assert t_stats["prefill_steps"] <= 2  # the first may run before the others queue
+    assert t_stats["prefill_chunks_per_step"] >= 4
+    if budget is not None:
+        assert t_stats["prefill_bytes_read"] < 0.8 * s_stats["prefill_bytes_read"]
+
+
+def test_a_prompt_that_fails_in_a_shared_prefill_step_fails_alone() -> None:
+    """Three prompts queued together: one with a token id the model does not have (the shared
+    forward fails), one whose hook fails. Each chunk then runs alone, so the good prompt gets
+    the logits of its prefill alone and only the other two fail, each with its own error."""
+
+    def boom(ids: Any, hidden: Any) -> None:
+        raise RuntimeError("hook failed")
+
+    async def main() -> tuple[Any, dict[str, Any], int, int, int]:
+        o = colibri.EngineOptions(learn=False, reader="threads", prefetch=False)
+        async with colibri.Engine.open(DEMO, options=o) as eng:
+            sched = eng._scheduler
+            alone = await sched.prefill(np.asarray(PROMPTS[0], dtype=np.int64), eng.new_cache())
+            good, bad = eng.new_cache(), eng.new_cache()
+            res: dict[str, Any] = {}
+
+            async def run(key: str, ids: list[int], cache: Any, hook: Any = None) -> None:
+                try:
+                    res[key] = await sched.prefill(np.asarray(ids, dtype=np.int64), cache, hook)
+                except Exception as exc:
+                    res[key] = exc
+
+            steps0 = sched.stats.prefill_steps
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run, "good", PROMPTS[0], good)
+                tg.start_soon(run, "bad", [5, 6, 10**9], bad)
+                tg.start_soon(run, "hook", PROMPTS[1], eng.new_cache(), boom)
+            return alone, res, good.length, bad.length, sched.stats.prefill_steps - steps0
+
+    alone, res, good_len, bad_len, steps = anyio.run(main)
+    assert steps == 1  # the three were in one step
+    assert np.array_equal(res["good"], alone)
+    assert good_len == len(PROMPTS[0])
+    assert isinstance(res["bad"], colibri.ColibriError) and "out of range" in str(res["bad"])
+    assert bad_len == 0
+    assert isinstance(res["hook"], RuntimeError)
