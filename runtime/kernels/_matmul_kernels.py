@@ -90,6 +90,9 @@ _PLANES = 3  # ``_i4_prep`` planes per token: y1, y2, the 16-lane chunk offsets
 #: 1.3-1.8x at 2048-6144 columns and T = 4-48; one row x 4 tokens (the kernel before) had won
 #: only up to 2048 columns (1.2-1.35x) and lost at 4096-6144 (0.78-0.85x from T = 8).
 _REGS_MAX_NB = 1024
+#: int8 16 lanes, T >= 2 (``_i8_matmul16_tiles``): rows per block, tokens per pass over a block.
+_I8_ROWS = 16
+_I8_TOKENS = 32
 #: int4 8 lanes: up to ``_FEW_MAX_T`` tokens take ``_i4_gemm_few`` (64-column groups or per-row
 #: scales), in runs of up to ``_FEW_RUN`` tokens per pass over a row; more take ``_i4_gemm``.
 _FEW_MAX_T = 4
@@ -933,6 +936,98 @@ def _dot4_i8x16(w, wi, n_in, xp, xi, tails, pf):  # type: ignore[no-untyped-def]
         vhsum16(vadd16(vadd16(c0, c1), vadd16(c2, c3))),
         vhsum16(vadd16(vadd16(d0, d1), vadd16(d2, d3))),
     )
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _i8_row_tile16(w, wi, n_in, xp, xi, ip, tail, nt, pf):  # type: ignore[no-untyped-def]
+    """``_row_dot_i8x16`` of one int8 row for ``nt`` (1 to 4) tokens at once (rows ``xi``,
+    ``xi + ip``, ...): each 16-column block of the row is converted once for the tile, and
+    every token keeps its own four chains in registers, so per token the same FMAs in the
+    same order as the one-row dot (the same bits). Returns the four lane sums (0 past
+    ``nt``)."""
+    a0, a1, a2, a3 = vzero16(), vzero16(), vzero16(), vzero16()
+    b0, b1, b2, b3 = vzero16(), vzero16(), vzero16(), vzero16()
+    c0, c1, c2, c3 = vzero16(), vzero16(), vzero16(), vzero16()
+    d0, d1, d2, d3 = vzero16(), vzero16(), vzero16(), vzero16()
+    xj, xk, xl = xi + ip, xi + 2 * ip, xi + 3 * ip
+    n64 = n_in // 64 * 64
+    n16 = n_in // 16 * 16
+    for c in range(0, n64, 64):
+        if pf > 0:
+            prefetch(w, wi + c + pf)
+        w0 = i8x16(w, wi + c)
+        w1 = i8x16(w, wi + c + 16)
+        w2 = i8x16(w, wi + c + 32)
+        w3 = i8x16(w, wi + c + 48)
+        a0 = vfma16(w0, vload16(xp, xi + c), a0)
+        a1 = vfma16(w1, vload16(xp, xi + c + 16), a1)
+        a2 = vfma16(w2, vload16(xp, xi + c + 32), a2)
+        a3 = vfma16(w3, vload16(xp, xi + c + 48), a3)
+        if nt >= 2:
+            b0 = vfma16(w0, vload16(xp, xj + c), b0)
+            b1 = vfma16(w1, vload16(xp, xj + c + 16), b1)
+            b2 = vfma16(w2, vload16(xp, xj + c + 32), b2)
+            b3 = vfma16(w3, vload16(xp, xj + c + 48), b3)
+        if nt >= 3:
+            c0 = vfma16(w0, vload16(xp, xk + c), c0)
+            c1 = vfma16(w1, vload16(xp, xk + c + 16), c1)
+            c2 = vfma16(w2, vload16(xp, xk + c + 32), c2)
+            c3 = vfma16(w3, vload16(xp, xk + c + 48), c3)
+        if nt == 4:
+            d0 = vfma16(w0, vload16(xp, xl + c), d0)
+            d1 = vfma16(w1, vload16(xp, xl + c + 16), d1)
+            d2 = vfma16(w2, vload16(xp, xl + c + 32), d2)
+            d3 = vfma16(w3, vload16(xp, xl + c + 48), d3)
+    for c in range(n64, n16 + (16 if n16 < n_in else 0), 16):
+        if c < n16:
+            w0 = i8x16(w, wi + c)
+        else:  # the short last block, zero padded
+            for k in range(n_in - n16):
+                tail[k] = w[wi + n16 + k]
+            w0 = i8x16(tail, 0)
+        a0 = vfma16(w0, vload16(xp, xi + c), a0)
+        if nt >= 2:
+            b0 = vfma16(w0, vload16(xp, xj + c), b0)
+        if nt >= 3:
+            c0 = vfma16(w0, vload16(xp, xk + c), c0)
+        if nt == 4:
+            d0 = vfma16(w0, vload16(xp, xl + c), d0)
+    return (
+        vhsum16(vadd16(vadd16(a0, a1), vadd16(a2, a3))),
+        vhsum16(vadd16(vadd16(b0, b1), vadd16(b2, b3))),
+        vhsum16(vadd16(vadd16(c0, c1), vadd16(c2, c3))),
+        vhsum16(vadd16(vadd16(d0, d1), vadd16(d2, d3))),
+    )
+
+
+@njit(nogil=True, cache=True)
+def _i8_matmul16_tiles(w, scales, n_out, n_in, xp, ip, out, pf):  # type: ignore[no-untyped-def]
+    """int8 rows, 16 lanes, T >= 2: rows against register tiles of up to four tokens
+    (``_i8_row_tile16``: one conversion of each weight block per tile instead of one per
+    token). Rows in blocks of ``_I8_ROWS`` (their bytes stay in L1/L2 while every tile of up
+    to ``_I8_TOKENS`` tokens passes over them; a tile's activations stay in L1 across the
+    block's rows). Per (token, row) the arithmetic of ``_row_dot_i8x16``, so a row's result is
+    the one-token kernel's, bit for bit."""
+    n_tok = out.shape[0]
+    tail = np.zeros(16, np.uint8)
+    for b0 in range(0, n_tok, _I8_TOKENS):
+        b1 = min(n_tok, b0 + _I8_TOKENS)
+        for o0 in range(0, n_out, _I8_ROWS):
+            o1 = min(n_out, o0 + _I8_ROWS)
+            for t0 in range(b0, b1, 4):
+                nt = min(4, b1 - t0)
+                for o in range(o0, o1):
+                    y0, y1, y2, y3 = _i8_row_tile16(
+                        w, o * n_in, n_in, xp, t0 * ip, ip, tail, nt, pf if t0 == b0 else 0
+                    )
+                    sc = scales[o]
+                    out[t0, o] = y0 * sc
+                    if nt >= 2:
+                        out[t0 + 1, o] = y1 * sc
+                    if nt >= 3:
+                        out[t0 + 2, o] = y2 * sc
+                    if nt == 4:
+                        out[t0 + 3, o] = y3 * sc
 
 
 @njit(nogil=True, cache=True)

@@ -26,6 +26,7 @@ from runtime.kernels._matmul_kernels import (
     _col_matmul,
     _i4_generic_matmul,
     _i8_matmul16,
+    _i8_matmul16_tiles,
     _pad_rows,
     expert_gather,
     i4_down_part,
@@ -698,5 +699,9 @@ def matmul_int8(
     if n_tok == 0 or n_out == 0:
         return y
     ip = (n_in + 15) // 16 * 16
-    _i8_matmul16(ww, s, n_out, n_in, _pad_rows(xx, ip), ip, y, pf)
+    xp = _pad_rows(xx, ip)
+    if n_tok == 1:
+        _i8_matmul16(ww, s, n_out, n_in, xp, ip, y, pf)
+    else:
+        _i8_matmul16_tiles(ww, s, n_out, n_in, xp, ip, y, pf)
     return y

@@ -136,14 +136,16 @@ def test_int4_small_t_kernels_equal_one_token_calls(fmt: str, n_in: int, lanes: 
 
 @pytest.mark.parametrize("n_in", [15, 77, 1024, 2056])
 def test_int8_16_lane_row_blocks_equal_one_row_one_token_calls(n_in: int) -> None:
-    """16 lanes: rows in blocks of four (one activation load for four rows) and the last one
-    to three alone, tokens in tiles of 8; a row's result is the same bits whether it came
-    from a block or alone (a split of the rows over threads moves the block boundaries), for
-    every T, with and without the prefetch."""
+    """16 lanes: one token takes the rows in blocks of four (one activation load for four
+    rows) and the last one to three alone; more tokens take each row against register tiles
+    of up to four tokens (one conversion of each weight block per tile), rows in blocks of
+    16, tokens in passes of 32. A row's result is the same bits whether it came from a block, alone or from a
+    tile of any size (a split of the rows over threads moves the block boundaries), for every
+    T, with and without the prefetch."""
     o = 41  # ten blocks of four and one row alone
     q = _weights("int8", o, n_in, seed=n_in)
     assert q.scales is not None
-    x = _x(11, n_in, seed=3)
+    x = _x(35, n_in, seed=3)
     x[4] *= -1e4
     rows = q.data.reshape(o, n_in)
 
@@ -151,8 +153,8 @@ def test_int8_16_lane_row_blocks_equal_one_row_one_token_calls(n_in: int) -> Non
         y = matmul_int8(x[t : t + 1], rows[r].copy(), q.scales[r : r + 1], 1, n_in, lanes=16)
         return float(y[0, 0])
 
-    alone = np.array([[one(t, r) for r in range(o)] for t in range(11)], dtype=np.float32)
-    for n_tok in (1, 2, 3, 4, 5, 8, 9, 11):
+    alone = np.array([[one(t, r) for r in range(o)] for t in range(35)], dtype=np.float32)
+    for n_tok in (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 16, 17, 33, 35):
         for pf in (0, 4096):
             got = matmul_int8(x[:n_tok], q.data, q.scales, o, n_in, lanes=16, prefetch_distance=pf)
             np.testing.assert_array_equal(got.view(np.uint32), alone[:n_tok].view(np.uint32))
