@@ -119,7 +119,11 @@ class SpeculativeDecoder:
         seed = sampler.params.seed
         # The acceptance draws have their own stream: the sampler's stays as plain decoding.
         self._rng = np.random.Generator(np.random.PCG64(None if seed is None else [seed, 7]))
-        self._history: list[int] = [int(x) for x in np.asarray(prompt).reshape(-1)]
+        # the prompt and every committed token, for prompt lookup ([: _n_hist]; grows by doubling)
+        h = np.asarray(prompt, dtype=np.int64).reshape(-1)
+        self._hist = np.zeros(max(64, 2 * h.size), np.int64)
+        self._hist[: h.size] = h
+        self._n_hist = int(h.size)
         self._n_main = int(model.config.num_hidden_layers)
         # reproducible (seeded sampling under "auto"): no choice may follow timings, so model
         # drafts stay off and forced grammar spans are always drafted
@@ -252,7 +256,10 @@ class SpeculativeDecoder:
         look_key = "lookup"
         if self._lookup:
             t0 = time.perf_counter()
-            toks, n = lookup_match([*self._history, *d.tokens], left)
+            hist = self._hist[: self._n_hist]
+            if d.tokens:
+                hist = np.concatenate([hist, np.asarray(d.tokens, dtype=np.int64)])
+            toks, n = lookup_match(hist, left)
             look = self._legal(d.tokens, toks)
             look_key = f"lookup-{n}"
             self.cost.observe_draft("lookup", 1, time.perf_counter() - t0)
@@ -406,7 +413,10 @@ class SpeculativeDecoder:
     def _commit(self, tok: int) -> None:
         if self.grammar is not None and tok not in self.stops:
             self.grammar.consume(tok)
-        self._history.append(int(tok))
+        if self._n_hist == self._hist.size:
+            self._hist = np.concatenate([self._hist, np.zeros_like(self._hist)])
+        self._hist[self._n_hist] = tok
+        self._n_hist += 1
 
     def _store_snapshot(self) -> tuple[float, int, int] | None:
         if self._store_stats is None:

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
+from numba import njit
 
 from runtime.context import StepContext
 from runtime.kv import KVCache
@@ -28,19 +29,33 @@ def lookup_match(
     longest suffix n-gram (n = ``max_ngram`` .. 1) of ``history``, and that n; ([], 0) when
     none matches. (The cost model keeps acceptance per n: a 3-gram match is far more often
     right than a 1-gram one.)"""
-    t = np.asarray(history, dtype=np.int64).reshape(-1)  # [N]
-    n_tok = t.size
-    if k <= 0 or n_tok < 2:
+    t = np.ascontiguousarray(history, dtype=np.int64).reshape(-1)  # [N]
+    if k <= 0 or t.size < 2:
         return [], 0
+    start, n = _latest_match(t, max_ngram)
+    if n == 0:
+        return [], 0
+    return [int(x) for x in t[start : start + k]], n
+
+
+@njit(nogil=True, cache=True)
+def _latest_match(t, max_ngram):  # type: ignore[no-untyped-def]
+    """(where the continuation starts, n) of the latest occurrence of ``t``'s longest suffix
+    n-gram that starts strictly before the suffix itself; (-1, 0) for none. A scan from the
+    end: it runs once per speculative round of every generation, where numpy's window views
+    cost more than the search."""
+    n_tok = t.size
     for n in range(min(max_ngram, n_tok - 1), 0, -1):
-        pat = t[n_tok - n :]  # [n]
-        # windows starting at i < N - n (strictly earlier than the suffix itself)
-        win = np.lib.stride_tricks.sliding_window_view(t[: n_tok - 1], n)  # [N - n, n]
-        hit = np.flatnonzero((win == pat).all(axis=1))
-        if hit.size:
-            i = int(hit[-1])
-            return [int(x) for x in t[i + n : i + n + k]], n
-    return [], 0
+        s = n_tok - n
+        for i in range(s - 1, -1, -1):
+            same = True
+            for j in range(n):
+                if t[i + j] != t[s + j]:
+                    same = False
+                    break
+            if same:
+                return i + n, n
+    return -1, 0
 
 
 def lookup_draft(

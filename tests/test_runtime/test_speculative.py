@@ -683,6 +683,29 @@ def test_lookup_draft() -> None:
     assert lookup_match([1, 2, 3, 4, 9, 2, 3], 3) == ([4, 9, 2], 2)  # the n-gram length too
     assert lookup_match([7, 1, 2, 3, 8, 1, 2, 3], 2) == ([8, 1], 3)
     assert lookup_match([1, 2, 3], 2) == ([], 0)
+    assert lookup_match(np.array([3, 3, 3, 3]), 5) == ([3], 3)  # overlapping occurrences
+
+
+def _lookup_by_windows(t: list[int], k: int, max_ngram: int = 3) -> tuple[list[int], int]:
+    """The prompt lookup by numpy windows (how ``lookup_match`` searched before its scan)."""
+    a = np.asarray(t, dtype=np.int64)
+    for n in range(min(max_ngram, a.size - 1), 0, -1):
+        win = np.lib.stride_tricks.sliding_window_view(a[: a.size - 1], n)
+        hit = np.flatnonzero((win == a[a.size - n :]).all(axis=1))
+        if hit.size:
+            i = int(hit[-1])
+            return [int(x) for x in a[i + n : i + n + k]], n
+    return [], 0
+
+
+def test_lookup_match_equals_the_window_search() -> None:
+    """The scan finds what a search over every window finds: the longest suffix n-gram, its
+    latest earlier occurrence and what followed it, on histories with many repeats."""
+    rng = np.random.default_rng(5)
+    for _ in range(400):
+        t = [int(x) for x in rng.integers(0, int(rng.integers(2, 6)), int(rng.integers(2, 40)))]
+        for k, m in ((1, 3), (4, 3), (7, 1), (3, 5)):
+            assert lookup_match(t, k, max_ngram=m) == _lookup_by_windows(t, k, m), (t, k, m)
 
 
 def test_draft_policy_parse() -> None:
