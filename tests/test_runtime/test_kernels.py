@@ -139,9 +139,9 @@ def test_int8_16_lane_row_blocks_equal_one_row_one_token_calls(n_in: int) -> Non
     """16 lanes: one token takes the rows in blocks of four (one activation load for four
     rows) and the last one to three alone; more tokens take each row against register tiles
     of up to four tokens (one conversion of each weight block per tile), rows in blocks of
-    16, tokens in passes of 32. A row's result is the same bits whether it came from a block, alone or from a
-    tile of any size (a split of the rows over threads moves the block boundaries), for every
-    T, with and without the prefetch."""
+    16, tokens in passes of 32. A row's result is the same bits whether it came from a block,
+    alone or from a tile of any size (a split of the rows over threads moves the block
+    boundaries), for every T, with and without the prefetch."""
     o = 41  # ten blocks of four and one row alone
     q = _weights("int8", o, n_in, seed=n_in)
     assert q.scales is not None
