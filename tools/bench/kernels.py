@@ -255,6 +255,22 @@ def main(argv: list[str] | None = None) -> int:
             len(data8),
         )
     )
+    # the int8 width the engine's Linear takes (lm_head), one token and a batched step of 8
+    x8t = rng.standard_normal((8, 1024), dtype=np.float32)
+    cases.append(
+        _Case(
+            "int8_gemv_4096x1024_engine",
+            lambda k: matmul_int8(x8, data8[k % len(data8)], s8, 4096, 1024, lanes=lanes),
+            len(data8),
+        )
+    )
+    cases.append(
+        _Case(
+            "int8_gemm_T8_4096x1024",
+            lambda k: matmul_int8(x8t, data8[k % len(data8)], s8, 4096, 1024, lanes=lanes),
+            len(data8) // 2,
+        )
+    )
 
     gemv_case = next(c for c in cases if c.name == "int4_gemv_2048x6144")
 
@@ -405,6 +421,20 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"int8 GEMV [4096, 1024]: {report['int8_gemv_4096x1024']['ms']} ms, "
         f"{report['int8_gemv_4096x1024']['weight_gbs']} GB/s weights"
+    )
+    c1, c8t = by["int8_gemv_4096x1024_engine"], by["int8_gemm_T8_4096x1024"]
+    report["int8_small_t"] = {
+        "lanes": lanes,
+        "T8_4096x1024": {
+            "ms": round(c8t.median * 1e3, 3),
+            "gflops": round(2 * 8 * 4096 * 1024 / c8t.median / 1e9, 1),
+            "speedup_vs_t_gemvs": round(8 * c1.median / c8t.median, 2),
+        },
+    }
+    print(
+        f"int8 GEMM T=8 [4096, 1024] ({lanes} lanes): "
+        f"{report['int8_small_t']['T8_4096x1024']['speedup_vs_t_gemvs']}x the throughput of "
+        "8 GEMVs"
     )
     report["split_gemv"] = {}
     for label in split_shapes:
