@@ -249,3 +249,32 @@ def test_a_prompt_that_fails_in_a_shared_prefill_step_fails_alone() -> None:
     assert isinstance(res["bad"], colibri.ColibriError) and "out of range" in str(res["bad"])
     assert bad_len == 0
     assert isinstance(res["hook"], RuntimeError)
+
+
+@pytest.mark.parametrize(("wait", "steps"), [(0.0, 2), (0.5, 1)])
+def test_a_prompt_queued_shortly_after_another_joins_its_prefill_step(
+    wait: float, steps: int
+) -> None:
+    """Before a prefill step with room for more prompts the batcher waits ``prefill_wait``
+    (by default a small share of a measured prefill step): a prompt queued 50 ms after
+    another joins its step when the wait covers that, and goes in a step of its own when the
+    batcher does not wait. (A server's concurrent requests reach the queue milliseconds
+    apart.)"""
+
+    async def main() -> int:
+        o = colibri.EngineOptions(learn=False, reader="threads", prefetch=False)
+        async with colibri.Engine.open(DEMO, options=o) as eng:
+            sched = eng._scheduler
+            sched.prefill_wait = wait
+            steps0 = sched.stats.prefill_steps
+
+            async def one(k: int, delay: float) -> None:
+                await anyio.sleep(delay)
+                await sched.prefill(np.asarray(PROMPTS[k], dtype=np.int64), eng.new_cache())
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(one, 0, 0.0)
+                tg.start_soon(one, 1, 0.05)
+            return sched.stats.prefill_steps - steps0
+
+    assert anyio.run(main) == steps
