@@ -626,10 +626,10 @@ class Scheduler:
                 # (else one that queued while the step ran goes alone next, and the others
                 # after it: two half batches per token from then on).
                 await self._gather()
-                if not self._pending:
-                    break
-                if self._pending[0].prefill:
+                if self._pending and self._pending[0].prefill:
                     await self._gather_prefill()
+                if not self._pending:  # (a caller cancelled while it waited)
+                    break
                 batch = self._take()
                 try:
                     if batch[0].prefill:

@@ -278,3 +278,28 @@ def test_a_prompt_queued_shortly_after_another_joins_its_prefill_step(
             return sched.stats.prefill_steps - steps0
 
     assert anyio.run(main) == steps
+
+
+def test_a_prompt_cancelled_while_the_batcher_waits_for_more_leaves_it_serving() -> None:
+    """A prompt whose caller is cancelled while the batcher waits for more prompts before its
+    prefill step leaves the queue (nothing of it computed), and the batcher goes on: the next
+    prompt is prefilled as if alone."""
+
+    async def main() -> tuple[int, bool, Any, Any]:
+        o = colibri.EngineOptions(learn=False, reader="threads", prefetch=False)
+        async with colibri.Engine.open(DEMO, options=o) as eng:
+            sched = eng._scheduler
+            ids = np.asarray(PROMPTS[3], dtype=np.int64)
+            alone = await sched.prefill(ids, eng.new_cache())
+            sched.prefill_wait = 0.5
+            dropped = eng.new_cache()
+            with anyio.move_on_after(0.05) as scope:
+                await sched.prefill(np.asarray(PROMPTS[0], dtype=np.int64), dropped)
+            await anyio.sleep(0.6)  # the batcher's wait ends with nothing queued
+            with anyio.fail_after(30):
+                again = await sched.prefill(ids, eng.new_cache())
+            return dropped.length, scope.cancelled_caught, alone, again
+
+    dropped_len, cancelled, alone, again = anyio.run(main)
+    assert cancelled and dropped_len == 0
+    assert np.array_equal(alone, again)
