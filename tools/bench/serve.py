@@ -1,7 +1,7 @@
 """Serving benchmark: aggregate tokens/s and TTFT at 1, 2, 4 and 8 concurrent streams.
 
     .venv/bin/python tools/bench/serve.py [--model DIR] [--url URL] [--tokens 64]
-                                          [--requests 16] [--levels 1,2,4,8]
+                                          [--requests 16] [--levels 1,2,4,8] [--rounds 1]
 
 Starts a real ``coli serve`` on a free loopback port (the bundled demo model by default) or
 uses a running server (``--url``), then for each concurrency level runs that many streaming
@@ -9,8 +9,11 @@ clients that share ``--requests`` chat requests (each client sends its share bac
 rotating prompts, greedy, ``ignore_eos`` so every request generates exactly ``--tokens``
 tokens: every level does the same work). Per level:
 generated tokens / wall seconds, and TTFT (request sent -> first content chunk, client side,
-queue wait included) p50 / p99. The last line printed is one JSON object whose ``figure`` is
-tokens/s at 8 streams divided by tokens/s at 1 stream (1.0 = concurrency adds no throughput).
+queue wait included) p50 / p99. With ``--rounds N`` every level runs N times, the levels'
+order rotating each round, and each level's median round stands for it (every round's rate is
+in ``tokens_per_s_rounds``, every round's ratio in ``figure_rounds``). The last line printed is
+one JSON object whose ``figure`` is tokens/s at 8 streams divided by tokens/s at 1 stream (1.0 =
+concurrency adds no throughput).
 """
 
 from __future__ import annotations
@@ -140,7 +143,16 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64, help="tokens per request")
     ap.add_argument("--requests", type=int, default=16, help="requests per level")
     ap.add_argument("--levels", default="1,2,4,8")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every level this many times, interleaved; each level's median round stands "
+        "for it (default 1)",
+    )
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be >= 1")
     levels = [int(x) for x in args.levels.split(",")]
     proc = None
     base = args.url
@@ -149,28 +161,47 @@ def main() -> int:
     try:
         model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
         asyncio.run(_level(base, model, 1, 2, args.tokens))  # warm-up (JIT, caches)
-        results = []
-        for n in levels:
-            per_stream = max(1, args.requests // n)
-            res = asyncio.run(_level(base, model, n, per_stream, args.tokens))
-            results.append(res)
-            print(
-                f"{n} stream(s): {res['tokens_per_s']} tok/s aggregate, TTFT p50 "
-                f"{res['ttft_p50_ms']} ms p99 {res['ttft_p99_ms']} ms ({res['requests']} requests)",
-                flush=True,
-            )
+        runs: dict[int, list[dict[str, Any]]] = {n: [] for n in levels}
+        for r in range(args.rounds):
+            # the levels rotate each round, so that none always runs first (or last)
+            for n in levels[r % len(levels) :] + levels[: r % len(levels)]:
+                per_stream = max(1, args.requests // n)
+                res = asyncio.run(_level(base, model, n, per_stream, args.tokens))
+                runs[n].append(res)
+                print(
+                    f"{n} stream(s): {res['tokens_per_s']} tok/s aggregate, TTFT p50 "
+                    f"{res['ttft_p50_ms']} ms p99 {res['ttft_p99_ms']} ms "
+                    f"({res['requests']} requests)",
+                    flush=True,
+                )
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(30)
+    results = []
+    for n in levels:  # each level's median round (by tokens/s), with every round's rate
+        ordered = sorted(runs[n], key=lambda x: x["tokens_per_s"])
+        results.append(
+            {**ordered[(len(ordered) - 1) // 2], "tokens_per_s_rounds": [
+                x["tokens_per_s"] for x in runs[n]
+            ]}
+        )  # fmt: skip
     by = {r["streams"]: r for r in results}
     lo, hi = by.get(1), by.get(max(levels))
     figure = hi["tokens_per_s"] / lo["tokens_per_s"] if lo and hi else None
+    top = max(levels)
     out = {
         "figure": None if figure is None else round(figure, 3),
-        "figure_is": f"aggregate tokens/s at {max(levels)} streams / at 1 stream",
+        "figure_is": f"aggregate tokens/s at {top} streams / at 1 stream (median rounds)",
+        "figure_rounds": [
+            round(a["tokens_per_s"] / b["tokens_per_s"], 3)
+            for a, b in zip(runs[top], runs[1], strict=True)
+        ]
+        if 1 in runs
+        else [],
         "model": model,
         "tokens_per_request": args.tokens,
+        "rounds": args.rounds,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "levels": results,
     }
