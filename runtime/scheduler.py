@@ -164,8 +164,8 @@ GATHER_TURNS = 3
 # prefill step's measured mean time (at most PREFILL_WAIT_MAX_S) for other prompts: a
 # server's concurrent requests reach the queue milliseconds apart (parsing, admission,
 # tokenizing: eight at once spread over 5-50 ms on a 2-vCPU guest), and a prompt that just
-# misses a step waits a whole prefill step for the next. A lone prompt pays at most this share
-# of its prefill.
+# misses a step waits a whole prefill step for the next. Only while other generations decode
+# or several prompts are queued: a lone user's prompt never waits.
 PREFILL_WAIT_SHARE = 0.05
 PREFILL_WAIT_MAX_S = 0.05
 
@@ -652,11 +652,14 @@ class Scheduler:
     async def _gather_prefill(self) -> None:
         """Before a prefill step: wait a little for more prompts (``prefill_wait``), until the
         step would be full (``max_batch`` prompts or ``prefill_chunk`` rows) or the wait is
-        over. With no prefill step measured yet (and no ``prefill_wait``) it does not wait."""
+        over. By default only when other generations are decoding or several prompts are
+        already queued (a lone user's prompt never waits), and only once a prefill step has
+        been measured."""
         st = self.stats
         wait = self.prefill_wait
         if wait is None:
-            if not st.prefill_steps:
+            queued = sum(r.prefill for r in self._pending)
+            if not st.prefill_steps or (self._decoding == 0 and queued < 2):
                 return
             wait = min(
                 PREFILL_WAIT_MAX_S, PREFILL_WAIT_SHARE * st.prefill_seconds / st.prefill_steps

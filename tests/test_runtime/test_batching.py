@@ -13,6 +13,7 @@ import pytest
 from _demo import demo_model
 
 import colibri
+import runtime.scheduler as scheduler_mod
 from colibri._engine import TokenEvent
 
 DEMO = demo_model()
@@ -303,3 +304,46 @@ def test_a_prompt_cancelled_while_the_batcher_waits_for_more_leaves_it_serving()
     dropped_len, cancelled, alone, again = anyio.run(main)
     assert cancelled and dropped_len == 0
     assert np.array_equal(alone, again)
+
+
+@pytest.mark.parametrize("decoding", [False, True])
+def test_the_prefill_wait_holds_a_prompt_only_while_others_decode(
+    decoding: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """By default the batcher waits for more prompts only when other generations are decoding
+    (or several prompts are queued): a lone user's prompt goes at once, so a prompt queued
+    50 ms later gets a step of its own; with a generation decoding beside them, the two share
+    one step. (The share and the cap are raised here so that the wait covers 50 ms.)"""
+    monkeypatch.setattr(scheduler_mod, "PREFILL_WAIT_SHARE", 1000.0)
+    monkeypatch.setattr(scheduler_mod, "PREFILL_WAIT_MAX_S", 0.5)
+
+    async def main() -> int:
+        o = colibri.EngineOptions(learn=False, reader="threads", prefetch=False, draft="off")
+        async with colibri.Engine.open(DEMO, options=o) as eng:
+            sched = eng._scheduler
+            await sched.prefill(np.asarray(PROMPTS[2], dtype=np.int64), eng.new_cache())
+            done = anyio.Event()
+
+            async def background() -> None:
+                async for _ in eng.generate(PROMPTS[4], max_new_tokens=10_000, stop_token_ids=[]):
+                    if done.is_set():
+                        break
+
+            async def one(k: int, delay: float) -> None:
+                await anyio.sleep(delay)
+                await sched.prefill(np.asarray(PROMPTS[k], dtype=np.int64), eng.new_cache())
+
+            async with anyio.create_task_group() as tg:
+                if decoding:
+                    tg.start_soon(background)
+                    with anyio.fail_after(30):
+                        while sched._decoding == 0:
+                            await anyio.sleep(0.01)
+                steps0 = sched.stats.prefill_steps
+                async with anyio.create_task_group() as inner:
+                    inner.start_soon(one, 0, 0.0)
+                    inner.start_soon(one, 1, 0.05)
+                done.set()
+            return sched.stats.prefill_steps - steps0
+
+    assert anyio.run(main) == (1 if decoding else 2)
