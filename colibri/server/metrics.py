@@ -49,6 +49,14 @@ class _EngineCollector(Collector):
             "colibri:engine_prefill_tokens", "Prompt tokens prefilled", sc.prefill_tokens
         )
         yield _counter(
+            "colibri:engine_prefill_chunks", "Prompt chunks prefilled", sc.prefill_chunks
+        )
+        yield _counter(
+            "colibri:engine_prefill_steps",
+            "Forwards that prefilled (the chunks of prompts queued together share one)",
+            sc.prefill_steps,
+        )
+        yield _counter(
             "colibri:engine_prefill_seconds", "Seconds spent prefilling", sc.prefill_seconds
         )
         yield _counter(

@@ -435,6 +435,8 @@ def test_metrics_experts_and_profile(servers: dict[str, Server]) -> None:
         "colibri:generation_tokens_total",
         "colibri:num_requests_running",
         "colibri:engine_forward_calls_total",
+        "colibri:engine_prefill_chunks_total",
+        "colibri:engine_prefill_steps_total",
         'colibri:http_requests_total{route="/v1/chat/completions",status="200"}',
     ):
         assert name in text, name
