@@ -516,18 +516,10 @@ class Scheduler:
                 except Exception as exc:
                     r.error = exc
 
-    def _last_row(
-        self,
-        ids: npt.NDArray[np.int64],
-        cache: KVCache,
-        hook: PrefillHook | None,
-        ctx: StepContext,
-    ) -> F32Array:
-        """Compute thread: the last row's logits [V] (``last_only``); ``hook`` gets the rows'
-        hidden states."""
-        out = self.model.forward_batch([ids], [cache], last_only=True, ctx=ctx)[0]
-        if hook is not None:
-            hook(ids, out.hidden)
+    def _last_row(self, ids: npt.NDArray[np.int64], cache: KVCache) -> F32Array:
+        """Compute thread: the logits [V] of ``ids``' last row (a decode step without the
+        batcher)."""
+        out = self.model.forward_batch([ids], [cache], last_only=True, ctx=self.ctx)[0]
         logits: F32Array = out.logits[-1]
         return logits
 
@@ -547,7 +539,7 @@ class Scheduler:
         rows are bit-identical to a solo step."""
         ids = np.array([tok], dtype=np.int64)
         if self.max_batch <= 1:
-            return await self.run(self._last_row, ids, cache, None, self.ctx)
+            return await self.run(self._last_row, ids, cache)
         return await self.decode_ahead(cache, tok).logits()
 
     def decode_ahead(self, cache: KVCache, tok: int) -> Ahead:

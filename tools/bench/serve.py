@@ -181,11 +181,8 @@ def main() -> int:
     results = []
     for n in levels:  # each level's median round (by tokens/s), with every round's rate
         ordered = sorted(runs[n], key=lambda x: x["tokens_per_s"])
-        results.append(
-            {**ordered[(len(ordered) - 1) // 2], "tokens_per_s_rounds": [
-                x["tokens_per_s"] for x in runs[n]
-            ]}
-        )  # fmt: skip
+        rates = [x["tokens_per_s"] for x in runs[n]]
+        results.append({**ordered[(len(ordered) - 1) // 2], "tokens_per_s_rounds": rates})
     by = {r["streams"]: r for r in results}
     lo, hi = by.get(1), by.get(max(levels))
     figure = hi["tokens_per_s"] / lo["tokens_per_s"] if lo and hi else None
