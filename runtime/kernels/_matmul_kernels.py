@@ -97,6 +97,8 @@ _I8_TOKENS = 32
 #: scales), in runs of up to ``_FEW_RUN`` tokens per pass over a row; more take ``_i4_gemm``.
 _FEW_MAX_T = 4
 _FEW_RUN = 4
+#: int4 T = 1 (``gbytes == 32``): rows computed side by side, a quarter of the matrix apart
+_STREAMS = 4
 
 
 # ============================================================================ x preparation
@@ -195,6 +197,49 @@ def _fill_tail(tail, packed, start, n):  # type: ignore[no-untyped-def]
 # ============================================================================ int4 kernels
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _i4_quad_group(packed, scales, g, rows, srows, s_step, y, ys, accs):  # type: ignore[no-untyped-def]
+    """``_i4_quad16_group`` with 8 lanes (the arithmetic of ``_i4_gemv``'s hot path)."""
+    g0 = g * 32
+    gs = np.uintp(g * s_step)
+    a0, a1, a2, a3 = accs
+    p = _i4_dot32(_i4_decode32(packed, rows[0] + g0), y, g0, ys)
+    a0 = vfma(vsplat(scales[np.uintp(srows[0]) + gs]), p, a0)
+    p = _i4_dot32(_i4_decode32(packed, rows[1] + g0), y, g0, ys)
+    a1 = vfma(vsplat(scales[np.uintp(srows[1]) + gs]), p, a1)
+    p = _i4_dot32(_i4_decode32(packed, rows[2] + g0), y, g0, ys)
+    a2 = vfma(vsplat(scales[np.uintp(srows[2]) + gs]), p, a2)
+    p = _i4_dot32(_i4_decode32(packed, rows[3] + g0), y, g0, ys)
+    a3 = vfma(vsplat(scales[np.uintp(srows[3]) + gs]), p, a3)
+    return a0, a1, a2, a3
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _i4_quad(packed, scales, o, quarter, n_groups, nb, s_row, s_step, y, ys, out, pf):  # type: ignore[no-untyped-def]
+    """``_i4_quad16`` for the 8-lane ``_i4_gemv`` (rows of whole 32-byte groups)."""
+    q = quarter * nb
+    rows = (o * nb, o * nb + q, o * nb + 2 * q, o * nb + 3 * q)
+    sq = quarter * s_row
+    srows = (o * s_row, o * s_row + sq, o * s_row + 2 * sq, o * s_row + 3 * sq)
+    ahead = pf // 2
+    accs = (vzero(), vzero(), vzero(), vzero())
+    for g in range(0, n_groups - 1, 2):
+        if ahead > 0:
+            g0 = g * 32 + ahead
+            prefetch(packed, rows[0] + g0)
+            prefetch(packed, rows[1] + g0)
+            prefetch(packed, rows[2] + g0)
+            prefetch(packed, rows[3] + g0)
+        accs = _i4_quad_group(packed, scales, g, rows, srows, s_step, y, ys, accs)
+        accs = _i4_quad_group(packed, scales, g + 1, rows, srows, s_step, y, ys, accs)
+    if n_groups % 2:
+        accs = _i4_quad_group(packed, scales, n_groups - 1, rows, srows, s_step, y, ys, accs)
+    out[o] = vhsum(accs[0])
+    out[o + quarter] = vhsum(accs[1])
+    out[o + 2 * quarter] = vhsum(accs[2])
+    out[o + 3 * quarter] = vhsum(accs[3])
+
+
 @njit(nogil=True, cache=True)
 def _i4_gemv(packed, scales, n_out, nb, gbytes, s_row, s_step, y, ys, out, pf):  # type: ignore[no-untyped-def]
     """One token: out [O] from packed [O * B], scales and the token's ``_i4_prep`` row ``y``.
@@ -208,7 +253,10 @@ def _i4_gemv(packed, scales, n_out, nb, gbytes, s_row, s_step, y, ys, out, pf): 
     rem_blocks = rem // 8
     rem_tail = rem - rem_blocks * 8
     chunked = gbytes % 32 == 0
-    for o in range(n_out):
+    quarter = n_out // _STREAMS if gbytes == 32 and rem == 0 else 0
+    for o in range(quarter):
+        _i4_quad(packed, scales, o, quarter, n_full, nb, s_row, s_step, y, ys, out, pf)
+    for o in range(_STREAMS * quarter, n_out):
         row = o * nb
         srow = o * s_row
         acc = vzero()
@@ -442,6 +490,59 @@ def _i4_dot32x16(w, y, yi, ys):  # type: ignore[no-untyped-def]
     return vfma16(w[3], vload16(y, zi + 16), a)
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _i4_quad16_group(packed, scales, g, rows, srows, s_step, y, ys, accs):  # type: ignore[no-untyped-def]
+    """Group ``g`` (32 bytes) of the four rows at byte offsets ``rows`` (scale offsets
+    ``srows``) into their accumulators ``accs``: the single-row arithmetic of ``_i4_gemv16``.
+    Indices are unsigned: a signed index costs numba's negative-index fix-up, scalar ops
+    that competed with the vector ones for the same ports."""
+    g0 = g * 32
+    gs = np.uintp(g * s_step)
+    a0, a1, a2, a3 = accs
+    p = _i4_dot32x16(_i4_decode32x16(packed, rows[0] + g0), y, g0, ys)
+    a0 = vfma16(vsplat16(scales[np.uintp(srows[0]) + gs]), p, a0)
+    p = _i4_dot32x16(_i4_decode32x16(packed, rows[1] + g0), y, g0, ys)
+    a1 = vfma16(vsplat16(scales[np.uintp(srows[1]) + gs]), p, a1)
+    p = _i4_dot32x16(_i4_decode32x16(packed, rows[2] + g0), y, g0, ys)
+    a2 = vfma16(vsplat16(scales[np.uintp(srows[2]) + gs]), p, a2)
+    p = _i4_dot32x16(_i4_decode32x16(packed, rows[3] + g0), y, g0, ys)
+    a3 = vfma16(vsplat16(scales[np.uintp(srows[3]) + gs]), p, a3)
+    return a0, a1, a2, a3
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _i4_quad16(packed, scales, o, quarter, n_groups, nb, s_row, s_step, y, ys, out, pf):  # type: ignore[no-untyped-def]
+    """Rows ``o``, ``o + quarter``, ``o + 2 * quarter``, ``o + 3 * quarter`` of a one-chunk-per-
+    group (``gbytes == 32``) GEMV side by side, each with exactly the arithmetic of the single-
+    row loop of ``_i4_gemv16``. Four read streams a quarter of the matrix apart keep more
+    DRAM reads in flight than one: on an AVX-512 Intel guest [2048, 6144] from DRAM went from
+    0.59 to ~0.75 of a one-thread read loop (adjacent rows side by side did not help:
+    0.39-0.65). Each stream is prefetched ``pf / 2`` ahead (four streams: twice the bytes in
+    flight of one stream at ``pf``; ``pf`` itself measured 5-8% slower). Two groups (one
+    cache line per row) per pass; see docs/benchmarks.md."""
+    q = quarter * nb
+    rows = (o * nb, o * nb + q, o * nb + 2 * q, o * nb + 3 * q)
+    sq = quarter * s_row
+    srows = (o * s_row, o * s_row + sq, o * s_row + 2 * sq, o * s_row + 3 * sq)
+    ahead = pf // 2
+    accs = (vzero16(), vzero16(), vzero16(), vzero16())
+    for g in range(0, n_groups - 1, 2):
+        if ahead > 0:
+            g0 = g * 32 + ahead
+            prefetch(packed, rows[0] + g0)
+            prefetch(packed, rows[1] + g0)
+            prefetch(packed, rows[2] + g0)
+            prefetch(packed, rows[3] + g0)
+        accs = _i4_quad16_group(packed, scales, g, rows, srows, s_step, y, ys, accs)
+        accs = _i4_quad16_group(packed, scales, g + 1, rows, srows, s_step, y, ys, accs)
+    if n_groups % 2:
+        accs = _i4_quad16_group(packed, scales, n_groups - 1, rows, srows, s_step, y, ys, accs)
+    out[o] = vhsum16(accs[0])
+    out[o + quarter] = vhsum16(accs[1])
+    out[o + 2 * quarter] = vhsum16(accs[2])
+    out[o + 3 * quarter] = vhsum16(accs[3])
+
+
 @njit(nogil=True, cache=True)
 def _i4_gemv16(packed, scales, n_out, nb, gbytes, s_row, s_step, y, ys, out, pf):  # type: ignore[no-untyped-def]
     """``_i4_gemv`` with 16-lane vectors, for ``gbytes % 32 == 0`` and ``nb % gbytes == 0``.
@@ -450,7 +551,10 @@ def _i4_gemv16(packed, scales, n_out, nb, gbytes, s_row, s_step, y, ys, out, pf)
     result is the fixed-order lane sum of ``acc``. Prefetch once per 64 bytes.
     """
     n_groups = nb // gbytes
-    for o in range(n_out):
+    quarter = n_out // _STREAMS if gbytes == 32 else 0
+    for o in range(quarter):
+        _i4_quad16(packed, scales, o, quarter, n_groups, nb, s_row, s_step, y, ys, out, pf)
+    for o in range(_STREAMS * quarter, n_out):
         row = o * nb
         srow = o * s_row
         acc = vzero16()
@@ -888,28 +992,26 @@ def _chains_i8x16(w, wi, x0, x1, x2, x3, a0, a1, a2, a3):  # type: ignore[no-unt
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _dot4_i8x16(w, wi, n_in, xp, xi, tails, pf):  # type: ignore[no-untyped-def]
+def _dot4_i8x16(w, wi, rs, n_in, xp, xi, tails, pf):  # type: ignore[no-untyped-def]
     """``_row_dot_i8x16`` of one token for the four weight rows starting at ``wi``,
-    ``wi + n_in``, ``wi + 2 n_in``, ``wi + 3 n_in``: each 16-column block of the token's
+    ``wi + rs``, ``wi + 2 rs``, ``wi + 3 rs``: each 16-column block of the token's
     activations is loaded once for the four rows, and every row keeps its own four chains,
     so per row the same FMAs in the same order as the one-row dot (the same bits). ``tails``
-    [64] holds the rows' zero-padded last blocks (filled by the caller). ``pf`` > 0: the next
-    block of rows is prefetched meanwhile, four cache lines per 64 columns, in order."""
-    wj, wk, wl = wi + n_in, wi + 2 * n_in, wi + 3 * n_in
+    [64] holds the rows' zero-padded last blocks (filled by the caller). ``pf`` > 0: each
+    row's stream is prefetched ``pf`` bytes ahead, one cache line per 64 columns."""
+    wj, wk, wl = wi + rs, wi + 2 * rs, wi + 3 * rs
     a0, a1, a2, a3 = vzero16(), vzero16(), vzero16(), vzero16()
     b0, b1, b2, b3 = vzero16(), vzero16(), vzero16(), vzero16()
     c0, c1, c2, c3 = vzero16(), vzero16(), vzero16(), vzero16()
     d0, d1, d2, d3 = vzero16(), vzero16(), vzero16(), vzero16()
     n64 = n_in // 64 * 64
     n16 = n_in // 16 * 16
-    nxt = wi + 4 * n_in
     for c in range(0, n64, 64):
         if pf > 0:
-            p = nxt + 4 * c
-            prefetch(w, p)
-            prefetch(w, p + 64)
-            prefetch(w, p + 128)
-            prefetch(w, p + 192)
+            prefetch(w, wi + c + pf)
+            prefetch(w, wj + c + pf)
+            prefetch(w, wk + c + pf)
+            prefetch(w, wl + c + pf)
         x0 = vload16(xp, xi + c)
         x1 = vload16(xp, xi + c + 16)
         x2 = vload16(xp, xi + c + 32)
@@ -1032,39 +1134,36 @@ def _i8_matmul16_tiles(w, scales, n_out, n_in, xp, ip, out, pf):  # type: ignore
 
 @njit(nogil=True, cache=True)
 def _i8_matmul16(w, scales, n_out, n_in, xp, ip, out, pf):  # type: ignore[no-untyped-def]
-    """int8 rows with 16-lane vectors: out [T, O] from ``w`` (flat [O * I]) and ``xp``
-    [T * Ip] (rows padded to a multiple of 16); the per-row scale applied to the row sum.
+    """int8 rows with 16-lane vectors, one token (``_i8_matmul16_tiles`` takes more): out
+    [1, O] from ``w`` (flat [O * I]) and ``xp`` [Ip] (padded to a multiple of 16); the per-row
+    scale applied to the row sum.
 
-    Rows in blocks of four (``_dot4_i8x16``: each activation block is loaded once for four
-    rows, where loading it per row made the one-token GEMV bound by activation loads), the
-    last one to three alone (``_row_dot_i8x16``). Per (token, row) both run the same FMAs in
-    the same order, so a token's row is bit-identical for any T and any row count."""
-    n_tok = out.shape[0]
+    Rows in blocks of four a quarter of the matrix apart (``_dot4_i8x16``: each activation
+    block is loaded once for four rows, where loading it per row made the GEMV bound by
+    activation loads; four read streams far apart keep more DRAM reads in flight than one:
+    [32000, 2048] from DRAM 0.51 -> 0.88 of a one-thread read loop on an AVX-512 Intel guest),
+    the last one to three rows alone (``_row_dot_i8x16``). Per row both run the same FMAs in
+    the same order, so a row is bit-identical for any T and any row count."""
     tail = np.zeros(16, np.uint8)  # [16] zero-padded last block
     tails = np.zeros(64, np.uint8)  # [4, 16] the same for a block of four rows
     n16 = n_in // 16 * 16
     rem = n_in - n16
-    o4 = n_out // 4 * 4
-    for t0 in range(0, n_tok, _TILE):  # (the tile's activations stay in L1/L2)
-        nt = min(_TILE, n_tok - t0)
-        for o in range(0, o4, 4):
-            wi = o * n_in
-            if rem > 0:
-                for r in range(4):
-                    for k in range(rem):
-                        tails[16 * r + k] = w[wi + r * n_in + n16 + k]
-            for u in range(nt):
-                y0, y1, y2, y3 = _dot4_i8x16(
-                    w, wi, n_in, xp, (t0 + u) * ip, tails, pf if u == 0 else 0
-                )
-                out[t0 + u, o] = y0 * scales[o]
-                out[t0 + u, o + 1] = y1 * scales[o + 1]
-                out[t0 + u, o + 2] = y2 * scales[o + 2]
-                out[t0 + u, o + 3] = y3 * scales[o + 3]
-        for o in range(o4, n_out):
-            for u in range(nt):
-                y = _row_dot_i8x16(w, o * n_in, n_in, xp, (t0 + u) * ip, tail, pf if u == 0 else 0)
-                out[t0 + u, o] = y * scales[o]
+    quarter = n_out // 4
+    rs = quarter * n_in
+    for o in range(quarter):
+        wi = o * n_in
+        if rem > 0:
+            for r in range(4):
+                for k in range(rem):
+                    tails[16 * r + k] = w[wi + r * rs + n16 + k]
+        y0, y1, y2, y3 = _dot4_i8x16(w, wi, rs, n_in, xp, 0, tails, pf)
+        out[0, o] = y0 * scales[o]
+        out[0, o + quarter] = y1 * scales[o + quarter]
+        out[0, o + 2 * quarter] = y2 * scales[o + 2 * quarter]
+        out[0, o + 3 * quarter] = y3 * scales[o + 3 * quarter]
+    for o in range(4 * quarter, n_out):
+        y = _row_dot_i8x16(w, o * n_in, n_in, xp, 0, tail, pf)
+        out[0, o] = y * scales[o]
 
 
 @njit(nogil=True, cache=True)

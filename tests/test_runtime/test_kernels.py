@@ -134,6 +134,36 @@ def test_int4_small_t_kernels_equal_one_token_calls(fmt: str, n_in: int, lanes: 
     _assert_close(mm(x), x, q)
 
 
+@pytest.mark.parametrize("fmt", ["int4-g64", "int4-row", "int4-g128"])
+@pytest.mark.parametrize("n_in", [128, 2112, 330])
+@pytest.mark.parametrize("lanes", [8, 16])
+def test_int4_gemv_row_streams_equal_one_row_calls(fmt: str, n_in: int, lanes: int) -> None:
+    """One token on 64-column groups or per-row scales: the rows are computed four at a time,
+    a quarter of the matrix apart (four read streams), two groups per pass, the last rows
+    alone. Every row is the same bits as that row computed by itself, with or without the
+    prefetch, for row counts that leave 0-3 rows over; 2112 columns: an odd group count;
+    330: a partial last group (one row at a time throughout)."""
+    x = _x(1, n_in, seed=5)
+    x[0, 7] *= -1e4
+    for o in (4, 17, 41, 42, 43):
+        q = _weights(fmt, o, n_in, seed=o)
+        assert q.scales is not None
+        nb = (n_in + 1) // 2
+        rows = q.data.reshape(o, nb)
+        s_rows = q.scales.reshape(o, -1)
+        gs = q.fmt.group_size
+        alone = np.concatenate(
+            [
+                matmul_int4(x, rows[r].copy(), s_rows[r].copy(), 1, n_in, gs, lanes=lanes)[0]
+                for r in range(o)
+            ]
+        )
+        for pf in (0, 1000, 4096):
+            got = matmul_int4(x, q.data, q.scales, o, n_in, gs, lanes=lanes, prefetch_distance=pf)
+            np.testing.assert_array_equal(got[0].view(np.uint32), alone.view(np.uint32))
+        _assert_close(got, x, q)
+
+
 @pytest.mark.parametrize("n_in", [15, 77, 1024, 2056])
 def test_int8_16_lane_row_blocks_equal_one_row_one_token_calls(n_in: int) -> None:
     """16 lanes: one token takes the rows in blocks of four (one activation load for four
