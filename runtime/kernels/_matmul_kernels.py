@@ -84,12 +84,11 @@ _KIND_F32, _KIND_BF16, _KIND_F16, _KIND_I8 = 0, 1, 2, 3
 _NIBBLE_ZERO = 0x88  # a padding byte: both nibbles decode to weight 0
 _PLANES = 3  # ``_i4_prep`` planes per token: y1, y2, the 16-lane chunk offsets
 #: int4 16 lanes, T >= 2 on 64-column groups: the register-tile kernel (``_i4_gemm16_regs``)
-#: takes every call of at least 4 tokens, and rows of at most this many packed bytes (2048
-#: columns) at any T; the blocked one takes 2-3 tokens on longer rows. Against the blocked
-#: kernel (AVX-512 Intel guest, 2026-12-05, aligned planes): rows in pairs x 4 tokens
-#: 1.3-1.8x at 2048-6144 columns and T = 4-48; one row x 4 tokens (the kernel before) had won
-#: only up to 2048 columns (1.2-1.35x) and lost at 4096-6144 (0.78-0.85x from T = 8).
-_REGS_MAX_NB = 1024
+#: takes every call (2026-12-05, AVX-512 Intel guest). Full tiles of 4 tokens take the rows in
+#: pairs: against the blocked kernel 1.3-1.8x at 2048-6144 columns and T = 4-48. Tiles of 1-2
+#: tokens take rows four at a time a quarter of the matrix apart: T = 2 on [2048, 6144] from
+#: DRAM 12.0 weight GB/s against the blocked kernel's 5.5. Three tokens row by row: 4.6
+#: against 4.3.
 #: int8 16 lanes, T >= 2 (``_i8_matmul16_tiles``): rows per block, tokens per pass over a block.
 _I8_ROWS = 16
 _I8_TOKENS = 32
@@ -664,22 +663,92 @@ def _i4_rows16(packed, scales, o0, n_out, nb, s_row, s_step, y, ys, out, pf, t0,
             out[t0 + 3, o] = vhsum16(a3)
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _i4_tile2_group(packed, scales, g, row, srow, s_step, y, ya, yb, ys, a, b):  # type: ignore[no-untyped-def]
+    """Group ``g`` of the row at byte offset ``row`` against the tokens whose ``_i4_prep`` rows
+    start at ``ya`` and ``yb``: decoded once, then per token the arithmetic of
+    ``_i4_gemv16``."""
+    g0 = g * 32
+    w = _i4_decode32x16(packed, row + g0)
+    sc = vsplat16(scales[np.uintp(srow) + np.uintp(g * s_step)])
+    a = vfma16(sc, _i4_dot32x16(w, y, ya + g0, ys), a)
+    b = vfma16(sc, _i4_dot32x16(w, y, yb + g0, ys), b)
+    return a, b
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _i4_quads16(packed, scales, quarter, nb, s_row, s_step, y, ys, out, pf, t0):  # type: ignore[no-untyped-def]
+    """Tokens ``t0``, ``t0 + 1`` against rows ``0 .. 4 * quarter - 1``, four rows at a time a
+    quarter of the matrix apart (four DRAM read streams, as ``_i4_quad16``), each chunk
+    decoded once per row for both tokens, the accumulators in registers. Two tokens against a
+    [1024, 2048] expert matrix from DRAM: 1.5x the rows one at a time (AVX-512 Intel
+    guest)."""
+    n_groups = nb // 32
+    ya = t0 * _PLANES * ys
+    yb = ya + _PLANES * ys
+    q = quarter * nb
+    sq = quarter * s_row
+    ahead = pf // 2
+    for o in range(quarter):
+        r0 = o * nb
+        s0 = o * s_row
+        a0, b0, a1, b1 = vzero16(), vzero16(), vzero16(), vzero16()
+        a2, b2, a3, b3 = vzero16(), vzero16(), vzero16(), vzero16()
+        for g in range(n_groups):
+            if ahead > 0 and g % 2 == 0:
+                g0 = g * 32 + ahead
+                prefetch(packed, r0 + g0)
+                prefetch(packed, r0 + q + g0)
+                prefetch(packed, r0 + 2 * q + g0)
+                prefetch(packed, r0 + 3 * q + g0)
+            a0, b0 = _i4_tile2_group(packed, scales, g, r0, s0, s_step, y, ya, yb, ys, a0, b0)
+            a1, b1 = _i4_tile2_group(
+                packed, scales, g, r0 + q, s0 + sq, s_step, y, ya, yb, ys, a1, b1
+            )
+            a2, b2 = _i4_tile2_group(
+                packed, scales, g, r0 + 2 * q, s0 + 2 * sq, s_step, y, ya, yb, ys, a2, b2
+            )
+            a3, b3 = _i4_tile2_group(
+                packed, scales, g, r0 + 3 * q, s0 + 3 * sq, s_step, y, ya, yb, ys, a3, b3
+            )
+        out[t0, o] = vhsum16(a0)
+        out[t0, o + quarter] = vhsum16(a1)
+        out[t0, o + 2 * quarter] = vhsum16(a2)
+        out[t0, o + 3 * quarter] = vhsum16(a3)
+        out[t0 + 1, o] = vhsum16(b0)
+        out[t0 + 1, o + quarter] = vhsum16(b1)
+        out[t0 + 1, o + 2 * quarter] = vhsum16(b2)
+        out[t0 + 1, o + 3 * quarter] = vhsum16(b3)
+
+
 @njit(nogil=True, cache=True)
 def _i4_gemm16_regs(packed, scales, n_out, nb, s_row, s_step, y, ys, out, pf):  # type: ignore[no-untyped-def]
     """T tokens for ``gbytes == 32``: tokens in register tiles of 4; a full tile takes the rows
     in pairs (``_i4_pairs16``: per pair and chunk two decodes and 20 activation loads for 40
-    multiply-adds), a last odd row and a short last tile (1 to 3 tokens) row by row
-    (``_i4_rows16``). Every token's accumulator stays in a register across the whole row, so
-    no activation tile has to stay in L1. Per (token, row) exactly the arithmetic of
-    ``_i4_gemv16``."""
+    multiply-adds), a last tile of one or two tokens four rows a quarter of the matrix apart
+    (``_i4_quad16``, ``_i4_quads16``: four DRAM read streams), of three tokens row by row
+    (``_i4_rows16``, as the rows left over). Every token's accumulator stays in a register
+    across the whole row, so no activation tile has to stay in L1. Per (token, row) exactly
+    the arithmetic of ``_i4_gemv16``."""
     n_tok = out.shape[0]
     t0 = 0
     while t0 < n_tok:
         nt = min(4, n_tok - t0)
-        o0 = 0
         if nt == 4:
             _i4_pairs16(packed, scales, n_out // 2, nb, s_row, s_step, y, ys, out, pf, t0)
             o0 = n_out - n_out % 2
+        elif nt == 1:
+            yt = y[t0 * _PLANES * ys :]  # this token's planes
+            for o in range(n_out // 4):
+                _i4_quad16(
+                    packed, scales, o, n_out // 4, nb // 32, nb, s_row, s_step, yt, ys, out[t0], pf
+                )
+            o0 = n_out - n_out % 4
+        elif nt == 2:
+            _i4_quads16(packed, scales, n_out // 4, nb, s_row, s_step, y, ys, out, pf, t0)
+            o0 = n_out - n_out % 4
+        else:
+            o0 = 0
         _i4_rows16(packed, scales, o0, n_out, nb, s_row, s_step, y, ys, out, pf, t0, nt)
         t0 += nt
 
@@ -691,11 +760,11 @@ def _i4_gemm16(packed, scales, n_out, nb, gbytes, s_row, s_step, y, ys, out, pf)
     Blocking as in ``_i4_gemm``: token tiles of ``_TILE``, row blocks of ``_ROWS`` and column
     segments of whole groups, so a tile's activations stay in L1; each chunk is decoded once per
     row and applied to every token of the tile, groups of a row in increasing order. Rows of
-    64-column groups take ``_i4_gemm16_regs`` (accumulators in registers) from 4 tokens on, and
-    at any T when they are short (``_REGS_MAX_NB``).
+    64-column groups (and per-row scales) take ``_i4_gemm16_regs`` (accumulators in
+    registers) instead.
     """
     n_tok = out.shape[0]
-    if gbytes == 32 and (nb <= _REGS_MAX_NB or n_tok >= 4):
+    if gbytes == 32:
         _i4_gemm16_regs(packed, scales, n_out, nb, s_row, s_step, y, ys, out, pf)
         return
     acc = zeros64(_ROWS * _TILE * 16, np.float32)  # [ROWS, TILE, 16] accumulators
