@@ -118,8 +118,8 @@ def test_realistic_expert_gemv_shapes(lanes: int) -> None:
 def test_int4_small_t_kernels_equal_one_token_calls(fmt: str, n_in: int, lanes: int) -> None:
     """T = 2..9, 12 and 17, 41 rows. 16 lanes: rows of 64-column groups (and per-row scales)
     take the register-tile kernel (full tiles of 4 tokens take the rows in pairs, the odd
-    last row alone; a last tile of 1 or 2 tokens four rows a quarter of the matrix apart, the
-    last 1 of 41 rows alone; of 3 tokens row by row), larger groups the blocked one. 8 lanes:
+    last row alone; a last tile of 1 to 3 tokens four rows a quarter of the matrix apart, the
+    last 1 of 41 rows alone), larger groups the blocked one. 8 lanes:
     up to 4 tokens on 64-column groups or per-row scales (whole 32-byte chunks: not 2112
     columns) take the few-token kernel, the rest the blocked one. Every token's row equals its
     one-token call bit for bit."""
