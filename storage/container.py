@@ -43,6 +43,7 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
+from storage.aligned import HugeArena
 from storage.arch import ArchConfig, TensorRole, classify
 from storage.errors import (
     ColibriError,
@@ -385,6 +386,7 @@ class Container:
         self._bad = bad
         self._experts = experts
         self._bad_experts = bad_experts
+        self._arena: HugeArena | None = None  # made by the first load_qtensor
 
     # ------------------------------------------------------------------------------ opening
 
@@ -525,15 +527,23 @@ class Container:
                 "knows (read it with load_f32)"
             )
         o, i = ent.shape
-        raw = read_tensor(ent.weight)
+        raw = self._read_resident(ent.weight)
         if ent.fmt.quantized:
             if ent.scales is None:  # format inference never lets this happen
                 raise FormatError(f"{ent.weight.path}: tensor {name!r} has no scales")
-            scales = np.asarray(read_tensor(ent.scales), dtype=np.float32).reshape(-1)
+            scales = np.asarray(self._read_resident(ent.scales), dtype=np.float32).reshape(-1)
             return QTensor(ent.fmt, (o, i), raw.view(np.uint8).reshape(-1), scales)
         if ent.fmt.kind == "f32":
             return QTensor(ent.fmt, (o, i), raw.reshape(o, i))
         return QTensor(ent.fmt, (o, i), raw.view(np.uint16).reshape(o, i))
+
+    def _read_resident(self, info: TensorInfo) -> npt.NDArray[np.generic]:
+        """A matrix's bytes (or its scales) read into this container's :class:`HugeArena`:
+        weights that stay resident sit packed on transparent huge pages where the kernel
+        allows them."""
+        if self._arena is None:
+            self._arena = HugeArena()
+        return read_tensor(info, self._arena.empty(info.nbytes))
 
     def load_f32(self, name: str) -> F32Array:
         """Any tensor as float32: F32/BF16/F16 stored tensors in their stored shape (matrices

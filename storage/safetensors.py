@@ -15,6 +15,7 @@ import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -227,9 +228,20 @@ def _entry(p: Path, name: str, ent: object, data_start: int, size: int) -> Tenso
     return TensorInfo(name, str(dtype), tuple(shape), p, start, end)
 
 
-def read_tensor(info: TensorInfo) -> npt.NDArray[np.generic]:
-    """Read one tensor into a fresh numpy array of its storage dtype and shape."""
-    buf = np.empty(info.numel, dtype=numpy_dtype(info.dtype))
+def read_tensor(
+    info: TensorInfo, out: npt.NDArray[np.uint8] | None = None
+) -> npt.NDArray[np.generic]:
+    """Read one tensor into a numpy array of its storage dtype and shape: a fresh one, or
+    ``out`` (uint8, C-contiguous, exactly the tensor's bytes) viewed as that array."""
+    dtype = numpy_dtype(info.dtype)
+    if out is None:
+        buf: npt.NDArray[Any] = np.empty(info.numel, dtype=dtype)
+    else:
+        if out.dtype != np.uint8 or out.nbytes != info.nbytes or not out.flags.c_contiguous:
+            raise ValueError(
+                f"tensor {info.name!r}: out must be C-contiguous uint8 of {info.nbytes} bytes"
+            )
+        buf = out.view(dtype)
     view = buf.view(np.uint8).data
     try:
         fd = os.open(info.path, os.O_RDONLY)

@@ -1,9 +1,11 @@
 """Expert-sized buffers on transparent huge pages: the kernel's setting read and explained, the
-2 MiB-aligned advised mapping, the fallback when the advice is refused, and the measured bytes
-the kernel backs with huge pages (``/proc/self/smaps``)."""
+2 MiB-aligned advised mapping, the fallback when the advice is refused, the measured bytes
+the kernel backs with huge pages (``/proc/self/smaps``), and the arena resident weights load
+into."""
 
 from __future__ import annotations
 
+import itertools
 import mmap
 from pathlib import Path
 
@@ -11,7 +13,13 @@ import numpy as np
 import pytest
 
 from storage import aligned
-from storage.aligned import HUGE_PAGE, aligned_empty, huge_backed_bytes, hugepage_support
+from storage.aligned import (
+    HUGE_PAGE,
+    HugeArena,
+    aligned_empty,
+    huge_backed_bytes,
+    hugepage_support,
+)
 
 
 @pytest.mark.parametrize(
@@ -76,3 +84,76 @@ def test_streaming_stats_report_huge_pages() -> None:
     assert hp["mode"] == hugepage_support().mode
     assert hp["slot_blob_bytes"] > 0 and hp["huge_backed_bytes"] is not None
     assert hp["reason"]  # the demo's experts are far under 2 MiB: it says so
+
+
+def test_the_weight_arena_packs_aligned_pieces_on_huge_pages() -> None:
+    support = hugepage_support()
+    if not support.advise:
+        pytest.skip(f"no transparent huge pages here: {support.reason}")
+    arena = HugeArena(chunk=4 * HUGE_PAGE)
+    # the 3 MiB piece (over a quarter chunk) gets its own mapping; the fourth 2 MiB one opens
+    # a second chunk
+    sizes = [100, 3000, 1 << 20, 5, 3 << 20, 2 << 20, 2 << 20, 2 << 20, 2 << 20]
+    pieces = [arena.empty(n) for n in sizes]
+    spans = []
+    for n, p in zip(sizes, pieces, strict=True):
+        assert p.dtype == np.uint8 and p.nbytes == n and p.ctypes.data % 64 == 0
+        p[:] = n % 251
+        spans.append((p.ctypes.data, p.ctypes.data + n))
+    spans.sort()
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in itertools.pairwise(spans))
+    for n, p in zip(sizes, pieces, strict=True):  # no piece overwrote another
+        assert int(p.min()) == int(p.max()) == n % 251
+    assert arena.huge and arena.used_bytes == sum(sizes)
+    # two chunks and the 3 MiB piece's own 4 MiB
+    assert arena.mapped_bytes == 2 * 4 * HUGE_PAGE + 2 * HUGE_PAGE
+    got = huge_backed_bytes(pieces)
+    assert got is not None and got >= HUGE_PAGE, got  # at least the big piece's first page
+
+
+def test_the_weight_arena_without_huge_pages_hands_out_ordinary_arrays() -> None:
+    off = HugeArena(support=aligned.HugePageSupport("never", False, "off"))
+    p = off.empty(3 << 20)
+    assert not off.huge and off.mapped_bytes == 0 and p.nbytes == 3 << 20
+    assert p.ctypes.data % 64 == 0 and off.empty(0).nbytes == 0
+    with pytest.raises(ValueError, match="multiple"):
+        HugeArena(chunk=HUGE_PAGE + 4096)
+    with pytest.raises(ValueError, match=">= 0"):
+        off.empty(-1)
+
+
+def test_resident_matrices_load_into_the_containers_arena() -> None:
+    from colibri._config import default_model_path
+    from runtime.models import load_model
+    from storage.container import Container
+
+    c = Container.open(default_model_path())
+    name = next(n for n in c.names() if n.endswith("down_proj.weight") and ".experts." not in n)
+    q = c.load_qtensor(name)
+    fresh = Container.open(default_model_path())
+    plain = fresh.load_qtensor(name)  # the same bytes, whatever the pages
+    assert np.array_equal(q.data, plain.data) and np.array_equal(q.scales, plain.scales)
+    assert q.data.ctypes.data % 64 == 0
+    owner: object = q.data
+    while isinstance(owner, np.ndarray) and owner.base is not None:
+        owner = owner.base
+    if isinstance(owner, memoryview):
+        owner = owner.obj
+    assert isinstance(owner, mmap.mmap) == hugepage_support().advise  # an arena chunk
+    model = load_model(c)
+    assert model is not None
+
+
+def test_read_tensor_into_a_given_buffer(tmp_path: Path) -> None:
+    from storage.safetensors import TensorInfo, read_tensor
+
+    f = tmp_path / "t.bin"
+    want = np.arange(12, dtype=np.float32).reshape(3, 4)
+    f.write_bytes(b"xyz" + want.tobytes())
+    info = TensorInfo("w", "F32", (3, 4), f, 3, 3 + want.nbytes)
+    buf = HugeArena().empty(want.nbytes)
+    got = read_tensor(info, buf)
+    assert got.dtype == np.float32 and np.array_equal(got, want)
+    assert got.ctypes.data == buf.ctypes.data  # read in place
+    with pytest.raises(ValueError, match="48 bytes"):
+        read_tensor(info, np.empty(47, np.uint8))
