@@ -219,7 +219,7 @@ def _i4_quad(packed, scales, o, quarter, n_groups, nb, s_row, s_step, y, ys, out
     rows = (o * nb, o * nb + q, o * nb + 2 * q, o * nb + 3 * q)
     sq = quarter * s_row
     srows = (o * s_row, o * s_row + sq, o * s_row + 2 * sq, o * s_row + 3 * sq)
-    ahead = pf // 2
+    ahead = pf // _STREAMS
     accs = (vzero(), vzero(), vzero(), vzero())
     for g in range(0, n_groups - 1, 2):
         if ahead > 0:
@@ -515,14 +515,15 @@ def _i4_quad16(packed, scales, o, quarter, n_groups, nb, s_row, s_step, y, ys, o
     row loop of ``_i4_gemv16``. Four read streams a quarter of the matrix apart keep more
     DRAM reads in flight than one: on an AVX-512 Intel guest [2048, 6144] from DRAM went from
     0.59 to ~0.75 of a one-thread read loop (adjacent rows side by side did not help:
-    0.39-0.65). Each stream is prefetched ``pf / 2`` ahead (four streams: twice the bytes in
-    flight of one stream at ``pf``; ``pf`` itself measured 5-8% slower). Two groups (one
-    cache line per row) per pass; see docs/benchmarks.md."""
+    0.39-0.65). Each stream is prefetched ``pf / 4`` ahead (the bytes in flight of one stream
+    at ``pf``; on huge pages 1 KiB ahead per stream was 3-4% faster than 2 KiB, and 2 KiB 5-8%
+    faster than 4 KiB on 4 KiB pages). Two groups (one cache line per row) per pass; see
+    docs/benchmarks.md."""
     q = quarter * nb
     rows = (o * nb, o * nb + q, o * nb + 2 * q, o * nb + 3 * q)
     sq = quarter * s_row
     srows = (o * s_row, o * s_row + sq, o * s_row + 2 * sq, o * s_row + 3 * sq)
-    ahead = pf // 2
+    ahead = pf // _STREAMS
     accs = (vzero16(), vzero16(), vzero16(), vzero16())
     for g in range(0, n_groups - 1, 2):
         if ahead > 0:
@@ -687,7 +688,7 @@ def _i4_quads16(packed, scales, quarter, nb, s_row, s_step, y, ys, out, pf, t0):
     yb = ya + _PLANES * ys
     q = quarter * nb
     sq = quarter * s_row
-    ahead = pf // 2
+    ahead = pf // _STREAMS
     for o in range(quarter):
         r0 = o * nb
         s0 = o * s_row
@@ -751,7 +752,7 @@ def _i4_quads16_t3(packed, scales, quarter, nb, s_row, s_step, y, ys, out, pf, t
     yt = (y0, y0 + _PLANES * ys, y0 + 2 * _PLANES * ys)
     q = quarter * nb
     sq = quarter * s_row
-    ahead = pf // 2
+    ahead = pf // _STREAMS
     for o in range(quarter):
         r0 = o * nb
         s0 = o * s_row
@@ -1129,7 +1130,8 @@ def _dot4_i8x16(w, wi, rs, n_in, xp, xi, tails, pf):  # type: ignore[no-untyped-
     activations is loaded once for the four rows, and every row keeps its own four chains,
     so per row the same FMAs in the same order as the one-row dot (the same bits). ``tails``
     [64] holds the rows' zero-padded last blocks (filled by the caller). ``pf`` > 0: each
-    row's stream is prefetched ``pf`` bytes ahead, one cache line per 64 columns."""
+    row's stream is prefetched ``pf / 4`` bytes ahead (as ``_i4_quad16``), one cache line per
+    64 columns."""
     wj, wk, wl = wi + rs, wi + 2 * rs, wi + 3 * rs
     a0, a1, a2, a3 = vzero16(), vzero16(), vzero16(), vzero16()
     b0, b1, b2, b3 = vzero16(), vzero16(), vzero16(), vzero16()
@@ -1137,12 +1139,13 @@ def _dot4_i8x16(w, wi, rs, n_in, xp, xi, tails, pf):  # type: ignore[no-untyped-
     d0, d1, d2, d3 = vzero16(), vzero16(), vzero16(), vzero16()
     n64 = n_in // 64 * 64
     n16 = n_in // 16 * 16
+    ahead = pf // _STREAMS
     for c in range(0, n64, 64):
-        if pf > 0:
-            prefetch(w, wi + c + pf)
-            prefetch(w, wj + c + pf)
-            prefetch(w, wk + c + pf)
-            prefetch(w, wl + c + pf)
+        if ahead > 0:
+            prefetch(w, wi + c + ahead)
+            prefetch(w, wj + c + ahead)
+            prefetch(w, wk + c + ahead)
+            prefetch(w, wl + c + ahead)
         x0 = vload16(xp, xi + c)
         x1 = vload16(xp, xi + c + 16)
         x2 = vload16(xp, xi + c + 32)
