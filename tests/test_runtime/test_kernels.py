@@ -194,11 +194,12 @@ def test_int8_16_lane_row_blocks_equal_one_row_one_token_calls(n_in: int) -> Non
 @pytest.mark.parametrize("fmt", ["f32", "bf16", "f16", "int8"])
 @pytest.mark.parametrize("n_in", [5, 77, 256])
 def test_8_lane_row_pairs_equal_one_row_one_token_calls(fmt: str, n_in: int) -> None:
-    """The 8-lane kernel of f32 / bf16 / f16 / int8 takes, for one token, rows in pairs that
-    share each activation load (an odd last row alone) and, for several, tokens in pairs that
-    share each weight block (an odd last token alone); every (token, row) is the same bits as
-    that row alone with that token alone, for every T."""
-    o = 9  # four pairs and one row alone
+    """The 8-lane kernel of f32 / bf16 / f16 / int8 takes, for one token, rows in pairs half
+    the matrix apart that share each activation load (an odd last row alone) and, for
+    several, tokens in pairs that share each weight block (an odd last token alone); every
+    (token, row) is the same bits as that row alone with that token alone, for every T, with
+    and without the prefetch."""
+    o = 9  # four pairs (rows r and r + 4) and one row alone
     q = _weights(fmt, o, n_in, seed=n_in)
     x = _x(10, n_in, seed=5)
     x[3] *= -1e4
@@ -216,8 +217,9 @@ def test_8_lane_row_pairs_equal_one_row_one_token_calls(fmt: str, n_in: int) -> 
     )
     mm = _matmul(q, 8)
     for n_tok in (1, 2, 5, 8, 10):
-        got = mm(x[:n_tok])
-        np.testing.assert_array_equal(got.view(np.uint32), alone[:n_tok].view(np.uint32))
+        for pf in (0, 4096):
+            got = mm(x[:n_tok], prefetch_distance=pf)
+            np.testing.assert_array_equal(got.view(np.uint32), alone[:n_tok].view(np.uint32))
     _assert_close(mm(x), x, q)
 
 
