@@ -14,14 +14,20 @@ from typing import Any
 
 import numpy as np
 
+try:  # numpy >= 2
+    from numpy.lib.array_utils import byte_bounds as _byte_bounds
+except ImportError:  # numpy 1.26
+    _byte_bounds = np.byte_bounds  # type: ignore[attr-defined]
+
 __all__ = ["kv_bytes_per_token", "mem_available", "resident_nbytes"]
 
 
 def resident_nbytes(obj: Any) -> int:
     """Bytes of every numpy array reachable from ``obj`` (dataclasses, lists, dicts, objects
-    with ``__dict__``/``__slots__``), each array base counted once."""
-    seen: set[int] = set()
-    total = 0
+    with ``__dict__``/``__slots__``): the union of the memory ranges they span, so views of one
+    array count once, and weights carved out of a shared mapping (``storage.aligned.HugeArena``)
+    count their own bytes, not the mapping's."""
+    spans: list[tuple[int, int]] = []
     stack = [obj]
     visited: set[int] = set()
     while stack:
@@ -30,12 +36,9 @@ def resident_nbytes(obj: Any) -> int:
             continue
         visited.add(id(o))
         if isinstance(o, np.ndarray):
-            base = o
-            while isinstance(base.base, np.ndarray):
-                base = base.base
-            if id(base) not in seen:
-                seen.add(id(base))
-                total += int(base.nbytes)
+            if o.size:
+                lo, hi = _byte_bounds(o)
+                spans.append((int(lo), int(hi)))
             continue
         if isinstance(o, (str, bytes, int, float, bool, type(None))):
             continue
@@ -52,6 +55,11 @@ def resident_nbytes(obj: Any) -> int:
             for name in getattr(type(o), "__slots__", ()):
                 if hasattr(o, name):
                     stack.append(getattr(o, name))
+    total, end = 0, -1
+    for lo, hi in sorted(spans):
+        if hi > end:
+            total += hi - max(lo, end)
+            end = hi
     return total
 
 

@@ -417,28 +417,31 @@ def q8_prep_as(x, xq, bias, sx, xstride, bstride, words):  # type: ignore[no-unt
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _q8_row_pair(packed, scales, o, nb, xq, xo, bias, bo, sx, so, pf):  # type: ignore[no-untyped-def]
-    """Rows ``o`` and ``o + 1`` against the token whose digits, biases and scales start at
+def _q8_row_pair(packed, scales, o, d, nb, xq, xo, bias, bo, sx, so, pf):  # type: ignore[no-untyped-def]
+    """Rows ``o`` and ``o + d`` against the token whose digits, biases and scales start at
     ``xo``, ``bo``, ``so``: their two 16-lane accumulators. Per row, chunk ``g`` in increasing
     order: ``acc = fma(sw[g] * sx[g], float(dot), acc)``. The two rows share each activation
-    load; each row's arithmetic is the same as alone (``_q8_row``)."""
+    load; each row's arithmetic is the same as alone (``_q8_row``). ``pf`` > 0: each row is
+    prefetched ``pf`` bytes ahead."""
     n_chunks = nb // 32
     n_in = nb * 2
     row = o * nb
+    rowb = row + d * nb
     srow = o * n_chunks
+    srowb = srow + d * n_chunks
     a = vzero16()
     b = vzero16()
     for g in range(n_chunks):
         g0 = g * 32
         if pf > 0 and g % 2 == 0:
             prefetch(packed, row + g0 + pf)
-            prefetch(packed, row + nb + g0 + pf)
+            prefetch(packed, rowb + g0 + pf)
         xs = sx[so + g]
         xi, bi = xo + g * _XG, bo + g * 16
         fa = _dot(_unpack(packed, row + g0), xq, xi, n_in, bias, bi)
-        fb = _dot(_unpack(packed, row + nb + g0), xq, xi, n_in, bias, bi)
+        fb = _dot(_unpack(packed, rowb + g0), xq, xi, n_in, bias, bi)
         a = vfma16(vsplat16(scales[srow + g] * xs), fa, a)
-        b = vfma16(vsplat16(scales[srow + n_chunks + g] * xs), fb, b)
+        b = vfma16(vsplat16(scales[srowb + g] * xs), fb, b)
     return a, b
 
 
@@ -460,12 +463,14 @@ def _q8_row(packed, scales, o, nb, xq, xo, bias, bo, sx, so, pf):  # type: ignor
 
 @njit(nogil=True, cache=True)
 def q8_gemv(packed, scales, n_out, nb, xq, bias, sx, out, pf):  # type: ignore[no-untyped-def]
-    """One token: out [O]; ``scales`` [O, G], one per 64-column chunk. Rows go in pairs
-    sharing the activation loads."""
-    for o in range(0, n_out - 1, 2):
-        a, b = _q8_row_pair(packed, scales, o, nb, xq, 0, bias, 0, sx, 0, pf)
+    """One token: out [O]; ``scales`` [O, G], one per 64-column chunk. Rows go in pairs half
+    the matrix apart sharing the activation loads: two DRAM read streams far apart, each
+    prefetched ``pf / 2`` ahead (see the exact kernels' ``_i4_quad16``)."""
+    half = n_out // 2
+    for o in range(half):
+        a, b = _q8_row_pair(packed, scales, o, half, nb, xq, 0, bias, 0, sx, 0, pf // 2)
         out[o] = vhsum16(a)
-        out[o + 1] = vhsum16(b)
+        out[o + half] = vhsum16(b)
     if n_out % 2:
         o = n_out - 1
         out[o] = vhsum16(_q8_row(packed, scales, o, nb, xq, 0, bias, 0, sx, 0, pf))
@@ -482,7 +487,7 @@ def q8_gemm(packed, scales, n_out, nb, xq, bias, sx, xstride, bstride, out, pf):
         for t in range(n_tok):
             xo, bo, so = t * xstride, t * bstride, t * n_chunks
             a, b = _q8_row_pair(
-                packed, scales, o, nb, xq, xo, bias, bo, sx, so, pf if t == 0 else 0
+                packed, scales, o, 1, nb, xq, xo, bias, bo, sx, so, pf if t == 0 else 0
             )
             out[t, o] = vhsum16(a)
             out[t, o + 1] = vhsum16(b)
