@@ -16,6 +16,7 @@ over-allocates and returns an aligned view; the view keeps the allocation alive 
 from __future__ import annotations
 
 import mmap
+import threading
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -181,11 +182,16 @@ class HugeArena:
         self.used_bytes = 0  # bytes handed out (alignment padding included)
         self._cur: U8Array | None = None
         self._off = 0
+        self._lock = threading.Lock()  # loaders may read tensors from several threads
 
     def empty(self, nbytes: int) -> U8Array:
-        """An uninitialised uint8 array of ``nbytes``, 64-byte aligned."""
+        """An uninitialised uint8 array of ``nbytes``, 64-byte aligned (thread-safe)."""
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        with self._lock:
+            return self._carve(nbytes)
+
+    def _carve(self, nbytes: int) -> U8Array:
         if not self.huge or nbytes == 0:
             return aligned_empty(nbytes, self.PIECE_ALIGN)[:nbytes]
         if nbytes > self.chunk // 4:  # big: its own mapping (waste < 2 MiB of > chunk / 4)

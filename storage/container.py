@@ -541,9 +541,10 @@ class Container:
         """A matrix's bytes (or its scales) read into this container's :class:`HugeArena`:
         weights that stay resident sit packed on transparent huge pages where the kernel
         allows them."""
-        if self._arena is None:
-            self._arena = HugeArena()
-        return read_tensor(info, self._arena.empty(info.nbytes))
+        arena = self._arena
+        if arena is None:  # a race here makes two arenas, both correct
+            arena = self._arena = HugeArena()
+        return read_tensor(info, arena.empty(info.nbytes))
 
     def load_f32(self, name: str) -> F32Array:
         """Any tensor as float32: F32/BF16/F16 stored tensors in their stored shape (matrices

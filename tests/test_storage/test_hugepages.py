@@ -157,3 +157,15 @@ def test_read_tensor_into_a_given_buffer(tmp_path: Path) -> None:
     assert got.ctypes.data == buf.ctypes.data  # read in place
     with pytest.raises(ValueError, match="48 bytes"):
         read_tensor(info, np.empty(47, np.uint8))
+
+
+def test_the_weight_arena_carves_disjoint_pieces_from_several_threads() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    arena = HugeArena(chunk=2 * HUGE_PAGE)
+    sizes = [(k * 7919) % 300_000 + 1 for k in range(200)]
+    with ThreadPoolExecutor(8) as pool:
+        pieces = list(pool.map(arena.empty, sizes))
+    spans = sorted((p.ctypes.data, p.ctypes.data + p.nbytes) for p in pieces)
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in itertools.pairwise(spans))
+    assert arena.used_bytes == (sum(sizes) if arena.huge else 0)
