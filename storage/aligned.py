@@ -159,7 +159,7 @@ def aligned_empty(nbytes: int, align: int = ALIGN, *, huge: bool = False) -> U8A
 class HugeArena:
     """Resident weights on transparent huge pages, packed: 64-byte aligned pieces carved in
     order out of anonymous mappings advised ``MADV_HUGEPAGE`` (``chunk`` bytes each; a piece
-    larger than a chunk gets a mapping of its own).
+    over a quarter of a chunk gets a mapping of its own, rounded up to 2 MiB).
 
     Why: a matrix streamed from DRAM by four read streams (the one-token GEMVs) runs ~6%
     faster on huge pages than on 4 KiB ones (fewer TLB misses; docs/benchmarks.md), while one
@@ -179,7 +179,7 @@ class HugeArena:
         self.support = hugepage_support() if support is None else support
         self.huge = self.support.advise
         self.mapped_bytes = 0  # virtual bytes of the mappings made so far
-        self.used_bytes = 0  # bytes handed out (alignment padding included)
+        self.used_bytes = 0  # bytes handed out in huge-page mappings (padding not counted)
         self._cur: U8Array | None = None
         self._off = 0
         self._lock = threading.Lock()  # loaders may read tensors from several threads
