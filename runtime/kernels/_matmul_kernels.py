@@ -787,11 +787,11 @@ def _i4_quads16_t3(packed, scales, quarter, nb, s_row, s_step, y, ys, out, pf, t
 def _i4_gemm16_regs(packed, scales, n_out, nb, s_row, s_step, y, ys, out, pf):  # type: ignore[no-untyped-def]
     """T tokens for ``gbytes == 32``: tokens in register tiles of 4; a full tile takes the rows
     in pairs (``_i4_pairs16``: per pair and chunk two decodes and 20 activation loads for 40
-    multiply-adds), a last tile of one to three tokens four rows a quarter of the matrix apart
-    (``_i4_quad16``, ``_i4_quads16``, ``_i4_quads16_t3``: four DRAM read streams), the rows
-    left over one at a time (``_i4_rows16``). Every token's accumulator stays in a register
-    across the whole row, so no activation tile has to stay in L1. Per (token, row) exactly
-    the arithmetic of ``_i4_gemv16``."""
+    multiply-adds), a last tile of one token ``_i4_gemv16``, of two or three tokens four rows
+    a quarter of the matrix apart (``_i4_quads16``, ``_i4_quads16_t3``: four DRAM read
+    streams), the rows left over one at a time (``_i4_rows16``). Every token's accumulator
+    stays in a register across the whole row, so no activation tile has to stay in L1. Per
+    (token, row) exactly the arithmetic of ``_i4_gemv16``."""
     n_tok = out.shape[0]
     t0 = 0
     while t0 < n_tok:
@@ -799,13 +799,21 @@ def _i4_gemm16_regs(packed, scales, n_out, nb, s_row, s_step, y, ys, out, pf):  
         if nt == 4:
             _i4_pairs16(packed, scales, n_out // 2, nb, s_row, s_step, y, ys, out, pf, t0)
             o0 = n_out - n_out % 2
-        elif nt == 1:
-            yt = y[t0 * _PLANES * ys :]  # this token's planes
-            for o in range(n_out // 4):
-                _i4_quad16(
-                    packed, scales, o, n_out // 4, nb // 32, nb, s_row, s_step, yt, ys, out[t0], pf
-                )
-            o0 = n_out - n_out % 4
+        elif nt == 1:  # the one-token kernel on this token's planes, every row
+            _i4_gemv16(
+                packed,
+                scales,
+                n_out,
+                nb,
+                32,
+                s_row,
+                s_step,
+                y[t0 * _PLANES * ys :],
+                ys,
+                out[t0],
+                pf,
+            )
+            o0 = n_out
         elif nt == 2:
             _i4_quads16(packed, scales, n_out // 4, nb, s_row, s_step, y, ys, out, pf, t0)
             o0 = n_out - n_out % 4
@@ -1271,7 +1279,7 @@ def _i8_matmul16_tiles(w, scales, n_out, n_in, xp, ip, out, pf):  # type: ignore
 
 
 @njit(nogil=True, cache=True)
-def _i8_matmul16(w, scales, n_out, n_in, xp, ip, out, pf):  # type: ignore[no-untyped-def]
+def _i8_matmul16(w, scales, n_out, n_in, xp, out, pf):  # type: ignore[no-untyped-def]
     """int8 rows with 16-lane vectors, one token (``_i8_matmul16_tiles`` takes more): out
     [1, O] from ``w`` (flat [O * I]) and ``xp`` [Ip] (padded to a multiple of 16); the per-row
     scale applied to the row sum.

@@ -701,7 +701,7 @@ def matmul_int8(
     ip = (n_in + 15) // 16 * 16
     xp = _pad_rows(xx, ip)
     if n_tok == 1:
-        _i8_matmul16(ww, s, n_out, n_in, xp, ip, y, pf)
+        _i8_matmul16(ww, s, n_out, n_in, xp, y, pf)
     else:
         _i8_matmul16_tiles(ww, s, n_out, n_in, xp, ip, y, pf)
     return y
