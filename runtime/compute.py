@@ -47,6 +47,7 @@ from runtime.kernels.quant_matmul import (
     q8_input,
     routed_expert_int4,
     routed_expert_int4_q8,
+    routed_layer_int4,
 )
 from runtime.layers import moe as moe_ops
 from runtime.layers.swiglu import MLPWeights, fused, fused_q8, swiglu, swiglu_q8
@@ -123,6 +124,7 @@ class ExpertCompute:
         self.split_calls = 0  # matmuls whose output features were split over the pool
         self.split_experts = 0  # routed experts computed in parts by several threads
         self.early_experts = 0  # ... of them, begun before their down projection landed
+        self.layer_calls = 0  # steps whose routed experts ran as one kernel call (routed_layer)
 
     def close(self) -> None:
         """Stop the pool (when this instance started it); later steps run serially."""
@@ -360,6 +362,36 @@ class ExpertCompute:
             return routed_expert_int4(x, ids, gates, e, *f[0])
         return moe_ops.expert_output(x, ids, gates, e, w, self.swiglu)
 
+    def routed_layer(
+        self,
+        source: ExpertSource,
+        layer: int,
+        x: F32Array,
+        ids: npt.NDArray[np.int64],
+        gates: F32Array,
+        macs: int,
+    ) -> F32Array | None:
+        """The routed experts of a step in one kernel call (``routed_layer_int4``: each
+        expert's rows through the exact int4 kernels, summed per row in ascending expert id:
+        the bits of :meth:`expert_output` per expert and ``moe.combine``), when the step would
+        run serially (no pool, or ``macs`` below ``parallel_min_macs``) on the exact kernels
+        and every expert of the layer is resident int4; else None (the step runs expert by
+        expert). Saves the per-expert Python of small steps: a batched decode step of the
+        demo model routes ~18 experts per layer."""
+        if (
+            not isinstance(source, ResidentExperts)
+            or self.fast_int8
+            or (self._pool is not None and macs >= self.parallel_min_macs)
+            or (self.fast_min_rows and x.shape[0] >= self.fast_min_rows)
+        ):
+            return None
+        table = source.int4_layer(layer)
+        if table is None:
+            return None
+        with self._lock:
+            self.layer_calls += 1
+        return routed_layer_int4(x, ids, gates, table)
+
     def split_expert(
         self, x: F32Array, ids: npt.NDArray[np.int64], gates: F32Array, e: int, w: MLPWeights
     ) -> SplitExpert | None:
@@ -511,5 +543,6 @@ class ExpertCompute:
             "split_calls": self.split_calls,
             "split_experts": self.split_experts,
             "early_experts": self.early_experts,
+            "layer_calls": self.layer_calls,
             "kernels": self.kernels,
         }

@@ -20,12 +20,13 @@ import numpy as np
 import numpy.typing as npt
 
 from runtime.kernels.heads import HeadsMatmul
+from runtime.kernels.quant_matmul import Int4Layer
 from runtime.layers.dsa_indexer import IndexerWeights
 from runtime.layers.gqa import GQAWeights
 from runtime.layers.mla import MLADims, MLAWeights
 from runtime.layers.moe import MoEWeights
 from runtime.layers.moe_router import RouterConfig
-from runtime.layers.swiglu import MLPWeights
+from runtime.layers.swiglu import MLPWeights, fused
 from runtime.linear import Linear
 from storage.arch import FAMILIES, ArchConfig, Family
 from storage.errors import ModelError, ReadError
@@ -442,9 +443,11 @@ class ResidentExperts:
         ``progress(done, total)`` is called after each expert. ``keys``: only these
         ``(layer, expert)`` (a cluster worker's share) instead of every expert of ``layers``."""
         self._experts: dict[tuple[int, int], ExpertWeights] = {}
+        self._tables: dict[int, Int4Layer | None] = {}  # int4_layer's, made on first use
         self.nbytes = 0
+        self._n_experts = ArchConfig.from_dict(container.config).n_routed_experts
         if keys is None:
-            n_experts = ArchConfig.from_dict(container.config).n_routed_experts
+            n_experts = self._n_experts
             todo = list(container.expert_layers() if layers is None else layers)
             wanted = [(layer, e) for layer in todo for e in range(n_experts)]
         else:
@@ -479,6 +482,20 @@ class ResidentExperts:
         self, layer: int, experts: Sequence[int], lookahead: Lookahead | None = None
     ) -> Iterator[tuple[int, ExpertWeights]]:
         yield from self.get(layer, experts).items()
+
+    def int4_layer(self, layer: int) -> Int4Layer | None:
+        """Layer ``layer``'s routed experts as the tables of one int4 kernel call for all of
+        them (:func:`runtime.kernels.quant_matmul.routed_layer_int4`), made on first use; None
+        when an expert of the layer is not here or not int4 with the kernel (each expert then
+        runs on its own)."""
+        if layer in self._tables:
+            return self._tables[layer]
+        found = [self._experts.get((layer, e)) for e in range(self._n_experts)]
+        table = None
+        if all(w is not None for w in found):
+            table = Int4Layer.build([fused(w) for w in found if w is not None])
+        self._tables[layer] = table
+        return table
 
     def map_arrivals(
         self,

@@ -1439,6 +1439,28 @@ def i4_expert(x, ids, gates, e, gp, gsc, gw, upk, usc, uw, dp, dsc, dw, pf):  # 
     return rows, out
 
 
+@njit(nogil=True, cache=True)
+def i4_moe(x, ids, gates, es, gps, gscs, gw, ups, uscs, uw, dps, dscs, dw, pf):  # type: ignore[no-untyped-def]
+    """The routed half of a MoE layer in one call: ``out [T, D]`` = for each expert of ``es``
+    (the routed ids, ascending) ``i4_expert`` on its rows, added into its rows' sums in that
+    order, from zeros: the bits of ``i4_expert`` per expert and ``moe.combine``. ``gps`` ...
+    ``dscs``: the layer's packed bytes and scales per expert id (typed lists); ``gw``, ``uw``,
+    ``dw``: the walks every expert of the layer shares."""
+    n_tok = x.shape[0]
+    n_d = dw[0]
+    out = np.zeros((n_tok, n_d), np.float32)
+    for j in range(es.shape[0]):
+        e = es[j]
+        rows, ye = i4_expert(
+            x, ids, gates, e, gps[e], gscs[e], gw, ups[e], uscs[e], uw, dps[e], dscs[e], dw, pf
+        )
+        for r in range(rows.shape[0]):
+            t = rows[r]
+            for c in range(n_d):
+                out[t, c] += ye[r, c]
+    return out
+
+
 @njit(nogil=True, cache=True, inline="always")
 def _i4_rows(walk, a, b):  # type: ignore[no-untyped-def]
     """The walk of rows ``[a, b)`` of an int4 weight (their bytes and scales are contiguous)."""
@@ -1483,6 +1505,7 @@ def i4_down_part(h, dp, dsc, dw, c, d, g, out, pf):  # type: ignore[no-untyped-d
 #: Every compiled kernel (tests check they were built with ``nogil=True``).
 KERNELS = (
     _i4_gemm16_regs,
+    i4_moe,
     silu_mul,
     i4_expert,
     expert_gather,

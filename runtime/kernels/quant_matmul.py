@@ -12,11 +12,13 @@ packed bytes per int4 row.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
+from numba import typed
 
 from runtime.kernels._matmul_kernels import (
     _KIND_BF16,
@@ -32,6 +34,7 @@ from runtime.kernels._matmul_kernels import (
     i4_down_part,
     i4_expert,
     i4_matmul,
+    i4_moe,
     i4_swiglu,
     i4_swiglu_part,
     silu_mul,
@@ -44,6 +47,7 @@ __all__ = [
     "DEFAULT_PREFETCH",
     "INT4_LANES",
     "KERNELS",
+    "Int4Layer",
     "Int4Weight",
     "Q8Input",
     "Q8Weight",
@@ -60,6 +64,7 @@ __all__ = [
     "q8_weight",
     "routed_expert_int4",
     "routed_expert_int4_q8",
+    "routed_layer_int4",
     "silu_times",
     "swiglu_int4",
     "swiglu_int4_q8",
@@ -313,6 +318,70 @@ def routed_expert_int4(
     )
     rows, out = i4_expert(xx, ids, gates, int(e), *gate, *up, *down, pf)
     return rows, out
+
+
+class Int4Layer:
+    """A MoE layer's routed int4 experts as the tables of :func:`routed_layer_int4`: each
+    projection's packed bytes and scales per expert id (numba typed lists, made once) and the
+    walks every expert shares. Build with :meth:`build`."""
+
+    __slots__ = ("_lists", "n_experts", "walks")
+
+    def __init__(self, n_experts: int, walks: tuple[Any, Any, Any], lists: tuple[Any, ...]):
+        self.n_experts = n_experts
+        self.walks = walks
+        self._lists = lists
+
+    @classmethod
+    def build(
+        cls, experts: Sequence[tuple[Int4Weight, Int4Weight, Int4Weight] | None]
+    ) -> Int4Layer | None:
+        """Tables for experts ``0 .. len(experts) - 1`` (each the ``fused`` arguments of one
+        expert), or None when one has none or their shapes or scale layouts differ (each
+        expert then runs on its own)."""
+        if not experts or experts[0] is None:
+            return None
+        walks = tuple(w.walk for w in experts[0])
+        _check_mlp("Int4Layer", *experts[0])
+        lists = tuple(typed.List() for _ in range(6))
+        for f in experts:
+            if f is None or tuple(w.walk for w in f) != walks:
+                return None
+            for k, w in enumerate(f):
+                lists[2 * k].append(w.packed)
+                lists[2 * k + 1].append(w.scales)
+        return cls(len(experts), walks, lists)  # type: ignore[arg-type]
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.walks[2][0])
+
+
+def routed_layer_int4(
+    x: F32Array,
+    ids: npt.NDArray[np.int64],
+    gates: F32Array,
+    layer: Int4Layer,
+    *,
+    prefetch_distance: int = DEFAULT_PREFETCH,
+) -> F32Array:
+    """The routed experts of a MoE layer on rows ``x`` [T, D] (``ids`` / ``gates`` [T, K]) in
+    one kernel call: [T, D], the bits of :func:`routed_expert_int4` for every routed expert
+    summed per row in ascending expert id from zeros (``runtime.layers.moe.combine``).
+    Raises ``ValueError`` on a shape mismatch or an expert id outside the layer."""
+    xx = _check_x(x, layer.hidden_size)
+    _check_routing(ids, gates, xx.shape[0])
+    pf = _check_prefetch(prefetch_distance)
+    es = np.unique(ids)  # [U] ascending
+    if es.size and (es[0] < 0 or es[-1] >= layer.n_experts):
+        raise ValueError(f"expert ids must be in 0..{layer.n_experts - 1}, got {es[0]}..{es[-1]}")
+    gp, gs, up, us, dp, ds = layer._lists
+    gw, uw, dw = layer.walks
+    out: F32Array = i4_moe(
+        xx, np.ascontiguousarray(ids), np.ascontiguousarray(gates), es,
+        gp, gs, gw, up, us, uw, dp, ds, dw, pf,
+    )  # fmt: skip
+    return out
 
 
 def _check_expert(

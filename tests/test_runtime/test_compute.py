@@ -108,7 +108,11 @@ def test_threads_give_bit_identical_rows_resident() -> None:
             [m.forward(ids[i : i + size], cache, ctx=ctx).logits for i in range(0, ids.size, size)]
         )
 
-    ref = chunked(1, StepContext())  # token by token: nothing to split
+    serial = StepContext()
+    ref = chunked(1, serial)  # token by token: nothing to split
+    # serially, each layer's routed experts ran as one kernel call (routed_layer); the pool
+    # runs them expert by expert: the same bits
+    assert serial.compute.layer_calls > 0
     pool = StepContext(ExpertCompute(3, parallel_min_macs=0))
     try:
         # whole prompt, and chunks after a prefix (row blocks of later chunks see the cache)
@@ -117,6 +121,7 @@ def test_threads_give_bit_identical_rows_resident() -> None:
         for size in (ids.size, 31, 1):
             assert np.array_equal(chunked(size, pool), ref), size
         assert pool.compute.parallel_steps > 0  # the pool really ran the experts
+        assert pool.compute.layer_calls == 0
         assert pool.compute.split_calls > 0  # ... and split one-row matmuls
     finally:
         pool.compute.close()

@@ -475,6 +475,57 @@ def test_routed_expert_in_one_call_is_the_numpy_path_bit_for_bit() -> None:
 
 
 @pytest.mark.parametrize("lanes", [8, 16])
+def test_routed_layer_in_one_call_is_the_experts_and_combine_bit_for_bit(lanes: int) -> None:
+    """``routed_layer_int4`` (every routed expert of a layer in one call) gives the bits of
+    ``routed_expert_int4`` per expert summed by ``moe.combine`` (ascending expert id, from
+    zeros), for one row and several, experts routed to one row and to many; a row's result
+    does not depend on the other rows; layers whose experts differ in shape get no table;
+    bad arguments raise."""
+    from runtime.kernels.quant_matmul import Int4Layer, routed_expert_int4, routed_layer_int4
+    from runtime.layers import moe
+    from runtime.layers.swiglu import MLPWeights, fused
+
+    d, f, n_e = 128, 64, 12
+    experts = [
+        fused(MLPWeights(*(Linear(_weights("int4-g64", o, i, seed=10 * e + s), lanes=lanes)
+                           for s, (o, i) in enumerate([(f, d), (f, d), (d, f)]))))
+        for e in range(n_e)
+    ]  # fmt: skip
+    table = Int4Layer.build(experts)
+    assert table is not None and table.n_experts == n_e
+    rng = np.random.default_rng(5)
+    ids = np.array([rng.permutation(n_e)[:4] for _ in range(7)], np.int64)  # [T, K]
+    for row in ids:  # expert 7: every row
+        if 7 not in row:
+            row[1] = 7
+    gates = rng.random(ids.shape, dtype=np.float32)
+    x = _x(7, d, seed=6)
+    x[3] *= 1e3
+    outputs = {}
+    for e in moe.union(ids):
+        f3 = experts[int(e)]
+        assert f3 is not None
+        outputs[int(e)] = routed_expert_int4(x, ids, gates, int(e), *f3)
+    want = moe.combine(x, ids, outputs)
+    got = routed_layer_int4(x, ids, gates, table)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    for t in (0, 3, 6):  # one row alone: the same bits
+        one = routed_layer_int4(x[t : t + 1], ids[t : t + 1], gates[t : t + 1], table)
+        np.testing.assert_array_equal(one[0].view(np.uint32), got[t].view(np.uint32))
+    assert routed_layer_int4(x[:0], ids[:0], gates[:0], table).shape == (0, d)
+    other = fused(MLPWeights(*(Linear(_weights("int4-g64", o, i, seed=99), lanes=lanes)
+                               for o, i in [(2 * f, d), (2 * f, d), (d, 2 * f)])))  # fmt: skip
+    assert Int4Layer.build([*experts[:3], other]) is None
+    assert Int4Layer.build([*experts[:3], None]) is None
+    with pytest.raises(ValueError, match="expert ids"):
+        routed_layer_int4(x, np.where(ids == 7, n_e, ids), gates, table)
+    with pytest.raises(ValueError, match="gates"):
+        routed_layer_int4(x, ids, gates[:, :2], table)
+    with pytest.raises(ValueError, match="features"):
+        routed_layer_int4(x[:, :-1], ids, gates, table)
+
+
+@pytest.mark.parametrize("lanes", [8, 16])
 @pytest.mark.parametrize(("fmt", "d", "f"), [("int4-g64", 256, 192), ("int4-row", 160, 320),
                                              ("int4-g32", 96, 48)])  # fmt: skip
 def test_split_expert_parts_are_the_one_call_bit_for_bit(

@@ -160,7 +160,10 @@ def main() -> int:
         proc, base = _start(args.model, queue=max(levels) + 1)
     try:
         model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
-        asyncio.run(_level(base, model, 1, 2, args.tokens))  # warm-up (JIT, caches)
+        # warm-up, every level once: the first batched steps of each width compile (or load)
+        # their kernels, which must not land in a timed round
+        for n in levels:
+            asyncio.run(_level(base, model, n, 1, args.tokens))
         runs: dict[int, list[dict[str, Any]]] = {n: [] for n in levels}
         for r in range(args.rounds):
             # the levels rotate each round, so that none always runs first (or last)
