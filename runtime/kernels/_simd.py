@@ -139,14 +139,27 @@ def _bytes_as_i32(context: Any, builder: Any, sig: Any, args: Any, n: int) -> An
     return builder.zext(raw, ir.VectorType(_I32, n))  # int32 lanes: numba would widen to int64
 
 
-def _lane_sum(builder: Any, lanes: list[Any]) -> Any:
-    """Fixed-order sum: fold the halves lane by lane (``v[k] + v[k + n/2]``) down to 8 lanes,
-    then ``((v0+v4)+(v2+v6)) + ((v1+v5)+(v3+v7))``."""
-    while len(lanes) > 8:
-        half = len(lanes) // 2
-        lanes = [builder.fadd(lanes[k], lanes[k + half]) for k in range(half)]
-    h = [builder.fadd(lanes[k], lanes[k + 4]) for k in range(4)]  # v0+v4, v1+v5, ...
-    return builder.fadd(builder.fadd(h[0], h[2]), builder.fadd(h[1], h[3]))
+def _lane_sum(builder: Any, v: Any, n: int) -> Any:
+    """Fixed-order sum of the ``n`` lanes of vector ``v``: fold the halves lane by lane
+    (``v[k] + v[k + n/2]``) down to 8 lanes, then ``((v0+v4)+(v2+v6)) + ((v1+v5)+(v3+v7))``.
+
+    Each fold is one vector add of the low half and the high half (a shuffle each), so LLVM
+    emits a few shuffles and adds instead of extracting every lane: the same IEEE additions
+    in the same order, so the same bits as adding the extracted lanes one by one (a kernel row
+    of few groups spent most of its time here: the demo model's experts)."""
+    width = n
+    while width > 2:
+        half = width // 2
+        mask = ir.VectorType(_I32, half)
+        lo = builder.shuffle_vector(v, v, ir.Constant(mask, list(range(half))))
+        hi = builder.shuffle_vector(v, v, ir.Constant(mask, [half + k for k in range(half)]))
+        v = builder.fadd(lo, hi)  # lanes: v[k] + v[k + half]
+        width = half
+    # v = [(v0+v4)+(v2+v6), (v1+v5)+(v3+v7)] (for n = 8; the folds above it for n = 16)
+    return builder.fadd(
+        builder.extract_element(v, ir.Constant(_I32, 0)),
+        builder.extract_element(v, ir.Constant(_I32, 1)),
+    )
 
 
 @functools.cache
@@ -322,8 +335,7 @@ def _make(vt: Any) -> dict[str, Any]:
             return None
 
         def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-            lanes = [builder.extract_element(args[0], ir.Constant(_I32, k)) for k in range(n)]
-            return _lane_sum(builder, lanes)
+            return _lane_sum(builder, args[0], n)
 
         return types.float32(v), codegen
 

@@ -405,6 +405,43 @@ def test_nibble_decode_by_table_lookup_gives_the_portable_floats() -> None:
     np.testing.assert_array_equal(a, (packed & 15).astype(np.float32) - 8)
 
 
+def test_lane_sums_add_in_the_documented_order() -> None:
+    """``vhsum`` / ``vhsum16`` (a few shuffles and vector adds) give, bit for bit, the fixed
+    order every kernel's result is defined by: fold the halves lane by lane down to 8 lanes,
+    then ``((v0+v4)+(v2+v6)) + ((v1+v5)+(v3+v7))``; another order differs on these values
+    (magnitudes 1e-8 to 1e8, so that float32 rounding depends on the order)."""
+    from numba import njit
+
+    from runtime.kernels._simd import vhsum, vhsum16, vload, vload16
+
+    @njit(nogil=True)
+    def sums(a):  # type: ignore[no-untyped-def]
+        n = a.size // 16
+        s8 = np.empty(n, np.float32)
+        s16 = np.empty(n, np.float32)
+        for r in range(n):
+            s8[r] = vhsum(vload(a, 16 * r))
+            s16[r] = vhsum16(vload16(a, 16 * r))
+        return s8, s16
+
+    def fold(v: npt.NDArray[np.float32]) -> np.float32:
+        while v.size > 8:
+            v = v[: v.size // 2] + v[v.size // 2 :]
+        h = v[:4] + v[4:]
+        return (h[0] + h[2]) + (h[1] + h[3])
+
+    rng = np.random.default_rng(11)
+    a = (rng.standard_normal(16 * 400) * 10.0 ** rng.integers(-8, 9, 16 * 400)).astype(np.float32)
+    s8, s16 = sums(a)
+    rows = a.reshape(-1, 16)
+    want8 = np.array([fold(r[:8]) for r in rows], np.float32)
+    want16 = np.array([fold(r) for r in rows], np.float32)
+    np.testing.assert_array_equal(s8.view(np.uint32), want8.view(np.uint32))
+    np.testing.assert_array_equal(s16.view(np.uint32), want16.view(np.uint32))
+    sequential = np.array([np.cumsum(r, dtype=np.float32)[-1] for r in rows], np.float32)
+    assert not np.array_equal(sequential, want16)  # the order matters on these values
+
+
 @pytest.mark.parametrize(
     ("fmt", "d", "f", "lanes"),
     [
