@@ -221,17 +221,14 @@ def _i4_quad(packed, scales, o, quarter, n_groups, nb, s_row, s_step, y, ys, out
     srows = (o * s_row, o * s_row + sq, o * s_row + 2 * sq, o * s_row + 3 * sq)
     ahead = pf // _STREAMS
     accs = (vzero(), vzero(), vzero(), vzero())
-    for g in range(0, n_groups - 1, 2):
-        if ahead > 0:
+    for g in range(n_groups):
+        if ahead > 0 and g % 2 == 0:  # one cache line per row every two groups
             g0 = g * 32 + ahead
             prefetch(packed, rows[0] + g0)
             prefetch(packed, rows[1] + g0)
             prefetch(packed, rows[2] + g0)
             prefetch(packed, rows[3] + g0)
         accs = _i4_quad_group(packed, scales, g, rows, srows, s_step, y, ys, accs)
-        accs = _i4_quad_group(packed, scales, g + 1, rows, srows, s_step, y, ys, accs)
-    if n_groups % 2:
-        accs = _i4_quad_group(packed, scales, n_groups - 1, rows, srows, s_step, y, ys, accs)
     out[o] = vhsum(accs[0])
     out[o + quarter] = vhsum(accs[1])
     out[o + 2 * quarter] = vhsum(accs[2])
@@ -517,25 +514,24 @@ def _i4_quad16(packed, scales, o, quarter, n_groups, nb, s_row, s_step, y, ys, o
     0.59 to ~0.75 of a one-thread read loop (adjacent rows side by side did not help:
     0.39-0.65). Each stream is prefetched ``pf / 4`` ahead (the bytes in flight of one stream
     at ``pf``; on huge pages 1 KiB ahead per stream was 3-4% faster than 2 KiB, and 2 KiB 5-8%
-    faster than 4 KiB on 4 KiB pages). Two groups (one cache line per row) per pass; see
-    docs/benchmarks.md."""
+    faster than 4 KiB on 4 KiB pages), once every two groups (one cache line per row). One
+    group per pass: with two per pass and an odd group after the loop, LLVM kept the
+    accumulators in memory across the joins, ~10 ns per row more (a [256, 128] GEMV from L2:
+    3.9 -> 1.2 us, AVX-512 Intel guest; from DRAM the same). See docs/benchmarks.md."""
     q = quarter * nb
     rows = (o * nb, o * nb + q, o * nb + 2 * q, o * nb + 3 * q)
     sq = quarter * s_row
     srows = (o * s_row, o * s_row + sq, o * s_row + 2 * sq, o * s_row + 3 * sq)
     ahead = pf // _STREAMS
     accs = (vzero16(), vzero16(), vzero16(), vzero16())
-    for g in range(0, n_groups - 1, 2):
-        if ahead > 0:
+    for g in range(n_groups):
+        if ahead > 0 and g % 2 == 0:  # one cache line per row every two groups
             g0 = g * 32 + ahead
             prefetch(packed, rows[0] + g0)
             prefetch(packed, rows[1] + g0)
             prefetch(packed, rows[2] + g0)
             prefetch(packed, rows[3] + g0)
         accs = _i4_quad16_group(packed, scales, g, rows, srows, s_step, y, ys, accs)
-        accs = _i4_quad16_group(packed, scales, g + 1, rows, srows, s_step, y, ys, accs)
-    if n_groups % 2:
-        accs = _i4_quad16_group(packed, scales, n_groups - 1, rows, srows, s_step, y, ys, accs)
     out[o] = vhsum16(accs[0])
     out[o + quarter] = vhsum16(accs[1])
     out[o + 2 * quarter] = vhsum16(accs[2])
@@ -1187,6 +1183,40 @@ def _dot4_i8x16(w, wi, rs, n_in, xp, xi, tails, pf):  # type: ignore[no-untyped-
 
 
 @njit(nogil=True, cache=True, inline="always")
+def _dot4_i8x16_whole(w, wi, rs, n_in, xp, xi, pf):  # type: ignore[no-untyped-def]
+    """``_dot4_i8x16`` for rows of whole 64-column blocks (``n_in % 64 == 0``): its main loop
+    alone, so the same FMAs in the same order (the same bits). Without the tail loop and
+    branch after it, LLVM keeps the sixteen chains in registers: [4096, 256] from L2 went
+    from 12.4 to 8.9 ns per row (AVX-512 Intel guest; rows that long from DRAM: the same)."""
+    wj, wk, wl = wi + rs, wi + 2 * rs, wi + 3 * rs
+    a0, a1, a2, a3 = vzero16(), vzero16(), vzero16(), vzero16()
+    b0, b1, b2, b3 = vzero16(), vzero16(), vzero16(), vzero16()
+    c0, c1, c2, c3 = vzero16(), vzero16(), vzero16(), vzero16()
+    d0, d1, d2, d3 = vzero16(), vzero16(), vzero16(), vzero16()
+    ahead = pf // _STREAMS
+    for c in range(0, n_in, 64):
+        if ahead > 0:
+            prefetch(w, wi + c + ahead)
+            prefetch(w, wj + c + ahead)
+            prefetch(w, wk + c + ahead)
+            prefetch(w, wl + c + ahead)
+        x0 = vload16(xp, xi + c)
+        x1 = vload16(xp, xi + c + 16)
+        x2 = vload16(xp, xi + c + 32)
+        x3 = vload16(xp, xi + c + 48)
+        a0, a1, a2, a3 = _chains_i8x16(w, wi + c, x0, x1, x2, x3, a0, a1, a2, a3)
+        b0, b1, b2, b3 = _chains_i8x16(w, wj + c, x0, x1, x2, x3, b0, b1, b2, b3)
+        c0, c1, c2, c3 = _chains_i8x16(w, wk + c, x0, x1, x2, x3, c0, c1, c2, c3)
+        d0, d1, d2, d3 = _chains_i8x16(w, wl + c, x0, x1, x2, x3, d0, d1, d2, d3)
+    return (
+        vhsum16(vadd16(vadd16(a0, a1), vadd16(a2, a3))),
+        vhsum16(vadd16(vadd16(b0, b1), vadd16(b2, b3))),
+        vhsum16(vadd16(vadd16(c0, c1), vadd16(c2, c3))),
+        vhsum16(vadd16(vadd16(d0, d1), vadd16(d2, d3))),
+    )
+
+
+@njit(nogil=True, cache=True, inline="always")
 def _i8_row_tile16(w, wi, n_in, xp, xi, ip, tail, nt, pf):  # type: ignore[no-untyped-def]
     """``_row_dot_i8x16`` of one int8 row for ``nt`` (1 to 4) tokens at once (rows ``xi``,
     ``xi + ip``, ...): each 16-column block of the row is converted once for the tile, and
@@ -1296,13 +1326,17 @@ def _i8_matmul16(w, scales, n_out, n_in, xp, out, pf):  # type: ignore[no-untype
     rem = n_in - n16
     quarter = n_out // 4
     rs = quarter * n_in
+    whole = n_in % 64 == 0
     for o in range(quarter):
         wi = o * n_in
-        if rem > 0:
-            for r in range(4):
-                for k in range(rem):
-                    tails[16 * r + k] = w[wi + r * rs + n16 + k]
-        y0, y1, y2, y3 = _dot4_i8x16(w, wi, rs, n_in, xp, 0, tails, pf)
+        if whole:
+            y0, y1, y2, y3 = _dot4_i8x16_whole(w, wi, rs, n_in, xp, 0, pf)
+        else:
+            if rem > 0:
+                for r in range(4):
+                    for k in range(rem):
+                        tails[16 * r + k] = w[wi + r * rs + n16 + k]
+            y0, y1, y2, y3 = _dot4_i8x16(w, wi, rs, n_in, xp, 0, tails, pf)
         out[0, o] = y0 * scales[o]
         out[0, o + quarter] = y1 * scales[o + quarter]
         out[0, o + 2 * quarter] = y2 * scales[o + 2 * quarter]
