@@ -130,6 +130,23 @@ def load_acquire(typingctx: Any, arr: Any, idx: Any) -> Any:
     return sig, codegen
 
 
+@_intrinsic
+def f32_at(typingctx: Any, addr: Any) -> Any:
+    """``f32_at(addr)``: the address ``addr`` (an integer, e.g. ``a.ctypes.data``) as a float32
+    pointer, for ``numba.carray``: a kernel reads arrays of different objects (one KV cache
+    per sequence) through one compiled signature. The caller keeps those arrays alive and
+    large enough for the call."""
+    if not isinstance(addr, types.Integer):
+        return None
+    ptr = types.CPointer(types.float32)
+    sig = ptr(addr)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.inttoptr(args[0], context.get_value_type(ptr))
+
+    return sig, codegen
+
+
 @njit(nogil=True, cache=True)
 def zeros64(n, dtype):  # type: ignore[no-untyped-def]
     """``np.zeros(n, dtype)`` whose first element starts a 64-byte cache line (a view into a

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import numpy as np
 import numpy.typing as npt
-from numba import njit
+from numba import carray, njit
 
-from runtime.kernels._intrinsics import ALIGN, zeros64
+from runtime.kernels._intrinsics import ALIGN, f32_at, zeros64
 from runtime.kernels._simd import vfma16, vhsum16, vload16, vsplat16, vstore16, vzero16
 
-__all__ = ["KERNELS", "latent_attention"]
+__all__ = ["KERNELS", "latent_attention", "latent_attention_seqs"]
 
 F32Array = npt.NDArray[np.float32]
 _KEY_BLOCK = 8  # keys whose weighted values are added per pass over the output (their rows: L1)
@@ -253,5 +253,85 @@ def _attend(  # type: ignore[no-untyped-def]
     return out
 
 
+@njit(nogil=True, cache=True)
+def _attend_seqs(  # type: ignore[no-untyped-def]
+    q_lat, q_rope, latents, k_ropes, lengths, bounds, masks, mask_at, n_heads, c, r, scale
+):
+    """:func:`_attend` for the rows of several sequences in one call: sequence ``j`` has rows
+    ``bounds[j] .. bounds[j + 1]`` of the flat ``q_lat`` [N*NH*C] / ``q_rope`` [N*NH*R], its
+    ``lengths[j]`` keys at the addresses ``latents[j]`` / ``k_ropes[j]`` (its KV cache's rows:
+    64-byte aligned, alive for the call) and its mask at ``masks[mask_at[j] : mask_at[j + 1]]``
+    (empty: every causal key). Each sequence's rows get exactly :func:`_latent_attention` over
+    its own keys, so the same bits as one call per sequence."""
+    out = zeros64(bounds[-1] * n_heads * c, np.float32)
+    for j in range(lengths.size):
+        lo, hi = bounds[j], bounds[j + 1]
+        s_all = lengths[j]
+        qa, qb = lo * n_heads * c, hi * n_heads * c
+        latent = carray(f32_at(latents[j]), s_all * c)
+        k_rope = carray(f32_at(k_ropes[j]), s_all * r)
+        part = _on_a_line(out[qa:qb])
+        _latent_attention(
+            _on_a_line(q_lat[qa:qb]), _on_a_line(q_rope[lo * n_heads * r : hi * n_heads * r]),
+            latent, k_rope, masks[mask_at[j] : mask_at[j + 1]],
+            hi - lo, n_heads, c, r, s_all, scale, 0, part,
+        )  # fmt: skip
+        if part.ctypes.data != out[qa:qb].ctypes.data:
+            out[qa:qb] = part
+    return out
+
+
+def latent_attention_seqs(
+    q_lat: F32Array,
+    q_rope: F32Array,
+    keys: list[tuple[F32Array, F32Array]],
+    rows: list[int],
+    allowed: list[npt.NDArray[np.bool_] | None],
+    scale: float,
+) -> F32Array:
+    """:func:`latent_attention` for several sequences in one kernel call: ``q_lat`` [N, NH, C]
+    and ``q_rope`` [N, NH, R] hold their rows one sequence after another (``rows[j]`` of
+    sequence ``j``), ``keys[j]`` its (``latent`` [S_j, C], ``k_rope`` [S_j, R]) and
+    ``allowed[j]`` its [T_j, S_j] mask or None -> [N, NH, C], each sequence's rows the bits of
+    its own :func:`latent_attention` call (``rows_after`` 0: the rows are its last)."""
+    n, nh, c = q_lat.shape
+    r = q_rope.shape[2]
+    if len(keys) != len(rows) or len(allowed) != len(rows) or sum(rows) != n:
+        raise ValueError(f"{len(keys)} key sets, {len(rows)} row counts ({sum(rows)} rows), "
+                         f"{len(allowed)} masks for {n} query rows")  # fmt: skip
+    lengths = np.empty(len(rows), np.int64)
+    lat_at = np.empty(len(rows), np.int64)
+    rope_at = np.empty(len(rows), np.int64)
+    parts = []
+    mask_at = np.zeros(len(rows) + 1, np.int64)
+    for j, ((latent, k_rope), t, mask) in enumerate(zip(keys, rows, allowed, strict=True)):
+        s_all = latent.shape[0]
+        if (
+            latent.dtype != np.float32 or k_rope.dtype != np.float32
+            or latent.shape[1:] != (c,) or k_rope.shape != (s_all, r)
+            or not (latent.flags.c_contiguous and k_rope.flags.c_contiguous)
+            or latent.ctypes.data % ALIGN or k_rope.ctypes.data % ALIGN
+            or not 1 <= t <= s_all
+        ):  # fmt: skip
+            raise ValueError(f"sequence {j}: latent {latent.shape}, k_rope {k_rope.shape} "
+                             f"(float32, C-contiguous, 64-byte aligned) for {t} rows")  # fmt: skip
+        if mask is not None:
+            if mask.shape != (t, s_all):
+                raise ValueError(f"sequence {j}: allowed {mask.shape} for T={t}, S={s_all}")
+            parts.append(np.ascontiguousarray(mask).view(np.uint8).reshape(-1))
+        mask_at[j + 1] = mask_at[j] + (0 if mask is None else t * s_all)
+        lengths[j] = s_all
+        lat_at[j] = latent.ctypes.data
+        rope_at[j] = k_rope.ctypes.data
+    masks = np.concatenate(parts) if parts else _NO_MASK
+    bounds = np.zeros(len(rows) + 1, np.int64)
+    np.cumsum(rows, out=bounds[1:])
+    out: F32Array = _attend_seqs(
+        _flat(q_lat), _flat(q_rope), lat_at, rope_at, lengths, bounds, masks, mask_at,
+        nh, c, r, np.float32(scale),
+    )  # fmt: skip
+    return out.reshape(n, nh, c)
+
+
 #: Every compiled kernel (tests check they were built with ``nogil=True``).
-KERNELS = (_latent_attention, _attend, _on_a_line, _dot, _dot4, _keep)
+KERNELS = (_latent_attention, _attend, _attend_seqs, _on_a_line, _dot, _dot4, _keep)

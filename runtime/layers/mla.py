@@ -243,6 +243,21 @@ def latent_attention(
     )
 
 
+def latent_attention_seqs(
+    q_lat: F32Array,
+    q_rope: F32Array,
+    keys: list[tuple[F32Array, F32Array]],
+    rows: list[int],
+    allowed: list[BoolArray | None],
+    scale: float,
+) -> F32Array:
+    """:func:`latent_attention` for the rows of several sequences (``rows[j]`` rows of
+    sequence ``j`` one after another in ``q_lat`` [N, NH, C] / ``q_rope`` [N, NH, R], its
+    cache's (``latent``, ``k_rope``) in ``keys[j]``, its mask or None in ``allowed[j]``) in
+    one kernel call: each sequence's rows the bits of its own call."""
+    return attention_kernel.latent_attention_seqs(q_lat, q_rope, keys, rows, allowed, scale)
+
+
 def unabsorb_values(w: MLAWeights, d: MLADims, o_lat: F32Array) -> F32Array:
     """Latent attention outputs [T, NH, C] through W_UV -> [T, NH * V] (rows independent)."""
     t = o_lat.shape[0]

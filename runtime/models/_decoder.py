@@ -644,32 +644,32 @@ class MLAMoEModel(DecoderStack):
         sin = np.concatenate([seq.sin for seq in seqs])
         proj_all = self._project(ctx, lw, x_all, cos, sin)
         q_lat_all = mla.absorb_queries(lw.attn, d, proj_all.q_nope)  # [N, NH, C]
-        o_lat = np.empty_like(q_lat_all)  # [N, NH, C]
         bounds = np.cumsum([0, *rows])
         new_sel: list[BoolArray | None] = []
+        keys: list[tuple[F32Array, F32Array]] = []
         ends = [seq.start + t for seq, t in zip(seqs, rows, strict=True)]
         pre = self._selection_rows(layer, lw, x_all, proj_all, cos, sin, ends)
+        reads = self._selection_reads_rows(layer)
         for j, seq in enumerate(seqs):
             lo, hi = int(bounds[j]), int(bounds[j + 1])
             s = seq.start + hi - lo
-            proj = mla.MLAProjection(
-                *(None if v is None else v[lo:hi] for v in proj_all)  # type: ignore[arg-type]
-            )
-            seq.cache.write(at, seq.start, proj.latent, proj.k_rope)
+            seq.cache.write(at, seq.start, proj_all.latent[lo:hi], proj_all.k_rope[lo:hi])
+            proj = None
+            if reads:  # only a layer that scores keys reads this sequence's projections
+                proj = mla.MLAProjection(
+                    *(None if v is None else v[lo:hi] for v in proj_all)  # type: ignore[arg-type]
+                )
             selection = self._sparse_selection(
                 ctx, layer, at, lw, x_all[lo:hi], proj, seq, sel[j],
                 rows=None if pre is None else pre.part(lo, hi),
             )  # fmt: skip
-            # the kernel bounds every row by its causal keys: a mask only for a selection
-            o_lat[lo:hi] = mla.latent_attention(
-                q_lat_all[lo:hi],
-                proj.q_rope,
-                seq.cache.latent(at, s),
-                seq.cache.k_rope(at, s),
-                selection,
-                self.softmax_scale,
-            )
+            keys.append((seq.cache.latent(at, s), seq.cache.k_rope(at, s)))
             new_sel.append(selection)
+        # every sequence's rows over its own keys in one kernel call (the kernel bounds each
+        # row by its causal keys: a mask only for a sparse selection)
+        o_lat = mla.latent_attention_seqs(
+            q_lat_all, proj_all.q_rope, keys, rows, new_sel, self.softmax_scale
+        )  # [N, NH, C]
         out = mla.out_proj(lw.attn, mla.unabsorb_values(lw.attn, d, o_lat), comp.linear)
         y = h_all + out  # [N, D]
         return [y[bounds[j] : bounds[j + 1]] for j in range(len(seqs))], new_sel
@@ -754,15 +754,21 @@ class MLAMoEModel(DecoderStack):
         slot: int,
         lw: LayerWeights,
         x: F32Array,
-        proj: mla.MLAProjection,
+        proj: mla.MLAProjection | None,
         seq: SeqState,
         prev_selection: BoolArray | None,
         *,
         rows: SelectionRows | None = None,
     ) -> BoolArray | None:
         """Keys each new query may attend to beyond causality [T, S]; None = all (dense MLA).
-        ``rows``: this sequence's part of :meth:`_selection_rows`, when made for a batch."""
+        ``rows``: this sequence's part of :meth:`_selection_rows`, when made for a batch.
+        ``proj``: the sequence's projections, given where :meth:`_selection_reads_rows`."""
         return None
+
+    def _selection_reads_rows(self, layer: int) -> bool:
+        """Whether :meth:`_sparse_selection` of ``layer`` reads the sequence's projections
+        (a layer that scores keys; dense MLA: never)."""
+        return False
 
     def _selection_rows(
         self,

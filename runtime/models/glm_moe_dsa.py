@@ -149,6 +149,9 @@ class GlmMoeDsa(MLAMoEModel):
             queries = dsa.index_queries(lw.indexer, dims, x, proj.q_resid, cos, sin)
         return SelectionRows(keys, queries)
 
+    def _selection_reads_rows(self, layer: int) -> bool:
+        return self.config.runs_indexer(layer)
+
     def _sparse_selection(
         self,
         ctx: StepContext,
@@ -156,7 +159,7 @@ class GlmMoeDsa(MLAMoEModel):
         slot: int,
         lw: LayerWeights,
         x: F32Array,
-        proj: MLAProjection,
+        proj: MLAProjection | None,
         seq: SeqState,
         prev_selection: BoolArray | None,
         *,
@@ -164,6 +167,7 @@ class GlmMoeDsa(MLAMoEModel):
     ) -> BoolArray | None:
         if not self.config.runs_indexer(layer):
             return prev_selection  # "shared": the previous full layer's keys
+        assert proj is not None  # given where _selection_reads_rows
         cache, start, cos, sin = seq
         t = x.shape[0]
         s = start + t

@@ -161,6 +161,46 @@ def test_bad_shapes_are_refused() -> None:
         att.latent_attention(q, qr, lat, kr, allowed, 0.5, rows_after=9)
 
 
+@pytest.mark.parametrize(("nh", "c", "r"), [(4, 96, 32), (5, 40, 8), (16, 256, 64)])
+def test_several_sequences_in_one_call_are_each_sequence_alone(nh: int, c: int, r: int) -> None:
+    """``latent_attention_seqs`` (the rows of several sequences, each over its own cache, in
+    one kernel call) gives every sequence's rows the bits of its own ``latent_attention``
+    call: one row and several, a masked sequence among unmasked ones, rows whose offset in
+    the batch is not 64-byte aligned (5 heads x 40); a mismatch is refused."""
+    from runtime.kernels.aligned import zeros_aligned
+
+    rng = np.random.default_rng(nh * c)
+    rows, lens = [1, 3, 1, 2], [10, 7, 64, 2]
+    keys = []
+    for s in lens:  # cache-like: rows of a bigger aligned array
+        lat = zeros_aligned((s + 5, c))
+        lat[:] = rng.standard_normal((s + 5, c))
+        rope = zeros_aligned((s + 5, r))
+        rope[:] = rng.standard_normal((s + 5, r))
+        keys.append((lat[:s], rope[:s]))
+    mask = rng.random((3, 7)) < 0.6
+    mask[:, 0] = True
+    masks = [None, mask, None, np.ones((2, 2), bool)]
+    n = sum(rows)
+    q = rng.standard_normal((n, nh, c)).astype(np.float32)
+    qr = rng.standard_normal((n, nh, r)).astype(np.float32)
+    got = att.latent_attention_seqs(q, qr, keys, rows, masks, 0.1)
+    b = np.cumsum([0, *rows])
+    for j in range(len(rows)):
+        want = att.latent_attention(
+            q[b[j] : b[j + 1]], qr[b[j] : b[j + 1]], *keys[j], masks[j], 0.1
+        )
+        np.testing.assert_array_equal(got[b[j] : b[j + 1]].view(np.uint32), want.view(np.uint32))
+    with pytest.raises(ValueError, match="masks"):
+        att.latent_attention_seqs(q, qr, keys, rows[:3], masks, 0.1)
+    with pytest.raises(ValueError, match="allowed"):
+        att.latent_attention_seqs(q, qr, keys, rows, [None, mask[:2], None, None], 0.1)
+    with pytest.raises(ValueError, match="aligned"):
+        lat = zeros_aligned((7 * c + 1,))[1:].reshape(7, c)  # 4 bytes past a 64-byte line
+        bad = [keys[0], (lat, keys[1][1]), *keys[2:]]
+        att.latent_attention_seqs(q, qr, bad, rows, [None] * 4, 0.1)
+
+
 def test_kernels_release_the_gil() -> None:
     for k in att.KERNELS:
         assert k.targetoptions.get("nogil") is True, k
