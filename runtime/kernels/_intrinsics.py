@@ -138,7 +138,7 @@ def f32_at(typingctx: Any, addr: Any) -> Any:
     large enough for the call."""
     if not isinstance(addr, types.Integer):
         return None
-    ptr = types.CPointer(types.float32)
+    ptr = types.CPointer(types.float32)  # type: ignore[no-untyped-call]
     sig = ptr(addr)
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 import numpy.typing as npt
-from numba import carray, njit
+from numba import njit
+from numba.np.numpy_support import carray
 
 from runtime.kernels._intrinsics import ALIGN, f32_at, zeros64
 from runtime.kernels._simd import vfma16, vhsum16, vload16, vsplat16, vstore16, vzero16
