@@ -111,6 +111,7 @@ class CostModel:
                 # no one-row step seen yet: take every row as costing the same until one shows
                 # the fixed part (errs against drafting when wide)
                 self.t1 = compute / rows
+            self._deflate(compute, rows, seqs)
             extra = max(compute - self.t1, 0.0)
             if seqs <= 1:
                 self.t_row = _ewma(self.t_row, extra / (rows - 1), w)
@@ -125,6 +126,25 @@ class CostModel:
             self.t_miss = _ewma(self.t_miss, stall / misses, w)
         if lookups > 0:
             self.hit_rate = _ewma(self.hit_rate, 1.0 - misses / lookups, w)
+
+    def _deflate(self, compute: float, rows: int, seqs: int) -> None:
+        """A step of ``rows`` rows of ``seqs`` generations that took ``compute`` seconds, less
+        than its plain part is estimated at (``t1``, plus ``t_seq`` per further generation
+        when the step also had draft rows): those estimates are stale, e.g. learned from the
+        first steps while kernels compiled (tens of ms) and never corrected because every step
+        since was wider (a server with every step batched; drafting that always seemed to pay,
+        so no draft-free step came). Left so, each draft row looked free (``t_wide`` clipped to
+        0) and drafting stayed on where it cost throughput. Pull them toward the measurement
+        at the EWMA rate."""
+        wide = seqs > 1 and rows > seqs and self.t_seq is not None
+        assert self.t1 is not None
+        base = self.t1 + (self.t_seq * (seqs - 1) if wide and self.t_seq is not None else 0.0)
+        if compute >= base:
+            return
+        f = 1.0 + self.ewma * (compute / base - 1.0)
+        self.t1 *= f
+        if wide and self.t_seq is not None:
+            self.t_seq *= f
 
     def observe_union(self, rows: int, union_per_layer: float) -> None:
         """Mean distinct routed experts per MoE layer seen in a step of ``rows`` rows."""

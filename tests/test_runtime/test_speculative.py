@@ -535,6 +535,30 @@ def test_cost_model_weighs_drafts_against_the_whole_batched_step() -> None:
     assert cm.choose({"mtp": 3}, others=7) == (None, 0, False)
 
 
+def test_cost_model_recovers_from_step_costs_learned_while_kernels_compiled() -> None:
+    """A server's first steps load or compile kernels: a one-row step of 30 ms and a step of
+    eight of 400 ms, then every step is batched (one-row steps never come to correct them).
+    Steps of eight cost 6.9 ms, with eight draft rows 13.3 ms; an MTP draft 1 ms, right ~60%
+    of the time. Estimating the further rows against the stale fixed part clipped their
+    cost to 0, so drafts looked free (eight streams of the demo model ran at 590-850 tok/s,
+    920-990 with drafting off). Steps cheaper than their estimated plain part now pull those
+    estimates down, and a draft in the step of eight no longer pays."""
+    cm = CostModel(top_k=4, n_experts=32, moe_layers=5, max_k=3)
+    cm.observe_step(1, 0.030)
+    cm.observe_step(8, 0.40, seqs=8)
+    for i in range(40):
+        cm.observe_draft("mtp", 1, 0.001)
+        cm.observe_proposal("mtp", 1, 1 if i % 5 < 3 else 0)
+        cm.observe_step(8, 0.0069, seqs=8)
+        cm.observe_step(16, 0.0133, seqs=8)
+    assert cm.t1 is not None and cm.t1 < 0.0069
+    assert cm.t_wide is not None and cm.t_wide > 0.0005
+    assert cm.step_cost(8, 8) == pytest.approx(0.0069, rel=0.05)
+    assert cm.step_cost(16, 8) == pytest.approx(0.0133, rel=0.05)
+    assert cm.speedup("mtp", 1, others=7, other_seqs=7) < 1.0
+    assert cm.choose({"mtp": 3}, others=7, other_seqs=7) == (None, 0, False)
+
+
 def test_cost_model_tells_a_further_generation_from_a_further_draft_row() -> None:
     """Measured on the demo model (forward_batch, medians): one row 2.03 ms, each further row
     of that sequence +0.65 ms; eight sequences of one row 6.73 ms (+0.67 ms per sequence), and
