@@ -240,6 +240,17 @@ class CostModel:
                 best_k, best_s = k, s
         return best_k, best_s
 
+    def _could_pay(self, key: str, others: int, other_seqs: int | None) -> bool:
+        """Whether one draft from ``key`` would pay in a step this wide even if it were always
+        accepted (:meth:`speedup` with ``E(1) = 2``). A probe that could not is skipped: it
+        would tell nothing this step can use, and an MTP probe first runs the head over every
+        position since it last ran, while the step's other generations wait (eight streams of
+        the demo model lost ~4% to such probes). It stays due for a narrower step."""
+        o = max(int(others), 0)
+        s = 1 + (o if other_seqs is None else max(min(int(other_seqs), o), 0))
+        cost = self.step_cost(o + 2, s) + self.draft_seconds(key, 1)
+        return (o + 2) * self.step_cost(o + 1, s) / ((o + 1) * cost) >= 1.0 + self.margin
+
     def pays(self, source: str) -> bool:
         return self.best(source)[1] >= 1.0 + self.margin
 
@@ -273,7 +284,7 @@ class CostModel:
                 continue
             n = self._since_probe.get(key, 0) + 1
             gap = self._gap.get(key, self.probe_interval)
-            if probe is None and n >= gap:
+            if probe is None and n >= gap and self._could_pay(key, others, other_seqs):
                 # probes cost too: each one that finds the key still off doubles the gap
                 self._since_probe[key] = 0
                 self._gap[key] = min(2 * gap, self.max_probe_interval)

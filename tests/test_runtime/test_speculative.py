@@ -559,6 +559,25 @@ def test_cost_model_recovers_from_step_costs_learned_while_kernels_compiled() ->
     assert cm.choose({"mtp": 3}, others=7, other_seqs=7) == (None, 0, False)
 
 
+def test_cost_model_probes_only_where_a_draft_could_pay() -> None:
+    """Drafting off (acceptance 0.3): a probe (k = 1) is due every ``probe_interval`` rounds,
+    but in a step of eight generations not even an always-accepted draft would pay there
+    (demo model costs: 2.03 ms alone, +0.67 ms per generation, +0.8 ms per draft row, 1 ms
+    per MTP draft), so none is made there; the first round alone makes the due one."""
+    cm = CostModel(top_k=4, n_experts=32, moe_layers=5, max_k=3)
+    for i in range(20):
+        cm.observe_step(1, 0.00203)
+        cm.observe_step(2, 0.00268)
+        cm.observe_step(8, 0.00673, seqs=8)
+        cm.observe_step(10, 0.00833, seqs=8)
+        cm.observe_draft("mtp", 1, 0.001)
+        cm.observe_proposal("mtp", 1, 1 if i % 10 < 3 else 0)
+    assert not cm._could_pay("mtp", 7, 7) and cm._could_pay("mtp", 0, None)
+    wide = [cm.choose({"mtp": 3}, others=7, other_seqs=7) for _ in range(3 * cm.probe_interval)]
+    assert wide == [(None, 0, False)] * len(wide)
+    assert cm.choose({"mtp": 3}) == ("mtp", 1, True)
+
+
 def test_cost_model_tells_a_further_generation_from_a_further_draft_row() -> None:
     """Measured on the demo model (forward_batch, medians): one row 2.03 ms, each further row
     of that sequence +0.65 ms; eight sequences of one row 6.73 ms (+0.67 ms per sequence), and
