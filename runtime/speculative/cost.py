@@ -240,16 +240,18 @@ class CostModel:
                 best_k, best_s = k, s
         return best_k, best_s
 
-    def _could_pay(self, key: str, others: int, other_seqs: int | None) -> bool:
-        """Whether one draft from ``key`` would pay in a step this wide even if it were always
-        accepted (:meth:`speedup` with ``E(1) = 2``). A probe that could not is skipped: it
-        would tell nothing this step can use, and an MTP probe first runs the head over every
-        position since it last ran, while the step's other generations wait (eight streams of
-        the demo model lost ~4% to such probes). It stays due for a narrower step."""
+    def _could_pay(self, key: str, others: int, other_seqs: int | None, k: int = 1) -> bool:
+        """Whether ``k`` drafts from ``key`` would pay in a step this wide even if they were
+        always accepted (:meth:`speedup` with ``E(k) = k + 1``). A probe (k = 1) that could not
+        is skipped: it would tell nothing this step can use, and an MTP probe first runs the
+        head over every position since it last ran while the step's other generations wait
+        (eight streams of the demo model lost ~4% to such probes); it stays due for a
+        narrower step. (The speed-up is a ratio of two linear functions of k: monotone, so
+        k = 1 and the largest k bound every k between.)"""
         o = max(int(others), 0)
         s = 1 + (o if other_seqs is None else max(min(int(other_seqs), o), 0))
-        cost = self.step_cost(o + 2, s) + self.draft_seconds(key, 1)
-        return (o + 2) * self.step_cost(o + 1, s) / ((o + 1) * cost) >= 1.0 + self.margin
+        cost = self.step_cost(o + 1 + k, s) + self.draft_seconds(key, k)
+        return (o + 1 + k) * self.step_cost(o + 1, s) / ((o + 1) * cost) >= 1.0 + self.margin
 
     def pays(self, source: str) -> bool:
         return self.best(source)[1] >= 1.0 + self.margin
@@ -266,8 +268,11 @@ class CostModel:
         best_k, best_s = 0, 1.0 + self.margin
         paying = []
         for key, top in options.items():
-            if top <= 0:
-                continue
+            if top <= 0 or not (
+                self._could_pay(key, others, other_seqs)
+                or self._could_pay(key, others, other_seqs, top)
+            ):
+                continue  # not even drafts that are always right would pay in this step
             k, s = self.best(key, top, others, other_seqs)
             if s >= 1.0 + self.margin:
                 paying.append(key)
