@@ -136,15 +136,15 @@ class CostModel:
         so no draft-free step came). Left so, each draft row looked free (``t_wide`` clipped to
         0) and drafting stayed on where it cost throughput. Pull them toward the measurement
         at the EWMA rate."""
-        wide = seqs > 1 and rows > seqs and self.t_seq is not None
         assert self.t1 is not None
-        base = self.t1 + (self.t_seq * (seqs - 1) if wide and self.t_seq is not None else 0.0)
+        t_seq = self.t_seq if seqs > 1 and rows > seqs else None
+        base = self.t1 + (0.0 if t_seq is None else t_seq * (seqs - 1))
         if compute >= base:
             return
         f = 1.0 + self.ewma * (compute / base - 1.0)
         self.t1 *= f
-        if wide and self.t_seq is not None:
-            self.t_seq *= f
+        if t_seq is not None:
+            self.t_seq = t_seq * f
 
     def observe_union(self, rows: int, union_per_layer: float) -> None:
         """Mean distinct routed experts per MoE layer seen in a step of ``rows`` rows."""
