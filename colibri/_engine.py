@@ -492,6 +492,7 @@ class Engine:
             split_matmuls=comp.split_calls + (0 if pre is comp else pre.split_calls),
             split_experts=comp.split_experts + (0 if pre is comp else pre.split_experts),
             early_experts=comp.early_experts + (0 if pre is comp else pre.early_experts),
+            layer_calls=comp.layer_calls + (0 if pre is comp else pre.layer_calls),
         )
         store = self._store
         if store is None:

@@ -32,6 +32,7 @@ class ComputeStats:
     split_matmuls: int = 0  # one-token matmuls whose output features ran on every thread
     split_experts: int = 0  # routed experts computed in parts by every thread (uneven steps)
     early_experts: int = 0  # ... of them, streamed, begun before their down projection landed
+    layer_calls: int = 0  # small resident MoE steps whose routed experts ran as one kernel call
 
 
 @dataclass(frozen=True, slots=True)

@@ -363,6 +363,18 @@ def test_planned_prefill_chunk() -> None:
     assert choose_prefill_chunk(256, 4, streaming=True, ram_budget=1 << 20) == PREFILL_CHUNK_MAX
 
 
+def test_engine_stats_count_layer_calls(tmp_path: Path) -> None:
+    """Decode of the resident demo model (steps below ``parallel_min_macs``) runs each layer's
+    routed experts as one kernel call, and ``stats()["compute"]["layer_calls"]`` says so."""
+    c = Container.open(DEMO)
+    main = int(c.config["num_hidden_layers"])
+    moe_layers = sum(1 for layer in c.expert_layers() if layer < main)  # not the MTP layer's
+    with colibri.open_model(DEMO, state_dir=tmp_path, draft="off") as m:
+        assert m.stats()["compute"]["layer_calls"] == 0
+        m.generate(PROMPT[:8], max_new_tokens=3)  # the prompt's forward and two decode steps
+        assert m.stats()["compute"]["layer_calls"] == 3 * moe_layers
+
+
 def test_threads_option_and_flag(tmp_path: Path) -> None:
     assert EngineOptions(threads="auto").threads is None
     assert EngineOptions(threads="3").resolved_threads() == 3
