@@ -959,19 +959,14 @@ def _chains8(w, wi, kind, x0, x1, x2, x3, a0, a1, a2, a3):  # type: ignore[no-un
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _dot2(w, wi, rs, n_in, xp, xi, tails, kind, pf):  # type: ignore[no-untyped-def]
-    """``_row_dot`` of one token for the two weight rows at ``wi`` and ``wi + rs``: each
-    8-column block of the activations is loaded once for both rows (one load per FMA instead
-    of two), every row keeps its own four chains: per row the same FMAs in the same order as
-    ``_row_dot``, so the same bits. ``tails`` [16] holds the rows' zero-padded last blocks
-    (filled by the caller); ``pf`` > 0 prefetches each row ``pf / 2`` elements ahead (two
-    streams: the bytes in flight of one at ``pf``), once per 32 columns."""
+def _dot2_blocks(w, wi, rs, n32, xp, xi, kind, pf):  # type: ignore[no-untyped-def]
+    """The 32-column blocks ``[0, n32)`` of ``_dot2``: both rows' four chains (a0-a3, b0-b3).
+    A loop alone: with the tail code of ``_dot2`` after it in the same function LLVM kept the
+    eight chains in memory (see ``_dot2_whole``)."""
     wj = wi + rs
     ahead = pf // 2
     a0, a1, a2, a3 = vzero(), vzero(), vzero(), vzero()
     b0, b1, b2, b3 = vzero(), vzero(), vzero(), vzero()
-    n32 = n_in // 32 * 32
-    n8 = n_in // 8 * 8
     for c in range(0, n32, 32):
         if ahead > 0:
             prefetch(w, wi + c + ahead)
@@ -982,6 +977,21 @@ def _dot2(w, wi, rs, n_in, xp, xi, tails, kind, pf):  # type: ignore[no-untyped-
         x3 = vload(xp, xi + c + 24)
         a0, a1, a2, a3 = _chains8(w, wi + c, kind, x0, x1, x2, x3, a0, a1, a2, a3)
         b0, b1, b2, b3 = _chains8(w, wj + c, kind, x0, x1, x2, x3, b0, b1, b2, b3)
+    return a0, a1, a2, a3, b0, b1, b2, b3
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _dot2(w, wi, rs, n_in, xp, xi, tails, kind, pf):  # type: ignore[no-untyped-def]
+    """``_row_dot`` of one token for the two weight rows at ``wi`` and ``wi + rs``: each
+    8-column block of the activations is loaded once for both rows (one load per FMA instead
+    of two), every row keeps its own four chains: per row the same FMAs in the same order as
+    ``_row_dot``, so the same bits. ``tails`` [16] holds the rows' zero-padded last blocks
+    (filled by the caller); ``pf`` > 0 prefetches each row ``pf / 2`` elements ahead (two
+    streams: the bytes in flight of one at ``pf``), once per 32 columns."""
+    wj = wi + rs
+    n32 = n_in // 32 * 32
+    n8 = n_in // 8 * 8
+    a0, a1, a2, a3, b0, b1, b2, b3 = _dot2_blocks(w, wi, rs, n32, xp, xi, kind, pf)
     for c in range(n32, n8, 8):
         x0 = vload(xp, xi + c)
         a0 = vfma(_wload8(w, wi + c, kind), x0, a0)
@@ -995,24 +1005,11 @@ def _dot2(w, wi, rs, n_in, xp, xi, tails, kind, pf):  # type: ignore[no-untyped-
 
 @njit(nogil=True, cache=True, inline="always")
 def _dot2_whole(w, wi, rs, n_in, xp, xi, kind, pf):  # type: ignore[no-untyped-def]
-    """``_dot2`` for rows of whole 32-column blocks (``n_in % 32 == 0``): its main loop alone,
+    """``_dot2`` for rows of whole 32-column blocks (``n_in % 32 == 0``): its blocks alone,
     so the same FMAs in the same order (the same bits), without the joins that made LLVM keep
     the eight chains in memory (as ``_dot4_i8x16_whole``): [4096, 256] int8 and [2048, 256]
     bf16 from L2 18-19 -> 12 ns a row on an AVX-512 Intel guest; long rows the same."""
-    wj = wi + rs
-    ahead = pf // 2
-    a0, a1, a2, a3 = vzero(), vzero(), vzero(), vzero()
-    b0, b1, b2, b3 = vzero(), vzero(), vzero(), vzero()
-    for c in range(0, n_in, 32):
-        if ahead > 0:
-            prefetch(w, wi + c + ahead)
-            prefetch(w, wj + c + ahead)
-        x0 = vload(xp, xi + c)
-        x1 = vload(xp, xi + c + 8)
-        x2 = vload(xp, xi + c + 16)
-        x3 = vload(xp, xi + c + 24)
-        a0, a1, a2, a3 = _chains8(w, wi + c, kind, x0, x1, x2, x3, a0, a1, a2, a3)
-        b0, b1, b2, b3 = _chains8(w, wj + c, kind, x0, x1, x2, x3, b0, b1, b2, b3)
+    a0, a1, a2, a3, b0, b1, b2, b3 = _dot2_blocks(w, wi, rs, n_in, xp, xi, kind, pf)
     return vhsum(vadd(vadd(a0, a1), vadd(a2, a3))), vhsum(vadd(vadd(b0, b1), vadd(b2, b3)))
 
 
@@ -1159,21 +1156,14 @@ def _chains_i8x16(w, wi, x0, x1, x2, x3, a0, a1, a2, a3):  # type: ignore[no-unt
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _dot4_i8x16(w, wi, rs, n_in, xp, xi, tails, pf):  # type: ignore[no-untyped-def]
-    """``_row_dot_i8x16`` of one token for the four weight rows starting at ``wi``,
-    ``wi + rs``, ``wi + 2 rs``, ``wi + 3 rs``: each 16-column block of the token's
-    activations is loaded once for the four rows, and every row keeps its own four chains,
-    so per row the same FMAs in the same order as the one-row dot (the same bits). ``tails``
-    [64] holds the rows' zero-padded last blocks (filled by the caller). ``pf`` > 0: each
-    row's stream is prefetched ``pf / 4`` bytes ahead (as ``_i4_quad16``), one cache line per
-    64 columns."""
+def _dot4_i8x16_blocks(w, wi, rs, n64, xp, xi, pf):  # type: ignore[no-untyped-def]
+    """The 64-column blocks ``[0, n64)`` of ``_dot4_i8x16``: the four rows' four chains each
+    (a0-a3, b0-b3, c0-c3, d0-d3). A loop alone, as ``_dot2_blocks``."""
     wj, wk, wl = wi + rs, wi + 2 * rs, wi + 3 * rs
     a0, a1, a2, a3 = vzero16(), vzero16(), vzero16(), vzero16()
     b0, b1, b2, b3 = vzero16(), vzero16(), vzero16(), vzero16()
     c0, c1, c2, c3 = vzero16(), vzero16(), vzero16(), vzero16()
     d0, d1, d2, d3 = vzero16(), vzero16(), vzero16(), vzero16()
-    n64 = n_in // 64 * 64
-    n16 = n_in // 16 * 16
     ahead = pf // _STREAMS
     for c in range(0, n64, 64):
         if ahead > 0:
@@ -1189,6 +1179,29 @@ def _dot4_i8x16(w, wi, rs, n_in, xp, xi, tails, pf):  # type: ignore[no-untyped-
         b0, b1, b2, b3 = _chains_i8x16(w, wj + c, x0, x1, x2, x3, b0, b1, b2, b3)
         c0, c1, c2, c3 = _chains_i8x16(w, wk + c, x0, x1, x2, x3, c0, c1, c2, c3)
         d0, d1, d2, d3 = _chains_i8x16(w, wl + c, x0, x1, x2, x3, d0, d1, d2, d3)
+    return (a0, a1, a2, a3), (b0, b1, b2, b3), (c0, c1, c2, c3), (d0, d1, d2, d3)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _sum4x16(a):  # type: ignore[no-untyped-def]
+    """One row's four 16-lane chains -> its sum: ``(a0 + a1) + (a2 + a3)``, then the lane sum."""
+    return vhsum16(vadd16(vadd16(a[0], a[1]), vadd16(a[2], a[3])))
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _dot4_i8x16(w, wi, rs, n_in, xp, xi, tails, pf):  # type: ignore[no-untyped-def]
+    """``_row_dot_i8x16`` of one token for the four weight rows starting at ``wi``,
+    ``wi + rs``, ``wi + 2 rs``, ``wi + 3 rs``: each 16-column block of the token's
+    activations is loaded once for the four rows, and every row keeps its own four chains,
+    so per row the same FMAs in the same order as the one-row dot (the same bits). ``tails``
+    [64] holds the rows' zero-padded last blocks (filled by the caller). ``pf`` > 0: each
+    row's stream is prefetched ``pf / 4`` bytes ahead (as ``_i4_quad16``), one cache line per
+    64 columns."""
+    wj, wk, wl = wi + rs, wi + 2 * rs, wi + 3 * rs
+    n64 = n_in // 64 * 64
+    n16 = n_in // 16 * 16
+    a, b, c4, d = _dot4_i8x16_blocks(w, wi, rs, n64, xp, xi, pf)
+    a0, b0, c0, d0 = a[0], b[0], c4[0], d[0]
     for c in range(n64, n16, 16):
         x0 = vload16(xp, xi + c)
         a0 = vfma16(i8x16(w, wi + c), x0, a0)
@@ -1202,45 +1215,21 @@ def _dot4_i8x16(w, wi, rs, n_in, xp, xi, tails, pf):  # type: ignore[no-untyped-
         c0 = vfma16(i8x16(tails, 32), x0, c0)
         d0 = vfma16(i8x16(tails, 48), x0, d0)
     return (
-        vhsum16(vadd16(vadd16(a0, a1), vadd16(a2, a3))),
-        vhsum16(vadd16(vadd16(b0, b1), vadd16(b2, b3))),
-        vhsum16(vadd16(vadd16(c0, c1), vadd16(c2, c3))),
-        vhsum16(vadd16(vadd16(d0, d1), vadd16(d2, d3))),
+        _sum4x16((a0, a[1], a[2], a[3])),
+        _sum4x16((b0, b[1], b[2], b[3])),
+        _sum4x16((c0, c4[1], c4[2], c4[3])),
+        _sum4x16((d0, d[1], d[2], d[3])),
     )
 
 
 @njit(nogil=True, cache=True, inline="always")
 def _dot4_i8x16_whole(w, wi, rs, n_in, xp, xi, pf):  # type: ignore[no-untyped-def]
-    """``_dot4_i8x16`` for rows of whole 64-column blocks (``n_in % 64 == 0``): its main loop
+    """``_dot4_i8x16`` for rows of whole 64-column blocks (``n_in % 64 == 0``): its blocks
     alone, so the same FMAs in the same order (the same bits). Without the tail loop and
-    branch after it, LLVM keeps the sixteen chains in registers: [4096, 256] from L2 went
+    branch after them, LLVM keeps the sixteen chains in registers: [4096, 256] from L2 went
     from 12.4 to 8.9 ns per row (AVX-512 Intel guest; rows that long from DRAM: the same)."""
-    wj, wk, wl = wi + rs, wi + 2 * rs, wi + 3 * rs
-    a0, a1, a2, a3 = vzero16(), vzero16(), vzero16(), vzero16()
-    b0, b1, b2, b3 = vzero16(), vzero16(), vzero16(), vzero16()
-    c0, c1, c2, c3 = vzero16(), vzero16(), vzero16(), vzero16()
-    d0, d1, d2, d3 = vzero16(), vzero16(), vzero16(), vzero16()
-    ahead = pf // _STREAMS
-    for c in range(0, n_in, 64):
-        if ahead > 0:
-            prefetch(w, wi + c + ahead)
-            prefetch(w, wj + c + ahead)
-            prefetch(w, wk + c + ahead)
-            prefetch(w, wl + c + ahead)
-        x0 = vload16(xp, xi + c)
-        x1 = vload16(xp, xi + c + 16)
-        x2 = vload16(xp, xi + c + 32)
-        x3 = vload16(xp, xi + c + 48)
-        a0, a1, a2, a3 = _chains_i8x16(w, wi + c, x0, x1, x2, x3, a0, a1, a2, a3)
-        b0, b1, b2, b3 = _chains_i8x16(w, wj + c, x0, x1, x2, x3, b0, b1, b2, b3)
-        c0, c1, c2, c3 = _chains_i8x16(w, wk + c, x0, x1, x2, x3, c0, c1, c2, c3)
-        d0, d1, d2, d3 = _chains_i8x16(w, wl + c, x0, x1, x2, x3, d0, d1, d2, d3)
-    return (
-        vhsum16(vadd16(vadd16(a0, a1), vadd16(a2, a3))),
-        vhsum16(vadd16(vadd16(b0, b1), vadd16(b2, b3))),
-        vhsum16(vadd16(vadd16(c0, c1), vadd16(c2, c3))),
-        vhsum16(vadd16(vadd16(d0, d1), vadd16(d2, d3))),
-    )
+    a, b, c, d = _dot4_i8x16_blocks(w, wi, rs, n_in, xp, xi, pf)
+    return _sum4x16(a), _sum4x16(b), _sum4x16(c), _sum4x16(d)
 
 
 @njit(nogil=True, cache=True, inline="always")
