@@ -117,6 +117,26 @@ def _plain(m: Mapping[str, Any]) -> dict[str, Any]:
     return {"role": m["role"], "content": m["content"]}
 
 
+def _check_messages(messages: object, vocab: int) -> None:
+    """Raise ``ValueError`` unless ``messages`` is a saved conversation: a list of
+    ``{"role": str, "content": str}``, an assistant's ``tokens`` (when given) a list of token
+    ids below ``vocab``."""
+    if not isinstance(messages, list):
+        raise ValueError("messages are damaged: not a list")
+    for i, m in enumerate(messages):
+        if not (
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+        ):  # fmt: skip
+            raise ValueError(f"message {i} is damaged (needs a role and a content string)")
+        toks = m.get("tokens")
+        if toks is not None and not (
+            isinstance(toks, list)
+            and all(type(t) is int and 0 <= t < vocab for t in toks)
+        ):  # fmt: skip
+            raise ValueError(f"message {i}: tokens must be token ids in 0..{vocab - 1}")
+
+
 def conversation_ids(tok: ChatTokenizer, messages: Sequence[Mapping[str, Any]]) -> list[int]:
     """Token ids of ``messages`` rendered with the chat template plus the generation prompt.
 
@@ -264,12 +284,13 @@ class _Chat:
             if data.get("identity") not in (0, self.identity):
                 raise ValueError("written for other model weights")
             messages = data["messages"]
-            if not isinstance(messages, list) or not all(
-                isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages
-            ):
-                raise ValueError("messages are damaged")
-            turns = int(data["turns"])
-        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+            _check_messages(messages, self.vocab)
+            turns = data["turns"]
+            if type(turns) is not int or turns < 0:
+                raise ValueError(f"turns is {turns!r}, not a count")
+        except (
+            OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError
+        ) as exc:  # fmt: skip
             self._set_aside(self.json_path, str(exc))
             return False
         cache = load_kv(self.kv_path, self.engine.new_cache, self.vocab, self.identity)

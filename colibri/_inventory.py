@@ -85,7 +85,7 @@ class ModelEntry:
 def _entry(path: Path) -> ModelEntry | None:
     try:
         cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
         return None
     if not isinstance(cfg, dict):
         return None

@@ -28,6 +28,7 @@ from runtime.layers.moe import MoEWeights
 from runtime.layers.moe_router import RouterConfig
 from runtime.layers.swiglu import MLPWeights, fused
 from runtime.linear import Linear
+from storage.aligned import HugeArena
 from storage.arch import FAMILIES, ArchConfig, Family
 from storage.errors import ModelError, ReadError
 from storage.integrity import ExpertChecksums, crc32_of, crc_check
@@ -445,6 +446,10 @@ class ResidentExperts:
         self._experts: dict[tuple[int, int], ExpertWeights] = {}
         self._tables: dict[int, Int4Layer | None] = {}  # int4_layer's, made on first use
         self.nbytes = 0
+        # the blobs packed on transparent huge pages where the kernel allows them, as the
+        # container keeps its dense weights: the experts' one-token GEMVs stream them from
+        # DRAM with four read streams, ~6% faster than from 4 KiB pages (docs/benchmarks.md)
+        self.arena = HugeArena()
         self._n_experts = ArchConfig.from_dict(container.config).n_routed_experts
         if keys is None:
             n_experts = self._n_experts
@@ -455,7 +460,7 @@ class ResidentExperts:
         total, done = len(wanted), 0
         for layer, e in wanted:
             ext = container.expert(layer, e)
-            blob = ext.read_blob()  # [end - start] uint8
+            blob = ext.read_blob(self.arena.empty(ext.nbytes))  # [end - start] uint8
             scales = ext.read_scales()
             if checksums is not None:
                 _verify_resident(checksums, layer, e, ext, blob, scales)

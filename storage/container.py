@@ -167,11 +167,13 @@ class ExpertExtent:
                 out[proj] = QTensor(fmt, (o, i), raw.view(np.uint16).reshape(o, i))
         return out
 
-    def read_blob(self) -> npt.NDArray[np.uint8]:
-        """Read ``[start, end)`` with a plain pread (a reference path: the runtime has a reader)."""
+    def read_blob(self, out: npt.NDArray[np.uint8] | None = None) -> npt.NDArray[np.uint8]:
+        """Read ``[start, end)`` with a plain pread (a reference path: the runtime has a reader)
+        into a fresh array, or into ``out`` (uint8, C-contiguous, exactly ``nbytes``: e.g. a
+        piece of a :class:`HugeArena`), which is returned."""
         name = f"layer {self.layer} expert {self.expert}"
         info = TensorInfo(name, "U8", (self.nbytes,), self.path, self.start, self.end)
-        return np.asarray(read_tensor(info), dtype=np.uint8)
+        return np.asarray(read_tensor(info, out), dtype=np.uint8)
 
     def read_scales(self) -> dict[str, F32Array | None]:
         """Read every projection's scales (None for float formats)."""
@@ -301,6 +303,11 @@ def _load_json(path: Path, *, required: bool) -> dict[str, Any] | None:
         raise ConfigError(
             f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); "
             "fix or re-download the file"
+        ) from exc
+    except (ValueError, RecursionError) as exc:  # a huge integer; arrays nested too deeply
+        problem = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise ConfigError(
+            f"{path}: not valid JSON ({problem}); fix or re-download the file"
         ) from exc
     if not isinstance(doc, dict):
         raise ConfigError(f"{path}: expected a JSON object, got {type(doc).__name__}")

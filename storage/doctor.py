@@ -215,8 +215,8 @@ def _check_tokenizer(d: Path) -> Check:
             doc = json.loads(tc.read_text(encoding="utf-8"))
             if not isinstance(doc, dict):
                 raise ValueError("not a JSON object")
-        except (OSError, ValueError) as exc:
-            return Check("fail", "tokenizer", f"{tc}: not valid ({exc}); re-download it")
+        except (OSError, ValueError, RecursionError) as exc:
+            return Check("fail", "tokenizer", f"{tc}: not valid ({exc!r}); re-download it")
         cfg_note = f", {TOKENIZER_CONFIG_NAME} ok"
         try:
             src, where = chat_template_source(d, doc)

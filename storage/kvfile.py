@@ -224,8 +224,10 @@ def model_identity(model_dir: str | os.PathLike[str]) -> int:
     h = hashlib.sha256()
     try:
         config = json.loads((d / "config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise KVFileError(f"{d}/config.json: cannot read it for the model identity: {exc}") from exc
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise KVFileError(
+            f"{d}/config.json: cannot read it for the model identity: {exc!r}"
+        ) from exc
     h.update(json.dumps(config, sort_keys=True, separators=(",", ":")).encode())
     for p in shard_paths(d):
         try:

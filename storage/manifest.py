@@ -318,8 +318,9 @@ class Manifest:
             raise ConfigError(f"{p}: cannot read: {exc.strerror or exc}") from exc
         try:
             doc = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"{p}: not valid JSON ({exc}); delete it and reconvert") from exc
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+            problem = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+            raise ConfigError(f"{p}: not valid JSON ({problem}); delete it and reconvert") from exc
         return Manifest.from_json(doc, str(p))
 
     def save(self, directory: str | os.PathLike[str]) -> Path:

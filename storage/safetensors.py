@@ -123,8 +123,11 @@ def read_header(path: str | os.PathLike[str]) -> ShardHeader:
             dup = _first_duplicate_key(text)
             if dup is not None:
                 raise SafetensorsError(f"{p}: tensor {dup!r} is listed twice in the header")
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SafetensorsError(f"{p}: header is not valid JSON ({exc})") from exc
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        # ValueError: bad JSON, or an integer past Python's digit limit; RecursionError:
+        # arrays nested past the parser's depth
+        problem = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise SafetensorsError(f"{p}: header is not valid JSON ({problem})") from exc
     if not isinstance(doc, dict):
         raise SafetensorsError(f"{p}: header JSON is not an object")
     data_start = 8 + n

@@ -40,6 +40,7 @@ USAGE_FILE = ".coli_usage"
 USAGE_VERSION = 1
 
 _log = structlog.get_logger(__name__)
+_MAX_COUNT = int(np.iinfo(np.int64).max)  # the counts are int64
 
 
 class UsageCounts:
@@ -149,7 +150,7 @@ def parse_usage(text: str, n_layers: int, n_experts: int, engine_id: str) -> Usa
             layer, expert, count = (int(x) for x in parts)
         except ValueError:
             raise UsageFileError(f"line {no} is not '<layer> <expert> <count>': {line!r}") from None
-        if not (0 <= layer < n_layers and 0 <= expert < n_experts) or count < 0:
+        if not (0 <= layer < n_layers and 0 <= expert < n_experts and 0 <= count <= _MAX_COUNT):
             raise UsageFileError(f"line {no} is out of range: {line!r}")
         if seen[layer, expert]:
             raise UsageFileError(f"line {no} repeats layer {layer} expert {expert}")

@@ -8,16 +8,32 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
+from storage.errors import ModelError
+
 __all__ = ["layer_norm", "rms_norm"]
 
 F32Array = npt.NDArray[np.float32]
 
 
-def rms_norm(x: F32Array, weight: F32Array, eps: float) -> F32Array:
-    """``weight * x / sqrt(mean(x^2) + eps)`` over the last axis (HF ``*RMSNorm``)."""
+def rms_norm(x: F32Array, weight: F32Array, eps: float, *, check: bool = False) -> F32Array:
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last axis (HF ``*RMSNorm``).
+
+    ``check`` (the model's final norm): raise :class:`ModelError` when a row's sum of squares
+    is not finite (a NaN or inf in ``x``, or values past ~1e19 whose squares overflow). The
+    reference then normalises to zeros and the logits stay finite, so only this catches
+    activations that damaged weights blew up."""
     # np.mean's sum and division without its wrapper (~10 us per call on a decode step):
     # the same float32 sum, and one correctly rounded division by the width, so the same bits
-    ss = np.add.reduce(np.square(x), axis=-1, keepdims=True, dtype=np.float32)  # [T, 1]
+    if check:
+        with np.errstate(over="ignore", invalid="ignore"):
+            ss = np.add.reduce(np.square(x), axis=-1, keepdims=True, dtype=np.float32)
+        if not np.isfinite(ss).all():
+            raise ModelError(
+                "the model's activations overflowed or became NaN before its final norm: the "
+                "weights are probably damaged; check them with `coli doctor --verify`"
+            )
+    else:
+        ss = np.add.reduce(np.square(x), axis=-1, keepdims=True, dtype=np.float32)  # [T, 1]
     var = ss / np.float32(x.shape[-1])  # [T, 1]
     inv = np.float32(1.0) / np.sqrt(var + np.float32(eps))  # [T, 1]
     return (weight * (x * inv)).astype(np.float32, copy=False)  # [T, D]

@@ -349,7 +349,9 @@ class DecoderStack:
             hs, sel = self._attention_step(ctx, i, lw, hs, seqs, sel)
             h = self._mlp(ctx, i, lw, np.concatenate(hs))  # [sum T_j, D]
             hs = [h[bounds[j] : bounds[j + 1]] for j in range(len(seqs))]
-        hidden = rms_norm(np.concatenate(hs), self.weights.norm, self.config.rms_norm_eps)
+        hidden = rms_norm(
+            np.concatenate(hs), self.weights.norm, self.config.rms_norm_eps, check=True
+        )
         if last_only:  # [n_seq, V]: one row per sequence (a prefill chunk needs no more)
             rows = np.ascontiguousarray(hidden[bounds[1:] - 1])
             logits = ctx.compute.linear(self.weights.lm_head, rows)

@@ -210,3 +210,47 @@ def test_ctrl_c_stops_a_reply_and_twice_at_the_prompt_quits_with_130(
     turn = say(again, "Go on.")
     assert turn["reused"] > 0  # both earlier turns' KV came back from the session file
     assert quit_(again) == 0
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        {
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "x", "tokens": "x"},
+            ]
+        },
+        {"messages": [{"role": "assistant", "content": "x", "tokens": [1, 99999]}]},
+        {"messages": [{"role": "assistant", "content": "x", "tokens": [1, True]}]},
+        {"messages": [{"content": "no role"}]},
+        {"turns": float("inf")},
+        {"turns": -1},
+    ],
+    ids=["tokens-not-a-list", "token-past-vocab", "token-bool", "no-role", "turns-inf", "turns<0"],
+)
+def test_a_damaged_session_file_is_set_aside(
+    env: dict[str, str], tmp_path: Path, damage: dict[str, Any]
+) -> None:
+    """A session file whose messages or counts are damaged never resumes (nor crashes the
+    REPL): it is renamed aside with a warning and a new conversation starts."""
+    import subprocess
+
+    state = tmp_path / "state"
+    state.mkdir()
+    doc: dict[str, Any] = {
+        "format": "colibri-chat", "version": 1, "identity": 0, "turns": 1,
+        "messages": [{"role": "user", "content": "hi"}],
+    }  # fmt: skip
+    doc.update(damage)
+    path = session_path(state, "s1")
+    path.write_text(json.dumps(doc), encoding="utf-8")
+    r = subprocess.run(
+        [sys.executable, "-m", "colibri.cli", "chat", "--state-dir", str(state), "--session",
+         "s1"],
+        input=":q\n", env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and "chat session file ignored" in r.stderr + r.stdout
+    assert not path.exists()
+    assert [p.name.split(".bad-")[0] for p in state.glob("*.bad-*")] == [path.name]

@@ -334,7 +334,11 @@ def test_missing_config_key(copy: Path) -> None:
     assert_names(exc.value, copy / "config.json", "'hidden_size'")
 
 
-@pytest.mark.parametrize("text", ["{not json", "[1, 2]", ""])
+_DEEP = '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"  # past the parser's recursion limit
+_HUGE_INT = '{"hidden_size": ' + "9" * 5000 + "}"  # past Python's int digit limit
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", "", _DEEP, _HUGE_INT])
 def test_bad_config_json(copy: Path, text: str) -> None:
     (copy / "config.json").write_text(text)
     with pytest.raises(ConfigError) as exc:
@@ -492,3 +496,14 @@ def test_shard_order(tmp_path: Path) -> None:
         "model.safetensors",
         "out-idx-00000.safetensors",
     ]
+
+
+@pytest.mark.parametrize("text", ["{not json", _DEEP, '{"version": ' + "9" * 5000 + "}"])
+def test_damaged_manifest_json_is_a_config_error(tmp_path: Path, text: str) -> None:
+    from storage.manifest import MANIFEST_NAME, Manifest
+
+    p = tmp_path / MANIFEST_NAME
+    p.write_text(text)
+    with pytest.raises(ConfigError, match="not valid JSON") as exc:
+        Manifest.load(p)
+    assert str(p) in str(exc.value)

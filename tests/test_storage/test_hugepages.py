@@ -20,6 +20,7 @@ from storage.aligned import (
     huge_backed_bytes,
     hugepage_support,
 )
+from storage.arch import ArchConfig
 
 
 @pytest.mark.parametrize(
@@ -142,6 +143,32 @@ def test_resident_matrices_load_into_the_containers_arena() -> None:
     assert isinstance(owner, mmap.mmap) == hugepage_support().advise  # an arena chunk
     model = load_model(c)
     assert model is not None
+
+
+def test_resident_experts_load_into_an_arena() -> None:
+    """Every routed expert's blob is a piece of the ``ResidentExperts`` arena (huge pages where
+    the kernel allows them), with the file's bytes."""
+    from colibri._config import default_model_path
+    from runtime.weights import ResidentExperts
+    from storage.container import Container
+
+    c = Container.open(default_model_path())
+    layer = c.expert_layers()[0]
+    res = ResidentExperts(c, layers=[layer])
+    n = ArchConfig.from_dict(c.config).n_routed_experts
+    blob_bytes = sum(c.expert(layer, e).nbytes for e in range(n))
+    assert res.arena.used_bytes == (blob_bytes if res.arena.huge else 0)
+    for e in (0, n - 1):
+        ext = c.expert(layer, e)
+        got = res.get(layer, [e])[e].gate.q.data  # a view into the expert's blob
+        off, nb = ext.parts["gate_proj"][:2]
+        assert np.array_equal(got, ext.read_blob()[off : off + nb])
+        owner: object = got
+        while isinstance(owner, np.ndarray) and owner.base is not None:
+            owner = owner.base
+        if isinstance(owner, memoryview):
+            owner = owner.obj
+        assert isinstance(owner, mmap.mmap) == res.arena.huge
 
 
 def test_read_tensor_into_a_given_buffer(tmp_path: Path) -> None:

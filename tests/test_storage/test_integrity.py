@@ -91,3 +91,20 @@ def test_nan_logits_stop_the_generation(tmp_path: Path, private_home: None) -> N
     with colibri.open_model(d, draft="mtp:2") as m:
         with pytest.raises(ModelError, match="non-finite logits"):
             m.generate([5, 6, 7], max_new_tokens=4)
+
+
+def test_activations_that_overflow_stop_the_generation(tmp_path: Path, private_home: None) -> None:
+    """Scales blown up to 1e25 give finite activations whose squares overflow: the reference
+    normalises them to zeros and the logits stay finite (a fluent-looking wrong answer, or
+    end of text at once). The final norm's check stops the generation instead."""
+    d = Path(shutil.copytree(TINY, tmp_path / "m"))
+    c = Container.open(d)
+    last = c.arch.num_hidden_layers - 1
+    scales = c.entry(f"model.layers.{last}.self_attn.o_proj.weight").scales
+    assert scales is not None
+    with open(scales.path, "r+b") as fh:
+        fh.seek(scales.start)
+        fh.write(np.full(scales.nbytes // 4, 1e25, dtype=np.float32).tobytes())
+    with colibri.open_model(d, draft="off") as m:
+        with pytest.raises(ModelError, match=r"overflowed or became NaN .* doctor --verify"):
+            m.generate([5, 6, 7], max_new_tokens=4)

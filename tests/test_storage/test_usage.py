@@ -111,6 +111,9 @@ def _damaged(good: str) -> dict[str, str]:
         "binary": "\xff\xfe\xfd",
         "out of range": good + f"{L} 0 5\n",
         "negative": good + "0 0 -5\n",
+        "count past int64": "\n".join(
+            [*lines[:2], lines[2].rsplit(" ", 1)[0] + " 99999999999999999999", *lines[3:]]
+        ),
         "duplicate": good + lines[2] + "\n",
         "empty": "",
         "header only half": f"-1 {L} {E}\n",
