@@ -449,9 +449,12 @@ class _Group(click.Group):
 
 
 def _hint_for(exc: ColibriError) -> str | None:
-    from storage.errors import ContainerError, ConversionError, FormatError
+    from storage.errors import ConfigError, ContainerError, ConversionError, FormatError
 
     if isinstance(exc, FormatError):
+        return "run `coli doctor --model DIR` for a full report"
+    if isinstance(exc, ConfigError) and "file not found" not in str(exc):
+        # a model directory whose config, manifest or side files are damaged, not a wrong path
         return "run `coli doctor --model DIR` for a full report"
     if isinstance(exc, ConversionError):
         return "see `coli convert --help`"
@@ -1365,10 +1368,14 @@ def bench_stream(
 def info(model: Path | None, as_json: bool) -> None:
     """Model and machine summary."""
     from runtime.kernels.isa import kernel_info
+    from storage.arch import math_keys, rope_keys
     from storage.container import Container
 
     c = Container.open(model or default_model_path())
     a = c.arch
+    where = str(c.path / "config.json")
+    math = math_keys(c.config, where)  # a value the runtime refuses is an error here too
+    rope_keys(c.config, where)
     experts = c.expert_layers()
     moe_layers = len([layer for layer in experts if layer < a.num_hidden_layers])
     data: dict[str, Any] = {
@@ -1378,7 +1385,7 @@ def info(model: Path | None, as_json: bool) -> None:
         "mtp_layers": a.num_mtp_layers,
         "hidden": a.hidden_size,
         "vocab": a.vocab_size,
-        "context": c.config.get("max_position_embeddings"),
+        "context": math["max_position_embeddings"],
         "routed_experts_per_layer": a.n_routed_experts,
         "experts_per_token": a.num_experts_per_tok,
         "moe_layers": moe_layers,

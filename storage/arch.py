@@ -11,6 +11,7 @@ names (``gate_proj``/``up_proj``/``down_proj``) whatever the family calls them o
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -90,6 +91,117 @@ INDEXER_TENSORS = (
     "self_attn.indexer.k_norm.bias",
     "self_attn.indexer.weights_proj.weight",
 )
+
+
+def config_int(where: str, key: str, value: object, minimum: int = 0) -> int:
+    """``value`` of config key ``key`` as an int >= ``minimum``: an int, or a float with an
+    integral value (never a bool, a string or 32.5); a :class:`ConfigError` naming the key
+    otherwise."""
+    if isinstance(value, bool) or not (
+        isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    ):
+        raise ConfigError(f"{where}: {key} must be an integer, got {value!r}")
+    n = int(value)
+    if n < minimum:
+        raise ConfigError(f"{where}: {key} must be >= {minimum}, got {n}")
+    return n
+
+
+def config_float(where: str, key: str, value: object, *, positive: bool = True) -> float:
+    """``value`` of config key ``key`` as a finite float (> 0 with ``positive``): a
+    :class:`ConfigError` naming the key for a string, a bool, NaN or an infinity."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{where}: {key} must be a number, got {value!r}")
+    x = float(value)
+    if not math.isfinite(x) or (positive and x <= 0):
+        raise ConfigError(f"{where}: {key} must be a finite{' positive' if positive else ''} "
+                          f"number, got {value!r}")  # fmt: skip
+    return x
+
+
+#: the MLP activations the runtime implements
+SUPPORTED_HIDDEN_ACTS = ("silu",)
+
+
+def math_keys(cfg: Mapping[str, Any], where: str = "config.json") -> dict[str, Any]:
+    """The config keys only the model math reads (defaults where absent), checked: what the
+    runtime's model configs are built from and what ``coli doctor`` checks, so a config that
+    would not run does not pass the doctor."""
+
+    def opt(key: str, default: Any) -> Any:
+        val = cfg.get(key)
+        return default if val is None else val
+
+    norm_topk = opt("norm_topk_prob", True)
+    if not isinstance(norm_topk, bool):
+        raise ConfigError(f"{where}: norm_topk_prob must be true or false, got {norm_topk!r}")
+    act = opt("hidden_act", "silu")
+    if act not in SUPPORTED_HIDDEN_ACTS:
+        raise ConfigError(
+            f"{where}: hidden_act {act!r} is not supported "
+            f"(only {', '.join(SUPPORTED_HIDDEN_ACTS)})"
+        )
+    return {
+        "norm_topk_prob": norm_topk,
+        "routed_scaling_factor": config_float(
+            where, "routed_scaling_factor", opt("routed_scaling_factor", 1.0)
+        ),
+        "rms_norm_eps": config_float(where, "rms_norm_eps", opt("rms_norm_eps", 1e-6)),
+        "max_position_embeddings": config_int(
+            where, "max_position_embeddings", opt("max_position_embeddings", 4096), 1
+        ),
+        "hidden_act": str(act),
+    }
+
+
+def rope_keys(cfg: Mapping[str, Any], where: str = "config.json") -> dict[str, Any]:
+    """``rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling``, normalised
+    and checked: the fields of ``runtime.layers.rope.RopeParameters``."""
+    raw = cfg.get("rope_parameters") or {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where}: rope_parameters must be an object, got {raw!r}")
+    params: dict[str, Any] = dict(raw)
+    if not params:
+        scaling = cfg.get("rope_scaling") or {}
+        if not isinstance(scaling, Mapping):
+            raise ConfigError(f"{where}: rope_scaling must be an object, got {scaling!r}")
+        params = dict(scaling)
+        if "rope_theta" not in params and cfg.get("rope_theta") is not None:
+            params["rope_theta"] = cfg["rope_theta"]
+    rope_type = str(params.get("rope_type", params.get("type", "default")))
+    if params.get("rope_theta") is None:
+        raise ConfigError(f"{where}: no rope_theta in rope_parameters or at top level")
+    if rope_type not in ("default", "yarn", "linear"):
+        raise ConfigError(
+            f"{where}: rope_type {rope_type!r} is not supported (default, linear, yarn)"
+        )
+    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    orig = params.get("original_max_position_embeddings")
+    if orig is None and rope_type == "yarn":
+        # transformers' standardize_rope_params falls back to max_position_embeddings.
+        orig = cfg.get("original_max_position_embeddings", cfg.get("max_position_embeddings"))
+
+    def opt(key: str) -> float | None:
+        val = params.get(key)
+        return None if val is None else config_float(where, key, val, positive=False)
+
+    return {
+        "rope_type": rope_type,
+        "rope_theta": config_float(where, "rope_theta", params["rope_theta"]),
+        "factor": opt("factor"),
+        "original_max_position_embeddings": (
+            None if orig is None else config_int(where, "original_max_position_embeddings", orig, 1)
+        ),
+        "beta_fast": opt("beta_fast"),
+        "beta_slow": opt("beta_slow"),
+        "mscale": opt("mscale"),
+        "mscale_all_dim": opt("mscale_all_dim"),
+        "attention_factor": opt("attention_factor"),
+        "truncate": bool(params.get("truncate", True)),
+        "partial_rotary_factor": (
+            None if partial is None else config_float(where, "partial_rotary_factor", partial)
+        ),
+    }
 
 
 def check_router(
@@ -201,6 +313,13 @@ class ArchConfig:
                 raise ConfigError(f"{where}: missing required key {key!r}")
             return cfg[key]
 
+        def need_int(key: str, minimum: int = 1) -> int:
+            return config_int(where, key, need(key), minimum)
+
+        def opt_int(key: str, default: int, minimum: int = 0) -> int:
+            val = cfg.get(key)
+            return default if val is None else config_int(where, key, val, minimum)
+
         mt = str(need("model_type"))
         fam = FAMILIES.get(mt)
         if fam is None:
@@ -209,87 +328,89 @@ class ArchConfig:
                 f"{', '.join(SUPPORTED_MODEL_TYPES)})"
             )
         mla = fam.attention == "mla"
+        n_layers = need_int("num_hidden_layers")
+        first_dense = opt_int("first_k_dense_replace", 0)
+        count_key = next((k for k in _EXPERT_COUNT_KEYS if cfg.get(k) is not None), None)
+        if count_key is None:
+            raise ConfigError(f"{where}: missing required key {_EXPERT_COUNT_KEYS[0]!r}")
+        n_routed = config_int(where, count_key, cfg[count_key], 0)
         try:
-            n_layers = int(need("num_hidden_layers"))
-            first_dense = int(cfg.get("first_k_dense_replace") or 0)
-            count_key = next((k for k in _EXPERT_COUNT_KEYS if cfg.get(k) is not None), None)
-            if count_key is None:
-                raise ConfigError(f"{where}: missing required key {_EXPERT_COUNT_KEYS[0]!r}")
-            n_routed = int(cfg[count_key])
             mlp_types = cfg.get("mlp_layer_types") or _default_mlp_types(
                 mt, cfg, n_layers, first_dense, n_routed
             )
-            # A short or non-list mlp_layer_types would surface later as an IndexError deep in
-            # classify(); reject it here with the key named.
-            if (
-                not isinstance(mlp_types, list)
-                or len(mlp_types) != n_layers
-                or any(t not in ("dense", "sparse") for t in mlp_types)
-            ):
-                raise ConfigError(
-                    f"{where}: mlp_layer_types must list 'dense' or 'sparse' for each of the "
-                    f"{n_layers} layers, got {mlp_types!r}"
-                )
-            top_k = cfg.get("num_experts_per_tok")
-            n_group = int(cfg.get("n_group") or 1)
-            topk_group = int(cfg.get("topk_group") or 1)
-            if top_k is not None:
-                check_router(n_routed, n_group, topk_group, int(top_k))
-            is_dsa = fam.dsa
-            idx_types = cfg.get("indexer_types") or (
-                # DeepSeek-V3.2: every layer runs its own indexer
-                ["full"] * n_layers
-                if mt == "deepseek_v32"
-                else default_indexer_types(cfg, n_layers)
-                if is_dsa
-                else []
-            )
-            if not isinstance(idx_types, list):
-                raise ConfigError(f"{where}: indexer_types must be a list, got {idx_types!r}")
-            n_heads = int(need("num_attention_heads"))
-            hidden = int(need("hidden_size"))
-            qk_norm = fam.qk_norm
-            if qk_norm == "config":
-                qk_norm = "head" if cfg.get("use_qk_norm") else "none"
-            gqa: dict[str, Any] = {}
-            if not mla:
-                head_dim = int(cfg.get("head_dim") or hidden // n_heads)
-                n_kv = int(cfg.get("num_key_value_heads") or n_heads)
-                if head_dim <= 0 or n_kv <= 0 or n_heads % n_kv:
-                    raise ConfigError(
-                        f"{where}: num_attention_heads {n_heads} is not a multiple of "
-                        f"num_key_value_heads {n_kv} (or head_dim {head_dim} is not positive)"
-                    )
-                gqa = dict(num_key_value_heads=n_kv, head_dim=head_dim, qk_norm=qk_norm)
-            return ArchConfig(
-                model_type=mt,
-                hidden_size=hidden,
-                vocab_size=int(need("vocab_size")),
-                num_hidden_layers=n_layers,
-                # MTP layers run on the MLA stack only; a GQA family's are left on disk unused
-                num_mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0) if mla else 0,
-                intermediate_size=int(need("intermediate_size")),
-                moe_intermediate_size=int(need(fam.expert_size_key)),
-                n_routed_experts=n_routed,
-                n_shared_experts=int(cfg.get("n_shared_experts") or 0),
-                num_experts_per_tok=None if top_k is None else int(top_k),
-                n_group=n_group,
-                topk_group=topk_group,
-                num_attention_heads=n_heads,
-                q_lora_rank=None if cfg.get("q_lora_rank") is None else int(cfg["q_lora_rank"]),
-                kv_lora_rank=int(need("kv_lora_rank")) if mla else 0,
-                qk_nope_head_dim=int(need("qk_nope_head_dim")) if mla else 0,
-                qk_rope_head_dim=int(need("qk_rope_head_dim")) if mla else 0,
-                v_head_dim=int(need("v_head_dim")) if mla else 0,
-                first_k_dense_replace=first_dense,
-                mlp_layer_types=tuple(str(t) for t in mlp_types),
-                index_n_heads=int(need("index_n_heads")) if is_dsa else 0,
-                index_head_dim=int(need("index_head_dim")) if is_dsa else 0,
-                indexer_types=tuple(str(t) for t in idx_types),
-                **gqa,
-            )
         except (TypeError, ValueError) as exc:
-            raise ConfigError(f"{where}: a numeric key has a bad value ({exc})") from exc
+            raise ConfigError(f"{where}: a key that places the MoE layers is bad ({exc})") from exc
+        # A short or non-list mlp_layer_types would surface later as an IndexError deep in
+        # classify(); reject it here with the key named.
+        if (
+            not isinstance(mlp_types, list)
+            or len(mlp_types) != n_layers
+            or any(t not in ("dense", "sparse") for t in mlp_types)
+        ):
+            raise ConfigError(
+                f"{where}: mlp_layer_types must list 'dense' or 'sparse' for each of the "
+                f"{n_layers} layers, got {mlp_types!r}"
+            )
+        top_k_raw = cfg.get("num_experts_per_tok")
+        top_k = None if top_k_raw is None else config_int(where, "num_experts_per_tok", top_k_raw)
+        n_group = opt_int("n_group", 1, 1) if cfg.get("n_group") else 1
+        topk_group = opt_int("topk_group", 1, 1) if cfg.get("topk_group") else 1
+        if top_k is not None:
+            check_router(n_routed, n_group, topk_group, top_k)
+        is_dsa = fam.dsa
+        idx_types = cfg.get("indexer_types") or (
+            # DeepSeek-V3.2: every layer runs its own indexer
+            ["full"] * n_layers
+            if mt == "deepseek_v32"
+            else default_indexer_types(cfg, n_layers)
+            if is_dsa
+            else []
+        )
+        if not isinstance(idx_types, list):
+            raise ConfigError(f"{where}: indexer_types must be a list, got {idx_types!r}")
+        n_heads = need_int("num_attention_heads")
+        hidden = need_int("hidden_size")
+        qk_norm = fam.qk_norm
+        if qk_norm == "config":
+            qk_norm = "head" if cfg.get("use_qk_norm") else "none"
+        gqa: dict[str, Any] = {}
+        if not mla:
+            head_dim = opt_int("head_dim", 0) or hidden // n_heads
+            n_kv = opt_int("num_key_value_heads", 0) or n_heads
+            if head_dim <= 0 or n_kv <= 0 or n_heads % n_kv:
+                raise ConfigError(
+                    f"{where}: num_attention_heads {n_heads} is not a multiple of "
+                    f"num_key_value_heads {n_kv} (or head_dim {head_dim} is not positive)"
+                )
+            gqa = dict(num_key_value_heads=n_kv, head_dim=head_dim, qk_norm=qk_norm)
+        q_lora = cfg.get("q_lora_rank")
+        return ArchConfig(
+            model_type=mt,
+            hidden_size=hidden,
+            vocab_size=need_int("vocab_size"),
+            num_hidden_layers=n_layers,
+            # MTP layers run on the MLA stack only; a GQA family's are left on disk unused
+            num_mtp_layers=opt_int("num_nextn_predict_layers", 0) if mla else 0,
+            intermediate_size=need_int("intermediate_size"),
+            moe_intermediate_size=need_int(fam.expert_size_key),
+            n_routed_experts=n_routed,
+            n_shared_experts=opt_int("n_shared_experts", 0),
+            num_experts_per_tok=top_k,
+            n_group=n_group,
+            topk_group=topk_group,
+            num_attention_heads=n_heads,
+            q_lora_rank=None if q_lora is None else config_int(where, "q_lora_rank", q_lora, 1),
+            kv_lora_rank=need_int("kv_lora_rank") if mla else 0,
+            qk_nope_head_dim=need_int("qk_nope_head_dim") if mla else 0,
+            qk_rope_head_dim=need_int("qk_rope_head_dim") if mla else 0,
+            v_head_dim=need_int("v_head_dim") if mla else 0,
+            first_k_dense_replace=first_dense,
+            mlp_layer_types=tuple(str(t) for t in mlp_types),
+            index_n_heads=need_int("index_n_heads") if is_dsa else 0,
+            index_head_dim=need_int("index_head_dim") if is_dsa else 0,
+            indexer_types=tuple(str(t) for t in idx_types),
+            **gqa,
+        )
 
     @property
     def family(self) -> Family:

@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from storage.arch import expected_tensors, optional_tensors
+from storage.arch import expected_tensors, math_keys, optional_tensors, rope_keys
 from storage.chat_template import chat_template_source, compile_chat_template
 from storage.container import (
     TOKENIZER_CONFIG_NAME,
@@ -187,6 +187,11 @@ def _check_config(c: Container) -> Check:
     bad = _problems(c, "config")
     if a.n_routed_experts and top_k is None:
         bad.append("config.json lacks num_experts_per_tok (the runtime needs it)")
+    for keys in (math_keys, rope_keys):  # what the runtime's model config reads besides
+        try:
+            keys(c.config)
+        except ConfigError as exc:
+            bad.append(str(exc))
     if bad:
         return Check("fail", "config", f"{msg}; but {_listed(bad, 2)}")
     return Check("pass", "config", msg)
@@ -397,6 +402,7 @@ def _check_verify(c: Container, progress: Progress | None) -> Check:
         total = sum(s.size for s in manifest.shards)
         done = 0
         bad: list[str] = []
+        unreadable: list[str] = []  # not damage: permissions, a missing file, an I/O error
         where = {sh.path.name: sh.path for sh in c.shards}  # shards may sit in several dirs
         for s in manifest.shards:
             p = where.get(s.file, c.path / s.file)
@@ -404,20 +410,26 @@ def _check_verify(c: Container, progress: Progress | None) -> Check:
             try:
                 got = sha256_file(p)
             except OSError as exc:
-                bad.append(f"{s.file}: cannot read ({exc.strerror or exc})")
+                unreadable.append(f"{p}: {exc.strerror or exc}")
                 continue
             finally:
                 done += s.size
             if got != s.sha256:
                 bad.append(f"{s.file}: sha256 {got[:12]}..., manifest says {s.sha256[:12]}...")
         report(total, total, "done")
+        problems = []
         if bad:
-            return Check(
-                "fail",
-                "verify",
+            problems.append(
                 f"{len(bad)} of {len(manifest.shards)} shards are damaged (their tensors cannot "
-                f"be trusted; re-copy or reconvert them): {_listed(bad, 3)}",
+                f"be trusted; re-copy or reconvert them): {_listed(bad, 3)}"
             )
+        if unreadable:
+            problems.append(
+                f"{len(unreadable)} of {len(manifest.shards)} shards could not be read (fix "
+                f"the file's permissions or presence and verify again): {_listed(unreadable, 3)}"
+            )
+        if problems:
+            return Check("fail", "verify", "; ".join(problems))
         return Check(
             "pass",
             "verify",

@@ -63,6 +63,7 @@ def tiny_config(**overrides: Any) -> dict[str, Any]:
         "index_topk": 8,
         "indexer_types": ["full", "shared"],
         "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
         "eos_token_id": [1, 2],
         "bos_token_id": 0,
     }

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from storage.arch import rope_keys
 from storage.errors import ConfigError
 
 __all__ = ["Rope", "RopeParameters", "apply_rope", "mla_softmax_scale", "yarn_get_mscale"]
@@ -63,45 +64,9 @@ class RopeParameters:
 
     @staticmethod
     def from_config(cfg: Mapping[str, Any]) -> RopeParameters:
-        """Read ``rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling``."""
-        raw = cfg.get("rope_parameters") or {}
-        if not isinstance(raw, Mapping):
-            raise ConfigError(f"config.json: rope_parameters must be an object, got {raw!r}")
-        params: dict[str, Any] = dict(raw)
-        if not params:
-            params = dict(cfg.get("rope_scaling") or {})
-            if "rope_theta" not in params and cfg.get("rope_theta") is not None:
-                params["rope_theta"] = cfg["rope_theta"]
-        rope_type = str(params.get("rope_type", params.get("type", "default")))
-        if params.get("rope_theta") is None:
-            raise ConfigError("config.json: no rope_theta in rope_parameters or at top level")
-        if rope_type not in ("default", "yarn", "linear"):
-            raise ConfigError(
-                f"config.json: rope_type {rope_type!r} is not supported (default, linear, yarn)"
-            )
-        partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
-        orig = params.get("original_max_position_embeddings")
-        if orig is None and rope_type == "yarn":
-            # transformers' standardize_rope_params falls back to max_position_embeddings.
-            orig = cfg.get("original_max_position_embeddings", cfg.get("max_position_embeddings"))
-
-        def opt(key: str) -> float | None:
-            val = params.get(key)
-            return None if val is None else float(val)
-
-        return RopeParameters(
-            rope_type=rope_type,
-            rope_theta=float(params["rope_theta"]),
-            factor=opt("factor"),
-            original_max_position_embeddings=None if orig is None else int(orig),
-            beta_fast=opt("beta_fast"),
-            beta_slow=opt("beta_slow"),
-            mscale=opt("mscale"),
-            mscale_all_dim=opt("mscale_all_dim"),
-            attention_factor=opt("attention_factor"),
-            truncate=bool(params.get("truncate", True)),
-            partial_rotary_factor=None if partial is None else float(partial),
-        )
+        """Read ``rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling``,
+        checked by :func:`storage.arch.rope_keys` (the rule ``coli doctor`` checks too)."""
+        return RopeParameters(**rope_keys(cfg))
 
 
 def mla_softmax_scale(qk_head_dim: int, rope: RopeParameters) -> float:

@@ -5,6 +5,8 @@ Shape legend: see ``runtime.models._decoder``.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from runtime.models._decoder import DecoderStack, LogitsOut, MLAMoEConfig, MLAMoEModel
 from runtime.models._gqa import GQAMoEConfig, GQAMoEModel
 from runtime.models.deepseek_v3 import DeepseekV3, DeepseekV3Config
@@ -16,7 +18,7 @@ from runtime.models.mixtral import Mixtral
 from runtime.models.olmoe import Olmoe
 from runtime.models.qwen3_moe import Qwen3Moe
 from runtime.weights import ContainerLike, ExpertSource
-from storage.errors import ModelError
+from storage.errors import ConfigError, ModelError
 
 __all__ = [
     "ARCHITECTURES",
@@ -58,4 +60,12 @@ def load_model(container: ContainerLike, experts: ExpertSource | None = None) ->
         raise ModelError(
             f"model_type {model_type!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
         )
-    return cls.from_container(container, experts)
+    try:
+        return cls.from_container(container, experts)
+    except ConfigError as exc:
+        # the model configs parse a plain dict and say "config.json: ..."; name the file
+        path = getattr(container, "path", None)
+        msg = str(exc)
+        if path is not None and msg.startswith("config.json: "):
+            raise ConfigError(f"{Path(path) / 'config.json'}: {msg[13:]}") from exc
+        raise

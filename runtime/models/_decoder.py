@@ -58,7 +58,7 @@ from runtime.weights import (
     load_layer,
     load_mtp,
 )
-from storage.arch import ArchConfig, check_router
+from storage.arch import ArchConfig, check_router, math_keys
 from storage.errors import ConfigError, ModelError
 
 __all__ = [
@@ -160,11 +160,7 @@ class MoEConfig:
                 topk_group=arch.topk_group,
                 num_nextn_predict_layers=arch.num_mtp_layers,
                 # the keys only the math needs
-                norm_topk_prob=bool(_opt(cfg, "norm_topk_prob", True)),
-                routed_scaling_factor=float(_opt(cfg, "routed_scaling_factor", 1.0)),
-                rms_norm_eps=float(_opt(cfg, "rms_norm_eps", 1e-6)),
-                max_position_embeddings=int(_opt(cfg, "max_position_embeddings", 4096)),
-                hidden_act=str(_opt(cfg, "hidden_act", "silu")),
+                **math_keys(cfg),
                 rope_parameters=RopeParameters.from_config(cfg),
             )
         except (TypeError, ValueError) as exc:
@@ -190,11 +186,6 @@ class MoEConfig:
             norm_topk_prob=self.norm_topk_prob,
             routed_scaling_factor=self.routed_scaling_factor,
         )
-
-
-def _opt(cfg: Mapping[str, Any], key: str, default: Any) -> Any:
-    val = cfg.get(key)
-    return default if val is None else val
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -227,3 +227,17 @@ def test_prefetch_flags_and_env_map_to_one_option(
     res = CliRunner().invoke(probe, args)
     assert res.exit_code == 0, res.output
     assert got == [want]
+
+
+def test_a_damaged_config_value_is_one_error_naming_the_key(home: Path, tmp_path: Path) -> None:
+    """A bad value in an existing model's config.json: one error line naming the key, and a
+    hint to run the doctor (not to pass another --model)."""
+    import shutil
+
+    d = Path(shutil.copytree(DEMO, tmp_path / "m"))
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": "abc"}))
+    for cmd in (("run", "-n", "2", "hi"), ("info",)):
+        r = coli(home, *cmd, "--model", str(d))
+        one_error(r, "rms_norm_eps must be a number", str(d / "config.json"))
+        assert "hint: run `coli doctor --model DIR`" in r.stderr, r.stderr

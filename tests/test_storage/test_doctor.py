@@ -206,3 +206,38 @@ def test_doctor_refuses_what_run_refuses(tmp_path: Path) -> None:
     (path / "config.json").write_text(json.dumps(cfg))
     status, msg = by_name(run_doctor(path))["config"]
     assert status == "fail" and "num_experts_per_tok" in msg
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "want"),
+    [
+        ("rms_norm_eps", "abc", "rms_norm_eps must be a number"),
+        ("rms_norm_eps", float("nan"), "rms_norm_eps must be a finite positive number"),
+        ("routed_scaling_factor", float("inf"), "routed_scaling_factor must be a finite"),
+        ("hidden_act", "gelu", "hidden_act 'gelu' is not supported"),
+        ("rope_theta", "x", "rope_theta must be a number"),
+        ("n_routed_experts", 32.5, "n_routed_experts must be an integer, got 32.5"),
+        ("hidden_size", "256", "hidden_size must be an integer, got '256'"),
+        ("num_hidden_layers", -1, "num_hidden_layers must be >= 1, got -1"),
+        ("vocab_size", True, "vocab_size must be an integer, got True"),
+    ],
+)
+def test_doctor_fails_config_values_the_runtime_refuses(
+    copy: Path, key: str, value: object, want: str
+) -> None:
+    """Each bad value fails the doctor's config line, naming the key, and the runtime refuses
+    it with the same message (a config the doctor passes runs)."""
+    from runtime.models import load_model
+    from storage.container import Container
+    from storage.errors import ConfigError
+
+    cfg = json.loads((copy / "config.json").read_text())
+    cfg[key] = value
+    if key == "rope_theta":
+        cfg.pop("rope_parameters", None)
+    (copy / "config.json").write_text(json.dumps(cfg))
+    r = run_doctor(copy)
+    status, msg = by_name(r)["config"]
+    assert status == "fail" and want in msg and r.exit_code == 1, msg
+    with pytest.raises(ConfigError, match=want.replace("(", r"\(")):
+        load_model(Container.open(copy))

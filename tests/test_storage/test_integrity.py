@@ -108,3 +108,17 @@ def test_activations_that_overflow_stop_the_generation(tmp_path: Path, private_h
     with colibri.open_model(d, draft="off") as m:
         with pytest.raises(ModelError, match=r"overflowed or became NaN .* doctor --verify"):
             m.generate([5, 6, 7], max_new_tokens=4)
+
+
+def test_verify_tells_an_unreadable_shard_from_a_damaged_one(tmp_path: Path) -> None:
+    """A shard the manifest lists but that cannot be read (missing here; permissions or an
+    I/O error alike) is reported as unreadable, not as damaged bytes to re-copy."""
+    import json
+
+    d = Path(shutil.copytree(TINY, tmp_path / "m"))
+    doc = json.loads((d / "colibri-manifest.json").read_text())
+    doc["shards"].append({**doc["shards"][0], "file": "out-00042.safetensors"})
+    (d / "colibri-manifest.json").write_text(json.dumps(doc))
+    status, msg = _status(d, verify=True)["verify"]
+    assert status == "fail" and "could not be read" in msg and "out-00042" in msg, msg
+    assert "damaged" not in msg
