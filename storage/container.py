@@ -456,6 +456,17 @@ class Container:
         else:
             dirs = (d,)
             paths = shard_paths(d)
+            if manifest is not None:  # the converter's own list: a shard it names must be here
+                present = {p.name for p in paths}
+                for name in _expected_shards(d, manifest, problems) or []:
+                    if name not in present:
+                        problems.add(
+                            ContainerError(
+                                f"{d / name}: listed in {MANIFEST_NAME} but missing; the "
+                                "download or copy is incomplete (copy the file, or pass "
+                                "--model-dir for shards kept elsewhere)"
+                            )
+                        )
         for p in paths:
             try:
                 shards.append(read_header(p))

@@ -238,7 +238,7 @@ class Manifest:
                 if not 0 <= a < b <= shard.size:
                     raise ConfigError(
                         f"{where}: expert {key} extent [{a}, {b}) lies outside {e.shard} "
-                        f"({shard.size} bytes)"
+                        f"({shard.size} bytes, as this manifest records it)"
                     )
 
     def expert(self, layer: int, expert: int) -> ExpertEntry | None:

@@ -507,3 +507,18 @@ def test_damaged_manifest_json_is_a_config_error(tmp_path: Path, text: str) -> N
     with pytest.raises(ConfigError, match="not valid JSON") as exc:
         Manifest.load(p)
     assert str(p) in str(exc.value)
+
+
+def test_a_shard_the_manifest_lists_must_be_present(tmp_path: Path) -> None:
+    """Deleting a shard the converter wrote (here the MTP one) is an error naming it, not a
+    model that silently runs without those tensors."""
+    from _demo import TINY
+
+    d = Path(shutil.copytree(TINY, tmp_path / "m"))
+    mtp = sorted(d.glob("out-mtp-*.safetensors"))
+    assert mtp, "the tiny model has an MTP shard"
+    mtp[0].unlink()
+    with pytest.raises(ContainerError, match=r"listed in colibri-manifest\.json but missing") as e:
+        Container.open(d)
+    assert str(mtp[0]) in str(e.value)
+    assert any(mtp[0].name in str(p) for p in Container.open(d, strict=False).problems)

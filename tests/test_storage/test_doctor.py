@@ -241,3 +241,23 @@ def test_doctor_fails_config_values_the_runtime_refuses(
     assert status == "fail" and want in msg and r.exit_code == 1, msg
     with pytest.raises(ConfigError, match=want.replace("(", r"\(")):
         load_model(Container.open(copy))
+
+
+def test_shard_sizes_are_checked_against_the_manifest(tmp_path: Path) -> None:
+    """Without --verify the doctor still compares each shard's size with the manifest's (a
+    stat, no data read): a manifest that disagrees fails the shards line, naming the file."""
+    from _demo import TINY
+
+    d = Path(shutil.copytree(TINY, tmp_path / "m"))
+    assert by_name(run_doctor(d))["shards"][0] == "pass"
+    doc = json.loads((d / "colibri-manifest.json").read_text())
+    real = doc["shards"][0]["size"]
+    doc["shards"][0]["size"] = real + 4096
+    (d / "colibri-manifest.json").write_text(json.dumps(doc))
+    status, msg = by_name(run_doctor(d))["shards"]
+    name = doc["shards"][0]["file"]
+    assert status == "fail" and f"{d}/{name}: {real} bytes, manifest says {real + 4096}" in msg
+    doc["shards"][0]["size"] = 123  # smaller than the experts it lists: the manifest is invalid
+    (d / "colibri-manifest.json").write_text(json.dumps(doc))
+    status, msg = by_name(run_doctor(d))["shards"]
+    assert status == "fail" and "as this manifest records it" in msg, msg
