@@ -49,7 +49,7 @@ from colibri._engine import (
     TokenEvent,
     open_model,
 )
-from colibri.tokenizer import ChatTokenizer
+from colibri.tokenizer import ChatTokenizer, not_utf8
 from runtime.kv import KVCache
 from storage.atomic import atomic_write_bytes, set_aside_and_warn
 from storage.container import Container
@@ -478,6 +478,9 @@ class _Chat:
             except EOFError:
                 self.echo("")
                 return
+            except UnicodeDecodeError as exc:  # a terminal or pipe in a UTF-8 locale
+                self._dim(f"that line is not valid UTF-8 ({exc.reason}); type it again")
+                continue
             except KeyboardInterrupt:
                 self.echo("")
                 now = time.monotonic()
@@ -500,6 +503,10 @@ class _Chat:
                 continue
             if cmd.startswith(":") and " " not in cmd:
                 self._dim(f"unknown command {cmd} ({HELP})")
+                continue
+            bad = not_utf8(line)  # the C locale keeps undecodable bytes as surrogates
+            if bad is not None:
+                self._dim(f"that line cannot be sent: {bad}; type it again")
                 continue
             self.footer(self.turn(line))
 
@@ -533,7 +540,10 @@ def run_chat(
             f"colibri chat · {c.path.name} · experts {mode} · session {settings.session} · {HELP}"
         )
         if chat.load():
-            chat._dim(f"resumed a conversation of {chat.state.turns} turns; :reset to start over")
+            n = chat.state.turns
+            chat._dim(
+                f"resumed a conversation of {n} turn{'' if n == 1 else 's'}; :reset to start over"
+            )
             if settings.system and chat.state.messages[:1] != [
                 {"role": "system", "content": settings.system}
             ]:

@@ -38,6 +38,7 @@ from runtime.planner import choose_prefill_chunk
 from runtime.sampling import LogitNorm, Sampler, SamplingParams, log_softmax, logit_norm
 from runtime.scheduler import Ahead, Scheduler
 from runtime.speculative import CostModel, DraftPolicy, SpecStats, SpeculativeDecoder
+from storage.arch import math_keys
 from storage.atomic import remove_leftovers
 from storage.container import Container
 from storage.errors import ColibriError, ModelError
@@ -82,10 +83,32 @@ GenerationEvent = TokenEvent | DoneEvent
 
 
 def _as_ids(token_ids: Sequence[int] | npt.NDArray[np.integer]) -> npt.NDArray[np.int64]:
-    ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
-    if ids.size == 0:
+    """``token_ids`` as int64 [T]: a 1-D sequence of integers (never floats, bools or text,
+    which numpy would silently truncate or reject with its own error)."""
+    if isinstance(token_ids, str | bytes):
+        raise ModelError("token ids must be integers; encode text with the tokenizer first")
+    try:
+        raw = np.asarray(token_ids)
+    except (TypeError, ValueError) as exc:  # ragged nesting, objects numpy cannot hold
+        raise ModelError(f"token ids must be a 1-D sequence of integers: {exc}") from None
+    if raw.size == 0:
         raise ModelError("token_ids is empty: give at least one token")
-    return ids
+    if raw.ndim != 1:
+        raise ModelError(f"token ids must be a 1-D sequence, got shape {raw.shape}")
+    if raw.dtype.kind not in "iu":  # bool is its own kind ("b"), floats "f", text "U"
+        raise ModelError(f"token ids must be integers, got {raw.dtype} values")
+    if raw.dtype.kind == "u" and raw.size and int(raw.max()) > np.iinfo(np.int64).max:
+        raise ModelError(f"token id {int(raw.max())} is out of range")
+    return raw.astype(np.int64, copy=False)
+
+
+def _count(name: str, value: object, minimum: int = 0) -> int:
+    """An integer argument ``>= minimum`` (never a bool or a string)."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise ModelError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ModelError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
 
 
 def _check_finite(logits: npt.NDArray[np.float32], i: int) -> LogitNorm:
@@ -304,9 +327,23 @@ class Engine:
         grammar allows, and spans it forces are verified as free drafts. ``draft`` overrides
         ``EngineOptions.draft`` for this call (speculative decoding, docs/speculative.md)."""
         ids = _as_ids(prompt_ids)
-        if max_new_tokens < 0:
-            raise ModelError("max_new_tokens must be >= 0")
+        max_new_tokens = _count("max_new_tokens", max_new_tokens)
+        top_logprobs = _count("top_logprobs", top_logprobs)
+        ctx_len = self.context_length
+        if ids.size >= ctx_len:
+            raise ModelError(
+                f"this model's context is {ctx_len} tokens, but the prompt has {ids.size} "
+                "tokens; shorten it"
+            )
+        # the context bounds the generation: past it the model was never trained (the server
+        # refuses such a request; here the generation ends there, reason "length")
+        max_new_tokens = min(max_new_tokens, ctx_len - int(ids.size))
         sampler = Sampler(SamplingParams(temperature, top_p, top_k, seed))
+        vocab = self.container.arch.vocab_size
+        if stop_token_ids is not None:
+            stop_ids = _as_ids(stop_token_ids) if len(stop_token_ids) else np.zeros(0, np.int64)
+            if stop_ids.size and not (0 <= stop_ids.min() and stop_ids.max() < vocab):
+                raise ModelError(f"stop token ids must be in 0..{vocab - 1}: {stop_token_ids}")
         stops = set(self.container.eos_token_ids if stop_token_ids is None else stop_token_ids)
         out_tokens: list[int] = []
         reason: Literal["length", "stop", "cancelled"] = "length"
@@ -461,6 +498,12 @@ class Engine:
             reproducible=policy.mode == "auto" and not params.greedy and params.seed is not None,
             ctx=self._scheduler.ctx,
         )
+
+    @property
+    def context_length(self) -> int:
+        """The model's context in tokens (``max_position_embeddings``): a prompt must be
+        shorter, and a generation ends when prompt + output reach it."""
+        return int(math_keys(self.container.config)["max_position_embeddings"])
 
     def new_cache(self) -> KVCache:
         """An empty KV cache for :meth:`generate` (``cache=``): a context a caller keeps."""

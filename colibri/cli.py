@@ -269,7 +269,7 @@ def _cluster_options(fn: F, env: Mapping[str, str]) -> F:
         default=None,
         expose_value=False,
         callback=_keep,
-        help="Each expert worker's RAM budget, e.g. 32GiB (default: its host's share of 88%% "
+        help="Each expert worker's RAM budget, e.g. 32GiB (default: its host's share of 88% "
         "of the available memory); a share that does not fit streams from the worker's disks.",
     )(fn)
     fn = click.option(
@@ -298,6 +298,43 @@ def _cluster_options(fn: F, env: Mapping[str, str]) -> F:
         "(default: 10).",
     )(fn)
     return fn
+
+
+def _one_line(exc: ValueError) -> str:
+    """A pydantic ``ValidationError`` as ``field: message; ...`` (its ``str`` spans lines and
+    links to the pydantic docs); any other ValueError as it is."""
+    errors = getattr(exc, "errors", None)
+    if not callable(errors):
+        return str(exc)
+    return "; ".join(
+        f"{'.'.join(str(x) for x in e.get('loc', ())) or 'value'}: {e.get('msg', '')}"
+        for e in errors()
+    )
+
+
+class _Finite(click.FloatRange):
+    """A ``click.FloatRange`` that also refuses NaN and the infinities (a range check alone
+    lets NaN through: every comparison with it is false)."""
+
+    name = "finite float range"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        import math
+
+        got = super().convert(value, param, ctx)
+        if not math.isfinite(got):
+            self.fail(f"{got} is not a finite number.", param, ctx)
+        return got
+
+
+#: the sampling options of run and chat, checked before the model loads (click's usage error,
+#: exit 2, naming the flag) rather than by the engine after the weights are read
+_TOKENS = click.IntRange(min=0)
+_TEMPERATURE = _Finite(min=0.0)
+_TOP_P = _Finite(min=0.0, max=1.0, min_open=True)
+_TOP_K = click.IntRange(min=0)
+_SEED = click.IntRange(min=0)
+_GBPS = _Finite(min=0.0, min_open=True)
 
 
 _MODEL_DIR_HELP = (
@@ -513,11 +550,15 @@ _LEVELS = (logging.WARNING, logging.INFO, logging.DEBUG)
 @click.option(
     "--quiet", "-q", is_flag=True, help="No summary line (tokens, tok/s, TTFT) on stderr."
 )
-@click.option("--max-tokens", "-n", default=64, show_default=True, help="Tokens to generate.")
-@click.option("--temperature", "-t", default=0.0, show_default=True, help="0 = greedy.")
-@click.option("--top-p", default=1.0, show_default=True)
-@click.option("--top-k", default=0, show_default=True)
-@click.option("--seed", type=int, default=None, help="Sampling seed (same seed, same output).")
+@click.option(
+    "--max-tokens", "-n", type=_TOKENS, default=64, show_default=True, help="Tokens to generate."
+)
+@click.option(
+    "--temperature", "-t", type=_TEMPERATURE, default=0.0, show_default=True, help="0 = greedy."
+)
+@click.option("--top-p", type=_TOP_P, default=1.0, show_default=True)
+@click.option("--top-k", type=_TOP_K, default=0, show_default=True, help="0 = off.")
+@click.option("--seed", type=_SEED, default=None, help="Sampling seed (same seed, same output).")
 @click.option("--raw", is_flag=True, help="Do not apply the chat template.")
 @click.option("--stats", "show_stats", is_flag=True, help="Print counters as JSON at the end.")
 def run(
@@ -538,17 +579,26 @@ def run(
     """Generate a completion for PROMPT (or --file, or '-' for stdin) and print it as it
     streams; a summary line (tokens, tok/s, time to first token) follows on stderr."""
     from colibri._engine import TokenEvent
-    from colibri.tokenizer import ChatTokenizer
+    from colibri.tokenizer import ChatTokenizer, not_utf8
     from storage.container import Container
 
     if prompt_file is not None and prompt is not None:
         raise click.UsageError("give PROMPT or --file, not both")
-    if prompt_file is not None:
-        prompt = prompt_file.read()
-    elif prompt == "-":
-        prompt = sys.stdin.read()
+    try:
+        if prompt_file is not None:
+            prompt = prompt_file.read()
+        elif prompt == "-":
+            prompt = sys.stdin.read()
+    except UnicodeDecodeError as exc:
+        raise click.UsageError(
+            f"the prompt is not valid UTF-8 (byte {exc.object[exc.start : exc.start + 1]!r} at "
+            f"offset {exc.start})"
+        ) from None
     if prompt is None:
         raise click.UsageError("give a PROMPT (or --file PATH, or '-' to read standard input)")
+    bad = not_utf8(prompt)
+    if bad is not None:
+        raise click.UsageError(f"the prompt cannot be used: {bad}")
     if not prompt.strip():
         raise click.UsageError("the prompt is empty")
     opts = _options(model, ram, reader)
@@ -589,7 +639,9 @@ def run(
         m.call(stream)
         click.echo(text.flush())
         dt = time.perf_counter() - t0
-        if not quiet and toks:
+        if not quiet and not toks:
+            click.echo(f"0 tokens ({len(ids)} prompt tokens)", err=True)
+        elif not quiet:
             ttft = first[0] - t0
             rate = (len(toks) - 1) / (dt - ttft) if len(toks) > 1 and dt > ttft else None
             speed = f", {rate:.1f} tok/s" if rate is not None else ""
@@ -607,7 +659,9 @@ def run(
 @main.command()
 @_engine_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
-@click.option("--port", default=8000, show_default=True, type=int, help="TCP port.")
+@click.option(
+    "--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="TCP port."
+)
 @click.option(
     "--api-key",
     "api_keys",
@@ -635,14 +689,27 @@ def run(
     help="Also save to disk the slots that requests without cache_slot used.",
 )
 @click.option("--served-model-name", default=None, help="Model id clients pass as `model`.")
-@click.option("--queue", default=8, show_default=True, help="Requests allowed to wait (429 past).")
+@click.option(
+    "--queue",
+    type=click.IntRange(min=0),
+    default=8,
+    show_default=True,
+    help="Requests allowed to wait (429 past).",
+)
 @click.option(
     "--parallel",
+    type=click.IntRange(min=1),
     default=8,
     show_default=True,
     help="Generations admitted at once (their decode steps are batched).",
 )
-@click.option("--kv-slots", default=4, show_default=True, help="KV slots (`cache_slot` 0..N-1).")
+@click.option(
+    "--kv-slots",
+    type=click.IntRange(min=0),
+    default=4,
+    show_default=True,
+    help="KV slots (`cache_slot` 0..N-1).",
+)
 @click.option(
     "--kv-dir",
     type=click.Path(path_type=Path, file_okay=False),
@@ -712,7 +779,15 @@ def serve(
     from colibri.server import ServerConfig
     from colibri.server import serve as run_server
 
-    keys = [k for k in api_keys if k]
+    if any(not k.strip() for k in api_keys):
+        raise click.BadParameter(
+            "an empty key (an unset variable?) would leave the server open; give a key or "
+            "leave the flag out",
+            param_hint="'--api-key'",
+        )
+    if served_model_name is not None and not served_model_name.strip():
+        raise click.BadParameter("the name is empty", param_hint="'--served-model-name'")
+    keys = list(api_keys)
     if api_key_file is not None:
         try:
             text = api_key_file.read_text(encoding="utf-8")
@@ -742,8 +817,8 @@ def serve(
             stats_interval=stats_interval,
             send_timeout=send_timeout,
         )
-    except ValueError as exc:
-        raise ColibriError(f"bad server option: {exc}") from exc
+    except ValueError as exc:  # pydantic's ValidationError: one line per field, not its dump
+        raise ColibriError(f"bad server option: {_one_line(exc)}") from exc
     opts = _options(model, ram, reader)
     ctx = click.get_current_context()
     web = bool(ctx.meta.get("colibri.web"))  # set by `coli web`
@@ -1022,11 +1097,16 @@ def _session_name(ctx: click.Context, param: click.Parameter, value: str) -> str
 
 @main.command()
 @_engine_options
-@click.option("--max-tokens", "-n", default=512, show_default=True, help="Most tokens per reply.")
-@click.option("--temperature", "-t", default=0.7, show_default=True, help="0 = greedy.")
-@click.option("--top-p", default=1.0, show_default=True)
-@click.option("--top-k", default=0, show_default=True)
-@click.option("--seed", type=int, default=None, help="Sampling seed (turn k uses seed + k).")
+@click.option(
+    "--max-tokens", "-n", type=_TOKENS, default=512, show_default=True,
+    help="Most tokens per reply.",
+)  # fmt: skip
+@click.option(
+    "--temperature", "-t", type=_TEMPERATURE, default=0.7, show_default=True, help="0 = greedy."
+)
+@click.option("--top-p", type=_TOP_P, default=1.0, show_default=True)
+@click.option("--top-k", type=_TOP_K, default=0, show_default=True, help="0 = off.")
+@click.option("--seed", type=_SEED, default=None, help="Sampling seed (turn k uses seed + k).")
 @click.option("--system", default=None, help="System prompt of a new conversation.")
 @click.option(
     "--session",
@@ -1085,9 +1165,9 @@ def chat(
     default=env_defaults().get("state_dir"),
     help="Where .coli_usage lives (pinned experts); env COLI_STATE_DIR.",
 )
-@click.option("--disk-gbps", type=float, default=None, help="Disk read speed (default: assumed).")
+@click.option("--disk-gbps", type=_GBPS, default=None, help="Disk read speed (default: assumed).")
 @click.option(
-    "--compute-gbps", type=float, default=None, help="Matmul weight GB/s (default: assumed)."
+    "--compute-gbps", type=_GBPS, default=None, help="Matmul weight GB/s (default: assumed)."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def plan(

@@ -32,6 +32,19 @@ def _token_text(v: object) -> str | None:
     return None
 
 
+def not_utf8(text: str) -> str | None:
+    """Why ``text`` is not text the tokenizer can take, or None: a string decoded with
+    ``surrogateescape`` (argv, or a stream in the C locale) keeps undecodable bytes as lone
+    surrogates, which no UTF-8 encoder (nor the tokenizer) accepts."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = text[exc.start : exc.end]
+        raw = bad.encode("utf-8", "surrogateescape") if bad else b""
+        return f"it is not valid UTF-8 (bytes {raw!r} at character {exc.start})"
+    return None
+
+
 class PromptTooLongError(ColibriError):
     """A text has more tokens than allowed (:meth:`ChatTokenizer.encode` with ``limit``)."""
 

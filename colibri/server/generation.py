@@ -116,17 +116,20 @@ class Result:
         return {k: t[k] for k in keys}
 
 
-def check_prompt(state: AppState, ids: list[int], max_tokens: int | None) -> int:
-    """Validate prompt ids against the vocabulary and context; returns max_tokens to use."""
+def check_prompt(
+    state: AppState, ids: list[int], max_tokens: int | None, *, param: str = "messages"
+) -> int:
+    """Validate prompt ids against the vocabulary and context; returns max_tokens to use.
+    ``param``: the request field that holds the prompt (named in the errors)."""
     if not ids:
-        raise ApiError(400, "the prompt is empty", param="messages", code="empty_prompt")
+        raise ApiError(400, "the prompt is empty", param=param, code="empty_prompt")
     ctx = state.context_length
     if len(ids) >= ctx:
         raise ApiError(
             400,
             f"this model's context is {ctx} tokens, but the prompt has {len(ids)} tokens; "
             "shorten it",
-            param="messages",
+            param=param,
             code="context_length_exceeded",
         )
     # after the context check: an over-long prompt is refused without a scan of its ids

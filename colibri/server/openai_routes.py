@@ -313,7 +313,9 @@ async def completions(request: Request) -> Response:
         ids = [int(t) for t in prompt if isinstance(t, int)]
     if prompt_text is not None:
         ids = await st.encode_prompt(prompt_text, "prompt")
-    params = common_params(st, request, req, ids=ids, max_tokens=req.max_tokens, stop=req.stop)
+    params = common_params(
+        st, request, req, ids=ids, max_tokens=req.max_tokens, stop=req.stop, prompt_param="prompt"
+    )
     n_top = req.logprobs or 0
     params.logprobs = req.logprobs is not None
     params.top_logprobs = n_top

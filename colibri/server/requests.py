@@ -142,6 +142,7 @@ def common_params(
     ids: list[int],
     max_tokens: int | None,
     stop: str | list[str] | None,
+    prompt_param: str = "messages",
 ) -> GenParams:
     """Sampling, stops, slot and limits shared by every API (``max_tokens`` and ``stop`` are
     named differently in each); the tenant (for prefix reuse) comes from the request's key."""
@@ -166,6 +167,14 @@ def common_params(
             else "this server has no KV slots (start it with --kv-slots N)",
             param="cache_slot",
         )
+    bad = [t for t in req.stop_token_ids or [] if not 0 <= t < st.vocab_size]
+    if bad:
+        raise ApiError(
+            400,
+            f"stop token id {bad[0]} is outside the vocabulary (0..{st.vocab_size - 1})",
+            param="stop_token_ids",
+            code="invalid_token",
+        )
     stop_ids: list[int] | None = None
     if req.ignore_eos:
         stop_ids = list(req.stop_token_ids or [])
@@ -173,7 +182,7 @@ def common_params(
         stop_ids = sorted(set(st.engine.container.eos_token_ids) | set(req.stop_token_ids))
     return GenParams(
         prompt_ids=ids,
-        max_tokens=check_prompt(st, ids, max_tokens),
+        max_tokens=check_prompt(st, ids, max_tokens, param=prompt_param),
         temperature=temp,
         top_p=tp,
         top_k=top_k,

@@ -13,9 +13,13 @@ Extensions accepted in every generation request: ``cache_slot`` (KV slot index),
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
+
+#: an integer field JSON ``true`` / ``false`` never fills (pydantic's lax mode turns them into 1
+#: and 0: ``"max_tokens": true`` would mean one token)
+Int = Annotated[int, Strict()]
 
 __all__ = [
     "AnthropicMessage",
@@ -47,7 +51,7 @@ class Extensions(_Loose):
     )
     top_k: int | None = Field(default=None, ge=-1, description="Top-k sampling (0 or -1: off)")
     ignore_eos: bool = Field(default=False, description="Do not stop at end-of-sequence tokens")
-    stop_token_ids: list[int] | None = Field(default=None, description="Extra stop token ids")
+    stop_token_ids: list[Int] | None = Field(default=None, description="Extra stop token ids")
     chat_template_kwargs: dict[str, Any] | None = Field(
         default=None, description="Extra variables for the chat template"
     )
@@ -129,8 +133,8 @@ class ChatCompletionRequest(_OpenAIGeneration):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: Int | None = Field(default=None, ge=1)
+    max_completion_tokens: Int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[Tool] | None = None
@@ -143,8 +147,8 @@ class ChatCompletionRequest(_OpenAIGeneration):
 class CompletionRequest(_OpenAIGeneration):
     """``POST /v1/completions`` (the legacy text completion API)."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
+    prompt: str | list[str] | list[Int] | list[list[Int]]
+    max_tokens: Int | None = Field(default=16, ge=1)
     best_of: int | None = Field(default=None, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
@@ -171,7 +175,7 @@ class MessagesRequest(Extensions):
     """``POST /v1/messages`` (Anthropic Messages API)."""
 
     model: str
-    max_tokens: int = Field(ge=1)
+    max_tokens: Int = Field(ge=1)
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[dict[str, Any]] | None = None
     stop_sequences: list[str] | None = None

@@ -164,6 +164,41 @@ def test_empty_token_list_is_an_error(model: colibri.SyncModel) -> None:
     assert len(model.generate(PROMPT, max_new_tokens=2, stop_token_ids=[])) == 2
 
 
+@pytest.mark.parametrize(
+    ("ids", "kw", "want"),
+    [
+        ([1.5, 2.0], {}, "must be integers, got float64"),
+        ([True, False], {}, "must be integers, got bool"),
+        ([[1, 2], [3, 4]], {}, r"1-D sequence, got shape \(2, 2\)"),
+        ("hello", {}, "encode text with the tokenizer"),
+        (np.array([2**63], dtype=np.uint64), {}, "out of range"),
+        (PROMPT, {"max_new_tokens": "3"}, "max_new_tokens must be an integer"),
+        (PROMPT, {"max_new_tokens": True}, "max_new_tokens must be an integer"),
+        (PROMPT, {"top_logprobs": -1}, "top_logprobs must be >= 0"),
+        (PROMPT, {"stop_token_ids": [-5]}, "stop token ids must be in 0.."),
+        (PROMPT, {"stop_token_ids": [10**6]}, "stop token ids must be in 0.."),
+    ],
+)
+def test_bad_arguments_are_model_errors(
+    model: colibri.SyncModel, ids: object, kw: dict[str, object], want: str
+) -> None:
+    """Token ids are integers in a 1-D sequence and counts are integers: anything else is a
+    ModelError saying so, never a silent truncation (1.5 -> 1) or numpy's own error."""
+    with pytest.raises(ModelError, match=want):
+        model.generate(ids, **kw)  # type: ignore[arg-type]
+
+
+def test_the_context_bounds_a_generation(model: colibri.SyncModel) -> None:
+    """A prompt as long as the context is refused; a generation ends when prompt + output
+    reach it (the server refuses such a request up front)."""
+    ctx = model.engine.context_length
+    assert ctx == model.container.config["max_position_embeddings"]
+    with pytest.raises(ModelError, match=f"context is {ctx} tokens, but the prompt has {ctx}"):
+        model.generate([5] * ctx, max_new_tokens=1)
+    out = model.generate([5] * (ctx - 3), max_new_tokens=64, stop_token_ids=[])
+    assert len(out) == 3
+
+
 def test_missing_model_dir_names_the_path(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-model"
     with pytest.raises(ContainerError) as info, colibri.open_model(missing):

@@ -305,6 +305,15 @@ def test_error_responses(servers: dict[str, Server]) -> None:
     check(post({**ok, "temperature": "hot"}), 422, "temperature")
     check(post({**ok, "messages": []}), 422, "messages")
     check(post({**ok, "max_tokens": 0}), 422, "max_tokens")
+    check(post({**ok, "max_tokens": True}), 422, "max_tokens")  # not one token
+    assert check(post({**ok, "stop_token_ids": [-1]}), 400, "stop_token_ids")["code"] == (
+        "invalid_token"
+    )
+    check(post({**ok, "stop_token_ids": [10**6]}), 400, "stop_token_ids")
+    cmpl = s.url + "/v1/completions"
+    empty = httpx.post(cmpl, json={"model": MODEL, "prompt": ""}, headers=h)
+    assert check(empty, 400, "prompt")["code"] == "empty_prompt"
+    check(httpx.post(cmpl, json={"model": MODEL, "prompt": [True]}, headers=h), 422)
     check(post({**ok, "n": 2}), 400, "n")
     check(post({**ok, "cache_slot": 9}), 400, "cache_slot")
     check(post({**ok, "max_tokens": 100000}), 400, "max_tokens")
