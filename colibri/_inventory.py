@@ -137,13 +137,24 @@ def server_status(url: str, api_key: str | None = None, timeout: float = 10.0) -
         if health.status_code != 200:
             raise ColibriError(f"{base}/health answered {health.status_code}: not a coli server?")
         prof = httpx.get(base + "/profile", params={"limit": 1}, headers=headers, timeout=timeout)
+    except httpx.InvalidURL as exc:  # not an HTTPError: a malformed --url
+        raise ColibriError(
+            f"{url!r} is not a URL ({exc}); give e.g. http://127.0.0.1:8000"
+        ) from exc
     except httpx.HTTPError as exc:
         raise ColibriError(f"no colibri server answers at {base} ({exc})") from exc
     if prof.status_code in (401, 403):
         raise ColibriError(f"{base} needs an API key for /profile (--api-key)")
     if prof.status_code != 200:
         raise ColibriError(f"{base}/profile answered {prof.status_code}")
-    out: dict[str, Any] = prof.json()
+    try:
+        out = prof.json()
+        health_doc = health.json()
+    except ValueError:
+        out = health_doc = None
+    if not isinstance(out, dict) or not isinstance(health_doc, dict):
+        raise ColibriError(f"{base} answers, but not as a coli server (its /profile or /health "
+                           "is not a JSON object)")  # fmt: skip
     out["url"] = base
-    out["health"] = health.json()
+    out["health"] = health_doc
     return out

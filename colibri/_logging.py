@@ -14,7 +14,11 @@ def configure_logging(fmt: str = "console", level: int = logging.WARNING) -> Non
     renderer: structlog.typing.Processor = (
         structlog.processors.JSONRenderer()
         if fmt == "json"
-        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        # plain tracebacks: structlog's default (rich) prints every frame's local variables,
+        # which in a server holds API keys, request headers and users' prompts
+        else structlog.dev.ConsoleRenderer(
+            colors=sys.stderr.isatty(), exception_formatter=structlog.dev.plain_traceback
+        )
     )
     structlog.configure(
         processors=[

@@ -1300,9 +1300,23 @@ def _bench_progress() -> Any:
     default=env_defaults().get("model"),
     help="Model directory (its expert extents) or any big file (default: the demo model).",
 )
-@click.option("--reads", default=200, show_default=True, help="Random reads per pass.")
-@click.option("--qd", default=1, show_default=True, help="Reads in flight.")
-@click.option("--repeats", default=3, show_default=True, help="Passes per backend.")
+@click.option(
+    "--reads",
+    type=click.IntRange(min=1),
+    default=200,
+    show_default=True,
+    help="Random reads per pass.",
+)
+@click.option(
+    "--qd", type=click.IntRange(1, 256), default=1, show_default=True, help="Reads in flight."
+)
+@click.option(
+    "--repeats",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Passes per backend.",
+)
 @click.option("--block", default=None, help="Bytes per read, e.g. 19MiB (default: one expert).")
 @click.option(
     "--backends",
@@ -1337,10 +1351,12 @@ def bench_storage_cmd(
 
     names = [b for b in backends.split(",") if b]
     unknown = sorted(set(names) - {"uring", "uring-fixed", "threads", "buffered"})
-    if unknown:
-        raise click.BadParameter(
-            f"unknown backend(s) {', '.join(unknown)}", param_hint="--backends"
-        )
+    if unknown or not names:
+        what = f"unknown backend(s) {', '.join(unknown)}" if unknown else "no backend given"
+        raise click.BadParameter(what, param_hint="--backends")
+    block_bytes = parse_bytes(block)
+    if block_bytes is not None and block_bytes <= 0:
+        raise click.BadParameter(f"{block!r} is not a positive size", param_hint="--block")
     path = target or default_model_path()
     with _bench_progress() as bar:
         task = bar.add_task("reading", total=repeats * (len(names) + (0 if no_fio else 1)))
@@ -1356,7 +1372,7 @@ def bench_storage_cmd(
                 path,
                 backends=names,
                 reads=reads,
-                block=parse_bytes(block),
+                block=block_bytes,
                 queue_depth=qd,
                 repeats=repeats,
                 drop_caches=False if no_drop_caches else None,

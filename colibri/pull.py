@@ -60,13 +60,29 @@ def _hub(endpoint: str | None, token: str | None) -> Any:
     return HfApi(endpoint=endpoint, token=token)
 
 
+def _network_errors() -> tuple[type[BaseException], ...]:
+    """The transport errors a hub call may raise: httpx's, OSError, and those of the HTTP
+    client huggingface_hub itself uses (recent versions ship ``httpx2``, whose errors are not
+    httpx's)."""
+    import importlib
+
+    errors: list[type[BaseException]] = [httpx.HTTPError, OSError]
+    try:
+        errors.append(importlib.import_module("httpx2").HTTPError)
+    except (ImportError, AttributeError):
+        pass
+    return tuple(errors)
+
+
 def _listing(api: Any, repo_id: str, revision: str | None) -> tuple[str, dict[str, int]]:
     from huggingface_hub.errors import (
         HfHubHTTPError,
+        HFValidationError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
     )
 
+    failures: tuple[type[BaseException], ...] = (*_network_errors(), HfHubHTTPError)
     try:
         info = api.model_info(repo_id, revision=revision, files_metadata=True)
     except RepositoryNotFoundError as exc:
@@ -75,7 +91,9 @@ def _listing(api: Any, repo_id: str, revision: str | None) -> tuple[str, dict[st
         ) from exc
     except RevisionNotFoundError as exc:
         raise ColibriError(f"{repo_id}: no revision {revision!r}") from exc
-    except (HfHubHTTPError, httpx.HTTPError, OSError) as exc:
+    except HFValidationError as exc:
+        raise ColibriError(f"{repo_id!r} is not a repository id (owner/name): {exc}") from exc
+    except failures as exc:
         raise ColibriError(f"{repo_id}: cannot list the repository: {exc}") from exc
     files = {s.rfilename: int(s.size or 0) for s in info.siblings or []}
     if not files:
@@ -157,17 +175,20 @@ def _write_stub(dst: Path, header: bytes, size: int) -> None:
 def _header_stub(url: str, headers: dict[str, str], dst: Path, size: int) -> bytes:
     """Write ``dst`` as a stub of the remote shard at ``url`` (its header, read with two range
     requests); returns the header bytes."""
-    with httpx.Client(follow_redirects=True, timeout=60, headers=headers) as client:
-        r = client.get(url, headers={"Range": "bytes=0-7"})
-        if r.status_code not in (200, 206) or len(r.content) < 8:
-            raise ColibriError(f"{url}: cannot read the shard header (HTTP {r.status_code})")
-        n = int.from_bytes(r.content[:8], "little")
-        if not 0 < n < min(size, 256 << 20):
-            raise ColibriError(f"{url}: not a safetensors file (header length {n})")
-        r2 = client.get(url, headers={"Range": f"bytes=8-{8 + n - 1}"})
-        body = r2.content[:n] if r2.status_code == 206 else r2.content[8 : 8 + n]
-        if len(body) != n:
-            raise ColibriError(f"{url}: the shard header ends early")
+    try:
+        with httpx.Client(follow_redirects=True, timeout=60, headers=headers) as client:
+            r = client.get(url, headers={"Range": "bytes=0-7"})
+            if r.status_code not in (200, 206) or len(r.content) < 8:
+                raise ColibriError(f"{url}: cannot read the shard header (HTTP {r.status_code})")
+            n = int.from_bytes(r.content[:8], "little")
+            if not 0 < n < min(size, 256 << 20):
+                raise ColibriError(f"{url}: not a safetensors file (header length {n})")
+            r2 = client.get(url, headers={"Range": f"bytes=8-{8 + n - 1}"})
+    except httpx.HTTPError as exc:
+        raise ColibriError(f"{url}: cannot read the shard header: {exc}") from exc
+    body = r2.content[:n] if r2.status_code == 206 else r2.content[8 : 8 + n]
+    if len(body) != n:
+        raise ColibriError(f"{url}: the shard header ends early")
     header = r.content[:8] + body
     _write_stub(dst, header, size)
     return header

@@ -49,6 +49,29 @@ class GrammarError(ModelError):
     """A grammar or schema that does not compile, or a token the grammar rejects."""
 
 
+#: bounds on a JSON schema's shape (far above what real schemas use; see GrammarSpec.json_schema)
+MAX_SCHEMA_DEPTH = 64
+MAX_SCHEMA_REFS = 1000
+
+
+def _check_schema_size(schema: dict[str, Any]) -> None:
+    """Raise :class:`GrammarError` when ``schema`` nests deeper than ``MAX_SCHEMA_DEPTH`` or
+    holds more than ``MAX_SCHEMA_REFS`` ``$ref`` s (an iterative walk: no recursion here)."""
+    refs = 0
+    stack: list[tuple[Any, int]] = [(schema, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise GrammarError(f"the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
+        if isinstance(node, dict):
+            refs += "$ref" in node
+            if refs > MAX_SCHEMA_REFS:
+                raise GrammarError(f"the JSON schema holds more than {MAX_SCHEMA_REFS} $refs")
+            stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node)
+
+
 @dataclass(frozen=True, slots=True)
 class GrammarSpec:
     """What a generation's output must match. Build with the classmethods.
@@ -66,13 +89,19 @@ class GrammarSpec:
 
     @classmethod
     def json_schema(cls, schema: Mapping[str, Any] | str) -> GrammarSpec:
-        text = schema if isinstance(schema, str) else json.dumps(schema)
+        """A JSON schema (a dict or its JSON text), bounded: at most :data:`MAX_SCHEMA_DEPTH`
+        levels of nesting and :data:`MAX_SCHEMA_REFS` ``$ref`` s (the compiler recurses along
+        both; a ``$ref`` chain a few thousand long overflowed its stack and killed the
+        process)."""
         try:
+            text = schema if isinstance(schema, str) else json.dumps(schema)
             parsed = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise GrammarError(f"the JSON schema is not valid JSON: {exc}") from exc
+        except (ValueError, RecursionError) as exc:  # bad JSON, huge ints, deep nesting
+            problem = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+            raise GrammarError(f"the JSON schema is not valid JSON: {problem}") from exc
         if not isinstance(parsed, dict):
             raise GrammarError("a JSON schema must be a JSON object")
+        _check_schema_size(parsed)
         return cls("json_schema", text)
 
     @classmethod

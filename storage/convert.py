@@ -130,13 +130,23 @@ class ConvertOptions:
         for flag in ROLE_FLAGS:
             value = getattr(self, flag)
             try:
-                QuantFormat.parse(str(value))
+                fmt = QuantFormat.parse(str(value))
             except UnknownQuantFormatError as exc:
                 raise ConversionError(f"--{flag} {value!r}: {exc}") from exc
+            gs = fmt.group_size
+            if gs is not None and gs & (gs - 1):
+                # The container records no group size: a reader infers it from the number of
+                # scales per row, which for a width gs does not divide also fits other sizes
+                # (int4-g48 on 160 columns reads back as g40): only powers of two come back.
+                raise ConversionError(
+                    f"--{flag} {value!r}: the group size must be a power of two (16, 32, 64, "
+                    f"128 or 256): readers infer it from the scale count, and {gs} does not "
+                    "always come back as itself"
+                )
         if isinstance(self.shard_size, bool) or not isinstance(self.shard_size, int):
-            raise ConversionError(f"shard_size must be an integer, got {self.shard_size!r}")
+            raise ConversionError(f"--shard-size must be an integer, got {self.shard_size!r}")
         if self.shard_size < ALIGN:
-            raise ConversionError(f"shard_size {self.shard_size} is below {ALIGN} bytes")
+            raise ConversionError(f"--shard-size {self.shard_size} is below {ALIGN} bytes")
 
     def format_for(self, role: str) -> QuantFormat:
         """The storage format of a :class:`storage.arch.TensorRole` role."""

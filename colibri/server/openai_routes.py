@@ -102,6 +102,18 @@ def _grammar_from(response_format: dict[str, Any] | None) -> Any:
         raise ApiError(400, f"response_format: {exc}", param="response_format") from exc
 
 
+async def _checked_grammar(st: AppState, response_format: dict[str, Any] | None) -> Any:
+    """:func:`_grammar_from`, compiled against the model's tokenizer now (off the loop): an
+    invalid or unsatisfiable grammar is a 400 before a stream starts, not an SSE error."""
+    grammar = _grammar_from(response_format)
+    if grammar is not None:
+        try:
+            await st.engine.check_grammar(grammar)
+        except ColibriError as exc:
+            raise ApiError(400, f"response_format: {exc}", param="response_format") from exc
+    return grammar
+
+
 OpenAIRequest = TypeVar("OpenAIRequest", ChatCompletionRequest, CompletionRequest)
 
 
@@ -125,7 +137,7 @@ async def _openai_request(
 async def chat_completions(request: Request) -> Response:
     """``POST /v1/chat/completions``."""
     st, req = await _openai_request(request, ChatCompletionRequest)
-    grammar = _grammar_from(req.response_format)
+    grammar = await _checked_grammar(st, req.response_format)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     choice = req.tool_choice
     if isinstance(choice, dict) or choice == "required":
@@ -316,6 +328,7 @@ async def completions(request: Request) -> Response:
     params = common_params(
         st, request, req, ids=ids, max_tokens=req.max_tokens, stop=req.stop, prompt_param="prompt"
     )
+    params.grammar = await _checked_grammar(st, req.response_format)
     n_top = req.logprobs or 0
     params.logprobs = req.logprobs is not None
     params.top_logprobs = n_top

@@ -153,6 +153,8 @@ class CompletionRequest(_OpenAIGeneration):
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
+    # not in OpenAI's legacy API; honoured as in chat completions (structured output)
+    response_format: dict[str, Any] | None = None
 
 
 class AnthropicMessage(_Loose):

@@ -69,8 +69,25 @@ def test_debug_shows_the_traceback(tmp_path: Path) -> None:
     assert "ContainerError" in r.stderr
 
 
-def test_run_bad_sampling_param_is_a_clean_error() -> None:
-    assert_clean_error(coli("run", "-t", "1", "--top-p", "2", "x"), "top_p")
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (("--top-p", "2"), "--top-p"),
+        (("-t", "nan"), "--temperature"),
+        (("-t", "-1"), "--temperature"),
+        (("-n", "-5"), "--max-tokens"),
+        (("--top-k", "-3"), "--top-k"),
+        (("--seed", "-1"), "--seed"),
+    ],
+)
+@pytest.mark.parametrize("cmd", ["run", "chat"])
+def test_bad_sampling_flags_are_usage_errors_before_loading(
+    cmd: str, args: tuple[str, ...], flag: str
+) -> None:
+    """Checked by click before the model loads (no 'loaded' log line), naming the flag."""
+    r = coli("-v", cmd, *args, *(("x",) if cmd == "run" else ()))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"Invalid value for '{flag}'" in r.stderr and "loaded" not in r.stderr, r.stderr
 
 
 def test_doctor_on_a_broken_dir_fails_with_a_report(tmp_path: Path) -> None:

@@ -136,3 +136,27 @@ def test_coli_pull_command(checkpoint: Path, tmp_path: Path) -> None:
     args = [sys.executable, "-m", "colibri.cli", "doctor", "--model", str(tmp_path / "m")]
     doctor = subprocess.run(args, capture_output=True, text=True, env=env)
     assert doctor.returncode == 0, doctor.stdout
+
+
+def test_pull_errors_are_one_line(tmp_path: Path) -> None:
+    """A hub that does not answer (a closed loopback port) and a malformed repository id are
+    one `error:` line each, whatever HTTP client the installed huggingface_hub uses."""
+    import socket
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COLI_")}
+    env["HOME"] = str(tmp_path)
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for repo, endpoint, want in (
+        ("org/m", f"http://127.0.0.1:{port}", "cannot list the repository"),
+        ("bad//id", f"http://127.0.0.1:{port}", "is not a repository id"),
+    ):
+        r = subprocess.run(
+            [sys.executable, "-m", "colibri.cli", "pull", repo, str(tmp_path / "m"),
+             "--endpoint", endpoint],
+            capture_output=True, text=True, env=env, timeout=120,
+        )  # fmt: skip
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        errors = [x for x in r.stderr.splitlines() if x.startswith("error: ")]
+        assert len(errors) == 1 and want in errors[0], r.stderr

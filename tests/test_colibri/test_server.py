@@ -694,6 +694,29 @@ def test_bad_response_format_is_a_400(servers: dict[str, Server]) -> None:
     )
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "response_format"
+    # a grammar that does not compile is a 400 before the stream starts (it was a 200 and an
+    # error event inside the stream), on both generation routes
+    h = {"Authorization": f"Bearer {KEY}"}
+    bad = {"type": "regex", "grammar": "(unclosed"}
+    for path, body in (
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+        ("/v1/completions", {"prompt": "x"}),
+    ):
+        r = httpx.post(
+            f"{s.url}{path}",
+            headers=h,
+            json={"model": MODEL, **body, "stream": True, "response_format": bad},
+        )
+        assert r.status_code == 400, (path, r.text)
+        assert r.json()["error"]["param"] == "response_format"
+    # /v1/completions honours response_format (it was dropped silently)
+    r = httpx.post(
+        f"{s.url}/v1/completions",
+        headers=h,
+        json={"model": MODEL, "prompt": "x", "max_tokens": 8,
+              "response_format": {"type": "regex", "grammar": "yes|no"}},
+    )  # fmt: skip
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("yes", "no"), r.text
 
 
 def test_automatic_prefix_matching_without_cache_slot(servers: dict[str, Server], ref: Any) -> None:

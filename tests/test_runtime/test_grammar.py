@@ -214,3 +214,27 @@ def test_response_format_mapping_and_errors() -> None:
     with pytest.raises(GrammarError):
         cont_tok.matcher(GrammarSpec.gbnf("root ::= undefined_rule"))
     assert isinstance(GrammarError("x"), colibri.ColibriError)
+
+
+def test_json_schema_size_is_bounded() -> None:
+    """The compiler recurses along nesting and $ref chains (a chain ~2000 long overflowed its
+    stack and killed the process): past the bounds a schema is a GrammarError, as is JSON text
+    nested past the parser's depth; a schema well inside them compiles."""
+    from runtime.grammar import MAX_SCHEMA_DEPTH, MAX_SCHEMA_REFS
+
+    def chain(n: int) -> dict[str, object]:
+        defs: dict[str, object] = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
+        defs[f"d{n}"] = {"type": "string"}
+        return {"$defs": defs, "$ref": "#/$defs/d0"}
+
+    with pytest.raises(GrammarError, match=f"more than {MAX_SCHEMA_REFS}"):
+        GrammarSpec.json_schema(chain(3000))
+    deep: dict[str, object] = {"type": "string"}
+    for _ in range(MAX_SCHEMA_DEPTH):
+        deep = {"type": "object", "properties": {"a": deep}}
+    with pytest.raises(GrammarError, match="nests deeper"):
+        GrammarSpec.json_schema(deep)
+    with pytest.raises(GrammarError, match="not valid JSON"):
+        GrammarSpec.json_schema("[" * 5000 + "]" * 5000)  # text: the parser's own limit
+    tok = TokenGrammar(DEMO / "tokenizer.json", 1000, [0, 2])
+    tok.matcher(GrammarSpec.json_schema(chain(50)))  # a reasonable schema still compiles

@@ -605,3 +605,24 @@ def test_defaults_are_the_precision_policy() -> None:
     assert DEFAULTS.format_for("f32") == QuantFormat("f32")
     # The CLI builds options this way; it must keep working.
     assert ConvertOptions(**{**DEFAULTS.__dict__, "experts": "int4-row"}).experts == "int4-row"
+
+
+@pytest.mark.parametrize(
+    ("kw", "want"),
+    [
+        ({"experts": "int4-g48"}, r"--experts 'int4-g48': the group size must be a power of two"),
+        ({"dense": "int4-g96"}, r"--dense 'int4-g96': the group size must be a power of two"),
+        ({"experts": "int4-q"}, r"--experts 'int4-q'"),
+        ({"shard_size": 1}, r"--shard-size 1 is below 4096 bytes"),
+    ],
+)
+def test_options_a_reader_could_not_recover_are_refused(kw: dict[str, Any], want: str) -> None:
+    """A group size is not recorded in the container: readers infer it from the scales per
+    row, and only powers of two always come back (int4-g48 on a 160-wide row reads as g40,
+    a silently different model)."""
+    with pytest.raises(ConversionError, match=want):
+        ConvertOptions(**kw)
+    # what infer_format does with it, for the record: g48 on 160 columns is not g48
+    assert infer_format(64 * 80, 64 * 4, (64, 160)).group_size != 48
+    for gs in (16, 32, 64, 128, 256):
+        ConvertOptions(experts=f"int4-g{gs}", dense=f"int4-g{gs}")
