@@ -144,6 +144,8 @@ def server_status(url: str, api_key: str | None = None, timeout: float = 10.0) -
     except httpx.HTTPError as exc:
         raise ColibriError(f"no colibri server answers at {base} ({exc})") from exc
     if prof.status_code in (401, 403):
+        if api_key:
+            raise ColibriError(f"{base} refused the API key given with --api-key")
         raise ColibriError(f"{base} needs an API key for /profile (--api-key)")
     if prof.status_code != 200:
         raise ColibriError(f"{base}/profile answered {prof.status_code}")

@@ -103,6 +103,12 @@ class _MetricsMiddleware:
         t0 = time.perf_counter()
         try:
             await self.app(scope, receive, tap)
+        except Exception:
+            # an error no handler turned into a response: the outer error middleware answers
+            # 500 after this one has returned (499 is for a client that went away)
+            if not status["code"]:
+                status["code"] = 500
+            raise
         finally:
             ACCESS.reset(token)
             path = scope.get("path", "")

@@ -200,9 +200,11 @@ class Generation:
         slot = lease.slot
         cache = None if slot is None else slot.cache
         if slot is not None and cache is not None:
-            # Another key's conversation is emptied before use, so nothing of it is reused (a
-            # slot restored from disk has no known key: a request naming it claims it).
-            foreign = slot.tenant != p.tenant and (slot.tenant is not None or not p.slot_explicit)
+            # Another key's conversation is emptied before use, so nothing of it is reused. A
+            # slot restored from disk has no known key (the file does not record one): with
+            # several keys it is nobody's, so its rows are dropped rather than handed to
+            # whichever key names it first.
+            foreign = slot.tenant != p.tenant
             if st.config.reuse_scope == "key" and foreign:
                 cache.truncate(0)
             slot.tenant = p.tenant

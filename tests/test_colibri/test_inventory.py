@@ -52,11 +52,16 @@ def test_ps_reports_what_a_server_holds(tmp_path: Path) -> None:
                           headers={"authorization": "Bearer k1"})  # fmt: skip
         assert done.status_code == 200, done.text
         denied = coli("ps", "--url", srv.url, home=tmp_path)
+        wrong = coli("ps", "--url", srv.url, "--api-key", "k2", home=tmp_path)
         r = coli("ps", "--url", srv.url, "--api-key", "k1", home=tmp_path)
         j = coli("ps", "--url", srv.url, "--api-key", "k1", "--json", home=tmp_path)
     finally:
         srv.stop()
     assert denied.returncode == 1 and "needs an API key" in denied.stderr
+    assert wrong.returncode == 1 and "refused the API key" in wrong.stderr
+    bad_url = coli("ps", "--url", "http://[::1", home=tmp_path)
+    assert bad_url.returncode == 1 and "is not a URL" in bad_url.stderr
+    assert "Traceback" not in bad_url.stderr
     assert r.returncode == 0, r.stderr
     assert f"server     {srv.url}  model {name}" in r.stdout
     assert "experts    streaming:" in r.stdout and "hit rate" in r.stdout

@@ -24,3 +24,38 @@ except RuntimeError:
     assert "request failed" in r.stderr and "RuntimeError: boom" in r.stderr, r.stderr
     assert "line 6, in handler" in r.stderr  # the frames are there
     assert "SECRETKEY123" not in r.stderr and "my private prompt" not in r.stderr, r.stderr
+
+
+def test_an_unhandled_error_is_counted_as_500_not_499() -> None:
+    """An error no handler answers reaches Starlette's outer error middleware, which answers
+    500 after the metrics middleware has returned: it used to count (and log) such requests
+    as 499, a client that went away."""
+    import structlog
+    from starlette.applications import Starlette
+    from starlette.middleware import Middleware
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    from colibri.server.app import _MetricsMiddleware
+    from colibri.server.metrics import Metrics
+
+    def boom(request: object) -> JSONResponse:
+        raise RuntimeError("boom")
+
+    async def answer(request: object, exc: Exception) -> JSONResponse:
+        return JSONResponse({"error": "internal"}, status_code=500)
+
+    metrics = Metrics(lambda: None)  # type: ignore[arg-type,return-value]
+    app = Starlette(
+        routes=[Route("/v1/boom", boom)],
+        middleware=[
+            Middleware(_MetricsMiddleware, metrics=metrics, routes=frozenset({"/v1/boom"}))
+        ],
+        exception_handlers={Exception: answer},
+    )
+    with structlog.testing.capture_logs():
+        r = TestClient(app, raise_server_exceptions=False).get("/v1/boom")
+    assert r.status_code == 500
+    assert metrics.requests.labels("/v1/boom", "500")._value.get() == 1
+    assert metrics.requests.labels("/v1/boom", "499")._value.get() == 0

@@ -230,6 +230,27 @@ def test_explicit_slot_of_another_key_starts_empty(two_keys: tuple[Server, Path]
     assert (kv / ".coli_kv.1").exists()  # a named slot is persisted
 
 
+def test_a_restored_slot_is_nobodys_with_several_keys(tmp_path: Path) -> None:
+    """After a restart a slot file has no known owner: with several keys the first key to
+    name it gets it empty (it used to continue the other key's conversation)."""
+    keys = tmp_path / "keys.txt"
+    keys.write_text(f"{KEY_A}\n{KEY_B}\n")
+    kv = tmp_path / "kv"
+    args = ("--api-key-file", str(keys), "--kv-slots", "1", "--kv-dir", str(kv))
+    msgs = [{"role": "user", "content": "my PIN is " + " ".join(f"w{i}" for i in range(30))}]
+    s = Server(tmp_path, *args)
+    try:
+        with httpx.Client(base_url=s.wait_ready().url, timeout=60) as c:
+            _cached(c, KEY_A, msgs, cache_slot=0)
+            assert _cached(c, KEY_A, msgs, cache_slot=0) > 10
+        s.stop()
+        assert (kv / ".coli_kv.0").exists()
+        with httpx.Client(base_url=s.start().wait_ready().url, timeout=60) as c:
+            assert _cached(c, KEY_B, msgs, cache_slot=0) == 0  # B does not continue A's
+    finally:
+        s.stop()
+
+
 # ----------------------------------------------------------------------------- timeouts
 
 
