@@ -712,6 +712,8 @@ async def _plan(
             usage_counts=usage.counts if usage is not None else None,
         )
     )
+    for warning in plan.warnings:
+        _log.warning("RAM plan", problem=warning)
     # The plan (and so a budget that cannot work) is decided from the container's sizes before
     # anything heavy is read; then the dense part loads, without experts, attached below.
     report("dense weights", 0, 1)

@@ -126,6 +126,7 @@ class Plan:
     why: str
     suggested: dict[str, Any]
     assumptions: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)  # e.g. a budget past MemAvailable
     layout: StoreLayout | None = field(default=None, repr=False)  # what the engine allocates
 
     def to_json(self) -> dict[str, Any]:
@@ -180,6 +181,7 @@ class Plan:
                 for k, v in self.suggested.items()
             ),
         ]
+        lines += [f"warning        {w}" for w in self.warnings]
         return lines
 
 
@@ -306,8 +308,16 @@ def make_plan(
                 else f"more than the ~{_ms(disk_s)} of expert reads"
             )
         )
+    warnings: list[str] = []
+    takes = dense + kv_reserve + slots_bytes  # what the plan allocates
+    if source == "given" and avail is not None and takes > avail:
+        warnings.append(
+            f"this plan takes {_size(takes)}, more than the {_size(avail)} this machine has "
+            f"available (MemAvailable): it may swap or be killed for memory; use --ram "
+            f"{math.floor(AUTO_FRACTION * avail / 2**20)}MiB or less (or --ram auto)"
+        )
     suggested: dict[str, Any] = {
-        "ram": "auto" if resident else f"{math.ceil((budget or 0) / 2**20)}MiB",
+        "ram": "auto" if resident else f"{math.ceil((min(budget or 0, full_ram)) / 2**20)}MiB",
         "prefetch": "off" if resident else "auto",
         "pin": not resident,
         "reader": "auto",
@@ -354,6 +364,7 @@ def make_plan(
             "routing": "uniform",
             "dense": "stored non-expert tensors + f32 copies (1-D, router, W_UK^T absorption)",
         },
+        warnings=warnings,
         layout=layout,
     )
 

@@ -237,12 +237,21 @@ def convert(
     plans = _plan_shards(catalog, options)
     total = sum(p.size for p in plans)
     rec = options.recorded()
+    created = not dst_p.exists()
     try:
         dst_p.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConversionError(f"{dst_p}: cannot create: {exc.strerror or exc}") from exc
-    with _dir_lock(dst_p):
-        return _run(source, catalog, plans, total, rec, dst_p, force, report, fetch)
+    try:
+        with _dir_lock(dst_p):
+            return _run(source, catalog, plans, total, rec, dst_p, force, report, fetch)
+    except ColibriError:
+        # a conversion that stopped before writing anything (no disk space, a damaged
+        # source) leaves no empty DST behind it made; one with shards in it stays, to resume
+        if created:
+            with contextlib.suppress(OSError):
+                dst_p.rmdir()  # only when empty
+        raise
 
 
 # ----------------------------------------------------------------------------- planning
@@ -448,10 +457,21 @@ def _load_rows(item: _Item, r0: int, r1: int, scale: F32Array | None) -> F32Arra
     return fp8_block_dequantize(raw.view(np.uint8), blocks, FP8_BLOCK)
 
 
+def _check_finite(item: _Item, w: npt.NDArray[np.floating]) -> None:
+    """A source weight holding NaN or inf would convert into a model that answers garbage
+    (or stops at its first token), with checksums that vouch for the damage."""
+    if not np.isfinite(w).all():
+        raise ConversionError(
+            f"{item.info.path}: tensor {item.name!r} holds NaN or infinite values; the source "
+            "checkpoint is damaged (re-download it)"
+        )
+
+
 def _convert_rows(
     item: _Item, fmt: QuantFormat, r0: int, r1: int, scale: F32Array | None
 ) -> list[npt.NDArray[np.generic]]:
     w = _load_rows(item, r0, r1, scale)
+    _check_finite(item, w)
     if fmt.kind == "f32":
         return [w]
     qt = quantize(w, fmt)
@@ -466,7 +486,10 @@ def _item_arrays(item: _Item) -> list[npt.NDArray[np.generic]]:
     working set stays at about ``_ROW_CHUNK_BYTES`` plus the (smaller) output."""
     fmt, info = item.fmt, item.info
     if fmt is None:
-        return [read_tensor(info)]
+        raw = read_tensor(info)
+        if info.dtype in ("F32", "F16", "BF16"):
+            _check_finite(item, _to_f32(raw, info.dtype))
+        return [raw]
     scale = None
     if item.scale is not None:
         scale = _to_f32(read_tensor(item.scale), item.scale.dtype)
@@ -559,6 +582,21 @@ def _write_shard(
 # ----------------------------------------------------------------------------- the run
 
 
+def _check_not_a_checkpoint(dst: Path) -> None:
+    """Refuse a DST holding another model's weights (a Hugging Face checkpoint, say): the
+    container's config.json and tokenizer would overwrite theirs, and its shards would sit
+    beside tensors of the same names (a model no reader can open). --force does not help:
+    it removes colibri's files only."""
+    other = sorted(
+        n for n in os.listdir(dst) if n.endswith(".safetensors") and not _SHARD_RE.match(n)
+    )
+    if other:
+        raise ConversionError(
+            f"{dst} holds {other[0]}" + (f" (and {len(other) - 1} more)" if len(other) > 1 else "")
+            + ", another model's weights; convert into an empty directory"
+        )  # fmt: skip
+
+
 def _run(
     source: _Source,
     catalog: _Catalog,
@@ -570,6 +608,7 @@ def _run(
     report: ProgressFn,
     fetch: SourceFetcher | None = None,
 ) -> ConvertResult:
+    _check_not_a_checkpoint(dst)
     if force:
         _wipe(dst)
     _remove_stale_tmp(dst)

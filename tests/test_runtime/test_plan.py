@@ -122,3 +122,17 @@ def test_synthetic_plan_and_projected_hit_rate_within_10_points(synthetic: Path)
     measured = e["hit_rate"]
     print(f"projected {plan.projected_hit_rate:.3f}, measured {measured:.3f}")
     assert abs(measured - plan.projected_hit_rate) <= 0.10
+
+
+def test_a_plan_that_takes_more_than_is_available_warns() -> None:
+    """A given budget whose plan allocates more than MemAvailable is not refused (the machine
+    may free memory) but warned about, in the plan and in `coli plan`; a budget bigger than
+    the model needs but whose plan fits is not."""
+    c = Container.open(demo_model())
+    full = make_plan(c, 64 << 30, available=1 << 40)
+    assert full.warnings == []
+    takes = full.dense_bytes + full.kv_reserve_bytes + full.experts_slots_bytes
+    tight = make_plan(c, 64 << 30, available=takes - 1)
+    assert len(tight.warnings) == 1 and "more than the" in tight.warnings[0]
+    assert any(line.startswith("warning ") for line in tight.render_lines())
+    assert tight.suggested["ram"] == f"{-(-full.full_residency_ram_bytes // 2**20)}MiB"

@@ -7,6 +7,8 @@ import fcntl
 import json
 import os
 import random
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +21,7 @@ import pytest
 from convert_helpers import make_checkpoint, tiny_config
 from safetensors.numpy import load_file
 
-from storage.arch import ArchConfig, classify
+from storage.arch import ArchConfig, classify, expected_tensors
 from storage.convert import (
     ALIGN,
     DEFAULTS,
@@ -567,7 +569,6 @@ def test_missing_tensor_and_missing_mtp_layer(tmp_path: Path) -> None:
     make_checkpoint(tmp_path / "a", cfg, skip=("model.layers.0.self_attn.o_proj.weight",))
     with pytest.raises(ConversionError, match=r"o_proj\.weight"):
         convert(tmp_path / "a", tmp_path / "dst")
-    from storage.arch import expected_tensors
 
     mtp = tuple(n for n in expected_tensors(arch) if n.startswith("model.layers.2."))
     make_checkpoint(tmp_path / "b", cfg, skip=mtp)
@@ -626,3 +627,63 @@ def test_options_a_reader_could_not_recover_are_refused(kw: dict[str, Any], want
     assert infer_format(64 * 80, 64 * 4, (64, 160)).group_size != 48
     for gs in (16, 32, 64, 128, 256):
         ConvertOptions(experts=f"int4-g{gs}", dense=f"int4-g{gs}")
+
+
+@pytest.mark.parametrize("which", ["expert", "norm"])
+def test_non_finite_source_weights_are_refused(tmp_path: Path, which: str) -> None:
+    """A NaN or inf in the source (a quantized matrix, or a norm copied as it is) stops the
+    conversion naming the tensor: the container would otherwise carry the damage with
+    checksums that vouch for it."""
+    from storage.arch import ArchConfig, classify
+
+    cfg = tiny_config()
+    arch = ArchConfig.from_dict(cfg)
+    names = expected_tensors(arch)
+    if which == "expert":
+        name = next(n for n in names if ".experts." in n and n.endswith("up_proj.weight"))
+    else:
+        name = next(n for n in names if n.endswith("post_attention_layernorm.weight"))
+    role = classify(name, arch)
+    assert role is not None
+    shape = role.shape or (cfg["hidden_size"],)
+    bad = np.full(shape, 0.05, dtype=np.float32)
+    bad.reshape(-1)[7] = np.nan if which == "expert" else np.inf
+    src = tmp_path / "src"
+    make_checkpoint(src, cfg, dtype="F32", n_shards=1, extra={name: bad})
+    with pytest.raises(ConversionError, match=rf"{re.escape(name)}' holds NaN or infinite"):
+        convert(src, tmp_path / "dst", ConvertOptions(shard_size=SMALL))
+
+
+def test_a_dst_holding_another_model_is_refused(bf16_src: Src, tmp_path: Path) -> None:
+    """Converting into a directory that holds a Hugging Face checkpoint would overwrite its
+    config.json and put shards beside its tensors (a model no reader opens): refused, with
+    --force too (force removes colibri's files only), and nothing of it is touched."""
+    dst = Path(shutil.copytree(bf16_src[0], tmp_path / "hf"))
+    before = {p.name: p.read_bytes() for p in dst.iterdir() if p.is_file()}
+    for force in (False, True):
+        with pytest.raises(ConversionError, match="another model's weights"):
+            convert(bf16_src[0], dst, ConvertOptions(shard_size=SMALL), force=force)
+    assert {p.name: p.read_bytes() for p in dst.iterdir() if p.is_file()} == before
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs (needs root)")
+def test_a_failed_conversion_leaves_no_empty_dst_behind(bf16_src: Src, tmp_path: Path) -> None:
+    """A conversion refused before it wrote anything (here: no disk space, on a 512 KiB
+    tmpfs) removes the DST it created instead of leaving it empty."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)  # fmt: skip
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        dst = mnt / "new" / "dst"
+        with pytest.raises(ConversionError, match="not enough free disk space"):
+            convert(bf16_src[0], dst, ConvertOptions(shard_size=SMALL))
+        assert not dst.exists()
+        (mnt / "kept").mkdir()  # a DST that was there before stays
+        with pytest.raises(ConversionError, match="not enough free disk space"):
+            convert(bf16_src[0], mnt / "kept", ConvertOptions(shard_size=SMALL))
+        assert (mnt / "kept").is_dir()
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
