@@ -106,7 +106,7 @@ def to_template_messages(req: MessagesRequest) -> list[dict[str, Any]]:
 
 
 def _stop_reason(res: Result) -> str:
-    if res.tool_calls:
+    if res.tool_calls and res.finish_reason != "length":  # a call max_tokens cut is unfinished
         return "tool_use"
     if res.stop_sequence is not None:
         return "stop_sequence"

@@ -308,7 +308,7 @@ class Generation:
             else:
                 tail = ""
             final = emit(route(tail, final=True))
-            rest, calls = tools.finish(p.tools)
+            rest, calls = tools.finish(p.tools, cut=reason == "length")
             if rest:
                 final += emit([Delta("content", rest)])
             if pending_lp:
@@ -316,7 +316,9 @@ class Generation:
                 pending_lp.clear()
             for d in final:
                 yield d
-            if calls:
+            if calls and reason != "length":
+                # the model stopped to call tools; a call cut off by max_tokens is no finished
+                # call (OpenAI reports "length" then too)
                 reason = "tool_calls"
             lease.release_compute()
             if slot is not None:

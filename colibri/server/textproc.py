@@ -163,13 +163,15 @@ class ToolCallSplitter:
         return out
 
     def finish(
-        self, tools: Sequence[Mapping[str, Any]] | None = None
+        self, tools: Sequence[Mapping[str, Any]] | None = None, *, cut: bool = False
     ) -> tuple[str, list[ParsedToolCall]]:
-        """(remaining content, parsed tool calls) at the end of the generation."""
+        """(remaining content, parsed tool calls) at the end of the generation. ``cut``: it
+        ended at max_tokens, so an unclosed last block is a truncated call (a name cut to
+        "get", its arguments lost): it stays text instead of becoming a call."""
         rest, self._buf = self._buf, ""
         if not self.seen:
             return rest, []
-        text, calls = parse_tool_calls(self._calls, tools)
+        text, calls = parse_tool_calls(self._calls, tools, closed_only=cut)
         return rest + text, calls
 
 
@@ -208,18 +210,22 @@ def _value(raw: str, declared: Any) -> Any:
 
 
 def parse_tool_calls(
-    text: str, tools: Sequence[Mapping[str, Any]] | None = None
+    text: str, tools: Sequence[Mapping[str, Any]] | None = None, *, closed_only: bool = False
 ) -> tuple[str, list[ParsedToolCall]]:
     """Tool-call blocks in ``text`` -> (the text outside them, calls).
 
     Two block formats: GLM's ``<tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value>...
     </tool_call>`` (values are JSON unless the tool's schema declares a string) and the
     JSON one ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``. A block that parses
-    as neither stays in the text. An unclosed last block (cut by max_tokens) is parsed too."""
+    as neither stays in the text. An unclosed last block (a model that ended without the
+    closing tag) is parsed too, unless ``closed_only`` (the generation was cut by max_tokens:
+    the block is a truncated call)."""
     calls: list[ParsedToolCall] = []
     kept: list[str] = []
     pos = 0
     for m in _BLOCK.finditer(text):
+        if closed_only and not m.group(0).endswith(TOOL_CALL_END):
+            continue
         body = m.group(1).strip()
         call = _parse_block(body, tools)
         if call is None:

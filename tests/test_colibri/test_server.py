@@ -607,9 +607,32 @@ async def test_tools_and_reasoning_plumbing(tmp_path: Path, anyio_backend: str) 
             refused = await client.post(
                 "/v1/chat/completions", json={**base, "tools": tools, "tool_choice": "required"}
             )
+            # a tool call forced by a grammar: finished it is "tool_calls"; cut by max_tokens
+            # (28 tokens: the name whole, the arguments not) it is "length" and the cut block
+            # stays text, never a call with its arguments lost
+            call = (
+                "</think>\n\n<tool_call>get_weather<arg_key>city</arg_key>"
+                "<arg_value>Paris</arg_value></tool_call>"
+            )
+            fmt = {"type": "regex", "grammar": re.escape(call)}
+            reasons = {}
+            for n in (64, 28):
+                r = await client.post(
+                    "/v1/chat/completions",
+                    json={**base, "tools": tools, "max_tokens": n, "response_format": fmt},
+                )
+                assert r.status_code == 200, r.text
+                reasons[n] = r.json()["choices"][0]["finish_reason"]
+                got = r.json()["choices"][0]["message"]
+                if n == 64:
+                    args = got["tool_calls"][0]["function"]["arguments"]
+                    assert json.loads(args) == {"city": "Paris"}
+                else:
+                    assert not got.get("tool_calls") and "<tool_call>get_weather" in got["content"]
     assert body["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"]
     assert none.json()["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "tool_choice"
+    assert reasons == {64: "tool_calls", 28: "length"}, reasons
     msg = body["choices"][0]["message"]
     assert msg["content"] == "" and msg["reasoning_content"]  # never left <think>
 
