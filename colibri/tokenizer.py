@@ -8,6 +8,8 @@ compiles it: ``chat_template.jinja`` beside ``tokenizer.json`` wins over ``chat_
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -45,6 +47,24 @@ def not_utf8(text: str) -> str | None:
     return None
 
 
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE table, character -> byte: printable bytes map to themselves, the
+    rest to the characters from U+0100 on, in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = list(keep)
+    n = 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(keep, chars, strict=True)}
+
+
 class PromptTooLongError(ColibriError):
     """A text has more tokens than allowed (:meth:`ChatTokenizer.encode` with ``limit``)."""
 
@@ -64,6 +84,9 @@ class ChatTokenizer:
         except Exception as exc:  # tokenizers raises plain Exception subclasses
             raise ConfigError(f"{tokenizer_file}: cannot load tokenizer ({exc})") from exc
         self.config = dict(tokenizer_config)
+        decoder = self._tok.decoder
+        self._byte_level = decoder is not None and type(decoder).__name__ == "ByteLevel"
+        self._added_ids = frozenset(int(i) for i in self._tok.get_added_tokens_decoder())
         self._template_src, where = chat_template_source(tokenizer_file.parent, self.config)
         self._template = (
             compile_chat_template(self._template_src, where) if self._template_src else None
@@ -94,6 +117,27 @@ class ChatTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=True))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes token ``token_id`` stands for in the output text, also for a token that
+        holds only part of a UTF-8 character (whose own decode is U+FFFD): byte-level BPE
+        tokens through GPT-2's byte-to-character table, ``<0xHH>`` byte-fallback tokens as
+        that byte, sentencepiece pieces with ``▁`` as a space; added tokens as their text."""
+        piece = self._tok.id_to_token(int(token_id))
+        if piece is None:
+            return b""
+        if int(token_id) in self._added_ids:
+            return str(piece).encode("utf-8")
+        if self._byte_level:
+            table = _byte_decoder()
+            try:
+                return bytes(table[ch] for ch in piece)
+            except KeyError:  # not a byte-level piece after all
+                return str(piece).encode("utf-8")
+        m = _BYTE_FALLBACK.fullmatch(piece)
+        if m is not None:
+            return bytes([int(m.group(1), 16)])
+        return str(piece).replace("\u2581", " ").encode("utf-8")
 
     def token_to_id(self, token: str) -> int | None:
         tid = self._tok.token_to_id(token)

@@ -68,6 +68,8 @@ class TokenLogprob:
     token: str
     logprob: float
     top: tuple[tuple[int, str, float], ...] = ()
+    raw: bytes = b""  # the token's bytes (its text may be U+FFFD: part of a character)
+    top_raw: tuple[bytes, ...] = ()
 
 
 @dataclass
@@ -175,7 +177,15 @@ class Generation:
 
     def _logprob(self, ev: TokenEvent) -> TokenLogprob:
         top = tuple((t, self._token_text(t), lp) for t, lp in ev.top)
-        return TokenLogprob(ev.token_id, self._token_text(ev.token_id), ev.logprob, top)
+        tok = self._tok
+        return TokenLogprob(
+            ev.token_id,
+            self._token_text(ev.token_id),
+            ev.logprob,
+            top,
+            tok.token_bytes(ev.token_id),
+            tuple(tok.token_bytes(t) for t, _ in ev.top),
+        )
 
     async def complete(self, lease: Lease) -> Result:
         """Run to the end (non-streaming responses)."""
@@ -365,9 +375,10 @@ def logprob_entry(lp: TokenLogprob, n_top: int) -> dict[str, Any]:
     return {
         "token": lp.token,
         "logprob": lp.logprob,
-        "bytes": list(lp.token.encode()),
+        "bytes": list(lp.raw or lp.token.encode()),
         "top_logprobs": [
-            {"token": t, "logprob": v, "bytes": list(t.encode())} for _, t, v in lp.top[:n_top]
+            {"token": t, "logprob": v, "bytes": list(raw or t.encode())}
+            for (_, t, v), raw in zip(lp.top[:n_top], lp.top_raw or [b""] * n_top, strict=False)
         ],
     }
 

@@ -314,6 +314,16 @@ def tok() -> ChatTokenizer:
     return ChatTokenizer(path, c.tokenizer_config())
 
 
+def test_token_bytes_rebuild_the_text(tok: ChatTokenizer) -> None:
+    """Each token's bytes, also for tokens holding part of a UTF-8 character (their own
+    decode is U+FFFD), joined give the text's bytes: what logprobs' "bytes" report."""
+    text = "\u2018quote\u2019 \u201c \u2014 \u00e9 \u00fc \u4e2d\u6587 \U0001f389 plain words"
+    ids = tok.encode(text)
+    assert any(tok.decode([i]) == "\ufffd" for i in ids)  # some tokens are partial characters
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode("utf-8")
+    assert all(tok.token_bytes(i) for i in range(tok.vocab_size))
+
+
 def test_text_stream_holds_back_partial_characters(tok: ChatTokenizer) -> None:
     text = "é ok, naïve 日本語 text 🙂 end"
     ids = tok.encode(text)

@@ -220,6 +220,12 @@ def test_logprobs(servers: dict[str, Server]) -> None:
         # greedy: the chosen token is the most likely one
         assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
         assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.top_logprobs[0].bytes == entry.bytes
+    # the tokens' bytes rebuild the content, even where a token is part of a character (this
+    # greedy output begins with a lone continuation byte: its text is U+FFFD, its byte 0x94)
+    joined = b"".join(bytes(e.bytes or []) for e in lp.content)
+    assert joined.decode("utf-8", "replace") == r.choices[0].message.content
+    assert all(e.bytes != list("\ufffd".encode()) for e in lp.content)  # not the text's bytes
     streamed = client.chat.completions.create(
         model=MODEL,
         messages=_user("Hi"),  # type: ignore[arg-type]
