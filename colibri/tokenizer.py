@@ -152,9 +152,17 @@ class ChatTokenizer:
         messages: Sequence[Mapping[str, Any]],
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         **extra: Any,
     ) -> str:
-        """Render messages with the model's template (plain ``role: content`` lines if none)."""
+        """Render messages with the model's template (plain ``role: content`` lines if none).
+
+        ``continue_final_message`` (transformers' option of that name): the last message (an
+        assistant's prefill) is left open, so the model continues its text: rendered without
+        a generation prompt and cut right after that message's content. A template that does
+        not reproduce the content is a :class:`ConfigError`."""
+        if continue_final_message:
+            add_generation_prompt = False
         if self._template is None:
             lines = [f"{m.get('role', 'user')}: {m.get('content', '')}" for m in messages]
             if add_generation_prompt:
@@ -166,7 +174,7 @@ class ChatTokenizer:
             if k.endswith("_token") and (t := _token_text(v)) is not None
         }
         try:
-            return str(
+            text = str(
                 self._template.render(
                     messages=list(messages),
                     add_generation_prompt=add_generation_prompt,
@@ -175,6 +183,17 @@ class ChatTokenizer:
             )
         except TemplateError as exc:
             raise ConfigError(f"chat template failed to render: {exc}") from exc
+        if continue_final_message and messages:
+            final = str(messages[-1].get("content") or "").strip()
+            at = text.rfind(final) if final else -1
+            if final and at < 0:
+                raise ConfigError(
+                    "the chat template does not reproduce the final message's text, so it "
+                    "cannot be continued"
+                )
+            if final:
+                text = text[: at + len(final)]
+        return text
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], **extra: Any) -> list[int]:
         return self.encode(self.apply_chat_template(messages, **extra))

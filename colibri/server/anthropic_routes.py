@@ -163,6 +163,10 @@ async def messages(request: Request) -> Response:
     if thinking is None and req.thinking is not None:
         thinking = req.thinking.type != "disabled"
     extra = template_extra(req, tools, thinking)
+    if req.messages and req.messages[-1].role == "assistant":
+        # a prefill: Anthropic's model continues the final assistant text (no new turn); the
+        # response holds only what it adds
+        extra["continue_final_message"] = True
     text, ids = await render_chat(st, to_template_messages(req), extra)
     params = common_params(
         st, request, req, ids=ids, max_tokens=req.max_tokens, stop=req.stop_sequences

@@ -36,7 +36,7 @@ __all__ = [
 
 
 # Template variables a request may not set through chat_template_kwargs.
-RESERVED_TEMPLATE_KEYS = frozenset({"messages", "add_generation_prompt"})
+RESERVED_TEMPLATE_KEYS = frozenset({"messages", "add_generation_prompt", "continue_final_message"})
 
 
 class _Loose(BaseModel):

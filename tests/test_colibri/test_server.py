@@ -286,6 +286,20 @@ def test_anthropic_messages_with_the_official_sdk(servers: dict[str, Server], re
     assert {"content_block_start", "content_block_delta", "content_block_stop"} <= set(events)
     with pytest.raises(anthropic.NotFoundError):
         client.messages.create(model="claude-nope", max_tokens=4, messages=messages)  # type: ignore[arg-type]
+    # a final assistant message is a prefill: the model continues its text (rendered without a
+    # new turn, as transformers' continue_final_message), the response holds only the rest
+    prefill = [*messages, {"role": "assistant", "content": "The answer is"}]
+    prompt = tok.apply_chat_template(prefill, continue_final_message=True)
+    assert prompt.endswith("The answer is")
+    assert not tok.apply_chat_template(prefill).endswith("The answer is")  # a new turn
+    want = model.generate(tok.encode(prompt), max_new_tokens=8)
+    r = client.messages.create(
+        model=MODEL, max_tokens=8, messages=prefill,  # type: ignore[arg-type]
+        extra_body={"temperature": 0},
+    )  # fmt: skip
+    assert r.content[0].type == "text" and r.content[0].text == tok.decode(want)
+    cached = r.usage.cache_read_input_tokens or 0
+    assert r.usage.input_tokens + cached == len(tok.encode(prompt))
 
 
 def test_error_responses(servers: dict[str, Server]) -> None:
