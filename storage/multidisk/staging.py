@@ -198,6 +198,7 @@ def plan_mirror(
     some of the model's shards (``--model-dir``); each file is copied from the one holding it."""
     c = Container.open(model, shard_dirs=model_dirs)
     src, dst = Path(model), Path(to)
+    _check_target(dst, src, tuple(c.dirs))
     paths = {s.path.name: s.path for s in c.shards}
     manifest = read_manifest(src)
     sums = {s.file: s.sha256 for s in manifest.shards} if manifest is not None else {}
@@ -263,6 +264,31 @@ def plan_mirror(
         dirs=tuple(c.dirs),
         sources=paths,
     )
+
+
+def _check_target(to: Path, model: Path, dirs: Sequence[Path]) -> None:
+    """A mirror directory must be a directory (or not exist yet), not one of the model's own
+    directories, and not another model's mirror: plan, stage and verify all refuse those."""
+    if to.exists() and not to.is_dir():
+        raise ColibriError(f"{to} is not a directory; --to takes the mirror's directory")
+    for d in dict.fromkeys((model, *dirs)):
+        try:
+            same = os.path.samefile(to, d)
+        except OSError:
+            continue
+        if same:
+            what = "the model directory itself" if d == model else "one of the model's dirs"
+            raise ColibriError(f"{to} is {what} ({d}); pick a directory on another drive")
+    try:
+        doc = json.loads((to / MIRROR_RECORD).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    other = doc.get("model") if isinstance(doc, dict) else None
+    if isinstance(other, str) and Path(other) != model.resolve():
+        raise ColibriError(
+            f"{to} is a mirror of another model ({other}); pick another directory (or remove "
+            "that mirror first)"
+        )
 
 
 # --------------------------------------------------------------------------- record
@@ -418,15 +444,8 @@ def stage_mirror(
     if chunk_bytes <= 0:
         raise ValueError("chunk_bytes must be > 0")
     to = plan.to
+    _check_target(to, plan.model, plan.dirs)
     to.mkdir(parents=True, exist_ok=True)
-    for d in dict.fromkeys((plan.model, *plan.dirs)):
-        try:
-            same = os.path.samefile(to, d)
-        except OSError:
-            continue
-        if same:
-            what = "the model directory itself" if d == plan.model else "one of the model's dirs"
-            raise ColibriError(f"{to} is {what} ({d}); pick a directory on another drive")
     manifest = read_manifest(plan.model)
     record = _load_record(to)
     report = StageReport(to)
@@ -499,6 +518,7 @@ def verify_mirror(
     src_dir, to_dir = Path(model), Path(to)
     if not to_dir.is_dir():
         raise ColibriError(f"{to_dir}: no such mirror directory")
+    _check_target(to_dir, src_dir, tuple(Path(d) for d in model_dirs))
     found, problems = find_shards([src_dir, *model_dirs])
     if problems:
         raise problems[0]

@@ -252,3 +252,28 @@ def test_stage_and_verify_from_shards_spread_over_model_dirs(
     prim, mir = st["devices"]
     assert mir["files"] == 2 and mir["bytes"] > 0 and prim["bytes"] > 0
     assert st["placement"]["failovers"] == 0
+
+
+def test_plan_stage_and_verify_refuse_a_target_that_is_no_mirror_of_this_model(
+    model: dict[str, Any], tmp_path: Path
+) -> None:
+    """--to the model directory itself, a regular file, or another model's mirror: each is
+    refused by plan, stage and verify alike (plan and verify used to accept the model's own
+    directory, and staging into another model's mirror mixed the two)."""
+    primary = model["primary"]
+    with pytest.raises(ColibriError, match="the model directory itself"):
+        plan_mirror(primary, primary, budget=1 << 30)
+    with pytest.raises(ColibriError, match="the model directory itself"):
+        verify_mirror(primary, primary)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(ColibriError, match="is not a directory"):
+        plan_mirror(primary, afile, budget=1 << 30)
+    other = tmp_path / "other-mirror"
+    stage_mirror(plan_mirror(DEMO, other, budget=model["shard_size"]))
+    record = json.loads((other / MIRROR_RECORD).read_text())
+    assert record["model"] == str(Path(DEMO).resolve())
+    with pytest.raises(ColibriError, match="a mirror of another model"):
+        plan_mirror(primary, other, budget=1 << 30)
+    with pytest.raises(ColibriError, match="a mirror of another model"):
+        verify_mirror(primary, other)
