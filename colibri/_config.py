@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from storage.errors import ColibriError
 
@@ -92,15 +92,15 @@ class EngineOptions(BaseModel):
     # Lookahead reads of the next layer's predicted experts: "auto" keeps them per layer only
     # while they save more read time than they cost (runtime.policies.tiers); "on" / "off".
     prefetch: Literal["auto", "on", "off"] = "auto"
-    kv_reserve_tokens: int = 4096
+    kv_reserve_tokens: int = Field(default=4096, ge=1)
     # Prompt tokens per prefill step; None: runtime.planner.choose_prefill_chunk (512 when
     # resident, up to 4096 when streaming, within 1/8 of the RAM budget).
     prefill_chunk: int | None = None
-    max_batch: int = 8
+    max_batch: int = Field(default=8, ge=1)
     # Faster, not bit-exact prefill: attention form chosen per step and, for experts receiving
     # at least fast_prefill_rows rows of a chunk, dequantized tiles + BLAS.
     fast_prefill: bool = False
-    fast_prefill_rows: int = 40
+    fast_prefill_rows: int = Field(default=40, ge=1)
     # Worker threads computing routed experts in parallel (None: one per CPU this process may
     # use). Results are bit-identical for every count.
     threads: int | None = None
@@ -110,8 +110,8 @@ class EngineOptions(BaseModel):
     kernels: Literal["exact", "fast-int8"] = "exact"
     state_dir: Path | None = None
     pin: bool = True
-    pin_fraction: float = 0.5
-    pin_min_selections: int = 5000
+    pin_fraction: float = Field(default=0.5, ge=0.0, le=1.0)
+    pin_min_selections: int = Field(default=5000, ge=0)
     repin: bool = False
     learn: bool = True
     # Several SSDs (storage/multidisk/): read copies, primary-first weights (None: probed),
@@ -121,7 +121,7 @@ class EngineOptions(BaseModel):
     model_dirs: tuple[Path, ...] = ()
     disk_weights: tuple[float, ...] | None = None
     disk_adapt: bool = True
-    stripe_min_bytes: int = 0
+    stripe_min_bytes: int = Field(default=0, ge=0)
     # Speculative decoding (runtime/speculative/): "auto" lets the cost model decide.
     draft: str = "auto"
     # Every expert read checked against the manifest's CRC-32s (storage/integrity.py); resident
@@ -203,9 +203,13 @@ class EngineOptions(BaseModel):
     @field_validator("ram_budget", "worker_ram", mode="before")
     @classmethod
     def _budget(cls, v: object) -> int | None:
-        if v is None or isinstance(v, int):
-            return v
-        return parse_bytes(str(v))
+        n = v if v is None or isinstance(v, int) else parse_bytes(str(v))
+        if isinstance(n, bool) or (n is not None and n <= 0):
+            # a ColibriError, as parse_bytes raises: one line in the CLI, not pydantic's dump
+            raise ColibriError(
+                f"a RAM budget must be a positive size (or auto), got {v!r} (--ram, --worker-ram)"
+            )
+        return n
 
     @field_validator("mirror", "model_dirs", mode="before")
     @classmethod

@@ -387,7 +387,10 @@ def _options(model: Path | None, ram: str | None, reader: str) -> EngineOptions:
     ctx = click.get_current_context(silent=True)
     if ctx is not None:
         extra = {k: v for k, v in ctx.meta.get("colibri.engine", {}).items() if k[0] != "_"}
-    return EngineOptions(model=model, ram_budget=ram, reader=reader, **extra)  # type: ignore[arg-type]
+    try:
+        return EngineOptions(model=model, ram_budget=ram, reader=reader, **extra)  # type: ignore[arg-type]
+    except ValueError as exc:  # pydantic's ValidationError: one line, naming the option
+        raise ColibriError(f"bad option: {_one_line(exc)}") from exc
 
 
 class Terminated(KeyboardInterrupt):

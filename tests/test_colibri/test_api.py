@@ -229,6 +229,27 @@ def test_unknown_option_is_rejected() -> None:
         EngineOptions(ram_budget="lots")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("kw", "error", "want"),
+    [
+        ({"kv_reserve_tokens": -1}, ValueError, "kv_reserve_tokens"),
+        ({"max_batch": 0}, ValueError, "max_batch"),
+        ({"pin_fraction": 2.0}, ValueError, "pin_fraction"),
+        ({"pin_min_selections": -3}, ValueError, "pin_min_selections"),
+        ({"stripe_min_bytes": -1}, ValueError, "stripe_min_bytes"),
+        ({"fast_prefill_rows": 0}, ValueError, "fast_prefill_rows"),
+        ({"ram_budget": 0}, ColibriError, "positive size"),
+        ({"ram_budget": -5}, ColibriError, "positive size"),
+        ({"ram_budget": "0"}, ColibriError, "positive size"),
+    ],
+)
+def test_out_of_range_options_are_refused(
+    kw: dict[str, object], error: type[Exception], want: str
+) -> None:
+    with pytest.raises(error, match=want):
+        EngineOptions(**kw)  # type: ignore[arg-type]
+
+
 # ----------------------------------------------------------------------------- async engine
 
 
