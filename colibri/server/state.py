@@ -147,8 +147,9 @@ class Admission:
             retry = self.retry_after()
             raise ApiError(
                 429,
-                f"server busy: {self.running} generating and {self.waiting} waiting (queue "
-                f"limit {self.queue}); retry in about {retry} s",
+                f"server busy: {self.running} generating and {self.waiting} admitted or "
+                f"waiting, the most it takes ({self.parallel} generating at once + a queue "
+                f"of {self.queue}); retry in about {retry} s",
                 code="queue_full",
                 headers={"Retry-After": str(retry)},
             )

@@ -436,6 +436,8 @@ def test_queue_full_gets_429_and_a_disconnect_stops_generation(servers: dict[str
         assert r.status_code == 429, r.text
         assert int(r.headers["retry-after"]) >= 1
         assert r.json()["error"]["code"] == "queue_full"
+        msg = r.json()["error"]["message"]  # counts that add up: 1 generating + 1 waiting
+        assert "1 generating and 1 admitted or waiting" in msg and "a queue of 1" in msg, msg
         # leave the stream after a few chunks: closing the connection cancels the generation
     queued = waiter.result(timeout=60)
     assert queued.status_code == 200
