@@ -67,6 +67,7 @@ class ModelEntry:
     shard_bytes: int
     converted: bool  # a colibri manifest is present
     state: StateDir | None  # None: the engine has not run it yet (no state dir)
+    problem: str | None = None  # why its config.json is unusable (listed all the same)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -79,29 +80,37 @@ class ModelEntry:
             "state_dir": None if self.state is None else str(self.state.path),
             "usage": bool(self.state and self.state.usage),
             "kv_files": 0 if self.state is None else self.state.kv_files,
+            "problem": self.problem,
         }
 
 
 def _entry(path: Path) -> ModelEntry | None:
+    """The listing of model directory ``path``; one whose config.json is unusable is listed
+    with the problem (not left out: it is on disk, taking space), None when it has none."""
+    if not (path / "config.json").is_file():
+        return None
+    problem = None
+    model_type, layers, experts = "?", 0, 0
     try:
         cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
-        return None
-    if not isinstance(cfg, dict):
-        return None
-    experts = next(
-        (cfg[k] for k in ("n_routed_experts", "num_experts", "num_local_experts") if cfg.get(k)),
-        0,
-    )
+        if not isinstance(cfg, dict):
+            raise ValueError("not a JSON object")
+        found = (cfg.get(k) for k in ("n_routed_experts", "num_experts", "num_local_experts"))
+        model_type = str(cfg.get("model_type", "?"))
+        layers = int(cfg.get("num_hidden_layers") or 0)
+        experts = int(next((v for v in found if v), 0))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError, TypeError, KeyError) as exc:
+        problem = f"config.json: {'nested too deeply' if isinstance(exc, RecursionError) else exc}"
     state = EngineOptions(model=path).resolved_state_dir()
     return ModelEntry(
         path=path,
-        model_type=str(cfg.get("model_type", "?")),
-        layers=int(cfg.get("num_hidden_layers") or 0),
-        experts=int(experts),
+        model_type=model_type,
+        layers=layers,
+        experts=experts,
         shard_bytes=sum(p.stat().st_size for p in path.glob("*.safetensors")),
         converted=(path / "colibri-manifest.json").is_file(),
         state=StateDir.read(state) if state.is_dir() else None,
+        problem=problem,
     )
 
 

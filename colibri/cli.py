@@ -1534,6 +1534,9 @@ def list_cmd(paths: tuple[Path, ...], as_json: bool) -> None:
         click.echo("no model directories (a directory with config.json) under " +
                    ", ".join(str(r) for r in roots))  # fmt: skip
     for m in models:
+        if m.problem is not None:
+            click.echo(f"{m.path}\n    unusable: {m.problem}")
+            continue
         kind = "container" if m.converted else "HF checkpoint"
         state = m.state.describe() if m.state is not None else "never run"
         click.echo(

@@ -70,3 +70,19 @@ def test_ps_reports_what_a_server_holds(tmp_path: Path) -> None:
     assert "0 tokens" not in slot1 and "1 turns" in slot1
     st = json.loads(j.stdout)
     assert st["slots"][1]["tokens"] > 0 and st["engine"]["experts"]["mode"] == "streaming"
+
+
+def test_list_shows_a_model_whose_config_is_broken(tmp_path: Path) -> None:
+    """A directory whose config.json does not parse (or holds text where a count goes) is
+    listed with the problem, not left out as if it were not there."""
+    models = tmp_path / "models"
+    (models / "cut").mkdir(parents=True)
+    (models / "cut" / "config.json").write_text('{"num_hidden_layers": 4')
+    (models / "text").mkdir()
+    (models / "text" / "config.json").write_text('{"num_hidden_layers": "abc"}')
+    r = coli("list", str(models), home=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert f"{models / 'cut'}\n    unusable: config.json:" in r.stdout
+    assert f"{models / 'text'}\n    unusable: config.json:" in r.stdout
+    got = json.loads(coli("list", str(models), "--json", home=tmp_path).stdout)
+    assert [m["problem"] is not None for m in got["models"]] == [True, True]
