@@ -285,7 +285,9 @@ async def messages(request: Request) -> Response:
         content: list[dict[str, Any]] = []
         if res.reasoning:
             content.append({"type": "thinking", "thinking": res.reasoning, "signature": ""})
-        if res.content or not res.tool_calls:
+        # an empty text block only when it is the whole answer (as the stream: a thinking-only
+        # or tool-only answer has no text block)
+        if res.content or not (res.tool_calls or res.reasoning):
             content.append({"type": "text", "text": res.content})
         content += _tool_blocks(res)
         body = {**message_obj(content, res), "colibri": res.stats()}

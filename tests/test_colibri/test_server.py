@@ -637,6 +637,18 @@ async def test_tools_and_reasoning_plumbing(tmp_path: Path, anyio_backend: str) 
                 "<arg_value>Paris</arg_value></tool_call>"
             )
             fmt = {"type": "regex", "grammar": re.escape(call)}
+            # a thinking-only answer (6 tokens never leave <think>): the same blocks whole and
+            # streamed, and no empty text block
+            anth = {"model": "m", "max_tokens": 6, "messages": [{"role": "user", "content": "x"}],
+                    "thinking": {"type": "enabled", "budget_tokens": 1024}, "ignore_eos": True}
+            whole = (await client.post("/v1/messages", json=anth)).json()
+            streamed = await client.post("/v1/messages", json={**anth, "stream": True})
+            starts = [
+                json.loads(line[6:])["content_block"]["type"]
+                for line in streamed.text.splitlines()
+                if line.startswith("data: ") and '"content_block_start"' in line
+            ]
+            assert [b["type"] for b in whole["content"]] == starts == ["thinking"], (whole, starts)
             reasons = {}
             for n in (64, 28):
                 r = await client.post(
