@@ -639,8 +639,13 @@ async def test_tools_and_reasoning_plumbing(tmp_path: Path, anyio_backend: str) 
             fmt = {"type": "regex", "grammar": re.escape(call)}
             # a thinking-only answer (6 tokens never leave <think>): the same blocks whole and
             # streamed, and no empty text block
-            anth = {"model": "m", "max_tokens": 6, "messages": [{"role": "user", "content": "x"}],
-                    "thinking": {"type": "enabled", "budget_tokens": 1024}, "ignore_eos": True}
+            anth = {
+                "model": "m",
+                "max_tokens": 6,
+                "messages": [{"role": "user", "content": "x"}],
+                "thinking": {"type": "enabled", "budget_tokens": 1024},
+                "ignore_eos": True,
+            }
             whole = (await client.post("/v1/messages", json=anth)).json()
             streamed = await client.post("/v1/messages", json={**anth, "stream": True})
             starts = [
