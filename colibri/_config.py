@@ -158,7 +158,7 @@ class EngineOptions(BaseModel):
 
         return str(DraftPolicy.parse(v))  # type: ignore[arg-type]
 
-    @field_validator("threads", "prefill_chunk", mode="before")
+    @field_validator("threads", "prefill_chunk", "worker_threads", mode="before")
     @classmethod
     def _positive(cls, v: object) -> object:
         if isinstance(v, str):

@@ -164,6 +164,14 @@ class Engine:
             "prompt_tokens_reused": 0,
             "generated_tokens": 0,
         }
+        self._closed = False  # set when Engine.open's block is left
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ColibriError(
+                "this engine is closed (its `async with Engine.open(...)` block has ended); "
+                "open the model again"
+            )
 
     @property
     def _store(self) -> ExpertStore | None:
@@ -205,6 +213,7 @@ class Engine:
         model, plan, usage = await _plan(container, opts, report)
         store = None
         cluster: RayCluster | None = None
+        engine: Engine | None = None
         scheduler: Scheduler | None = None
         error: BaseException | None = None
         async with anyio.create_task_group() as tg:
@@ -260,6 +269,8 @@ class Engine:
             except BaseException as exc:  # re-raised below, unwrapped by the task group
                 error = exc
             finally:
+                if engine is not None:
+                    engine._closed = True
                 with anyio.CancelScope(shield=True):
                     if cluster is not None:
                         await anyio.to_thread.run_sync(cluster.close)
@@ -293,8 +304,15 @@ class Engine:
     async def forward(
         self, token_ids: Sequence[int] | npt.NDArray[np.integer]
     ) -> npt.NDArray[np.float32]:
-        """Logits float32 [T, vocab] for ``token_ids`` in a fresh context."""
+        """Logits float32 [T, vocab] for ``token_ids`` in a fresh context (at most
+        :attr:`context_length` of them)."""
         ids = _as_ids(token_ids)
+        self._check_open()
+        if ids.size > self.context_length:
+            raise ModelError(
+                f"this model's context is {self.context_length} tokens, but {ids.size} were "
+                "given; shorten them"
+            )
         async with self._lock:
             out = await self._scheduler.forward(ids, self._model.new_cache())
         return np.asarray(out.logits, dtype=np.float32)
@@ -327,6 +345,7 @@ class Engine:
         grammar allows, and spans it forces are verified as free drafts. ``draft`` overrides
         ``EngineOptions.draft`` for this call (speculative decoding, docs/speculative.md)."""
         ids = _as_ids(prompt_ids)
+        self._check_open()
         max_new_tokens = _count("max_new_tokens", max_new_tokens)
         top_logprobs = _count("top_logprobs", top_logprobs)
         ctx_len = self.context_length
@@ -844,6 +863,7 @@ class SyncModel:
         forward on the compute thread finishes its step first, reads in flight land, a turn's
         `.coli_usage` is saved) before the interrupt goes on, so closing the model afterwards
         never pulls the reader from under a running step. A second Ctrl-C stops waiting."""
+        self.engine._check_open()  # the portal's loop is gone with the engine
         task = _PortalTask(self._portal, fn, *args)
         try:
             return task.future.result()

@@ -169,7 +169,9 @@ def atlas_from_model(
                     if not ids:
                         continue
                     if tokens > 0:
-                        m.generate(ids, max_new_tokens=tokens, stop_token_ids=[])
+                        # no drafting: rejected verify rows would be counted too, and which
+                        # rows run would depend on timing (a run would not reproduce)
+                        m.generate(ids, max_new_tokens=tokens, stop_token_ids=[], draft="off")
                         seen[t] += len(ids) + tokens - 1
                     else:
                         m.forward(ids)

@@ -178,7 +178,7 @@ def plan_layout(
         raise ColibriError(
             f"the RAM budget leaves {expert_budget / 2**20:.1f} MiB for experts but streaming "
             f"needs at least {transient * slot / 2**20:.1f} MiB ({transient} transient slots of "
-            f"{slot / 2**20:.1f} MiB); raise --ram"
+            f"{slot / 2**20:.1f} MiB); raise --ram (--worker-ram for an expert worker's share)"
         )
     pin = list(pinned)[: avail // slot]
     avail -= len(pin) * slot

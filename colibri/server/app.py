@@ -210,7 +210,10 @@ async def profile(request: Request) -> Response:
     st = state_of(request)
     limit = request.query_params.get("limit")
     turns = [t.as_dict() for t in reversed(st.turns)]
-    if limit is not None and limit.isdigit():
+    if limit is not None:
+        # ASCII digits only: str.isdigit() also takes "²", which int() refuses (a 500)
+        if not (limit.isascii() and limit.isdigit()):
+            raise ApiError(400, f"limit must be a count, got {limit!r}", param="limit")
         turns = turns[: int(limit)]
     return JSONResponse(
         {
@@ -249,7 +252,7 @@ async def enable_replica(request: Request) -> Response:
         index = int(raw)
     except ValueError:
         index = -1
-    if index < 0 or index >= len(devices) or not raw.isdigit():
+    if index < 0 or index >= len(devices) or not (raw.isascii() and raw.isdigit()):
         raise ApiError(
             404,
             f"no copy {raw!r}: the model has {len(devices)} (index 0 is the primary, then each "

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import anyio
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from colibri._engine import Engine
 from colibri.server.errors import ApiError
@@ -46,6 +46,19 @@ class ServerConfig(BaseModel):
     api_keys: tuple[str, ...] = Field(
         default=(), description="more API keys; each is its own tenant (with api_key the first)"
     )
+
+    @field_validator("api_key", "api_keys")
+    @classmethod
+    def _printable_ascii(cls, v: str | tuple[str, ...] | None) -> str | tuple[str, ...] | None:
+        """A key no client could send: HTTP header values reach the server as latin-1, while
+        clients encode a non-ASCII key as UTF-8, so such a key would lock every client out."""
+        for key in (v,) if isinstance(v, str) else v or ():
+            if not key or not key.isascii() or not key.isprintable() or key != key.strip():
+                raise ValueError(
+                    "an API key must be non-empty printable ASCII without surrounding spaces"
+                )
+        return v
+
     prefix_reuse: Literal["auto", "key", "all", "off"] = Field(
         default="auto",
         description="automatic prefix matching for requests without cache_slot: 'all' across "

@@ -238,6 +238,7 @@ def test_unknown_option_is_rejected() -> None:
         ({"pin_min_selections": -3}, ValueError, "pin_min_selections"),
         ({"stripe_min_bytes": -1}, ValueError, "stripe_min_bytes"),
         ({"fast_prefill_rows": 0}, ValueError, "fast_prefill_rows"),
+        ({"worker_threads": 0}, ValueError, "worker_threads"),
         ({"ram_budget": 0}, ColibriError, "positive size"),
         ({"ram_budget": -5}, ColibriError, "positive size"),
         ({"ram_budget": "0"}, ColibriError, "positive size"),
@@ -401,3 +402,29 @@ def test_broken_chat_template_is_a_config_error(tmp_path: Path) -> None:
         t.apply_chat_template([{"role": "system", "content": "x"}])
     with pytest.raises(ConfigError, match="cannot load tokenizer"):
         ChatTokenizer(tmp_path / "missing.json", {})
+
+
+def test_a_closed_model_says_so(state_dir: Path) -> None:
+    """After its block ends a model refuses work with one clear error (generate used to hang,
+    forward to answer from a closed engine, the sync facade to fail in the portal)."""
+    with colibri.open_model(DEMO, state_dir=state_dir) as m:
+        engine = m.engine
+        assert len(m.generate(PROMPT, max_new_tokens=2, stop_token_ids=[])) == 2
+    for call in (lambda: m.generate(PROMPT, max_new_tokens=2), lambda: m.forward(PROMPT)):
+        with pytest.raises(ColibriError, match="engine is closed"):
+            call()
+
+    async def after_close() -> None:
+        with pytest.raises(ColibriError, match="engine is closed"):
+            await engine.forward(PROMPT)
+        with pytest.raises(ColibriError, match="engine is closed"):
+            async for _ in engine.generate(PROMPT, max_new_tokens=2):
+                pass
+
+    anyio.run(after_close)
+
+
+def test_forward_is_bounded_by_the_context(model: colibri.SyncModel) -> None:
+    ctx = model.engine.context_length
+    with pytest.raises(ModelError, match=f"context is {ctx} tokens, but {ctx + 1} were given"):
+        model.forward([5] * (ctx + 1))

@@ -241,3 +241,15 @@ def test_a_damaged_config_value_is_one_error_naming_the_key(home: Path, tmp_path
         r = coli(home, *cmd, "--model", str(d))
         one_error(r, "rms_norm_eps must be a number", str(d / "config.json"))
         assert "hint: run `coli doctor --model DIR`" in r.stderr, r.stderr
+
+
+def test_serve_refuses_keys_no_client_could_send(home: Path) -> None:
+    """A non-ASCII key would lock every client out (headers reach the server as latin-1,
+    clients send UTF-8); an empty one would leave the server open. Both are refused before
+    the model loads."""
+    r = coli(home, "serve", "--port", "0", "--api-key", "cl\u00e9-\u043a\u043b\u044e\u0447")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    errors = [x for x in r.stderr.splitlines() if x.startswith("error: ")]
+    assert len(errors) == 1 and "API key must be non-empty printable ASCII" in errors[0]
+    r = coli(home, "serve", "--port", "0", "--api-key", "")
+    assert r.returncode == 2 and "would leave the server open" in r.stderr, r.stderr

@@ -326,6 +326,10 @@ def test_error_responses(servers: dict[str, Server]) -> None:
     check(post({**ok, "messages": []}), 422, "messages")
     check(post({**ok, "max_tokens": 0}), 422, "max_tokens")
     check(post({**ok, "max_tokens": True}), 422, "max_tokens")  # not one token
+    for bad_limit in ("\u00b2", "-1", "x"):  # "²" passed str.isdigit and int() failed: a 500
+        r = httpx.get(s.url + "/profile", params={"limit": bad_limit}, headers=h)
+        check(r, 400, "limit")
+    assert httpx.get(s.url + "/profile", params={"limit": "1"}, headers=h).status_code == 200
     assert check(post({**ok, "stop_token_ids": [-1]}), 400, "stop_token_ids")["code"] == (
         "invalid_token"
     )

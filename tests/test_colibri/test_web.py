@@ -739,3 +739,23 @@ def test_expert_workers_on_the_dashboard_and_in_metrics(open_page: Any, tmp_path
         p.shot("desktop-cluster")
     finally:
         srv.stop()
+
+
+def test_an_atlas_with_generated_tokens_counts_each_routed_token_once(tmp_path: Path) -> None:
+    """`coli atlas --tokens N` generates without drafting: rejected verify rows were counted
+    too (and which rows ran depended on timing), so two runs disagreed; now every run counts
+    exactly the prompt and generated tokens' routes, the same each time."""
+    from colibri._config import EngineOptions, default_model_path
+    from colibri.atlas import atlas_from_model
+
+    opts = EngineOptions(model=default_model_path(), state_dir=tmp_path)
+    topics = {"a": ("The quick brown fox",), "b": ("def f(x): return x",)}
+    runs = [atlas_from_model(opts, tokens=6, topics=topics) for _ in range(2)]
+    assert runs[0]["selections"] == runs[1]["selections"]
+    a = runs[0]
+    n_e, tokens = a["n_experts"], sum(a["topic_tokens"])
+    per_layer = [sum(a["selections"][i * n_e : (i + 1) * n_e]) for i in range(len(a["layers"]))]
+    cfg = json.loads((default_model_path() / "config.json").read_text())
+    main_moe = cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]
+    # every main MoE layer: each routed token once, top-k experts; the MTP head never ran
+    assert per_layer == [tokens * cfg["num_experts_per_tok"]] * main_moe + [0], per_layer
