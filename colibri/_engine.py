@@ -38,7 +38,6 @@ from runtime.planner import choose_prefill_chunk
 from runtime.sampling import LogitNorm, Sampler, SamplingParams, log_softmax, logit_norm
 from runtime.scheduler import Ahead, Scheduler
 from runtime.speculative import CostModel, DraftPolicy, SpecStats, SpeculativeDecoder
-from storage.arch import math_keys
 from storage.atomic import remove_leftovers
 from storage.container import Container
 from storage.errors import ColibriError, ModelError
@@ -531,7 +530,7 @@ class Engine:
     def context_length(self) -> int:
         """The model's context in tokens (``max_position_embeddings``): a prompt must be
         shorter, and a generation ends when prompt + output reach it."""
-        return int(math_keys(self.container.config)["max_position_embeddings"])
+        return int(self._model.config.max_position_embeddings)  # parsed and checked at load
 
     def new_cache(self) -> KVCache:
         """An empty KV cache for :meth:`generate` (``cache=``): a context a caller keeps."""

@@ -338,7 +338,7 @@ async def create_app(
         engine=engine,
         tokenizer=tokenizer,
         model_name=name,
-        context_length=int(c.config.get("max_position_embeddings") or 4096),
+        context_length=engine.context_length,
         vocab_size=vocab,
         metrics=m,
         admission=Admission(cfg.queue, cfg.parallel, m),
