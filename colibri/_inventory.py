@@ -11,7 +11,6 @@ what it has loaded: model, queue, KV slots and expert tiers.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 import httpx
 
 from colibri._config import EngineOptions
+from storage import jsontext
 from storage.errors import ColibriError
 
 __all__ = [
@@ -92,15 +92,15 @@ def _entry(path: Path) -> ModelEntry | None:
     problem = None
     model_type, layers, experts = "?", 0, 0
     try:
-        cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        cfg = jsontext.loads((path / "config.json").read_text(encoding="utf-8"))
         if not isinstance(cfg, dict):
             raise ValueError("not a JSON object")
         found = (cfg.get(k) for k in ("n_routed_experts", "num_experts", "num_local_experts"))
         model_type = str(cfg.get("model_type", "?"))
         layers = int(cfg.get("num_hidden_layers") or 0)
         experts = int(next((v for v in found if v), 0))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError, TypeError, KeyError) as exc:
-        problem = f"config.json: {'nested too deeply' if isinstance(exc, RecursionError) else exc}"
+    except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError) as exc:
+        problem = f"config.json: {exc}"
     state = EngineOptions(model=path).resolved_state_dir()
     return ModelEntry(
         path=path,

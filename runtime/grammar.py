@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from storage import jsontext
 from storage.errors import ModelError
 
 if TYPE_CHECKING:
@@ -95,10 +96,9 @@ class GrammarSpec:
         process)."""
         try:
             text = schema if isinstance(schema, str) else json.dumps(schema)
-            parsed = json.loads(text)
-        except (ValueError, RecursionError) as exc:  # bad JSON, huge ints, deep nesting
-            problem = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
-            raise GrammarError(f"the JSON schema is not valid JSON: {problem}") from exc
+            parsed = jsontext.loads(text)
+        except (ValueError, RecursionError) as exc:  # RecursionError: json.dumps of a deep dict
+            raise GrammarError(f"the JSON schema is not valid JSON: {exc}") from exc
         if not isinstance(parsed, dict):
             raise GrammarError("a JSON schema must be a JSON object")
         _check_schema_size(parsed)

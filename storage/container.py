@@ -43,6 +43,7 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
+from storage import jsontext
 from storage.aligned import HugeArena
 from storage.arch import ArchConfig, TensorRole, classify
 from storage.errors import (
@@ -298,17 +299,14 @@ def _load_json(path: Path, *, required: bool) -> dict[str, Any] | None:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: cannot read: {exc}") from exc
     try:
-        doc = json.loads(text)
+        doc = jsontext.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(
             f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); "
             "fix or re-download the file"
         ) from exc
-    except (ValueError, RecursionError) as exc:  # a huge integer; arrays nested too deeply
-        problem = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
-        raise ConfigError(
-            f"{path}: not valid JSON ({problem}); fix or re-download the file"
-        ) from exc
+    except ValueError as exc:  # a huge integer; arrays nested too deeply
+        raise ConfigError(f"{path}: not valid JSON ({exc}); fix or re-download the file") from exc
     if not isinstance(doc, dict):
         raise ConfigError(f"{path}: expected a JSON object, got {type(doc).__name__}")
     return doc

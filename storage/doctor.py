@@ -17,7 +17,6 @@ public C-engine one) gets every float tensor and every scale array scanned for N
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from storage import jsontext
 from storage.arch import expected_tensors, math_keys, optional_tensors, rope_keys
 from storage.chat_template import chat_template_source, compile_chat_template
 from storage.container import (
@@ -217,11 +217,11 @@ def _check_tokenizer(d: Path) -> Check:
     tc = d / TOKENIZER_CONFIG_NAME
     if tc.is_file():
         try:
-            doc = json.loads(tc.read_text(encoding="utf-8"))
+            doc = jsontext.loads(tc.read_text(encoding="utf-8"))
             if not isinstance(doc, dict):
                 raise ValueError("not a JSON object")
-        except (OSError, ValueError, RecursionError) as exc:
-            return Check("fail", "tokenizer", f"{tc}: not valid ({exc!r}); re-download it")
+        except (OSError, ValueError) as exc:
+            return Check("fail", "tokenizer", f"{tc}: not valid ({exc}); re-download it")
         cfg_note = f", {TOKENIZER_CONFIG_NAME} ok"
         try:
             src, where = chat_template_source(d, doc)

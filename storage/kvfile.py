@@ -49,6 +49,7 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
+from storage import jsontext
 from storage.atomic import fsync_dir, set_aside_and_warn
 from storage.container import shard_paths
 from storage.errors import KVFileError
@@ -223,11 +224,9 @@ def model_identity(model_dir: str | os.PathLike[str]) -> int:
     d = Path(model_dir)
     h = hashlib.sha256()
     try:
-        config = json.loads((d / "config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise KVFileError(
-            f"{d}/config.json: cannot read it for the model identity: {exc!r}"
-        ) from exc
+        config = jsontext.loads((d / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise KVFileError(f"{d}/config.json: cannot read it for the model identity: {exc}") from exc
     h.update(json.dumps(config, sort_keys=True, separators=(",", ":")).encode())
     for p in shard_paths(d):
         try:

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from storage import jsontext
 from storage.atomic import atomic_write_bytes, fsync_dir
 from storage.errors import ConfigError
 
@@ -317,10 +318,9 @@ class Manifest:
         except OSError as exc:
             raise ConfigError(f"{p}: cannot read: {exc.strerror or exc}") from exc
         try:
-            doc = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-            problem = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
-            raise ConfigError(f"{p}: not valid JSON ({problem}); delete it and reconvert") from exc
+            doc = jsontext.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise ConfigError(f"{p}: not valid JSON ({exc}); delete it and reconvert") from exc
         return Manifest.from_json(doc, str(p))
 
     def save(self, directory: str | os.PathLike[str]) -> Path:

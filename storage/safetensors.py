@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from storage import jsontext
 from storage.errors import SafetensorsError
 
 __all__ = [
@@ -114,7 +115,7 @@ def read_header(path: str | os.PathLike[str]) -> ShardHeader:
         raise SafetensorsError(f"{p}: cannot read: {exc.strerror or exc}") from exc
     try:
         text = raw.decode("utf-8")
-        doc = json.loads(text)
+        doc = jsontext.loads(text)
         # json.loads keeps the last of two equal keys and would silently hide a tensor. A hook
         # on every object costs ~40% of the parse, so only look when the counts disagree.
         if isinstance(doc, dict) and raw.count(b'"data_offsets"') > len(doc) - (
@@ -123,11 +124,8 @@ def read_header(path: str | os.PathLike[str]) -> ShardHeader:
             dup = _first_duplicate_key(text)
             if dup is not None:
                 raise SafetensorsError(f"{p}: tensor {dup!r} is listed twice in the header")
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        # ValueError: bad JSON, or an integer past Python's digit limit; RecursionError:
-        # arrays nested past the parser's depth
-        problem = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
-        raise SafetensorsError(f"{p}: header is not valid JSON ({problem})") from exc
+    except (UnicodeDecodeError, ValueError) as exc:  # bad JSON, a huge integer, deep nesting
+        raise SafetensorsError(f"{p}: header is not valid JSON ({exc})") from exc
     if not isinstance(doc, dict):
         raise SafetensorsError(f"{p}: header JSON is not an object")
     data_start = 8 + n
