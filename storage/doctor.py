@@ -43,7 +43,7 @@ from storage.errors import (
     SafetensorsError,
     TensorNotFoundError,
 )
-from storage.manifest import MANIFEST_NAME, read_manifest, sha256_file
+from storage.manifest import MANIFEST_NAME, Manifest, read_manifest, sha256_file
 from storage.safetensors import read_header, read_tensor
 from storage.units import format_bytes as _size  # one size format
 
@@ -249,15 +249,15 @@ def _shard_summary(names: list[str], n_tensors: int, nbytes: int) -> str:
 def _check_shards(c: Container) -> Check:
     bad = _problems(c, "shards")
     if c.manifest is not None and not bad:
-        # the sizes the converter recorded (a stat per shard, no data read); the sha256s are
-        # what --verify compares
+        # the sizes the converter recorded against the files' (from the open, no I/O here);
+        # the sha256s are what --verify compares
         try:
-            manifest = read_manifest(c.path)
+            manifest = Manifest.from_json(c.manifest, str(c.path / MANIFEST_NAME))
         except ConfigError as exc:
             bad.append(str(exc))
         else:
             found = {sh.path.name: sh for sh in c.shards}  # shards may sit in several dirs
-            for s in manifest.shards if manifest is not None else []:
+            for s in manifest.shards:
                 sh = found.get(s.file)
                 if sh is not None and sh.file_size != s.size:
                     bad.append(f"{sh.path}: {sh.file_size} bytes, manifest says {s.size}")
