@@ -37,6 +37,7 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
+from storage import jsontext
 from storage.container import Container, find_shards
 from storage.errors import ColibriError, UsageFileError
 from storage.manifest import Manifest, atomic_write_bytes, fsync_dir, read_manifest, sha256_file
@@ -279,11 +280,7 @@ def _check_target(to: Path, model: Path, dirs: Sequence[Path]) -> None:
         if same:
             what = "the model directory itself" if d == model else "one of the model's dirs"
             raise ColibriError(f"{to} is {what} ({d}); pick a directory on another drive")
-    try:
-        doc = json.loads((to / MIRROR_RECORD).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return
-    other = doc.get("model") if isinstance(doc, dict) else None
+    other = _record_doc(to).get("model")
     if isinstance(other, str) and Path(other) != model.resolve():
         raise ColibriError(
             f"{to} is a mirror of another model ({other}); pick another directory (or remove "
@@ -292,14 +289,18 @@ def _check_target(to: Path, model: Path, dirs: Sequence[Path]) -> None:
 
 
 # --------------------------------------------------------------------------- record
-def _load_record(to: Path) -> dict[str, Any]:
+def _record_doc(to: Path) -> dict[str, Any]:
+    """The mirror record in ``to`` (``colibri-mirror.json``), or {} when there is none or it
+    is not one."""
     try:
-        doc = json.loads((to / MIRROR_RECORD).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        doc = jsontext.loads((to / MIRROR_RECORD).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
         return {}
-    if not isinstance(doc, dict) or doc.get("format") != MIRROR_FORMAT:
-        return {}
-    files = doc.get("files")
+    return doc if isinstance(doc, dict) and doc.get("format") == MIRROR_FORMAT else {}
+
+
+def _load_record(to: Path) -> dict[str, Any]:
+    files = _record_doc(to).get("files")
     return dict(files) if isinstance(files, dict) else {}
 
 
