@@ -62,14 +62,15 @@ class GenParams:
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
-    """A generated token, its logprob and the most likely alternatives (id, text, logprob)."""
+    """A generated token, its logprob and the most likely alternatives (id, text, logprob);
+    ``raw`` / ``top_raw``: their bytes (a token's text may be U+FFFD: part of a character)."""
 
     token_id: int
     token: str
+    raw: bytes
     logprob: float
     top: tuple[tuple[int, str, float], ...] = ()
-    raw: bytes = b""  # the token's bytes (its text may be U+FFFD: part of a character)
-    top_raw: tuple[bytes, ...] = ()
+    top_raw: tuple[bytes, ...] = ()  # one per entry of ``top``
 
 
 @dataclass
@@ -181,9 +182,9 @@ class Generation:
         return TokenLogprob(
             ev.token_id,
             self._token_text(ev.token_id),
+            tok.token_bytes(ev.token_id),
             ev.logprob,
             top,
-            tok.token_bytes(ev.token_id),
             tuple(tok.token_bytes(t) for t, _ in ev.top),
         )
 
@@ -375,10 +376,10 @@ def logprob_entry(lp: TokenLogprob, n_top: int) -> dict[str, Any]:
     return {
         "token": lp.token,
         "logprob": lp.logprob,
-        "bytes": list(lp.raw or lp.token.encode()),
+        "bytes": list(lp.raw),
         "top_logprobs": [
-            {"token": t, "logprob": v, "bytes": list(raw or t.encode())}
-            for (_, t, v), raw in zip(lp.top[:n_top], lp.top_raw or [b""] * n_top, strict=False)
+            {"token": t, "logprob": v, "bytes": list(raw)}
+            for (_, t, v), raw in zip(lp.top[:n_top], lp.top_raw[:n_top], strict=True)
         ],
     }
 
