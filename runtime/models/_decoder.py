@@ -630,6 +630,9 @@ class MLAMoEModel(DecoderStack):
             or comp.row_blocks(n, d.num_attention_heads * d.kv_lora_rank * 4) is not None
         ):
             return super()._attention_step(ctx, layer, lw, hs, seqs, sel, slot)
+        groups = comp.row_blocks(len(hs), self._attention_macs(lw, rows, seqs) // len(hs))
+        if groups is not None and all(b - a >= 2 for a, b in groups):
+            return self._attention_groups(ctx, layer, lw, hs, seqs, sel, slot, groups)
         at = layer if slot is None else slot
         h_all = np.concatenate(hs)  # [N, D]
         x_all = rms_norm(h_all, lw.input_layernorm, c.rms_norm_eps)  # [N, D]
@@ -666,6 +669,59 @@ class MLAMoEModel(DecoderStack):
         out = mla.out_proj(lw.attn, mla.unabsorb_values(lw.attn, d, o_lat), comp.linear)
         y = h_all + out  # [N, D]
         return [y[bounds[j] : bounds[j + 1]] for j in range(len(seqs))], new_sel
+
+    def _attention_macs(self, lw: LayerWeights, rows: list[int], seqs: list[SeqState]) -> int:
+        """Multiply-adds of one batched absorbed attention step over these sequences: the
+        projections and ``o_proj`` per row, W_UK / W_UV per row and head, the latent
+        attention per row and key (what decides whether the sequences split over the pool)."""
+        d, w = self.dims, lw.attn
+        per_row = sum(
+            lin.in_features * lin.out_features
+            for lin in (w.q_a_proj, w.q_b_proj, w.q_proj, w.kv_a_proj_with_mqa, w.o_proj)
+            if lin is not None
+        )
+        per_row += d.num_attention_heads * d.kv_lora_rank * (d.qk_nope_head_dim + d.v_head_dim)
+        per_key = d.num_attention_heads * (2 * d.kv_lora_rank + d.qk_rope_head_dim)
+        return sum(
+            t * (per_row + (seq.start + t) * per_key) for t, seq in zip(rows, seqs, strict=True)
+        )
+
+    def _attention_groups(
+        self,
+        ctx: StepContext,
+        layer: int,
+        lw: LayerWeights,
+        hs: list[F32Array],
+        seqs: list[SeqState],
+        sel: list[BoolArray | None],
+        slot: int | None,
+        groups: list[tuple[int, int]],
+    ) -> tuple[list[F32Array], list[BoolArray | None]]:
+        """The batched attention step with the sequences in ``groups``, one group per thread
+        of the pool: each group is a batched step of its own (its rows through the
+        projections as one small-T matmul, its sequences' latent attention in one call), so
+        both cores work through the attention half instead of one with a few of its matmuls
+        split. Rows are independent: every row is bit-identical to the step over all the
+        sequences. Observations (DSA scores and selections) are made in the groups and passed
+        on afterwards in sequence order, as the single step makes them."""
+        seen: list[list[tuple[str, int, npt.NDArray[Any]]]] = [[] for _ in groups]
+
+        def group(i: int) -> tuple[list[F32Array], list[BoolArray | None]]:
+            a, b = groups[i]
+            g = (
+                ctx
+                if ctx.observer is None
+                else ctx.replace(observer=lambda ev, at, arr: seen[i].append((ev, at, arr)))
+            )
+            return self._attention_step(g, layer, lw, hs[a:b], seqs[a:b], sel[a:b], slot)
+
+        parts = ctx.compute.map_rows(
+            [(i, i + 1) for i in range(len(groups))], lambda i, _: group(i)
+        )
+        for got in seen:
+            for ev, at, arr in got:
+                ctx.observe(ev, at, arr)
+        return [h for p in parts for h in p[0]], [s for p in parts for s in p[1]]
 
     def _attention(
         self,

@@ -17,6 +17,7 @@ machine the suite runs on; no tolerance.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -186,13 +187,47 @@ def test_fast_int8_rows_are_bit_identical_for_every_chunk_size(
     assert not np.array_equal(whole.logits, _schedule(m, ids, [ids.size]).logits)
 
 
-@pytest.mark.parametrize("name", ["demo", "tiny", "oracle-glm_moe_dsa", "oracle-glm4_moe"])
+def _pooled(m: MLAMoEModel, events: list[tuple[str, int, bytes]] | None = None) -> StepContext:
+    """Two threads that split what they can from a small size on: the sequences of a batched
+    decode step of up to 8 rows in groups, one per thread (just above the size where the
+    model runs a batch's attention per sequence instead), and the matmuls' rows or
+    features."""
+    d = m.dims
+    small = 8 * d.num_attention_heads * d.kv_lora_rank * 4 + 1
+    ctx = StepContext(compute=ExpertCompute(2, parallel_min_macs=small))
+    if events is None:
+        return ctx
+    caller = threading.current_thread()
+
+    def seen(ev: str, layer: int, arr: npt.NDArray[np.generic]) -> None:
+        # observers (telemetry, learned pinning) may keep unlocked state: called on the
+        # thread that runs the step, never on a pool worker
+        assert threading.current_thread() is caller, f"{ev} of layer {layer} on a worker"
+        events.append((ev, layer, arr.tobytes()))
+
+    return ctx.observing(seen)
+
+
+@pytest.mark.parametrize(
+    ("name", "pool"),
+    [
+        ("demo", False),
+        ("tiny", False),
+        ("oracle-glm_moe_dsa", False),
+        ("oracle-glm4_moe", False),
+        ("demo", True),
+        ("oracle-glm_moe_dsa", True),
+        ("oracle-deepseek_v3", True),
+    ],
+)
 def test_batched_steps_equal_each_sequence_alone(
-    name: str, model_of: Callable[[str], MLAMoEModel]
+    name: str, pool: bool, model_of: Callable[[str], MLAMoEModel]
 ) -> None:
     """``forward_batch`` over 1..8 sequences, each advancing by its own step sizes (prefill
-    chunks, verify blocks and decode rows mixed in one step), equals each sequence alone."""
+    chunks, verify blocks and decode rows mixed in one step), equals each sequence alone; on a
+    pool of two threads too (a step's sequences then split in groups over the threads)."""
     m = model_of(name)
+    ctx = _pooled(m) if pool else StepContext()
     lo, hi = _limits(m)
     vocab = m.config.vocab_size
     rng = np.random.default_rng(5)
@@ -208,7 +243,9 @@ def test_batched_steps_equal_each_sequence_alone(
             live = [j for j in range(b) if pos[j] < group[j].size]
             steps = {j: int(rng.choice([1, 1, 2, 4, 5, 16, 64])) for j in live}
             outs = m.forward_batch(
-                [group[j][pos[j] : pos[j] + steps[j]] for j in live], [caches[j] for j in live]
+                [group[j][pos[j] : pos[j] + steps[j]] for j in live],
+                [caches[j] for j in live],
+                ctx=ctx,
             )
             for j, out in zip(live, outs, strict=True):
                 logits[j].append(out.logits)
@@ -217,6 +254,39 @@ def test_batched_steps_equal_each_sequence_alone(
         for j in range(b):
             got = Rows(caches[j], np.concatenate(logits[j]), np.concatenate(hidden[j]))
             assert_rows_equal(solo[j], got, group[j].size, f"{name} batch of {b}, sequence {j}")
+
+
+@pytest.mark.parametrize("name", ["demo", "oracle-glm_moe_dsa"])
+def test_pooled_decode_steps_observe_what_one_thread_observes(
+    name: str, model_of: Callable[[str], MLAMoEModel]
+) -> None:
+    """Decode steps of 6 sequences on a pool of two threads (the attention half in two groups of
+    three) report the same routing and DSA events, in the same order, with the same values,
+    as on one thread, and on the calling thread: telemetry and learned pinning do not depend
+    on the thread count."""
+    m = model_of(name)
+    vocab = m.config.vocab_size
+    seqs = [_prompt(400 + j, vocab, 40, 120) for j in range(6)]
+    runs: list[list[tuple[str, int, bytes]]] = []
+    for pool in (False, True):
+        events: list[tuple[str, int, bytes]] = []
+        ctx = (
+            _pooled(m, events)
+            if pool
+            else StepContext().observing(
+                lambda ev, layer, arr, got=events: got.append((ev, layer, arr.tobytes()))
+            )
+        )
+        caches = [m.new_cache() for _ in seqs]
+        for s, c in zip(seqs, caches, strict=True):
+            m.forward(s, c)  # the prompts, unobserved
+        rng = np.random.default_rng(9)
+        for _ in range(3):
+            m.forward_batch([rng.integers(3, vocab, 1) for _ in seqs], caches, ctx=ctx)
+        runs.append(events)
+    kinds = {ev for ev, _, _ in runs[0]}
+    assert "route" in kinds and (name == "demo" or "dsa_select" in kinds), kinds
+    assert runs[0] == runs[1]
 
 
 # ----------------------------------------------------------------------------- greedy tokens
