@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -36,6 +37,9 @@ _log = structlog.get_logger(__name__)
 NAMESPACE = "colibri"
 INLINE_BYTES = 4 << 20  # replies up to this size travel inline (Ray's default: 100 KiB)
 START_TIMEOUT_S = 600.0  # workers loading their share (reading GBs) may take minutes
+REACH_TIMEOUT_S = 5.0  # a head node that does not answer a TCP connect in this long is down
+GCS_PORT = 6379  # Ray's default head port (an address without one)
+CLIENT_PORT = 10001  # Ray client's default port (ray://host)
 
 
 def _ray() -> Any:
@@ -46,6 +50,57 @@ def _ray() -> Any:
             "--ray needs Ray: pip install -e '.[ray]' (or pip install 'ray>=2.40')"
         ) from exc
     return ray
+
+
+def head_endpoint(address: str) -> tuple[str, int] | None:
+    """The (host, port) a Ray address connects to first: ``host:port``, ``host`` (Ray's head
+    port), ``ray://host[:port]`` (the client port); None for ``local`` and ``auto``, which
+    name no host. Raises :class:`ColibriError` on a port that is not a number in 1..65535."""
+    if address in ("local", "auto"):
+        return None
+    rest, port = address, GCS_PORT
+    if "://" in rest:
+        scheme, _, rest = rest.partition("://")
+        if scheme != "ray":
+            raise ColibriError(f"--ray {address!r}: the address is host:port or ray://host:port")
+        port = CLIENT_PORT
+    rest = rest.rstrip("/")
+    host = rest
+    if rest.startswith("["):  # [IPv6]:port
+        host, _, tail = rest[1:].partition("]")
+        if tail:
+            port = _port(address, tail.removeprefix(":"))
+    elif rest.count(":") == 1:
+        host, _, p = rest.partition(":")
+        port = _port(address, p)
+    if not host:
+        raise ColibriError(f"--ray {address!r}: no host in the address")
+    return host, port
+
+
+def _port(address: str, text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise ColibriError(f"--ray {address!r}: the port must be a number in 1..65535")
+    return int(text)
+
+
+def check_reachable(address: str, timeout: float = REACH_TIMEOUT_S) -> None:
+    """Fail at once when nothing answers at a Ray address: ``ray.init`` would wait on the head
+    node for minutes, with no way to stop it short of killing the process. One TCP connect,
+    closed right away; raises :class:`ColibriError` naming the address and the reason."""
+    where = head_endpoint(address)
+    if where is None:
+        return
+    host, port = where
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            pass
+    except OSError as exc:  # refused, unreachable, unknown host, timed out
+        why = exc.strerror or str(exc) or type(exc).__name__
+        raise ColibriError(
+            f"cannot reach Ray at {address!r} ({host} port {port}): {why}; start the head "
+            "node with `ray start --head` there, or use --ray local"
+        ) from exc
 
 
 def _cause(exc: BaseException) -> str:
@@ -168,6 +223,7 @@ def start_cluster(
                 _system_config={"max_direct_call_object_size": INLINE_BYTES},
             )
         else:
+            check_reachable(address)
             kw.update(address=address)
         try:
             ray.init(**kw)

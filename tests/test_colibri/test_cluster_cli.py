@@ -1,11 +1,16 @@
-"""``coli run --ray local``: the same text as one process, and the flags in ``--help``."""
+"""``coli run --ray local``: the same text as one process, the flags in ``--help``, and bad
+addresses refused with one clear line."""
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
 from _cli import coli
+
+from runtime.cluster.ray_backend import head_endpoint
+from storage.errors import ColibriError
 
 pytest.importorskip("ray", reason="the ray extra is not installed")
 
@@ -39,3 +44,47 @@ def test_a_worker_that_cannot_open_the_model_is_one_clear_error(tmp_path: Path) 
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "could not start" in errors[0] and "does not exist" in errors[0]
     assert "Traceback" not in r.stderr and "^^^" not in r.stderr, r.stderr
+
+
+def _closed_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_an_address_where_nothing_listens_is_one_clear_error_at_once(tmp_path: Path) -> None:
+    """Ray's own join waits on a head node that is not there for minutes, deaf to SIGTERM: the
+    address is tried first (one TCP connect) and the command says what is wrong."""
+    port = _closed_port()
+    r = coli("run", "--ray", f"127.0.0.1:{port}", "hi", home=tmp_path)
+    assert r.returncode == 1, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, r.stderr
+    assert "cannot reach Ray" in errors[0] and str(port) in errors[0], errors[0]
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize(
+    ("address", "endpoint"),
+    [
+        ("local", None),
+        ("auto", None),
+        ("10.0.0.5:6380", ("10.0.0.5", 6380)),
+        ("head.lan", ("head.lan", 6379)),
+        ("ray://head.lan", ("head.lan", 10001)),
+        ("ray://head.lan:10002/", ("head.lan", 10002)),
+        ("[::1]:7000", ("::1", 7000)),
+        ("[fe80::1]", ("fe80::1", 6379)),
+    ],
+)
+def test_ray_addresses_name_the_head_they_connect_to(
+    address: str, endpoint: tuple[str, int] | None
+) -> None:
+    assert head_endpoint(address) == endpoint
+
+
+@pytest.mark.parametrize("address", ["head:0", "head:70000", "head:http", "http://head", ":6379"])
+def test_a_malformed_ray_address_is_refused(address: str) -> None:
+    with pytest.raises(ColibriError, match="--ray"):
+        head_endpoint(address)
