@@ -15,6 +15,8 @@ its size and header bytes equal the primary's, and reads the other experts from 
   a crash never leaves a torn shard under a real name. A rerun skips files that verify, and
   resumes a ``.part`` file after checking its copied prefix against the source. Verified
   checksums are recorded in ``colibri-mirror.json`` in the mirror.
+  Files an earlier stage recorded that the plan leaves out (a smaller budget, a moved
+  routing history) are removed first, so the mirror stays within the plan's budget.
 - :func:`verify_mirror` re-checks every shard file of a mirror: size, header bytes, sha256.
 
 A model whose shards are spread over several directories (``--model-dir``) is read through the
@@ -334,7 +336,9 @@ class StageReport:
     verified: list[str] = field(default_factory=list)  # already there and verified: skipped
     resumed: list[str] = field(default_factory=list)
     replaced: list[str] = field(default_factory=list)  # there but wrong: copied again
+    removed: list[str] = field(default_factory=list)  # staged before, outside this plan
     bytes_copied: int = 0
+    bytes_removed: int = 0
 
     def to_json(self) -> dict[str, Any]:
         """Plain dict for JSON."""
@@ -344,7 +348,9 @@ class StageReport:
             "verified": self.verified,
             "resumed": self.resumed,
             "replaced": self.replaced,
+            "removed": self.removed,
             "bytes_copied": self.bytes_copied,
+            "bytes_removed": self.bytes_removed,
         }
 
 
@@ -438,6 +444,35 @@ def _verify_file(
     return None, got
 
 
+def _drop_unplanned(plan: MirrorPlan, record: dict[str, Any], report: StageReport) -> None:
+    """Remove the files an earlier stage copied (they are in the mirror's record) that this
+    plan leaves out, with their unfinished ``.part`` copies, before anything is copied: a
+    mirror re-staged with a smaller budget (or after the routing history moved) then holds
+    this plan's files only, within its budget, and the space they took is free for the new
+    ones. Files the record does not list are not colibri's to remove and stay."""
+    planned = {f.file for f in plan.files}
+    to = plan.to
+    for name in sorted(set(record) - planned):
+        if Path(name).name != name:  # a record edited by hand: never leave the mirror
+            record.pop(name)
+            continue
+        path = to / name
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            size = -1
+        if size >= 0:
+            path.unlink()
+            report.removed.append(name)
+            report.bytes_removed += size
+        (to / f".{name}.part").unlink(missing_ok=True)
+        record.pop(name)
+    if report.removed:
+        fsync_dir(to)
+        _save_record(to, plan.model, record, plan.dirs)
+        _log.info("mirror files outside the plan removed", files=report.removed, to=str(to))
+
+
 def stage_mirror(
     plan: MirrorPlan, *, chunk_bytes: int = CHUNK, progress: Progress | None = None
 ) -> StageReport:
@@ -450,6 +485,7 @@ def stage_mirror(
     manifest = read_manifest(plan.model)
     record = _load_record(to)
     report = StageReport(to)
+    _drop_unplanned(plan, record, report)
     need = sum(f.size for f in plan.files if not (to / f.file).exists())
     free = shutil.disk_usage(to).free
     if need > free:

@@ -277,3 +277,28 @@ def test_plan_stage_and_verify_refuse_a_target_that_is_no_mirror_of_this_model(
         plan_mirror(primary, other, budget=1 << 30)
     with pytest.raises(ColibriError, match="a mirror of another model"):
         verify_mirror(primary, other)
+
+
+def test_restaging_with_a_smaller_budget_removes_what_the_plan_leaves_out(
+    model: dict[str, Any], tmp_path: Path
+) -> None:
+    """Stage three files, then stage again with room for one: the mirror holds that one file
+    (the others, and an unfinished copy of one of them, are removed before anything is
+    copied), its record lists only it, it verifies, and a file colibri did not copy stays."""
+    to = tmp_path / "mirror"
+    size = model["shard_size"]
+    first, second, third = model["hot"]
+    stage_mirror(_plan(model, to, 3 * size))
+    (to / f".{third}.part").write_bytes(b"x" * 100)  # as a crash of an earlier stage leaves
+    (to / "notes.txt").write_text("mine")
+    report = stage_mirror(_plan(model, to, size + size // 2))
+    assert report.removed == sorted([second, third]) and report.bytes_removed == 2 * size
+    assert report.verified == [first] and report.copied == []
+    assert sorted(_tree(to)) == [first]
+    assert not (to / f".{third}.part").exists() and (to / "notes.txt").read_text() == "mine"
+    record = json.loads((to / MIRROR_RECORD).read_text())
+    assert sorted(record["files"]) == [first]
+    assert verify_mirror(model["primary"], to).ok
+    # growing the budget again copies them back
+    again = stage_mirror(_plan(model, to, 3 * size))
+    assert again.removed == [] and again.copied == [second, third]
