@@ -9,6 +9,7 @@ records the turn for ``/profile`` and ``/metrics``.
 
 from __future__ import annotations
 
+import codecs
 import json
 import time
 import uuid
@@ -384,18 +385,52 @@ def logprob_entry(lp: TokenLogprob, n_top: int) -> dict[str, Any]:
     }
 
 
-def completion_logprobs(lps: list[TokenLogprob], n_top: int, offset: int = 0) -> dict[str, Any]:
-    """OpenAI legacy completions ``logprobs`` (tokens, token_logprobs, top_logprobs, offsets)."""
-    offsets: list[int] = []
-    pos = offset
-    for lp in lps:
-        offsets.append(pos)
-        pos += len(lp.token)
+class TextOffsets:
+    """Where each generated token's text begins in the returned text (legacy completions'
+    ``text_offset``), in characters from ``start`` (the echoed prompt's length): the index of
+    the character that holds the token's first byte, with the tokens' bytes decoded as the
+    text is (UTF-8, an invalid sequence one U+FFFD). A character split over several tokens
+    counts once, and each of its tokens begins where it does (their own texts are U+FFFD each:
+    counting those put every later offset too far). One per response: a stream's deltas share
+    it."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.pos = start  # characters the bytes so far decode to, the pending ones left out
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def take(self, raw: bytes) -> int:
+        """The offset of the token whose bytes are ``raw`` (the next one)."""
+        pending, flag = self._utf8.getstate()
+        at = self.pos
+        if pending and raw and not self._continues(pending, flag, raw[:1]):
+            # the pending bytes end as U+FFFD(s) and this token's first byte starts anew
+            at += len(pending.decode("utf-8", errors="replace"))
+        self.pos += len(self._utf8.decode(raw))
+        return at
+
+    @staticmethod
+    def _continues(pending: bytes, flag: int, byte: bytes) -> bool:
+        """Whether ``byte`` carries on the character whose first bytes are ``pending``."""
+        probe = codecs.getincrementaldecoder("utf-8")(errors="strict")
+        probe.setstate((pending, flag))
+        try:
+            probe.decode(byte)
+        except UnicodeDecodeError:
+            return False
+        return True
+
+
+def completion_logprobs(
+    lps: list[TokenLogprob], n_top: int, offsets: TextOffsets | None = None
+) -> dict[str, Any]:
+    """OpenAI legacy completions ``logprobs`` (tokens, token_logprobs, top_logprobs,
+    text_offset); ``offsets`` carries the position on from earlier tokens of the response."""
+    where = offsets if offsets is not None else TextOffsets()
     return {
         "tokens": [lp.token for lp in lps],
         "token_logprobs": [lp.logprob for lp in lps],
         "top_logprobs": [{t: v for _, t, v in lp.top[:n_top]} for lp in lps] if n_top else None,
-        "text_offset": offsets,
+        "text_offset": [where.take(lp.raw) for lp in lps],
     }
 
 

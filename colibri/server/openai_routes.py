@@ -21,6 +21,7 @@ from colibri.server.generation import (
     Generation,
     GenParams,
     Result,
+    TextOffsets,
     completion_logprobs,
     logprob_entry,
     new_id,
@@ -349,14 +350,15 @@ async def completions(request: Request) -> Response:
     async def stream(r: Responder) -> None:
         async with st.admission.enter(ticket, st.slots, params.slot) as lease:
             await r.start(200, queue_headers(ticket.wait_s), "text/event-stream")
-            offset = len(echo)
+            offsets = TextOffsets(len(echo))
             if echo:
                 c = {"index": 0, "text": echo, "logprobs": None, "finish_reason": None}
                 await r.body(sse({**base(), "choices": [c]}))
             async with aclosing(gen.run(lease)) as deltas:
                 async for d in deltas:
-                    lp = completion_logprobs(d.logprobs, n_top, offset) if params.logprobs else None
-                    offset += len(d.text)
+                    lp = (
+                        completion_logprobs(d.logprobs, n_top, offsets) if params.logprobs else None
+                    )
                     c = {"index": 0, "text": d.text, "logprobs": lp, "finish_reason": None}
                     await r.body(sse({**base(), "choices": [c]}))
         res = gen.final()
@@ -374,7 +376,11 @@ async def completions(request: Request) -> Response:
         async with st.admission.enter(ticket, st.slots, params.slot) as lease:
             res = await gen.complete(lease)
         text = res.reasoning + res.content
-        lp = completion_logprobs(res.logprobs, n_top, len(echo)) if params.logprobs else None
+        lp = (
+            completion_logprobs(res.logprobs, n_top, TextOffsets(len(echo)))
+            if params.logprobs
+            else None
+        )
         choice = {"index": 0, "text": echo + text, "logprobs": lp, "finish_reason": _finish(res)}
         body = _whole_body(base(), choice, res, req, params)
         await r.json(200, body, queue_headers(ticket.wait_s))

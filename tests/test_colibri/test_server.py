@@ -159,6 +159,47 @@ def test_completions_text_and_token_prompts(servers: dict[str, Server], ref: Any
     assert streamed == tok.decode(want)
 
 
+def test_legacy_text_offsets_count_a_split_character_once() -> None:
+    """Tokens holding parts of one character ("\u20ac": three bytes over two tokens) both begin
+    where the character does, and what follows begins one character later (their own texts
+    are U+FFFD each: counting those put every later offset one too far)."""
+    from colibri.server.generation import TextOffsets, TokenLogprob, completion_logprobs
+
+    def lp(raw: bytes) -> TokenLogprob:
+        return TokenLogprob(0, raw.decode("utf-8", errors="replace"), raw, -1.0)
+
+    toks = [lp(b"a"), lp(b"\xe2\x82"), lp(b"\xac"), lp(b" b"), lp(b"\xf0\x9f"), lp(b"\x98\x80!")]
+    toks += [lp(b"\xe2"), lp(b"lob"), lp(b"\xe2\x82"), lp(b"\xe2")]  # never completed: U+FFFD
+    text = b"".join(t.raw for t in toks).decode(errors="replace")
+    assert text == "a\u20ac b\U0001f600!\ufffdlob\ufffd\ufffd"
+    got = completion_logprobs(toks, 0)["text_offset"]
+    assert got == [0, 1, 1, 2, 4, 4, 6, 7, 10, 11]
+    assert [text[o] for o in got] == [
+        "a", "\u20ac", "\u20ac", " ", "\U0001f600", "\U0001f600", "\ufffd", "l", "\ufffd", "\ufffd"
+    ]  # fmt: skip
+    # a stream's deltas share one TextOffsets, after an echoed prompt of 5 characters
+    offsets = TextOffsets(5)
+    parts = [completion_logprobs(toks[:2], 0, offsets), completion_logprobs(toks[2:], 0, offsets)]
+    assert [o for p in parts for o in p["text_offset"]] == [5 + o for o in got]
+
+
+def test_legacy_logprobs_offsets_index_the_returned_text(servers: dict[str, Server]) -> None:
+    client = servers["main"].oai(KEY)
+    for echo in (False, True):
+        r = client.completions.create(
+            model=MODEL, prompt="The quick brown fox", max_tokens=12, temperature=0,
+            logprobs=2, echo=echo,
+        )  # fmt: skip
+        text, lps = r.choices[0].text, r.choices[0].logprobs
+        assert lps is not None and lps.tokens and lps.text_offset
+        start = len("The quick brown fox") if echo else 0
+        assert lps.text_offset[0] == start
+        assert lps.text_offset == sorted(lps.text_offset)
+        for tok, at in zip(lps.tokens, lps.text_offset, strict=True):
+            if "\ufffd" not in tok:
+                assert text[at : at + len(tok)] == tok, (tok, at, text)
+
+
 def test_seed_gives_the_same_sample(servers: dict[str, Server]) -> None:
     client = servers["main"].oai(KEY)
 
