@@ -38,6 +38,7 @@ from runtime.planner import choose_prefill_chunk
 from runtime.sampling import LogitNorm, Sampler, SamplingParams, log_softmax, logit_norm
 from runtime.scheduler import Ahead, Scheduler
 from runtime.speculative import CostModel, DraftPolicy, SpecStats, SpeculativeDecoder
+from runtime.speculative.drafts import MAX_PENDING as MTP_HISTORY
 from storage.atomic import remove_leftovers
 from storage.container import Container
 from storage.errors import ColibriError, ModelError
@@ -374,7 +375,9 @@ class Engine:
         if cache is None:
             cache = self._model.new_cache()
         else:
-            reused = self.reusable_prefix(cache, ids)
+            reused = self._mtp_history_bound(
+                self.reusable_prefix(cache, ids), ids.size, sampler, draft
+            )
             cache.truncate(reused)
         self._counters["prompt_tokens"] += int(ids.size)
         self._counters["prompt_tokens_reused"] += reused
@@ -525,6 +528,30 @@ class Engine:
             reproducible=policy.mode == "auto" and not params.greedy and params.seed is not None,
             ctx=self._scheduler.ctx,
         )
+
+    def _mtp_history_bound(
+        self, reused: int, n_prompt: int, sampler: Sampler, draft: str | int | None
+    ) -> int:
+        """``reused`` lowered, when MTP drafts are pinned and sampling is seeded, so that the
+        last :data:`MTP_HISTORY` + 1 prompt positions run again: the MTP head's history is
+        the main model's hidden states of the latest prompt rows computed in the call (each
+        paired with the next token), and those of a context taken from a cache were never
+        computed in it. With them rerun, the head's drafts, and with them the seeded draws,
+        are those of the whole prompt computed afresh (greedy output never depends on the
+        drafts; ``auto`` keeps model drafts off for seeded sampling)."""
+        policy = DraftPolicy.parse(self.options.draft if draft is None else draft)
+        params = sampler.params
+        if (
+            policy.mode != "fixed"
+            or policy.source == "lookup"
+            or not self._model.has_mtp
+            or params.greedy
+            or params.seed is None
+        ):
+            return reused
+        # the head's pairs (hidden j, token j + 1) of the latest MTP_HISTORY positions need
+        # the hidden states of the MTP_HISTORY + 1 last prompt rows
+        return min(reused, max(0, n_prompt - MTP_HISTORY - 1))
 
     @property
     def context_length(self) -> int:

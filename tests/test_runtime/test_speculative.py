@@ -319,6 +319,47 @@ def test_engine_kept_cache_after_speculation_is_the_plain_one() -> None:
     assert _same_cache(got_cache, ref_cache)
 
 
+@pytest.mark.parametrize("draft", ["mtp:3", "2"])
+def test_seeded_sampling_with_pinned_mtp_drafts_is_the_same_on_a_kept_cache(draft: str) -> None:
+    """A seeded generation with MTP drafts pinned gives the same tokens whether its prompt is
+    computed in full or partly taken from a kept cache (a server's prefix reuse, a resumed
+    chat): the head's history is the latest prompt rows computed in the call, so the engine
+    reruns enough of them. The kept cache holds an earlier turn (its prompt and output)."""
+    rng = np.random.default_rng(11)
+    base = [int(t) for t in rng.integers(3, 1000, 300)]
+    prompt = base + [int(t) for t in rng.integers(3, 1000, 20)]
+    short = prompt[:100]  # shorter than the head's history: nothing is reused
+
+    async def main() -> tuple[list[list[int]], list[int]]:
+        async with colibri.Engine.open(DEMO, options=colibri.EngineOptions(learn=False)) as eng:
+
+            async def gen(ids: list[int], cache: KVCache | None) -> tuple[list[int], int]:
+                toks: list[int] = []
+                reused = -1
+                async for ev in eng.generate(
+                    ids, max_new_tokens=40, temperature=0.9, seed=7, cache=cache, draft=draft
+                ):
+                    if isinstance(ev, TokenEvent):
+                        toks.append(ev.token_id)
+                    else:
+                        reused = ev.stats["prompt_tokens_reused"]
+                return toks, reused
+
+            outs, reuses = [], []
+            for ids in (prompt, short):
+                fresh, _ = await gen(ids, None)
+                kept = eng.new_cache()
+                await gen(base if ids is prompt else ids, kept)
+                again, reused = await gen(ids, kept)
+                outs += [fresh, again]
+                reuses.append(reused)
+            return outs, reuses
+
+    outs, reuses = anyio.run(main)
+    assert outs[0] == outs[1] and outs[2] == outs[3]
+    assert reuses == [len(prompt) - 129, 0]  # the last 128 (hidden, next token) pairs rerun
+
+
 # ----------------------------------------------------------------------------- sampling
 
 
