@@ -165,6 +165,8 @@
     localStorage.setItem("colibri.apiKey", state.key);
     $("key-form").hidden = true;
     loadModel().catch(() => {});
+    // the atlas's first request was refused without the key: ask again now
+    if (state.atlasState !== "ok") loadAtlas().catch(() => {});
     profilePoller.now();
     expertsPoller.now();
   });

@@ -32,6 +32,7 @@ from _serve import Server
 from click.testing import CliRunner
 
 from colibri.atlas import TOPICS, build_atlas, layout, write_atlas
+from storage.container import Container
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "tests" / ".artifacts" / "web"
@@ -759,3 +760,39 @@ def test_an_atlas_with_generated_tokens_counts_each_routed_token_once(tmp_path: 
     main_moe = cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]
     # every main MoE layer: each routed token once, top-k experts; the MTP head never ran
     assert per_layer == [tokens * cfg["num_experts_per_tok"]] * main_moe + [0], per_layer
+
+
+def test_a_keyed_server_shows_every_tab_once_the_key_is_entered(
+    open_page: Any, tmp_path: Path
+) -> None:
+    """Opened on the Atlas tab of a server that needs an API key: the key form asks for it, and
+    once entered the atlas, the model and the runtime all load (the atlas used to stay in the
+    error its first, unauthorised request left until the tab was left and opened again)."""
+    state = tmp_path / "state"
+    c = Container.open(demo_model())
+    layers = c.expert_layers()
+    rng = np.random.default_rng(3)
+    delta = rng.integers(0, 50, (3, len(layers), c.arch.n_routed_experts)).astype(np.int64)
+    data = build_atlas(["code", "poetry", "law"], np.array([100, 120, 80]), delta, layers,
+                       model=demo_model().name, source="model")  # fmt: skip
+    write_atlas(state / "atlas.json", data)
+    srv = WebServer(tmp_path, state, "--api-key", "sesame", "--kv-slots", "0").wait_ready()
+    try:
+        p = open_page()
+        p.allowed.append(lambda text, url: "401" in text)  # the requests before the key
+        page = p.page
+        page.goto(srv.url + "/#atlas")
+        page.wait_for_selector("#key-form", state="visible")
+        assert page.is_hidden("#atlas-view")
+        page.fill("#api-key", "sesame")
+        page.press("#api-key", "Enter")
+        page.wait_for_selector("#key-form", state="hidden")
+        page.wait_for_selector("#atlas-view", state="visible", timeout=15_000)
+        assert "code" in page.inner_text("#atlas-legend")
+        page.click("#tab-btn-runtime")
+        page.wait_for_function(
+            "() => document.querySelector('#machine').textContent.includes('cores')"
+        )
+        p.shot("desktop-keyed-atlas")
+    finally:
+        srv.stop()
