@@ -25,6 +25,8 @@ allowed), W = ceil(V / 32) mask words.
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +55,8 @@ class GrammarError(ModelError):
 #: bounds on a JSON schema's shape (far above what real schemas use; see GrammarSpec.json_schema)
 MAX_SCHEMA_DEPTH = 64
 MAX_SCHEMA_REFS = 1000
+#: Compiled grammars a :class:`TokenGrammar` keeps for reuse (the most recently used).
+COMPILED_KEPT = 32
 
 
 def _check_schema_size(schema: dict[str, Any]) -> None:
@@ -193,9 +197,32 @@ class TokenGrammar:
             raise GrammarError(f"{path}: llguidance cannot use this tokenizer ({exc})") from exc
         self.vocab_size = int(vocab_size)
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        self._lock = threading.Lock()
+        # (kind, source) -> its compiled matcher at the start, least recently used first
+        self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self.compilations = 0  # grammars compiled (not copied from one kept)
 
     def matcher(self, spec: GrammarSpec) -> GrammarMatcher:
-        """A fresh matcher at the start of ``spec``; raises :class:`GrammarError` if invalid."""
+        """A fresh matcher at the start of ``spec``; raises :class:`GrammarError` if invalid.
+
+        The :data:`COMPILED_KEPT` grammars used last stay compiled (a matcher that never
+        consumed a token): a grammar asked for again, as a service sends the same schema
+        with every request and the server checks it before generating, is a copy of that
+        one instead of a new compilation. Safe from several threads."""
+        key = (spec.kind, spec.source)
+        with self._lock:
+            start = self._compiled.get(key)
+            if start is not None:
+                self._compiled.move_to_end(key)
+        if start is None:
+            start = self._compile(spec)
+            with self._lock:
+                self._compiled[key] = start
+                while len(self._compiled) > COMPILED_KEPT:
+                    self._compiled.popitem(last=False)
+        return GrammarMatcher(start.deep_copy(), self.vocab_size)
+
+    def _compile(self, spec: GrammarSpec) -> Any:
         import llguidance
 
         grammar = spec.compile()
@@ -205,7 +232,9 @@ class TokenGrammar:
         m = llguidance.LLMatcher(self._tok, grammar, log_level=0)
         if m.is_error():
             raise GrammarError(f"the {spec.kind} grammar is invalid: {m.get_error()}")
-        return GrammarMatcher(m, self.vocab_size)
+        with self._lock:
+            self.compilations += 1
+        return m
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode_str([int(i) for i in ids]))

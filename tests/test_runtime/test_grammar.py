@@ -15,7 +15,7 @@ from _demo import demo_model
 
 import colibri
 from colibri.tokenizer import ChatTokenizer
-from runtime.grammar import GrammarError, GrammarSpec, TokenGrammar
+from runtime.grammar import COMPILED_KEPT, GrammarError, GrammarSpec, TokenGrammar
 from storage.container import Container
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -190,6 +190,33 @@ def test_mask_and_forced_tokens(tok: ChatTokenizer) -> None:
     assert set(np.flatnonzero(m.allowed())) <= set(cont.eos_token_ids)
     j = g.matcher(GrammarSpec.json_schema(FORCING))
     assert g.decode(j.forced()).startswith('{"the_answer')
+
+
+def test_a_grammar_asked_for_again_is_copied_not_compiled(tok: ChatTokenizer) -> None:
+    """The same spec twice compiles once (a service sends one schema with every request, and
+    the server checks it before generating too); the copies are independent matchers at the
+    grammar's start; an invalid grammar is refused every time; the least recently used
+    grammar is dropped past COMPILED_KEPT."""
+    g = TokenGrammar(DEMO / "tokenizer.json", 1000, [0, 2])
+    yes_no = GrammarSpec.gbnf('root ::= "yes" | "no"')
+    a = g.matcher(yes_no)
+    start = a.allowed()
+    a.consume(tok.encode("n")[0])
+    b = g.matcher(GrammarSpec.gbnf('root ::= "yes" | "no"'))  # an equal spec
+    assert g.compilations == 1
+    assert np.array_equal(b.allowed(), start) and not np.array_equal(a.allowed(), start)
+    b.consume(tok.encode("y")[0])
+    assert g.decode(a.forced()) == "o" and g.decode(b.forced()) == "es"
+    for _ in range(2):
+        with pytest.raises(GrammarError):
+            g.matcher(GrammarSpec.gbnf("root ::= undefined_rule"))
+    for i in range(COMPILED_KEPT):
+        g.matcher(GrammarSpec.regex(f"a{{{i + 1}}}"))
+    assert g.compilations == 1 + COMPILED_KEPT
+    g.matcher(GrammarSpec.regex("a{1}"))  # still kept
+    g.matcher(yes_no)  # dropped by the 32 after it: compiled again, and still right
+    assert g.compilations == 2 + COMPILED_KEPT
+    assert np.array_equal(g.matcher(yes_no).allowed(), start)
 
 
 def test_response_format_mapping_and_errors() -> None:
