@@ -219,6 +219,8 @@ class SchedulerStats:
     prefill_bytes_read: int = 0
     prefill_expert_reads: int = 0
     decode_batches: int = 0
+    # decode steps that carried queued prefill chunks too (counted in both)
+    mixed_steps: int = 0
     decode_batched_rows: int = 0
     decode_batched_sequences: int = 0
     # MTP head calls made for the drafts of batched steps, and the drafts they served (several
@@ -251,7 +253,7 @@ class BatchModel(Protocol):
         batch: Sequence[npt.NDArray[np.integer]],
         caches: Sequence[KVCache],
         *,
-        last_only: bool = False,
+        last_only: bool | Sequence[bool] = False,
         ctx: StepContext | None = None,
     ) -> list[Any]: ...
 
@@ -265,8 +267,9 @@ class StepRequest:
     ``prepare`` (a speculative round drafts on the compute thread right before the step; it
     is told how many rows the step's other generations have, and how many generations), or
     (``prefill``) a prompt chunk: only its last row's logits are computed, and ``hook`` sees
-    its rows' hidden states. Prefill chunks and decode rows go in separate steps (a prefill
-    step runs under the scheduler's prefill context)."""
+    its rows' hidden states. A prefill chunk queued while others decode rides in their decode
+    step when prefill and decode share one context (:meth:`Scheduler._mixes`); else prefill
+    chunks go in steps of their own, under the scheduler's prefill context."""
 
     cache: KVCache
     done: anyio.Event
@@ -625,27 +628,31 @@ class Scheduler:
                 # (else one that queued while the step ran goes alone next, and the others
                 # after it: two half batches per token from then on).
                 await self._gather()
-                if self._pending and self._pending[0].prefill:
+                mixing = self._mixes()
+                if self._pending and self._pending[0].prefill and not mixing:
                     await self._gather_prefill()
                 if not self._pending:  # (a caller cancelled while it waited)
                     break
-                batch = self._take()
+                batch = self._take(decode_first=mixing)
+                chunks: list[StepRequest] = []
                 try:
                     if batch[0].prefill:
                         await self._prefill_run(batch)
                         continue
-                    live = await self.run(self._batch_step, batch)
+                    if mixing:
+                        chunks = self._take_chunks()
+                    live = await self._decode_run(batch, chunks)
                     self.stats.decode_batches += 1
                     self.stats.decode_batched_sequences += len(live)
                     self.stats.decode_batched_rows += sum(
                         0 if r.ids is None else int(r.ids.size) for r in live
                     )
-                except Exception as exc:  # delivered to every generation of the batch
-                    for r in batch:
+                except Exception as exc:  # delivered to every generation of the step
+                    for r in batch + chunks:
                         if r.error is None:
                             r.error = exc
                 finally:
-                    for r in batch:
+                    for r in batch + chunks:
                         r.done.set()
 
     async def _gather_prefill(self) -> None:
@@ -672,25 +679,71 @@ class Scheduler:
                 return
             await anyio.sleep(min(left, 0.0005))
 
-    def _take(self) -> list[StepRequest]:
-        """The next step's requests, out of the queue: of the oldest request's kind, in queue
-        order, up to ``max_batch`` of them; decode rows, or prefill chunks up to
-        ``prefill_chunk`` rows in all (at least one chunk)."""
-        if not self._pending[0].prefill:
+    def _mixes(self) -> bool:
+        """Whether the next step takes queued prefill chunks beside its decode rows: both are
+        queued, and they compute alike (``--fast-prefill`` runs prefill on its own context).
+        A new prompt's chunk then rides in the decoding generations' step instead of stopping
+        them for a step of its own: its rows' experts are read once for both, and every row
+        keeps its bits (rows are independent)."""
+        return (
+            self.prefill_ctx is self.ctx
+            and any(r.prefill for r in self._pending)
+            and any(not r.prefill for r in self._pending)
+        )
+
+    def _take(self, *, decode_first: bool = False) -> list[StepRequest]:
+        """The next step's requests, out of the queue: of the oldest request's kind (decode
+        rows when ``decode_first`` and there are any), in queue order, up to ``max_batch`` of
+        them; decode rows, or prefill chunks (:meth:`_take_chunks`)."""
+        if decode_first or not self._pending[0].prefill:
             batch = [r for r in self._pending if not r.prefill][: self.max_batch]
-        else:
-            batch, rows = [], 0
-            for r in self._pending:
-                if not r.prefill:
-                    continue
-                n = 0 if r.ids is None else int(r.ids.size)
-                if batch and (len(batch) == self.max_batch or rows + n > self.prefill_chunk):
-                    break
-                batch.append(r)
-                rows += n
+            for r in batch:
+                self._pending.remove(r)
+            return batch
+        return self._take_chunks()
+
+    def _take_chunks(self) -> list[StepRequest]:
+        """Queued prefill chunks out of the queue, in queue order: up to ``max_batch`` of them
+        and ``prefill_chunk`` rows in all, at least one chunk (none when none is queued)."""
+        batch: list[StepRequest] = []
+        rows = 0
+        for r in self._pending:
+            if not r.prefill:
+                continue
+            n = 0 if r.ids is None else int(r.ids.size)
+            if batch and (len(batch) == self.max_batch or rows + n > self.prefill_chunk):
+                break
+            batch.append(r)
+            rows += n
         for r in batch:
             self._pending.remove(r)
         return batch
+
+    async def _decode_run(
+        self, batch: list[StepRequest], chunks: list[StepRequest]
+    ) -> list[StepRequest]:
+        """Event loop: one decode step over ``batch`` (:meth:`_batch_step`), with the prefill
+        ``chunks`` in it when given: then under the store's prefill admission, as a prefill
+        step, and counted as prefill too (its time and reads)."""
+        if not chunks:
+            return await self.run(self._batch_step, batch)
+        store, st = self.store, self.stats
+        t0 = time.perf_counter()
+        bytes0 = store.stats.bytes_read if store is not None else 0
+        reads0 = store.stats.experts_read if store is not None else 0
+        try:
+            if store is not None and any(r.ids is not None and r.ids.size > 1 for r in chunks):
+                store.prefill = True
+            return await self.run(self._batch_step, batch, chunks)
+        finally:
+            if store is not None:
+                store.prefill = False
+            st.mixed_steps += 1
+            st.prefill_steps += 1
+            st.prefill_seconds += time.perf_counter() - t0
+            if store is not None:
+                st.prefill_bytes_read += store.stats.bytes_read - bytes0
+                st.prefill_expert_reads += store.stats.experts_read - reads0
 
     def _drafts(self, batch: list[StepRequest]) -> None:
         """Set ``ids`` of every request that prepares them (speculative rounds). Their drafts
@@ -755,21 +808,25 @@ class Scheduler:
             await anyio.sleep(0)
             quiet = 0 if sum(not r.prefill for r in self._pending) > n else quiet + 1
 
-    def _batch_step(self, batch: list[StepRequest]) -> list[StepRequest]:
+    def _batch_step(
+        self, batch: list[StepRequest], chunks: Sequence[StepRequest] = ()
+    ) -> list[StepRequest]:
         """Compute thread: prepare each request's rows (a failed draft fails only its own
         generation; the MTP head calls of every draft run together, :meth:`_drafts`), then
-        one ``forward_batch`` over all of them; returns those that ran."""
+        one ``forward_batch`` over all of them and the prefill ``chunks`` (their last rows'
+        logits; each one's hook sees its hidden states); returns the decode requests that
+        ran."""
         self._drafts(batch)
         live = [r for r in batch if r.error is None and r.ids is not None]
-        if not live:
+        if not live and not chunks:
             return live
         ids = []
-        for r in live:
+        for r in [*live, *chunks]:
             assert r.ids is not None  # set at creation or by prepare
             ids.append(r.ids)
         ctx = self.ctx
         unions: list[int] = []
-        lone = live[0] if len(live) == 1 and live[0].prepare is not None else None
+        lone = live[0] if len(live) == 1 and live[0].prepare is not None and not chunks else None
         if lone is not None and self.store is not None and ids[0].size > 1:
             # a lone verify round, streaming: the cost model learns how wide its routing was
             n_main = int(getattr(getattr(self.model, "config", None), "num_hidden_layers", 0))
@@ -780,15 +837,24 @@ class Scheduler:
 
             ctx = ctx.observing(observe)
         t0 = time.perf_counter()
-        outs = self.model.forward_batch(ids, [r.cache for r in live], ctx=ctx)
+        caches = [r.cache for r in [*live, *chunks]]
+        lasts = [False] * len(live) + [True] * len(chunks)
+        outs = self.model.forward_batch(ids, caches, last_only=lasts if chunks else False, ctx=ctx)
         step = (sum(int(x.size) for x in ids), time.perf_counter() - t0, len(live))
         if lone is not None:
             lone.unions = unions
-        for r, o in zip(live, outs, strict=True):
+        for r, o in zip(live, outs[: len(live)], strict=True):
             r.logits = o.logits
             r.hidden = o.hidden
-            r.shared = len(live) > 1
+            r.shared = len(live) + len(chunks) > 1
+        for c, o in zip(chunks, outs[len(live) :], strict=True):
+            c.logits = o.logits
+            if c.hook is not None:
+                try:
+                    c.hook(c.ids, o.hidden)  # type: ignore[arg-type]
+                except Exception as exc:
+                    c.error = exc
         first = next((r for r in live if r.prepare is not None), None)
-        if first is not None:
+        if first is not None and not chunks:  # (a step with a prompt's rows is no decode cost)
             first.step = step
         return live

@@ -311,16 +311,22 @@ class DecoderStack:
         batch: Sequence[npt.NDArray[np.integer]],
         caches: Sequence[KVCache],
         *,
-        last_only: bool = False,
+        last_only: bool | Sequence[bool] = False,
         ctx: StepContext | None = None,
     ) -> list[LogitsOut]:
         """Several sequences in one step: attention per sequence (each its own cache), the MLP /
         MoE half on all their rows at once, so each layer reads the union of their experts once.
 
+        ``last_only``: for every sequence, or one flag per sequence (a prefill chunk beside
+        decode rows: the chunk's last row only, every row of the others).
         Row results are bit-identical to running each sequence alone through :meth:`forward`
         (batch-invariant kernels, per-row MoE combination)."""
         if len(batch) != len(caches) or not batch:
             raise ModelError("forward_batch needs one cache per sequence and at least one")
+        lasts = [last_only] * len(batch) if isinstance(last_only, bool) else list(last_only)
+        if len(lasts) != len(batch):
+            raise ModelError(f"forward_batch: {len(lasts)} last_only flags for {len(batch)} "
+                             "sequences")  # fmt: skip
         ctx = ctx if ctx is not None else StepContext()
         seqs: list[SeqState] = []
         all_ids = []
@@ -343,18 +349,30 @@ class DecoderStack:
         hidden = rms_norm(
             np.concatenate(hs), self.weights.norm, self.config.rms_norm_eps, check=True
         )
-        if last_only:  # [n_seq, V]: one row per sequence (a prefill chunk needs no more)
-            rows = np.ascontiguousarray(hidden[bounds[1:] - 1])
-            logits = ctx.compute.linear(self.weights.lm_head, rows)
+        # the rows whose logits are asked for: a sequence's last row (a prefill chunk needs no
+        # more, and [T, V] is big for a large vocabulary) or all of them
+        if all(lasts):
+            picked = np.ascontiguousarray(hidden[bounds[1:] - 1])  # [n_seq, D]
+        elif not any(lasts):
+            picked = hidden  # [sum T_j, D]
         else:
-            logits = ctx.compute.linear(self.weights.lm_head, hidden)  # [sum T_j, V]
+            at = np.concatenate(
+                [
+                    np.array([bounds[j + 1] - 1]) if last else np.arange(bounds[j], bounds[j + 1])
+                    for j, last in enumerate(lasts)
+                ]
+            )
+            picked = np.ascontiguousarray(hidden[at])
+        logits = ctx.compute.linear(self.weights.lm_head, picked)  # [rows picked, V]
         out = []
+        k = 0  # the sequence's first row in ``logits``
         for j, (ids, seq) in enumerate(zip(all_ids, seqs, strict=True)):
             seq.cache.write_tokens(seq.start, ids)
             seq.cache.commit(seq.start + ids.shape[0])
             lo, hi = bounds[j], bounds[j + 1]
-            rows = logits[j : j + 1] if last_only else logits[lo:hi]
-            out.append(LogitsOut(rows, hidden[lo:hi]))
+            n = 1 if lasts[j] else hi - lo
+            out.append(LogitsOut(logits[k : k + n], hidden[lo:hi]))
+            k += n
         return out
 
     # ------------------------------------------------------------------------------ layers
@@ -613,11 +631,32 @@ class MLAMoEModel(DecoderStack):
         per weight instead of one per sequence); only the latent attention and the sparse
         selection run per sequence. Rows are independent, so every row is bit-identical to its
         sequence run alone. Anything else (one sequence, long chunks, reconstruction): per
-        sequence."""
+        sequence. A step that holds both (a prompt's chunk beside decode rows) takes its
+        sequences in runs, in order: each run of short ones batched, each long one on its
+        own with its rows split over the pool."""
         c, d = self.config, self.dims
         comp = ctx.compute
         rows = [h.shape[0] for h in hs]
         n = sum(rows)
+        per_key = d.num_attention_heads * d.kv_lora_rank * 4
+        long = [
+            comp.row_blocks(t, (seq.start + t) * per_key) is not None
+            for t, seq in zip(rows, seqs, strict=True)
+        ]
+        if len(hs) >= 2 and any(long) and not all(long):
+            out_h: list[F32Array] = []
+            out_s: list[BoolArray | None] = []
+            j = 0
+            while j < len(hs):
+                k = j
+                while k < len(hs) and long[k] == long[j]:
+                    k += 1
+                step = super()._attention_step if long[j] else self._attention_step
+                got_h, got_s = step(ctx, layer, lw, hs[j:k], seqs[j:k], sel[j:k], slot)
+                out_h += got_h
+                out_s += got_s
+                j = k
+            return out_h, out_s
         absorbed = [
             mla.prefer_absorbed(d, t, seq.start + t)
             if ctx.attention_mode == "auto"

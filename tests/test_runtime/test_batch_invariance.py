@@ -36,6 +36,7 @@ from runtime.context import StepContext
 from runtime.kv import KVCache
 from runtime.models import MLAMoEModel, load_model
 from storage.container import Container
+from storage.errors import ModelError
 
 DEMO = default_model_path()
 I64 = npt.NDArray[np.int64]
@@ -256,6 +257,28 @@ def test_batched_steps_equal_each_sequence_alone(
             assert_rows_equal(solo[j], got, group[j].size, f"{name} batch of {b}, sequence {j}")
 
 
+def test_last_only_per_sequence(model_of: Callable[[str], MLAMoEModel]) -> None:
+    """A prefill chunk beside decode rows (``last_only`` per sequence): the chunk gets its last
+    row's logits, the others every row's, each the bits of its own call; flags that do not
+    match the sequences are refused."""
+    m = model_of("demo")
+    vocab = m.config.vocab_size
+    seqs = [_prompt(500 + j, vocab, 30, 60) for j in range(3)]
+    alone, caches = [], []
+    for j, s in enumerate(seqs):
+        a, b = m.new_cache(), m.new_cache()
+        m.forward(s[:-3], a)
+        m.forward(s[:-3], b)
+        alone.append(m.forward(s[-3:], a, last_only=j == 1))
+        caches.append(b)
+    outs = m.forward_batch([s[-3:] for s in seqs], caches, last_only=[False, True, False])
+    for j, (x, y) in enumerate(zip(alone, outs, strict=True)):
+        assert x.logits.shape == y.logits.shape == ((1 if j == 1 else 3), vocab)
+        assert np.array_equal(x.logits, y.logits) and np.array_equal(x.hidden, y.hidden)
+    with pytest.raises(ModelError, match="last_only"):
+        m.forward_batch([seqs[0][:2]], [m.new_cache()], last_only=[True, False])
+
+
 @pytest.mark.parametrize("name", ["demo", "oracle-glm_moe_dsa"])
 def test_pooled_decode_steps_observe_what_one_thread_observes(
     name: str, model_of: Callable[[str], MLAMoEModel]
@@ -335,18 +358,20 @@ def test_greedy_tokens_identical_for_every_prefill_chunk(
 def test_greedy_tokens_identical_under_concurrent_batching(
     greedy_off: list[list[int]], private_home: None
 ) -> None:
-    """8 generations at a time (default draft auto, as `coli serve` runs): each one's greedy
-    tokens equal its solo --draft off run while they share batched steps."""
+    """8 generations at a time (default draft auto, as `coli serve` runs), each starting a
+    little after the one before: each one's greedy tokens equal its solo --draft off run while
+    they share batched steps, and while prompts ride in the others' decode steps."""
     prompts = _demo_prompts()
     got: list[list[int]] = [[] for _ in prompts]
-    batched = 0
+    batched = mixed = 0
 
     async def main() -> None:
-        nonlocal batched
+        nonlocal batched, mixed
         opts = EngineOptions(model=DEMO, learn=False, max_batch=8)
         async with Engine.open(options=opts) as engine:
 
             async def one(k: int) -> None:
+                await anyio.sleep(0.004 * (k % 8))
                 async for ev in engine.generate(prompts[k], max_new_tokens=NEW):
                     if isinstance(ev, TokenEvent):
                         got[k].append(ev.token_id)
@@ -356,8 +381,10 @@ def test_greedy_tokens_identical_under_concurrent_batching(
                     for k in range(wave, min(wave + 8, len(prompts))):
                         tg.start_soon(one, k)
             batched = int(engine.stats()["decode_batched_sequences"])
+            mixed = int(engine.stats()["mixed_steps"])
 
     anyio.run(main)
     assert batched > 0  # steps really were shared
+    assert mixed > 0  # and prompts' chunks rode in decode steps
     bad = [k for k, (a, b) in enumerate(zip(got, greedy_off, strict=True)) if a != b]
     assert not bad, f"concurrent batching changed the greedy tokens of prompts {bad}"

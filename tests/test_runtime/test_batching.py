@@ -306,19 +306,25 @@ def test_a_prompt_cancelled_while_the_batcher_waits_for_more_leaves_it_serving()
     assert np.array_equal(alone, again)
 
 
-@pytest.mark.parametrize("decoding", [False, True])
-def test_the_prefill_wait_holds_a_prompt_only_while_others_decode(
-    decoding: bool, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("decoding", "fast_prefill"), [(False, False), (True, False), (True, True)]
+)
+def test_a_prompt_rides_in_the_decode_step_or_waits_only_while_others_decode(
+    decoding: bool, fast_prefill: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """By default the batcher waits for more prompts only when other generations are decoding
-    (or several prompts are queued): a lone user's prompt goes at once, so a prompt queued
-    50 ms later gets a step of its own; with a generation decoding beside them, the two share
-    one step. (The share and the cap are raised here so that the wait covers 50 ms.)"""
+    """Two prompts queued 50 ms apart. Alone, each goes at once in a prefill step of its own.
+    While another generation decodes, each rides in one of its decode steps (a mixed step:
+    the decoding generation is not stopped for a prefill step). Where prefill and decode
+    compute differently (--fast-prefill), they cannot share a step: the batcher then waits
+    for more prompts while others decode, and the two share one prefill step. (The wait's
+    share and cap are raised here so that it covers 50 ms.)"""
     monkeypatch.setattr(scheduler_mod, "PREFILL_WAIT_SHARE", 1000.0)
     monkeypatch.setattr(scheduler_mod, "PREFILL_WAIT_MAX_S", 0.5)
 
-    async def main() -> int:
-        o = colibri.EngineOptions(learn=False, reader="threads", prefetch=False, draft="off")
+    async def main() -> tuple[int, int]:
+        o = colibri.EngineOptions(
+            learn=False, reader="threads", prefetch=False, draft="off", fast_prefill=fast_prefill
+        )
         async with colibri.Engine.open(DEMO, options=o) as eng:
             sched = eng._scheduler
             await sched.prefill(np.asarray(PROMPTS[2], dtype=np.int64), eng.new_cache())
@@ -339,11 +345,17 @@ def test_the_prefill_wait_holds_a_prompt_only_while_others_decode(
                     with anyio.fail_after(30):
                         while sched._decoding == 0:
                             await anyio.sleep(0.01)
-                steps0 = sched.stats.prefill_steps
+                steps0, mixed0 = sched.stats.prefill_steps, sched.stats.mixed_steps
                 async with anyio.create_task_group() as inner:
                     inner.start_soon(one, 0, 0.0)
                     inner.start_soon(one, 1, 0.05)
                 done.set()
-            return sched.stats.prefill_steps - steps0
+            return sched.stats.prefill_steps - steps0, sched.stats.mixed_steps - mixed0
 
-    assert anyio.run(main) == (1 if decoding else 2)
+    steps, mixed = anyio.run(main)
+    if not decoding:
+        assert (steps, mixed) == (2, 0)
+    elif fast_prefill:
+        assert (steps, mixed) == (1, 0)
+    else:
+        assert (steps, mixed) == (2, 2)
