@@ -2,12 +2,14 @@
 
     .venv/bin/python tools/bench/serve.py [--model DIR] [--url URL] [--tokens 64]
                                           [--requests 16] [--levels 1,2,4,8] [--rounds 1]
+                                          [--stagger 0]
 
 Starts a real ``coli serve`` on a free loopback port (the bundled demo model by default) or
 uses a running server (``--url``), then for each concurrency level runs that many streaming
 clients that share ``--requests`` chat requests (each client sends its share back to back;
 rotating prompts, greedy, ``ignore_eos`` so every request generates exactly ``--tokens``
-tokens: every level does the same work). Per level:
+tokens: every level does the same work; ``--stagger S`` starts client i of a level i * S
+seconds after the first, so prompts arrive while the others decode). Per level:
 generated tokens / wall seconds, and TTFT (request sent -> first content chunk, client side,
 queue wait included) p50 / p99. With ``--rounds N`` every level runs N times, the levels'
 order rotating each round, and each level's median round stands for it (every round's rate is
@@ -83,7 +85,7 @@ async def _one(
 
 
 async def _level(
-    base: str, model: str, streams: int, per_stream: int, tokens: int
+    base: str, model: str, streams: int, per_stream: int, tokens: int, stagger: float = 0.0
 ) -> dict[str, Any]:
     url = base + "/v1/chat/completions"
     ttfts: list[float] = []
@@ -93,6 +95,7 @@ async def _level(
 
         async def stream(i: int) -> None:
             nonlocal produced
+            await asyncio.sleep(i * stagger)  # client i starts i * stagger s after the first
             for j in range(per_stream):
                 prompt = f"Request {i}.{j}: say something about the number {i * 31 + j}."
                 ttft, n, _ = await _one(client, url, model, prompt, tokens)
@@ -150,9 +153,18 @@ def main() -> int:
         help="run every level this many times, interleaved; each level's median round stands "
         "for it (default 1)",
     )
+    ap.add_argument(
+        "--stagger",
+        type=float,
+        default=0.0,
+        help="client i of a level starts i * SECONDS after the first (default 0: in lockstep); "
+        "staggered, prompts arrive while the others decode, as a service's users' do",
+    )
     args = ap.parse_args()
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
+    if not 0 <= args.stagger <= 60:
+        ap.error("--stagger must be in 0..60 seconds")
     levels = [int(x) for x in args.levels.split(",")]
     proc = None
     base = args.url
@@ -169,7 +181,7 @@ def main() -> int:
             # the levels rotate each round, so that none always runs first (or last)
             for n in levels[r % len(levels) :] + levels[: r % len(levels)]:
                 per_stream = max(1, args.requests // n)
-                res = asyncio.run(_level(base, model, n, per_stream, args.tokens))
+                res = asyncio.run(_level(base, model, n, per_stream, args.tokens, args.stagger))
                 runs[n].append(res)
                 print(
                     f"{n} stream(s): {res['tokens_per_s']} tok/s aggregate, TTFT p50 "
@@ -202,6 +214,7 @@ def main() -> int:
         "model": model,
         "tokens_per_request": args.tokens,
         "rounds": args.rounds,
+        "stagger_s": args.stagger,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "levels": results,
     }
