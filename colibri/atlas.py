@@ -195,7 +195,9 @@ def atlas_from_server(
     timeout: float = 600.0,
 ) -> dict[str, Any]:
     """Measure routing per topic through a running server (``/v1/completions`` per prompt,
-    ``/experts`` counts around it); returns :func:`build_atlas`'s dict."""
+    ``/experts`` counts around it); returns :func:`build_atlas`'s dict. A topic's tokens are
+    those the server computed: prompt tokens it reused from a KV slot (``usage``'s
+    ``cached_tokens``) routed nothing."""
     import httpx
 
     sets = topics or TOPICS
@@ -234,7 +236,10 @@ def atlas_from_server(
                         f"{url}/v1/completions: HTTP {r.status_code}: {r.text[:200]}"
                     )
                 usage = r.json().get("usage") or {}
-                seen[t] += int(usage.get("prompt_tokens", 0)) + max(0, tokens - 1)
+                # prompt tokens the server took from a KV slot were not routed again
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                computed = int(usage.get("prompt_tokens", 0)) - int(cached)
+                seen[t] += computed + max(0, tokens - 1)
                 now = _as_counts(get("/experts").get("counts"), n_experts)
                 delta[t] += now - prev
                 prev = now

@@ -32,6 +32,7 @@ from _serve import Server
 from click.testing import CliRunner
 
 from colibri.atlas import TOPICS, build_atlas, layout, write_atlas
+from colibri.tokenizer import ChatTokenizer
 from storage.container import Container
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -760,6 +761,30 @@ def test_an_atlas_with_generated_tokens_counts_each_routed_token_once(tmp_path: 
     main_moe = cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]
     # every main MoE layer: each routed token once, top-k experts; the MTP head never ran
     assert per_layer == [tokens * cfg["num_experts_per_tok"]] * main_moe + [0], per_layer
+
+
+def test_an_atlas_through_a_server_counts_only_the_tokens_it_computed(tmp_path: Path) -> None:
+    """`coli atlas --server`: a prompt whose prefix the server takes from a KV slot routes only
+    its new tokens; the topic's token count leaves the reused ones out (``cached_tokens``),
+    so every MoE layer holds exactly K selections per counted token."""
+    from colibri.atlas import atlas_from_server
+
+    srv = WebServer(tmp_path, tmp_path / "state", "--kv-slots", "2").wait_ready()
+    try:
+        text = "The quick brown fox jumps over the lazy dog, again and again and again."
+        topics = {"a": (text, text), "b": ("def f(x): return x * 2",)}
+        a = atlas_from_server(srv.url, topics=topics)
+    finally:
+        srv.stop()
+    cfg = json.loads((demo_model() / "config.json").read_text())
+    n_e, k = a["n_experts"], cfg["num_experts_per_tok"]
+    main_moe = cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]
+    per_layer = [sum(a["selections"][i * n_e : (i + 1) * n_e]) for i in range(len(a["layers"]))]
+    total = sum(a["topic_tokens"])
+    assert per_layer[:main_moe] == [total * k] * main_moe, (per_layer, a["topic_tokens"])
+    c = Container.open(demo_model())
+    one = len(ChatTokenizer(Path(str(c.tokenizer_path())), c.tokenizer_config()).encode(text))
+    assert a["topic_tokens"][0] < 2 * one  # the repeat reused its prefix
 
 
 def test_a_keyed_server_shows_every_tab_once_the_key_is_entered(
