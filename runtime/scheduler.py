@@ -475,16 +475,24 @@ class Scheduler:
         return last
 
     async def _prefill_run(self, batch: list[StepRequest]) -> None:
-        """Event loop: one prefill step over ``batch`` (:meth:`_prefill_step`), with the
-        store's prefill admission on and the step's time and reads counted once."""
+        """Event loop: one prefill step over ``batch`` (:meth:`_prefill_step`), counted as
+        prefill (:meth:`_as_prefill`)."""
+        with self._as_prefill(batch):
+            await self.run(self._prefill_step, batch)
+
+    @contextlib.contextmanager
+    def _as_prefill(self, chunks: Sequence[StepRequest]) -> Iterator[None]:
+        """A step that computes prefill ``chunks``: the store's prefill admission on while it
+        runs (when a chunk has several rows), its time and expert reads counted once in the
+        prefill counters."""
         store, st = self.store, self.stats
         t0 = time.perf_counter()
         bytes0 = store.stats.bytes_read if store is not None else 0
         reads0 = store.stats.experts_read if store is not None else 0
         try:
-            if store is not None and any(r.ids is not None and r.ids.size > 1 for r in batch):
+            if store is not None and any(r.ids is not None and r.ids.size > 1 for r in chunks):
                 store.prefill = True
-            await self.run(self._prefill_step, batch)
+            yield
         finally:
             if store is not None:
                 store.prefill = False
@@ -518,7 +526,14 @@ class Scheduler:
                 except Exception as exc:
                     r.error = exc
             return
-        for r, o in zip(batch, outs, strict=True):
+        self._chunks_done(batch, outs)
+
+    @staticmethod
+    def _chunks_done(chunks: Sequence[StepRequest], outs: Sequence[Any]) -> None:
+        """Compute thread: each prefill chunk's last-row logits from its step's output, and
+        its hook called with its rows' hidden states (a failing hook fails its generation
+        only)."""
+        for r, o in zip(chunks, outs, strict=True):
             r.logits = o.logits
             if r.hook is not None:
                 try:
@@ -723,27 +738,12 @@ class Scheduler:
         self, batch: list[StepRequest], chunks: list[StepRequest]
     ) -> list[StepRequest]:
         """Event loop: one decode step over ``batch`` (:meth:`_batch_step`), with the prefill
-        ``chunks`` in it when given: then under the store's prefill admission, as a prefill
-        step, and counted as prefill too (its time and reads)."""
+        ``chunks`` in it when given: then also a prefill step (:meth:`_as_prefill`)."""
         if not chunks:
             return await self.run(self._batch_step, batch)
-        store, st = self.store, self.stats
-        t0 = time.perf_counter()
-        bytes0 = store.stats.bytes_read if store is not None else 0
-        reads0 = store.stats.experts_read if store is not None else 0
-        try:
-            if store is not None and any(r.ids is not None and r.ids.size > 1 for r in chunks):
-                store.prefill = True
+        self.stats.mixed_steps += 1
+        with self._as_prefill(chunks):
             return await self.run(self._batch_step, batch, chunks)
-        finally:
-            if store is not None:
-                store.prefill = False
-            st.mixed_steps += 1
-            st.prefill_steps += 1
-            st.prefill_seconds += time.perf_counter() - t0
-            if store is not None:
-                st.prefill_bytes_read += store.stats.bytes_read - bytes0
-                st.prefill_expert_reads += store.stats.experts_read - reads0
 
     def _drafts(self, batch: list[StepRequest]) -> None:
         """Set ``ids`` of every request that prepares them (speculative rounds). Their drafts
@@ -847,13 +847,7 @@ class Scheduler:
             r.logits = o.logits
             r.hidden = o.hidden
             r.shared = len(live) + len(chunks) > 1
-        for c, o in zip(chunks, outs[len(live) :], strict=True):
-            c.logits = o.logits
-            if c.hook is not None:
-                try:
-                    c.hook(c.ids, o.hidden)  # type: ignore[arg-type]
-                except Exception as exc:
-                    c.error = exc
+        self._chunks_done(chunks, outs[len(live) :])
         first = next((r for r in live if r.prepare is not None), None)
         if first is not None and not chunks:  # (a step with a prompt's rows is no decode cost)
             first.step = step
