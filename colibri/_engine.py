@@ -372,11 +372,12 @@ class Engine:
         # batched (runtime/scheduler.py).
         sched = self._scheduler
         time0 = dataclasses.replace(sched.stats.time)
+        policy = DraftPolicy.parse(self.options.draft if draft is None else draft)
         if cache is None:
             cache = self._model.new_cache()
         else:
             reused = self._mtp_history_bound(
-                self.reusable_prefix(cache, ids), ids.size, sampler, draft
+                self.reusable_prefix(cache, ids), ids.size, sampler, policy
             )
             cache.truncate(reused)
         self._counters["prompt_tokens"] += int(ids.size)
@@ -390,7 +391,7 @@ class Engine:
         try:
             spec = None
             if max_new_tokens > 0:
-                spec = await self._speculator(ids, cache, sampler, stops, grammar, draft)
+                spec = await self._speculator(ids, cache, sampler, stops, grammar, policy)
             if spec is not None:
                 logits = await sched.prefill(ids[reused:], cache, spec.prefill_hook)
                 rows = [(spec.first(logits), logits)]
@@ -495,11 +496,10 @@ class Engine:
         sampler: Sampler,
         stops: set[int],
         grammar: GrammarSpec | None,
-        draft: str | int | None,
+        policy: DraftPolicy,
     ) -> SpeculativeDecoder | None:
         """The round-by-round decoder for this generation, or None for plain decoding (drafting
         off and no grammar)."""
-        policy = DraftPolicy.parse(self.options.draft if draft is None else draft)
         if policy.mode == "off" and grammar is None:
             return None
         matcher = None if grammar is None else await self._grammar_matcher(grammar)
@@ -530,7 +530,7 @@ class Engine:
         )
 
     def _mtp_history_bound(
-        self, reused: int, n_prompt: int, sampler: Sampler, draft: str | int | None
+        self, reused: int, n_prompt: int, sampler: Sampler, policy: DraftPolicy
     ) -> int:
         """``reused`` lowered, when MTP drafts are pinned and sampling is seeded, so that the
         last :data:`MTP_HISTORY` + 1 prompt positions run again: the MTP head's history is
@@ -539,7 +539,6 @@ class Engine:
         computed in it. With them rerun, the head's drafts, and with them the seeded draws,
         are those of the whole prompt computed afresh (greedy output never depends on the
         drafts; ``auto`` keeps model drafts off for seeded sampling)."""
-        policy = DraftPolicy.parse(self.options.draft if draft is None else draft)
         params = sampler.params
         if (
             policy.mode != "fixed"
