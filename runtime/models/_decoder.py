@@ -640,10 +640,10 @@ class MLAMoEModel(DecoderStack):
         n = sum(rows)
         per_key = d.num_attention_heads * d.kv_lora_rank * 4
         long = [
-            comp.row_blocks(t, (seq.start + t) * per_key) is not None
+            len(hs) >= 2 and comp.row_blocks(t, (seq.start + t) * per_key) is not None
             for t, seq in zip(rows, seqs, strict=True)
         ]
-        if len(hs) >= 2 and any(long) and not all(long):
+        if any(long) and not all(long):
             out_h: list[F32Array] = []
             out_s: list[BoolArray | None] = []
             j = 0
@@ -663,11 +663,7 @@ class MLAMoEModel(DecoderStack):
             else ctx.attention_mode == "absorbed"
             for t, seq in zip(rows, seqs, strict=True)
         ]
-        if (
-            len(hs) < 2
-            or not all(absorbed)
-            or comp.row_blocks(n, d.num_attention_heads * d.kv_lora_rank * 4) is not None
-        ):
+        if len(hs) < 2 or not all(absorbed) or comp.row_blocks(n, per_key) is not None:
             return super()._attention_step(ctx, layer, lw, hs, seqs, sel, slot)
         groups = comp.row_blocks(len(hs), self._attention_macs(lw, rows, seqs) // len(hs))
         if groups is not None and all(b - a >= 2 for a, b in groups):
