@@ -35,7 +35,14 @@ from runtime.grammar import GrammarMatcher, GrammarSpec, TokenGrammar
 from runtime.kernels.isa import kernel_info
 from runtime.kv import KVCache
 from runtime.planner import choose_prefill_chunk
-from runtime.sampling import LogitNorm, Sampler, SamplingParams, log_softmax, logit_norm
+from runtime.sampling import (
+    LogitNorm,
+    Sampler,
+    SamplingParams,
+    log_softmax,
+    logit_norm,
+    top_ids,
+)
 from runtime.scheduler import Ahead, Scheduler
 from runtime.speculative import CostModel, DraftPolicy, SpecStats, SpeculativeDecoder
 from runtime.speculative.drafts import MAX_PENDING as MTP_HISTORY
@@ -131,7 +138,7 @@ def _token_event(
     top: tuple[tuple[int, float], ...] = ()
     if top_logprobs > 0:
         lsm = log_softmax(logits)  # [V]
-        best = np.argsort(-lsm, kind="stable")[:top_logprobs]
+        best = top_ids(lsm, top_logprobs)  # (a stable argsort's first ids, not sorting all)
         top = tuple((int(t), float(lsm[t])) for t in best)
     return TokenEvent(tok, index, norm.logprob(logits, tok), top)
 

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from runtime.sampling import Sampler, SamplingParams, log_softmax
+from runtime.sampling import Sampler, SamplingParams, log_softmax, logit_norm, top_ids
 from storage.errors import ColibriError, ModelError
 
 # A fixed small logits vector with distinct values (no ties) and a wide range of probabilities.
@@ -267,8 +267,6 @@ def test_valid_edge_params() -> None:
 def test_logit_norm_is_the_log_softmax_of_one_token_and_finds_bad_rows() -> None:
     """``logit_norm`` (what every emitted token's logprob uses) gives ``log_softmax(x)[tok]``
     bit for bit, for large and tiny spreads, and reports any NaN or inf."""
-    from runtime.sampling import logit_norm
-
     rng = np.random.default_rng(11)
     for x in (
         rng.standard_normal(4096).astype(np.float32) * 8,
@@ -285,3 +283,97 @@ def test_logit_norm_is_the_log_softmax_of_one_token_and_finds_bad_rows() -> None
         x = np.zeros(10, np.float32)
         x[6] = bad
         assert not logit_norm(x).finite
+
+
+# ------------------------------------------------ the plain formulation (what the fast one keeps)
+
+
+def _plain_probs(p: SamplingParams, logits: np.ndarray) -> np.ndarray:
+    """The sampler's distribution written out plainly: whole-vocabulary stable argsorts,
+    masks and a fresh array per step (its bits are the contract; it took 20+ ms a token on a
+    155k vocabulary)."""
+    x = logits.astype(np.float64) / max(p.temperature, 1e-6)
+    if p.top_k and p.top_k < x.size:
+        order = np.argsort(-x, kind="stable")
+        mask = np.full(x.shape, -np.inf)
+        mask[order[: p.top_k]] = 0.0
+        x = x + mask
+    x = x - x.max()
+    e = np.exp(x)
+    probs = e / e.sum()
+    if p.top_p < 1.0:
+        order = np.argsort(-probs, kind="stable")
+        cum = np.cumsum(probs[order])
+        keep = int(np.searchsorted(cum, p.top_p) + 1)
+        kept = np.zeros_like(probs)
+        kept[order[:keep]] = probs[order[:keep]]
+        probs = kept / kept.sum()
+    out: np.ndarray = probs
+    return out
+
+
+def _plain_draw(probs: np.ndarray, u: float) -> int:
+    cum = np.cumsum(probs)
+    idx = int(np.searchsorted(cum, u, side="right"))
+    return idx if idx < probs.size else int(np.flatnonzero(probs)[-1])
+
+
+def _hard_rows(v: int, seed: int) -> list[np.ndarray]:
+    """Rows that stress the partial ordering: plain, many ties (rounded), the maximum
+    repeated, spikes between the positions a sample of the row looks at, a few equal
+    winners over zeros, all negative, and sample positions much larger than the rest (the
+    guess overshoots: a lower guess, then the exact partition)."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(0, 3, v).astype(np.float32)
+    rows = [x, np.round(x), np.where(rng.random(v) < 0.3, x.max(), x).astype(np.float32)]
+    spikes = x.copy()
+    step = max(1, v // 4096)
+    at = rng.integers(0, max(1, v // step - 1), 200) * step + 1
+    spikes[at % v] = x.max() + rng.random(200).astype(np.float32) * 5
+    rows.append(spikes)
+    few = np.zeros(v, np.float32)
+    few[rng.integers(0, v, 50)] = 1.0
+    rows += [few, -np.abs(x)]
+    grid = np.zeros(v, np.float32)
+    grid[::step] = 10.0
+    rows.append(grid)
+    return rows
+
+
+@pytest.mark.parametrize("v", [7, 1000, 8193, 154880])
+def test_the_sampler_keeps_the_bits_of_the_plain_formulation(v: int) -> None:
+    """Probabilities bit for bit and the same draws as the plain formulation, for every
+    filter, on rows built to mislead the partial ordering (ties at the boundary, leading
+    values where the row's sample does not look, a top-k larger than the sample can see)."""
+    settings = [(0.7, 1.0, 40), (1.0, 0.9, 0), (0.5, 0.95, 100), (1.3, 0.5, 6000),
+                (1.0, 1.0, 1), (2.0, 0.99, 0), (0.8, 0.3, 5), (1.0, 1.0, 0)]  # fmt: skip
+    for i, x in enumerate(_hard_rows(v, seed=v)):
+        for temp, top_p, top_k in settings:
+            params = SamplingParams(temp, top_p, top_k, seed=i)
+            fast = Sampler(params)
+            want = _plain_probs(params, x)
+            assert np.array_equal(fast.probs(x), want), (i, temp, top_p, top_k)
+            rng = np.random.Generator(np.random.PCG64(i))
+            draws = [fast.sample(x) for _ in range(4)]
+            assert draws == [_plain_draw(want, rng.random()) for _ in range(4)]
+
+
+def test_log_softmax_and_logit_norm_keep_their_bits() -> None:
+    """In place, one buffer: the same values as the formulas with a fresh array per step."""
+    for x in _hard_rows(154880, seed=3)[:3]:
+        x64 = x.astype(np.float64)
+        m = x64.max()
+        plain = x64 - m - np.log(np.exp(x64 - m).sum())
+        assert np.array_equal(log_softmax(x), plain)
+        norm = logit_norm(x)
+        assert (norm.max, norm.log_sum) == (float(m), float(np.log(np.exp(x64 - m).sum())))
+
+
+def test_top_ids_are_the_first_ids_of_a_stable_descending_sort() -> None:
+    """What a top-logprobs list takes: the same ids, in the same order, ties to the lowest."""
+    for v in (5, 8193, 154880):
+        for x in _hard_rows(v, seed=v + 1):
+            x64 = x.astype(np.float64)
+            order = np.argsort(-x64, kind="stable")
+            for n in (1, 3, 20, 5000, v):
+                assert np.array_equal(top_ids(x64, n), order[:n]), (v, n)
