@@ -5,6 +5,7 @@ Shape legend: see ``runtime.speculative``.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,75 @@ def _ewma(old: float | None, new: float, w: float) -> float:
     return new if old is None else old + w * (new - old)
 
 
+_WINDOW = 16  # a step shape's latest times the cost model keeps (their median stands for it)
+_AGE = 1024  # observations after which a shape not measured since is forgotten
+_TRUST = 8  # batched steps with draft rows measured before their cost is trusted to stop probes
+
+
+class _Cell:
+    """The latest times of one step shape (sequences, rows) and when it was last measured."""
+
+    __slots__ = ("last", "values")
+
+    def __init__(self) -> None:
+        self.values: deque[float] = deque(maxlen=_WINDOW)
+        self.last = 0
+
+    def add(self, seconds: float, at: int) -> None:
+        self.values.append(seconds)
+        self.last = at
+
+    def median(self) -> float:
+        v = sorted(self.values)
+        n = len(v)
+        return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
+
+
+def _line(pts: list[tuple[float, float, int]]) -> tuple[float, float] | None:
+    """(intercept, slope >= 0) of the weighted least-squares line through ``pts`` (x, y,
+    weight), None when every x is the same."""
+    n = sum(w for _, _, w in pts)
+    mx = sum(x * w for x, _, w in pts) / n
+    my = sum(y * w for _, y, w in pts) / n
+    sxx = sum(w * (x - mx) ** 2 for x, _, w in pts)
+    if sxx <= 0:
+        return None
+    slope = max(sum(w * (x - mx) * (y - my) for x, y, w in pts) / sxx, 0.0)
+    return max(my - slope * mx, 1e-9), slope
+
+
+def _draft_row_cost(
+    wide: dict[int, list[tuple[float, float, int]]], old: float | None
+) -> float | None:
+    """The cost of a draft row in a batched step (>= 0) from each width's points (draft rows,
+    median seconds, measurements): per shape with draft rows, its extra time over the
+    width's plain step per draft row, and the weighted median of those (a shape measured
+    once, slow on its first run, would otherwise steer a least-squares slope with its
+    leverage). Widths without a plain step measured give a least-squares slope within each
+    width when none has one; ``old`` when there is nothing to go on."""
+    per_row: list[tuple[float, int]] = []
+    for pts in wide.values():
+        plain = [m for x, m, _ in pts if x == 0]
+        if plain:
+            per_row += [((m - plain[0]) / x, w) for x, m, w in pts if x > 0]
+    if per_row:
+        per_row.sort()
+        half = sum(w for _, w in per_row) / 2
+        run = 0
+        for v, w in per_row:
+            run += w
+            if run >= half:
+                return max(v, 0.0)
+    sxy = sxx = 0.0
+    for pts in wide.values():
+        n = sum(w for _, _, w in pts)
+        mx = sum(x * w for x, _, w in pts) / n
+        my = sum(y * w for _, y, w in pts) / n
+        sxx += sum(w * (x - mx) ** 2 for x, _, w in pts)
+        sxy += sum(w * (x - mx) * (y - my) for x, y, w in pts)
+    return max(sxy / sxx, 0.0) if sxx > 0 else old
+
+
 @dataclass
 class CostModel:
     """When does drafting pay? ``choose({key: max_k, ..})`` -> (key, k, probe) for this round.
@@ -43,10 +113,11 @@ class CostModel:
     ``step(r) = t1 + t_row * (r - 1) + misses(r) * t_miss`` and ``misses(r) = moe_layers *
     U(r) * (1 - hit_rate)`` with ``U(r) = min(E, K + (r - 1) * K * overlap)`` distinct experts
     per layer (``overlap`` 1 until routing of wider steps is seen). A batched step of ``s``
-    generations' ``r`` rows costs ``t1 + t_seq * (s - 1) + t_wide * (r - s)`` (+ misses): a
-    further generation brings its own attention, cache and routing, a further row of one
-    already there (a draft) much less, so the two are learned apart (``t_seq`` from batched
-    steps without drafts, ``t_wide`` from those with some). The round's choice is the
+    generations' ``r`` rows costs ``base[s] + t_wide * (r - s)`` (+ misses), ``base[s]``
+    measured at that width or else ``t1 + t_seq * (s - 1)``: a further generation brings its
+    own attention, cache and routing, a further row of one already there (a draft) much
+    less, so the two are learned apart (:meth:`_fit`, from each step shape's median time).
+    The round's choice is the
     key and k of the highest tokens per second, when that beats plain decoding by ``margin``.
     Acceptance per position is A / (A + R) over exponentially decayed counts (window
     ~``window`` checks). When nothing pays, a key that is off gets a k=1 probe after
@@ -67,6 +138,7 @@ class CostModel:
     t_seq: float | None = None  # extra compute seconds per extra generation (batched step)
     t_wide: float | None = None  # extra compute seconds per draft row in a batched step
     t_miss: float | None = None  # stall seconds per missed expert
+    base: dict[int, float] = field(default_factory=dict)  # seqs -> a plain step's seconds
     hit_rate: float = 1.0  # resident: every expert is a hit
     overlap: float = 1.0  # new distinct experts per extra row, as a fraction of K
     draft_cost: dict[str, float] = field(default_factory=dict)  # seconds of a first draft
@@ -74,6 +146,9 @@ class CostModel:
     _acc: dict[str, list[list[float]]] = field(default_factory=dict)  # key -> [A, R] per pos
     _since_probe: dict[str, int] = field(default_factory=dict)
     _gap: dict[str, int] = field(default_factory=dict)
+    _cells: dict[tuple[int, int], _Cell] = field(default_factory=dict)  # (seqs, rows) -> times
+    _n_obs: int = 0
+    _wide_drafted: int = 0  # batched steps with draft rows among the kept times
 
     # ---- telemetry in
     def observe_proposal(self, source: str, proposed: int, accepted: int) -> None:
@@ -102,49 +177,68 @@ class CostModel:
         """A verify (or plain) step of ``rows`` rows of ``seqs`` generations took ``seconds``,
         ``stall`` of them waiting for ``misses`` expert reads, out of ``lookups`` expert
         look-ups (streaming)."""
-        w = self.ewma
         compute = max(seconds - stall, 1e-9)
-        if rows == 1:
-            self.t1 = _ewma(self.t1, compute, w)
-        else:
-            if self.t1 is None:
-                # no one-row step seen yet: take every row as costing the same until one shows
-                # the fixed part (errs against drafting when wide)
-                self.t1 = compute / rows
-            self._deflate(compute, rows, seqs)
-            extra = max(compute - self.t1, 0.0)
-            if seqs <= 1:
-                self.t_row = _ewma(self.t_row, extra / (rows - 1), w)
-            elif rows == seqs:
-                self.t_seq = _ewma(self.t_seq, extra / (seqs - 1), w)
-            elif self.t_seq is not None:
-                rest = max(extra - self.t_seq * (seqs - 1), 0.0)
-                self.t_wide = _ewma(self.t_wide, rest / (rows - seqs), w)
-            else:  # no draft-free batched step seen yet: every extra row alike
-                self.t_seq = _ewma(self.t_seq, extra / (rows - 1), w)
+        self._n_obs += 1
+        key = (max(int(seqs), 1), max(int(rows), 1))
+        cell = self._cells.get(key)
+        if cell is None:
+            cell = self._cells[key] = _Cell()
+        cell.add(compute, self._n_obs)
+        self._fit()
+        w = self.ewma
         if misses > 0:
             self.t_miss = _ewma(self.t_miss, stall / misses, w)
         if lookups > 0:
             self.hit_rate = _ewma(self.hit_rate, 1.0 - misses / lookups, w)
 
-    def _deflate(self, compute: float, rows: int, seqs: int) -> None:
-        """A step of ``rows`` rows of ``seqs`` generations that took ``compute`` seconds, less
-        than its plain part is estimated at (``t1``, plus ``t_seq`` per further generation
-        when the step also had draft rows): those estimates are stale, e.g. learned from the
-        first steps while kernels compiled (tens of ms) and never corrected because every step
-        since was wider (a server with every step batched; drafting that always seemed to pay,
-        so no draft-free step came). Left so, each draft row looked free (``t_wide`` clipped to
-        0) and drafting stayed on where it cost throughput. Pull them toward the measurement
-        at the EWMA rate."""
-        assert self.t1 is not None
-        t_seq = self.t_seq if seqs > 1 and rows > seqs else None
-        base = self.t1 + (0.0 if t_seq is None else t_seq * (seqs - 1))
-        if compute >= base:
+    def _fit(self) -> None:
+        """The step costs from each step shape's median time (a step's time has a long right
+        tail: the GIL, the guest's scheduler; means of raw times, or of what earlier estimates
+        left of them, came out at 2-5x the typical cost of a draft row in a batched step, so
+        drafting went off where it paid). One sequence: ``t1`` and ``t_row`` by least squares
+        over its row counts. Several: one ``t_wide`` per draft row that the widths share
+        (:func:`_draft_row_cost`), a fixed part per width (``base``), then ``t_seq`` from
+        the widths' fixed parts. A step of one sequence costs no more than a step of several,
+        so ``t1`` is capped by their fixed parts: times from the first steps (kernels
+        compiling) do not stay the estimate when no one-row step has come since. A shape not
+        measured for ``_AGE`` observations is forgotten."""
+        now = self._n_obs
+        for key in [k for k, c in self._cells.items() if now - c.last > _AGE]:
+            del self._cells[key]
+        one: list[tuple[float, float, int]] = []  # (rows - 1, median, measurements)
+        wide: dict[int, list[tuple[float, float, int]]] = {}  # seqs -> (rows - seqs, ...)
+        self._wide_drafted = 0
+        for (seqs, rows), c in self._cells.items():
+            if seqs == 1:
+                one.append((rows - 1.0, c.median(), len(c.values)))
+            else:
+                wide.setdefault(seqs, []).append((float(rows - seqs), c.median(), len(c.values)))
+                self._wide_drafted += len(c.values) if rows > seqs else 0
+        if one:
+            fit = _line(one)
+            if fit is not None:
+                self.t1, self.t_row = fit
+            else:  # one row count: a one-row step, or (drafts only) every row alike
+                x, m, _ = one[0]
+                per_row = self.t_row if self.t_row is not None else m / (x + 1.0)
+                self.t1 = max(m - per_row * x, 1e-9)
+        if not wide:
             return
-        f = 1.0 + self.ewma * (compute / base - 1.0)
-        self.t1 *= f
-        if t_seq is not None:
-            self.t_seq = t_seq * f
+        self.t_wide = _draft_row_cost(wide, self.t_wide)
+        per_draft = self.t_wide if self.t_wide is not None else (self.t_row or 0.0)
+        base: dict[int, float] = {}
+        for seqs, pts in wide.items():
+            n = sum(w for _, _, w in pts)
+            mean_x = sum(x * w for x, _, w in pts) / n
+            mean_m = sum(m * w for _, m, w in pts) / n
+            base[seqs] = max(mean_m - per_draft * mean_x, 1e-9)
+        self.base = base
+        if self.t1 is None:  # no one-sequence step seen yet: every sequence alike
+            self.t1 = min(b / s for s, b in base.items())
+        t1 = self.t1 = min(self.t1, min(base.values()))
+        num = sum((s - 1) * (b - t1) for s, b in base.items())
+        den = sum((s - 1) ** 2 for s in base)
+        self.t_seq = max(num / den, 0.0)
 
     def observe_union(self, rows: int, union_per_layer: float) -> None:
         """Mean distinct routed experts per MoE layer seen in a step of ``rows`` rows."""
@@ -206,7 +300,10 @@ class CostModel:
             return t1 + t_row * (rows - 1) + misses * t_miss
         t_seq = self.t_seq if self.t_seq is not None else t_row
         t_wide = self.t_wide if self.t_wide is not None else min(t_row, t_seq)
-        return t1 + t_seq * (seqs - 1) + t_wide * max(rows - seqs, 0) + misses * t_miss
+        plain = self.base.get(seqs)
+        if plain is None:
+            plain = t1 + t_seq * (seqs - 1)
+        return plain + t_wide * max(rows - seqs, 0) + misses * t_miss
 
     def speedup(self, source: str, k: int, others: int = 0, other_seqs: int | None = None) -> float:
         """Estimated tokens/s with k drafts from ``source`` over plain decoding. ``others``:
@@ -247,9 +344,14 @@ class CostModel:
         head over every position since it last ran while the step's other generations wait
         (eight streams of the demo model lost ~4% to such probes); it stays due for a
         narrower step. (The speed-up is a ratio of two linear functions of k: monotone, so
-        k = 1 and the largest k bound every k between.)"""
+        k = 1 and the largest k bound every k between.) While fewer than ``_TRUST`` batched
+        steps with draft rows are measured, a batched step could always pay: the cost of a
+        draft row there is a guess from a few steps (the first ones of a shape run slow), and
+        skipping probes would keep it."""
         o = max(int(others), 0)
         s = 1 + (o if other_seqs is None else max(min(int(other_seqs), o), 0))
+        if s > 1 and self._wide_drafted < _TRUST:
+            return True
         cost = self.step_cost(o + 1 + k, s) + self.draft_seconds(key, k)
         return (o + 1 + k) * self.step_cost(o + 1, s) / ((o + 1) * cost) >= 1.0 + self.margin
 
@@ -318,6 +420,7 @@ class CostModel:
             "t_row_s": self.t_row,
             "t_seq_s": self.t_seq,
             "t_wide_s": self.t_wide,
+            "base_s": {str(k): v for k, v in sorted(self.base.items())},
             "t_miss_s": self.t_miss,
             "hit_rate": self.hit_rate,
             "overlap": self.overlap,

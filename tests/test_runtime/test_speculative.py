@@ -592,7 +592,7 @@ def test_cost_model_recovers_from_step_costs_learned_while_kernels_compiled() ->
         cm.observe_proposal("mtp", 1, 1 if i % 5 < 3 else 0)
         cm.observe_step(8, 0.0069, seqs=8)
         cm.observe_step(16, 0.0133, seqs=8)
-    assert cm.t1 is not None and cm.t1 < 0.0069
+    assert cm.t1 is not None and cm.t1 <= 0.0069
     assert cm.t_wide is not None and cm.t_wide > 0.0005
     assert cm.step_cost(8, 8) == pytest.approx(0.0069, rel=0.05)
     assert cm.step_cost(16, 8) == pytest.approx(0.0133, rel=0.05)
@@ -643,6 +643,70 @@ def test_cost_model_tells_a_further_generation_from_a_further_draft_row() -> Non
     e = cm.expected("lookup-3", 1)
     as_a_generation = cm.step_cost(9, 9) + cm.draft_seconds("lookup-3", 1)
     assert (7 + e) * cm.step_cost(8, 8) / (8 * as_a_generation) < 1.03
+
+
+def test_cost_model_reads_through_the_long_tail_of_step_times() -> None:
+    """Step times on a busy 2-vCPU guest have a long right tail (the GIL, the guest's
+    scheduler): here every fifth step takes twice its time. Measured on the demo model
+    (medians): one row 1.78 ms, three rows 2.49 ms; eight sequences 5.40 ms, with eight
+    draft rows 8.10 ms. Averages of raw times, and of what the earlier estimates left of them,
+    put a draft row in the step of eight at 0.55-1.55 ms (truth 0.34) and drafting stayed off
+    where forcing it was 25% faster; the medians give the costs, and a lookup draft right 90%
+    of the time is taken in the step of eight."""
+    cm = CostModel(top_k=4, n_experts=32, moe_layers=5, max_k=2)
+    shapes = [(1, 1, 0.00178), (3, 1, 0.00249), (8, 8, 0.00540), (16, 8, 0.00810)]
+    for i in range(60):
+        for rows, seqs, t in shapes:
+            cm.observe_step(rows, t * (2.0 if i % 5 == 4 else 1.0), seqs=seqs)
+        cm.observe_draft("lookup-3", 1, 0.00002)
+        cm.observe_proposal("lookup-3", 2, 2 if i % 10 else 1)
+    assert cm.t1 == pytest.approx(0.00178)
+    assert cm.t_row == pytest.approx(0.000355)
+    assert cm.t_wide == pytest.approx(0.0027 / 8)
+    assert cm.step_cost(8, 8) == pytest.approx(0.0054)
+    assert cm.step_cost(10, 8) == pytest.approx(0.0054 + 2 * 0.0027 / 8)
+    assert cm.choose({"lookup-3": 2}, others=7, other_seqs=7)[:2] == ("lookup-3", 2)
+
+
+def test_cost_model_keeps_probing_batched_steps_until_their_draft_cost_is_measured() -> None:
+    """Recorded on eight streams of the demo model: the first batched steps with draft rows
+    ran slow (one draft row +1.1 ms, nine +8.8 ms: first runs of their shapes), so a draft
+    row looked like ~1 ms and not even an always-right draft would pay; probes were skipped
+    in steps that wide and the guess stayed (drafting off, 1180 tok/s where it runs at
+    1370-1530). Until ``_TRUST`` such steps are measured the probes go on; theirs (+0.3 ms a
+    row) bring the estimate down and drafting on."""
+    cm = CostModel(top_k=4, n_experts=32, moe_layers=5, max_k=2, probe_interval=4)
+    for _ in range(16):
+        cm.observe_step(1, 0.0018)
+        cm.observe_step(3, 0.0025)
+        cm.observe_step(8, 0.0050, seqs=8)
+        cm.observe_draft("lookup-3", 1, 0.00002)
+        cm.observe_proposal("lookup-3", 2, 2)
+    for rows, t in ((9, 0.0061), (10, 0.0064), (17, 0.01375)):
+        cm.observe_step(rows, t, seqs=8)
+    assert cm.t_wide is not None and cm.t_wide > 0.0009
+    assert cm.speedup("lookup-3", 2, others=7, other_seqs=7) < 1.0
+    picks = [cm.choose({"lookup-3": 2}, others=7, other_seqs=7) for _ in range(4)]
+    assert ("lookup-3", 1, True) in picks  # a probe, though the guess says no
+    for _ in range(8):  # what the probes measure
+        cm.observe_step(9, 0.0053, seqs=8)
+    assert cm.t_wide == pytest.approx(0.0003, rel=0.1)
+    assert cm.choose({"lookup-3": 2}, others=7, other_seqs=7)[:2] == ("lookup-3", 2)
+
+
+def test_cost_model_forgets_step_shapes_it_no_longer_sees() -> None:
+    """A shape not measured for ``_AGE`` observations is dropped: its times no longer say
+    what the machine does now (e.g. the kernels' first calls, or another load on the host)."""
+    from runtime.speculative.cost import _AGE
+
+    cm = CostModel(top_k=4, n_experts=32, moe_layers=5, max_k=2)
+    cm.observe_step(1, 0.030)
+    cm.observe_step(2, 0.031)
+    for _ in range(_AGE + 1):
+        cm.observe_step(3, 0.0025)
+    assert set(cm._cells) == {(1, 3)}  # the one-row and two-row times of 30 ms are gone
+    cm.observe_step(1, 0.0018)
+    assert (cm.t1, cm.t_row) == (pytest.approx(0.0018), pytest.approx(0.00035))
 
 
 def test_expected_tokens() -> None:
