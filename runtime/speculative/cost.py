@@ -345,14 +345,15 @@ class CostModel:
         (eight streams of the demo model lost ~4% to such probes); it stays due for a
         narrower step. (The speed-up is a ratio of two linear functions of k: monotone, so
         k = 1 and the largest k bound every k between.) While fewer than ``_TRUST`` batched
-        steps with draft rows are measured, a batched step could always pay: the cost of a
+        steps with draft rows are measured, a batched step could always pay for a draft that
+        costs little to make (a prompt lookup; not an MTP head's catch-up): the cost of a
         draft row there is a guess from a few steps (the first ones of a shape run slow), and
         skipping probes would keep it."""
         o = max(int(others), 0)
         s = 1 + (o if other_seqs is None else max(min(int(other_seqs), o), 0))
-        if s > 1 and self._wide_drafted < _TRUST:
-            return True
         cost = self.step_cost(o + 1 + k, s) + self.draft_seconds(key, k)
+        if s > 1 and self._wide_drafted < _TRUST and self.draft_seconds(key, k) < 0.1 * cost:
+            return True
         return (o + 1 + k) * self.step_cost(o + 1, s) / ((o + 1) * cost) >= 1.0 + self.margin
 
     def pays(self, source: str) -> bool:

@@ -673,8 +673,8 @@ def test_cost_model_keeps_probing_batched_steps_until_their_draft_cost_is_measur
     ran slow (one draft row +1.1 ms, nine +8.8 ms: first runs of their shapes), so a draft
     row looked like ~1 ms and not even an always-right draft would pay; probes were skipped
     in steps that wide and the guess stayed (drafting off, 1180 tok/s where it runs at
-    1370-1530). Until ``_TRUST`` such steps are measured the probes go on; theirs (+0.3 ms a
-    row) bring the estimate down and drafting on."""
+    1370-1530). Until ``_TRUST`` such steps are measured the probes of cheap drafts go on;
+    theirs (+0.3 ms a row) bring the estimate down and drafting on."""
     cm = CostModel(top_k=4, n_experts=32, moe_layers=5, max_k=2, probe_interval=4)
     for _ in range(16):
         cm.observe_step(1, 0.0018)
@@ -688,6 +688,9 @@ def test_cost_model_keeps_probing_batched_steps_until_their_draft_cost_is_measur
     assert cm.speedup("lookup-3", 2, others=7, other_seqs=7) < 1.0
     picks = [cm.choose({"lookup-3": 2}, others=7, other_seqs=7) for _ in range(4)]
     assert ("lookup-3", 1, True) in picks  # a probe, though the guess says no
+    # not for a draft that is costly to make (an MTP head's catch-up holds up the other seven)
+    cm.observe_draft("mtp", 1, 0.001)
+    assert not cm._could_pay("mtp", 7, 7) and cm._could_pay("lookup-3", 7, 7)
     for _ in range(8):  # what the probes measure
         cm.observe_step(9, 0.0053, seqs=8)
     assert cm.t_wide == pytest.approx(0.0003, rel=0.1)
