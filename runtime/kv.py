@@ -71,6 +71,20 @@ class KVCache:
             layer: zeros_aligned((self._cap, index_head_dim)) for layer in self.indexed_layers
         }
         self._tokens = np.zeros(self._cap, np.int32)
+        self._addresses = self._find_addresses()
+
+    def _find_addresses(self) -> list[tuple[int, int]]:
+        return [
+            (int(a.ctypes.data), int(b.ctypes.data))
+            for a, b in zip(self._latent, self._k_rope, strict=True)
+        ]
+
+    def addresses(self, layer: int) -> tuple[int, int]:
+        """Where layer ``layer``'s latent and rope-key rows begin (64-byte aligned, C-contiguous
+        float32, ``kv_lora_rank`` / ``qk_rope_head_dim`` per row): for a kernel that reads
+        several caches in one call. Valid until the next :meth:`reserve` that grows the cache
+        (the caller keeps the cache alive meanwhile)."""
+        return self._addresses[layer]
 
     # ------------------------------------------------------------------------------ writing
 
@@ -89,6 +103,7 @@ class KVCache:
 
         self._latent = [grow(a) for a in self._latent]
         self._k_rope = [grow(a) for a in self._k_rope]
+        self._addresses = self._find_addresses()
         self._index = {k: grow(a) for k, a in self._index.items()}
         tokens = np.zeros(cap, np.int32)
         tokens[: self._cap] = self._tokens

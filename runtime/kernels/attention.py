@@ -25,7 +25,7 @@ from numba.np.numpy_support import carray
 from runtime.kernels._intrinsics import ALIGN, f32_at, zeros64
 from runtime.kernels._simd import vfma16, vhsum16, vload16, vsplat16, vstore16, vzero16
 
-__all__ = ["KERNELS", "latent_attention", "latent_attention_seqs"]
+__all__ = ["KERNELS", "latent_attention", "latent_attention_cached", "latent_attention_seqs"]
 
 F32Array = npt.NDArray[np.float32]
 _KEY_BLOCK = 8  # keys whose weighted values are added per pass over the output (their rows: L1)
@@ -295,7 +295,7 @@ def latent_attention_seqs(
     sequence ``j``), ``keys[j]`` its (``latent`` [S_j, C], ``k_rope`` [S_j, R]) and
     ``allowed[j]`` its [T_j, S_j] mask or None -> [N, NH, C], each sequence's rows the bits of
     its own :func:`latent_attention` call (``rows_after`` 0: the rows are its last)."""
-    n, nh, c = q_lat.shape
+    n, _, c = q_lat.shape
     r = q_rope.shape[2]
     if len(keys) != len(rows) or len(allowed) != len(rows) or sum(rows) != n:
         raise ValueError(f"{len(keys)} key sets, {len(rows)} row counts ({sum(rows)} rows), "
@@ -324,6 +324,59 @@ def latent_attention_seqs(
         lengths[j] = s_all
         lat_at[j] = latent.ctypes.data
         rope_at[j] = k_rope.ctypes.data
+    return _seqs_call(q_lat, q_rope, lat_at, rope_at, lengths, rows, parts, mask_at, scale)
+
+
+def latent_attention_cached(
+    q_lat: F32Array,
+    q_rope: F32Array,
+    at: list[tuple[int, int]],
+    lengths: list[int],
+    rows: list[int],
+    allowed: list[npt.NDArray[np.bool_] | None],
+    scale: float,
+) -> F32Array:
+    """:func:`latent_attention_seqs` over KV caches' own rows, given where they begin
+    (``at[j]``: ``KVCache.addresses`` of the layer) and how many keys each sequence has
+    (``lengths[j]``, at least its ``rows[j]``): no per-sequence checks of key arrays, which
+    the caches' buffers meet by construction (and cost ~5 us a sequence a layer in a
+    batched decode step). The caches must stay alive and unresized for the call."""
+    n = q_lat.shape[0]
+    if len(at) != len(rows) or len(lengths) != len(rows) or len(allowed) != len(rows):
+        raise ValueError(f"{len(at)} caches, {len(lengths)} lengths, {len(allowed)} masks "
+                         f"for {len(rows)} sequences")  # fmt: skip
+    if sum(rows) != n or any(not 1 <= t <= s for t, s in zip(rows, lengths, strict=True)):
+        raise ValueError(f"rows {rows} (for {n} query rows) against key counts {lengths}")
+    parts = []
+    mask_at = np.zeros(len(rows) + 1, np.int64)
+    for j, (t, s_all, mask) in enumerate(zip(rows, lengths, allowed, strict=True)):
+        if mask is not None:
+            if mask.shape != (t, s_all):
+                raise ValueError(f"sequence {j}: allowed {mask.shape} for T={t}, S={s_all}")
+            parts.append(np.ascontiguousarray(mask).view(np.uint8).reshape(-1))
+        mask_at[j + 1] = mask_at[j] + (0 if mask is None else t * s_all)
+    lat_at = np.array([a for a, _ in at], np.int64)
+    rope_at = np.array([b for _, b in at], np.int64)
+    return _seqs_call(
+        q_lat, q_rope, lat_at, rope_at, np.array(lengths, np.int64), rows, parts, mask_at, scale
+    )
+
+
+def _seqs_call(
+    q_lat: F32Array,
+    q_rope: F32Array,
+    lat_at: npt.NDArray[np.int64],
+    rope_at: npt.NDArray[np.int64],
+    lengths: npt.NDArray[np.int64],
+    rows: list[int],
+    parts: list[npt.NDArray[np.uint8]],
+    mask_at: npt.NDArray[np.int64],
+    scale: float,
+) -> F32Array:
+    """The one kernel call of :func:`latent_attention_seqs` and
+    :func:`latent_attention_cached`: [N, NH, C]."""
+    n, nh, c = q_lat.shape
+    r = q_rope.shape[2]
     masks = np.concatenate(parts) if parts else _NO_MASK
     bounds = np.zeros(len(rows) + 1, np.int64)
     np.cumsum(rows, out=bounds[1:])

@@ -258,6 +258,23 @@ def latent_attention_seqs(
     return attention_kernel.latent_attention_seqs(q_lat, q_rope, keys, rows, allowed, scale)
 
 
+def latent_attention_cached(
+    q_lat: F32Array,
+    q_rope: F32Array,
+    at: list[tuple[int, int]],
+    lengths: list[int],
+    rows: list[int],
+    allowed: list[BoolArray | None],
+    scale: float,
+) -> F32Array:
+    """:func:`latent_attention_seqs` over KV caches' rows given by ``KVCache.addresses``
+    (``at[j]``) and key counts (``lengths[j]``): the same bits, without checking key arrays
+    the caches' buffers are by construction."""
+    return attention_kernel.latent_attention_cached(
+        q_lat, q_rope, at, lengths, rows, allowed, scale
+    )
+
+
 def unabsorb_values(w: MLAWeights, d: MLADims, o_lat: F32Array) -> F32Array:
     """Latent attention outputs [T, NH, C] through W_UV -> [T, NH * V] (rows independent)."""
     t = o_lat.shape[0]

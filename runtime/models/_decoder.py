@@ -677,13 +677,11 @@ class MLAMoEModel(DecoderStack):
         q_lat_all = mla.absorb_queries(lw.attn, d, proj_all.q_nope)  # [N, NH, C]
         bounds = np.cumsum([0, *rows])
         new_sel: list[BoolArray | None] = []
-        keys: list[tuple[F32Array, F32Array]] = []
         ends = [seq.start + t for seq, t in zip(seqs, rows, strict=True)]
         pre = self._selection_rows(layer, lw, x_all, proj_all, cos, sin, ends)
         reads = self._selection_reads_rows(layer)
         for j, seq in enumerate(seqs):
             lo, hi = int(bounds[j]), int(bounds[j + 1])
-            s = seq.start + hi - lo
             seq.cache.write(at, seq.start, proj_all.latent[lo:hi], proj_all.k_rope[lo:hi])
             proj = None
             if reads:  # only a layer that scores keys reads this sequence's projections
@@ -694,13 +692,14 @@ class MLAMoEModel(DecoderStack):
                 ctx, layer, at, lw, x_all[lo:hi], proj, seq, sel[j],
                 rows=None if pre is None else pre.part(lo, hi),
             )  # fmt: skip
-            keys.append((seq.cache.latent(at, s), seq.cache.k_rope(at, s)))
             new_sel.append(selection)
-        # every sequence's rows over its own keys in one kernel call (the kernel bounds each
+        # every sequence's rows over its own keys (its cache's rows, where they are: written
+        # above, so no cache grows before the call) in one kernel call (the kernel bounds each
         # row by its causal keys: a mask only for a sparse selection)
-        o_lat = mla.latent_attention_seqs(
-            q_lat_all, proj_all.q_rope, keys, rows, new_sel, self.softmax_scale
-        )  # [N, NH, C]
+        o_lat = mla.latent_attention_cached(
+            q_lat_all, proj_all.q_rope, [seq.cache.addresses(at) for seq in seqs], ends, rows,
+            new_sel, self.softmax_scale,
+        )  # [N, NH, C]  # fmt: skip
         out = mla.out_proj(lw.attn, mla.unabsorb_values(lw.attn, d, o_lat), comp.linear)
         y = h_all + out  # [N, D]
         return [y[bounds[j] : bounds[j + 1]] for j in range(len(seqs))], new_sel

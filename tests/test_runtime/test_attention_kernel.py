@@ -201,6 +201,46 @@ def test_several_sequences_in_one_call_are_each_sequence_alone(nh: int, c: int, 
         att.latent_attention_seqs(q, qr, bad, rows, [None] * 4, 0.1)
 
 
+def test_attention_over_kv_caches_by_address_is_each_sequence_alone() -> None:
+    """``latent_attention_cached`` (a batched decode step's call: each sequence's keys where
+    its ``KVCache`` holds them, no per-sequence array checks) gives every sequence's rows the
+    bits of its own ``latent_attention`` over the cache's views, also after a cache grew
+    (its rows moved: ``addresses`` follows them); bad row counts and masks are refused."""
+    from runtime.kv import KVCache
+
+    nh, c, r = 4, 96, 32
+    rng = np.random.default_rng(5)
+    rows, lens = [1, 3, 1, 2], [10, 7, 200, 2]
+    caches = []
+    for s in lens:
+        kv = KVCache(2, c, r, capacity=16)
+        kv.write(1, 0, rng.standard_normal((s, c)).astype(np.float32),
+                 rng.standard_normal((s, r)).astype(np.float32))  # fmt: skip
+        kv.commit(s)
+        caches.append(kv)
+    assert caches[2].addresses(1)[0] == caches[2].latent(1).ctypes.data  # (grew past 16)
+    mask = rng.random((3, 7)) < 0.6
+    mask[:, 0] = True
+    masks = [None, mask, None, np.ones((2, 2), bool)]
+    n = sum(rows)
+    q = rng.standard_normal((n, nh, c)).astype(np.float32)
+    qr = rng.standard_normal((n, nh, r)).astype(np.float32)
+    at = [kv.addresses(1) for kv in caches]
+    got = att.latent_attention_cached(q, qr, at, lens, rows, masks, 0.1)
+    b = np.cumsum([0, *rows])
+    for j, kv in enumerate(caches):
+        want = att.latent_attention(
+            q[b[j] : b[j + 1]], qr[b[j] : b[j + 1]], kv.latent(1), kv.k_rope(1), masks[j], 0.1
+        )
+        np.testing.assert_array_equal(got[b[j] : b[j + 1]].view(np.uint32), want.view(np.uint32))
+    with pytest.raises(ValueError, match="rows"):
+        att.latent_attention_cached(q, qr, at, [10, 2, 200, 2], rows, masks, 0.1)  # 3 > 2 keys
+    with pytest.raises(ValueError, match="allowed"):
+        att.latent_attention_cached(q, qr, at, lens, rows, [None, mask[:2], None, None], 0.1)
+    with pytest.raises(ValueError, match="caches"):
+        att.latent_attention_cached(q, qr, at[:3], lens, rows, masks, 0.1)
+
+
 def test_kernels_release_the_gil() -> None:
     for k in att.KERNELS:
         assert k.targetoptions.get("nogil") is True, k
