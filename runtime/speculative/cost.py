@@ -54,16 +54,23 @@ class _Cell:
         return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
 
 
-def _line(pts: list[tuple[float, float, int]]) -> tuple[float, float] | None:
-    """(intercept, slope >= 0) of the weighted least-squares line through ``pts`` (x, y,
-    weight), None when every x is the same."""
+def _moments(pts: list[tuple[float, float, int]]) -> tuple[float, float, float, float]:
+    """Weighted means of x and y and the centred sums Sxx, Sxy of ``pts`` (x, y, weight)."""
     n = sum(w for _, _, w in pts)
     mx = sum(x * w for x, _, w in pts) / n
     my = sum(y * w for _, y, w in pts) / n
     sxx = sum(w * (x - mx) ** 2 for x, _, w in pts)
+    sxy = sum(w * (x - mx) * (y - my) for x, y, w in pts)
+    return mx, my, sxx, sxy
+
+
+def _line(pts: list[tuple[float, float, int]]) -> tuple[float, float] | None:
+    """(intercept, slope >= 0) of the weighted least-squares line through ``pts`` (x, y,
+    weight), None when every x is the same."""
+    mx, my, sxx, sxy = _moments(pts)
     if sxx <= 0:
         return None
-    slope = max(sum(w * (x - mx) * (y - my) for x, y, w in pts) / sxx, 0.0)
+    slope = max(sxy / sxx, 0.0)
     return max(my - slope * mx, 1e-9), slope
 
 
@@ -89,14 +96,9 @@ def _draft_row_cost(
             run += w
             if run >= half:
                 return max(v, 0.0)
-    sxy = sxx = 0.0
-    for pts in wide.values():
-        n = sum(w for _, _, w in pts)
-        mx = sum(x * w for x, _, w in pts) / n
-        my = sum(y * w for _, y, w in pts) / n
-        sxx += sum(w * (x - mx) ** 2 for x, _, w in pts)
-        sxy += sum(w * (x - mx) * (y - my) for x, y, w in pts)
-    return max(sxy / sxx, 0.0) if sxx > 0 else old
+    sums = [_moments(pts)[2:] for pts in wide.values()]
+    sxx = sum(a for a, _ in sums)
+    return max(sum(b for _, b in sums) / sxx, 0.0) if sxx > 0 else old
 
 
 @dataclass
@@ -228,9 +230,7 @@ class CostModel:
         per_draft = self.t_wide if self.t_wide is not None else (self.t_row or 0.0)
         base: dict[int, float] = {}
         for seqs, pts in wide.items():
-            n = sum(w for _, _, w in pts)
-            mean_x = sum(x * w for x, _, w in pts) / n
-            mean_m = sum(m * w for _, m, w in pts) / n
+            mean_x, mean_m, _, _ = _moments(pts)
             base[seqs] = max(mean_m - per_draft * mean_x, 1e-9)
         self.base = base
         if self.t1 is None:  # no one-sequence step seen yet: every sequence alike
