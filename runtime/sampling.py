@@ -144,6 +144,12 @@ class Sampler:
         p = self.params
         x = logits.astype(np.float64)
         x /= max(p.temperature, 1e-6)  # [V]
+        if not np.isfinite(x.max()):  # NaN anywhere, +inf, or every token masked out
+            raise ModelError(
+                "cannot sample: the model produced non-finite logits (NaN or +inf; the weights "
+                "are probably damaged: check them with `coli doctor --verify`), or they allow "
+                "no token"
+            )
         if p.top_k and p.top_k < x.size:
             # keep exactly k; ties at the boundary go to the lowest ids (stable order)
             keep = top_ids(x, p.top_k)

@@ -377,3 +377,21 @@ def test_top_ids_are_the_first_ids_of_a_stable_descending_sort() -> None:
             order = np.argsort(-x64, kind="stable")
             for n in (1, 3, 20, 5000, v):
                 assert np.array_equal(top_ids(x64, n), order[:n]), (v, n)
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_p", "top_k"), [(0.7, 1.0, 40), (1.0, 0.9, 0), (1.0, 1.0, 0)]
+)
+def test_logits_that_cannot_be_sampled_are_refused(
+    temperature: float, top_p: float, top_k: int
+) -> None:
+    """NaN or +inf logits (damaged weights), or every token masked out: a ModelError that says
+    so, for every filter (a speculative round samples before the engine checks the row)."""
+    for v in (100, 20000):
+        base = random_logits(v, v)
+        nan, inf, none = base.copy(), base.copy(), np.full(v, -np.inf, np.float32)
+        nan[5] = np.nan
+        inf[7] = np.inf
+        for x in (nan, inf, none):
+            with pytest.raises(ModelError, match="cannot sample"):
+                sampler(temperature, top_p, top_k).sample(x)

@@ -91,6 +91,9 @@ def test_nan_logits_stop_the_generation(tmp_path: Path, private_home: None) -> N
     with colibri.open_model(d, draft="mtp:2") as m:
         with pytest.raises(ModelError, match="non-finite logits"):
             m.generate([5, 6, 7], max_new_tokens=4)
+        # sampled: a speculative round samples its row before the engine checks it
+        with pytest.raises(ModelError, match=r"non-finite logits .* doctor --verify"):
+            m.generate([5, 6, 7], max_new_tokens=4, temperature=0.8, top_p=0.9, seed=1)
 
 
 def test_activations_that_overflow_stop_the_generation(tmp_path: Path, private_home: None) -> None:
