@@ -84,23 +84,60 @@ def _port(address: str, text: str) -> int:
     return int(text)
 
 
+#: An HTTP/2 client's connection preface and an empty SETTINGS frame: Ray's head (its GCS,
+#: and the Ray client server behind ``ray://``) speaks gRPC, whose server answers with a
+#: SETTINGS frame of its own (frame type 4 on stream 0) before anything else.
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+
+
 def check_reachable(address: str, timeout: float = REACH_TIMEOUT_S) -> None:
-    """Fail at once when nothing answers at a Ray address: ``ray.init`` would wait on the head
-    node for minutes, with no way to stop it short of killing the process. One TCP connect,
-    closed right away; raises :class:`ColibriError` naming the address and the reason."""
+    """Fail at once when nothing that could be Ray answers at an address: ``ray.init`` would
+    wait on the head node for minutes, with no way to stop it short of killing the process.
+    One TCP connect; then the HTTP/2 preface, which a gRPC server (Ray's head) answers with
+    a SETTINGS frame, so a port where another service listens (a web server, ssh, a closed
+    tunnel that accepts and says nothing) is told apart. Raises :class:`ColibriError` naming
+    the address and the reason."""
     where = head_endpoint(address)
     if where is None:
         return
     host, port = where
     try:
-        with socket.create_connection((host, port), timeout=timeout):
-            pass
+        sock = socket.create_connection((host, port), timeout=timeout)
     except OSError as exc:  # refused, unreachable, unknown host, timed out
         why = exc.strerror or str(exc) or type(exc).__name__
         raise ColibriError(
             f"cannot reach Ray at {address!r} ({host} port {port}): {why}; start the head "
             "node with `ray start --head` there, or use --ray local"
         ) from exc
+    with sock:
+        try:
+            sock.sendall(_H2_PREFACE)
+            head = _read_some(sock, 9)
+        except TimeoutError:
+            said = f"accepted the connection, then said nothing for {timeout:g} s"
+        except OSError as exc:  # reset by the peer
+            said = f"dropped the connection ({exc.strerror or exc})"
+        else:
+            if len(head) >= 9 and head[3] == 4:
+                return
+            said = f"sent {head[:40]!r}" if head else "closed the connection"
+    raise ColibriError(
+        f"something answers at {address!r} ({host} port {port}) but it is not a Ray head "
+        f"(it {said}, where Ray's gRPC sends its settings); check the address and port "
+        "(`ray start --head` prints them)"
+    )
+
+
+def _read_some(sock: socket.socket, n: int) -> bytes:
+    """At least ``n`` bytes (up to 64, to say what a stranger sent), fewer when the peer
+    closes first."""
+    got = b""
+    while len(got) < n:
+        part = sock.recv(64 - len(got))
+        if not part:
+            break
+        got += part
+    return got
 
 
 def _cause(exc: BaseException) -> str:

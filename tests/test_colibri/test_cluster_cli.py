@@ -4,12 +4,16 @@ addresses refused with one clear line."""
 from __future__ import annotations
 
 import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 from _cli import coli
 
-from runtime.cluster.ray_backend import head_endpoint
+from runtime.cluster.ray_backend import check_reachable, head_endpoint
 from storage.errors import ColibriError
 
 pytest.importorskip("ray", reason="the ray extra is not installed")
@@ -88,3 +92,74 @@ def test_ray_addresses_name_the_head_they_connect_to(
 def test_a_malformed_ray_address_is_refused(address: str) -> None:
     with pytest.raises(ColibriError, match="--ray"):
         head_endpoint(address)
+
+
+@contextmanager
+def _service(answer: Callable[[socket.socket], None]) -> Iterator[int]:
+    """A loopback TCP service that runs ``answer`` on each connection; yields its port."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve() -> None:
+        srv.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                answer(conn)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        yield int(srv.getsockname()[1])
+    finally:
+        stop.set()
+        t.join(5)
+        srv.close()
+
+
+def _http1(conn: socket.socket) -> None:
+    conn.recv(1024)
+    conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+
+
+def _silent(conn: socket.socket) -> None:
+    time.sleep(1.0)
+
+
+def _hang_up(conn: socket.socket) -> None:
+    pass
+
+
+@pytest.mark.parametrize(
+    ("answer", "said"),
+    [(_http1, "sent b'HTTP/1.1 400"), (_silent, "said nothing"), (_hang_up, "connection")],
+)
+def test_a_service_that_is_not_ray_is_one_clear_error_at_once(
+    answer: Callable[[socket.socket], None], said: str
+) -> None:
+    """A port where something else listens (a web server, a tunnel that accepts and stays
+    silent, one that hangs up) made ``ray.init`` wait for minutes: the check speaks the
+    HTTP/2 preface that Ray's gRPC head answers with its settings, and says what it got."""
+    with _service(answer) as port:
+        t0 = time.monotonic()
+        with pytest.raises(ColibriError, match="not a Ray head") as err:
+            check_reachable(f"127.0.0.1:{port}", timeout=0.5)
+        assert said in str(err.value) and str(port) in str(err.value)
+        assert time.monotonic() - t0 < 3
+
+
+def test_a_ray_head_passes_the_check() -> None:
+    """The GCS of a Ray started here answers the HTTP/2 preface as a head node does."""
+    import ray
+
+    if ray.is_initialized():  # (started by another test in this process: its head will do)
+        check_reachable(ray.get_runtime_context().gcs_address)
+        return
+    ctx = ray.init(num_cpus=1, include_dashboard=False, namespace="colibri-test-check")
+    try:
+        check_reachable(ctx.address_info["gcs_address"])
+    finally:
+        ray.shutdown()
