@@ -342,10 +342,14 @@ class DecoderStack:
         hs = [embed_rows(self.weights.embed, ids) for ids in all_ids]  # [T_j, D] each
         sel: list[BoolArray | None] = [None] * len(seqs)
         bounds = np.cumsum([0] + [ids.shape[0] for ids in all_ids])
-        for i, lw in enumerate(self.weights.layers):
-            hs, sel = self._attention_step(ctx, i, lw, hs, seqs, sel)
-            h = self._mlp(ctx, i, lw, np.concatenate(hs))  # [sum T_j, D]
-            hs = [h[bounds[j] : bounds[j + 1]] for j in range(len(seqs))]
+        # Activations that damaged weights blow up (inf, then NaN) are caught by the final
+        # norm's check, which stops the generation with what to do; numpy's warnings on the
+        # way there (an overflowing square in a layer's norm) would only print noise first.
+        with np.errstate(over="ignore", invalid="ignore"):
+            for i, lw in enumerate(self.weights.layers):
+                hs, sel = self._attention_step(ctx, i, lw, hs, seqs, sel)
+                h = self._mlp(ctx, i, lw, np.concatenate(hs))  # [sum T_j, D]
+                hs = [h[bounds[j] : bounds[j + 1]] for j in range(len(seqs))]
         hidden = rms_norm(
             np.concatenate(hs), self.weights.norm, self.config.rms_norm_eps, check=True
         )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -108,7 +109,8 @@ def test_activations_that_overflow_stop_the_generation(tmp_path: Path, private_h
     with open(scales.path, "r+b") as fh:
         fh.seek(scales.start)
         fh.write(np.full(scales.nbytes // 4, 1e25, dtype=np.float32).tobytes())
-    with colibri.open_model(d, draft="off") as m:
+    with colibri.open_model(d, draft="off") as m, warnings.catch_warnings():
+        warnings.simplefilter("error")  # the error says it all: no numpy warnings before it
         with pytest.raises(ModelError, match=r"overflowed or became NaN .* doctor --verify"):
             m.generate([5, 6, 7], max_new_tokens=4)
 
