@@ -300,31 +300,21 @@ def latent_attention_seqs(
     if len(keys) != len(rows) or len(allowed) != len(rows) or sum(rows) != n:
         raise ValueError(f"{len(keys)} key sets, {len(rows)} row counts ({sum(rows)} rows), "
                          f"{len(allowed)} masks for {n} query rows")  # fmt: skip
-    lengths = np.empty(len(rows), np.int64)
-    lat_at = np.empty(len(rows), np.int64)
-    rope_at = np.empty(len(rows), np.int64)
-    parts = []
-    mask_at = np.zeros(len(rows) + 1, np.int64)
-    for j, ((latent, k_rope), t, mask) in enumerate(zip(keys, rows, allowed, strict=True)):
+    at = []
+    for j, ((latent, k_rope), t) in enumerate(zip(keys, rows, strict=True)):
         s_all = latent.shape[0]
+        where = (latent.ctypes.data, k_rope.ctypes.data)
         if (
             latent.dtype != np.float32 or k_rope.dtype != np.float32
             or latent.shape[1:] != (c,) or k_rope.shape != (s_all, r)
             or not (latent.flags.c_contiguous and k_rope.flags.c_contiguous)
-            or latent.ctypes.data % ALIGN or k_rope.ctypes.data % ALIGN
-            or not 1 <= t <= s_all
+            or where[0] % ALIGN or where[1] % ALIGN
         ):  # fmt: skip
             raise ValueError(f"sequence {j}: latent {latent.shape}, k_rope {k_rope.shape} "
                              f"(float32, C-contiguous, 64-byte aligned) for {t} rows")  # fmt: skip
-        if mask is not None:
-            if mask.shape != (t, s_all):
-                raise ValueError(f"sequence {j}: allowed {mask.shape} for T={t}, S={s_all}")
-            parts.append(np.ascontiguousarray(mask).view(np.uint8).reshape(-1))
-        mask_at[j + 1] = mask_at[j] + (0 if mask is None else t * s_all)
-        lengths[j] = s_all
-        lat_at[j] = latent.ctypes.data
-        rope_at[j] = k_rope.ctypes.data
-    return _seqs_call(q_lat, q_rope, lat_at, rope_at, lengths, rows, parts, mask_at, scale)
+        at.append(where)  # (rows against key counts: checked there)
+    lengths = [latent.shape[0] for latent, _ in keys]
+    return latent_attention_cached(q_lat, q_rope, at, lengths, rows, allowed, scale)
 
 
 def latent_attention_cached(
@@ -336,12 +326,14 @@ def latent_attention_cached(
     allowed: list[npt.NDArray[np.bool_] | None],
     scale: float,
 ) -> F32Array:
-    """:func:`latent_attention_seqs` over KV caches' own rows, given where they begin
-    (``at[j]``: ``KVCache.addresses`` of the layer) and how many keys each sequence has
-    (``lengths[j]``, at least its ``rows[j]``): no per-sequence checks of key arrays, which
-    the caches' buffers meet by construction (and cost ~5 us a sequence a layer in a
-    batched decode step). The caches must stay alive and unresized for the call."""
-    n = q_lat.shape[0]
+    """:func:`latent_attention_seqs` over key rows given by where they begin (``at[j]``, e.g.
+    ``KVCache.addresses`` of the layer: 64-byte aligned, C-contiguous float32 rows of C and R
+    values) and how many keys each sequence has (``lengths[j]``, at least its ``rows[j]``):
+    no per-sequence checks of key arrays, which a KV cache's buffers meet by construction
+    (they cost ~5 us a sequence a layer in a batched decode step). The key buffers must stay
+    alive and unresized for the call."""
+    n, nh, c = q_lat.shape
+    r = q_rope.shape[2]
     if len(at) != len(rows) or len(lengths) != len(rows) or len(allowed) != len(rows):
         raise ValueError(f"{len(at)} caches, {len(lengths)} lengths, {len(allowed)} masks "
                          f"for {len(rows)} sequences")  # fmt: skip
@@ -355,34 +347,13 @@ def latent_attention_cached(
                 raise ValueError(f"sequence {j}: allowed {mask.shape} for T={t}, S={s_all}")
             parts.append(np.ascontiguousarray(mask).view(np.uint8).reshape(-1))
         mask_at[j + 1] = mask_at[j] + (0 if mask is None else t * s_all)
-    lat_at = np.array([a for a, _ in at], np.int64)
-    rope_at = np.array([b for _, b in at], np.int64)
-    return _seqs_call(
-        q_lat, q_rope, lat_at, rope_at, np.array(lengths, np.int64), rows, parts, mask_at, scale
-    )
-
-
-def _seqs_call(
-    q_lat: F32Array,
-    q_rope: F32Array,
-    lat_at: npt.NDArray[np.int64],
-    rope_at: npt.NDArray[np.int64],
-    lengths: npt.NDArray[np.int64],
-    rows: list[int],
-    parts: list[npt.NDArray[np.uint8]],
-    mask_at: npt.NDArray[np.int64],
-    scale: float,
-) -> F32Array:
-    """The one kernel call of :func:`latent_attention_seqs` and
-    :func:`latent_attention_cached`: [N, NH, C]."""
-    n, nh, c = q_lat.shape
-    r = q_rope.shape[2]
     masks = np.concatenate(parts) if parts else _NO_MASK
     bounds = np.zeros(len(rows) + 1, np.int64)
     np.cumsum(rows, out=bounds[1:])
     out: F32Array = _attend_seqs(
-        _flat(q_lat), _flat(q_rope), lat_at, rope_at, lengths, bounds, masks, mask_at,
-        nh, c, r, np.float32(scale),
+        _flat(q_lat), _flat(q_rope), np.array([a for a, _ in at], np.int64),
+        np.array([b for _, b in at], np.int64), np.array(lengths, np.int64), bounds, masks,
+        mask_at, nh, c, r, np.float32(scale),
     )  # fmt: skip
     return out.reshape(n, nh, c)
 

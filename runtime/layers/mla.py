@@ -243,21 +243,6 @@ def latent_attention(
     )
 
 
-def latent_attention_seqs(
-    q_lat: F32Array,
-    q_rope: F32Array,
-    keys: list[tuple[F32Array, F32Array]],
-    rows: list[int],
-    allowed: list[BoolArray | None],
-    scale: float,
-) -> F32Array:
-    """:func:`latent_attention` for the rows of several sequences (``rows[j]`` rows of
-    sequence ``j`` one after another in ``q_lat`` [N, NH, C] / ``q_rope`` [N, NH, R], its
-    cache's (``latent``, ``k_rope``) in ``keys[j]``, its mask or None in ``allowed[j]``) in
-    one kernel call: each sequence's rows the bits of its own call."""
-    return attention_kernel.latent_attention_seqs(q_lat, q_rope, keys, rows, allowed, scale)
-
-
 def latent_attention_cached(
     q_lat: F32Array,
     q_rope: F32Array,
@@ -267,9 +252,11 @@ def latent_attention_cached(
     allowed: list[BoolArray | None],
     scale: float,
 ) -> F32Array:
-    """:func:`latent_attention_seqs` over KV caches' rows given by ``KVCache.addresses``
-    (``at[j]``) and key counts (``lengths[j]``): the same bits, without checking key arrays
-    the caches' buffers are by construction."""
+    """:func:`latent_attention` for the rows of several sequences in one kernel call:
+    ``rows[j]`` rows of sequence ``j`` one after another in ``q_lat`` [N, NH, C] / ``q_rope``
+    [N, NH, R], its KV cache's rows of the layer where ``KVCache.addresses`` says (``at[j]``),
+    ``lengths[j]`` of them, its mask or None in ``allowed[j]``; each sequence's rows the bits
+    of its own call."""
     return attention_kernel.latent_attention_cached(
         q_lat, q_rope, at, lengths, rows, allowed, scale
     )

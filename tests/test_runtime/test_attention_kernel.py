@@ -161,6 +161,32 @@ def test_bad_shapes_are_refused() -> None:
         att.latent_attention(q, qr, lat, kr, allowed, 0.5, rows_after=9)
 
 
+def _queries(
+    rng: np.random.Generator, rows: list[int], nh: int, c: int, r: int
+) -> tuple[np.ndarray, list[np.ndarray | None], np.ndarray, np.ndarray]:
+    """Four sequences' masks (the second one masked [3, 7], the last all-True [2, 2]) and
+    their query rows: (that mask, the masks, q_lat [N, NH, C], q_rope [N, NH, R])."""
+    mask = rng.random((3, 7)) < 0.6
+    mask[:, 0] = True
+    masks = [None, mask, None, np.ones((2, 2), bool)]
+    n = sum(rows)
+    q = rng.standard_normal((n, nh, c)).astype(np.float32)
+    qr = rng.standard_normal((n, nh, r)).astype(np.float32)
+    return mask, masks, q, qr
+
+
+def _each_alone(got: np.ndarray, q: np.ndarray, qr: np.ndarray, rows: list[int],
+                keys: list[tuple[np.ndarray, np.ndarray]],
+                masks: list[np.ndarray | None]) -> None:  # fmt: skip
+    """Every sequence's rows of one batched call ``got`` are the bits of its call alone."""
+    b = np.cumsum([0, *rows])
+    for j in range(len(rows)):
+        want = att.latent_attention(
+            q[b[j] : b[j + 1]], qr[b[j] : b[j + 1]], *keys[j], masks[j], 0.1
+        )
+        np.testing.assert_array_equal(got[b[j] : b[j + 1]].view(np.uint32), want.view(np.uint32))
+
+
 @pytest.mark.parametrize(("nh", "c", "r"), [(4, 96, 32), (5, 40, 8), (16, 256, 64)])
 def test_several_sequences_in_one_call_are_each_sequence_alone(nh: int, c: int, r: int) -> None:
     """``latent_attention_seqs`` (the rows of several sequences, each over its own cache, in
@@ -178,19 +204,9 @@ def test_several_sequences_in_one_call_are_each_sequence_alone(nh: int, c: int, 
         rope = zeros_aligned((s + 5, r))
         rope[:] = rng.standard_normal((s + 5, r))
         keys.append((lat[:s], rope[:s]))
-    mask = rng.random((3, 7)) < 0.6
-    mask[:, 0] = True
-    masks = [None, mask, None, np.ones((2, 2), bool)]
-    n = sum(rows)
-    q = rng.standard_normal((n, nh, c)).astype(np.float32)
-    qr = rng.standard_normal((n, nh, r)).astype(np.float32)
+    mask, masks, q, qr = _queries(rng, rows, nh, c, r)
     got = att.latent_attention_seqs(q, qr, keys, rows, masks, 0.1)
-    b = np.cumsum([0, *rows])
-    for j in range(len(rows)):
-        want = att.latent_attention(
-            q[b[j] : b[j + 1]], qr[b[j] : b[j + 1]], *keys[j], masks[j], 0.1
-        )
-        np.testing.assert_array_equal(got[b[j] : b[j + 1]].view(np.uint32), want.view(np.uint32))
+    _each_alone(got, q, qr, rows, keys, masks)
     with pytest.raises(ValueError, match="masks"):
         att.latent_attention_seqs(q, qr, keys, rows[:3], masks, 0.1)
     with pytest.raises(ValueError, match="allowed"):
@@ -219,20 +235,10 @@ def test_attention_over_kv_caches_by_address_is_each_sequence_alone() -> None:
         kv.commit(s)
         caches.append(kv)
     assert caches[2].addresses(1)[0] == caches[2].latent(1).ctypes.data  # (grew past 16)
-    mask = rng.random((3, 7)) < 0.6
-    mask[:, 0] = True
-    masks = [None, mask, None, np.ones((2, 2), bool)]
-    n = sum(rows)
-    q = rng.standard_normal((n, nh, c)).astype(np.float32)
-    qr = rng.standard_normal((n, nh, r)).astype(np.float32)
+    mask, masks, q, qr = _queries(rng, rows, nh, c, r)
     at = [kv.addresses(1) for kv in caches]
     got = att.latent_attention_cached(q, qr, at, lens, rows, masks, 0.1)
-    b = np.cumsum([0, *rows])
-    for j, kv in enumerate(caches):
-        want = att.latent_attention(
-            q[b[j] : b[j + 1]], qr[b[j] : b[j + 1]], kv.latent(1), kv.k_rope(1), masks[j], 0.1
-        )
-        np.testing.assert_array_equal(got[b[j] : b[j + 1]].view(np.uint32), want.view(np.uint32))
+    _each_alone(got, q, qr, rows, [(kv.latent(1), kv.k_rope(1)) for kv in caches], masks)
     with pytest.raises(ValueError, match="rows"):
         att.latent_attention_cached(q, qr, at, [10, 2, 200, 2], rows, masks, 0.1)  # 3 > 2 keys
     with pytest.raises(ValueError, match="allowed"):
