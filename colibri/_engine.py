@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 import anyio
 import anyio.from_thread
+import anyio.lowlevel
 import anyio.to_thread
 import numpy as np
 import numpy.typing as npt
@@ -389,10 +390,12 @@ class Engine:
             cache.truncate(reused)
         self._counters["prompt_tokens"] += int(ids.size)
         self._counters["prompt_tokens_reused"] += reused
-        # The next step is queued before a token is handed out (with the batcher): the
-        # consumer's work on the token (a server's text, JSON and socket writes) overlaps the
-        # step, and a batched step does not wait for it. A consumer that stops early leaves
-        # the queued step to ``ahead.abandon``.
+        # The next step is queued before a token is handed out (with the batcher), and the
+        # generation then lets the loop turn once, so that the others woken by the same step
+        # queue theirs too and the batcher starts the shared step: every consumer's work on
+        # its token (a server's text, JSON and socket writes) overlaps the step, instead of
+        # all but the last consumer's work running before it. A consumer that stops early
+        # leaves the queued step to ``ahead.abandon``.
         pipelined = sched.max_batch > 1
         ahead: Ahead | None = None
         try:
@@ -415,6 +418,7 @@ class Engine:
                         more = last not in stops and i + n < max_new_tokens
                         if more and pipelined:
                             ahead = sched.round_ahead(spec, cache, last, max_new_tokens - i - n)
+                            await anyio.lowlevel.checkpoint()
                         for tok, row in rows[:n]:
                             norm = _check_finite(row, i)
                             out_tokens.append(tok)
@@ -442,6 +446,7 @@ class Engine:
                         more = tok not in stops and i + 1 < max_new_tokens
                         if more and pipelined:
                             ahead = sched.decode_ahead(cache, tok)
+                            await anyio.lowlevel.checkpoint()
                         yield _token_event(tok, i, logits, top_logprobs, norm)
                         if not more:
                             reason = "stop" if tok in stops else reason

@@ -111,22 +111,66 @@ def test_generations_that_decode_together_stay_in_one_step() -> None:
 
 
 @pytest.mark.parametrize("draft", ["off", "mtp:2"])
-def test_the_next_step_is_queued_before_a_token_is_handed_out(draft: str) -> None:
+def test_the_next_step_runs_while_the_consumer_works_on_a_token(draft: str) -> None:
     """While the consumer works on a token (a server's text, JSON and socket writes), the
-    generation's next step already waits in the batcher's queue, so the step does not wait
-    for the consumer; after the last token nothing is queued."""
+    generation's next step has already left the batcher's queue and runs, so the step does
+    not wait for the consumer; after the last token no step runs or waits."""
+
+    async def main() -> list[tuple[int, int]]:
+        o = colibri.EngineOptions(learn=False, reader="threads", prefetch=False, draft=draft)
+        async with colibri.Engine.open(DEMO, options=o) as eng:
+            sched = eng._scheduler
+            steps = [0, 0]  # decode steps started, finished
+            run = sched._decode_run
+
+            async def counted(*args: Any) -> Any:
+                steps[0] += 1
+                try:
+                    return await run(*args)
+                finally:
+                    steps[1] += 1
+
+            sched._decode_run = counted  # type: ignore[method-assign]
+            seen = []  # (steps queued, steps running) as the consumer gets each token
+            async for ev in eng.generate(PROMPTS[1], max_new_tokens=9, stop_token_ids=[]):
+                if isinstance(ev, TokenEvent):
+                    seen.append((len(sched._pending), steps[0] - steps[1]))
+            return seen
+
+    seen = anyio.run(main)
+    assert len(seen) == 9
+    assert seen == [(0, 1)] * 8 + [(0, 0)]
+
+
+@pytest.mark.parametrize("draft", ["off", "mtp:2"])
+def test_every_generation_queues_its_next_step_before_any_consumer_works(draft: str) -> None:
+    """Several generations decoding together: each queues its next step and lets the others
+    queue theirs before its consumer gets the token, so the shared step is already running
+    while the consumers work (it once waited for every consumer but the last to finish its
+    work: a server's text, JSON and socket writes for seven streams, serial before the step)."""
 
     async def main() -> list[int]:
         o = colibri.EngineOptions(learn=False, reader="threads", prefetch=False, draft=draft)
         async with colibri.Engine.open(DEMO, options=o) as eng:
             sched = eng._scheduler
-            queued = []
-            async for ev in eng.generate(PROMPTS[1], max_new_tokens=9, stop_token_ids=[]):
-                if isinstance(ev, TokenEvent):
-                    queued.append(len(sched._pending))
-            return queued
+            seen: list[int] = []  # decode requests still queued when a consumer got a token
 
-    assert anyio.run(main) == [1] * 8 + [0]
+            async def one(p: list[int]) -> None:
+                i = 0
+                async for ev in eng.generate(p, max_new_tokens=10, stop_token_ids=[]):
+                    if isinstance(ev, TokenEvent):
+                        if 1 <= i < 8:  # (not the first token, after the prefills, nor the last)
+                            seen.append(sum(not r.prefill for r in sched._pending))
+                        i += 1
+
+            async with anyio.create_task_group() as tg:
+                for p in PROMPTS[:4]:
+                    tg.start_soon(one, p)
+            return seen
+
+    seen = anyio.run(main)
+    assert len(seen) >= 4 * 7 - 4  # (a speculative round hands out several tokens at once)
+    assert seen == [0] * len(seen)
 
 
 @pytest.mark.parametrize("draft", ["off", "mtp:2"])
