@@ -5,6 +5,7 @@ Shape legend: see ``runtime.speculative``.
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -49,9 +50,7 @@ class _Cell:
         self.last = at
 
     def median(self) -> float:
-        v = sorted(self.values)
-        n = len(v)
-        return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
+        return statistics.median(self.values)
 
 
 def _moments(pts: list[tuple[float, float, int]]) -> tuple[float, float, float, float]:
