@@ -13,7 +13,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,6 +110,27 @@ def _as_ids(token_ids: Sequence[int] | npt.NDArray[np.integer]) -> npt.NDArray[n
     return raw.astype(np.int64, copy=False)
 
 
+_CLOSED = (
+    "this engine is closed (its `async with Engine.open(...)` block has ended); open the model "
+    "again"
+)
+
+
+def _loop_token() -> object | None:
+    try:
+        return anyio.lowlevel.current_token()
+    except RuntimeError:  # made outside an event loop (tests building one by hand)
+        return None
+
+
+def _id_list(name: str, value: object) -> list[Any]:
+    """``value``, a collection of token ids (a list, tuple, set, numpy array, iterator), as a
+    list; a single id or text is a :class:`ModelError` naming ``name``."""
+    if isinstance(value, str | bytes | int | np.integer) or not isinstance(value, Iterable):
+        raise ModelError(f"{name} must be a collection of token ids, got {value!r}")
+    return list(value)
+
+
 def _count(name: str, value: object, minimum: int = 0) -> int:
     """An integer argument ``>= minimum`` (never a bool or a string)."""
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
@@ -173,12 +194,20 @@ class Engine:
             "generated_tokens": 0,
         }
         self._closed = False  # set when Engine.open's block is left
+        self._loop = _loop_token()  # the event loop it serves (_check_loop)
 
     def _check_open(self) -> None:
         if self._closed:
+            raise ColibriError(_CLOSED)
+
+    def _check_loop(self) -> None:
+        """An engine serves the event loop that opened it: its batcher, locks and events live
+        there. Awaited from another loop (a thread's own ``asyncio.run``) a generation would
+        wait for a wake-up that never reaches it."""
+        if self._loop is not None and anyio.lowlevel.current_token() != self._loop:
             raise ColibriError(
-                "this engine is closed (its `async with Engine.open(...)` block has ended); "
-                "open the model again"
+                "this engine belongs to the event loop that opened it; call it from there "
+                "(from another thread: open_model()'s methods, or anyio.from_thread)"
             )
 
     @property
@@ -279,6 +308,11 @@ class Engine:
             finally:
                 if engine is not None:
                     engine._closed = True
+                if scheduler is not None:
+                    # a generation still running (another task, another thread of the sync
+                    # API) ends with this error at its next step instead of waiting forever
+                    # for a batcher that is about to stop
+                    scheduler.close(ColibriError(_CLOSED))
                 with anyio.CancelScope(shield=True):
                     if cluster is not None:
                         await anyio.to_thread.run_sync(cluster.close)
@@ -316,6 +350,7 @@ class Engine:
         :attr:`context_length` of them)."""
         ids = _as_ids(token_ids)
         self._check_open()
+        self._check_loop()
         if ids.size > self.context_length:
             raise ModelError(
                 f"this model's context is {self.context_length} tokens, but {ids.size} were "
@@ -334,7 +369,7 @@ class Engine:
         top_p: float = 1.0,
         top_k: int = 0,
         seed: int | None = None,
-        stop_token_ids: Sequence[int] | None = None,
+        stop_token_ids: Iterable[int] | None = None,
         cache: KVCache | None = None,
         top_logprobs: int = 0,
         grammar: GrammarSpec | None = None,
@@ -354,6 +389,7 @@ class Engine:
         ``EngineOptions.draft`` for this call (speculative decoding, docs/speculative.md)."""
         ids = _as_ids(prompt_ids)
         self._check_open()
+        self._check_loop()
         max_new_tokens = _count("max_new_tokens", max_new_tokens)
         top_logprobs = _count("top_logprobs", top_logprobs)
         ctx_len = self.context_length
@@ -367,11 +403,19 @@ class Engine:
         max_new_tokens = min(max_new_tokens, ctx_len - int(ids.size))
         sampler = Sampler(SamplingParams(temperature, top_p, top_k, seed))
         vocab = self.container.arch.vocab_size
-        if stop_token_ids is not None:
-            stop_ids = _as_ids(stop_token_ids) if len(stop_token_ids) else np.zeros(0, np.int64)
+        # Checked here, alone: a token id past the vocabulary found inside a batched step
+        # would fail every generation sharing that step.
+        if not (0 <= ids.min() and ids.max() < vocab):
+            bad = int(ids.max()) if ids.max() >= vocab else int(ids.min())
+            raise ModelError(f"prompt token ids must be in 0..{vocab - 1}, got {bad}")
+        if stop_token_ids is None:
+            stops = set(self.container.eos_token_ids)
+        else:
+            stop_list = _id_list("stop_token_ids", stop_token_ids)
+            stop_ids = _as_ids(stop_list) if stop_list else np.zeros(0, np.int64)
             if stop_ids.size and not (0 <= stop_ids.min() and stop_ids.max() < vocab):
-                raise ModelError(f"stop token ids must be in 0..{vocab - 1}: {stop_token_ids}")
-        stops = set(self.container.eos_token_ids if stop_token_ids is None else stop_token_ids)
+                raise ModelError(f"stop token ids must be in 0..{vocab - 1}: {stop_list}")
+            stops = {int(t) for t in stop_ids}
         out_tokens: list[int] = []
         reason: Literal["length", "stop", "cancelled"] = "length"
         t0 = time.perf_counter()

@@ -33,10 +33,12 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # `not (x >= 0)` also rejects NaN, which every plain comparison lets through.
-        if not math.isfinite(self.temperature) or not self.temperature >= 0:
-            raise ModelError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ModelError(f"top_p must be in (0, 1], got {self.top_p}")
+        t = _as_real(self.temperature)
+        if t is None or not math.isfinite(t) or not t >= 0:
+            raise ModelError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        p = _as_real(self.top_p)
+        if p is None or not 0 < p <= 1:
+            raise ModelError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if _as_int(self.top_k) is None or self.top_k < 0:
             raise ModelError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if self.seed is not None and (_as_int(self.seed) is None or self.seed < 0):
@@ -45,6 +47,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _as_real(x: object) -> float | None:
+    """``x`` as a float when it is a real number (int, float, numpy scalar; never a bool, a
+    string or None)."""
+    if isinstance(x, bool) or not isinstance(x, int | float | np.integer | np.floating):
+        return None
+    return float(x)
 
 
 def _as_int(x: object) -> int | None:

@@ -375,6 +375,22 @@ class Scheduler:
         self._pending: list[StepRequest] = []
         self._wake = anyio.Event()
         self._decoding = 0  # generations in their decode loop (they may queue steps)
+        self._closed: BaseException | None = None  # close(): what every later step raises
+
+    def close(self, error: BaseException) -> None:
+        """No more steps: every queued request fails with ``error`` now, and so does every
+        step asked for later (the generations waiting on them end with it instead of waiting
+        for a batcher that is gone). A step already on the compute thread finishes."""
+        self._closed = error
+        pending, self._pending = self._pending, []
+        for r in pending:
+            r.error = error
+            r.done.set()
+        self._wake.set()
+
+    def _check_open(self) -> None:
+        if self._closed is not None:
+            raise self._closed
 
     @contextlib.contextmanager
     def observing(self, observer: Observer) -> Iterator[None]:
@@ -391,6 +407,7 @@ class Scheduler:
     async def run(self, fn: Callable[..., R], *args: Any) -> R:
         """``fn(*args)`` on the compute thread, after every forward queued before it; its time
         goes into ``stats.time`` (:class:`TimeBreakdown`)."""
+        self._check_open()
         t0 = time.perf_counter()
         inside = [0.0]  # seconds on the compute thread (the rest is the hand-off)
         try:
@@ -608,6 +625,10 @@ class Scheduler:
         return ahead
 
     def _queue(self, req: StepRequest) -> None:
+        if self._closed is not None:
+            req.error = self._closed
+            req.done.set()
+            return
         self._pending.append(req)
         self._wake.set()
 

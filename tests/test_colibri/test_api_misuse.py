@@ -1,0 +1,178 @@
+"""The embedding API under misuse and shutdown: what one caller does wrong never fails another
+caller's generation, closing the engine ends the generations still running (never a hang),
+an engine awaited from another event loop says so, and malformed arguments are ModelErrors.
+The bundled demo model, real threads and event loops."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from _demo import demo_model
+
+import colibri
+from colibri import DoneEvent, Engine, EngineOptions, TokenEvent
+from storage.errors import ColibriError, ModelError
+
+DEMO = demo_model()
+
+
+@pytest.fixture(scope="module")
+def state_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("state")
+
+
+def _opts(state_dir: Path, **kw: Any) -> EngineOptions:
+    return EngineOptions(model=DEMO, state_dir=state_dir, **kw)
+
+
+@pytest.mark.anyio
+async def test_a_prompt_past_the_vocabulary_fails_only_its_own_generation(
+    state_dir: Path, anyio_backend: str
+) -> None:
+    """B's bad prompt used to be found inside the batched step it shared with A's decode rows
+    (its first chunk rides in A's step), and the error went to both."""
+    got: list[int] = []
+    result: dict[str, Any] = {}
+    async with Engine.open(options=_opts(state_dir)) as engine:
+
+        async def a() -> None:
+            async for ev in engine.generate([1, 2, 3], max_new_tokens=200, stop_token_ids=[]):
+                if isinstance(ev, TokenEvent):
+                    got.append(ev.token_id)
+                else:
+                    result["a"] = ev.reason
+
+        with anyio.fail_after(120):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(a)
+                while len(got) < 5:
+                    await anyio.sleep(0.005)
+                with pytest.raises(
+                    ModelError, match=r"prompt token ids must be in 0\.\.\d+, got 99999"
+                ):
+                    async for _ in engine.generate([1, 2, 99999], max_new_tokens=4):
+                        pass
+    assert result == {"a": "length"} and len(got) == 200
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("max_batch", [8, 1])
+async def test_closing_the_engine_ends_a_running_generation(
+    state_dir: Path, anyio_backend: str, max_batch: int
+) -> None:
+    """A generation in a task outside the engine's block, still running when the block ends,
+    raises the engine's closed error at its next step (it used to wait forever for the
+    stopped batcher, or, with max_batch 1, go on computing on the closed engine)."""
+    got: list[int] = []
+    outcome: list[BaseException | str] = []
+
+    async def generation(engine: Engine) -> None:
+        try:
+            async for ev in engine.generate([1, 2, 3], max_new_tokens=900, stop_token_ids=[]):
+                if isinstance(ev, TokenEvent):
+                    got.append(ev.token_id)
+                else:
+                    outcome.append(ev.reason)
+        except ColibriError as exc:
+            outcome.append(exc)
+
+    with anyio.fail_after(120):
+        async with anyio.create_task_group() as tg:
+            async with Engine.open(options=_opts(state_dir, max_batch=max_batch)) as engine:
+                tg.start_soon(generation, engine)
+                while len(got) < 5:
+                    await anyio.sleep(0.005)
+    assert len(outcome) == 1 and isinstance(outcome[0], ColibriError), outcome
+    assert "engine is closed" in str(outcome[0])
+    assert len(got) < 900
+
+
+def test_leaving_open_model_while_a_thread_generates_ends_that_generation(
+    state_dir: Path,
+) -> None:
+    """The sync API: the block's exit used to wait forever for the other thread's generation
+    (the portal waits for its tasks, the task for a batcher that had stopped)."""
+    res: list[object] = []
+
+    def worker(m: colibri.SyncModel) -> None:
+        try:
+            res.append(m.generate([1, 2, 3], max_new_tokens=900, stop_token_ids=[]))
+        except ColibriError as exc:
+            res.append(exc)
+
+    closed = threading.Event()
+
+    def close_and_signal() -> None:
+        with colibri.open_model(DEMO, state_dir=state_dir) as m:
+            m.generate([1, 2, 3], max_new_tokens=2)  # compiled and warm
+            t = threading.Thread(target=worker, args=(m,), daemon=True)
+            t.start()
+            while not m.engine.stats()["generated_tokens"] > 2:
+                threading.Event().wait(0.005)
+        closed.set()
+        t.join(60)
+
+    closer = threading.Thread(target=close_and_signal, daemon=True)
+    closer.start()
+    closer.join(120)
+    assert closed.is_set(), "leaving open_model() hung while another thread generated"
+    assert len(res) == 1 and isinstance(res[0], ColibriError), res
+
+
+def test_an_engine_awaited_from_another_event_loop_says_so(state_dir: Path) -> None:
+    """SyncModel.engine awaited inside this thread's own asyncio.run: its batcher lives on the
+    portal's loop, so a generation used to wait forever for a wake-up that never came."""
+    with colibri.open_model(DEMO, state_dir=state_dir) as m:
+
+        async def foreign() -> list[str]:
+            errors = []
+            try:
+                async for _ in m.engine.generate([1, 2, 3], max_new_tokens=3):
+                    pass
+            except ColibriError as exc:
+                errors.append(str(exc))
+            try:
+                await m.engine.forward([1, 2, 3])
+            except ColibriError as exc:
+                errors.append(str(exc))
+            return errors
+
+        errors = asyncio.run(asyncio.wait_for(foreign(), timeout=60))
+        assert len(errors) == 2 and all("event loop that opened it" in e for e in errors)
+        assert len(m.generate([1, 2, 3], max_new_tokens=3)) == 3  # still serves its own loop
+
+
+@pytest.mark.anyio
+async def test_malformed_sampling_and_stop_arguments_are_model_errors(
+    state_dir: Path, anyio_backend: str
+) -> None:
+    async def run(**kw: Any) -> list[int]:
+        out: list[int] = []
+        async for ev in engine.generate([1, 2, 3], max_new_tokens=3, **kw):
+            if isinstance(ev, DoneEvent):
+                out = ev.tokens
+        return out
+
+    async with Engine.open(options=_opts(state_dir)) as engine:
+        for bad in (
+            {"temperature": None},
+            {"temperature": "0.7"},
+            {"temperature": True},
+            {"top_p": None},
+            {"top_p": "0.9"},
+            {"stop_token_ids": 0},
+            {"stop_token_ids": "12"},
+            {"stop_token_ids": [1.5]},
+        ):
+            with pytest.raises(ModelError):
+                await run(**bad)
+        # any collection of ids works, a set or a generator as a list does
+        greedy = await run(stop_token_ids=[])
+        stop = greedy[1]
+        for ids in ([stop], {stop}, (t for t in [stop]), iter([stop])):
+            assert await run(stop_token_ids=ids) == greedy[: greedy.index(stop) + 1]
