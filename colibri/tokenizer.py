@@ -183,6 +183,13 @@ class ChatTokenizer:
             )
         except TemplateError as exc:
             raise ConfigError(f"chat template failed to render: {exc}") from exc
+        except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError) as exc:
+            # Jinja lets a Python error of an expression escape unwrapped (a message field of
+            # an unexpected type: ``'a' + none``, iterating over an integer): the same failure
+            # to render, not an internal error
+            raise ConfigError(
+                f"chat template failed to render: {type(exc).__name__}: {exc}"
+            ) from exc
         if continue_final_message and messages:
             final = str(messages[-1].get("content") or "").strip()
             at = text.rfind(final) if final else -1

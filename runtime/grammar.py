@@ -231,13 +231,29 @@ class TokenGrammar:
             raise GrammarError(f"the {spec.kind} grammar is invalid: {'; '.join(messages)}")
         m = llguidance.LLMatcher(self._tok, grammar, log_level=0)
         if m.is_error():
-            raise GrammarError(f"the {spec.kind} grammar is invalid: {m.get_error()}")
+            raise GrammarError(f"the {spec.kind} grammar is invalid: {_reason(m.get_error())}")
+        # The first token's mask, once: a grammar that compiles but admits no first token
+        # (``root ::= root``) fails here, before a stream starts, not at its first token.
+        # (Computing a mask does not advance the matcher; the copies start from this state.)
+        import llguidance.numpy as lnp
+
+        lnp.fill_next_token_bitmask(m, np.zeros((1, (self.vocab_size + 31) // 32), np.int32))
+        if m.is_error():
+            raise GrammarError(
+                f"the {spec.kind} grammar admits no output: {_reason(m.get_error())}"
+            )
         with self._lock:
             self.compilations += 1
         return m
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode_str([int(i) for i in ids]))
+
+
+def _reason(error: str) -> str:
+    """llguidance's error text without the parser state it appends (``<state>`` and a JSON
+    dump of its counters, meant for its developers): the first line that says what failed."""
+    return error.split("\n<state>", 1)[0].strip().splitlines()[0] if error.strip() else error
 
 
 class GrammarMatcher:
@@ -267,7 +283,7 @@ class GrammarMatcher:
     def consume(self, token: int) -> None:
         """Advance by one emitted token; a token outside the mask raises GrammarError."""
         if not self._m.consume_token(int(token)):
-            raise GrammarError(f"token {token} breaks the grammar: {self._m.get_error()}")
+            raise GrammarError(f"token {token} breaks the grammar: {_reason(self._m.get_error())}")
 
     def push(self, tokens: Sequence[int]) -> None:
         """Advance tentatively by draft tokens (undo with :meth:`rollback`)."""
@@ -277,7 +293,9 @@ class GrammarMatcher:
     def rollback(self, n: int) -> None:
         """Undo the last ``n`` consumed tokens."""
         if n and not self._m.rollback(int(n)):
-            raise GrammarError(f"cannot roll the grammar back by {n}: {self._m.get_error()}")
+            raise GrammarError(
+                f"cannot roll the grammar back by {n}: {_reason(self._m.get_error())}"
+            )
 
     def forced(self) -> list[int]:
         """Tokens the grammar forces next (empty when more than one continuation is allowed)."""
@@ -303,4 +321,4 @@ class GrammarMatcher:
 
     def _check(self) -> None:
         if self._m.is_error():
-            raise GrammarError(f"grammar state error: {self._m.get_error()}")
+            raise GrammarError(f"grammar state error: {_reason(self._m.get_error())}")

@@ -70,17 +70,28 @@ def to_template_messages(req: MessagesRequest) -> list[dict[str, Any]]:
             elif kind == "redacted_thinking":
                 continue
             elif kind == "tool_use" and m.role == "assistant":
+                name, args = block.get("name"), block.get("input", {})
+                if not isinstance(name, str) or not name:
+                    raise ApiError(400, f"{where}.name: a tool_use block needs a name", param=where)
+                if not isinstance(args, dict):
+                    raise ApiError(
+                        400, f"{where}.input: a tool_use block's input is an object", param=where
+                    )
                 calls.append(
                     {
                         "id": block.get("id"),
                         "type": "function",
                         "function": {
-                            "name": block.get("name"),
-                            "arguments": json.dumps(block.get("input") or {}),
+                            "name": name,
+                            "arguments": json.dumps(args),
                         },
                     }
                 )
             elif kind == "tool_result" and m.role == "user":
+                if not isinstance(block.get("tool_use_id"), str):
+                    raise ApiError(
+                        400, f"{where}.tool_use_id: a tool_result names its tool_use", param=where
+                    )
                 out.append(
                     {
                         "role": "tool",
@@ -177,7 +188,17 @@ async def messages(request: Request) -> Response:
     ticket = st.admission.reserve()
     headers = {"x-colibri-queue-wait-ms": "0"}
 
-    def message_obj(content: list[dict[str, Any]], res: Result | None) -> dict[str, Any]:
+    def message_obj(
+        content: list[dict[str, Any]], res: Result | None, reused: int = 0
+    ) -> dict[str, Any]:
+        # before the run (message_start): the prompt's split already known, as the final usage
+        # reports it (input_tokens computed, cache_read_input_tokens reused)
+        start = {
+            "input_tokens": len(ids) - reused,
+            "cache_read_input_tokens": reused,
+            "cache_creation_input_tokens": 0,
+            "output_tokens": 0,
+        }
         return {
             "id": mid,
             "type": "message",
@@ -186,17 +207,18 @@ async def messages(request: Request) -> Response:
             "content": content,
             "stop_reason": None if res is None else _stop_reason(res),
             "stop_sequence": None if res is None else res.stop_sequence,
-            "usage": (
-                _usage(res) if res is not None else {"input_tokens": len(ids), "output_tokens": 0}
-            ),
+            "usage": _usage(res) if res is not None else start,
         }
 
     async def stream(r: Responder) -> None:
-        async with st.admission.enter(ticket, st.slots, params.slot) as lease:
+        async with gen.admitted(ticket) as lease:
             headers["x-colibri-queue-wait-ms"] = f"{ticket.wait_s * 1000:.1f}"
             await r.start(200, headers, "text/event-stream")
             await r.body(
-                sse({"type": "message_start", "message": message_obj([], None)}, "message_start")
+                sse(
+                    {"type": "message_start", "message": message_obj([], None, gen.admit(lease))},
+                    "message_start",
+                )
             )
             await r.body(sse({"type": "ping"}, "ping"))
             index = -1
@@ -280,7 +302,7 @@ async def messages(request: Request) -> Response:
         await r.body(sse({"type": "message_stop"}, "message_stop"))
 
     async def whole(r: Responder) -> None:
-        async with st.admission.enter(ticket, st.slots, params.slot) as lease:
+        async with gen.admitted(ticket) as lease:
             res = await gen.complete(lease)
         content: list[dict[str, Any]] = []
         if res.reasoning:

@@ -13,8 +13,8 @@ import codecs
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, Mapping, Sequence
-from contextlib import aclosing
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
@@ -22,7 +22,7 @@ import anyio
 
 from colibri._engine import DoneEvent, Engine, GenerationEvent, TokenEvent
 from colibri.server.errors import ApiError
-from colibri.server.state import AppState, Lease, Turn
+from colibri.server.state import AppState, Lease, Ticket, Turn
 from colibri.server.textproc import (
     ParsedToolCall,
     StopMatcher,
@@ -170,6 +170,7 @@ class Generation:
         self.result: Result | None = None
         self._tok = state.tokenizer
         self._text_cache: dict[int, str] = {}
+        self._reused: int | None = None  # prompt tokens the KV slot already holds (admit)
 
     def _token_text(self, tid: int) -> str:
         t = self._text_cache.get(tid)
@@ -202,13 +203,51 @@ class Generation:
             raise ApiError(500, "generation ended without a result")
         return self.result
 
-    async def run(self, lease: Lease) -> AsyncGenerator[Delta, None]:
-        """Yield text deltas as they are final; ``self.result`` is set when it returns.
+    @asynccontextmanager
+    async def admitted(self, ticket: Ticket) -> AsyncIterator[Lease]:
+        """The request's place (its KV slot, then a compute place: ``Admission.enter``). A
+        request that ends while still queued (its client gave up, the server stops) is
+        recorded as a cancelled turn, in ``/profile`` and the metrics, as one that ends while
+        generating is; once admitted, :meth:`run` records it."""
+        st = self.state
+        entered = False
+        try:
+            async with st.admission.enter(ticket, st.slots, self.p.slot) as lease:
+                entered = True
+                yield lease
+        except BaseException as exc:
+            if not entered:
+                cancelled = isinstance(exc, anyio.get_cancelled_exc_class())
+                self._record_queued(ticket, "cancelled" if cancelled else "error")
+            raise
 
-        Consume it inside ``aclosing``: a consumer cancelled while this generator waits at a
-        ``yield`` must close it at once, which closes the engine's generator (its lock)."""
+    def _record_queued(self, ticket: Ticket, reason: str) -> None:
+        p, metrics = self.p, self.state.metrics
+        turn = Turn(
+            id=self.id,
+            route=self.route,
+            started=time.time() - ticket.wait_s,
+            slot=p.slot,
+            prompt_tokens=len(p.prompt_ids),
+            prompt_tokens_computed=0,
+            prompt_tokens_reused=0,
+            max_tokens=p.max_tokens,
+            finish_reason=reason,
+            queue_wait_s=ticket.wait_s,
+            total_s=time.perf_counter() - ticket.arrived,
+        )
+        metrics.request_success.labels(turn.finish_reason).inc()
+        metrics.e2e.observe(turn.total_s)
+        self.state.record(turn)
+
+    def admit(self, lease: Lease) -> int:
+        """Ready the lease's KV slot for this request (a slot another key used is emptied
+        first) and return how many prompt tokens its cache already holds (reused, not
+        computed). Once per generation: :meth:`run` calls it, and a route that reports that
+        split before the run starts (Anthropic's ``message_start``) calls it first."""
+        if self._reused is not None:
+            return self._reused
         st, p = self.state, self.p
-        engine = st.engine
         slot = lease.slot
         cache = None if slot is None else slot.cache
         if slot is not None and cache is not None:
@@ -223,6 +262,19 @@ class Generation:
         reused = 0 if cache is None else Engine.reusable_prefix(cache, p.prompt_ids)
         if slot is not None:
             slot.persisted = min(slot.persisted, reused)  # rows past it are about to change
+        self._reused = reused
+        return reused
+
+    async def run(self, lease: Lease) -> AsyncGenerator[Delta, None]:
+        """Yield text deltas as they are final; ``self.result`` is set when it returns.
+
+        Consume it inside ``aclosing``: a consumer cancelled while this generator waits at a
+        ``yield`` must close it at once, which closes the engine's generator (its lock)."""
+        st, p = self.state, self.p
+        engine = st.engine
+        slot = lease.slot
+        cache = None if slot is None else slot.cache
+        reused = self.admit(lease)
         turn = Turn(
             id=self.id,
             route=self.route,
@@ -242,12 +294,27 @@ class Generation:
         reasoning: list[str] = []
         pending_lp: list[TokenLogprob] = []
         all_lp: list[TokenLogprob] = []
+        # where each logprob's token text starts in the text fed to the stop matcher (one per
+        # all_lp entry): a token whose text starts at or after the stop string it completed is
+        # not part of the output, and neither is its logprob
+        lp_at: list[int] = []
+        fed = 0
+
+        def drop_lp(keep: int) -> None:
+            """Keep the first ``keep`` logprobs; the dropped ones are still pending (never
+            attached to a delta: their text was held back or empty)."""
+            cut = len(all_lp) - keep
+            assert 0 <= cut <= len(pending_lp)
+            del all_lp[keep:], lp_at[keep:]
+            del pending_lp[len(pending_lp) - cut :]
+
         ids: list[int] = []
         reason = "cancelled"
         t_admit = lease.ticket.admitted or time.perf_counter()
         t_first: float | None = None
         t_last: float | None = None
         stops = p.stop_token_ids
+        stop_set = set(engine.container.eos_token_ids if stops is None else stops)
         metrics = st.metrics
 
         def route(text: str, final: bool = False) -> list[Delta]:
@@ -264,8 +331,13 @@ class Generation:
             for d in deltas:
                 (content if d.kind == "content" else reasoning).append(d.text)
             if deltas and pending_lp:
-                deltas[0].logprobs = pending_lp.copy()
-                pending_lp.clear()
+                # the tokens whose text has begun to be released (the rest wait: their text is
+                # held back or empty so far)
+                starts = lp_at[len(lp_at) - len(pending_lp) :]
+                n = sum(1 for at in starts if at < stopper.released)
+                if n:
+                    deltas[0].logprobs = pending_lp[:n]
+                    del pending_lp[:n]
             return deltas
 
         try:
@@ -304,18 +376,30 @@ class Generation:
                     turn.decode_s = now - t_first
                     ids.append(ev.token_id)
                     turn.completion_tokens = len(ids)
+                    if ev.token_id in stop_set:
+                        # the token that ends the generation (end-of-sequence, or one of the
+                        # request's stop_token_ids) is not part of the output: neither its
+                        # text nor its logprob (its id stays in token_ids)
+                        continue
+                    piece = stream.push(ev.token_id)
                     if p.logprobs:
                         lp = self._logprob(ev)
                         pending_lp.append(lp)
                         all_lp.append(lp)
-                    released, hit = stopper.feed(stream.push(ev.token_id))
+                        lp_at.append(fed)
+                    fed += len(piece)
+                    released, hit = stopper.feed(piece)
+                    if hit:  # the tokens from the stop string on are not in the output
+                        drop_lp(sum(1 for at in lp_at if at < stopper.released))
                     for d in emit(route(released)):
                         yield d
                     if hit:
                         reason = "stop"
                         break
             if not hit:
-                tail, _ = stopper.feed(stream.flush())
+                tail, hit = stopper.feed(stream.flush())
+                if hit:
+                    drop_lp(sum(1 for at in lp_at if at < stopper.released))
                 tail += stopper.flush()
             else:
                 tail = ""

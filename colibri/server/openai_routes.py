@@ -177,7 +177,7 @@ async def chat_completions(request: Request) -> Response:
         return openai_object(st, rid, obj, created)
 
     async def stream(r: Responder) -> None:
-        async with st.admission.enter(ticket, st.slots, params.slot) as lease:
+        async with gen.admitted(ticket) as lease:
             await r.start(200, queue_headers(ticket.wait_s), "text/event-stream")
             first = {
                 **base("chat.completion.chunk"),
@@ -246,7 +246,7 @@ async def chat_completions(request: Request) -> Response:
         await r.body(sse("[DONE]"))
 
     async def whole(r: Responder) -> None:
-        async with st.admission.enter(ticket, st.slots, params.slot) as lease:
+        async with gen.admitted(ticket) as lease:
             res = await gen.complete(lease)
         message: dict[str, Any] = {"role": "assistant", "content": res.content}
         if res.reasoning or params.think:
@@ -348,7 +348,7 @@ async def completions(request: Request) -> Response:
         return openai_object(st, rid, "text_completion", created)
 
     async def stream(r: Responder) -> None:
-        async with st.admission.enter(ticket, st.slots, params.slot) as lease:
+        async with gen.admitted(ticket) as lease:
             await r.start(200, queue_headers(ticket.wait_s), "text/event-stream")
             offsets = TextOffsets(len(echo))
             if echo:
@@ -373,7 +373,7 @@ async def completions(request: Request) -> Response:
         await r.body(sse("[DONE]"))
 
     async def whole(r: Responder) -> None:
-        async with st.admission.enter(ticket, st.slots, params.slot) as lease:
+        async with gen.admitted(ticket) as lease:
             res = await gen.complete(lease)
         text = res.reasoning + res.content
         lp = (

@@ -2,9 +2,11 @@
 Messages API, and colibri's extension fields.
 
 Unknown fields are ignored (clients send newer fields than any server knows); known fields are
-type-checked (422 when malformed). Fields colibri knows but cannot honour (``n`` > 1, penalties,
-``logit_bias``, non-text ``response_format``) are refused with a 400 by the routes, never
-silently dropped.
+type-checked strictly (422 when malformed): JSON ``true`` never fills an integer field
+(pydantic's lax mode would make it 1: ``"cache_slot": true`` would pick slot 1), ``"1"`` never
+fills a number and ``"yes"`` never a boolean; an integer does fill a float field. Fields
+colibri knows but cannot honour (``n`` > 1, penalties, ``logit_bias``, non-text
+``response_format``) are refused with a 400 by the routes, never silently dropped.
 
 Extensions accepted in every generation request: ``cache_slot`` (KV slot index), ``top_k``,
 ``ignore_eos``, ``stop_token_ids``, ``chat_template_kwargs``, ``enable_thinking``,
@@ -15,11 +17,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
-
-#: an integer field JSON ``true`` / ``false`` never fills (pydantic's lax mode turns them into 1
-#: and 0: ``"max_tokens": true`` would mean one token)
-Int = Annotated[int, Strict()]
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 __all__ = [
     "AnthropicMessage",
@@ -40,7 +38,7 @@ RESERVED_TEMPLATE_KEYS = frozenset({"messages", "add_generation_prompt", "contin
 
 
 class _Loose(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class Extensions(_Loose):
@@ -51,7 +49,7 @@ class Extensions(_Loose):
     )
     top_k: int | None = Field(default=None, ge=-1, description="Top-k sampling (0 or -1: off)")
     ignore_eos: bool = Field(default=False, description="Do not stop at end-of-sequence tokens")
-    stop_token_ids: list[Int] | None = Field(default=None, description="Extra stop token ids")
+    stop_token_ids: list[int] | None = Field(default=None, description="Extra stop token ids")
     chat_template_kwargs: dict[str, Any] | None = Field(
         default=None, description="Extra variables for the chat template"
     )
@@ -102,7 +100,7 @@ class ToolCall(_Loose):
 class ChatMessage(BaseModel):
     """One chat message; extra keys are passed through to the chat template."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[dict[str, Any]] | None = None
@@ -133,8 +131,8 @@ class ChatCompletionRequest(_OpenAIGeneration):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Int | None = Field(default=None, ge=1)
-    max_completion_tokens: Int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[Tool] | None = None
@@ -147,8 +145,8 @@ class ChatCompletionRequest(_OpenAIGeneration):
 class CompletionRequest(_OpenAIGeneration):
     """``POST /v1/completions`` (the legacy text completion API)."""
 
-    prompt: str | list[str] | list[Int] | list[list[Int]]
-    max_tokens: Int | None = Field(default=16, ge=1)
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)
     best_of: int | None = Field(default=None, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
@@ -159,7 +157,11 @@ class CompletionRequest(_OpenAIGeneration):
 
 class AnthropicMessage(_Loose):
     role: Literal["user", "assistant"]
-    content: str | list[dict[str, Any]]
+    # never empty (Anthropic's rule): dropping an empty message instead would answer another
+    # conversation than the one sent
+    content: (
+        Annotated[str, Field(min_length=1)] | Annotated[list[dict[str, Any]], Field(min_length=1)]
+    )
 
 
 class AnthropicTool(_Loose):
@@ -177,7 +179,7 @@ class MessagesRequest(Extensions):
     """``POST /v1/messages`` (Anthropic Messages API)."""
 
     model: str
-    max_tokens: Int = Field(ge=1)
+    max_tokens: int = Field(ge=1)
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[dict[str, Any]] | None = None
     stop_sequences: list[str] | None = None

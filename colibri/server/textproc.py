@@ -51,8 +51,16 @@ class StopMatcher:
         self.stops = [s for s in stops if s]
         self._pending = ""
         self.hit: str | None = None
+        # characters released so far: once a stop string is hit, where the output ends in the
+        # text fed (what comes at or after it is never released)
+        self.released = 0
 
     def feed(self, text: str) -> tuple[str, bool]:
+        out, hit = self._feed(text)
+        self.released += len(out)
+        return out, hit
+
+    def _feed(self, text: str) -> tuple[str, bool]:
         if self.hit is not None:
             return "", True
         self._pending += text
@@ -76,6 +84,7 @@ class StopMatcher:
     def flush(self) -> str:
         """The held-back tail once the generation ended without completing a stop string."""
         out, self._pending = ("" if self.hit is not None else self._pending), ""
+        self.released += len(out)
         return out
 
 

@@ -1,0 +1,212 @@
+"""Request bodies a client gets wrong or unusual, answered as the OpenAI / Anthropic APIs do:
+strictly typed fields, template failures as 400s, grammars that can never match refused before
+a stream starts, logprobs for exactly the returned text, Anthropic's usage and content rules.
+In process (the ASGI app over httpx), the bundled demo model."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from _demo import demo_model
+from test_server import _TOOLS_TEMPLATE
+
+import colibri
+from colibri.server import ServerConfig, create_app
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+async def _client(model_dir: Path, state: Path, **cfg: Any) -> AsyncIterator[httpx.AsyncClient]:
+    opts = colibri.EngineOptions(state_dir=state)
+    async with colibri.Engine.open(model_dir, options=opts) as engine:
+        app = await create_app(engine, ServerConfig(served_model_name="m", kv_dir=state, **cfg))
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://localhost", timeout=120
+        ) as client:
+            yield client
+
+
+@pytest.fixture
+async def client(tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
+    async for c in _client(demo_model(), tmp_path):
+        yield c
+
+
+@pytest.fixture
+async def tools_client(tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
+    """A model whose chat template renders tools (the demo model's does not)."""
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    for f in demo_model().iterdir():
+        if f.name != "tokenizer_config.json":
+            (model_dir / f.name).symlink_to(f)
+    cfg = json.loads((demo_model() / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = _TOOLS_TEMPLATE
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
+    async for c in _client(model_dir, tmp_path / "state", kv_slots=0):
+        yield c
+
+
+def _chat(**extra: Any) -> dict[str, Any]:
+    return {
+        "model": "m",
+        "messages": [{"role": "user", "content": "Once upon a time"}],
+        "max_tokens": 2,
+        **extra,
+    }
+
+
+async def test_fields_of_another_json_type_are_422s_naming_the_field(
+    client: httpx.AsyncClient,
+) -> None:
+    """pydantic's lax mode used to turn ``true`` into 1 (``cache_slot: true`` ran in named
+    slot 1 and saved it to disk), ``"1"`` into 1.0 and ``"yes"`` into True."""
+    chat = "/v1/chat/completions"
+    for path, body, field in (
+        (chat, _chat(cache_slot=True), "cache_slot"),
+        (chat, _chat(logprobs=True, top_logprobs=True), "top_logprobs"),
+        (chat, _chat(seed=True), "seed"),
+        (chat, _chat(n=True), "n"),
+        (chat, _chat(temperature="1"), "temperature"),
+        (chat, _chat(stream="yes"), "stream"),
+        (chat, _chat(top_k=False), "top_k"),
+        ("/v1/completions", {"model": "m", "prompt": "x", "logprobs": False}, "logprobs"),
+    ):
+        r = await client.post(path, json=body)
+        assert r.status_code == 422, (field, r.status_code, r.text)
+        assert field in r.text, (field, r.text)
+    # an integer still fills a number
+    r = await client.post(chat, json=_chat(temperature=1, top_p=1, seed=3))
+    assert r.status_code == 200, r.text
+
+
+async def test_template_failures_are_400s(tools_client: httpx.AsyncClient) -> None:
+    """A Python error inside the template (Jinja does not wrap it) used to be a 500."""
+    r = await tools_client.post(
+        "/v1/chat/completions", json=_chat(chat_template_kwargs={"tools": 5})
+    )
+    assert r.status_code == 400, r.text
+    assert "chat template failed to render" in r.json()["error"]["message"]
+    # an Anthropic tool_use block without a name: refused before the template sees it
+    history = {
+        "model": "m",
+        "max_tokens": 2,
+        "messages": [
+            {"role": "user", "content": "weather?"},
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": "toolu_1", "input": {"city": "Paris"}}],
+            },
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "ok"}],
+            },
+        ],
+    }
+    r = await tools_client.post("/v1/messages", json=history)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith("messages.1.content.0.name")
+    named = json.loads(json.dumps(history))
+    named["messages"][1]["content"][0]["name"] = "get_weather"
+    r = await tools_client.post("/v1/messages", json=named)
+    assert r.status_code == 200, r.text
+
+
+async def test_a_grammar_that_admits_nothing_is_a_400_before_the_stream(
+    client: httpx.AsyncClient,
+) -> None:
+    """It compiled, so it used to pass the up-front check: 200, then an SSE error carrying
+    the parser's internal state dump."""
+    body = _chat(stream=True, response_format={"type": "gbnf", "grammar": "root ::= root"})
+    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        text = (await r.aread()).decode()
+    assert r.status_code == 400, text
+    message = json.loads(text)["error"]["message"]
+    assert "admits no output" in message and "<state>" not in message, message
+
+
+async def test_logprobs_cover_exactly_the_returned_text(client: httpx.AsyncClient) -> None:
+    """Tokens of a matched stop string, and the token that ends the generation, are not part
+    of the output; their logprobs used to be returned anyway (text_offset past the text)."""
+    base = {"model": "m", "prompt": "Once upon a time", "max_tokens": 12, "logprobs": 0}
+    free = (await client.post("/v1/completions", json={**base, "ignore_eos": True})).json()
+    toks = free["choices"][0]["logprobs"]["tokens"]
+    # a stop string made of tokens 3 and 4, found nowhere before them
+    k = next(
+        i
+        for i in range(2, len(toks) - 1)
+        if (toks[i] + toks[i + 1]).strip() and toks[i] + toks[i + 1] not in "".join(toks[: i + 1])
+    )
+    stop = toks[k] + toks[k + 1]
+    for stream in (False, True):
+        body = {**base, "ignore_eos": True, "stop": stop, "stream": stream}
+        if stream:
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                chunks = [
+                    json.loads(line[6:])
+                    for line in [ln async for ln in r.aiter_lines()]
+                    if line.startswith("data: {")
+                ]
+            text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+            got = [
+                t
+                for c in chunks
+                if c["choices"] and c["choices"][0]["logprobs"]
+                for t in c["choices"][0]["logprobs"]["tokens"]
+            ]
+        else:
+            choice = (await client.post("/v1/completions", json=body)).json()["choices"][0]
+            text, got = choice["text"], choice["logprobs"]["tokens"]
+            assert all(o < len(text) for o in choice["logprobs"]["text_offset"]), choice
+        assert text == "".join(toks[:k]), (stream, text, toks)
+        assert got == toks[:k], (stream, got, toks)
+    # a stop token (here one of the request's stop_token_ids): neither its text nor its logprob
+    chat = _chat(max_tokens=12, logprobs=True, return_token_ids=True, ignore_eos=True)
+    free = (await client.post("/v1/chat/completions", json=chat)).json()["choices"][0]
+    ids = free["token_ids"]
+    entries = free["logprobs"]["content"]
+    stop_id = ids[3]
+    first = ids.index(stop_id)
+    r = await client.post("/v1/chat/completions", json={**chat, "stop_token_ids": [stop_id]})
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert choice["token_ids"] == ids[: first + 1]
+    lps = choice["logprobs"]["content"]
+    assert [e["token"] for e in lps] == [e["token"] for e in entries[:first]]
+    assert bytes(b for e in lps for b in e["bytes"]).decode() == choice["message"]["content"]
+
+
+async def test_anthropic_content_rules_and_usage(client: httpx.AsyncClient) -> None:
+    for content in ("", []):
+        body = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": content}]}
+        r = await client.post("/v1/messages", json=body)
+        assert r.status_code == 422 and "messages.0.content" in r.text, r.text
+    # message_start reports the prompt's split as the final usage does: a repeated prompt
+    # is read from the KV slot's cache
+    body = {
+        "model": "m",
+        "max_tokens": 3,
+        "stream": True,
+        "messages": [{"role": "user", "content": "Once upon a time"}],
+    }
+    for _ in range(2):
+        async with client.stream("POST", "/v1/messages", json=body) as r:
+            events = [
+                json.loads(line[6:]) async for line in r.aiter_lines() if line.startswith("data:")
+            ]
+    start = next(e for e in events if e["type"] == "message_start")["message"]["usage"]
+    end = next(e for e in events if e["type"] == "message_delta")["usage"]
+    assert end["cache_read_input_tokens"] > 0, end
+    for key in ("input_tokens", "cache_read_input_tokens"):
+        assert start[key] == end[key], (start, end)
