@@ -53,7 +53,7 @@ from colibri.tokenizer import ChatTokenizer, not_utf8
 from runtime.kv import KVCache
 from storage.atomic import atomic_write_bytes, set_aside_and_warn
 from storage.container import Container
-from storage.errors import ColibriError, KVFileError
+from storage.errors import ColibriError, KVFileError, ModelError
 from storage.kvfile import KV_FILE, load_kv, model_identity, sync_kv
 
 __all__ = [
@@ -346,6 +346,17 @@ class _Chat:
         """Add the user message, stream the reply, record it and save the session."""
         self.state.messages.append({"role": "user", "content": text})
         ids = conversation_ids(self.tok, self.state.messages)
+        ctx_len = self.engine.context_length
+        if len(ids) >= ctx_len:
+            # the conversation, not this message, is what is too long: shortening the message
+            # would not help, starting over does
+            self.state.messages.pop()
+            error = ModelError(
+                f"the conversation has filled the model's context ({len(ids)} tokens with this "
+                f"message, the context holds {ctx_len}); :reset starts a new one"
+            )
+            self.echo(f"error: {error}", err=True)
+            return TurnResult([], "context full", 0.0, 0.0, len(ids), 0, 1.0, error)
         reused = Engine.reusable_prefix(self.cache, ids) if ids else 0
         stop = threading.Event()
 
@@ -458,6 +469,8 @@ class _Chat:
 
     # ------------------------------------------------------------------ the loop
     def footer(self, r: TurnResult) -> None:
+        if r.error is not None and not r.tokens:
+            return  # nothing was generated: the error line says what happened
         if r.reason == "interrupted":
             self._dim("[stopped]")
         self._dim(format_footer(len(r.tokens), r.tok_per_s, r.hit_rate, rss_bytes(), r.seconds))
@@ -465,6 +478,12 @@ class _Chat:
             self._dim(
                 f"prompt {r.prompt_tokens} tokens: {r.reused} reused, {r.computed} computed; "
                 f"context {self.cache.length} tokens; ended: {r.reason}"
+            )
+        if r.reason == "length" and len(r.tokens) < self.s.max_tokens:
+            # the context ended the reply, not --max-tokens: the next message cannot fit
+            self._dim(
+                f"the reply reached the end of the model's context "
+                f"({self.engine.context_length} tokens); :reset starts a new conversation"
             )
 
     def _dim(self, line: str) -> None:

@@ -200,6 +200,21 @@ class Engine:
         if self._closed:
             raise ColibriError(_CLOSED)
 
+    def _check_drafts(self, policy: DraftPolicy) -> None:
+        """Drafting pinned to the MTP head (``mtp``, ``mtp:N``) needs the head: a model
+        without its weights would otherwise decode without drafts and say nothing."""
+        if policy.mode != "off" and policy.source == "mtp" and not self._model.has_mtp:
+            layers = self.container.arch.num_mtp_layers
+            why = (
+                f"its config declares {layers} MTP layer(s) but the container has no MTP "
+                "weights (a missing MTP shard?)"
+                if layers
+                else "it has no MTP layer"
+            )
+            raise ModelError(
+                f"draft {policy} needs the model's MTP head, and {why}; use --draft lookup or auto"
+            )
+
     def _check_loop(self) -> None:
         """An engine serves the event loop that opened it: its batcher, locks and events live
         there. Awaited from another loop (a thread's own ``asyncio.run``) a generation would
@@ -299,6 +314,7 @@ class Engine:
                     store=store,
                 )
                 engine = cls(container, model, opts, scheduler)
+                engine._check_drafts(DraftPolicy.parse(opts.draft))
                 engine._usage = usage
                 engine._cluster = cluster
                 tg.start_soon(scheduler.serve)
@@ -425,6 +441,7 @@ class Engine:
         sched = self._scheduler
         time0 = dataclasses.replace(sched.stats.time)
         policy = DraftPolicy.parse(self.options.draft if draft is None else draft)
+        self._check_drafts(policy)
         if cache is None:
             cache = self._model.new_cache()
         else:

@@ -477,6 +477,12 @@ class _Group(click.Group):
             # cancelled and cleaned up on the way out (SyncModel.call), with no traceback.
             click.echo("", err=True)
             _interrupted_exit(143 if isinstance(exc, Terminated) else 130)
+        except BrokenPipeError:
+            # the reader went away (`coli run ... | head`): quietly, as a Unix tool killed by
+            # SIGPIPE (status 141); what is still buffered for stdout goes nowhere
+            with contextlib.suppress(OSError, ValueError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            _interrupted_exit(128 + signal.SIGPIPE)
         except OSError as exc:  # outside the error tree: permissions, a vanished file, ...
             if ctx.obj and ctx.obj.get("debug"):
                 raise
@@ -486,6 +492,17 @@ class _Group(click.Group):
                 hint = "make the model directory searchable and its files readable (chmod a+rX)"
             _fail(f"{where}{exc.strerror or exc}", hint)
             sys.exit(1)
+
+
+def _summary(line: str, **fields: Any) -> None:
+    """A command's closing summary on stderr: ``line`` for a reader, or with
+    ``--log-format json`` one JSON object (``fields``), so that every line of the log stream
+    parses."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None and (ctx.find_root().obj or {}).get("log_format") == "json":
+        click.echo(json.dumps(fields, default=str), err=True)
+    else:
+        click.echo(line, err=True)
 
 
 def _hint_for(exc: ColibriError) -> str | None:
@@ -499,6 +516,9 @@ def _hint_for(exc: ColibriError) -> str | None:
     if isinstance(exc, ConversionError):
         return "see `coli convert --help`"
     if isinstance(exc, ContainerError):
+        if "missing" in str(exc) and "listed in" in str(exc):
+            # the directory is a container, one of its files is gone: not a wrong path
+            return "run `coli doctor --model DIR` for a full report"
         return "pass --model DIR pointing at a converted model, or omit it for the demo model"
     if str(exc).startswith("no colibri server answers"):
         return "start one with `coli serve`, or point --url at it"
@@ -642,15 +662,33 @@ def run(
         m.call(stream)
         click.echo(text.flush())
         dt = time.perf_counter() - t0
-        if not quiet and not toks:
-            click.echo(f"0 tokens ({len(ids)} prompt tokens)", err=True)
-        elif not quiet:
-            ttft = first[0] - t0
-            rate = (len(toks) - 1) / (dt - ttft) if len(toks) > 1 and dt > ttft else None
-            speed = f", {rate:.1f} tok/s" if rate is not None else ""
-            click.echo(
-                f"{len(toks)} tokens{speed}, first after {ttft:.2f} s ({len(ids)} prompt tokens)",
-                err=True,
+        ctx_len = engine.context_length
+        # the context ended the output before -n did (the engine stops there, reason "length")
+        cut = len(toks) < max_tokens and len(ids) + len(toks) >= ctx_len
+        if not quiet:
+            ttft = first[0] - t0 if first else None
+            rate = (
+                (len(toks) - 1) / (dt - ttft)
+                if ttft is not None and len(toks) > 1 and dt > ttft
+                else None
+            )
+            line = f"{len(toks)} tokens"
+            if rate is not None:
+                line += f", {rate:.1f} tok/s"
+            if ttft is not None:
+                line += f", first after {ttft:.2f} s"
+            line += f" ({len(ids)} prompt tokens)"
+            if cut:
+                line += f"; stopped at the end of the model's context ({ctx_len} tokens)"
+            _summary(
+                line,
+                event="generated",
+                tokens=len(toks),
+                prompt_tokens=len(ids),
+                tokens_per_s=rate,
+                first_token_s=ttft,
+                seconds=dt,
+                stopped_at_context=cut,
             )
         if show_stats:
             click.echo(json.dumps({"tokens": len(toks), "seconds": dt, **m.stats()}, default=str))

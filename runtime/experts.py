@@ -26,6 +26,7 @@ import functools
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
@@ -182,7 +183,13 @@ def plan_layout(
         )
     pin = list(pinned)[: avail // slot]
     avail -= len(pin) * slot
-    per_layer = min(n_e, avail // (slot * max(len(layers), 1)))
+    # a layer never needs more cache slots than it has experts left unpinned (the count is
+    # the same for every layer: the one with the fewest pinned bounds it; a live re-pin that
+    # moves a pin to another layer leaves that layer an expert short, which then streams
+    # through the transient slots: speed, never meaning)
+    pinned_in = Counter(layer for layer, _ in pin)
+    need = max((n_e - pinned_in[layer] for layer in layers), default=n_e)
+    per_layer = min(need, avail // (slot * max(len(layers), 1)))
     return StoreLayout(tuple(pin), int(per_layer), len(layers), transient, slot)
 
 

@@ -245,11 +245,14 @@ def make_plan(
         assert budget is not None
         expert_budget = budget - dense - kv_reserve
         if expert_budget <= 0 or expert_budget < transient * slot:
+            have, need = _size(budget), _size(floor)
+            if have == need:  # rounded alike: say it in bytes rather than "11.6 < 11.6"
+                have, need = f"{budget:,} bytes", f"{floor:,} bytes"
             raise ColibriError(
-                f"a RAM budget of {_size(budget)} is too small for {c.path.name}: the dense part "
+                f"a RAM budget of {have} is too small for {c.path.name}: the dense part "
                 f"needs {_size(dense)}, the KV reserve {_size(kv_reserve)} and streaming "
                 f"{transient} transient slots of {_size(slot)}; the minimum is "
-                f"{_size(floor)} (--ram {math.ceil(floor / 2**20)}MiB)"
+                f"{need} (--ram {math.ceil(floor / 2**20)}MiB)"
             )
         chosen: list[tuple[int, int]] = []
         if pin and usage_counts is not None:

@@ -54,6 +54,7 @@ from storage.errors import (
     FormatError,
     TensorNotFoundError,
 )
+from storage.manifest import Manifest
 from storage.multidisk.identity import compare_copy_file
 from storage.quant import QTensor, QuantFormat, bf16_to_f32, dequantize, infer_format
 from storage.safetensors import PAD_PREFIX, ShardHeader, TensorInfo, read_header, read_tensor
@@ -437,6 +438,10 @@ class Container:
             problems.add(exc)
         try:
             manifest = _load_json(d / MANIFEST_NAME, required=False)
+            if manifest is not None:
+                # its structure too (the doctor's check): a manifest whose shard list cannot be
+                # read would leave the missing-shard checks below with nothing to compare
+                Manifest.from_json(manifest, str(d / MANIFEST_NAME))
         except ConfigError as exc:
             problems.add(exc)
         eos: list[int] = []

@@ -623,7 +623,9 @@ def _run(
             old = Manifest.load(manifest_path)
         except ConfigError as exc:
             raise ConversionError(f"{exc}; pass --force to start over") from exc
-        _check_same(dst, old.converter_version, dict(old.options), old.source, rec, source)
+        _check_same(
+            dst, old.converter_version, dict(old.options), old.source, rec, source, finished=True
+        )
         same_files = [s.file for s in old.shards] == [p.file for p in plans] and all(
             s.size == planned[s.file].size for s in old.shards
         )
@@ -737,8 +739,28 @@ def _check_same(
     old_source: SourceIdentity | None,
     rec: Mapping[str, str | int],
     source: _Source,
+    *,
+    finished: bool = False,
 ) -> None:
-    """Refuse to mix two different conversions in one dst."""
+    """Refuse to mix two different conversions in one dst. ``finished``: dst holds a complete
+    container (its manifest), not an interrupted conversion: a model that --force would
+    delete, so the message says so rather than offer --force as the way on."""
+    if finished:
+        why = None
+        if old_version != CONVERTER_VERSION:
+            why = f"by converter version {old_version} (this is {CONVERTER_VERSION})"
+        elif any(old_opts.get(k) != rec[k] for k in rec):
+            k = next(k for k in rec if old_opts.get(k) != rec[k])
+            flag = f"--{k.replace('_', '-')}"
+            why = f"with {flag} {old_opts.get(k)} (this run: {flag} {rec[k]})"
+        elif old_source is None or old_source.fingerprint != source.identity.fingerprint:
+            why = f"from another source checkpoint than {source.root}"
+        if why is not None:
+            raise ConversionError(
+                f"{dst} already holds a finished model, converted {why}; convert into an "
+                "empty directory instead (--force would delete that model and convert anew)"
+            )
+        return
     if old_version != CONVERTER_VERSION:
         raise ConversionError(
             f"{dst} was started by converter version {old_version}, this is "

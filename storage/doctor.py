@@ -356,6 +356,17 @@ def _check_experts(c: Container) -> Check:
     aligned = sum(1 for x in ext if x.start % _ALIGN == 0)
     sizes = {x.nbytes for x in ext}
     per = _size(max(sizes)) if len(sizes) == 1 else f"{_size(min(sizes))}..{_size(max(sizes))}"
+    # every routed expert of the main layers must be there (the MTP layers' are the mtp
+    # check's: a model may be used without its MTP head)
+    main = sum(1 for i in range(a.num_hidden_layers) if a.is_moe_layer(i)) * a.n_routed_experts
+    found = sum(1 for x in ext if x.layer < a.num_hidden_layers)
+    if found < main:
+        return Check(
+            "fail",
+            "experts",
+            f"only {found} of the {main} routed experts of the model's layers are in the "
+            "shards (see the shards and tensors checks for what is missing)",
+        )
     return Check(
         "pass",
         "experts",

@@ -136,3 +136,24 @@ def test_a_plan_that_takes_more_than_is_available_warns() -> None:
     assert len(tight.warnings) == 1 and "more than the" in tight.warnings[0]
     assert any(line.startswith("warning ") for line in tight.render_lines())
     assert tight.suggested["ram"] == f"{-(-full.full_residency_ram_bytes // 2**20)}MiB"
+
+
+def test_cache_slots_never_outnumber_the_unpinned_experts() -> None:
+    """A budget past full residency with a routing history that pins every expert used to
+    get a full set of cache slots per layer beside them (twice the experts' memory, the
+    slots never used)."""
+    from runtime.experts import plan_layout
+    from storage.container import Container
+
+    c = Container.open(demo_model())
+    layers, n_e = c.expert_layers(), c.arch.n_routed_experts
+    every = [(layer, e) for layer in layers for e in range(n_e)]
+    big = 1 << 40
+    assert plan_layout(c, big, top_k=c.arch.top_k).lru_slots_per_layer == n_e
+    assert plan_layout(c, big, top_k=c.arch.top_k, pinned=every).lru_slots_per_layer == 0
+    # the layer with the fewest pinned sets the count: here 3 pinned in every layer but one
+    some = [(layer, e) for layer in layers[1:] for e in range(n_e)] + [
+        (layers[0], e) for e in range(3)
+    ]
+    got = plan_layout(c, big, top_k=c.arch.top_k, pinned=some)
+    assert got.lru_slots_per_layer == n_e - 3 and len(got.pinned) == len(some)

@@ -232,9 +232,17 @@ def test_unquantized_matrix_stored_1d_is_accepted(copy: Path) -> None:
 
 
 def test_manifest_is_exposed(copy: Path) -> None:
-    doc = {"format": "colibri-container", "format_version": 1}
-    (copy / "colibri-manifest.json").write_text(json.dumps(doc))
-    assert Container.open(copy).manifest == doc
+    from _demo import demo_model
+
+    converted = demo_model()
+    doc = json.loads((converted / "colibri-manifest.json").read_text())
+    assert Container.open(converted).manifest == doc
+    # one the converter could not have written is refused at open (its shard list would
+    # otherwise be ignored), naming the file and the field
+    (copy / "colibri-manifest.json").write_text(json.dumps({"format": "colibri-container"}))
+    with pytest.raises(ConfigError, match=r"colibri-manifest\.json") as exc:
+        Container.open(copy)
+    assert_names(exc.value, copy / "colibri-manifest.json")
     (copy / "colibri-manifest.json").write_text("{oops")
     with pytest.raises(ConfigError) as exc:
         Container.open(copy)

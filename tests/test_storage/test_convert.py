@@ -352,7 +352,7 @@ def test_rerun_noop_mismatch_force(tmp_path: Path, bf16_src: Src) -> None:
 
     with pytest.raises(ConversionError, match=r"--experts int4-g64 \(this run: --experts f32\)"):
         convert(src, dst, ConvertOptions(experts="f32", shard_size=SMALL))
-    with pytest.raises(ConversionError, match="pass --force"):
+    with pytest.raises(ConversionError, match="--force would delete that model"):
         convert(src, dst, ConvertOptions(shard_size=SMALL * 2))
     assert _files(dst) == before
 
@@ -363,6 +363,28 @@ def test_rerun_noop_mismatch_force(tmp_path: Path, bf16_src: Src) -> None:
         np.float32
     )
     assert not list(dst.glob("*.tmp"))
+
+
+def test_a_finished_model_of_another_source_is_refused_not_offered_to_force(
+    tmp_path: Path, bf16_src: Src, bf16_converted: tuple[Path, ConvertResult]
+) -> None:
+    """A dst holding a complete container is a model, not an interrupted conversion: the
+    message says so and that --force would delete it (it used to call it "started from a
+    different source" and recommend --force); nothing in it changes."""
+    dst = bf16_converted[0]
+    before = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in dst.iterdir())
+    other = tmp_path / "other"
+    make_checkpoint(other, tiny_config(), seed=1)
+    with pytest.raises(ConversionError) as err:
+        convert(other, dst, ConvertOptions(shard_size=SMALL))
+    msg = str(err.value)
+    assert "already holds a finished model" in msg and "another source checkpoint" in msg, msg
+    assert "--force would delete that model" in msg, msg
+    with pytest.raises(
+        ConversionError, match=r"finished model, converted with --shard-size .* --shard-size"
+    ):
+        convert(bf16_src[0], dst, ConvertOptions(shard_size=SMALL * 2))
+    assert sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in dst.iterdir()) == before
 
 
 def test_interrupted_run_resumes_and_redoes_a_bad_shard(

@@ -1,0 +1,158 @@
+"""`coli` where a demanding user leaves the happy path: a reader that goes away, the context
+running out in `run` and `chat`, JSON logs, damaged copies of the model that `run` must refuse
+as `doctor` does, RAM budgets at the edge. Real subprocesses on copies of the test model."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _demo import demo_model
+
+from colibri._config import default_model_path
+
+pytestmark = pytest.mark.reliability
+
+BUNDLED = default_model_path()  # the trained demo model `coli` uses by default
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("home")
+
+
+def _env(home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COLI_")}
+    return env | {"COLI_MODEL": str(demo_model()), "HOME": str(home)}
+
+
+def coli(home: Path, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "colibri.cli", *args],
+        capture_output=True,
+        text=True,
+        env=_env(home),
+        input=stdin,
+        timeout=300,
+    )
+
+
+def _copy(tmp_path: Path, name: str = "model") -> Path:
+    dst = tmp_path / name
+    shutil.copytree(demo_model(), dst)
+    return dst
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(home: Path) -> None:
+    """`coli run ... | head -c 10`: the status of a Unix tool killed by SIGPIPE, no error
+    line (it used to print "error: Broken pipe" and exit 1)."""
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "colibri.cli",
+            "run",
+            "--raw",
+            "-n",
+            "400",
+            "--model",
+            str(BUNDLED),
+            "Once upon a time",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=_env(home),
+    )
+    assert p.stdout is not None and p.stderr is not None
+    assert p.stdout.read(10)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=300) == 141, err
+    assert "error" not in err and "Traceback" not in err, err
+
+
+def test_run_says_when_the_context_ended_the_output(home: Path) -> None:
+    """The bundled demo model (greedy, this prompt) writes on past its 1024-token context:
+    the summary says the context, not -n, ended it (it used to say nothing)."""
+    r = coli(home, "run", "--model", str(BUNDLED), "--raw", "-n", "5000", "Once upon a time")
+    assert r.returncode == 0, r.stderr
+    assert "stopped at the end of the model's context (1024 tokens)" in r.stderr, r.stderr
+    r = coli(home, "run", "--model", str(BUNDLED), "--raw", "-n", "5", "Once upon a time")
+    assert r.returncode == 0 and "context" not in r.stderr, r.stderr
+
+
+def test_json_logs_keep_every_stderr_line_json(home: Path) -> None:
+    """The closing summary was a plain text line in the middle of the JSON log stream."""
+    r = coli(home, "--log-format", "json", "-v", "run", "-n", "4", "Hi")
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(line) for line in r.stderr.splitlines() if line.strip()]
+    summary = [x for x in lines if x.get("event") == "generated"]
+    assert len(summary) == 1 and summary[0]["tokens"] == 4, lines
+
+
+def test_chat_says_the_conversation_filled_the_context(home: Path, tmp_path: Path) -> None:
+    """Once the context is full every message failed with "the prompt has N tokens; shorten
+    it", which no message the user types could fix; :reset does."""
+    state = str(tmp_path / "state")
+    r = coli(home, "chat", "--state-dir", state, "--ignore-eos", "-n", "5000",
+             stdin="hi\nmore please\n:reset\nhi\n:q\n")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "the reply reached the end of the model's context (512 tokens)" in r.stdout
+    assert "the conversation has filled the model's context" in r.stderr, r.stderr
+    assert ":reset starts a new one" in r.stderr and "shorten it" not in r.stderr
+    assert "conversation cleared" in r.stdout
+    assert r.stdout.count(" tok · ") == 2, r.stdout  # the full turn and the one after :reset
+
+
+def test_run_refuses_what_doctor_fails(home: Path, tmp_path: Path) -> None:
+    """A manifest of the wrong structure was ignored at open (so were the shards it lists);
+    `--draft mtp` on a copy without its MTP weights decoded without drafts, silently."""
+    junk = _copy(tmp_path, "junk")
+    (junk / "colibri-manifest.json").write_text(json.dumps({"shards": 5}))
+    r = coli(home, "run", "--model", str(junk), "-n", "2", "Hello")
+    assert r.returncode == 1 and "colibri-manifest.json" in r.stderr, r.stderr
+    assert "coli doctor" in r.stderr
+    no_mtp = _copy(tmp_path, "no_mtp")
+    (no_mtp / "colibri-manifest.json").unlink()
+    next(no_mtp.glob("out-mtp-*.safetensors")).unlink()
+    r = coli(home, "run", "--model", str(no_mtp), "--draft", "mtp", "-n", "4", "Hello")
+    assert r.returncode == 1, r.stderr
+    assert "needs the model's MTP head" in r.stderr and "no MTP weights" in r.stderr, r.stderr
+    r = coli(home, "run", "--model", str(no_mtp), "-n", "2", "Hello")  # usable without the head
+    assert r.returncode == 0, r.stderr
+    # a shard the manifest lists is gone: the hint points at the doctor, not at --model
+    gone = _copy(tmp_path, "gone")
+    next(gone.glob("out-mtp-*.safetensors")).unlink()
+    r = coli(home, "run", "--model", str(gone), "-n", "2", "Hello")
+    assert r.returncode == 1 and "listed in colibri-manifest.json but missing" in r.stderr
+    assert "hint: run `coli doctor" in r.stderr, r.stderr
+
+
+def test_doctor_fails_the_experts_check_when_experts_are_missing(
+    home: Path, tmp_path: Path
+) -> None:
+    """It used to report "PASS experts: 32 of 192 experts" for a truncated shard."""
+    cut = _copy(tmp_path, "cut")
+    shard = cut / "out-00000.safetensors"
+    os.truncate(shard, shard.stat().st_size // 3)
+    r = coli(home, "doctor", "--model", str(cut), "--json")
+    checks = {c["name"]: c for c in json.loads(r.stdout)["checks"]}
+    assert checks["experts"]["status"] == "fail", checks["experts"]
+    r = coli(home, "doctor", "--json")
+    checks = {c["name"]: c for c in json.loads(r.stdout)["checks"]}
+    assert checks["experts"]["status"] == "pass", checks["experts"]
+
+
+def test_a_budget_just_under_the_minimum_prints_figures_that_differ(home: Path) -> None:
+    """Both used to be rounded alike: "11.6 MiB is too small ... the minimum is 11.6 MiB"."""
+    plan = json.loads(coli(home, "plan", "--json", "--ram", "1GiB").stdout)
+    floor = int(plan["min_ram_bytes"])
+    r = coli(home, "plan", "--ram", str(floor - 1000))
+    assert r.returncode == 1, r.stderr
+    line = next(x for x in r.stderr.splitlines() if x.startswith("error: "))
+    assert f"{floor - 1000:,} bytes is too small" in line and f"minimum is {floor:,} bytes" in line
