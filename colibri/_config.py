@@ -27,7 +27,8 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from decimal import Decimal
 from pathlib import Path
 from typing import Literal
 
@@ -71,9 +72,14 @@ def parse_bytes(text: str | int | None) -> int | None:
     if t in ("", "auto", "none"):
         return None
     m = re.fullmatch(r"(\d+(?:\.\d+)?)([a-z]*)", t)
-    if not m or m.group(2) not in _UNITS:
+    if not m or m.group(2) not in _UNITS or len(m.group(1)) > 30:
         raise ColibriError(f"cannot read {text!r} as a size; write e.g. 6GiB, 512MiB, 2000000000")
-    return int(float(m.group(1)) * _UNITS[m.group(2)])
+    # exact decimal arithmetic: "1.5GiB" is 1610612736 bytes; "1.9" (bytes) is no whole number
+    # of bytes, rather than 1 byte
+    n = Decimal(m.group(1)) * _UNITS[m.group(2)]
+    if n != n.to_integral_value():
+        raise ColibriError(f"{text!r} is not a whole number of bytes; write e.g. 6GiB, 512MiB")
+    return int(n)
 
 
 def default_model_path() -> Path:
@@ -158,6 +164,17 @@ class EngineOptions(BaseModel):
 
         return str(DraftPolicy.parse(v))  # type: ignore[arg-type]
 
+    @field_validator(
+        "threads", "prefill_chunk", "worker_threads", "max_batch", "expert_workers",
+        "expert_timeout", mode="before",
+    )  # fmt: skip
+    @classmethod
+    def _no_bool(cls, v: object) -> object:
+        # pydantic's lax mode reads True as 1: `threads=True` would mean one thread
+        if isinstance(v, bool):
+            raise ValueError(f"expected a number, got {v}")
+        return v
+
     @field_validator("threads", "prefill_chunk", "worker_threads", mode="before")
     @classmethod
     def _positive(cls, v: object) -> object:
@@ -203,6 +220,10 @@ class EngineOptions(BaseModel):
     @field_validator("ram_budget", "worker_ram", mode="before")
     @classmethod
     def _budget(cls, v: object) -> int | None:
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)  # 2e9: a whole number of bytes written as a float
+        if isinstance(v, float):
+            raise ColibriError(f"a RAM budget is a whole number of bytes or a size, got {v!r}")
         n = v if v is None or isinstance(v, int) else parse_bytes(str(v))
         if isinstance(n, bool) or (n is not None and n <= 0):
             # a ColibriError, as parse_bytes raises: one line in the CLI, not pydantic's dump
@@ -225,7 +246,11 @@ class EngineOptions(BaseModel):
             return None
         from storage.multidisk.placement import parse_weights
 
-        return parse_weights(v if isinstance(v, str) else list(v))  # type: ignore[call-overload]
+        if not isinstance(v, str) and not isinstance(v, Iterable):
+            raise ColibriError(
+                f"disk_weights is a list of weights or text like '2,1' (--disk-weights), got {v!r}"
+            )
+        return parse_weights(v if isinstance(v, str) else list(v))
 
     @field_validator("stripe_min_bytes", mode="before")
     @classmethod

@@ -234,14 +234,15 @@ class SchedulerStats:
 
     def as_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = dataclasses.asdict(self)
-        if self.prefill_seconds:
-            d["prefill_tokens_per_s"] = self.prefill_tokens / self.prefill_seconds
-        if self.prefill_tokens:
-            d["prefill_bytes_per_token"] = self.prefill_bytes_read / self.prefill_tokens
-        if self.prefill_chunks:
-            d["prefill_expert_reads_per_chunk"] = self.prefill_expert_reads / self.prefill_chunks
-        if self.prefill_steps:
-            d["prefill_chunks_per_step"] = self.prefill_chunks / self.prefill_steps
+
+        def ratio(a: float, b: float) -> float | None:  # None until there is something to divide
+            return a / b if b else None
+
+        # always present (None before the first prompt), so a caller can read them at any time
+        d["prefill_tokens_per_s"] = ratio(self.prefill_tokens, self.prefill_seconds)
+        d["prefill_bytes_per_token"] = ratio(self.prefill_bytes_read, self.prefill_tokens)
+        d["prefill_expert_reads_per_chunk"] = ratio(self.prefill_expert_reads, self.prefill_chunks)
+        d["prefill_chunks_per_step"] = ratio(self.prefill_chunks, self.prefill_steps)
         return d
 
 

@@ -176,3 +176,33 @@ async def test_malformed_sampling_and_stop_arguments_are_model_errors(
         stop = greedy[1]
         for ids in ([stop], {stop}, (t for t in [stop]), iter([stop])):
             assert await run(stop_token_ids=ids) == greedy[: greedy.index(stop) + 1]
+
+
+def test_engine_options_refuse_what_they_would_misread() -> None:
+    """Each of these used to be read as something else (1.5 bytes as 1, True as one thread)
+    or to fail with a bare OverflowError / TypeError."""
+    for bad in (
+        {"ram_budget": "9" * 400},
+        {"ram_budget": 1.5},
+        {"ram_budget": "1.9"},
+        {"disk_weights": 5},
+        {"threads": True},
+        {"max_batch": True},
+        {"expert_timeout": True},
+        {"prefill_chunk": False},
+    ):
+        with pytest.raises((ColibriError, ValueError)) as err:
+            EngineOptions(**bad)
+        assert not isinstance(err.value, (OverflowError, TypeError)), (bad, err.value)
+    assert EngineOptions(ram_budget="1.5GiB").ram_budget == 1536 * 2**20
+    assert EngineOptions(ram_budget=2e9).ram_budget == 2_000_000_000
+
+
+def test_stats_have_every_documented_key_before_the_first_prompt(state_dir: Path) -> None:
+    with colibri.open_model(DEMO, state_dir=state_dir) as m:
+        fresh = m.stats()
+        for key in ("prefill_tokens_per_s", "prefill_bytes_per_token",
+                    "prefill_expert_reads_per_chunk", "prefill_chunks_per_step"):  # fmt: skip
+            assert key in fresh and fresh[key] is None, key
+        m.generate([1, 2, 3], max_new_tokens=2)
+        assert m.stats()["prefill_tokens_per_s"] > 0
