@@ -29,6 +29,7 @@ from colibri.server.textproc import (
     ThinkSplitter,
     ToolCallSplitter,
 )
+from runtime.sampling import log_softmax, top_ids
 from storage.errors import ColibriError, ModelError
 
 __all__ = ["Delta", "GenParams", "Generation", "Result", "TokenLogprob", "check_prompt", "new_id"]
@@ -189,6 +190,24 @@ class Generation:
             top,
             tuple(tok.token_bytes(t) for t, _ in ev.top),
         )
+
+    async def prompt_logprobs(self, n_top: int) -> list[TokenLogprob]:
+        """Each prompt token's logprob given the tokens before it, with the ``n_top`` most
+        likely alternatives (legacy completions' ``echo`` with ``logprobs``: scoring a
+        prompt). One forward over the prompt; the first token has no context, so its entry
+        holds 0.0 (:func:`completion_logprobs` reports it as null)."""
+        ids = self.p.prompt_ids
+        logits = await self.state.engine.forward(ids)  # [T, V]
+
+        def entries() -> list[TokenLogprob]:
+            out = [self._logprob(TokenEvent(ids[0], 0, 0.0))]
+            for i in range(1, len(ids)):
+                row = log_softmax(logits[i - 1])  # [V]
+                top = tuple((int(t), float(row[t])) for t in top_ids(row, n_top)) if n_top else ()
+                out.append(self._logprob(TokenEvent(ids[i], i, float(row[ids[i]]), top)))
+            return out
+
+        return await self.state.off_loop(entries)
 
     async def complete(self, lease: Lease) -> Result:
         """Run to the end (non-streaming responses)."""
@@ -505,15 +524,25 @@ class TextOffsets:
 
 
 def completion_logprobs(
-    lps: list[TokenLogprob], n_top: int, offsets: TextOffsets | None = None
+    lps: list[TokenLogprob],
+    n_top: int,
+    offsets: TextOffsets | None = None,
+    *,
+    unscored_first: bool = False,
 ) -> dict[str, Any]:
     """OpenAI legacy completions ``logprobs`` (tokens, token_logprobs, top_logprobs,
-    text_offset); ``offsets`` carries the position on from earlier tokens of the response."""
+    text_offset); ``offsets`` carries the position on from earlier tokens of the response.
+    ``unscored_first``: ``lps`` starts with an echoed prompt's first token, which nothing
+    precedes: its logprob and alternatives are null (as OpenAI's)."""
     where = offsets if offsets is not None else TextOffsets()
+    logprobs: list[float | None] = [lp.logprob for lp in lps]
+    tops: list[dict[str, float] | None] = [{t: v for _, t, v in lp.top[:n_top]} for lp in lps]
+    if unscored_first and lps:
+        logprobs[0] = tops[0] = None
     return {
         "tokens": [lp.token for lp in lps],
-        "token_logprobs": [lp.logprob for lp in lps],
-        "top_logprobs": [{t: v for _, t, v in lp.top[:n_top]} for lp in lps] if n_top else None,
+        "token_logprobs": logprobs,
+        "top_logprobs": tops if n_top else None,
         "text_offset": [where.take(lp.raw) for lp in lps],
     }
 

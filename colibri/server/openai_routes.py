@@ -44,7 +44,7 @@ from colibri.server.schemas import (
     CompletionRequest,
 )
 from colibri.server.sse import GenerationResponse, Responder, Runner, sse
-from colibri.server.state import AppState, Ticket
+from colibri.server.state import AppState, Lease, Ticket
 from storage.errors import ColibriError
 
 __all__ = ["openai_routes"]
@@ -302,6 +302,9 @@ def _respond(st: AppState, ticket: Ticket, runner: Runner, stream: bool) -> Resp
 
 # ------------------------------------------------------------------------------ completions
 
+#: the most logits bytes ([T, V] float32) scoring an echoed prompt may hold at once
+PROMPT_SCORE_MAX_BYTES = 1 << 30
+
 
 async def completions(request: Request) -> Response:
     """``POST /v1/completions``."""
@@ -310,6 +313,12 @@ async def completions(request: Request) -> Response:
         raise ApiError(400, "best_of > 1 is not supported", param="best_of")
     if req.suffix:
         raise ApiError(400, "suffix (insertion) is not supported", param="suffix")
+    if req.max_tokens == 0 and not req.echo:
+        raise ApiError(
+            400,
+            "max_tokens 0 generates nothing; with echo (and logprobs) it scores the prompt",
+            param="max_tokens",
+        )
     prompt = req.prompt
     prompt_text: str | None = None
     if isinstance(prompt, str):
@@ -342,7 +351,30 @@ async def completions(request: Request) -> Response:
         echo = (
             prompt_text if prompt_text is not None else await st.off_loop(st.tokenizer.decode, ids)
         )
+    # echo with logprobs: the prompt's tokens are scored too (each given the ones before it),
+    # one forward whose logits [T, V] are held at once
+    score = req.echo and params.logprobs
+    if score and len(ids) * st.vocab_size * 4 > PROMPT_SCORE_MAX_BYTES:
+        most = PROMPT_SCORE_MAX_BYTES // (4 * st.vocab_size)
+        raise ApiError(
+            400,
+            f"echo with logprobs scores at most {most} prompt tokens on this model (the "
+            f"prompt has {len(ids)})",
+            param="prompt",
+        )
     ticket = st.admission.reserve()
+
+    async def echoed(lease: Lease) -> dict[str, Any] | None:
+        """The echoed prompt's logprobs (None without them)."""
+        if not score:
+            return None
+        lps = await gen.prompt_logprobs(n_top)
+        return completion_logprobs(lps, n_top, unscored_first=True)
+
+    def joined(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
+        if a is None or b is None:
+            return a or b
+        return {k: None if a[k] is None else a[k] + b[k] for k in a}
 
     def base() -> dict[str, Any]:
         return openai_object(st, rid, "text_completion", created)
@@ -352,7 +384,8 @@ async def completions(request: Request) -> Response:
             await r.start(200, queue_headers(ticket.wait_s), "text/event-stream")
             offsets = TextOffsets(len(echo))
             if echo:
-                c = {"index": 0, "text": echo, "logprobs": None, "finish_reason": None}
+                c = {"index": 0, "text": echo, "logprobs": await echoed(lease)}
+                c["finish_reason"] = None
                 await r.body(sse({**base(), "choices": [c]}))
             async with aclosing(gen.run(lease)) as deltas:
                 async for d in deltas:
@@ -374,6 +407,7 @@ async def completions(request: Request) -> Response:
 
     async def whole(r: Responder) -> None:
         async with gen.admitted(ticket) as lease:
+            prompt_lp = await echoed(lease)
             res = await gen.complete(lease)
         text = res.reasoning + res.content
         lp = (
@@ -381,6 +415,7 @@ async def completions(request: Request) -> Response:
             if params.logprobs
             else None
         )
+        lp = joined(prompt_lp, lp)
         choice = {"index": 0, "text": echo + text, "logprobs": lp, "finish_reason": _finish(res)}
         body = _whole_body(base(), choice, res, req, params)
         await r.json(200, body, queue_headers(ticket.wait_s))

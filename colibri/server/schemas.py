@@ -146,7 +146,8 @@ class CompletionRequest(_OpenAIGeneration):
     """``POST /v1/completions`` (the legacy text completion API)."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
+    # 0 with echo: score the prompt (its logprobs), generate nothing
+    max_tokens: int | None = Field(default=16, ge=0)
     best_of: int | None = Field(default=None, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False

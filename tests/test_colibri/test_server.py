@@ -192,9 +192,13 @@ def test_legacy_logprobs_offsets_index_the_returned_text(servers: dict[str, Serv
         )  # fmt: skip
         text, lps = r.choices[0].text, r.choices[0].logprobs
         assert lps is not None and lps.tokens and lps.text_offset
-        start = len("The quick brown fox") if echo else 0
-        assert lps.text_offset[0] == start
+        # with echo the prompt's tokens come first (scored: test_server_requests.py)
+        assert lps.text_offset[0] == 0
         assert lps.text_offset == sorted(lps.text_offset)
+        assert r.usage is not None
+        n_prompt = len(lps.tokens) - r.usage.completion_tokens
+        assert n_prompt == (r.usage.prompt_tokens if echo else 0)
+        assert "".join(lps.tokens[:n_prompt]) == ("The quick brown fox" if echo else "")
         for tok, at in zip(lps.tokens, lps.text_offset, strict=True):
             if "\ufffd" not in tok:
                 assert text[at : at + len(tok)] == tok, (tok, at, text)

@@ -210,3 +210,43 @@ async def test_anthropic_content_rules_and_usage(client: httpx.AsyncClient) -> N
     assert end["cache_read_input_tokens"] > 0, end
     for key in ("input_tokens", "cache_read_input_tokens"):
         assert start[key] == end[key], (start, end)
+
+
+async def test_echo_with_logprobs_scores_the_prompt(client: httpx.AsyncClient) -> None:
+    """OpenAI's way to score a prompt (echo, logprobs, max_tokens 0): every prompt token's
+    logprob given the ones before it, the first null. It used to leave the prompt's tokens out
+    and refuse max_tokens 0."""
+    from runtime.sampling import log_softmax
+
+    prompt = "Once upon a time"
+    body = {"model": "m", "prompt": prompt, "echo": True, "logprobs": 2, "max_tokens": 0}
+    r = await client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["text"] == prompt and r.json()["usage"]["completion_tokens"] == 0
+    assert "".join(lp["tokens"]) == prompt
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    # the reference: the model's own logits over the prompt, log-softmaxed
+    async with colibri.Engine.open(demo_model()) as engine:
+        tok = colibri.tokenizer.ChatTokenizer(
+            engine.container.tokenizer_path(), engine.container.tokenizer_config()
+        )
+        ids = tok.encode(prompt)
+        logits = await engine.forward(ids)
+    assert len(ids) == len(lp["tokens"])
+    for i in range(1, len(ids)):
+        row = log_softmax(logits[i - 1])
+        assert lp["token_logprobs"][i] == pytest.approx(float(row[ids[i]]), abs=1e-9)
+        assert len(lp["top_logprobs"][i]) == 2
+        assert max(lp["top_logprobs"][i].values()) == pytest.approx(float(row.max()), abs=1e-9)
+    # with tokens generated too: the prompt's entries, then the generated ones, in one list
+    more = (await client.post("/v1/completions", json={**body, "max_tokens": 3})).json()
+    both = more["choices"][0]["logprobs"]
+    assert both["tokens"][: len(ids)] == lp["tokens"] and len(both["tokens"]) == len(ids) + 3
+    assert both["token_logprobs"][: len(ids)] == lp["token_logprobs"]
+    assert more["choices"][0]["text"].startswith(prompt)
+    # max_tokens 0 without echo would generate nothing: refused
+    r = await client.post("/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 0})
+    assert r.status_code == 400 and "max_tokens" in r.text
