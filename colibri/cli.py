@@ -1592,12 +1592,29 @@ def list_cmd(paths: tuple[Path, ...], as_json: bool) -> None:
 @click.option("--url", default="http://127.0.0.1:8000", show_default=True,
               help="The coli serve to ask.")  # fmt: skip
 @click.option("--api-key", default=None, help="Its API key, if it was started with one.")
+@click.option(
+    "--api-key-file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Read the API key from this file's first key line (keeps it out of `ps`).",
+)
 @click.option("--json", "as_json", is_flag=True)
-def ps(url: str, api_key: str | None, as_json: bool) -> None:
+def ps(url: str, api_key: str | None, api_key_file: Path | None, as_json: bool) -> None:
     """What a running `coli serve` has loaded: model, queue, KV slots and expert tiers."""
     from colibri._inventory import server_status
     from storage.units import format_bytes
 
+    if api_key is not None and api_key_file is not None:
+        raise click.UsageError("give --api-key or --api-key-file, not both")
+    if api_key_file is not None:
+        try:
+            text = api_key_file.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ColibriError(f"cannot read --api-key-file {api_key_file}: {exc}") from exc
+        keys = [k for line in text.splitlines() if (k := line.strip()) and k[0] != "#"]
+        if not keys:
+            raise ColibriError(f"--api-key-file {api_key_file} holds no key")
+        api_key = keys[0]
     st = server_status(url, api_key)
     if as_json:
         click.echo(json.dumps(st, indent=2))
@@ -1611,7 +1628,7 @@ def ps(url: str, api_key: str | None, as_json: bool) -> None:
     if ex.get("mode") == "streaming":
         hit = ex.get("hit_rate")
         click.echo(
-            f"experts    streaming: {ex.get('pinned', 0)} pinned + "
+            f"experts    streaming: {ex.get('pinned', 0)} pinned in all + "
             f"{ex.get('lru_slots_per_layer', 0)} cache slots per layer, hit rate "
             + ("-" if hit is None else f"{100 * hit:.1f} %")
             + f", {format_bytes(ex.get('bytes_read', 0))} read"

@@ -615,6 +615,14 @@ class Container:
         """Bytes of one expert blob (the largest, in case layers differ); 0 without experts."""
         return max((x.nbytes for x in self._experts.values()), default=0)
 
+    def expert_nbytes_by_layer(self) -> dict[int, int]:
+        """Bytes of one expert blob in each MoE layer (layers may differ: an MTP layer's
+        experts are often stored in another format than the main layers')."""
+        out: dict[int, int] = {}
+        for (layer, _), x in self._experts.items():
+            out[layer] = max(out.get(layer, 0), x.nbytes)
+        return out
+
     # ------------------------------------------------------------------------------ side files
 
     def tokenizer_path(self) -> Path | None:

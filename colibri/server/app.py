@@ -184,6 +184,7 @@ async def experts(request: Request) -> Response:
     """``GET /experts``: per MoE layer and expert, its tier and routing heat."""
     st = state_of(request)
     m = st.engine.expert_map()
+    by_layer = st.engine.container.expert_nbytes_by_layer()
     counts: list[list[int]] | None = m.get("counts")
     codes: list[list[int]] = []
     for i, row in enumerate(m["tiers"]):
@@ -200,6 +201,9 @@ async def experts(request: Request) -> Response:
             "tier_codes": TIER_CODES,
             "codes": codes,
             "expert_bytes": int(st.engine.container.expert_nbytes),
+            # one expert's bytes in each of `layers` (they may differ: the tier sizes are
+            # per-layer sums, not counts times the largest expert)
+            "layer_expert_bytes": [by_layer.get(layer, 0) for layer in m["layers"]],
         }
     )
 

@@ -395,6 +395,7 @@ class Generation:
                     turn.decode_s = now - t_first
                     ids.append(ev.token_id)
                     turn.completion_tokens = len(ids)
+                    metrics.generation_tokens.inc()  # as generated, not when the request ends
                     if ev.token_id in stop_set:
                         # the token that ends the generation (end-of-sequence, or one of the
                         # request's stop_token_ids) is not part of the output: neither its
@@ -466,7 +467,6 @@ class Generation:
             metrics.request_success.labels(turn.finish_reason).inc()
             metrics.prompt_tokens.inc(turn.prompt_tokens)
             metrics.prompt_tokens_cached.inc(turn.prompt_tokens_reused)
-            metrics.generation_tokens.inc(turn.completion_tokens)
             metrics.e2e.observe(turn.total_s)
             st.record(turn)
 

@@ -205,12 +205,18 @@ def machine_info(engine: Engine) -> dict[str, Any]:
         d["block_device"] = hit[0] if hit else None
         d["read_bytes"] = hit[1] if hit else None
         disks.append(d)
+    sizes = engine.container.expert_nbytes_by_layer()
     return {
         "cpu_model": _cpu_model(),
         "cpu_count": os.cpu_count(),
         "ram_total_bytes": mem.get("MemTotal"),
         "ram_available_bytes": mem.get("MemAvailable"),
         "expert_bytes": int(engine.container.expert_nbytes),
+        # the smallest and largest expert (MoE layers may store theirs differently)
+        "expert_bytes_range": [
+            min(sizes.values(), default=0),
+            max(sizes.values(), default=0),
+        ],
         "disks": disks,
         "time": time.time(),
     }

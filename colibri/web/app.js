@@ -100,6 +100,12 @@
       setUp(false);
       throw e;
     }
+    // a proxy in front answers 502 / 504 for a server that is gone, and this server 503 while
+    // it shuts down: not "up"
+    if (res.status === 502 || res.status === 503 || res.status === 504) {
+      setUp(false);
+      throw new HttpError(res.status, `HTTP ${res.status}`);
+    }
     setUp(true);
     if (res.status === 401) {
       showKeyForm();
@@ -123,6 +129,8 @@
     conn.classList.toggle("ok", up);
     conn.classList.toggle("down", !up);
     $("conn-text").textContent = up ? "connected" : "offline";
+    // what is on screen is the last that came before the server went away: shown as such
+    document.body.classList.toggle("stale", !up);
     if (!up) {
       state.downSince = Date.now();
       updateBanner();
@@ -674,7 +682,7 @@
         ["RAM", m.ram_total_bytes ? `${fmtBytes(m.ram_total_bytes)} (${fmtBytes(m.ram_available_bytes)} available)` : null],
         ["experts", ex.mode === "streaming" ? `streaming (${ex.reader || "reader"})` : "all resident in RAM"],
         ["context", `${p.context_length} tokens`],
-        ["expert size", m.expert_bytes ? fmtBytes(m.expert_bytes) : null],
+        ["expert size", expertSize(m)],
       ]);
       renderDisks(p);
       renderCluster(p.engine.cluster);
@@ -737,9 +745,17 @@
     }
   }
 
+  /** One expert's size, or the range when MoE layers store theirs differently. */
+  function expertSize(m) {
+    const r = m.expert_bytes_range;
+    if (r && r[0] && r[0] !== r[1]) return `${fmtBytes(r[0])} – ${fmtBytes(r[1])} (by layer)`;
+    return m.expert_bytes ? fmtBytes(m.expert_bytes) : null;
+  }
+
   function renderDisks(p) {
     const snaps = state.engineSnaps;
-    const now = snaps[snaps.length - 1];
+    // none right after a reconnect (the counters start again): no rates until a poll lands
+    const now = snaps.length ? snaps[snaps.length - 1] : null;
     const tb = $("disks").tBodies[0];
     tb.textContent = "";
     const disks = (p.machine && p.machine.disks) || [];
@@ -747,11 +763,11 @@
       const key = d.path;
       let rate = null;
       const prev = state.diskPrev.get(key);
-      if (d.read_bytes != null && prev && now.t > prev.t && d.read_bytes >= prev.bytes) {
+      if (now && d.read_bytes != null && prev && now.t > prev.t && d.read_bytes >= prev.bytes) {
         rate = (d.read_bytes - prev.bytes) / (now.t - prev.t);
       }
-      if (!prev || prev.t !== now.t) state.diskPrev.set(key, { t: now.t, bytes: d.read_bytes, rate });
-      const shown = rate != null ? rate : prev && prev.t === now.t ? prev.rate : null;
+      if (now && (!prev || prev.t !== now.t)) state.diskPrev.set(key, { t: now.t, bytes: d.read_bytes, rate });
+      const shown = rate != null ? rate : now && prev && prev.t === now.t ? prev.rate : null;
       const tr = el("tr");
       const c1 = el("td");
       c1.appendChild(el("div", null, d.role));
@@ -769,7 +785,7 @@
     } else {
       let rate = null;
       const first = snaps.length > 1 ? snaps[snaps.length - 2] : null;
-      if (first && first.engine.experts && now.t > first.t) {
+      if (now && first && first.engine.experts && now.t > first.t) {
         rate = (ex.bytes_read - first.engine.experts.bytes_read) / (now.t - first.t);
       }
       io.textContent = `Expert reads: ${fmtRate(rate)} now · ${fmtBytes(ex.bytes_read)} in ${ex.experts_read} experts since start · hit rate ${(100 * (ex.hit_rate || 0)).toFixed(1)}% · ${ex.reader}`;
@@ -862,10 +878,21 @@
     legend.textContent = "";
     if (!ex) return;
     const counts = { ram: 0, pinned: 0, lru: 0, disk: 0 };
-    for (const row of ex.tiers) for (const t of row) counts[t] = (counts[t] || 0) + 1;
+    // bytes per tier: each expert at its own layer's size (an MTP layer's may be larger)
+    const bytes = { ram: 0, pinned: 0, lru: 0, disk: 0 };
+    const sizes = ex.layer_expert_bytes || [];
+    let allBytes = 0;
+    ex.tiers.forEach((row, i) => {
+      const b = sizes[i] != null ? sizes[i] : ex.expert_bytes || 0;
+      for (const t of row) {
+        counts[t] = (counts[t] || 0) + 1;
+        bytes[t] = (bytes[t] || 0) + b;
+        allBytes += b;
+      }
+    });
     const total = ex.tiers.reduce((s, r) => s + r.length, 0) || 1;
-    const eb = ex.expert_bytes || 0;
-    $("tier-total").textContent = `${total} experts${eb ? ` · ${fmtBytes(eb * total)}` : ""}`;
+    const eb = allBytes > 0;
+    $("tier-total").textContent = `${total} experts${eb ? ` · ${fmtBytes(allBytes)}` : ""}`;
     for (const t of TIER_ORDER) {
       if (!counts[t]) continue;
       const s = el("span", `t-${t}`);
@@ -877,7 +904,7 @@
       const item = el("span");
       item.appendChild(el("i", `t-${t}`));
       const n = counts[t] || 0;
-      item.appendChild(document.createTextNode(`${TIER_LABEL[t]}: ${n}${eb ? ` · ${fmtBytes(n * eb)}` : ""}`));
+      item.appendChild(document.createTextNode(`${TIER_LABEL[t]}: ${n}${eb ? ` · ${fmtBytes(bytes[t] || 0)}` : ""}`));
       legend.appendChild(item);
     }
     const v = el("span", "muted", "VRAM: none (CPU engine)");

@@ -55,6 +55,9 @@ def test_ps_reports_what_a_server_holds(tmp_path: Path) -> None:
         wrong = coli("ps", "--url", srv.url, "--api-key", "k2", home=tmp_path)
         r = coli("ps", "--url", srv.url, "--api-key", "k1", home=tmp_path)
         j = coli("ps", "--url", srv.url, "--api-key", "k1", "--json", home=tmp_path)
+        key_file = tmp_path / "key"
+        key_file.write_text("# the server's key\nk1\n")
+        from_file = coli("ps", "--url", srv.url, "--api-key-file", str(key_file), home=tmp_path)
     finally:
         srv.stop()
     assert denied.returncode == 1 and "needs an API key" in denied.stderr
@@ -63,6 +66,8 @@ def test_ps_reports_what_a_server_holds(tmp_path: Path) -> None:
     assert bad_url.returncode == 1 and "is not a URL" in bad_url.stderr
     assert "Traceback" not in bad_url.stderr
     assert r.returncode == 0, r.stderr
+    assert from_file.returncode == 0, from_file.stderr
+    assert from_file.stdout.splitlines()[0] == r.stdout.splitlines()[0]
     assert f"server     {srv.url}  model {name}" in r.stdout
     assert "experts    streaming:" in r.stdout and "hit rate" in r.stdout
     assert "slot 0     0 tokens" in r.stdout

@@ -464,6 +464,10 @@ def test_queue_full_gets_429_and_a_disconnect_stops_generation(servers: dict[str
         lines = first.iter_lines()
         got = [next(lines) for _ in range(6)]  # the generation is running
         assert got[0].startswith("data: ")
+        # tokens are counted as they are generated, not when the request ends
+        m = httpx.get(s.url + "/metrics").text
+        counted = float(m.split("\ncolibri:generation_tokens_total ")[1].split()[0])
+        assert counted >= 5, m
         # a client that gives up while queued frees its place at once
         body = json.dumps({**long, "stream": False}).encode()
         with socket.create_connection(("127.0.0.1", s.port)) as raw:

@@ -388,6 +388,15 @@ def test_runtime_and_brain(server: WebServer, open_page: Any) -> None:
     )
     machine = page.inner_text("#machine")
     assert "streaming" in machine and "RAM" in machine
+    # the tiers' bytes: each expert at its own layer's size (the MTP layer's are wider here;
+    # every expert used to be counted at the widest one's size)
+    c = Container.open(demo_model())
+    sizes = c.expert_nbytes_by_layer()
+    assert len(set(sizes.values())) > 1, sizes
+    total = sum(sizes.values()) * c.arch.n_routed_experts
+    assert page.inner_text("#tier-total").endswith(f"· {total / 2**20:.1f} MiB"), total
+    low, high = min(sizes.values()), max(sizes.values())
+    assert f"{low / 1024:.1f} KiB – {high / 1024:.1f} KiB (by layer)" in machine, machine
     assert "primary" in page.inner_text("#disks")
     assert "Expert reads" in page.inner_text("#expert-io")
     page.wait_for_function("() => document.querySelector('#timebar').children.length === 6")
@@ -684,9 +693,12 @@ def test_phone_layout(server: WebServer, open_page: Any) -> None:
 
 
 def test_page_survives_a_server_restart(open_page: Any, tmp_path: Path) -> None:
+    """A tall window: hiding the banner resizes the page, which redraws Runtime before the new
+    server's first poll lands (that redraw used to throw in the disks table, its rates having
+    no poll to start from)."""
     srv = WebServer(tmp_path, tmp_path / "state", "--kv-slots", "1").wait_ready()
     try:
-        p = open_page()
+        p = open_page({"width": 1280, "height": 2400})
         p.allowed.append(_atlas_404)
         page = p.page
         page.goto(srv.url + "/#runtime")
@@ -694,16 +706,21 @@ def test_page_survives_a_server_restart(open_page: Any, tmp_path: Path) -> None:
         page.wait_for_function(
             "() => document.querySelector('#machine').textContent.includes('cores')"
         )
+        assert not page.evaluate("document.body.classList.contains('stale')")
         # while it is down, failed requests are expected console noise
         p.allowed.append(lambda text, url: "ERR_CONNECTION_REFUSED" in text)
         srv.stop()
         page.wait_for_selector("#banner", state="visible", timeout=10_000)
         assert "not answering" in page.inner_text("#banner")
         assert "offline" in page.inner_text("#conn")
+        # the figures still on screen are the last ones, shown as such
+        assert page.evaluate("document.body.classList.contains('stale')")
         p.shot("desktop-server-down")
         srv.start().wait_ready()
         page.wait_for_selector("#banner", state="hidden", timeout=25_000)
         page.wait_for_selector("#conn.ok")
+        assert not page.evaluate("document.body.classList.contains('stale')")
+        page.wait_for_timeout(3_000)  # the first polls of the new server land and redraw
         page.click("#tab-btn-chat")
         page.fill("#max-tokens", "5")
         page.fill("#prompt", "Back again?")
