@@ -109,7 +109,8 @@ class _EngineCollector(Collector):
         yield _counter("colibri:expert_evictions", "Experts evicted from the LRU", t.evictions)
         yield _counter("colibri:expert_read_errors", "Expert reads that failed", t.read_errors)
         rate = GaugeMetricFamily("colibri:expert_hit_rate", "Expert lookups served from memory")
-        rate.add_metric([], t.hit_rate)
+        if t.hits_pinned + t.hits_lru + t.misses:  # no sample before the first lookup
+            rate.add_metric([], t.hit_rate)
         yield rate
         size = GaugeMetricFamily("colibri:expert_cache_bytes", "Bytes of expert slots in RAM")
         size.add_metric([], float(ex.slots_bytes))

@@ -788,7 +788,7 @@
       if (now && first && first.engine.experts && now.t > first.t) {
         rate = (ex.bytes_read - first.engine.experts.bytes_read) / (now.t - first.t);
       }
-      io.textContent = `Expert reads: ${fmtRate(rate)} now · ${fmtBytes(ex.bytes_read)} in ${ex.experts_read} experts since start · hit rate ${(100 * (ex.hit_rate || 0)).toFixed(1)}% · ${ex.reader}`;
+      io.textContent = `Expert reads: ${fmtRate(rate)} now · ${fmtBytes(ex.bytes_read)} in ${ex.experts_read} experts since start · hit rate ${ex.hit_rate == null ? "n/a (no lookup yet)" : `${(100 * ex.hit_rate).toFixed(1)}%`} · ${ex.reader}`;
     }
   }
 

@@ -120,9 +120,11 @@ class TierStats:
         looked = self.hits_pinned + self.hits_lru + self.misses
         return (self.hits_pinned + self.hits_lru) / looked if looked else 0.0
 
-    def as_dict(self) -> dict[str, float]:
-        d: dict[str, float] = dict(self.__dict__)
-        d["hit_rate"] = self.hit_rate
+    def as_dict(self) -> dict[str, float | None]:
+        d: dict[str, float | None] = dict(self.__dict__)
+        # None before the first lookup: no hit rate yet, rather than a 0 % one
+        looked = self.hits_pinned + self.hits_lru + self.misses
+        d["hit_rate"] = self.hit_rate if looked else None
         d["lookahead_recall"] = (
             self.lookahead_predicted_hits / self.lookahead_routed if self.lookahead_routed else 0.0
         )

@@ -206,3 +206,15 @@ def test_stats_have_every_documented_key_before_the_first_prompt(state_dir: Path
             assert key in fresh and fresh[key] is None, key
         m.generate([1, 2, 3], max_new_tokens=2)
         assert m.stats()["prefill_tokens_per_s"] > 0
+
+
+def test_no_hit_rate_before_the_first_expert_lookup(state_dir: Path) -> None:
+    """It read 0.0 (a cold cache that missed everything) before any expert was looked up."""
+    from _demo import budget_for_lru
+
+    budget = budget_for_lru(DEMO, 2)
+    with colibri.open_model(DEMO, ram_budget=budget, state_dir=state_dir, learn=False) as m:
+        assert m.stats()["experts"]["mode"] == "streaming"
+        assert m.stats()["experts"]["hit_rate"] is None
+        m.generate([1, 2, 3], max_new_tokens=3)
+        assert 0.0 <= m.stats()["experts"]["hit_rate"] <= 1.0
