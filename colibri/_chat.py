@@ -20,6 +20,7 @@ Ctrl-C there within two seconds quits (exit status 130, the conversation kept).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import queue
@@ -28,8 +29,8 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
-from contextlib import AbstractContextManager, aclosing
+from collections.abc import AsyncGenerator, Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, aclosing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -530,6 +531,36 @@ class _Chat:
             self.footer(self.turn(line))
 
 
+@contextmanager
+def _session_lock(state_dir: Path, name: str) -> Iterator[None]:
+    """Hold session ``name`` for this process: a second ``coli chat`` on it is refused (the
+    last to save would overwrite the other's turns). An advisory lock (``flock``) on a file
+    beside the session's, released by the kernel however the process ends; a state dir that
+    cannot hold it (read-only) is not locked (nothing is saved there either)."""
+    path = session_path(state_dir, name).with_suffix(".lock")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            other = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            raise ColibriError(
+                f"the chat session {name!r} is open in another coli chat"
+                + (f" (pid {other})" if other.isdigit() else "")
+                + "; quit that one, or pass --session with another name"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
 def run_chat(
     opts: EngineOptions,
     settings: ChatSettings,
@@ -551,7 +582,7 @@ def run_chat(
         raise ColibriError(f"{c.path}: no tokenizer.json, cannot turn text into tokens")
     tok = ChatTokenizer(tok_path, c.tokenizer_config())
     opener = open_model_cm or (lambda o: open_model(**o.model_dump()))
-    with opener(opts) as m:
+    with _session_lock(state_dir, settings.session), opener(opts) as m:
         portal, engine = m._portal, m.engine
         chat = _Chat(portal, engine, tok, settings, state_dir, click.echo, color)
         mode = engine.snapshot().experts.mode

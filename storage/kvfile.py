@@ -53,6 +53,7 @@ from storage import jsontext
 from storage.atomic import fsync_dir, set_aside_and_warn
 from storage.container import shard_paths
 from storage.errors import KVFileError
+from storage.manifest import MANIFEST_NAME
 
 __all__ = [
     "KV_FILE",
@@ -218,9 +219,11 @@ def slot_path(directory: str | os.PathLike[str], slot: int) -> Path:
 def model_identity(model_dir: str | os.PathLike[str]) -> int:
     """A 31-bit non-zero fingerprint of a model directory's weights, cheap to compute.
 
-    Hashes config.json (canonical JSON), then per shard its name, size, safetensors header
-    and last 64 KiB: other weights of the same shape (another fine-tune or quantization) give
-    another identity without reading hundreds of GB."""
+    Hashes config.json (canonical JSON); the sha256 of every shard that the converter recorded
+    in ``colibri-manifest.json`` (each covers a whole shard: a model converted again from other
+    weights, an attention-only fine-tune included, gets another identity); then per shard its
+    name, size, safetensors header and last 64 KiB (all a container without a manifest has),
+    without reading hundreds of GB."""
     d = Path(model_dir)
     h = hashlib.sha256()
     try:
@@ -228,6 +231,18 @@ def model_identity(model_dir: str | os.PathLike[str]) -> int:
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise KVFileError(f"{d}/config.json: cannot read it for the model identity: {exc}") from exc
     h.update(json.dumps(config, sort_keys=True, separators=(",", ":")).encode())
+    try:
+        manifest = jsontext.loads((d / MANIFEST_NAME).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        manifest = None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise KVFileError(
+            f"{d}/{MANIFEST_NAME}: cannot read it for the model identity: {exc}"
+        ) from exc
+    shards = manifest.get("shards") if isinstance(manifest, dict) else None
+    for s in shards if isinstance(shards, list) else []:
+        if isinstance(s, dict):
+            h.update(f"\0{s.get('file')}\0{s.get('sha256')}\0".encode())
     for p in shard_paths(d):
         try:
             with open(p, "rb") as fh:
@@ -280,6 +295,14 @@ def _decode_into(cache: KVCacheLike, header: KVHeader, data: npt.NDArray[np.floa
         )
     if n and not np.isfinite(data[:, 1:]).all():
         raise KVFileError("records hold NaN or infinite values (damaged)")
+    if n and float(np.abs(data[:, 1:]).max()) > KV_VALUE_LIMIT:
+        # finite but far past any cached activation: one flipped exponent bit makes a value
+        # below 2 into one near 1e35, which the attention then turns into an overflow every
+        # time the prefix is reused
+        raise KVFileError(
+            f"records hold values past {KV_VALUE_LIMIT:.0e}, which no cached activation "
+            "reaches (damaged)"
+        )
     cache.truncate(0)
     cache.reserve(n)
     col = 1
@@ -294,6 +317,11 @@ def _decode_into(cache: KVCacheLike, header: KVHeader, data: npt.NDArray[np.floa
 
 
 # ------------------------------------------------------------------------------------ reading
+
+#: The largest magnitude a cached key or latent may have: 2**24, far beyond what a trained
+#: model's activations reach (float16's largest is 65504), far below what a damaged exponent
+#: makes of one.
+KV_VALUE_LIMIT = float(2**24)
 
 
 def read_header(path: str | os.PathLike[str]) -> KVHeader:

@@ -156,3 +156,30 @@ def test_a_budget_just_under_the_minimum_prints_figures_that_differ(home: Path) 
     assert r.returncode == 1, r.stderr
     line = next(x for x in r.stderr.splitlines() if x.startswith("error: "))
     assert f"{floor - 1000:,} bytes is too small" in line and f"minimum is {floor:,} bytes" in line
+
+
+def test_a_chat_session_open_in_another_process_is_refused(home: Path, tmp_path: Path) -> None:
+    """Two processes on one session: the last to save used to overwrite the other's turns."""
+    state = str(tmp_path / "state")
+    first = subprocess.Popen(
+        [sys.executable, "-m", "colibri.cli", "chat", "--state-dir", state, "-n", "2"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(home),
+    )
+    assert first.stdin is not None and first.stdout is not None
+    try:
+        assert "colibri chat" in first.stdout.readline()  # open, the session held
+        second = coli(home, "chat", "--state-dir", state, "-n", "2", stdin="hi\n:q\n")
+        assert second.returncode == 1, second.stderr
+        assert "is open in another coli chat" in second.stderr, second.stderr
+        other = coli(home, "chat", "--state-dir", state, "--session", "b", stdin="hi\n:q\n")
+        assert other.returncode == 0, other.stderr  # another session is free
+    finally:
+        first.stdin.write(":q\n")
+        first.stdin.close()
+        assert first.wait(timeout=120) == 0
+    again = coli(home, "chat", "--state-dir", state, "-n", "2", stdin="hi\n:q\n")
+    assert again.returncode == 0, again.stderr  # released when its process ended

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -180,6 +181,11 @@ def test_mismatched_or_damaged_files_are_reported_and_set_aside(tmp_path: Path) 
     bad_tok = bytearray(raw)
     bad_tok[40:44] = struct.pack("<i", VOCAB + 5)
     cases["token outside vocab"] = bytes(bad_tok)
+    # 0.5 with its top exponent bit flipped: 1.7e38, finite, and an overflow in every
+    # attention that reuses it (the file used to load, and every later turn failed)
+    flipped = bytearray(raw)
+    flipped[48:52] = struct.pack("<I", 0x3F000000 ^ 0x40000000)
+    cases["a flipped exponent bit"] = bytes(flipped)
     for name, data in cases.items():
         d = tmp_path / name.replace(" ", "_")
         d.mkdir()
@@ -273,6 +279,14 @@ def test_model_identity_tells_weights_apart(tmp_path: Path) -> None:
     data[-1] ^= 0xFF  # one weight byte differs
     shard.write_bytes(bytes(data))
     assert model_identity(copy) != a
+    # converted again from other weights whose shards end alike (an attention-only fine-tune:
+    # the last 64 KiB and every header the same): the manifest's checksums tell them apart
+    again = tmp_path / "again"
+    shutil.copytree(demo, again)
+    manifest = json.loads((again / "colibri-manifest.json").read_text())
+    manifest["shards"][0]["sha256"] = "0" * 64
+    (again / "colibri-manifest.json").write_text(json.dumps(manifest))
+    assert model_identity(again) != a
 
 
 @pytest.mark.anyio
