@@ -767,6 +767,30 @@ class Scheduler:
         with self._as_prefill(chunks):
             return await self.run(self._batch_step, batch, chunks)
 
+    def _each_alone(
+        self, live: list[StepRequest], chunks: Sequence[StepRequest], starts: list[int]
+    ) -> None:
+        """Compute thread: a shared step failed. Each of its generations runs its rows again
+        alone, from where its cache was (rows are the same bits alone or batched), so that only
+        one that fails by itself fails (one sequence's overflowing activations, a damaged
+        cache) and the others go on."""
+        for r, start in zip([*live, *chunks], starts, strict=True):
+            if r.cache.length > start:
+                r.cache.truncate(start)
+        for r in live:
+            assert r.ids is not None
+            try:
+                (o,) = self.model.forward_batch([r.ids], [r.cache], ctx=self.ctx)
+            except Exception as exc:
+                r.error = exc
+                continue
+            r.logits, r.hidden, r.shared = o.logits, o.hidden, False
+        for r in chunks:
+            try:
+                self._prefill_step([r])
+            except Exception as exc:
+                r.error = exc
+
     def _drafts(self, batch: list[StepRequest]) -> None:
         """Set ``ids`` of every request that prepares them (speculative rounds). Their drafts
         run in step: each runs until it needs the MTP head, then one batched head call
@@ -861,7 +885,16 @@ class Scheduler:
         t0 = time.perf_counter()
         caches = [r.cache for r in [*live, *chunks]]
         lasts = [False] * len(live) + [True] * len(chunks)
-        outs = self.model.forward_batch(ids, caches, last_only=lasts if chunks else False, ctx=ctx)
+        starts = [c.length for c in caches]
+        try:
+            outs = self.model.forward_batch(
+                ids, caches, last_only=lasts if chunks else False, ctx=ctx
+            )
+        except Exception:
+            if len(caches) == 1:
+                raise
+            self._each_alone(live, chunks, starts)
+            return [r for r in live if r.error is None]
         step = (sum(int(x.size) for x in ids), time.perf_counter() - t0, len(live))
         if lone is not None:
             lone.unions = unions

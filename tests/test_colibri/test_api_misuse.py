@@ -218,3 +218,43 @@ def test_no_hit_rate_before_the_first_expert_lookup(state_dir: Path) -> None:
         assert m.stats()["experts"]["hit_rate"] is None
         m.generate([1, 2, 3], max_new_tokens=3)
         assert 0.0 <= m.stats()["experts"]["hit_rate"] <= 1.0
+
+
+@pytest.mark.anyio
+async def test_a_generation_that_fails_by_itself_fails_alone(
+    state_dir: Path, anyio_backend: str
+) -> None:
+    """B continues a cache whose rows overflow (as a damaged one would): the step its prompt
+    shares with A's decode rows fails, and used to fail A too. Each now runs again alone;
+    only B fails, and A's tokens are those it gives alone."""
+    alone: list[int] = []
+    async with Engine.open(options=_opts(state_dir)) as engine:
+        async for ev in engine.generate([1, 2, 3], max_new_tokens=120, stop_token_ids=[]):
+            if isinstance(ev, DoneEvent):
+                alone = ev.tokens
+        bad = engine.new_cache()
+        async for _ in engine.generate([7, 8, 9, 10], max_new_tokens=1, cache=bad):
+            pass
+        for layer in range(bad.n_layers):
+            bad.latent(layer)[:] = 1e30  # every cached row far past any activation
+        got: list[int] = []
+        result: dict[str, Any] = {}
+
+        async def a() -> None:
+            async for ev in engine.generate([1, 2, 3], max_new_tokens=120, stop_token_ids=[]):
+                if isinstance(ev, TokenEvent):
+                    got.append(ev.token_id)
+                else:
+                    result["a"] = ev.tokens
+
+        with anyio.fail_after(120):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(a)
+                while len(got) < 5:
+                    await anyio.sleep(0.005)
+                mixed = engine.stats()["mixed_steps"]
+                with pytest.raises(ModelError, match="overflowed"):
+                    async for _ in engine.generate([7, 8, 9, 10, 11, 12], cache=bad):
+                        pass
+                assert engine.stats()["mixed_steps"] > mixed  # B's prompt rode in A's step
+    assert result["a"] == alone
