@@ -123,6 +123,13 @@ def _loop_token() -> object | None:
         return None
 
 
+def _in_vocab(what: str, ids: npt.NDArray[np.int64], vocab: int) -> None:
+    """A :class:`ModelError` naming the first id of ``ids`` outside ``0..vocab-1``."""
+    if ids.size and not (0 <= ids.min() and ids.max() < vocab):
+        bad = int(ids[(ids < 0) | (ids >= vocab)][0])
+        raise ModelError(f"{what} token ids must be in 0..{vocab - 1}, got {bad}")
+
+
 def _id_list(name: str, value: object) -> list[Any]:
     """``value``, a collection of token ids (a list, tuple, set, numpy array, iterator), as a
     list; a single id or text is a :class:`ModelError` naming ``name``."""
@@ -421,16 +428,13 @@ class Engine:
         vocab = self.container.arch.vocab_size
         # Checked here, alone: a token id past the vocabulary found inside a batched step
         # would fail every generation sharing that step.
-        if not (0 <= ids.min() and ids.max() < vocab):
-            bad = int(ids.max()) if ids.max() >= vocab else int(ids.min())
-            raise ModelError(f"prompt token ids must be in 0..{vocab - 1}, got {bad}")
+        _in_vocab("prompt", ids, vocab)
         if stop_token_ids is None:
             stops = set(self.container.eos_token_ids)
         else:
             stop_list = _id_list("stop_token_ids", stop_token_ids)
             stop_ids = _as_ids(stop_list) if stop_list else np.zeros(0, np.int64)
-            if stop_ids.size and not (0 <= stop_ids.min() and stop_ids.max() < vocab):
-                raise ModelError(f"stop token ids must be in 0..{vocab - 1}: {stop_list}")
+            _in_vocab("stop", stop_ids, vocab)
             stops = {int(t) for t in stop_ids}
         out_tokens: list[int] = []
         reason: Literal["length", "stop", "cancelled"] = "length"

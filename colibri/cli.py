@@ -494,6 +494,16 @@ class _Group(click.Group):
             sys.exit(1)
 
 
+def _key_file(path: Path) -> list[str]:
+    """The API keys in ``path`` (--api-key-file): one per line, blank lines and ``#`` comments
+    skipped."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ColibriError(f"cannot read --api-key-file {path}: {exc}") from exc
+    return [k for line in text.splitlines() if (k := line.strip()) and k[0] != "#"]
+
+
 def _summary(line: str, **fields: Any) -> None:
     """A command's closing summary on stderr: ``line`` for a reader, or with
     ``--log-format json`` one JSON object (``fields``), so that every line of the log stream
@@ -830,11 +840,7 @@ def serve(
         raise click.BadParameter("the name is empty", param_hint="'--served-model-name'")
     keys = list(api_keys)
     if api_key_file is not None:
-        try:
-            text = api_key_file.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise ColibriError(f"cannot read --api-key-file {api_key_file}: {exc}") from exc
-        keys += [k for line in text.splitlines() if (k := line.strip()) and k[0] != "#"]
+        keys += _key_file(api_key_file)
         if not keys:
             raise ColibriError(f"--api-key-file {api_key_file} holds no key")
     try:
@@ -1607,11 +1613,7 @@ def ps(url: str, api_key: str | None, api_key_file: Path | None, as_json: bool) 
     if api_key is not None and api_key_file is not None:
         raise click.UsageError("give --api-key or --api-key-file, not both")
     if api_key_file is not None:
-        try:
-            text = api_key_file.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise ColibriError(f"cannot read --api-key-file {api_key_file}: {exc}") from exc
-        keys = [k for line in text.splitlines() if (k := line.strip()) and k[0] != "#"]
+        keys = _key_file(api_key_file)
         if not keys:
             raise ColibriError(f"--api-key-file {api_key_file} holds no key")
         api_key = keys[0]

@@ -536,13 +536,7 @@ class Scheduler:
         except Exception:
             if len(batch) == 1:
                 raise
-            for r, start in zip(batch, starts, strict=True):
-                if r.cache.length > start:
-                    r.cache.truncate(start)
-                try:
-                    self._prefill_step([r])
-                except Exception as exc:
-                    r.error = exc
+            self._each_alone([], batch, starts)
             return
         self._chunks_done(batch, outs)
 

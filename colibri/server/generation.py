@@ -319,9 +319,11 @@ class Generation:
         lp_at: list[int] = []
         fed = 0
 
-        def drop_lp(keep: int) -> None:
-            """Keep the first ``keep`` logprobs; the dropped ones are still pending (never
-            attached to a delta: their text was held back or empty)."""
+        def drop_past_stop() -> None:
+            """Drop the logprobs of the tokens whose text starts at or after the stop string
+            just matched; they are still pending (never attached to a delta: their text was
+            held back)."""
+            keep = sum(1 for at in lp_at if at < stopper.released)
             cut = len(all_lp) - keep
             assert 0 <= cut <= len(pending_lp)
             del all_lp[keep:], lp_at[keep:]
@@ -410,7 +412,7 @@ class Generation:
                     fed += len(piece)
                     released, hit = stopper.feed(piece)
                     if hit:  # the tokens from the stop string on are not in the output
-                        drop_lp(sum(1 for at in lp_at if at < stopper.released))
+                        drop_past_stop()
                     for d in emit(route(released)):
                         yield d
                     if hit:
@@ -419,7 +421,7 @@ class Generation:
             if not hit:
                 tail, hit = stopper.feed(stream.flush())
                 if hit:
-                    drop_lp(sum(1 for at in lp_at if at < stopper.released))
+                    drop_past_stop()
                 tail += stopper.flush()
             else:
                 tail = ""

@@ -44,7 +44,7 @@ from colibri.server.schemas import (
     CompletionRequest,
 )
 from colibri.server.sse import GenerationResponse, Responder, Runner, sse
-from colibri.server.state import AppState, Lease, Ticket
+from colibri.server.state import AppState, Ticket
 from storage.errors import ColibriError
 
 __all__ = ["openai_routes"]
@@ -364,7 +364,7 @@ async def completions(request: Request) -> Response:
         )
     ticket = st.admission.reserve()
 
-    async def echoed(lease: Lease) -> dict[str, Any] | None:
+    async def echoed() -> dict[str, Any] | None:
         """The echoed prompt's logprobs (None without them)."""
         if not score:
             return None
@@ -384,7 +384,7 @@ async def completions(request: Request) -> Response:
             await r.start(200, queue_headers(ticket.wait_s), "text/event-stream")
             offsets = TextOffsets(len(echo))
             if echo:
-                c = {"index": 0, "text": echo, "logprobs": await echoed(lease)}
+                c = {"index": 0, "text": echo, "logprobs": await echoed()}
                 c["finish_reason"] = None
                 await r.body(sse({**base(), "choices": [c]}))
             async with aclosing(gen.run(lease)) as deltas:
@@ -407,7 +407,7 @@ async def completions(request: Request) -> Response:
 
     async def whole(r: Responder) -> None:
         async with gen.admitted(ticket) as lease:
-            prompt_lp = await echoed(lease)
+            prompt_lp = await echoed()
             res = await gen.complete(lease)
         text = res.reasoning + res.content
         lp = (

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,34 +33,47 @@ def _opts(state_dir: Path, **kw: Any) -> EngineOptions:
     return EngineOptions(model=DEMO, state_dir=state_dir, **kw)
 
 
+@dataclass
+class _Running:
+    tokens: list[int] = field(default_factory=list)
+    done: DoneEvent | None = None
+
+
+@asynccontextmanager
+async def _beside_a_generation(engine: Engine, n: int) -> AsyncIterator[_Running]:
+    """Generation A (``n`` tokens after [1, 2, 3], no early stop) in the background: the block
+    runs once it has decoded 5 tokens, and A finishes before the block is left."""
+    a = _Running()
+
+    async def run() -> None:
+        async for ev in engine.generate([1, 2, 3], max_new_tokens=n, stop_token_ids=[]):
+            if isinstance(ev, TokenEvent):
+                a.tokens.append(ev.token_id)
+            else:
+                a.done = ev
+
+    with anyio.fail_after(120):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            while len(a.tokens) < 5:
+                await anyio.sleep(0.005)
+            yield a
+
+
 @pytest.mark.anyio
 async def test_a_prompt_past_the_vocabulary_fails_only_its_own_generation(
     state_dir: Path, anyio_backend: str
 ) -> None:
     """B's bad prompt used to be found inside the batched step it shared with A's decode rows
     (its first chunk rides in A's step), and the error went to both."""
-    got: list[int] = []
-    result: dict[str, Any] = {}
     async with Engine.open(options=_opts(state_dir)) as engine:
-
-        async def a() -> None:
-            async for ev in engine.generate([1, 2, 3], max_new_tokens=200, stop_token_ids=[]):
-                if isinstance(ev, TokenEvent):
-                    got.append(ev.token_id)
-                else:
-                    result["a"] = ev.reason
-
-        with anyio.fail_after(120):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(a)
-                while len(got) < 5:
-                    await anyio.sleep(0.005)
-                with pytest.raises(
-                    ModelError, match=r"prompt token ids must be in 0\.\.\d+, got 99999"
-                ):
-                    async for _ in engine.generate([1, 2, 99999], max_new_tokens=4):
-                        pass
-    assert result == {"a": "length"} and len(got) == 200
+        async with _beside_a_generation(engine, 200) as a:
+            with pytest.raises(
+                ModelError, match=r"prompt token ids must be in 0\.\.\d+, got 99999"
+            ):
+                async for _ in engine.generate([1, 2, 99999], max_new_tokens=4):
+                    pass
+    assert a.done is not None and a.done.reason == "length" and len(a.tokens) == 200
 
 
 @pytest.mark.anyio
@@ -237,24 +253,10 @@ async def test_a_generation_that_fails_by_itself_fails_alone(
             pass
         for layer in range(bad.n_layers):
             bad.latent(layer)[:] = 1e30  # every cached row far past any activation
-        got: list[int] = []
-        result: dict[str, Any] = {}
-
-        async def a() -> None:
-            async for ev in engine.generate([1, 2, 3], max_new_tokens=120, stop_token_ids=[]):
-                if isinstance(ev, TokenEvent):
-                    got.append(ev.token_id)
-                else:
-                    result["a"] = ev.tokens
-
-        with anyio.fail_after(120):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(a)
-                while len(got) < 5:
-                    await anyio.sleep(0.005)
-                mixed = engine.stats()["mixed_steps"]
-                with pytest.raises(ModelError, match="overflowed"):
-                    async for _ in engine.generate([7, 8, 9, 10, 11, 12], cache=bad):
-                        pass
-                assert engine.stats()["mixed_steps"] > mixed  # B's prompt rode in A's step
-    assert result["a"] == alone
+        async with _beside_a_generation(engine, 120) as a:
+            mixed = engine.stats()["mixed_steps"]
+            with pytest.raises(ModelError, match="overflowed"):
+                async for _ in engine.generate([7, 8, 9, 10, 11, 12], cache=bad):
+                    pass
+            assert engine.stats()["mixed_steps"] > mixed  # B's prompt rode in A's step
+    assert a.done is not None and a.done.tokens == alone

@@ -632,13 +632,9 @@ _TOOLS_TEMPLATE = (
 )
 
 
-@pytest.mark.anyio
-async def test_tools_and_reasoning_plumbing(tmp_path: Path, anyio_backend: str) -> None:
-    """A model whose template renders tools and opens a think section (the demo model's does
-    neither): tools reach the prompt, tool calls in history render, and output inside the
-    unclosed think section comes back as reasoning_content. In process, on asyncio and trio."""
-    from colibri.server import ServerConfig, create_app
-
+def tools_model(tmp_path: Path) -> Path:
+    """The demo model with a chat template that renders tools and opens a think section
+    (its own does neither): links to its files, a tokenizer_config.json of its own."""
     model_dir = tmp_path / "model"
     model_dir.mkdir()
     for f in demo_model().iterdir():
@@ -647,6 +643,17 @@ async def test_tools_and_reasoning_plumbing(tmp_path: Path, anyio_backend: str) 
     cfg = json.loads((demo_model() / "tokenizer_config.json").read_text())
     cfg["chat_template"] = _TOOLS_TEMPLATE
     (model_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return model_dir
+
+
+@pytest.mark.anyio
+async def test_tools_and_reasoning_plumbing(tmp_path: Path, anyio_backend: str) -> None:
+    """A model whose template renders tools and opens a think section (the demo model's does
+    neither): tools reach the prompt, tool calls in history render, and output inside the
+    unclosed think section comes back as reasoning_content. In process, on asyncio and trio."""
+    from colibri.server import ServerConfig, create_app
+
+    model_dir = tools_model(tmp_path)
     tools = [
         {
             "type": "function",

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 from _demo import demo_model
-from test_server import _TOOLS_TEMPLATE
+from test_server import tools_model
 
 import colibri
 from colibri.server import ServerConfig, create_app
@@ -46,15 +46,7 @@ async def client(tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
 @pytest.fixture
 async def tools_client(tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
     """A model whose chat template renders tools (the demo model's does not)."""
-    model_dir = tmp_path / "model"
-    model_dir.mkdir()
-    for f in demo_model().iterdir():
-        if f.name != "tokenizer_config.json":
-            (model_dir / f.name).symlink_to(f)
-    cfg = json.loads((demo_model() / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = _TOOLS_TEMPLATE
-    (model_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
-    async for c in _client(model_dir, tmp_path / "state", kv_slots=0):
+    async for c in _client(tools_model(tmp_path), tmp_path / "state", kv_slots=0):
         yield c
 
 
