@@ -623,6 +623,17 @@ class Container:
             out[layer] = max(out.get(layer, 0), x.nbytes)
         return out
 
+    def shard_checksums(self) -> dict[str, str]:
+        """sha256 of each shard file by name, from ``colibri-manifest.json`` ({} without one,
+        or when it cannot be read: ``Container.open`` reported that)."""
+        if self.manifest is None:
+            return {}
+        try:
+            m = Manifest.from_json(self.manifest, str(self.path / MANIFEST_NAME))
+        except ConfigError:
+            return {}
+        return {s.file: s.sha256 for s in m.shards}
+
     # ------------------------------------------------------------------------------ side files
 
     def tokenizer_path(self) -> Path | None:

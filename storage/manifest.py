@@ -386,10 +386,16 @@ def with_checksums(e: ExpertEntry, path: str | os.PathLike[str]) -> ExpertEntry:
     return replace(e, crc32=crc32_range(path, e.start, e.end), qs_crc32=qs)
 
 
-def sha256_file(path: str | os.PathLike[str], chunk: int = 8 << 20) -> str:
-    """Hex sha256 of a whole file, read in bounded chunks."""
+def sha256_file(
+    path: str | os.PathLike[str], chunk: int = 8 << 20, *, uncached: bool = False
+) -> str:
+    """Hex sha256 of a whole file, read in bounded chunks. ``uncached``: drop the file's clean
+    pages from the page cache first (``posix_fadvise(DONTNEED)``), so what is hashed is read
+    from the drive, not what was just written (where the kernel keeps the pages: not on tmpfs)."""
     h = hashlib.sha256()
     with open(path, "rb") as fh:
+        if uncached and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         while True:
             b = fh.read(chunk)
             if not b:

@@ -1,10 +1,16 @@
 """Copies of a model's shard files: which device a path lives on, and whether a file can stand in
-for another (same size, same safetensors header bytes).
+for another (same size, same safetensors header bytes, and not staged from other weights).
 
 A *copy* is one directory holding (some of) the model's shard files; :func:`open_copies`
 checks each file against the primary's and keeps only those that match, with one warning per
 refused file. :func:`compare_copy_file` is also the rule for a shard found in two
 ``--model-dir`` directories (:meth:`storage.container.Container.open`).
+
+Size and header bytes cannot tell a model converted again from other weights (an attention-only
+fine-tune's shards have the same tensors, so the same sizes and headers) from the one a mirror
+was staged from: the mirror's record (``colibri-mirror.json``, written by ``coli mirror stage``)
+says what each file was staged as, :func:`stale_copy` compares that with the model now (the
+manifest's sha256, else the source file's size and modification time).
 """
 
 from __future__ import annotations
@@ -18,14 +24,24 @@ from typing import Any
 
 import structlog
 
+from storage import jsontext
+
 __all__ = [
+    "MIRROR_FORMAT",
+    "MIRROR_RECORD",
     "DeviceId",
     "ModelCopy",
     "compare_copy_file",
     "device_of",
     "header_bytes",
+    "mirror_record",
     "open_copies",
+    "source_stamp",
+    "stale_copy",
 ]
+
+MIRROR_RECORD = "colibri-mirror.json"
+MIRROR_FORMAT = "colibri-mirror"
 
 _MAX_HEADER = 100 * 1024 * 1024
 
@@ -141,6 +157,57 @@ def compare_copy_file(primary: Path, copy: Path) -> str | None:
     return None
 
 
+def mirror_record(to: Path) -> dict[str, Any]:
+    """The mirror record in ``to`` (``colibri-mirror.json``), or {} when there is none or it
+    is not one."""
+    try:
+        doc = jsontext.loads((to / MIRROR_RECORD).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) and doc.get("format") == MIRROR_FORMAT else {}
+
+
+def source_stamp(src: Path) -> dict[str, int]:
+    """What a mirror record keeps of the file a copy was staged from, for :func:`stale_copy`
+    on a model without checksums: its size and modification time (ns)."""
+    st = src.stat()
+    return {"source_size": st.st_size, "source_mtime_ns": st.st_mtime_ns}
+
+
+def stale_copy(primary: Path, entry: object, expected_sha256: str | None) -> str | None:
+    """Why the copy a mirror record ``entry`` describes was staged from other weights than
+    ``primary`` holds now, or None when nothing says so (no record entry: a copy made by hand
+    is judged by size and header alone).
+
+    With the model's checksum (``colibri-manifest.json``), the recorded sha256 must equal it;
+    without, the source file must still have the size and modification time it had when staged
+    (a model converted again in place rewrites its files)."""
+    if not isinstance(entry, dict):
+        return None
+    rec = entry.get("sha256")
+    if expected_sha256 is not None:
+        if isinstance(rec, str) and rec != expected_sha256:
+            return (
+                f"staged from other weights: colibri-mirror.json records sha256 {rec[:16]}..., "
+                f"the model's colibri-manifest.json {expected_sha256[:16]}...; run `coli mirror "
+                "stage` again"
+            )
+        return None
+    size, mtime = entry.get("source_size"), entry.get("source_mtime_ns")
+    if not isinstance(size, int) or not isinstance(mtime, int):
+        return None
+    try:
+        now = source_stamp(primary)
+    except OSError as exc:
+        return f"cannot stat the model's file: {exc.strerror or exc}"
+    if now != {"source_size": size, "source_mtime_ns": mtime}:
+        return (
+            "the model's file was rewritten after this copy was staged (the model converted "
+            "again?); run `coli mirror stage` again to check and re-copy it"
+        )
+    return None
+
+
 @dataclass(frozen=True)
 class ModelCopy:
     """One copy of (some of) the model's shard files on one device.
@@ -172,14 +239,22 @@ def _safe_device(path: Path) -> DeviceId | None:
 
 
 def open_copies(
-    primary: Path, shard_files: Sequence[Path], mirrors: Sequence[Path]
+    primary: Path,
+    shard_files: Sequence[Path],
+    mirrors: Sequence[Path],
+    checksums: Mapping[str, str] | None = None,
 ) -> list[ModelCopy]:
     """The primary (index 0) and one :class:`ModelCopy` per mirror directory, in order (blocking).
 
-    A mirror file is used only when its size and header bytes equal the primary's; a mismatch is
-    logged once (a warning naming the file and why) and the file is left unused. A mirror
-    directory that is missing, or the primary itself, yields a copy holding no files."""
-    out = [ModelCopy(0, primary, _safe_device(primary), {p: p for p in shard_files})]
+    A mirror file is used only when its size and header bytes equal the primary's and its
+    mirror record does not say it was staged from other weights (:func:`stale_copy`;
+    ``checksums``: the manifest's sha256 by shard file name); a mismatch is logged once (a
+    warning naming the file and why) and the file is left unused. A mirror directory that is
+    missing, or the primary itself, yields a copy holding no files; one on the primary's own
+    drive is used, with a warning (it adds no bandwidth)."""
+    sums = checksums or {}
+    primary_dev = _safe_device(primary)
+    out = [ModelCopy(0, primary, primary_dev, {p: p for p in shard_files})]
     for i, m in enumerate(mirrors, start=1):
         root = Path(m)
         if not root.is_dir():
@@ -197,6 +272,8 @@ def open_copies(
             continue
         files: dict[Path, Path] = {}
         skipped: dict[str, str] = {}
+        recorded = mirror_record(root).get("files")
+        entries = recorded if isinstance(recorded, dict) else {}
         for p in shard_files:
             q = root / p.name
             if not q.exists():
@@ -206,7 +283,9 @@ def open_copies(
                 if os.path.samefile(p, q):
                     why: str | None = "the same file as the primary's (a link)"
                 else:
-                    why = compare_copy_file(p, q)
+                    why = compare_copy_file(p, q) or stale_copy(
+                        p, entries.get(p.name), sums.get(p.name)
+                    )
             except OSError as exc:
                 why = f"cannot stat: {exc.strerror or exc}"
             if why is not None:
@@ -214,9 +293,17 @@ def open_copies(
                 skipped[p.name] = why
                 continue
             files[p] = q
+        device = _safe_device(root)
         if not files:
             _log.warning(
                 "mirror unused", mirror=str(root), reason="it holds none of the model's shards"
             )
-        out.append(ModelCopy(i, root, _safe_device(root), files, skipped))
+        elif device is not None and primary_dev is not None and device.st_dev == primary_dev.st_dev:
+            _log.warning(
+                "mirror on the model's own drive",
+                mirror=str(root),
+                device=device.key,
+                reason="two copies on one drive add no bandwidth (is the second drive mounted?)",
+            )
+        out.append(ModelCopy(i, root, device, files, skipped))
     return out

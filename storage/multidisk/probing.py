@@ -251,7 +251,10 @@ async def open_placement(
     expert-sized reads (cached in ``state_dir``). ``direct``: the reader uses O_DIRECT, so a
     mirror whose filesystem refuses it is left unused (with a warning)."""
     shard_files = [s.path for s in container.shards]
-    copies = await anyio.to_thread.run_sync(open_copies, container.path, shard_files, list(mirrors))
+    sums = container.shard_checksums()
+    copies = await anyio.to_thread.run_sync(
+        open_copies, container.path, shard_files, list(mirrors), sums
+    )
     if direct:
         checked: list[ModelCopy] = [copies[0]]
         for r in copies[1:]:

@@ -26,6 +26,7 @@ source file is taken from whichever directory holds it, and the mirror may be no
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -39,11 +40,18 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
-from storage import jsontext
 from storage.container import Container, find_shards
 from storage.errors import ColibriError, UsageFileError
 from storage.manifest import Manifest, atomic_write_bytes, fsync_dir, read_manifest, sha256_file
-from storage.multidisk.identity import compare_copy_file
+from storage.multidisk.identity import (
+    MIRROR_FORMAT,
+    MIRROR_RECORD,
+    compare_copy_file,
+    device_of,
+    mirror_record,
+    source_stamp,
+    stale_copy,
+)
 from storage.usage import parse_usage
 
 __all__ = [
@@ -58,8 +66,6 @@ __all__ = [
     "verify_mirror",
 ]
 
-MIRROR_RECORD = "colibri-mirror.json"
-MIRROR_FORMAT = "colibri-mirror"
 MIRROR_VERSION = 1
 CHUNK = 8 << 20
 
@@ -120,6 +126,7 @@ class MirrorPlan:
 
     def to_json(self) -> dict[str, Any]:
         """The plan as JSON (what ``coli mirror plan`` prints)."""
+        record = _load_record(self.to)
         cov = self.selections_covered / self.selections_total if self.selections_total else None
         return {
             "model": str(self.model),
@@ -139,7 +146,9 @@ class MirrorPlan:
                 {
                     **f.to_json(),
                     "source": str(self.source(f.file)),
-                    "status": _status(self.source(f.file), self.to / f.file),
+                    "status": _status(
+                        self.source(f.file), self.to / f.file, record.get(f.file), f.sha256
+                    ),
                 }
                 for f in self.files
             ],
@@ -147,11 +156,25 @@ class MirrorPlan:
         }
 
 
-def _status(src: Path, dst: Path) -> str:
-    """``missing``, ``present`` (same size and header) or ``differs`` (to be replaced)."""
+def _status(src: Path, dst: Path, entry: object, expected: str | None) -> str:
+    """``missing``, ``present`` (same size and header, and its record, ``entry``, not staged from
+    other weights) or ``differs`` (to be replaced)."""
     if not dst.exists():
         return "missing"
-    return "present" if compare_copy_file(src, dst) is None else "differs"
+    ok = compare_copy_file(src, dst) is None and stale_copy(src, entry, expected) is None
+    return "present" if ok else "differs"
+
+
+def _size_or_zero(p: Path) -> int:
+    try:
+        return p.stat().st_size
+    except OSError:
+        return 0
+
+
+def _part(dst: Path) -> Path:
+    """The unfinished copy of ``dst`` a stage leaves when interrupted."""
+    return dst.with_name(f".{dst.name}.part")
 
 
 def _existing_parent(p: Path) -> Path:
@@ -162,7 +185,9 @@ def _existing_parent(p: Path) -> Path:
 
 
 def default_budget(to: Path, already_there: int = 0) -> int:
-    """95% of the free space on the drive holding ``to`` plus what is already staged there."""
+    """95% of the free space on the drive holding ``to`` plus what is already staged there
+    (``already_there``: the bytes of the model's files and unfinished copies in ``to``, which a
+    stage keeps, resumes or replaces)."""
     st = os.statvfs(_existing_parent(to))
     return int(0.95 * st.f_bavail * st.f_frsize) + already_there
 
@@ -171,6 +196,11 @@ def _load_counts(
     usage_path: Path | None, n_layers: int, n_experts: int, engine_id: str
 ) -> npt.NDArray[np.int64] | None:
     if usage_path is None or not usage_path.is_file():
+        _log.warning(
+            "no routing history for the mirror plan; ranking experts in file order (run the "
+            "model a while first, or pass --state-dir, for a mirror of the hottest experts)",
+            path=None if usage_path is None else str(usage_path),
+        )
         return None
     try:
         text = usage_path.read_text(encoding="ascii")
@@ -233,12 +263,12 @@ def plan_mirror(
         return PlannedFile(name, sizes[name], e, sel, sums.get(name))
 
     if budget is None:
-        present = sum(
-            sizes[n]
-            for n in per_file
-            if (dst / n).exists() and _status(paths[n], dst / n) == "present"
-        )
-        budget = default_budget(dst, present)
+        # Every byte the model's files (whole, damaged or unfinished) take in the mirror is
+        # the plan's to use: a stage keeps what verifies, replaces what does not and resumes
+        # or restarts a .part. Counting only verified files shrank the budget by a damaged
+        # copy's size, and the plan then dropped (and the stage removed) a good file to fit.
+        there = sum(_size_or_zero(dst / n) + _size_or_zero(_part(dst / n)) for n in per_file)
+        budget = default_budget(dst, there)
     chosen: list[str] = []
     used = 0
     covered_sel = covered_exp = 0
@@ -271,7 +301,8 @@ def plan_mirror(
 
 def _check_target(to: Path, model: Path, dirs: Sequence[Path]) -> None:
     """A mirror directory must be a directory (or not exist yet), not one of the model's own
-    directories, and not another model's mirror: plan, stage and verify all refuse those."""
+    directories, and not another model's mirror: plan, stage and verify all refuse those. One
+    on the model's own drive (an unmounted second SSD is a plain directory) is warned about."""
     if to.exists() and not to.is_dir():
         raise ColibriError(f"{to} is not a directory; --to takes the mirror's directory")
     for d in dict.fromkeys((model, *dirs)):
@@ -282,27 +313,29 @@ def _check_target(to: Path, model: Path, dirs: Sequence[Path]) -> None:
         if same:
             what = "the model directory itself" if d == model else "one of the model's dirs"
             raise ColibriError(f"{to} is {what} ({d}); pick a directory on another drive")
-    other = _record_doc(to).get("model")
+    other = mirror_record(to).get("model")
     if isinstance(other, str) and Path(other) != model.resolve():
         raise ColibriError(
             f"{to} is a mirror of another model ({other}); pick another directory (or remove "
             "that mirror first)"
         )
+    try:
+        there, here = device_of(_existing_parent(to)), device_of(model)
+    except OSError:
+        return
+    if there.st_dev == here.st_dev:
+        _log.warning(
+            "the mirror is on the model's own drive: two copies on one drive add no bandwidth "
+            "(is the second drive mounted?)",
+            to=str(to),
+            device=there.key,
+            mount=there.mount,
+        )
 
 
 # --------------------------------------------------------------------------- record
-def _record_doc(to: Path) -> dict[str, Any]:
-    """The mirror record in ``to`` (``colibri-mirror.json``), or {} when there is none or it
-    is not one."""
-    try:
-        doc = jsontext.loads((to / MIRROR_RECORD).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
-        return {}
-    return doc if isinstance(doc, dict) and doc.get("format") == MIRROR_FORMAT else {}
-
-
 def _load_record(to: Path) -> dict[str, Any]:
-    files = _record_doc(to).get("files")
+    files = mirror_record(to).get("files")
     return dict(files) if isinstance(files, dict) else {}
 
 
@@ -378,7 +411,7 @@ def _copy(
 ) -> tuple[str, bool]:
     """Copy ``src`` to ``dst`` through ``.<name>.part``; returns (sha256, resumed). ``model``:
     the model directory to name in a hint (default: ``src``'s directory)."""
-    part = dst.with_name(f".{dst.name}.part")
+    part = _part(dst)
     size = src.stat().st_size
     for attempt in range(2):
         h = hashlib.sha256()
@@ -416,8 +449,9 @@ def _copy(
                 f"({expected[:16]}...); the model itself is damaged: run `coli doctor --model "
                 f"{model or src.parent}`"
             )
-        # What landed on disk must be what was read (and the header what the engine checks).
-        if sha256_file(part) != digest or compare_copy_file(src, part) is not None:
+        # What landed on disk must be what was read (and the header what the engine checks):
+        # read back from the drive, not from the pages the copy just wrote.
+        if sha256_file(part, uncached=True) != digest or compare_copy_file(src, part) is not None:
             part.unlink(missing_ok=True)
             if attempt == 0:
                 continue
@@ -437,7 +471,7 @@ def _verify_file(
         return why, None
     if not checksums:
         return None, None
-    got = sha256_file(dst)
+    got = sha256_file(dst, uncached=True)
     want = expected if expected is not None else sha256_file(src)
     if got != want:
         return f"sha256 {got[:16]}... differs from the expected {want[:16]}...", got
@@ -486,7 +520,12 @@ def stage_mirror(
     record = _load_record(to)
     report = StageReport(to)
     _drop_unplanned(plan, record, report)
-    need = sum(f.size for f in plan.files if not (to / f.file).exists())
+    # An unfinished copy's bytes are there already (resumed, or overwritten in place).
+    need = sum(
+        max(0, f.size - _size_or_zero(_part(to / f.file)))
+        for f in plan.files
+        if not (to / f.file).exists()
+    )
     free = shutil.disk_usage(to).free
     if need > free:
         raise ColibriError(
@@ -500,17 +539,27 @@ def stage_mirror(
             problem, got = _verify_file(src, dst, expected)
             if problem is None:
                 report.verified.append(f.file)
-                record[f.file] = {"size": f.size, "sha256": got}
+                record[f.file] = {"size": f.size, "sha256": got, **source_stamp(src)}
                 continue
             _log.warning("mirror file replaced", file=str(dst), reason=problem)
             report.replaced.append(f.file)
             dst.unlink()
-        digest, resumed = _copy(src, dst, expected, chunk_bytes, progress, plan.model)
+        try:
+            digest, resumed = _copy(src, dst, expected, chunk_bytes, progress, plan.model)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            raise ColibriError(
+                f"{to}: the drive filled up while copying {f.file} ("
+                f"{_size_or_zero(_part(dst)) / 2**30:.2f} of {f.size / 2**30:.2f} GiB copied, "
+                f"kept as {_part(dst).name}: a rerun resumes it); free space there or lower "
+                "--budget"
+            ) from exc
         report.copied.append(f.file)
         if resumed:
             report.resumed.append(f.file)
         report.bytes_copied += f.size
-        record[f.file] = {"size": f.size, "sha256": digest}
+        record[f.file] = {"size": f.size, "sha256": digest, **source_stamp(src)}
         _save_record(to, plan.model, record, plan.dirs)
     _save_record(to, plan.model, record, plan.dirs)
     return report

@@ -6,6 +6,7 @@ from a model whose shards are spread over several directories (``--model-dir``).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -15,14 +16,19 @@ from typing import Any
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from test_devices import DEMO, budget_for_lru, expert_shards, reshard, run_model
+from structlog.testing import capture_logs
+from test_devices import DEMO, budget_for_lru, expert_shards, partial_copy, reshard, run_model
 from test_shards import spread
 
 from colibri._engine import ENGINE_ID
 from colibri.cli import main
 from storage.container import Container
 from storage.errors import ColibriError
+from storage.manifest import sha256_file
+from storage.multidisk.identity import compare_copy_file, open_copies
 from storage.multidisk.staging import MIRROR_RECORD, plan_mirror, stage_mirror, verify_mirror
+from storage.reader import filesystem_type
+from storage.safetensors import read_header
 from storage.usage import UsageCounts, save_usage
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,7 +98,7 @@ def test_plan_ranks_by_usage_and_respects_the_budget(model: dict[str, Any], tmp_
          "--budget", str(2 * size + size // 2), "--state-dir", str(model["state"])],
     )  # fmt: skip
     assert res.exit_code == 0, res.output
-    assert [f["file"] for f in json.loads(res.output)["files"]] == model["hot"][:2]
+    assert [f["file"] for f in json.loads(res.stdout)["files"]] == model["hot"][:2]
 
 
 def _tree(d: Path) -> dict[str, bytes]:
@@ -155,7 +161,7 @@ def test_verify_catches_a_corrupted_byte(model: dict[str, Any], tmp_path: Path) 
     res = CliRunner().invoke(
         main, ["mirror", "verify", "--model", str(model["primary"]), "--to", str(to)]
     )
-    assert res.exit_code == 1 and json.loads(res.output)["ok"] is False
+    assert res.exit_code == 1 and json.loads(res.stdout)["ok"] is False
     fixed = stage_mirror(plan)  # staging again replaces the damaged copy
     assert fixed.replaced == [victim.name] and verify_mirror(model["primary"], to).ok
 
@@ -201,7 +207,7 @@ def test_stage_and_verify_from_shards_spread_over_model_dirs(
          "--state-dir", str(model["state"])],
     )  # fmt: skip
     assert res.exit_code == 0, res.output
-    doc = json.loads(res.output)
+    doc = json.loads(res.stdout)
     assert [f["file"] for f in doc["files"]] == model["hot"][:2]
     assert doc["model_dirs"] == [str(d) for d in others]
     for f in doc["files"]:
@@ -221,13 +227,13 @@ def test_stage_and_verify_from_shards_spread_over_model_dirs(
 
     res = CliRunner().invoke(main, ["mirror", "verify", *base, "--to", str(to)])
     assert res.exit_code == 0, res.output
-    rows = json.loads(res.output)["files"]
+    rows = json.loads(res.stdout)["files"]
     assert [r["problem"] for r in rows] == [None, None]
     assert all(Path(r["source"]).parent in others and r["sha256"] for r in rows)
     # Without the directories that hold them the mirror's files are no shards of the model.
     res = CliRunner().invoke(main, ["mirror", "verify", "--model", str(home), "--to", str(to)])
     assert res.exit_code == 1
-    assert {r["problem"] for r in json.loads(res.output)["files"]} == {"not a shard of the model"}
+    assert {r["problem"] for r in json.loads(res.stdout)["files"]} == {"not a shard of the model"}
     # A corrupted byte in the staged copy is caught against the file in its model dir.
     victim = to / model["hot"][0]
     raw = bytearray(victim.read_bytes())
@@ -302,3 +308,202 @@ def test_restaging_with_a_smaller_budget_removes_what_the_plan_leaves_out(
     # growing the budget again copies them back
     again = stage_mirror(_plan(model, to, 3 * size))
     assert again.removed == [] and again.copied == [second, third]
+
+
+# --------------------------------------------------------------------------- audit fixes
+def _reconvert_in_place(primary: Path, name: str, *, manifest: bool) -> None:
+    """What converting again from other weights does to shard ``name``: the same tensors, so
+    the same size and header bytes, with other expert bytes (the packed int4 blobs), and, when
+    the model has one, a manifest whose sha256 says so."""
+    head = read_header(primary / name)
+    raw = bytearray((primary / name).read_bytes())
+    for t in head.tensors.values():
+        if t.name.endswith(".weight") and "experts" in t.name:
+            raw[t.start : t.end] = bytes(b ^ 0x5A for b in raw[t.start : t.end])
+    (primary / name).write_bytes(bytes(raw))
+    if manifest:
+        doc = json.loads((primary / "colibri-manifest.json").read_text())
+        for s in doc["shards"]:
+            if s["file"] == name:
+                s["sha256"] = sha256_file(primary / name)
+        (primary / "colibri-manifest.json").write_text(json.dumps(doc, indent=1))
+
+
+@pytest.mark.parametrize("manifest", [True, False], ids=["manifest", "no-manifest"])
+def test_a_mirror_staged_from_other_weights_is_refused(
+    model: dict[str, Any], tmp_path: Path, manifest: bool
+) -> None:
+    """The model converted again in place (same sizes and headers: only the expert bytes
+    differ) after its mirror was staged: the engine refuses the stale mirror files (by the
+    mirror record's sha256 against the manifest, else the source file's stamp) and reads the
+    primary, with the output of the model as it is now; `coli mirror plan` calls them
+    "differs" and a stage replaces them."""
+    primary = reshard(DEMO, tmp_path / "primary")
+    if not manifest:
+        (primary / "colibri-manifest.json").unlink()
+    to = tmp_path / "mirror"
+    plan = plan_mirror(primary, to, budget=1 << 40, usage_path=model["usage"], engine_id=ENGINE_ID)
+    stage_mirror(plan)
+    victim = model["hot"][0]
+    _reconvert_in_place(primary, victim, manifest=manifest)
+    assert compare_copy_file(primary / victim, to / victim) is None  # what the old check saw
+    c = Container.open(primary)
+    shards = [s.path for s in c.shards]
+    copies = open_copies(primary, shards, [to], c.shard_checksums())
+    why = copies[1].skipped[victim]
+    assert ("other weights" in why) if manifest else ("rewritten" in why), why
+    assert primary / victim not in copies[1].files
+    assert len(copies[1].files) == len(plan.files) - 1
+
+    budget = budget_for_lru(primary, 0)
+    ref_toks, ref_logits, _ = run_model(primary, ram_budget=budget)
+    toks, logits, _ = run_model(
+        primary, ram_budget=budget, mirror=[to], disk_weights="0,1", disk_adapt=False
+    )
+    assert toks == ref_toks and np.array_equal(logits, ref_logits)
+    status = {
+        f["file"]: f["status"] for f in plan_mirror(primary, to, budget=1 << 40).to_json()["files"]
+    }
+    assert status[victim] == "differs" and {s for n, s in status.items() if n != victim} == {
+        "present"
+    }
+    again = stage_mirror(plan_mirror(primary, to, budget=1 << 40))
+    assert again.replaced == [victim] and verify_mirror(primary, to).ok
+    copies = open_copies(primary, shards, [to], c.shard_checksums())
+    assert len(copies[1].files) == len(plan.files)
+
+
+def test_a_mirror_on_the_models_own_drive_is_warned_about(
+    model: dict[str, Any], tmp_path: Path
+) -> None:
+    """A mirror directory on the primary's device (an unmounted second SSD is a plain
+    directory) is used but named in a warning, at plan and at open."""
+    to = partial_copy(model["primary"], tmp_path / "mirror", model["hot"][:1])
+    with capture_logs() as logs:
+        plan_mirror(model["primary"], to, budget=1 << 40)
+        open_copies(
+            model["primary"], [s.path for s in Container.open(model["primary"]).shards], [to]
+        )
+    said = [e["event"] for e in logs if e["log_level"] == "warning"]
+    assert any("own drive" in e for e in said), said
+    assert sum("own drive" in e for e in said) == 2
+
+
+@pytest.fixture
+def small_drive(tmp_path: Path, model: dict[str, Any]) -> Any:
+    """A tmpfs of 2.2 shard files (root only: skipped otherwise)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounts a small tmpfs (needs root)")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    size = (model["shard_size"] * 22 // 10 + 4095) // 4096 * 4096
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)  # fmt: skip
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_a_stage_killed_on_a_nearly_full_drive_resumes_with_the_default_budget(
+    model: dict[str, Any], small_drive: Path
+) -> None:
+    """kill -9 mid-copy on a drive the plan fills: the rerun's default budget counts the
+    unfinished copy's bytes (it is resumed), so the rerun finishes what the first began
+    instead of planning nothing and leaving the .part forever."""
+    to = small_drive / "m"
+    script = textwrap.dedent(
+        f"""
+        import os, signal
+        from storage.multidisk.staging import plan_mirror, stage_mirror
+        plan = plan_mirror({str(model["primary"])!r}, {str(to)!r},
+                           usage_path={str(model["usage"])!r}, engine_id={ENGINE_ID!r})
+        assert len(plan.files) == 2, plan.files
+        second = plan.files[1].file
+        def progress(name, done, total):
+            if name == second and done * 2 >= total:
+                os.kill(os.getpid(), signal.SIGKILL)
+        stage_mirror(plan, chunk_bytes=16384, progress=progress)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True)
+    assert proc.returncode == -9, proc.stderr.decode()[-2000:]
+    first, second = model["hot"][:2]
+    assert (to / f".{second}.part").exists()
+    plan = plan_mirror(model["primary"], to, usage_path=model["usage"], engine_id=ENGINE_ID)
+    assert [f.file for f in plan.files] == [first, second]
+    report = stage_mirror(plan, chunk_bytes=16384)
+    assert report.verified == [first] and report.resumed == [second]
+    assert verify_mirror(model["primary"], to).ok and not list(to.glob(".*.part"))
+
+
+def test_restaging_a_damaged_copy_keeps_the_intact_one(
+    model: dict[str, Any], small_drive: Path
+) -> None:
+    """The documented repair (stage again) of one truncated mirror file on a drive the mirror
+    fills: the damaged copy's bytes count towards the default budget, so the good file stays
+    and only the damaged one is copied again."""
+    to = small_drive / "m"
+    plan = plan_mirror(model["primary"], to, usage_path=model["usage"], engine_id=ENGINE_ID)
+    first, second = [f.file for f in plan.files]
+    stage_mirror(plan)
+    with open(to / second, "r+b") as fh:
+        fh.truncate(model["shard_size"] // 3)
+    again = stage_mirror(
+        plan_mirror(model["primary"], to, usage_path=model["usage"], engine_id=ENGINE_ID)
+    )
+    assert again.removed == [] and again.verified == [first] and again.replaced == [second]
+    assert verify_mirror(model["primary"], to).ok
+
+
+def test_a_drive_filling_mid_stage_names_the_file_and_what_was_kept(
+    model: dict[str, Any], small_drive: Path
+) -> None:
+    """ENOSPC while copying: a ColibriError naming the file, what was copied and kept, and
+    that a rerun resumes, not a bare "No space left on device"."""
+    to = small_drive / "m"
+    plan = plan_mirror(model["primary"], to, budget=model["shard_size"])
+    filler = small_drive / "filler"
+
+    def progress(name: str, done: int, total: int) -> None:
+        if not filler.exists():  # another program takes the rest of the drive
+            with open(filler, "wb") as fh:
+                try:
+                    while True:
+                        fh.write(b"\0" * 65536)
+                except OSError:
+                    pass
+
+    with pytest.raises(ColibriError, match=r"filled up while copying .*a rerun resumes"):
+        stage_mirror(plan, chunk_bytes=16384, progress=progress)
+    filler.unlink()
+    assert stage_mirror(plan, chunk_bytes=16384).resumed == [plan.files[0].file]
+
+
+def test_the_staged_copy_is_re_read_from_the_drive(tmp_path: Path) -> None:
+    """`sha256_file(uncached=True)` (the stage's read-back and verify) drops the file's pages
+    first, so the hash reads the drive, not the pages the copy just wrote."""
+    if filesystem_type(tmp_path) in {"tmpfs", "ramfs"}:
+        pytest.skip("the temp dir is in RAM: nothing to read back from a drive")
+    p = tmp_path / "f"
+    with open(p, "wb") as fh:
+        fh.write(os.urandom(8 << 20))
+        fh.flush()
+        os.fsync(fh.fileno())
+
+    def read_bytes() -> int:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+        pytest.skip("no read_bytes in /proc/self/io")
+
+    sha256_file(p)  # the pages are cached now
+    a = read_bytes()
+    cached = sha256_file(p)
+    b = read_bytes()
+    uncached = sha256_file(p, uncached=True)
+    c = read_bytes()
+    assert cached == uncached
+    assert b - a < 1 << 20 and c - b >= 8 << 20, (b - a, c - b)
