@@ -753,7 +753,7 @@ def _check_same(
             k = next(k for k in rec if old_opts.get(k) != rec[k])
             flag = f"--{k.replace('_', '-')}"
             why = f"with {flag} {old_opts.get(k)} (this run: {flag} {rec[k]})"
-        elif old_source is None or old_source.fingerprint != source.identity.fingerprint:
+        elif old_source is None or not old_source.same_source(source.identity):
             why = f"from another source checkpoint than {source.root}"
         if why is not None:
             raise ConversionError(
@@ -774,7 +774,7 @@ def _check_same(
             f"{dst} was started with {was} (this run: {now}); rerun with the same options or "
             "pass --force to start over"
         )
-    if old_source is None or old_source.fingerprint != source.identity.fingerprint:
+    if old_source is None or not old_source.same_source(source.identity):
         raise ConversionError(
             f"{dst} was started from a different source checkpoint than {source.root} (file "
             "names, sizes or contents differ); rerun with the original SRC or pass --force to "

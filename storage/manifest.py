@@ -78,24 +78,42 @@ class SourceFile:
 
 @dataclass(frozen=True, slots=True)
 class SourceIdentity:
-    """Which checkpoint a container came from: file list + a fast content fingerprint."""
+    """Which checkpoint a container came from: file list + a fast content fingerprint, and
+    ``samples``: a hash of a few bytes from the middle of every tensor (a fine-tune rewrites
+    whole tensors inside files whose names, sizes, headers and ends stay the same). Recorded by
+    converters since it was added; a record without it is compared by the fingerprint alone."""
 
     fingerprint: str
     files: tuple[SourceFile, ...]
+    samples: str | None = None
+
+    def same_source(self, other: SourceIdentity) -> bool:
+        """Whether ``other`` names the same checkpoint (``samples`` compared where both have
+        them)."""
+        if self.fingerprint != other.fingerprint:
+            return False
+        return self.samples is None or other.samples is None or self.samples == other.samples
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        doc: dict[str, Any] = {
             "fingerprint": self.fingerprint,
             "files": [{"name": f.name, "size": f.size} for f in self.files],
         }
+        if self.samples is not None:
+            doc["samples"] = self.samples
+        return doc
 
     @staticmethod
     def from_json(doc: object, where: str) -> SourceIdentity:
         d = _obj(doc, where)
         files = [_obj(x, f"{where}.files[]") for x in _list(d, "files", where)]
+        samples = d.get("samples")
+        if samples is not None and not isinstance(samples, str):
+            raise ConfigError(f"{where}: 'samples' must be a string")
         return SourceIdentity(
             _str(d, "fingerprint", where),
             tuple(SourceFile(_str(f, "name", where), _int(f, "size", where)) for f in files),
+            samples,
         )
 
 

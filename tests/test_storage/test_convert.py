@@ -709,3 +709,28 @@ def test_a_failed_conversion_leaves_no_empty_dst_behind(bf16_src: Src, tmp_path:
         assert (mnt / "kept").is_dir()
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_a_source_fine_tuned_mid_file_is_another_source(tmp_path: Path) -> None:
+    """Weights changed in the middle of a shard (a fine-tune of some layers: names, sizes,
+    header, first MiB and last 64 KiB all alike) are another source: a finished DST is not
+    "already converted", it is refused (it kept the old weights: wrong output)."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    make_checkpoint(src, tiny_config(vocab_size=16384), dtype="F32", n_shards=1, index=False)
+    convert(src, dst, ConvertOptions(shard_size=SMALL))
+    assert convert(src, dst, ConvertOptions(shard_size=SMALL)).already_complete
+    (shard,) = src.glob("*.safetensors")
+    size = shard.stat().st_size
+    inside = [
+        t
+        for t in read_header(shard).tensors.values()
+        if t.start >= 1 << 20 and t.end <= size - (64 << 10) and "layers.1.self_attn" in t.name
+    ]
+    assert inside, "no tensor lies between the first MiB and the last 64 KiB"
+    raw = bytearray(shard.read_bytes())
+    t = inside[0]
+    for i in range(t.start + 3, t.end, 4):
+        raw[i] ^= 0x80  # every float32 of one attention tensor negated
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(ConversionError, match="another source checkpoint"):
+        convert(src, dst, ConvertOptions(shard_size=SMALL))
