@@ -31,6 +31,7 @@ __all__ = [
     "default_indexer_types",
     "expected_tensors",
     "optional_tensors",
+    "with_family_defaults",
 ]
 
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")  # canonical order: gate, up, down
@@ -48,6 +49,9 @@ class Family:
     expert_size_key: str = "moe_intermediate_size"  # config key sizing one routed expert
     qk_norm: Literal["none", "head", "full", "config"] = "none"  # config: use_qk_norm -> head
     dsa: bool = False  # DeepSeek sparse attention: a lightning indexer per "full" layer
+    # What transformers' config class takes for a key config.json leaves out (the keys that
+    # change the math and that colibri would otherwise default alike for every family).
+    defaults: tuple[tuple[str, Any], ...] = ()
 
     def expert_tensor(self, expert: int, proj: str) -> str:
         """Name (after ``model.layers.L.``) of one expert matrix; ``proj`` canonical."""
@@ -60,21 +64,64 @@ class Family:
 
 
 _W123 = ("w1", "w3", "w2")  # Mixtral's gate, up, down
+# transformers 5's config-class defaults (DeepseekV3Config, DeepseekV32Config, GlmMoeDsaConfig,
+# Glm4MoeConfig, OlmoeConfig, Qwen3MoeConfig, MixtralConfig, MiniMaxM2Config); Kimi K2 ships
+# DeepSeek-V3's config class as remote code.
+_DSV3_DEFAULTS = (
+    ("rms_norm_eps", 1e-6),
+    ("routed_scaling_factor", 2.5),
+    ("n_group", 8),
+    ("topk_group", 4),
+    ("n_shared_experts", 1),
+    ("first_k_dense_replace", 3),
+    ("q_lora_rank", 1536),
+    ("norm_topk_prob", True),
+    ("max_position_embeddings", 4096),
+)
 FAMILIES: dict[str, Family] = {
-    "glm_moe_dsa": Family("glm_moe_dsa", "mla", dsa=True),
-    "deepseek_v3": Family("deepseek_v3", "mla"),
-    "kimi_k2": Family("kimi_k2", "mla"),  # Kimi K2: the DeepSeek-V3 layout under its own name
-    "deepseek_v32": Family("deepseek_v32", "mla", dsa=True),
+    "glm_moe_dsa": Family("glm_moe_dsa", "mla", dsa=True, defaults=(
+        ("rms_norm_eps", 1e-5), ("routed_scaling_factor", 2.5), ("n_group", 1),
+        ("topk_group", 1), ("n_shared_experts", 1), ("first_k_dense_replace", 3),
+        ("q_lora_rank", 2048), ("norm_topk_prob", True), ("max_position_embeddings", 202752))),
+    "deepseek_v3": Family("deepseek_v3", "mla", defaults=_DSV3_DEFAULTS),
+    # Kimi K2: the DeepSeek-V3 layout under its own name
+    "kimi_k2": Family("kimi_k2", "mla", defaults=_DSV3_DEFAULTS),
+    "deepseek_v32": Family("deepseek_v32", "mla", dsa=True, defaults=(
+        *_DSV3_DEFAULTS[:-1], ("max_position_embeddings", 163840))),
     "olmoe": Family("olmoe", "gqa", bias=None, expert_size_key="intermediate_size",
-                    qk_norm="full"),
-    "qwen3_moe": Family("qwen3_moe", "gqa", bias=None, qk_norm="head"),
+                    qk_norm="full", defaults=(
+                        ("rms_norm_eps", 1e-5), ("norm_topk_prob", False),
+                        ("max_position_embeddings", 4096))),
+    "qwen3_moe": Family("qwen3_moe", "gqa", bias=None, qk_norm="head", defaults=(
+        ("rms_norm_eps", 1e-6), ("norm_topk_prob", False), ("decoder_sparse_step", 1),
+        ("max_position_embeddings", 32768))),
     "mixtral": Family("mixtral", "gqa", moe_prefix="block_sparse_moe", expert_names=_W123,
-                      bias=None, expert_size_key="intermediate_size"),
-    "glm4_moe": Family("glm4_moe", "gqa", qk_norm="config"),
+                      bias=None, expert_size_key="intermediate_size", defaults=(
+                          ("rms_norm_eps", 1e-5), ("max_position_embeddings", 131072))),
+    "glm4_moe": Family("glm4_moe", "gqa", qk_norm="config", defaults=(
+        ("rms_norm_eps", 1e-5), ("routed_scaling_factor", 1.0), ("n_group", 1),
+        ("topk_group", 1), ("n_shared_experts", 1), ("first_k_dense_replace", 1),
+        ("norm_topk_prob", True), ("use_qk_norm", False), ("max_position_embeddings", 131072))),
     "minimax_m2": Family("minimax_m2", "gqa", moe_prefix="block_sparse_moe", expert_names=_W123,
                          bias="block_sparse_moe.e_score_correction_bias",
-                         expert_size_key="intermediate_size", qk_norm="full"),
+                         expert_size_key="intermediate_size", qk_norm="full", defaults=(
+                             ("rms_norm_eps", 1e-6), ("max_position_embeddings", 196608))),
 }  # fmt: skip
+
+
+def with_family_defaults(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """``cfg`` with the keys it leaves out filled as transformers' config class for its
+    ``model_type`` fills them (:attr:`Family.defaults`): a config.json without
+    ``routed_scaling_factor`` means 2.5 to DeepSeek-V3, not 1.0. Keys present (even null) are
+    kept; an unknown model_type is returned as is (``ArchConfig.from_dict`` refuses it)."""
+    fam = FAMILIES.get(str(cfg.get("model_type")))
+    out = dict(cfg)
+    if fam is not None:
+        for key, val in fam.defaults:
+            out.setdefault(key, val)
+    return out
+
+
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 _EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
 
@@ -126,7 +173,9 @@ SUPPORTED_HIDDEN_ACTS = ("silu",)
 def math_keys(cfg: Mapping[str, Any], where: str = "config.json") -> dict[str, Any]:
     """The config keys only the model math reads (defaults where absent), checked: what the
     runtime's model configs are built from and what ``coli doctor`` checks, so a config that
-    would not run does not pass the doctor."""
+    would not run does not pass the doctor. Keys left out take the family's defaults
+    (:func:`with_family_defaults`)."""
+    cfg = with_family_defaults(cfg)
 
     def opt(key: str, default: Any) -> Any:
         val = cfg.get(key)
@@ -308,6 +357,10 @@ class ArchConfig:
 
     @staticmethod
     def from_dict(cfg: Mapping[str, Any], where: str = "config.json") -> ArchConfig:
+        """The structure of ``cfg``, checked; keys left out take the family's defaults
+        (:func:`with_family_defaults`)."""
+        cfg = with_family_defaults(cfg)
+
         def need(key: str) -> Any:
             if key not in cfg or cfg[key] is None:
                 raise ConfigError(f"{where}: missing required key {key!r}")

@@ -48,6 +48,11 @@ def tiny_config(model_type: str = "glm_moe_dsa", **over: Any) -> dict[str, Any]:
         "first_k_dense_replace": 1,
         "rms_norm_eps": 1e-6,
         "tie_word_embeddings": False,
+        # stated: left out, each family takes transformers' default (DeepSeek-V3: 8 groups)
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 1.0,
+        "max_position_embeddings": 4096,
     }
     if model_type == "glm_moe_dsa":
         cfg.update({"index_n_heads": 2, "index_head_dim": 32, "index_topk": 8})

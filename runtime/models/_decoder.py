@@ -58,7 +58,7 @@ from runtime.weights import (
     load_layer,
     load_mtp,
 )
-from storage.arch import ArchConfig, check_router, math_keys
+from storage.arch import ArchConfig, check_router, math_keys, with_family_defaults
 from storage.errors import ConfigError, ModelError
 
 __all__ = [
@@ -137,8 +137,9 @@ class MoEConfig:
 
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any]) -> Self:
-        """Parse (and validate) a config.json dict."""
-        return cls(**cls._parse(cfg))
+        """Parse (and validate) a config.json dict; keys it leaves out take the family's
+        defaults, as transformers' config class does (``storage.arch.with_family_defaults``)."""
+        return cls(**cls._parse(with_family_defaults(cfg)))
 
     @classmethod
     def _parse(cls, cfg: Mapping[str, Any]) -> dict[str, Any]:

@@ -141,3 +141,61 @@ def test_kv_file_header_versions() -> None:
     assert raw[:8] == b"COLIKV2\0" and KVHeader.unpack(raw) == v2
     v1 = KVHeader(3, 64, 16, 0, 0, 100, 5, 9)
     assert v1.pack()[:8] == b"COLIKV1\0" and KVHeader.unpack(v1.pack()).layout == "mla"
+
+
+_DEFAULTED = ("rms_norm_eps", "routed_scaling_factor", "n_group", "topk_group",
+              "n_shared_experts", "first_k_dense_replace", "max_position_embeddings",
+              "norm_topk_prob", "q_lora_rank", "use_qk_norm", "decoder_sparse_step")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "model_type",
+    ["glm_moe_dsa", "deepseek_v3", "deepseek_v32", "olmoe", "qwen3_moe", "mixtral", "glm4_moe",
+     "minimax_m2"],
+)  # fmt: skip
+def test_keys_left_out_of_config_json_mean_what_transformers_takes(model_type: str) -> None:
+    """A config.json without routed_scaling_factor / n_group / rms_norm_eps / ... runs with the
+    values transformers' config class fills in for its family (DeepSeek-V3: 2.5, 8 groups of
+    which 4, ...), not one default for all (1.0, 1, 1e-6: wrong routing, silently)."""
+    transformers = pytest.importorskip("transformers")
+    from runtime.models import ARCHITECTURES
+
+    hf = transformers.CONFIG_MAPPING[model_type]()
+    cfg = {k: v for k, v in hf.to_dict().items() if k not in _DEFAULTED}
+    cfg["model_type"] = model_type
+    if model_type == "qwen3_moe":
+        cfg["mlp_only_layers"] = []
+    if model_type == "glm4_moe":  # the class's own default (4096 / 96 heads) has odd rotary dims
+        cfg["head_dim"] = 128
+    rt = ARCHITECTURES[model_type].config_class.from_dict(cfg)
+    arch = ArchConfig.from_dict(cfg)
+    hf_moe = getattr(hf, "n_shared_experts", None)
+    got = {
+        "rms_norm_eps": rt.rms_norm_eps,
+        "max_position_embeddings": rt.max_position_embeddings,
+        "norm_topk_prob": rt.norm_topk_prob,
+        "n_group": arch.n_group,
+        "topk_group": arch.topk_group,
+        "n_shared_experts": arch.n_shared_experts,
+    }
+    want = {
+        "rms_norm_eps": hf.rms_norm_eps,
+        "max_position_embeddings": hf.max_position_embeddings,
+        # Mixtral and MiniMax-M2 always renormalise their top-k (no key)
+        "norm_topk_prob": getattr(hf, "norm_topk_prob", True),
+        "n_group": getattr(hf, "n_group", None) or 1,
+        "topk_group": getattr(hf, "topk_group", None) or 1,
+        "n_shared_experts": hf_moe or 0,
+    }
+    if hasattr(hf, "routed_scaling_factor"):
+        got["routed_scaling_factor"] = rt.routed_scaling_factor
+        want["routed_scaling_factor"] = hf.routed_scaling_factor
+    if hasattr(hf, "first_k_dense_replace"):
+        got["first_dense"] = arch.mlp_layer_types.index("sparse")
+        want["first_dense"] = hf.first_k_dense_replace
+    if hasattr(hf, "q_lora_rank"):
+        got["q_lora_rank"] = arch.q_lora_rank
+        want["q_lora_rank"] = hf.q_lora_rank
+    if model_type == "glm4_moe":
+        got["qk_norm"], want["qk_norm"] = arch.qk_norm, "head" if hf.use_qk_norm else "none"
+    assert got == want
