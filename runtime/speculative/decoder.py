@@ -77,6 +77,7 @@ class _Round:
     draft: _Draft
     ids: npt.NDArray[np.int64]  # [k + 1]: last, then the drafts
     start: int  # cache length before the verify rows
+    budget: int  # tokens the generation may still emit: the round's emitted rows are cut there
     t0: float
     t_draft: float
     before: tuple[float, int, int] | None  # store counters before the forward
@@ -182,14 +183,20 @@ class SpeculativeDecoder:
     ) -> HeadGen[IdArray]:
         """:meth:`draft` as a generator that yields each MTP head call it needs
         (:class:`HeadRows`) and is sent its result, so that the scheduler can run the head
-        calls of several generations' drafts as one batched call (:func:`run_heads`)."""
+        calls of several generations' drafts as one batched call (:func:`run_heads`).
+
+        How many tokens are drafted does not depend on ``remaining`` (only on the context left
+        for the verify rows): the rounds, and so the random draws of a seeded generation, are
+        the same whatever the token limit, and a smaller limit cuts the same text shorter
+        (:meth:`accept` cuts the emitted rows at ``remaining``)."""
         t0 = time.perf_counter()
         clock = _Clock()
         start = self.cache.length
-        d = yield from self._propose(clock, last, max(0, remaining - 1), others, other_seqs)
+        room = int(self.model.config.max_position_embeddings) - start  # verify rows that fit
+        d = yield from self._propose(clock, last, max(0, room - 1), others, other_seqs)
         t_draft = clock.now()
         ids = np.array([last, *d.tokens], dtype=np.int64)  # [k + 1]
-        self._round = _Round(d, ids, start, t0, t_draft, self._store_snapshot())
+        self._round = _Round(d, ids, start, remaining, t0, t_draft, self._store_snapshot())
         return ids
 
     def accept(
@@ -215,6 +222,9 @@ class SpeculativeDecoder:
             raise RuntimeError("accept() without a drafted round")
         self._round = None
         emitted, acc = self._accept(r.draft, logits)
+        if len(emitted) > r.budget:  # the generation's last round: cut at its token limit
+            emitted = emitted[: r.budget]
+            acc = min(acc, len(emitted))
         m = len(emitted)
         self.cache.truncate(r.start + m)  # keep last, e1..e(m-1): the rejected rows are gone
         if self._mtp is not None:

@@ -360,6 +360,45 @@ def test_seeded_sampling_with_pinned_mtp_drafts_is_the_same_on_a_kept_cache(draf
     assert reuses == [len(prompt) - 129, 0]  # the last 128 (hidden, next token) pairs rerun
 
 
+@pytest.mark.parametrize("draft", ["mtp:2", "lookup:3", "3"])
+def test_a_smaller_token_limit_cuts_the_same_seeded_text(draft: str) -> None:
+    """With drafts pinned, a seeded generation's rounds do not depend on max_new_tokens (the
+    drafts of the last rounds were capped by the tokens left, which moved the random draws):
+    a smaller limit gives a prefix of the larger one's tokens, as without drafting; the kept
+    cache holds what was emitted (all but the last token)."""
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(3, 1000, 24)] for _ in range(3)]
+    # a repeated prompt, so that lookup drafts too
+    prompts.append(prompts[0][:12] * 3)
+
+    async def main() -> list[tuple[list[int], list[list[int]]]]:
+        async with colibri.Engine.open(DEMO, options=colibri.EngineOptions(learn=False)) as eng:
+
+            async def gen(ids: list[int], n: int) -> list[int]:
+                cache = eng.new_cache()
+                toks = [
+                    ev.token_id
+                    async for ev in eng.generate(
+                        ids, max_new_tokens=n, temperature=1.0, seed=3, draft=draft,
+                        stop_token_ids=[], cache=cache,
+                    )
+                    if isinstance(ev, TokenEvent)
+                ]  # fmt: skip
+                assert cache.length == len(ids) + len(toks) - 1
+                return toks
+
+            out = []
+            for seed_prompt in prompts:
+                full = await gen(seed_prompt, 40)
+                out.append((full, [await gen(seed_prompt, n) for n in (5, 9, 14, 23)]))
+            return out
+
+    for full, cuts in anyio.run(main):
+        assert len(full) == 40
+        for short in cuts:
+            assert short == full[: len(short)]
+
+
 # ----------------------------------------------------------------------------- sampling
 
 
@@ -441,6 +480,7 @@ class _TableModel:
 
     class _Config:
         num_hidden_layers = 1
+        max_position_embeddings = 1 << 20
 
     config = _Config()
     has_mtp = False
