@@ -358,7 +358,13 @@ class _Chat:
             )
             self.echo(f"error: {error}", err=True)
             return TurnResult([], "context full", 0.0, 0.0, len(ids), 0, 1.0, error)
-        reused = Engine.reusable_prefix(self.cache, ids) if ids else 0
+        reused = (
+            self.engine.prompt_reuse(
+                self.cache, ids, temperature=self.s.temperature, seed=self._seed()
+            )
+            if ids
+            else 0
+        )
         stop = threading.Event()
 
         def on_sigint(signum: int, frame: FrameType | None) -> None:
@@ -381,9 +387,13 @@ class _Chat:
             signal.signal(signal.SIGINT, previous)
         return result
 
+    def _seed(self) -> int | None:
+        """This turn's seed: the session's, moved on by the turns so far (None: unseeded)."""
+        return None if self.s.seed is None else self.s.seed + self.state.turns
+
     def _generate(self, ids: list[int], reused: int, stop: threading.Event) -> TurnResult:
         s = self.s
-        seed = None if s.seed is None else s.seed + self.state.turns
+        seed = self._seed()
         events: queue.SimpleQueue[object] = queue.SimpleQueue()
         engine, cache = self.engine, self.cache
 

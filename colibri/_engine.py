@@ -651,6 +651,26 @@ class Engine:
         diff = np.flatnonzero(held[:n] != ids[:n])
         return int(diff[0]) if diff.size else int(n)
 
+    def prompt_reuse(
+        self,
+        cache: KVCache,
+        prompt_ids: Sequence[int] | npt.NDArray[np.integer],
+        *,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        draft: str | int | None = None,
+    ) -> int:
+        """Tokens of ``prompt_ids`` that :meth:`generate` with these settings takes from
+        ``cache`` (the rest it computes): :meth:`reusable_prefix`, less what pinned MTP drafts
+        with seeded sampling run again (the head's history). What a server or chat reports as
+        cached before the generation's own ``prompt_tokens_reused`` arrives."""
+        params = SamplingParams(temperature=temperature, seed=seed)
+        policy = DraftPolicy.parse(self.options.draft if draft is None else draft)
+        ids = _as_ids(prompt_ids)
+        return self._mtp_history_bound(
+            self.reusable_prefix(cache, ids), int(ids.size), Sampler(params), policy
+        )
+
     def snapshot(self) -> EngineStats:
         """Counters since open as typed, frozen dataclasses (see :mod:`colibri._stats`)."""
         sched = self._scheduler

@@ -20,7 +20,7 @@ from typing import Any, Literal, cast
 
 import anyio
 
-from colibri._engine import DoneEvent, Engine, GenerationEvent, TokenEvent
+from colibri._engine import DoneEvent, GenerationEvent, TokenEvent
 from colibri.server.errors import ApiError
 from colibri.server.state import AppState, Lease, Ticket, Turn
 from colibri.server.textproc import (
@@ -278,7 +278,11 @@ class Generation:
             if st.config.reuse_scope == "key" and foreign:
                 cache.truncate(0)
             slot.tenant = p.tenant
-        reused = 0 if cache is None else Engine.reusable_prefix(cache, p.prompt_ids)
+        reused = (
+            0
+            if cache is None
+            else st.engine.prompt_reuse(cache, p.prompt_ids, temperature=p.temperature, seed=p.seed)
+        )
         if slot is not None:
             slot.persisted = min(slot.persisted, reused)  # rows past it are about to change
         self._reused = reused
@@ -525,6 +529,17 @@ class TextOffsets:
         return True
 
 
+def _by_text(top: Sequence[tuple[int, str, float]]) -> dict[str, float]:
+    """The legacy completions' top_logprobs: one entry per token text. Tokens that render
+    alike (byte pieces of a character as U+FFFD, special tokens as "") share one key, which
+    keeps the most likely one's logprob (the last one's overwrote it: a -5.3 shown for a -1.95)."""
+    out: dict[str, float] = {}
+    for _, text, value in top:
+        if text not in out or value > out[text]:
+            out[text] = value
+    return out
+
+
 def completion_logprobs(
     lps: list[TokenLogprob],
     n_top: int,
@@ -538,7 +553,7 @@ def completion_logprobs(
     precedes: its logprob and alternatives are null (as OpenAI's)."""
     where = offsets if offsets is not None else TextOffsets()
     logprobs: list[float | None] = [lp.logprob for lp in lps]
-    tops: list[dict[str, float] | None] = [{t: v for _, t, v in lp.top[:n_top]} for lp in lps]
+    tops: list[dict[str, float] | None] = [_by_text(lp.top[:n_top]) for lp in lps]
     if unscored_first and lps:
         logprobs[0] = tops[0] = None
     return {

@@ -131,7 +131,11 @@ async def _openai_request(
         frequency_penalty=req.frequency_penalty,
         presence_penalty=req.presence_penalty,
         logit_bias=req.logit_bias,
+        min_p=req.min_p,
+        repetition_penalty=req.repetition_penalty,
     )
+    if isinstance(req, ChatCompletionRequest) and req.top_logprobs and not req.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     return st, req
 
 

@@ -210,16 +210,27 @@ def refuse_unsupported(
     frequency_penalty: float | None,
     presence_penalty: float | None,
     logit_bias: Mapping[str, float] | None,
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
 ) -> None:
+    """A 400 for a field colibri knows but does not serve, set to anything but its neutral
+    value (never silently dropped: the output would not be what the client asked for)."""
     if n != 1:
         raise ApiError(400, "n > 1 is not supported: send n=1 (or several requests)", param="n")
     for name, v in (
         ("frequency_penalty", frequency_penalty),
         ("presence_penalty", presence_penalty),
+        ("min_p", min_p),
     ):
         if v:
             raise ApiError(400, f"{name} is not supported (send 0 or omit it)", param=name)
-    if logit_bias:
+    if repetition_penalty is not None and repetition_penalty != 1.0:
+        raise ApiError(
+            400,
+            "repetition_penalty is not supported (send 1 or omit it)",
+            param="repetition_penalty",
+        )
+    if logit_bias and any(logit_bias.values()):
         raise ApiError(400, "logit_bias is not supported", param="logit_bias")
 
 

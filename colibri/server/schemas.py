@@ -125,6 +125,10 @@ class _OpenAIGeneration(Extensions):
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # vLLM's sampling extensions colibri does not serve: named so that they are refused
+    # (refuse_unsupported), not ignored as unknown fields are
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0)
 
 
 class ChatCompletionRequest(_OpenAIGeneration):

@@ -874,3 +874,30 @@ def test_automatic_prefix_matching_without_cache_slot(servers: dict[str, Server]
     assert cached and cached >= 40
     want = model.generate(_chat_ids(tok, second), max_new_tokens=4)
     assert r2.choices[0].message.content == tok.decode(want)
+
+
+def test_cached_tokens_are_what_the_engine_reused_with_pinned_mtp_drafts(
+    tmp_path: Path,
+) -> None:
+    """With MTP drafts pinned and a seed the engine runs the prompt's last 129 tokens again
+    (the head's history): cached_tokens and colibri.prompt_tokens_reused say what it reused,
+    not the common prefix (it reported 19 of 20 cached while all 20 were computed)."""
+    s = Server(tmp_path, "--draft", "mtp:2", "--kv-slots", "1").wait_ready()
+    try:
+        prompt = "You are a careful assistant. " * 4
+
+        def ask(**over: Any) -> dict[str, Any]:
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "cache_slot": 0, **over}
+            r = httpx.post(f"{s.url}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            return dict(r.json()["usage"])
+
+        ask(temperature=0)
+        greedy = ask(temperature=0)  # the same prompt again: all but its last token reused
+        seeded = ask(temperature=0.9, seed=1)
+    finally:
+        s.stop()
+    n = greedy["prompt_tokens"]
+    assert n < 129  # shorter than the head's history: a seeded run reuses nothing
+    assert greedy["prompt_tokens_details"]["cached_tokens"] == n - 1
+    assert seeded["prompt_tokens_details"]["cached_tokens"] == 0

@@ -242,3 +242,36 @@ async def test_echo_with_logprobs_scores_the_prompt(client: httpx.AsyncClient) -
     # max_tokens 0 without echo would generate nothing: refused
     r = await client.post("/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 0})
     assert r.status_code == 400 and "max_tokens" in r.text
+
+
+def test_legacy_top_logprobs_keep_the_most_likely_of_tokens_that_render_alike() -> None:
+    """Byte pieces of characters all render as U+FFFD (special tokens as ""): in the legacy
+    completions' dict they share one key, which must hold the most likely one's logprob (the
+    least likely one's overwrote it)."""
+    from colibri.server.generation import TokenLogprob, completion_logprobs
+
+    top = ((7, "\ufffd", -1.95), (9, "a", -2.5), (8, "\ufffd", -2.8), (3, "\ufffd", -5.33))
+    lp = TokenLogprob(7, "\ufffd", b"\xc3", -1.95, top, (b"\xc3", b"a", b"\xa9", b"\xbc"))
+    doc = completion_logprobs([lp], 4)
+    assert doc["top_logprobs"] == [{"\ufffd": -1.95, "a": -2.5}]
+
+
+async def test_sampling_fields_colibri_does_not_serve_are_refused_not_ignored(
+    client: httpx.AsyncClient,
+) -> None:
+    """min_p and repetition_penalty (vLLM's) ran as if absent, and top_logprobs without
+    logprobs returned no logprobs: each is a 400 naming the field now; their neutral values
+    (and a logit_bias of zeros) change nothing and are accepted."""
+    chat = "/v1/chat/completions"
+    for extra, param in (
+        ({"min_p": 0.5}, "min_p"),
+        ({"repetition_penalty": 1.3}, "repetition_penalty"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"logit_bias": {"5": 2}}, "logit_bias"),
+    ):
+        r = await client.post(chat, json=_chat(**extra))
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+    for extra in ({"min_p": 0}, {"repetition_penalty": 1}, {"logit_bias": {"5": 0}},
+                  {"top_logprobs": 2, "logprobs": True}):  # fmt: skip
+        r = await client.post(chat, json=_chat(**extra))
+        assert r.status_code == 200, (extra, r.text)
