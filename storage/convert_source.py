@@ -53,6 +53,8 @@ class _Source:
     side_files: tuple[str, ...]
     config: dict[str, Any] | None = None  # the config.json to write, when not the source's
     notes: tuple[str, ...] = ()
+    # decoder layers config.json declares, MTP layers included (a GQA family's are kept as is)
+    declared_layers: int | None = None
 
 
 # Multimodal wrappers whose text model is a supported family: model_type -> (the key of the text
@@ -126,15 +128,17 @@ def _load_source(src: Path, identity: SourceIdentity | None = None) -> _Source:
     ident_files = [cfg_path, *([src / INDEX_NAME] if (src / INDEX_NAME).exists() else []), *files]
     side = tuple(n for n in SIDE_FILES if (src / n).is_file())
     ident = identity if identity is not None else _fingerprint(src, ident_files, headers)
+    nextn = cfg.get("num_nextn_predict_layers")
+    declared = arch.num_hidden_layers + (nextn if isinstance(nextn, int) and nextn > 0 else 0)
     if unwrapped is None:
-        return _Source(src, arch, tensors, ident, side)
+        return _Source(src, arch, tensors, ident, side, declared_layers=declared)
     text = {n[len(prefix) :]: info for n, info in tensors.items() if n.startswith(prefix)}
     left = len(tensors) - len(text)
     note = (
         f"{wrapper}: converted its text model ({arch.model_type}, tensors under {prefix!r}); "
         f"{left} other tensor(s) (vision tower, projector) are left out"
     )
-    return _Source(src, arch, text, ident, side, cfg, (note,))
+    return _Source(src, arch, text, ident, side, cfg, (note,), declared)
 
 
 def _shard_files(src: Path) -> list[Path]:
@@ -297,6 +301,19 @@ def _build_catalog(source: _Source, options: ConvertOptions) -> _Catalog:
         m = _LAYER_RE.match(name)
         items.append(_Item(name, tensors[name], None, None, int(m.group(1)) if m else None))
         unknown.append(name)
+    declared = source.declared_layers
+    beyond = sorted(
+        {int(m.group(1)) for n in unknown if (m := _LAYER_RE.match(n)) is not None}
+        - set(range(declared if declared is not None else 1 << 30))
+    )
+    if beyond:
+        n_extra = sum(_layer_of(n, -1) in beyond for n in unknown)
+        raise ConversionError(
+            f"{source.root}: config.json declares {declared} layers (num_hidden_layers"
+            f"{' + num_nextn_predict_layers' if declared != arch.num_hidden_layers else ''}) "
+            f"but the checkpoint holds model.layers.{beyond[0]}.* ({n_extra} tensors in "
+            f"{len(beyond)} more layer(s)); the checkpoint and its config do not match"
+        )
 
     notes: list[str] = list(source.notes)
     missing = [n for n in expected_tensors(arch) if n not in tensors]

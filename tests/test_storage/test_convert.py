@@ -734,3 +734,19 @@ def test_a_source_fine_tuned_mid_file_is_another_source(tmp_path: Path) -> None:
     shard.write_bytes(bytes(raw))
     with pytest.raises(ConversionError, match="another source checkpoint"):
         convert(src, dst, ConvertOptions(shard_size=SMALL))
+
+
+def test_a_config_declaring_fewer_layers_than_the_checkpoint_holds_is_refused(
+    tmp_path: Path,
+) -> None:
+    """A config.json whose num_hidden_layers is short of the checkpoint's layers converted the
+    extra layer as "unrecognised tensors" and ran a shallower model (wrong output, silently):
+    it is refused, naming the layer and what to check."""
+    src = tmp_path / "src"
+    cfg = tiny_config("deepseek_v3", num_hidden_layers=3, num_nextn_predict_layers=0)
+    make_checkpoint(src, cfg, n_shards=1, index=False)
+    doc = json.loads((src / "config.json").read_text())
+    doc["num_hidden_layers"] = 2
+    (src / "config.json").write_text(json.dumps(doc))
+    with pytest.raises(ConversionError, match=r"declares 2 layers .* model\.layers\.2\."):
+        convert(src, tmp_path / "dst", ConvertOptions(shard_size=SMALL))
