@@ -1534,8 +1534,12 @@ def info(model: Path | None, as_json: bool) -> None:
         "moe_layers": moe_layers,
         **_parameters(c, moe_layers),
         "quantization": _formats(c),
-        "expert_bytes": c.expert_nbytes,
-        "experts_total_bytes": sum(x.nbytes for x in c.expert_extents()),
+        # what one read of a routed expert transfers: its blob and its scales (as coli plan)
+        "expert_bytes": max(
+            (_read_bytes(x) for x in c.expert_extents() if x.layer < a.num_hidden_layers),
+            default=0,
+        ),
+        "experts_total_bytes": sum(_read_bytes(x) for x in c.expert_extents()),
         "cpu_count": os.cpu_count(),
         "kernels": kernel_info().describe(),
         "fast_int8_kernels": f"{kernel_info().int8_dot}; opt-in, lossy (--kernels fast-int8)",
@@ -1653,6 +1657,11 @@ def ps(url: str, api_key: str | None, api_key_file: Path | None, as_json: bool) 
         )
 
 
+def _read_bytes(x: Any) -> int:
+    """Bytes one read of expert extent ``x`` transfers: the blob and its scales."""
+    return int(x.nbytes) + sum(int(s.nbytes) for s in x.scales.values() if s is not None)
+
+
 def _parameters(c: Any, moe_layers: int) -> dict[str, int]:
     """Parameters of every tensor (MTP included), and those one token of the main model uses:
     everything but the routed experts, plus top-k experts in each MoE layer."""
@@ -1668,7 +1677,8 @@ def _parameters(c: Any, moe_layers: int) -> dict[str, int]:
             expert += k
         elif e.role == "mtp":
             mtp += k
-    n_experts = len(c.expert_extents())
+    # the main layers' experts (role "expert"; the MTP layer's count as "mtp")
+    n_experts = sum(x.layer < c.arch.num_hidden_layers for x in c.expert_extents())
     if n_experts:
         per_expert = expert // n_experts
     top_k = c.arch.num_experts_per_tok or 0

@@ -253,3 +253,33 @@ def test_serve_refuses_keys_no_client_could_send(home: Path) -> None:
     assert len(errors) == 1 and "API key must be non-empty printable ASCII" in errors[0]
     r = coli(home, "serve", "--port", "0", "--api-key", "")
     assert r.returncode == 2 and "would leave the server open" in r.stderr, r.stderr
+
+
+def test_info_counts_active_parameters_and_expert_bytes_as_a_token_and_a_read_use_them(
+    home: Path,
+) -> None:
+    """active_parameters: every tensor but the routed experts and the MTP layer, plus top-k
+    main-layer experts per MoE layer (the MTP layer's experts were counted in "per expert",
+    which came out 1/(MoE layers + 1) low); expert_bytes: what a read of one main-layer expert
+    transfers (blob and scales, as coli plan says), not the largest bare blob (the MTP's)."""
+    import math
+
+    from storage.container import Container
+
+    d = json.loads(coli(home, "info", "--json").stdout)
+    c = Container.open(Path(d["model"]))
+    a = c.arch
+    main = [x for x in c.expert_extents() if x.layer < a.num_hidden_layers]
+    assert len(main) < len(c.expert_extents())  # the demo model has an MTP layer with experts
+    one = main[0]
+    expert_params = sum(
+        math.prod(c.entry(f"model.layers.{one.layer}.mlp.experts.{one.expert}.{p}.weight").shape)
+        for p in ("gate_proj", "up_proj", "down_proj")
+    )
+    dense = sum(
+        math.prod(c.entry(n).shape) for n in c.names() if c.entry(n).role not in ("expert", "mtp")
+    )
+    moe_layers = len({x.layer for x in main})
+    assert d["active_parameters"] == dense + a.num_experts_per_tok * expert_params * moe_layers
+    plan = json.loads(coli(home, "plan", "--json").stdout)
+    assert d["expert_bytes"] == plan["expert_bytes"]
