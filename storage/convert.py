@@ -642,8 +642,12 @@ def _run(
                 tuple(notes),
                 already_complete=True,
             )
-        # Damaged finished container: salvage what still checks out, redo the rest.
+        # Damaged finished container: salvage what still checks out, redo the rest. The state
+        # file (every old shard a candidate, re-verified below) is written before the manifest
+        # goes, so that a crash in between (re-hashing a large model takes long) leaves an
+        # interrupted conversion a rerun resumes, not shards nothing claims.
         candidates = {s.file: s for s in old.shards}
+        _write_state(dst, rec, source.identity, plans, candidates)
         manifest_path.unlink()
         fsync_dir(dst)
     elif state is not None:

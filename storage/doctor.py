@@ -445,7 +445,8 @@ def _check_verify(c: Container, progress: Progress | None) -> Check:
         if bad:
             problems.append(
                 f"{len(bad)} of {len(manifest.shards)} shards are damaged (their tensors cannot "
-                f"be trusted; re-copy or reconvert them): {_listed(bad, 3)}"
+                "be trusted; re-copy them, or delete them and rerun the same `coli convert SRC "
+                f"DST`, which writes only the missing shards): {_listed(bad, 3)}"
             )
         if unreadable:
             problems.append(

@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -750,3 +751,36 @@ def test_a_config_declaring_fewer_layers_than_the_checkpoint_holds_is_refused(
     (src / "config.json").write_text(json.dumps(doc))
     with pytest.raises(ConversionError, match=r"declares 2 layers .* model\.layers\.2\."):
         convert(src, tmp_path / "dst", ConvertOptions(shard_size=SMALL))
+
+
+def test_a_repair_killed_while_re_verifying_resumes(tmp_path: Path, bf16_src: Src) -> None:
+    """Repairing a finished model with a truncated shard first drops its manifest, then
+    re-hashes every shard: a kill -9 in that window left shards that neither a manifest nor
+    a state file claimed, and the rerun refused them ("a conversion this one did not start",
+    --force: convert everything again). The state file is written first now: the rerun
+    resumes and the result is the clean conversion's, byte for byte."""
+    src = bf16_src[0]
+    clean = tmp_path / "clean"
+    convert(src, clean, ConvertOptions(shard_size=SMALL))
+    dst = tmp_path / "dst"
+    shutil.copytree(clean, dst)
+    victim = sorted(dst.glob("out-0*.safetensors"))[1]
+    with open(victim, "r+b") as fh:
+        fh.truncate(4096)
+    script = textwrap.dedent(
+        f"""
+        import os, signal
+        from storage.convert import ConvertOptions, convert
+        def progress(done, total, what):
+            if what.startswith("verifying"):
+                os.kill(os.getpid(), signal.SIGKILL)
+        convert({str(src)!r}, {str(dst)!r}, ConvertOptions(shard_size={SMALL}),
+                progress=progress)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True)
+    assert proc.returncode == -9, proc.stderr.decode()[-2000:]
+    assert not (dst / "colibri-manifest.json").exists()
+    result = convert(src, dst, ConvertOptions(shard_size=SMALL))
+    assert result.written == (victim.name,)
+    assert _files(dst) == _files(clean)
