@@ -1051,6 +1051,7 @@ def convert(
     help="Another hub (a mirror); default https://huggingface.co or HF_ENDPOINT.",
 )
 @_format_options
+@click.option("--force", is_flag=True, help="Discard an interrupted pull into OUT and start over.")
 def pull(
     repo_id: str,
     out: Path,
@@ -1061,13 +1062,16 @@ def pull(
     io_fmt: str | None,
     mtp: str | None,
     shard_size: str | None,
+    force: bool,
 ) -> None:
     """Download Hugging Face model REPO_ID into the colibri container OUT, converting each
-    shard as it lands (the source is never on disk whole; resumable). A repository that is a
-    colibri container already is downloaded and verified. A token comes from HF_TOKEN."""
+    shard as it lands (the source is never on disk whole; resumable, pinned to the commit the
+    first run saw). A repository that is a colibri container already is downloaded and
+    verified. A token comes from HF_TOKEN."""
     from colibri.pull import pull as do_pull
 
-    options = _convert_options(experts, dense, io_fmt, mtp, shard_size)
+    given = any(v is not None for v in (experts, dense, io_fmt, mtp, shard_size))
+    options = _convert_options(experts, dense, io_fmt, mtp, shard_size) if given else None
     import structlog
 
     log = structlog.get_logger("colibri.pull")
@@ -1079,7 +1083,7 @@ def pull(
                 log.info("pull", step=message)
 
         result = do_pull(repo_id, out, revision=revision, endpoint=endpoint, options=options,
-                         progress=report)  # fmt: skip
+                         progress=report, force=force)  # fmt: skip
     if result.convert is not None:
         click.echo(str(result.convert))
     click.echo(

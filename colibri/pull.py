@@ -9,8 +9,10 @@ whole: at most the shards one output shard reads at a time. A repository that al
 colibri container (``colibri-manifest.json``) is downloaded as is and verified against its
 manifest (sizes and SHA-256 of every shard).
 
-Resumable: the download is pinned to the commit the first listing saw; an interrupted pull
-rerun with the same arguments keeps the converted shards (the converter's own resumption, keyed
+Resumable: the download is pinned to the commit the first listing saw (recorded beside the
+container in ``.<name>.pull.json`` until the pull finishes, so a repository that moved since
+does not change what a rerun fetches); an interrupted pull rerun with the same arguments keeps
+the converted shards (the converter's own resumption, keyed
 on the repository, commit, file names, sizes and headers) and fetches only what is still
 needed. Files go through ``huggingface_hub`` (``HF_TOKEN``, ``HF_ENDPOINT`` and its cache
 rules are its own); ``endpoint`` points at another hub (a mirror, or the tests' loopback one).
@@ -31,7 +33,7 @@ import httpx
 
 from storage.atomic import atomic_write_bytes
 from storage.convert import ConvertOptions, ConvertResult, convert
-from storage.errors import ColibriError
+from storage.errors import ColibriError, ConversionError
 from storage.manifest import MANIFEST_NAME, Manifest, SourceFile, SourceIdentity
 
 __all__ = ["PullResult", "pull"]
@@ -40,6 +42,7 @@ __all__ = ["PullResult", "pull"]
 Progress = Callable[[int, int | None, str], None]
 _STAGING = ".pull-source"  # beside the container: <out>/../.<name>.pull-source
 _DONE = ".complete.json"  # which source shards are whole on disk now
+_PIN = ".pull.json"  # beside the container: <out>/../.<name>.pull.json, the pinned commit
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,9 +206,13 @@ def pull(
     token: str | None = None,
     options: ConvertOptions | None = None,
     progress: Progress | None = None,
+    force: bool = False,
 ) -> PullResult:
     """Download ``repo_id`` into the colibri container ``out`` (converted shard by shard, or
-    downloaded and verified when the repository already is one)."""
+    downloaded and verified when the repository already is one). ``options`` None: the
+    converter's defaults (a container repository takes none). ``force``: discard an
+    interrupted pull (its pinned commit, staged source and partial conversion) and start
+    over."""
     from huggingface_hub import hf_hub_download, hf_hub_url
     from huggingface_hub import utils as hf_utils
 
@@ -215,8 +222,30 @@ def pull(
         report(0, None, msg)
 
     out_p = Path(out)
+    pin_path = out_p.parent / f".{out_p.name}{_PIN}"
+    staging = out_p.parent / f".{out_p.name}{_STAGING}"
+    if force:
+        pin_path.unlink(missing_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
+    pinned = _read_pin(pin_path)
+    if pinned is not None:
+        if pinned[0] != repo_id:
+            raise ColibriError(
+                f"{out_p} holds an interrupted pull of {pinned[0]}; finish it with `coli pull "
+                f"{pinned[0]} {out_p}`, or pass --force to pull {repo_id} there instead"
+            )
+        if revision is not None and revision != pinned[1]:
+            raise ColibriError(
+                f"the interrupted pull of {repo_id} into {out_p} is pinned to commit "
+                f"{pinned[1][:12]}; rerun without --revision to finish it, or pass --force to "
+                f"start over at {revision}"
+            )
+        revision = pinned[1]
     api = _hub(endpoint, token)
     commit, sizes = _listing(api, repo_id, revision)
+    if pinned is None:
+        pin_path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(pin_path, json.dumps({"repo_id": repo_id, "commit": commit}).encode())
     shards = sorted(n for n in sizes if n.endswith(".safetensors"))
     source_bytes = sum(sizes[n] for n in shards)
 
@@ -231,22 +260,37 @@ def pull(
             raise ColibriError(f"{repo_id}: cannot download {name}: {exc}") from exc
 
     if MANIFEST_NAME in sizes:  # already a colibri container: download, then verify
+        if options is not None and options != ConvertOptions():
+            raise ColibriError(
+                f"{repo_id} is already a colibri container: the format options (--experts, "
+                "--dense, --io, --mtp, --shard-size) do not apply to it; drop them (or convert "
+                "it again from its Hugging Face checkpoint)"
+            )
         out_p.mkdir(parents=True, exist_ok=True)
+        fetch_manifest = download(MANIFEST_NAME, out_p / ".download")
+        os.replace(fetch_manifest, out_p / MANIFEST_NAME)
+        sums = {e.file: e.sha256 for e in Manifest.load(out_p / MANIFEST_NAME).shards}
         for name in sorted(sizes):
             dst = out_p / name
-            if dst.is_file() and dst.stat().st_size == sizes[name] and name != MANIFEST_NAME:
+            if name == MANIFEST_NAME:
                 continue
+            if dst.is_file() and dst.stat().st_size == sizes[name]:
+                # a file of the right size from an earlier run: kept when it checks out (a
+                # damaged or older one of the same size is fetched again, not kept forever)
+                if name not in sums or _sha256(dst) == sums[name]:
+                    continue
+                say(f"{name} differs from the manifest: downloading it again")
             say(f"downloading {name} ({sizes[name]:,} bytes)")
             got = download(name, out_p / ".download")
             dst.parent.mkdir(parents=True, exist_ok=True)
             os.replace(got, dst)
         shutil.rmtree(out_p / ".download", ignore_errors=True)
         _verify_container(out_p, say)
+        pin_path.unlink(missing_ok=True)
         return PullResult(out_p, repo_id, commit, "container", source_bytes, source_bytes, None)
     if not shards:
         raise ColibriError(f"{repo_id}: no *.safetensors files (not a checkpoint colibri reads)")
 
-    staging = out_p.parent / f".{out_p.name}{_STAGING}"
     staging.mkdir(parents=True, exist_ok=True)
     for name in sorted(n for n in sizes if n not in shards and not n.startswith(".")):
         if name.endswith((".json", ".jinja", ".txt", ".model")) and "/" not in name:
@@ -270,16 +314,43 @@ def pull(
         f"hf:{repo_id}@{commit}:{ident.hexdigest()}",
         tuple(SourceFile(n, sizes[n]) for n in shards),
     )
-    result = convert(
-        staging,
-        out_p,
-        options or ConvertOptions(),
-        fetch=fetcher,
-        identity=identity,
-        progress=report,
-    )
+    try:
+        result = convert(
+            staging,
+            out_p,
+            options or ConvertOptions(),
+            force=force,
+            fetch=fetcher,
+            identity=identity,
+            progress=report,
+        )
+    except ConversionError as exc:
+        # the converter names its SRC (here the staging dir) and options of its own
+        raise ColibriError(
+            f"{exc}".replace(str(staging), f"{repo_id}@{commit[:12]}")
+            + " (coli pull takes --force too)"
+        ) from exc
     shutil.rmtree(staging, ignore_errors=True)  # done: the source is not needed any more
+    pin_path.unlink(missing_ok=True)
     return PullResult(out_p, repo_id, commit, "converted", source_bytes, fetcher.peak, result)
+
+
+def _read_pin(path: Path) -> tuple[str, str] | None:
+    """(repo id, commit) an interrupted pull was pinned to, or None (no pin, or unreadable)."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    if not isinstance(doc, dict):
+        return None
+    repo, commit = doc.get("repo_id"), doc.get("commit")
+    return (repo, commit) if isinstance(repo, str) and isinstance(commit, str) else None
+
+
+def _sha256(path: Path) -> str:
+    from storage.manifest import sha256_file
+
+    return sha256_file(path)
 
 
 def _verify_container(out: Path, say: Callable[[str], None]) -> None:
@@ -292,4 +363,7 @@ def _verify_container(out: Path, say: Callable[[str], None]) -> None:
         if not path.is_file() or path.stat().st_size != entry.size:
             raise ColibriError(f"{path}: missing or of the wrong size after the download")
         if sha256_file(path) != entry.sha256:
-            raise ColibriError(f"{path}: SHA-256 differs from the manifest (damaged download)")
+            raise ColibriError(
+                f"{path}: SHA-256 differs from the manifest (damaged download; a rerun fetches "
+                "it again)"
+            )

@@ -27,6 +27,7 @@ class Hub:
         self.repos = repos
         self.requests: list[tuple[str, str, str | None]] = []
         self.url = ""
+        self.commit = COMMIT  # what the main branch points at (a test may move it)
 
     def files(self, repo: str) -> list[Path]:
         root = self.repos[repo]
@@ -55,6 +56,10 @@ def _handler(hub: Hub) -> type[BaseHTTPRequestHandler]:
             if m and m.group(1) in hub.repos:
                 repo = m.group(1)
                 root = hub.repos[repo]
+                rev = m.group(2)
+                # a full commit id is served as that commit (the same files); a branch is
+                # where the hub's main branch points now
+                sha = rev if rev is not None and re.fullmatch(r"[0-9a-f]{40}", rev) else hub.commit
                 siblings = [
                     {"rfilename": p.relative_to(root).as_posix(), "size": p.stat().st_size}
                     for p in hub.files(repo)
@@ -62,7 +67,7 @@ def _handler(hub: Hub) -> type[BaseHTTPRequestHandler]:
                 info = {
                     "id": repo,
                     "modelId": repo,
-                    "sha": COMMIT,
+                    "sha": sha,
                     "private": False,
                     "siblings": siblings,
                 }

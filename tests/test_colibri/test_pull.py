@@ -160,3 +160,56 @@ def test_pull_errors_are_one_line(tmp_path: Path) -> None:
         assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
         errors = [x for x in r.stderr.splitlines() if x.startswith("error: ")]
         assert len(errors) == 1 and want in errors[0], r.stderr
+
+
+def test_an_interrupted_pull_stays_on_its_commit_and_force_starts_over(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    """The repository moved on between an interrupted pull and its rerun: the rerun finishes
+    the commit it started (pinned beside OUT; it refused, naming the hidden staging dir and
+    a --force pull did not have); another --revision is refused unless --force."""
+    out = tmp_path / "dsv3"
+    first_commit = "0123456789abcdef0123456789abcdef01234567"
+
+    def stop(done: int, total: int | None, msg: str) -> None:
+        if total is None and msg.startswith("downloading model-00003"):
+            raise KeyboardInterrupt
+
+    with serve_hub({"org/dsv3": checkpoint}) as hub:
+        with pytest.raises(KeyboardInterrupt):
+            pull("org/dsv3", out, endpoint=hub.url, options=OPTS, progress=stop)
+        hub.commit = "f" * 40  # a new commit on main (the same files)
+        other = "e" * 40
+        with pytest.raises(ColibriError, match=r"pinned to commit 0123456789ab.*--force"):
+            pull("org/dsv3", out, endpoint=hub.url, options=OPTS, revision=other)
+        res = pull("org/dsv3", out, endpoint=hub.url, options=OPTS)
+        assert res.commit == first_commit and res.convert is not None
+        assert any("resumed" in n for n in res.convert.notes)
+        assert not (tmp_path / ".dsv3.pull.json").exists()  # finished: no pin left
+        # a new pull into the same OUT after an interruption: --force starts over there
+        out2 = tmp_path / "again"
+        with pytest.raises(KeyboardInterrupt):
+            pull("org/dsv3", out2, endpoint=hub.url, options=OPTS, progress=stop)
+        res2 = pull("org/dsv3", out2, endpoint=hub.url, options=OPTS, revision=other, force=True)
+        assert res2.commit == other and _shards(out2) == _shards(out)
+
+
+def test_a_container_pull_fetches_a_damaged_file_again_and_refuses_format_flags(
+    tmp_path: Path,
+) -> None:
+    """A shard of the right size that fails the manifest's checksum (damaged, or from an older
+    commit) was kept by every rerun, which then failed the same way forever: it is fetched
+    again. Format flags for a container repository are an error, not silently dropped."""
+    repo = tmp_path / "repo"
+    shutil.copytree(demo_model(), repo)
+    out = tmp_path / "out"
+    with serve_hub({"org/demo": repo}) as hub:
+        pull("org/demo", out, endpoint=hub.url)
+        victim = sorted(out.glob("out-*.safetensors"))[0]
+        data = bytearray(victim.read_bytes())
+        data[-10] ^= 0xFF
+        victim.write_bytes(bytes(data))
+        pull("org/demo", out, endpoint=hub.url)
+        assert _shards(out) == _shards(repo)
+        with pytest.raises(ColibriError, match="already a colibri container"):
+            pull("org/demo", tmp_path / "out2", endpoint=hub.url, options=OPTS)
