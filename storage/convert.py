@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -712,7 +713,8 @@ def _run(
                 data = (source.root / name).read_bytes()
             except OSError as exc:
                 raise ConversionError(f"{source.root / name}: cannot read: {exc}") from exc
-        atomic_write_bytes(dst / name, data)
+        with _writing(dst / name):
+            atomic_write_bytes(dst / name, data)
 
     arch = catalog.arch
     manifest = Manifest(
@@ -727,7 +729,8 @@ def _run(
         experts=tuple(with_checksums(e, dst / p.file) for p in plans for e in p.experts),
         unknown_tensors=catalog.unknown,
     )
-    manifest.save(dst)  # last: its presence means "complete"
+    with _writing(dst / MANIFEST_NAME):
+        manifest.save(dst)  # last: its presence means "complete"
     with contextlib.suppress(FileNotFoundError):
         (dst / STATE_NAME).unlink()
     fsync_dir(dst)
@@ -868,7 +871,26 @@ def _write_state(
         "plan": [[p.file, p.size] for p in plans],
         "done": [done[p.file].to_json() for p in plans if p.file in done],
     }
-    atomic_write_bytes(dst / STATE_NAME, (json.dumps(doc, indent=1) + "\n").encode())
+    with _writing(dst / STATE_NAME):
+        atomic_write_bytes(dst / STATE_NAME, (json.dumps(doc, indent=1) + "\n").encode())
+
+
+@contextlib.contextmanager
+def _writing(path: Path) -> Iterator[None]:
+    """An OS error writing ``path`` (the state file, a side file, the manifest) as a
+    :class:`ConversionError` naming it and what to do (a bare "No space left on device", or
+    a temp file's name, said neither)."""
+    try:
+        yield
+    except OSError as exc:
+        what = exc.strerror or str(exc)
+        if exc.errno == errno.ENOSPC:
+            hint = "free some space there and rerun the same command (it resumes)"
+        elif exc.errno == errno.EROFS:
+            hint = "the destination is on a read-only filesystem; pick another DST"
+        else:
+            hint = "check the destination directory and rerun (it resumes)"
+        raise ConversionError(f"{path}: cannot write: {what}; {hint}") from exc
 
 
 @contextlib.contextmanager

@@ -784,3 +784,25 @@ def test_a_repair_killed_while_re_verifying_resumes(tmp_path: Path, bf16_src: Sr
     result = convert(src, dst, ConvertOptions(shard_size=SMALL))
     assert result.written == (victim.name,)
     assert _files(dst) == _files(clean)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a read-only tmpfs (needs root)")
+def test_a_read_only_dst_is_named_with_what_to_do(bf16_src: Src, tmp_path: Path) -> None:
+    """A DST on a read-only filesystem failed with the name of a random temp file and the OS
+    message alone; the error names the file colibri writes and says what to do."""
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=80m", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)  # fmt: skip
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        (mnt / "dst").mkdir()
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+        with pytest.raises(ConversionError) as err:
+            convert(bf16_src[0], mnt / "dst", ConvertOptions(shard_size=SMALL))
+        msg = str(err.value)
+        assert ".colibri-convert.json: cannot write" in msg and "read-only" in msg, msg
+        assert ".tmp" not in msg, msg
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
