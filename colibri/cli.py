@@ -1406,8 +1406,12 @@ def bench_storage_cmd(
         what = f"unknown backend(s) {', '.join(unknown)}" if unknown else "no backend given"
         raise click.BadParameter(what, param_hint="--backends")
     block_bytes = parse_bytes(block)
-    if block_bytes is not None and block_bytes <= 0:
-        raise click.BadParameter(f"{block!r} is not a positive size", param_hint="--block")
+    if block_bytes is not None and (block_bytes <= 0 or block_bytes % 4096):
+        # O_DIRECT reads whole 4 KiB pages: another size would credit the backends fewer bytes
+        # than they (and fio) moved
+        raise click.BadParameter(
+            f"{block!r} is not a positive multiple of 4 KiB", param_hint="--block"
+        )
     path = target or default_model_path()
     with _bench_progress() as bar:
         task = bar.add_task("reading", total=repeats * (len(names) + (0 if no_fio else 1)))

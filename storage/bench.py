@@ -235,6 +235,10 @@ async def bench_storage(
     per-file ``posix_fadvise(DONTNEED)``). ``log`` is called with one line per pass.
     """
     target = Path(model_dir_or_file)
+    if block is not None and (block <= 0 or block % ALIGN):
+        # an O_DIRECT read moves whole 4 KiB pages: a backend would be credited fewer bytes
+        # than it (and fio, replaying the aligned spans) moved, and the ratio compare unlike work
+        raise ValueError(f"--block must be a positive multiple of 4 KiB, got {block} bytes")
     ext, size, source = _targets(target, block)
     files = sorted({p for p, _, _ in ext})
     as_root = os.geteuid() == 0
@@ -277,7 +281,8 @@ async def bench_storage(
             names = [*readers, "fio"]
             k = rep % len(names)  # rotate so no backend always goes first
             for name in names[k:] + names[:k]:
-                if dropping or not as_root:
+                # not root: per-file fadvise, unless told not to drop (--no-drop-caches)
+                if dropping or (drop_caches is None and not as_root):
                     cache_how = await anyio.to_thread.run_sync(_drop_caches, files, dropping)
                 if name != "fio":
                     c0 = time.process_time()

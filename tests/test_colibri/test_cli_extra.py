@@ -57,6 +57,9 @@ def test_bench_storage_prints_json_with_a_figure(home: Path) -> None:
     assert out["reads"] == 8
     bad = coli(home, "bench", "storage", "--backends", "floppy")
     assert bad.returncode == 2 and "floppy" in bad.stderr
+    # a block that is not whole 4 KiB pages: backends and fio would be credited unlike bytes
+    odd = coli(home, "bench", "storage", "--model", str(DEMO), "--block", "1000")
+    assert odd.returncode == 2 and "multiple of 4 KiB" in odd.stderr, odd.stderr
 
 
 def test_plan_json_on_the_demo(home: Path) -> None:

@@ -570,3 +570,15 @@ async def test_a_read_that_waited_while_the_reader_closed_is_a_read_error(
         go.set()
     assert len(got) == 1 and isinstance(got[0], ReadError), got
     assert "closed" in str(got[0])
+
+
+@pytest.mark.anyio
+async def test_bench_storage_refuses_a_block_of_partial_pages(
+    data_file: tuple[Path, bytes],
+) -> None:
+    """A block that is not whole 4 KiB pages credited each backend read with the block while
+    O_DIRECT moved (and fio was credited) the aligned span: the figure compared unlike work."""
+    from storage.bench import bench_storage
+
+    with pytest.raises(ValueError, match="multiple of 4 KiB"):
+        await bench_storage(data_file[0], block=1000, reads=2, repeats=1, fio=False)

@@ -31,8 +31,9 @@ def ensure_synthetic(path: Path, predictable: bool = False) -> None:
 
 
 def budget_for(c: Container, path: Path, fraction: float) -> int:
-    """A RAM budget: the dense part + a 4096-token KV reserve + ``fraction`` of the experts'
-    slots."""
+    """A RAM budget: the dense part + a 4096-token KV reserve + the transient slots the
+    engine reserves first + ``fraction`` of the experts' slots (so that ``fraction`` is the
+    share of experts the cache holds)."""
     from colibri._config import EngineOptions
     from colibri._engine import _plan
     from runtime.budget import kv_bytes_per_token, resident_nbytes
@@ -42,7 +43,8 @@ def budget_for(c: Container, path: Path, fraction: float) -> int:
     assert layout is not None
     dense = resident_nbytes(model.weights)
     kv = kv_bytes_per_token(c.arch) * 4096
-    return int(dense + kv + fraction * len(c.expert_extents()) * layout.slot_bytes)
+    transient = layout.transient_slots * layout.slot_bytes
+    return int(dense + kv + transient + fraction * len(c.expert_extents()) * layout.slot_bytes)
 
 
 def drop_caches() -> bool:
