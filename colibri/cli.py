@@ -644,7 +644,7 @@ def run(
     tok = ChatTokenizer(tok_path, c.tokenizer_config())
     with _open_with_progress(opts) as m:
         if raw or not tok.has_chat_template:
-            ids = tok.encode(prompt)
+            ids = tok.encode(prompt, raw=True)
         else:
             ids = tok.encode_chat([{"role": "user", "content": prompt}])
         t0 = time.perf_counter()

@@ -100,17 +100,22 @@ class ChatTokenizer:
     def has_chat_template(self) -> bool:
         return self._template is not None
 
-    def encode(self, text: str, *, limit: int | None = None) -> list[int]:
+    def encode(self, text: str, *, limit: int | None = None, raw: bool = False) -> list[int]:
         """Token ids of ``text``. ``limit``: raise :class:`PromptTooLongError` instead of
         returning more ids than that (counted before the ids become a Python list, which for
-        a huge text holds the GIL for a noticeable time)."""
+        a huge text holds the GIL for a noticeable time).
+
+        ``raw``: ``text`` is a whole prompt the model sees as is (no chat template, whose text
+        carries its own special tokens): the ids are what transformers' ``tokenizer(text)``
+        gives, with the special tokens tokenizer.json's post-processor adds (a BOS, for
+        tokenizers that start every text with one)."""
         if len(text) > _LONG_TEXT:
             # encode_batch releases the GIL while it works (encode holds it for the whole call:
             # seconds for a 4 MB prompt, during which no other thread, the event loop included,
             # runs). Same pipeline, same ids.
-            enc = self._tok.encode_batch([text], add_special_tokens=False)[0]
+            enc = self._tok.encode_batch([text], add_special_tokens=raw)[0]
         else:
-            enc = self._tok.encode(text, add_special_tokens=False)
+            enc = self._tok.encode(text, add_special_tokens=raw)
         if limit is not None and len(enc) > limit:
             raise PromptTooLongError(len(enc), limit)
         return list(enc.ids)

@@ -338,7 +338,7 @@ async def completions(request: Request) -> Response:
     else:
         ids = [int(t) for t in prompt if isinstance(t, int)]
     if prompt_text is not None:
-        ids = await st.encode_prompt(prompt_text, "prompt")
+        ids = await st.encode_prompt(prompt_text, "prompt", raw=True)
     params = common_params(
         st, request, req, ids=ids, max_tokens=req.max_tokens, stop=req.stop, prompt_param="prompt"
     )

@@ -301,12 +301,15 @@ class AppState:
             self._text_limiter = anyio.CapacityLimiter(2)
         return await anyio.to_thread.run_sync(fn, *args, limiter=self._text_limiter)
 
-    async def encode_prompt(self, text: str, param: str = "messages") -> list[int]:
-        """``text``'s ids, tokenized off the loop; a prompt longer than the context is a 400
-        found before its ids are materialized."""
+    async def encode_prompt(
+        self, text: str, param: str = "messages", *, raw: bool = False
+    ) -> list[int]:
+        """``text``'s ids, tokenized off the loop (``raw``: a prompt without a chat template,
+        with the special tokens the tokenizer adds, :meth:`ChatTokenizer.encode`); a prompt
+        longer than the context is a 400 found before its ids are materialized."""
         try:
             return await self.off_loop(
-                lambda: self.tokenizer.encode(text, limit=self.context_length)
+                lambda: self.tokenizer.encode(text, limit=self.context_length, raw=raw)
             )
         except PromptTooLongError as exc:
             raise ApiError(

@@ -254,3 +254,36 @@ def test_a_damaged_session_file_is_set_aside(
     assert "Traceback" not in r.stderr and "chat session file ignored" in r.stderr + r.stdout
     assert not path.exists()
     assert [p.name.split(".bad-")[0] for p in state.glob("*.bad-*")] == [path.name]
+
+
+@pytest.mark.parametrize("how", ["post-processor", "add_bos_token", "both", "neither"])
+def test_a_raw_prompt_gets_the_special_tokens_transformers_adds(tmp_path: Path, how: str) -> None:
+    """`coli run --raw` and plain completions encoded without special tokens: a tokenizer
+    whose post-processor adds a BOS gave the model another sequence than transformers'
+    tokenizer(text). Raw prompts now get what tokenizer(text) gives (transformers 5 takes the
+    post-processor as stored: add_bos_token alone adds nothing to a tokenizer.json like this
+    one); chat-template text (which carries its own) is unchanged."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, processors
+
+    src = demo_model()
+    tok = Tokenizer.from_file(str(src / "tokenizer.json"))
+    bos = "<|endoftext|>"
+    if how in ("post-processor", "both"):
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+            special_tokens=[(bos, tok.token_to_id(bos))],
+        )  # fmt: skip
+    tok.save(str(tmp_path / "tokenizer.json"))
+    cfg = json.loads((src / "tokenizer_config.json").read_text())
+    if how in ("add_bos_token", "both"):
+        cfg["add_bos_token"] = True
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    ours = ChatTokenizer(tmp_path / "tokenizer.json", cfg)
+    for text in ("The quick brown fox", "Once upon a time, there was"):
+        want = hf(text).input_ids
+        assert ours.encode(text, raw=True) == want, (how, text)
+        assert ours.encode(text) == hf(text, add_special_tokens=False).input_ids
+    with_bos = how in ("post-processor", "both")
+    assert (ours.encode("x", raw=True)[0] == tok.token_to_id(bos)) == with_bos
