@@ -4,6 +4,7 @@ block scale), checked before any byte is written."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -125,20 +126,26 @@ def _load_source(src: Path, identity: SourceIdentity | None = None) -> _Source:
                     f"{h.path.name}; the checkpoint is inconsistent"
                 )
             tensors[name] = info
+    notes: tuple[str, ...] = ()
+    embed, head = f"{prefix}model.embed_tokens.weight", f"{prefix}lm_head.weight"
+    if cfg.get("tie_word_embeddings") is True and head not in tensors and embed in tensors:
+        # save_pretrained leaves a tied lm_head out: it is the input embedding itself
+        tensors[head] = dataclasses.replace(tensors[embed], name=head)
+        notes = ("tie_word_embeddings: lm_head written from the input embedding",)
     ident_files = [cfg_path, *([src / INDEX_NAME] if (src / INDEX_NAME).exists() else []), *files]
     side = tuple(n for n in SIDE_FILES if (src / n).is_file())
     ident = identity if identity is not None else _fingerprint(src, ident_files, headers)
     nextn = cfg.get("num_nextn_predict_layers")
     declared = arch.num_hidden_layers + (nextn if isinstance(nextn, int) and nextn > 0 else 0)
     if unwrapped is None:
-        return _Source(src, arch, tensors, ident, side, declared_layers=declared)
+        return _Source(src, arch, tensors, ident, side, notes=notes, declared_layers=declared)
     text = {n[len(prefix) :]: info for n, info in tensors.items() if n.startswith(prefix)}
     left = len(tensors) - len(text)
     note = (
         f"{wrapper}: converted its text model ({arch.model_type}, tensors under {prefix!r}); "
         f"{left} other tensor(s) (vision tower, projector) are left out"
     )
-    return _Source(src, arch, text, ident, side, cfg, (note,), declared)
+    return _Source(src, arch, text, ident, side, cfg, (note, *notes), declared)
 
 
 def _shard_files(src: Path) -> list[Path]:

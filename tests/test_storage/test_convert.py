@@ -806,3 +806,17 @@ def test_a_read_only_dst_is_named_with_what_to_do(bf16_src: Src, tmp_path: Path)
         assert ".tmp" not in msg, msg
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_a_tied_checkpoint_without_lm_head_converts_with_the_embedding(tmp_path: Path) -> None:
+    """save_pretrained leaves a tied lm_head out: such a checkpoint was refused as an
+    incomplete download ("lm_head.weight ... is the download complete?"). The container's
+    lm_head is the input embedding, stored alike (the same bytes)."""
+    src = tmp_path / "src"
+    make_checkpoint(src, tiny_config(tie_word_embeddings=True), skip=("lm_head.weight",))
+    result = convert(src, tmp_path / "dst", ConvertOptions(shard_size=SMALL))
+    assert any("tie_word_embeddings" in n for n in result.notes)
+    cat = _catalog(tmp_path / "dst")
+    head, embed = cat["lm_head.weight"], cat["model.embed_tokens.weight"]
+    assert head.dtype == embed.dtype and head.shape == embed.shape
+    assert np.array_equal(read_tensor(head), read_tensor(embed))
