@@ -1519,7 +1519,7 @@ def bench_stream(
 def info(model: Path | None, as_json: bool) -> None:
     """Model and machine summary."""
     from runtime.kernels.isa import kernel_info
-    from storage.arch import math_keys, rope_keys
+    from storage.arch import math_keys, rope_keys, rotary_keys
     from storage.container import Container
 
     c = Container.open(model or default_model_path())
@@ -1527,6 +1527,7 @@ def info(model: Path | None, as_json: bool) -> None:
     where = str(c.path / "config.json")
     math = math_keys(c.config, where)  # a value the runtime refuses is an error here too
     rope_keys(c.config, where)
+    rotary_keys(c.config, where)
     experts = c.expert_layers()
     moe_layers = len([layer for layer in experts if layer < a.num_hidden_layers])
     data: dict[str, Any] = {

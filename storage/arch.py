@@ -31,6 +31,7 @@ __all__ = [
     "default_indexer_types",
     "expected_tensors",
     "optional_tensors",
+    "rotary_keys",
     "with_family_defaults",
 ]
 
@@ -76,13 +77,15 @@ _DSV3_DEFAULTS = (
     ("first_k_dense_replace", 3),
     ("q_lora_rank", 1536),
     ("norm_topk_prob", True),
-    ("max_position_embeddings", 4096),
+    ("rope_theta", 10000.0),
+    ("max_position_embeddings", 4096),  # last: DeepSeek-V3.2 replaces it
 )
 FAMILIES: dict[str, Family] = {
     "glm_moe_dsa": Family("glm_moe_dsa", "mla", dsa=True, defaults=(
         ("rms_norm_eps", 1e-5), ("routed_scaling_factor", 2.5), ("n_group", 1),
         ("topk_group", 1), ("n_shared_experts", 1), ("first_k_dense_replace", 3),
-        ("q_lora_rank", 2048), ("norm_topk_prob", True), ("max_position_embeddings", 202752))),
+        ("q_lora_rank", 2048), ("norm_topk_prob", True), ("max_position_embeddings", 202752),
+        ("rope_theta", 10000.0))),
     "deepseek_v3": Family("deepseek_v3", "mla", defaults=_DSV3_DEFAULTS),
     # Kimi K2: the DeepSeek-V3 layout under its own name
     "kimi_k2": Family("kimi_k2", "mla", defaults=_DSV3_DEFAULTS),
@@ -91,21 +94,24 @@ FAMILIES: dict[str, Family] = {
     "olmoe": Family("olmoe", "gqa", bias=None, expert_size_key="intermediate_size",
                     qk_norm="full", defaults=(
                         ("rms_norm_eps", 1e-5), ("norm_topk_prob", False),
-                        ("max_position_embeddings", 4096))),
+                        ("max_position_embeddings", 4096), ("rope_theta", 10000.0))),
     "qwen3_moe": Family("qwen3_moe", "gqa", bias=None, qk_norm="head", defaults=(
         ("rms_norm_eps", 1e-6), ("norm_topk_prob", False), ("decoder_sparse_step", 1),
-        ("max_position_embeddings", 32768))),
+        ("max_position_embeddings", 32768), ("rope_theta", 10000.0))),
     "mixtral": Family("mixtral", "gqa", moe_prefix="block_sparse_moe", expert_names=_W123,
                       bias=None, expert_size_key="intermediate_size", defaults=(
-                          ("rms_norm_eps", 1e-5), ("max_position_embeddings", 131072))),
+                          ("rms_norm_eps", 1e-5), ("max_position_embeddings", 131072),
+                          ("rope_theta", 1000000.0))),
     "glm4_moe": Family("glm4_moe", "gqa", qk_norm="config", defaults=(
         ("rms_norm_eps", 1e-5), ("routed_scaling_factor", 1.0), ("n_group", 1),
         ("topk_group", 1), ("n_shared_experts", 1), ("first_k_dense_replace", 1),
-        ("norm_topk_prob", True), ("use_qk_norm", False), ("max_position_embeddings", 131072))),
+        ("norm_topk_prob", True), ("use_qk_norm", False), ("max_position_embeddings", 131072),
+        ("rope_theta", 10000.0))),
     "minimax_m2": Family("minimax_m2", "gqa", moe_prefix="block_sparse_moe", expert_names=_W123,
                          bias="block_sparse_moe.e_score_correction_bias",
                          expert_size_key="intermediate_size", qk_norm="full", defaults=(
-                             ("rms_norm_eps", 1e-6), ("max_position_embeddings", 196608))),
+                             ("rms_norm_eps", 1e-6), ("max_position_embeddings", 196608),
+                             ("rope_theta", 5000000.0))),
 }  # fmt: skip
 
 
@@ -203,9 +209,49 @@ def math_keys(cfg: Mapping[str, Any], where: str = "config.json") -> dict[str, A
     }
 
 
+# GQA families whose sliding_window is on only when this key is true (the others: when set)
+_SLIDING_SWITCH = {"qwen3_moe": "use_sliding_window"}
+# GQA families whose rotary width, when config.json does not say, is a share of head_dim
+_DEFAULT_PARTIAL_ROTARY = {"glm4_moe": 0.5}
+
+
+def rotary_keys(cfg: Mapping[str, Any], where: str = "config.json") -> dict[str, Any]:
+    """How the attention applies rope, checked against what the runtime computes: a
+    grouped-query family's rotary width (``partial_rotary_factor``, else MiniMax-M2's
+    ``rotary_dim``, else the family's share of ``head_dim``: even and within it) and no
+    sliding window; an MLA family's full-width rope. What the runtime's model config uses,
+    ``coli doctor`` checks and ``coli convert`` refuses before converting."""
+    cfg = with_family_defaults(cfg)
+    arch = ArchConfig.from_dict(cfg, where)
+    partial = rope_keys(cfg, where)["partial_rotary_factor"]
+    if arch.family.attention == "mla":
+        if partial not in (None, 1.0):
+            raise ConfigError(f"{where}: partial_rotary_factor != 1 is not supported for MLA")
+        return {"partial_rotary_factor": partial, "rotary_dim": None}
+    switch = _SLIDING_SWITCH.get(arch.model_type)
+    if cfg.get("sliding_window") is not None and (switch is None or cfg.get(switch)):
+        raise ConfigError(f"{where}: sliding-window attention (sliding_window) is not supported")
+    if partial is None:  # config.json does not say: the legacy key, else the family's
+        rotary_dim = cfg.get("rotary_dim")  # MiniMax-M2's released checkpoints
+        partial = (
+            config_int(where, "rotary_dim", rotary_dim, 1) / arch.head_dim
+            if rotary_dim is not None
+            else _DEFAULT_PARTIAL_ROTARY.get(arch.model_type, 1.0)
+        )
+    rotary = int(arch.head_dim * partial)
+    if rotary <= 0 or rotary % 2 or rotary > arch.head_dim:
+        raise ConfigError(
+            f"{where}: rotary dims {rotary} (head_dim {arch.head_dim} x partial rotary factor "
+            f"{partial}) must be even and within head_dim"
+        )
+    return {"partial_rotary_factor": partial, "rotary_dim": rotary}
+
+
 def rope_keys(cfg: Mapping[str, Any], where: str = "config.json") -> dict[str, Any]:
     """``rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling``, normalised
-    and checked: the fields of ``runtime.layers.rope.RopeParameters``."""
+    and checked: the fields of ``runtime.layers.rope.RopeParameters``. Without a rope_theta
+    anywhere, the family's (:func:`with_family_defaults`)."""
+    cfg = with_family_defaults(cfg)
     raw = cfg.get("rope_parameters") or {}
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{where}: rope_parameters must be an object, got {raw!r}")

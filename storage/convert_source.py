@@ -14,7 +14,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from storage.arch import ArchConfig, TensorRole, classify, expected_tensors, optional_tensors
+from storage.arch import (
+    ArchConfig,
+    TensorRole,
+    classify,
+    expected_tensors,
+    math_keys,
+    optional_tensors,
+    rope_keys,
+    rotary_keys,
+)
 from storage.errors import ConfigError, ConversionError
 from storage.manifest import SourceFile, SourceIdentity
 from storage.quant import QuantFormat
@@ -107,6 +116,9 @@ def _load_source(src: Path, identity: SourceIdentity | None = None) -> _Source:
         cfg, prefix = unwrapped
     try:
         arch = ArchConfig.from_dict(cfg, str(cfg_path))
+        # what the runtime would refuse at the first run, found before hours of converting
+        for keys in (math_keys, rope_keys, rotary_keys):
+            keys(cfg, str(cfg_path))
     except ConfigError as exc:
         raise ConversionError(f"cannot convert: {exc}") from exc
 

@@ -26,7 +26,13 @@ from typing import Any, Literal
 import numpy as np
 
 from storage import jsontext
-from storage.arch import expected_tensors, math_keys, optional_tensors, rope_keys
+from storage.arch import (
+    expected_tensors,
+    math_keys,
+    optional_tensors,
+    rope_keys,
+    rotary_keys,
+)
 from storage.chat_template import chat_template_source, compile_chat_template
 from storage.container import (
     TOKENIZER_CONFIG_NAME,
@@ -187,7 +193,7 @@ def _check_config(c: Container) -> Check:
     bad = _problems(c, "config")
     if a.n_routed_experts and top_k is None:
         bad.append("config.json lacks num_experts_per_tok (the runtime needs it)")
-    for keys in (math_keys, rope_keys):  # what the runtime's model config reads besides
+    for keys in (math_keys, rope_keys, rotary_keys):  # what the runtime's model config reads
         try:
             keys(c.config)
         except ConfigError as exc:

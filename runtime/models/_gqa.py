@@ -39,8 +39,8 @@ from runtime.weights import (
     ResidentExperts,
     load_gqa_layer,
 )
-from storage.arch import ArchConfig
-from storage.errors import ConfigError, ModelError
+from storage.arch import ArchConfig, rotary_keys
+from storage.errors import ModelError
 
 __all__ = ["GQAMoEConfig", "GQAMoEModel"]
 
@@ -58,9 +58,6 @@ class GQAMoEConfig(MoEConfig):
     always_norm_topk: ClassVar[bool] = False  # Mixtral, MiniMax-M2: no norm_topk_prob key
     norm_topk_default: ClassVar[bool] = False  # when config.json omits norm_topk_prob
     scales_routed: ClassVar[bool] = False  # whether routed_scaling_factor applies
-    default_partial_rotary: ClassVar[float] = 1.0
-    # the key that turns ``sliding_window`` on (Qwen3: use_sliding_window); None: it is on when set
-    sliding_window_switch: ClassVar[str | None] = None
 
     num_key_value_heads: int
     head_dim: int
@@ -72,31 +69,14 @@ class GQAMoEConfig(MoEConfig):
     def _parse(cls, cfg: Mapping[str, Any]) -> dict[str, Any]:
         kw = super()._parse(cfg)
         arch: ArchConfig = kw["arch"]
-        switch = cls.sliding_window_switch
-        if cfg.get("sliding_window") is not None and (switch is None or cfg.get(switch)):
-            raise ConfigError(
-                "config.json: sliding-window attention (sliding_window) is not supported"
-            )
         kw["norm_topk_prob"] = cls.always_norm_topk or bool(
             cfg.get("norm_topk_prob", cls.norm_topk_default)
         )
         if not cls.scales_routed:
             kw["routed_scaling_factor"] = 1.0
         rope = kw["rope_parameters"]
-        partial = rope.partial_rotary_factor
-        if partial is None:  # config.json does not say: the legacy key, else the family's
-            rotary_dim = cfg.get("rotary_dim")  # MiniMax-M2's released checkpoints
-            partial = (
-                int(rotary_dim) / arch.head_dim
-                if rotary_dim is not None
-                else cls.default_partial_rotary
-            )
-        rotary = int(arch.head_dim * partial)
-        if rotary <= 0 or rotary % 2 or rotary > arch.head_dim:
-            raise ConfigError(
-                f"config.json: rotary dims {rotary} (head_dim {arch.head_dim} x partial rotary "
-                f"factor {partial}) must be even and within head_dim"
-            )
+        rot = rotary_keys(cfg)  # sliding window refused, rotary width checked (storage.arch)
+        partial, rotary = rot["partial_rotary_factor"], rot["rotary_dim"]
         clip = cfg.get("clip_qkv")
         kw.update(
             rope_parameters=replace(rope, partial_rotary_factor=partial),

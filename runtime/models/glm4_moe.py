@@ -30,7 +30,6 @@ class Glm4MoeConfig(GQAMoEConfig):
     norm_eps: ClassVar[float] = 1e-20
     norm_topk_default: ClassVar[bool] = True
     scales_routed: ClassVar[bool] = True
-    default_partial_rotary: ClassVar[float] = 0.5
 
 
 class Glm4Moe(GQAMoEModel):

@@ -22,9 +22,8 @@ __all__ = ["Qwen3Moe", "Qwen3MoeConfig"]
 
 @dataclass(frozen=True, kw_only=True)
 class Qwen3MoeConfig(GQAMoEConfig):
-    """Qwen3-MoE config keys."""
-
-    sliding_window_switch: ClassVar[str | None] = "use_sliding_window"
+    """Qwen3-MoE config keys (its sliding_window is on only with use_sliding_window:
+    ``storage.arch.rotary_keys``)."""
 
 
 class Qwen3Moe(GQAMoEModel):

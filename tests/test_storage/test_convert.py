@@ -820,3 +820,28 @@ def test_a_tied_checkpoint_without_lm_head_converts_with_the_embedding(tmp_path:
     head, embed = cat["lm_head.weight"], cat["model.embed_tokens.weight"]
     assert head.dtype == embed.dtype and head.shape == embed.shape
     assert np.array_equal(read_tensor(head), read_tensor(embed))
+
+
+@pytest.mark.parametrize(
+    ("over", "match"),
+    [
+        ({"model_type": "qwen3_moe", "num_experts": 4, "num_key_value_heads": 2,
+          "use_sliding_window": True, "sliding_window": 4096}, "sliding-window attention"),
+        ({"rope_parameters": {"rope_theta": 10000.0, "rope_type": "default",
+                              "partial_rotary_factor": 0.5}}, "partial_rotary_factor != 1"),
+        ({"rope_parameters": {"rope_theta": 10000.0, "rope_type": "dynamic"}}, "rope_type"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+    ],
+)  # fmt: skip
+def test_a_config_the_runtime_refuses_is_refused_before_converting(
+    tmp_path: Path, over: dict[str, Any], match: str
+) -> None:
+    """A config the runtime cannot run (a sliding window, partial rotary on MLA, an unknown
+    rope type or activation) converted a whole checkpoint (hours for a large one) before the
+    first `coli run` refused it; the converter refuses it up front, writing nothing."""
+    src = tmp_path / "src"
+    make_checkpoint(src, tiny_config("deepseek_v3"), n_shards=1, index=False)
+    (src / "config.json").write_text(json.dumps({**tiny_config("deepseek_v3"), **over}))
+    with pytest.raises(ConversionError, match=match):
+        convert(src, tmp_path / "dst", ConvertOptions(shard_size=SMALL))
+    assert not (tmp_path / "dst").exists()
