@@ -1004,7 +1004,7 @@ def _byte_bar(first: str) -> Iterator[Callable[[int, int | None, str], None]]:
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),
-        DownloadColumn(),
+        DownloadColumn(binary_units=True),
         TimeRemainingColumn(),
         transient=not sys.stderr.isatty(),
         disable=not sys.stderr.isatty(),
@@ -1115,7 +1115,7 @@ def doctor(model: Path | None, as_json: bool, verify: bool) -> None:
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),
-        DownloadColumn(),
+        DownloadColumn(binary_units=True),
         TimeRemainingColumn(),
         console=Console(stderr=True),
         transient=True,

@@ -54,7 +54,7 @@ from storage.errors import (
     FormatError,
     TensorNotFoundError,
 )
-from storage.manifest import Manifest
+from storage.manifest import CONVERT_STATE_NAME, Manifest
 from storage.multidisk.identity import compare_copy_file
 from storage.quant import QTensor, QuantFormat, bf16_to_f32, dequantize, infer_format
 from storage.safetensors import PAD_PREFIX, ShardHeader, TensorInfo, read_header, read_tensor
@@ -420,6 +420,12 @@ class Container:
                 "*.safetensors)"
             )
         cfg_path = d / CONFIG_NAME
+        if not cfg_path.is_file() and (d / CONVERT_STATE_NAME).is_file():
+            # the converter writes config.json after the shards: this is its work in progress
+            raise ContainerError(
+                f"{d} holds an interrupted `coli convert` (no {CONFIG_NAME} yet): rerun the "
+                "same `coli convert SRC DST` to finish it (it keeps the finished shards)"
+            )
         if not cfg_path.is_file():
             raise ContainerError(
                 f"{d} is not a colibri model directory: {CONFIG_NAME} not found (convert a "

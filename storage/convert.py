@@ -56,6 +56,7 @@ from storage.convert_source import (
 )
 from storage.errors import ColibriError, ConfigError, ConversionError, UnknownQuantFormatError
 from storage.manifest import (
+    CONVERT_STATE_NAME,
     MANIFEST_NAME,
     ExpertEntry,
     Manifest,
@@ -96,7 +97,7 @@ __all__ = [
 ]
 
 CONVERTER_VERSION = "1"
-STATE_NAME = ".colibri-convert.json"
+STATE_NAME = CONVERT_STATE_NAME  # the converter's progress in DST while it runs
 ALIGN = 4096  # O_DIRECT-safe on every common device (this box enforces 512)
 DEFAULT_SHARD_SIZE = 2 << 30
 FREE_DISK_FLOOR = 64 << 20  # leave room for the manifest, logs and the filesystem's own needs
@@ -239,6 +240,10 @@ def convert(
     total = sum(p.size for p in plans)
     rec = options.recorded()
     created = not dst_p.exists()
+    if dst_p.exists() and not dst_p.is_dir():
+        raise ConversionError(
+            f"{dst_p} is a file, not a directory; DST is the container's directory"
+        )
     try:
         dst_p.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

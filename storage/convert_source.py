@@ -176,6 +176,12 @@ def _shard_files(src: Path) -> list[Path]:
             AttributeError,
         ) as exc:
             raise ConversionError(f"{index}: not a valid safetensors index ({exc})") from exc
+        outside = [n for n in names if Path(n).is_absolute() or ".." in Path(n).parts]
+        if outside:
+            raise ConversionError(
+                f"{index} names a shard outside {src} ({outside[0]!r}); an index lists files "
+                "of its own directory"
+            )
         missing = [n for n in names if not (src / n).is_file()]
         if missing:
             raise ConversionError(

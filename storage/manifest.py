@@ -44,6 +44,7 @@ from storage.atomic import atomic_write_bytes, fsync_dir
 from storage.errors import ConfigError
 
 __all__ = [
+    "CONVERT_STATE_NAME",
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "MANIFEST_NAME",
@@ -63,6 +64,7 @@ __all__ = [
 ]
 
 MANIFEST_NAME = "colibri-manifest.json"
+CONVERT_STATE_NAME = ".colibri-convert.json"  # storage.convert's progress while it runs
 FORMAT_NAME = "colibri-container"
 FORMAT_VERSION = 1
 ShardKind = Literal["main", "mtp"]

@@ -31,7 +31,7 @@ from storage.convert import (
     ConvertResult,
     convert,
 )
-from storage.errors import ColibriError, ConversionError
+from storage.errors import ColibriError, ContainerError, ConversionError
 from storage.manifest import MANIFEST_NAME, Manifest, read_manifest, sha256_file
 from storage.quant import QTensor, QuantFormat, dequantize, infer_format, quantize
 from storage.safetensors import PAD_PREFIX, ShardHeader, TensorInfo, read_header, read_tensor
@@ -500,16 +500,31 @@ def test_sigkill_at_random_points_then_resume_is_byte_identical(
     cmd += ["--shard-size", str(opts.shard_size)]
     rng = random.Random(20240607)
     done_after: list[int] = []
-    # Rounds 0-3 kill at a random point after the run got going (it rewrote the state file);
+    n_shards = len(reference.manifest.shards)
+
+    def n_done() -> int:
+        try:
+            return len(json.loads(state.read_text())["done"])
+        except (OSError, ValueError, KeyError):
+            return -1
+
+    # Rounds 0-3 kill at a random point after the run got going: a random number of shards
+    # further on (progress, not time: a machine busy with other work converts slower or
+    # faster than the reference run did), then a random moment inside the next shard;
     # round 4 kills during start-up / verification of the finished shards.
     for round_ in range(5):
         before = _inode(state)
+        target = max(0, n_done()) + rng.randint(1, max(1, n_shards // 8))
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 60
-        while round_ < 4 and _inode(state) in (None, before) and proc.poll() is None:
+        deadline = time.monotonic() + 120
+        while (
+            round_ < 4
+            and proc.poll() is None
+            and (_inode(state) in (None, before) or n_done() < target)
+        ):
             assert time.monotonic() < deadline
             time.sleep(0.002)
-        time.sleep(rng.uniform(0.0, t_ref / 4 if round_ < 4 else 0.3))
+        time.sleep(rng.uniform(0.0, t_ref / n_shards if round_ < 4 else 0.3))
         if proc.poll() is not None:
             assert proc.returncode == 0, proc.stderr.read() if proc.stderr else ""
             break
@@ -845,3 +860,43 @@ def test_a_config_the_runtime_refuses_is_refused_before_converting(
     with pytest.raises(ConversionError, match=match):
         convert(src, tmp_path / "dst", ConvertOptions(shard_size=SMALL))
     assert not (tmp_path / "dst").exists()
+
+
+def test_an_interrupted_conversion_is_named_as_one(tmp_path: Path, bf16_src: Src) -> None:
+    """A DST a conversion stopped in (shards and its state file, no config.json yet) was
+    "not a colibri model directory ... convert a Hugging Face checkpoint" to coli run and
+    coli doctor; it is named an interrupted conversion, with the way to finish it."""
+    from storage.container import Container
+    from storage.doctor import run_doctor
+
+    dst = tmp_path / "dst"
+
+    def stop(done: int, total: int, what: str) -> None:
+        if what.startswith("out-00001"):  # the first shard is done: stop in the second
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        convert(bf16_src[0], dst, ConvertOptions(shard_size=SMALL), progress=stop)
+    assert (dst / ".colibri-convert.json").is_file() and not (dst / "config.json").exists()
+    with pytest.raises(ContainerError, match=r"interrupted `coli convert`.*rerun"):
+        Container.open(dst)
+    report = run_doctor(dst)
+    assert any("interrupted `coli convert`" in c.message for c in report.checks), report.checks
+
+
+def test_an_index_naming_files_outside_src_and_a_dst_that_is_a_file_are_refused(
+    tmp_path: Path, bf16_src: Src
+) -> None:
+    """A model.safetensors.index.json entry "../other/model.safetensors" opened and read a
+    file outside SRC; a DST that is a file said "cannot create: File exists"."""
+    src = tmp_path / "src"
+    shutil.copytree(bf16_src[0], src)
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    name = next(iter(index["weight_map"]))
+    index["weight_map"][name] = "../elsewhere/model.safetensors"
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ConversionError, match="outside"):
+        convert(src, tmp_path / "dst", ConvertOptions(shard_size=SMALL))
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ConversionError, match="is a file, not a directory"):
+        convert(bf16_src[0], tmp_path / "afile", ConvertOptions(shard_size=SMALL))
