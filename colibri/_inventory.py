@@ -80,6 +80,7 @@ class ModelEntry:
             "state_dir": None if self.state is None else str(self.state.path),
             "usage": bool(self.state and self.state.usage),
             "kv_files": 0 if self.state is None else self.state.kv_files,
+            "kv_bytes": 0 if self.state is None else self.state.kv_bytes,
             "problem": self.problem,
         }
 

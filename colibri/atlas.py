@@ -165,14 +165,16 @@ def atlas_from_model(
             for t, (name, prompts) in enumerate(sets.items()):
                 t0 = time.perf_counter()
                 for text in prompts:
-                    ids = tok.encode(text)
+                    ids = tok.encode(text, raw=True)  # as the server's completions encode it
                     if not ids:
                         continue
                     if tokens > 0:
                         # no drafting: rejected verify rows would be counted too, and which
                         # rows run would depend on timing (a run would not reproduce)
-                        m.generate(ids, max_new_tokens=tokens, stop_token_ids=[], draft="off")
-                        seen[t] += len(ids) + tokens - 1
+                        out = m.generate(ids, max_new_tokens=tokens, stop_token_ids=[], draft="off")
+                        # the rows routed: the prompt and every generated token but the last
+                        # (the context may end the generation before ``tokens``)
+                        seen[t] += len(ids) + max(0, len(out) - 1)
                     else:
                         m.forward(ids)
                         seen[t] += len(ids)
@@ -229,6 +231,9 @@ def atlas_from_server(
                     "max_tokens": max(1, tokens),
                     "temperature": 0,
                     "ignore_eos": True,
+                    # no drafting: rejected verify rows (and the MTP layer's) would be counted
+                    # too, and which rows run would follow the server's timing
+                    "draft": "off",
                 }
                 r = client.post("/v1/completions", json=body)
                 if r.status_code != 200:
@@ -239,7 +244,8 @@ def atlas_from_server(
                 # prompt tokens the server took from a KV slot were not routed again
                 cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                 computed = int(usage.get("prompt_tokens", 0)) - int(cached)
-                seen[t] += computed + max(0, tokens - 1)
+                made = int(usage.get("completion_tokens", 0)) if tokens > 0 else 0
+                seen[t] += computed + max(0, made - 1)
                 now = _as_counts(get("/experts").get("counts"), n_experts)
                 delta[t] += now - prev
                 prev = now

@@ -104,6 +104,29 @@ def _prefetch_default(value: str | None) -> str:
     )
 
 
+class _EnvOption(click.Option):
+    """An option whose default may come from a ``COLI_*`` variable: a bad value from there is
+    an error naming the variable (click named only the flag, which the user never typed)."""
+
+    def __init__(self, *args: Any, env_var_name: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.env_var_name = env_var_name
+
+    def process_value(self, ctx: click.Context, value: Any) -> Any:
+        try:
+            return super().process_value(ctx, value)
+        except click.BadParameter as exc:
+            raw = os.environ.get(self.env_var_name)
+            source = ctx.get_parameter_source(self.name) if self.name else None
+            if raw and source is click.core.ParameterSource.DEFAULT:
+                raise click.BadParameter(
+                    f"{exc.message} (the value comes from {self.env_var_name}={raw!r})",
+                    ctx=ctx,
+                    param=self,
+                ) from exc
+            raise
+
+
 def _engine_options(fn: F) -> F:
     env = env_defaults()
     fn = click.option(
@@ -114,6 +137,8 @@ def _engine_options(fn: F) -> F:
     )(fn)
     fn = click.option(
         "--reader",
+        cls=_EnvOption,
+        env_var_name="COLI_READER",
         type=click.Choice(["auto", "uring", "threads", "buffered"]),
         default=env.get("reader", "auto"),
         show_default=True,
@@ -132,6 +157,8 @@ def _engine_options(fn: F) -> F:
     fn = click.option(
         "--prefetch",
         "prefetch",
+        cls=_EnvOption,
+        env_var_name="COLI_PREFETCH",
         type=click.Choice(["auto", "on", "off"]),
         default=_prefetch_default(env.get("prefetch")),
         show_default=True,
@@ -193,6 +220,8 @@ def _engine_options(fn: F) -> F:
     )(fn)
     fn = click.option(
         "--threads",
+        cls=_EnvOption,
+        env_var_name="COLI_THREADS",
         type=click.IntRange(min=1),
         default=env.get("threads"),
         expose_value=False,
@@ -220,6 +249,8 @@ def _engine_options(fn: F) -> F:
     )(fn)
     fn = click.option(
         "--kernels",
+        cls=_EnvOption,
+        env_var_name="COLI_KERNELS",
         type=click.Choice(["exact", "fast-int8"]),
         default=env.get("kernels", "exact"),
         show_default=True,
@@ -232,7 +263,10 @@ def _engine_options(fn: F) -> F:
     )(fn)
     fn = click.option(
         "--verify-reads/--no-verify-reads",
-        default=env.get("verify_reads", "0").lower() in ("1", "true", "yes", "on"),
+        cls=_EnvOption,
+        env_var_name="COLI_VERIFY_READS",
+        # click's boolean words (1/0, true/false, yes/no, on/off); another is an error
+        default=env.get("verify_reads", "0"),
         show_default=True,
         expose_value=False,
         callback=_keep,
@@ -541,6 +575,8 @@ def _hint_for(exc: ColibriError) -> str | None:
 @click.option("--debug", is_flag=True, help="Show tracebacks for errors.")
 @click.option(
     "--log-format",
+    cls=_EnvOption,
+    env_var_name="COLI_LOG_FORMAT",
     type=click.Choice(["console", "json"]),
     default=env_defaults().get("log_format", "console"),
     help="Structured log output (env COLI_LOG_FORMAT).",
@@ -921,7 +957,11 @@ main.add_command(
     help="Output file (default: <state dir>/atlas.json, where GET /atlas finds it).",
 )
 @click.option(
-    "--tokens", default=0, show_default=True, help="Tokens to generate after each prompt."
+    "--tokens",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Tokens to generate after each prompt.",
 )
 def atlas(
     model: Path | None,
@@ -938,14 +978,26 @@ def atlas(
     opts = _options(model, ram, reader)
     target = out or opts.resolved_state_dir() / "atlas.json"
 
+    import structlog
+
+    progress = structlog.get_logger("colibri.atlas")
+
     def log(line: str) -> None:
-        click.echo(line, err=True)
+        progress.info("atlas", step=line)  # -v, and JSON under --log-format json
 
     if server_url:
         data = atlas_from_server(server_url, api_key=api_key, tokens=tokens, log=log)
     else:
         data = atlas_from_model(opts, tokens=tokens, log=log)
     write_atlas(target, data)
+    ctx = click.get_current_context()
+    chose_dir = ctx.get_parameter_source("state_dir") is not click.core.ParameterSource.DEFAULT
+    if server_url and out is None and not chose_dir and opts.state_dir is None:
+        progress.warning(
+            "the atlas is written on this machine; a server reads <its state dir>/atlas.json "
+            "(its GET /atlas 404 names the path): pass --out that path, or copy it there",
+            atlas=str(target),
+        )
     click.echo(json.dumps({"atlas": str(target), **data["summary"]}))
 
 
@@ -1582,7 +1634,13 @@ def list_cmd(paths: tuple[Path, ...], as_json: bool) -> None:
         out = {
             "models": [m.as_dict() for m in models],
             "other_state_dirs": [
-                {"path": str(d.path), "usage": d.usage, "kv_files": d.kv_files} for d in orphans
+                {
+                    "path": str(d.path),
+                    "usage": d.usage,
+                    "kv_files": d.kv_files,
+                    "kv_bytes": d.kv_bytes,
+                }
+                for d in orphans
             ],
         }
         click.echo(json.dumps(out, indent=2))

@@ -7,7 +7,8 @@ which ``coli web`` shows in its Atlas tab (``GET /atlas``).
     python tools/atlas.py --model DIR --state-dir DIR
     python tools/atlas.py --server http://127.0.0.1:8000   # through a running server
 
-Options are ``coli atlas --help``'s; see colibri/atlas.py for the method.
+Options are ``coli atlas --help``'s, and ``coli``'s own -v, --debug and --log-format; see
+colibri/atlas.py for the method.
 """
 
 from __future__ import annotations
@@ -16,5 +17,24 @@ import sys
 
 from colibri.cli import main
 
+
+def _split(args: list[str]) -> tuple[list[str], list[str]]:
+    """(the `coli` options among ``args``: -v, --debug, --log-format X; the atlas's own)."""
+    top: list[str] = []
+    rest: list[str] = []
+    it = iter(args)
+    for a in it:
+        if a in ("--debug", "--verbose") or (a.startswith("-v") and set(a[1:]) == {"v"}):
+            top.append(a)
+        elif a == "--log-format":
+            top += [a, next(it, "")]
+        elif a.startswith("--log-format="):
+            top.append(a)
+        else:
+            rest.append(a)
+    return top, rest
+
+
 if __name__ == "__main__":
-    main(["atlas", *sys.argv[1:]])
+    top, rest = _split(sys.argv[1:])
+    main([*top, "atlas", *rest])

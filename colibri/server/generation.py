@@ -60,6 +60,7 @@ class GenParams:
     think_open: bool = False  # the prompt ends inside a think section
     tools: list[dict[str, Any]] | None = None  # parse tool-call blocks against these
     grammar: Any = None  # runtime.grammar.GrammarSpec: structured output (response_format)
+    draft: str | int | None = None  # the request's drafting (None: the engine's --draft)
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,7 +282,9 @@ class Generation:
         reused = (
             0
             if cache is None
-            else st.engine.prompt_reuse(cache, p.prompt_ids, temperature=p.temperature, seed=p.seed)
+            else st.engine.prompt_reuse(
+                cache, p.prompt_ids, temperature=p.temperature, seed=p.seed, draft=p.draft
+            )
         )
         if slot is not None:
             slot.persisted = min(slot.persisted, reused)  # rows past it are about to change
@@ -380,6 +383,7 @@ class Generation:
                     cache=cache,
                     top_logprobs=p.top_logprobs if p.logprobs else 0,
                     grammar=p.grammar,
+                    draft=p.draft,
                 ),
             )
             hit = False

@@ -23,6 +23,7 @@ from colibri.server.schemas import Extensions
 from colibri.server.security import read_body, tenant_of
 from colibri.server.state import AppState
 from colibri.server.textproc import THINK_START
+from runtime.speculative import DraftPolicy
 from storage.errors import ColibriError
 
 __all__ = [
@@ -132,6 +133,7 @@ class SamplingRequest(Protocol):
     cache_slot: int | None
     ignore_eos: bool
     stop_token_ids: list[int] | None
+    draft: str | int | None
 
 
 def common_params(
@@ -192,7 +194,19 @@ def common_params(
         slot=req.cache_slot if req.cache_slot is not None else _auto_slot(st, ids, tenant),
         slot_explicit=req.cache_slot is not None,
         tenant=tenant,
+        draft=_draft(req.draft),
     )
+
+
+def _draft(value: str | int | None) -> str | int | None:
+    """The request's ``draft`` checked (a 400 naming it, not an error mid-generation)."""
+    if value is None:
+        return None
+    try:
+        DraftPolicy.parse(value)
+    except (ColibriError, ValueError) as exc:
+        raise ApiError(400, str(exc), param="draft") from exc
+    return value
 
 
 def _auto_slot(st: AppState, ids: list[int], tenant: str | None) -> int | None:

@@ -59,6 +59,11 @@ class Extensions(_Loose):
     return_token_ids: bool = Field(
         default=False, description="Add the prompt and generated token ids to the response"
     )
+    draft: str | int | None = Field(
+        default=None,
+        description="Speculative drafting for this request: off, auto, lookup[:k], mtp[:k] or "
+        "k (default: the server's --draft); output tokens are the same either way",
+    )
 
     @field_validator("chat_template_kwargs")
     @classmethod

@@ -122,7 +122,8 @@ async def atlas(request: Request) -> Response:
         raise ApiError(
             404,
             f"no routing atlas yet ({path} does not exist): run `coli atlas` with the same "
-            "--model and --state-dir (or `coli atlas --server URL` against this server)",
+            f"--model and --state-dir, or `coli atlas --server URL --out {path}` on this "
+            "machine (measured through this server)",
             code="atlas_missing",
         ) from None
     except OSError as exc:

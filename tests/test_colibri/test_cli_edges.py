@@ -183,3 +183,25 @@ def test_a_chat_session_open_in_another_process_is_refused(home: Path, tmp_path:
         assert first.wait(timeout=120) == 0
     again = coli(home, "chat", "--state-dir", state, "-n", "2", stdin="hi\n:q\n")
     assert again.returncode == 0, again.stderr  # released when its process ended
+
+
+@pytest.mark.parametrize(
+    ("var", "value"),
+    [("COLI_THREADS", "abc"), ("COLI_READER", "floppy"), ("COLI_VERIFY_READS", "maybe"),
+     ("COLI_PREFETCH", "sometimes"), ("COLI_LOG_FORMAT", "xml")],
+)  # fmt: skip
+def test_a_bad_environment_value_names_its_variable(home: Path, var: str, value: str) -> None:
+    """A bad COLI_* value was reported as a bad --flag the user never typed (and
+    COLI_VERIFY_READS=maybe silently meant off): the usage error names the variable; the
+    flag given on the command line wins over it."""
+    env = _env(home) | {var: value}
+    r = subprocess.run([sys.executable, "-m", "colibri.cli", "run", "-n", "1", "Hi"],
+                       capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert r.returncode == 2 and f"{var}={value!r}" in r.stderr, r.stderr
+    flag = {"COLI_THREADS": ["--threads", "1"], "COLI_READER": ["--reader", "auto"],
+            "COLI_VERIFY_READS": ["--no-verify-reads"], "COLI_PREFETCH": ["--prefetch", "auto"],
+            "COLI_LOG_FORMAT": []}[var]  # fmt: skip
+    pre = ["--log-format", "console"] if var == "COLI_LOG_FORMAT" else []
+    ok = subprocess.run([sys.executable, "-m", "colibri.cli", *pre, "run", *flag, "-n", "1", "Hi"],
+                        capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert ok.returncode == 0, ok.stderr

@@ -36,6 +36,12 @@ def test_list_shows_models_and_their_state(tmp_path: Path) -> None:
     assert f"{models / 'glm'}\n    glm_moe_dsa, {shape}" in r.stdout
     assert "(container); state: usage" in r.stdout
     assert f"{stray}: no usage yet, 1 KV file(s), 100 B" in r.stdout
+    # --json gives the same, the KV bytes too
+    doc = json.loads(coli("list", str(models), "--json", home=tmp_path).stdout)
+    assert {"path": str(stray), "usage": False, "kv_files": 1, "kv_bytes": 100} in doc[
+        "other_state_dirs"
+    ]
+    assert doc["models"][0]["kv_bytes"] == 0
     bad = coli("list", str(tmp_path / "nope"), home=tmp_path)
     assert bad.returncode == 1 and "not a directory" in bad.stderr
 

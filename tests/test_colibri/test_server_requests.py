@@ -275,3 +275,13 @@ async def test_sampling_fields_colibri_does_not_serve_are_refused_not_ignored(
                   {"top_logprobs": 2, "logprobs": True}):  # fmt: skip
         r = await client.post(chat, json=_chat(**extra))
         assert r.status_code == 200, (extra, r.text)
+
+
+async def test_a_request_sets_its_own_drafting(client: httpx.AsyncClient) -> None:
+    """The `draft` extension: a request turns drafting off (coli atlas --server needs it: the
+    rows a drafted step routes follow timing) or pins it; a bad value is a 400 naming it."""
+    for value in ("off", "lookup:2", 2):
+        r = await client.post("/v1/chat/completions", json=_chat(draft=value))
+        assert r.status_code == 200, (value, r.text)
+    bad = await client.post("/v1/chat/completions", json=_chat(draft="sometimes"))
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "draft", bad.text

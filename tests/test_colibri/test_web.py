@@ -586,6 +586,7 @@ def test_atlas_missing_then_built_and_rotated(server: WebServer, open_page: Any)
         [
             sys.executable,
             "tools/atlas.py",
+            "-v",
             "--server",
             server.url,
             "--state-dir",
@@ -838,3 +839,36 @@ def test_a_keyed_server_shows_every_tab_once_the_key_is_entered(
         p.shot("desktop-keyed-atlas")
     finally:
         srv.stop()
+
+
+def test_atlas_counts_the_rows_it_routed_and_the_server_path_reproduces_them(
+    tmp_path: Path,
+) -> None:
+    """topic_tokens are the rows the atlas routed: generating past the context counted
+    tokens never made (1107 counted, 1023 routed). Through a server, the request turns
+    drafting off (rejected verify rows and the MTP layer's routing were counted, differently
+    each run): two runs give the same counts, the same as measuring in process."""
+    from colibri._config import EngineOptions
+    from colibri.atlas import atlas_from_model, atlas_from_server
+
+    model = demo_model()
+    topics = {"story": ("Once upon a time there was a small bird",)}
+    opts = EngineOptions(model=model, state_dir=tmp_path / "state", learn=False)
+    arch = Container.open(model).arch
+    context = int(Container.open(model).config["max_position_embeddings"])
+    local = atlas_from_model(opts, tokens=2000, topics=topics)  # past the context
+    main_layers = [la for la in local["layers"] if la < arch.num_hidden_layers]
+    assert arch.num_experts_per_tok is not None
+    routed = sum(local["selections"]) // (len(main_layers) * arch.num_experts_per_tok)
+    assert local["topic_tokens"] == [routed] == [context - 1]
+
+    s = Server(tmp_path, "--draft", "mtp:2", "--kv-slots", "0", "--prefix-reuse", "off")
+    try:
+        s.wait_ready()
+        runs = [atlas_from_server(s.url, tokens=5, topics=topics) for _ in range(2)]
+    finally:
+        s.stop()
+    here = atlas_from_model(opts, tokens=5, topics=topics)
+    assert runs[0]["selections"] == runs[1]["selections"] == here["selections"]
+    assert runs[0]["topic_tokens"] == here["topic_tokens"]
+    assert local["selections"] and here["selections"] == runs[0]["selections"]
