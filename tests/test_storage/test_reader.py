@@ -582,3 +582,39 @@ async def test_bench_storage_refuses_a_block_of_partial_pages(
 
     with pytest.raises(ValueError, match="multiple of 4 KiB"):
         await bench_storage(data_file[0], block=1000, reads=2, repeats=1, fio=False)
+
+
+@pytest.mark.anyio
+async def test_bench_storage_compares_only_like_reads_with_fio(
+    data_file: tuple[Path, bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fio reads with O_DIRECT: a page-cache backend (repeated extents and readahead served
+    from RAM) set the figure as "best"; and an fio that failed after its first pass left a
+    figure of three backend passes over one fio pass, with no reason given."""
+    import shutil as sh
+
+    from storage.bench import bench_storage
+
+    real = sh.which("fio")
+    if real is None:
+        pytest.skip("fio is not installed")
+    cached = await bench_storage(
+        data_file[0], backends=("buffered",), reads=4, block=1 << 20, repeats=1, fio=True
+    )
+    assert cached["best_backend"] is None and cached["figure"] is None
+    assert "O_DIRECT" in cached["figure_reason"]
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    calls = tmp_path / "calls"
+    (shim / "fio").write_text(  # the real fio for its engine probe and one pass, then failures
+        f"#!/bin/sh\necho x >> {calls}\n"
+        f"if [ $(wc -l < {calls}) -gt 2 ]; then echo broken >&2; exit 1; fi\n"
+        f'exec {real} "$@"\n'
+    )
+    (shim / "fio").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{shim}:{os.environ['PATH']}")
+    partial = await bench_storage(
+        data_file[0], backends=("threads",), reads=4, block=1 << 20, repeats=3, fio=True
+    )
+    assert partial["figure"] is None, partial
+    assert "1 of 3 passes" in partial["figure_reason"]
