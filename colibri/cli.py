@@ -1522,9 +1522,16 @@ def _bench_script(name: str, args: list[str], what: str) -> None:
 
 
 @bench.command("kernels")
-@click.option("--rounds", default=15, show_default=True, help="Interleaved rounds.")
+@click.option(
+    "--rounds",
+    type=click.IntRange(min=1),
+    default=15,
+    show_default=True,
+    help="Interleaved rounds.",
+)
 def bench_kernels(rounds: int) -> None:
-    """numba int4/int8 matmul kernels against DRAM read bandwidth (about 10 s)."""
+    """numba int4/int8 matmul kernels against DRAM read bandwidth (a minute or two, and up to
+    ~16 GiB of RAM for the GLM-5-sized lm_head case)."""
     _bench_script("kernels", ["--rounds", str(rounds)], "kernel benchmark")
 
 
@@ -1535,7 +1542,9 @@ def bench_kernels(rounds: int) -> None:
     default=None,
     help="Synthetic GLM-5-geometry model (built on first use; default /var/tmp/colibri-synth).",
 )
-@click.option("--tokens", default=24, show_default=True, help="Tokens to decode.")
+@click.option(
+    "--tokens", type=click.IntRange(min=1), default=24, show_default=True, help="Tokens to decode."
+)
 @click.option("--fraction", default=0.2, show_default=True, help="Share of experts in RAM.")
 @click.option(
     "--reader",
@@ -1543,7 +1552,13 @@ def bench_kernels(rounds: int) -> None:
     default="auto",
     show_default=True,
 )
-@click.option("--reads", default=60, show_default=True, help="Reads of the storage probe.")
+@click.option(
+    "--reads",
+    type=click.IntRange(min=1),
+    default=60,
+    show_default=True,
+    help="Reads of the storage probe.",
+)
 @click.option(
     "--prefetch",
     type=click.Choice(["auto", "on", "off"]),

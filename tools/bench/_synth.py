@@ -22,12 +22,24 @@ from storage.container import Container  # noqa: E402
 __all__ = ["budget_for", "drop_caches", "ensure_synthetic"]
 
 
+SYNTH_PATHS = (Path("/var/tmp/colibri-synth"), Path("/var/tmp/colibri-synth-predictable"))
+
+
 def ensure_synthetic(path: Path, predictable: bool = False) -> None:
     """Build the synthetic model at ``path`` on first use (3 MoE layers x 256 experts, ~16 GiB,
-    about a minute per layer); ``predictable``: ``make_synthetic.py --predictable``."""
-    if not (path / "config.json").exists():
-        cmd = [sys.executable, str(ROOT / "tools" / "make_synthetic.py"), "--out", str(path)]
-        subprocess.run(cmd + ["--predictable"] * predictable, check=True)
+    about a minute per layer) when ``path`` is one of its default places (:data:`SYNTH_PATHS`);
+    ``predictable``: ``make_synthetic.py --predictable``. Any other directory must hold a model
+    already: a mistyped --model wrote 16 GiB of shards wherever it pointed."""
+    if (path / "config.json").exists():
+        return
+    if path not in SYNTH_PATHS:
+        raise SystemExit(
+            f"{path} holds no model (no config.json); the synthetic model is built only at its "
+            f"default place ({SYNTH_PATHS[predictable]}): leave --model out, or run "
+            f"tools/make_synthetic.py --out {path} first"
+        )
+    cmd = [sys.executable, str(ROOT / "tools" / "make_synthetic.py"), "--out", str(path)]
+    subprocess.run(cmd + ["--predictable"] * predictable, check=True)
 
 
 def budget_for(c: Container, path: Path, fraction: float) -> int:

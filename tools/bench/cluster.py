@@ -40,6 +40,7 @@ import colibri  # noqa: E402
 from storage.container import Container  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _args import positive  # noqa: E402
 from _synth import budget_for, drop_caches, ensure_synthetic  # noqa: E402
 
 PROMPT = [1, 2, 3, 4]
@@ -183,13 +184,20 @@ def workers_of(c: dict[str, Any]) -> list[Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=Path("/var/tmp/colibri-synth"))
-    ap.add_argument("--tokens", type=int, default=24)
+    ap.add_argument("--tokens", type=positive, default=24)
     ap.add_argument("--fraction", type=float, default=0.25, help="share of experts 1 process holds")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--ray", default="local")
     ap.add_argument("--reader", default="auto")
-    ap.add_argument("--rounds", type=int, default=2, help="cluster runs (singles: one more)")
+    ap.add_argument("--rounds", type=positive, default=2, help="cluster runs (singles: one more)")
     a = ap.parse_args(argv)
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:  # before minutes of single-process runs
+        why = "Ray is not installed: pip install -e '.[ray]'"
+        print(why, file=sys.stderr)
+        print(json.dumps({"figure": None, "figure_reason": why}))
+        return 1
 
     ensure_synthetic(a.model)
     c = Container.open(a.model)

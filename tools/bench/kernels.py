@@ -64,6 +64,7 @@ from storage.aligned import HugeArena  # noqa: E402
 from storage.quant import QTensor, quantize  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _args import positive  # noqa: E402
 from _memory import read_sum  # noqa: E402
 
 GIB = 1 << 30
@@ -203,7 +204,7 @@ def _demo_agreement(tokens: int = 24) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default 15)")
+    ap.add_argument("--rounds", type=positive, default=15, help="interleaved rounds (default 15)")
     args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     threads = numba.get_num_threads()

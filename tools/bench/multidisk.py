@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     why = unavailable()
     if why is not None:
         print(f"multidisk benchmark skipped: {why}")
-        print(json.dumps({"skipped": why}))
+        print(json.dumps({"figure": None, "figure_reason": why, "skipped": why}))
         return 0
     limits = [int(float(x) * MB) for x in a.limits.split(",")]
     budget = 0 if a.bytes == "all" else parse_bytes(a.bytes) or 0

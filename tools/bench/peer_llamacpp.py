@@ -59,6 +59,8 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 import numpy as np  # noqa: E402
 
+from tools.bench._args import positive  # noqa: E402
+
 SHAPES = ("deepseek_v3", "glm_moe_dsa")
 VOCAB = 32000  # embedding rows; the tokenizer has fewer, the rest are never produced by ids we feed
 
@@ -492,8 +494,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workdir", type=Path, default=Path("/var/tmp/colibri-peer"))
     ap.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES))
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
-    ap.add_argument("--tokens", type=int, default=48, help="greedy tokens per decode run")
+    ap.add_argument("--rounds", type=positive, default=3, help="interleaved rounds (default 3)")
+    ap.add_argument("--tokens", type=positive, default=48, help="greedy tokens per decode run")
     ap.add_argument(
         "--no-lossy",
         action="store_true",
@@ -503,10 +505,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         version = importlib.metadata.version("llama-cpp-python")
     except importlib.metadata.PackageNotFoundError:
-        raise SystemExit(
+        why = (
             "llama-cpp-python is not installed: pip install llama-cpp-python (its sdist builds "
             "llama.cpp from source, 7-17 minutes on 2 cores)"
-        ) from None
+        )
+        print(why, file=sys.stderr)
+        print(json.dumps({"figure": None, "figure_reason": why}))  # the last-line contract
+        return 1
     from runtime.kernels.isa import kernel_info
 
     args.workdir.mkdir(parents=True, exist_ok=True)

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from _args import positive
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -143,8 +144,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", type=Path, default=None, help="model dir (default: demo model)")
     ap.add_argument("--url", default=None, help="use a running server instead of starting one")
-    ap.add_argument("--tokens", type=int, default=64, help="tokens per request")
-    ap.add_argument("--requests", type=int, default=16, help="requests per level")
+    ap.add_argument("--tokens", type=positive, default=64, help="tokens per request")
+    ap.add_argument("--requests", type=positive, default=16, help="requests per level")
     ap.add_argument("--levels", default="1,2,4,8")
     ap.add_argument(
         "--rounds",
@@ -204,6 +205,9 @@ def main() -> int:
     top = max(levels)
     out = {
         "figure": None if figure is None else round(figure, 3),
+        "figure_reason": None
+        if figure is not None
+        else "the figure needs level 1 and a higher level (--levels 1,...,N)",
         "figure_is": f"aggregate tokens/s at {top} streams / at 1 stream (median rounds)",
         "figure_rounds": [
             round(a["tokens_per_s"] / b["tokens_per_s"], 3)

@@ -63,6 +63,7 @@ from storage.container import Container  # noqa: E402
 from storage.reader import ReadRequest, open_reader, required_size  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _args import positive  # noqa: E402
 from _memory import read_sum  # noqa: E402
 from _synth import budget_for, drop_caches, ensure_synthetic  # noqa: E402
 
@@ -156,10 +157,10 @@ def main(argv: list[str] | None = None) -> int:
         "built at /var/tmp/colibri-synth-predictable on first use): the disk-bound case where "
         "lookahead should pay",
     )
-    ap.add_argument("--tokens", type=int, default=24)
+    ap.add_argument("--tokens", type=positive, default=24)
     ap.add_argument("--fraction", type=float, default=0.2, help="share of experts the budget holds")
     ap.add_argument("--reader", default="auto")
-    ap.add_argument("--reads", type=int, default=60)
+    ap.add_argument("--reads", type=positive, default=60)
     ap.add_argument("--prefetch", choices=("auto", "on", "off"), default="auto")
     ap.add_argument(
         "--rounds",
@@ -239,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     figures = {m: sorted(figure(r) for r in rs)[len(rs) // 2] for m, rs in all_runs.items()}
 
     main_run = runs[a.prefetch]
+    # the run whose figure is the median (another run than the median tokens/s one, often):
+    # its own numbers, so that the figure can be recomputed from the JSON
+    fig_run = sorted(all_runs[a.prefetch], key=figure)[len(all_runs[a.prefetch]) // 2]
     s0, s1, dt, steps = main_run["s0"], main_run["s1"], main_run["seconds"], main_run["tokens"]
     read = s1["bytes_read"] - s0["bytes_read"]
     wasted = s1["prefetch_wasted_bytes"] - s0["prefetch_wasted_bytes"]
@@ -250,6 +254,14 @@ def main(argv: list[str] | None = None) -> int:
         "figure_vs_no_prefetch": round(tps[a.prefetch] / tps["off"], 3),
         "figure_vs_best_forced": round(tps[a.prefetch] / max(tps["on"], tps["off"]), 3),
         "figure_by_prefetch": {m: round(v, 3) for m, v in figures.items()},
+        # figure = tokens_per_s / io_bound_tokens_per_s of this run (the median by figure)
+        "figure_run": {
+            "round": all_runs[a.prefetch].index(fig_run) + 1,
+            "tokens_per_s": round(fig_run["tokens"] / fig_run["seconds"], 3),
+            "io_bound_tokens_per_s": round(io_bound(fig_run), 3),
+        },
+        # the fields below, up to "tokens", describe the median tokens/s run of the chosen mode
+        "details_run": all_runs[a.prefetch].index(main_run) + 1,
         "figure_rounds": {m: [round(figure(r), 3) for r in rs] for m, rs in all_runs.items()},
         "tokens_per_s": round(achieved, 3),
         "tokens_per_s_by_prefetch": {m: round(v, 3) for m, v in tps.items()},

@@ -38,6 +38,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
+from _args import positive  # noqa: E402
 from _synth import ROOT, budget_for, drop_caches, ensure_synthetic  # noqa: E402
 
 if str(ROOT) not in sys.path:
@@ -105,7 +106,7 @@ def breakdown(events: list[TraceEvent], t0: float, t1: float) -> dict[str, float
     }
 
 
-def step_edges(events: list[TraceEvent]) -> dict[str, float]:
+def step_edges(events: list[TraceEvent]) -> dict[str, float | None]:
     """Medians over the steps that read: from the step's start to its first read on the
     device, and from its last read's completion to the step's end (the tail), in ms."""
     first: list[float] = []
@@ -117,8 +118,9 @@ def step_edges(events: list[TraceEvent]) -> dict[str, float]:
             first.append(min(r.t0 for r in mine) - s.t0)
             tail.append(s.t1 - max(r.t1 for r in mine))
 
-    def median_ms(xs: list[float]) -> float:
-        return round(1e3 * sorted(xs)[len(xs) // 2], 3) if xs else float("nan")
+    def median_ms(xs: list[float]) -> float | None:
+        # None (JSON null) when no step read: a bare NaN is not JSON
+        return round(1e3 * sorted(xs)[len(xs) // 2], 3) if xs else None
 
     return {"first_read_ms_p50": median_ms(first), "tail_ms_p50": median_ms(tail)}
 
@@ -126,7 +128,7 @@ def step_edges(events: list[TraceEvent]) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", type=Path, default=None, help="default: the synthetic model")
-    ap.add_argument("--tokens", type=int, default=21)
+    ap.add_argument("--tokens", type=positive, default=21)
     ap.add_argument("--fraction", type=float, default=0.2, help="share of experts the budget holds")
     ap.add_argument("--prefetch", choices=("auto", "on", "off"), default="off")
     ap.add_argument("--reader", default="auto")
