@@ -340,6 +340,7 @@ class Engine:
                     if cluster is not None:
                         await anyio.to_thread.run_sync(cluster.close)
                     if store is not None:
+                        store.begin_close(ColibriError(_CLOSED))
                         await store.reader.aclose()
                     if scheduler is not None:  # a forward left running ends while the loop runs
                         await scheduler.wait_idle()

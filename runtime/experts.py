@@ -57,6 +57,7 @@ from storage.integrity import Check, ExpertChecksums, crc32_of, crc_check, verif
 from storage.reader import Reader, ReadRequest, aligned_extent, required_size
 
 _log = structlog.get_logger(__name__)
+_CLOSING = "an expert was not read: the engine is closing"
 
 __all__ = [
     "ExpertStore",
@@ -382,6 +383,10 @@ class ExpertStore:
         self._slot_freed = anyio.Event()
         self._io_changed = anyio.Event()
         self._tg: Any = None
+        # set when the task group running the reads is cancelled (whatever holds the engine
+        # was cancelled): no read starts or lands any more, steps fail instead of waiting
+        self._closing = False
+        self._close_error: ColibriError | None = None  # what steps get once closing
         self.nbytes = 0
         self.fixed_buffers = False
         # A timeline for tools (tools/bench/stream_timeline.py): None (off, the default) or a
@@ -450,6 +455,7 @@ class ExpertStore:
         """Allocate every slot up front and read the pinned set (``progress(done, total)``
         after each pinned expert)."""
         self._tg = tg
+        tg.start_soon(self._watch_close)
         if not self.hugepages.advise and self._blob_bytes >= HUGE_PAGE:
             _log.info("expert slots on ordinary pages", reason=self.hugepages.reason)
         self._transient_free = [self._new_slot() for _ in range(self.layout.transient_slots)]
@@ -563,7 +569,9 @@ class ExpertStore:
                     views = await self._read_reqs(key, [blob_req, *sreqs], bufs, checks)
             if self.checksums is not None and len(sreqs) > 1:  # scales in several pieces
                 self._check_scales(key, x, views[1:])
-        except ColibriError:
+        except ColibriError as exc:
+            if self._closing:  # the reader closed under it: the engine's doing, not the disk's
+                raise self._closed_error() from exc
             self.stats.read_errors += 1
             raise
         finally:
@@ -863,8 +871,52 @@ class ExpertStore:
         self._wake_gate()
 
     # ------------------------------------------------------------------ one read
+    def begin_close(self, error: ColibriError) -> None:
+        """The engine closes (before its reader does): reads that fail from now on fail with
+        ``error`` (not a disk error: none is counted), and so does every step waiting for a
+        read, and every step after."""
+        self._close_error = error
+        self._closing = True
+        self._fail_waiting()
+
+    def _closed_error(self) -> ColibriError:
+        return self._close_error if self._close_error is not None else ColibriError(_CLOSING)
+
+    def _fail_waiting(self) -> None:
+        steps = {id(s): s for s in self.policy.waiters.values() if isinstance(s, _Step)}
+        for step in steps.values():
+            step.out.put(self._closed_error())
+
+    async def _watch_close(self) -> None:
+        """Runs in the reads' task group until it is cancelled (the engine closing, or a
+        cancellation of whatever holds it); then every step waiting for a read gets an error,
+        so that its compute thread stops: a read task cancelled before it started never runs
+        a line, and could not say so itself."""
+        try:
+            await anyio.sleep_forever()
+        finally:
+            self._closing = True
+            self._fail_waiting()
+
+    def _unblock(self, key: Key) -> None:
+        """A read task of ``key`` ends without landing it (cancelled: the task group that runs
+        the reads is the engine's, and a cancellation of whatever holds the engine reaches
+        it): the step waiting for ``key`` gets an error, so its compute thread stops instead
+        of waiting forever for an arrival (and the engine, for that thread, to close)."""
+        step = self.policy.waiters.get(key)
+        if isinstance(step, _Step):
+            step.out.put(self._closed_error())
+
     async def _demand(self, key: Key) -> None:
-        """A demand read: a slot (waiting for one if need be), the gate, the whole expert."""
+        """A demand read: a slot (waiting for one if need be), the gate, the whole expert;
+        cancelled before it lands, the waiting step hears of it (:meth:`_unblock`)."""
+        try:
+            await self._demand_read(key)
+        except BaseException:
+            self._unblock(key)
+            raise
+
+    async def _demand_read(self, key: Key) -> None:
         got = await self._take_slot(key, demand=True)
         assert got is not None
         await self._gate(demand=True)
@@ -886,7 +938,14 @@ class ExpertStore:
     async def _lookahead(self, key: Key) -> None:
         """A lookahead read: piece by piece on an idle device (:class:`_Pieces`); it becomes a
         demand read when a step starts waiting for it, and stops when its layer's step began
-        without routing to it."""
+        without routing to it. Cancelled before it lands, a step waiting for it hears of it."""
+        try:
+            await self._lookahead_read(key)
+        except BaseException:
+            self._unblock(key)
+            raise
+
+    async def _lookahead_read(self, key: Key) -> None:
         pol = self.policy
         ready = await self._lookahead_gate(key)
         if ready is not False:  # (no ticket held)
@@ -957,7 +1016,10 @@ class ExpertStore:
         self, step: _Step, experts: Sequence[int], lookahead: Lookahead | None = None
     ) -> list[tuple[int, ExpertWeights]]:
         """Resident experts now; misses are read and arrive through ``step.out``. Then the
-        ``lookahead`` prediction queues its reads, behind this step's demand reads."""
+        ``lookahead`` prediction queues its reads, behind this step's demand reads. Raises
+        when the reads' task group is gone (:meth:`_watch_close`)."""
+        if self._closing:
+            raise self._closed_error()
         layer = step.layer
         ready: list[tuple[int, ExpertWeights]] = []
         demand = 0

@@ -39,6 +39,7 @@ from runtime.kv import KVCache
 from runtime.layers import moe as moe_ops
 from runtime.speculative.drafts import HeadGen, HeadRows, run_heads
 from runtime.weights import Guess, Lookahead
+from storage.errors import ColibriError
 
 if TYPE_CHECKING:
     from runtime.context import Observer, StepContext
@@ -645,6 +646,9 @@ class Scheduler:
                     await req.done.wait()
             raise
         if req.error is not None:
+            # a caller cancelled meanwhile (what holds the engine was: its step failed for
+            # that) ends with its cancellation, not with the step's error
+            await anyio.lowlevel.checkpoint()
             raise req.error
 
     async def serve(self) -> None:
@@ -682,6 +686,15 @@ class Scheduler:
                     for r in batch + chunks:
                         if r.error is None:
                             r.error = exc
+                except BaseException:
+                    # the batcher itself cancelled (whatever holds the engine was): the step's
+                    # generations end with an error, not as if their rows had come back
+                    for r in batch + chunks:
+                        if r.error is None:
+                            r.error = ColibriError(
+                                "the engine stopped (cancelled) before this step finished"
+                            )
+                    raise
                 finally:
                     for r in batch + chunks:
                         r.done.set()

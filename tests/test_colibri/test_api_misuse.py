@@ -15,7 +15,7 @@ from typing import Any
 
 import anyio
 import pytest
-from _demo import demo_model
+from _demo import budget_for_lru, demo_model
 
 import colibri
 from colibri import DoneEvent, Engine, EngineOptions, TokenEvent
@@ -77,9 +77,9 @@ async def test_a_prompt_past_the_vocabulary_fails_only_its_own_generation(
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("max_batch", [8, 1])
+@pytest.mark.parametrize(("max_batch", "streaming"), [(8, False), (1, False), (8, True)])
 async def test_closing_the_engine_ends_a_running_generation(
-    state_dir: Path, anyio_backend: str, max_batch: int
+    state_dir: Path, anyio_backend: str, max_batch: int, streaming: bool
 ) -> None:
     """A generation in a task outside the engine's block, still running when the block ends,
     raises the engine's closed error at its next step (it used to wait forever for the
@@ -97,15 +97,21 @@ async def test_closing_the_engine_ends_a_running_generation(
         except ColibriError as exc:
             outcome.append(exc)
 
+    # streaming: the reader closes under reads in flight, which is not a disk error (they
+    # failed with "uring reader is closed", counted as read errors)
+    budget = budget_for_lru(DEMO, 0) if streaming else None
+    opts = _opts(state_dir, max_batch=max_batch, ram_budget=budget)
     with anyio.fail_after(120):
         async with anyio.create_task_group() as tg:
-            async with Engine.open(options=_opts(state_dir, max_batch=max_batch)) as engine:
+            async with Engine.open(options=opts) as engine:
                 tg.start_soon(generation, engine)
                 while len(got) < 5:
                     await anyio.sleep(0.005)
     assert len(outcome) == 1 and isinstance(outcome[0], ColibriError), outcome
     assert "engine is closed" in str(outcome[0])
     assert len(got) < 900
+    if streaming:
+        assert engine.stats()["experts"]["read_errors"] == 0
 
 
 def test_leaving_open_model_while_a_thread_generates_ends_that_generation(
@@ -260,3 +266,64 @@ async def test_a_generation_that_fails_by_itself_fails_alone(
                     pass
             assert engine.stats()["mixed_steps"] > mixed  # B's prompt rode in A's step
     assert a.done is not None and a.done.tokens == alone
+
+
+_CANCEL_SCRIPT = """
+import sys, anyio, colibri
+from _demo import budget_for_lru, demo_model
+
+async def main(backend_note: str) -> None:
+    model = demo_model()
+    opts = colibri.EngineOptions(
+        model=model, ram_budget=budget_for_lru(model, 0), learn=False, state_dir=sys.argv[2]
+    )
+    for after in (1, 2, 3, 5, 8, 13):
+        # a deadline of the app around the engine, cancelled while a step reads experts
+        with anyio.CancelScope() as outer:
+            async with colibri.Engine.open(options=opts) as e:
+                assert e.stats()["experts"]["mode"] == "streaming"
+                n = 0
+                async for ev in e.generate([1, 2, 3], max_new_tokens=200, stop_token_ids=[]):
+                    n += 1
+                    if n == after:
+                        outer.cancel()
+        # a sibling task of the app fails while the engine generates
+        async def fail() -> None:
+            await anyio.sleep(0.05 * after)
+            raise RuntimeError("another part of the service failed")
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(fail)
+                async with colibri.Engine.open(options=opts) as e:
+                    async for ev in e.generate([1, 2, 3], max_new_tokens=400, stop_token_ids=[]):
+                        pass
+        except BaseException as exc:  # the sibling's error, in a group
+            assert "another part" in repr(exc), repr(exc)
+    print("left every scope", flush=True)
+
+anyio.run(main, sys.argv[1], backend=sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_cancelling_what_holds_a_streaming_engine_never_hangs(tmp_path: Path, backend: str) -> None:
+    """A cancellation of the scope holding Engine.open (an app's deadline, a sibling task's
+    failure, Ctrl-C) while a step waited for expert reads hung forever with streaming experts:
+    the reads ran in the engine's task group, a read task cancelled before it started never
+    ran a line, and the compute thread waited for its arrival (the engine's close waited for
+    that thread). Now the step fails and every scope is left (a subprocess: a hang is a
+    timeout, not a stuck test run)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip(backend)
+    script = tmp_path / "cancel.py"
+    script.write_text(_CANCEL_SCRIPT)
+    root = Path(__file__).resolve().parents[2]
+    env = {"PYTHONPATH": f"{root}:{root / 'tests'}", "PATH": "/usr/bin:/bin",
+           "OMP_WAIT_POLICY": "PASSIVE", "HOME": str(tmp_path)}  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, str(script), backend, str(tmp_path / "state")],
+        capture_output=True, text=True, timeout=240, cwd=root, env=env,
+    )  # fmt: skip
+    assert r.returncode == 0 and "left every scope" in r.stdout, r.stderr[-3000:]
