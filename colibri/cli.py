@@ -1748,7 +1748,10 @@ def _parameters(c: Any, moe_layers: int) -> dict[str, int]:
     """Parameters of every tensor (MTP included), and those one token of the main model uses:
     everything but the routed experts, plus top-k experts in each MoE layer."""
     import math
+    import re
 
+    main_layers = c.arch.num_hidden_layers
+    layer_of = re.compile(r"model\.layers\.(\d+)\.")
     total = expert = mtp = 0
     per_expert = 0
     for n in c.names():
@@ -1759,6 +1762,8 @@ def _parameters(c: Any, moe_layers: int) -> dict[str, int]:
             expert += k
         elif e.role == "mtp":
             mtp += k
+        elif (m := layer_of.match(n)) and int(m.group(1)) >= main_layers:
+            mtp += k  # the MTP layer's norms, router and bias (kept in float32)
     # the main layers' experts (role "expert"; the MTP layer's count as "mtp")
     n_experts = sum(x.layer < c.arch.num_hidden_layers for x in c.expert_extents())
     if n_experts:

@@ -96,6 +96,11 @@ class _EngineCollector(Collector):
         yield _counter(
             "colibri:expert_read_wait_seconds",
             "Seconds compute waited for expert reads",
+            t.compute_stall_s,
+        )
+        yield _counter(
+            "colibri:expert_read_seconds",
+            "Seconds expert reads took, summed over reads (they overlap one another and compute)",
             t.read_wait_s,
         )
         pre = CounterMetricFamily(

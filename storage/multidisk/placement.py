@@ -395,14 +395,20 @@ class Placement:
     ) -> list[U8Array]:
         c = self._counters[0]
         t0 = time.perf_counter()
+        if not c.inflight:
+            c.busy_since = t0
+        c.inflight += 1
         try:
             views = await reader.read_many(reqs, bufs)
         except ReadError:
             c.errors += 1
             raise
-        c.reads += len(reqs)
-        c.bytes += sum(r.length for r in reqs)
-        c.seconds += time.perf_counter() - t0
+        finally:
+            t1 = time.perf_counter()
+            c.inflight -= 1
+            if not c.inflight:
+                c.busy += t1 - c.busy_since
+        self._observe(0, sum(r.length for r in reqs), t1 - t0, t1, reads=len(reqs))
         return views
 
     async def _read_piece(self, reader: Reader, p: _Piece) -> None:
@@ -448,9 +454,11 @@ class Placement:
         p.error = err
 
     # ------------------------------------------------------------------ telemetry, adaptation
-    def _observe(self, idx: int, nbytes: int, seconds: float, now: float) -> None:
+    def _observe(
+        self, idx: int, nbytes: int, seconds: float, now: float, *, reads: int = 1
+    ) -> None:
         c = self._counters[idx]
-        c.reads += 1
+        c.reads += reads
         c.bytes += nbytes
         c.seconds += seconds
         # One sample per window of reads: bytes over the copy's *busy* time in the window (the
@@ -458,7 +466,7 @@ class Placement:
         # would divide the throughput by the queue depth, so a copy given more concurrent reads
         # would look slower; averaging per-read rates would let a few fast (cached, burst)
         # reads hide a slow device.
-        c.win_reads += 1
+        c.win_reads += reads
         c.win_bytes += nbytes
         # A window closes after `window_reads` reads, or sooner on a slow copy: after
         # `window_seconds` of busy time (with a few reads), so adaptation reacts in bounded time
@@ -472,7 +480,7 @@ class Placement:
         c.estimate = ewma(c.estimate, c.win_bytes / busy, self.alpha)
         c.samples += 1
         c.win_reads, c.win_bytes, c.win_busy0 = 0, 0, c.busy_at(now)
-        if self.adapt:
+        if self.adapt and len(self.copies) > 1:
             self.maybe_adapt()
 
     def estimates(self) -> list[float | None]:

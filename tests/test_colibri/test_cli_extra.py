@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -261,7 +262,8 @@ def test_serve_refuses_keys_no_client_could_send(home: Path) -> None:
 def test_info_counts_active_parameters_and_expert_bytes_as_a_token_and_a_read_use_them(
     home: Path,
 ) -> None:
-    """active_parameters: every tensor but the routed experts and the MTP layer, plus top-k
+    """active_parameters: every tensor but the routed experts and the MTP layer (its float32
+    tensors included), plus top-k
     main-layer experts per MoE layer (the MTP layer's experts were counted in "per expert",
     which came out 1/(MoE layers + 1) low); expert_bytes: what a read of one main-layer expert
     transfers (blob and scales, as coli plan says), not the largest bare blob (the MTP's)."""
@@ -279,9 +281,18 @@ def test_info_counts_active_parameters_and_expert_bytes_as_a_token_and_a_read_us
         math.prod(c.entry(f"model.layers.{one.layer}.mlp.experts.{one.expert}.{p}.weight").shape)
         for p in ("gate_proj", "up_proj", "down_proj")
     )
+
+    def in_mtp(name: str) -> bool:
+        m = re.match(r"model\.layers\.(\d+)\.", name)
+        return m is not None and int(m.group(1)) >= a.num_hidden_layers
+
     dense = sum(
-        math.prod(c.entry(n).shape) for n in c.names() if c.entry(n).role not in ("expert", "mtp")
+        math.prod(c.entry(n).shape)
+        for n in c.names()
+        if c.entry(n).role not in ("expert", "mtp") and not in_mtp(n)
     )
+    # the MTP layer's float32 norms, router and bias are not the main model's either
+    assert any(in_mtp(n) and c.entry(n).role == "f32" for n in c.names())
     moe_layers = len({x.layer for x in main})
     assert d["active_parameters"] == dense + a.num_experts_per_tok * expert_params * moe_layers
     plan = json.loads(coli(home, "plan", "--json").stdout)

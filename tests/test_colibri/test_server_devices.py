@@ -107,6 +107,11 @@ def test_device_series_move_fail_over_and_come_back(mirrored: tuple[Server, Path
         assert m1[(key, "1")] > dev0[(key, "1")], name
     assert m1[("colibri:expert_device_read_bytes_total", "0")] == 0.0
     assert ("colibri:expert_device_throughput_bytes_per_second", "1") in m1
+    # The compute's wait for experts, not the reads' summed durations (which overlap each other
+    # and the compute: their own series).
+    other = scrape(s)["other"]
+    wait = other["colibri:expert_read_wait_seconds_total"]
+    assert 0.0 < wait < other["colibri:expert_read_seconds_total"], other
     # The series are the engine's own counters.
     entries = devices(s)
     assert m1[("colibri:expert_device_read_bytes_total", "1")] == entries[1]["bytes"]

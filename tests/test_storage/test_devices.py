@@ -578,3 +578,16 @@ def test_weights_adapt_to_a_throttled_device(
     # came out at 9-11 MB/s (the throttle lets short bursts through).
     assert prim["throughput_bytes_per_s"] > 2 * mir["throughput_bytes_per_s"], (prim, mir)
     assert mir["bytes"] < prim["bytes"]
+
+
+def test_one_drive_counts_its_busy_time_and_throughput() -> None:
+    """Without a mirror the drive's series are measured too: busy seconds (wall time with a read
+    in flight, never more than the summed read seconds) and a throughput estimate once a window
+    of reads closed (both stayed 0 / null on a single copy)."""
+    opts = dict(ram_budget=budget_for_lru(DEMO, 1), reader="threads", learn=False)
+    with colibri.open_model(DEMO, **opts) as m:
+        m.generate(PROMPT, max_new_tokens=16)
+        (dev,) = m.stats()["experts"]["devices"]
+    assert dev["reads"] >= 16 and dev["bytes"] > 0
+    assert 0.0 < dev["busy_seconds"] <= dev["seconds"] + 1e-6, dev
+    assert dev["throughput_bytes_per_s"] is not None and dev["throughput_bytes_per_s"] > 0, dev
