@@ -437,6 +437,11 @@ class Engine:
             stop_ids = _as_ids(stop_list) if stop_list else np.zeros(0, np.int64)
             _in_vocab("stop", stop_ids, vocab)
             stops = {int(t) for t in stop_ids}
+        if grammar is not None:
+            # Under a grammar the model's end-of-sequence token is only allowed once the output
+            # is complete and then nothing else is: it ends the generation even when the stop
+            # ids leave it out (ignore_eos), instead of end-of-sequence tokens to max_tokens.
+            stops |= set(self.container.eos_token_ids)
         out_tokens: list[int] = []
         reason: Literal["length", "stop", "cancelled"] = "length"
         t0 = time.perf_counter()

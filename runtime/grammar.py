@@ -262,6 +262,7 @@ class GrammarMatcher:
     def __init__(self, matcher: Any, vocab_size: int) -> None:
         self._m = matcher
         self._v = vocab_size
+        self._undo: list[Any] = []  # the state before each pushed token (rollback)
         self._words = np.full((1, (vocab_size + 31) // 32), -1, dtype=np.int32)  # [1, W]
         self._bits = np.arange(32, dtype=np.int32)  # [32]
 
@@ -282,20 +283,37 @@ class GrammarMatcher:
 
     def consume(self, token: int) -> None:
         """Advance by one emitted token; a token outside the mask raises GrammarError."""
+        self._undo.clear()  # an emitted token is not rolled back; nothing before it either
+        self._advance(token)
+
+    def _advance(self, token: int) -> None:
         if not self._m.consume_token(int(token)):
             raise GrammarError(f"token {token} breaks the grammar: {_reason(self._m.get_error())}")
 
     def push(self, tokens: Sequence[int]) -> None:
-        """Advance tentatively by draft tokens (undo with :meth:`rollback`)."""
+        """Advance tentatively by draft tokens (undo with :meth:`rollback`).
+
+        Each token keeps a copy of the state before it (a copy costs about a microsecond), and
+        :meth:`rollback` restores it: llguidance's own rollback counts only the tokens its
+        parser took, so an end-of-sequence token consumed once the grammar had stopped (a
+        draft's, with ``ignore_eos``) was not counted and rolling back undid one more token
+        than was pushed, leaving the matcher in an earlier state than the output's."""
         for t in tokens:
-            self.consume(t)
+            before = self._m.deep_copy()
+            try:
+                self._advance(t)
+            except GrammarError:
+                self._m = before
+                raise
+            self._undo.append(before)
 
     def rollback(self, n: int) -> None:
-        """Undo the last ``n`` consumed tokens."""
-        if n and not self._m.rollback(int(n)):
-            raise GrammarError(
-                f"cannot roll the grammar back by {n}: {_reason(self._m.get_error())}"
-            )
+        """Undo the last ``n`` tokens :meth:`push` added."""
+        if n > len(self._undo):
+            raise GrammarError(f"cannot roll the grammar back by {n}: {len(self._undo)} pushed")
+        if n:
+            self._m = self._undo[-n]
+            del self._undo[-n:]
 
     def forced(self) -> list[int]:
         """Tokens the grammar forces next (empty when more than one continuation is allowed)."""

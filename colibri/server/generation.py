@@ -343,6 +343,8 @@ class Generation:
         t_last: float | None = None
         stops = p.stop_token_ids
         stop_set = set(engine.container.eos_token_ids if stops is None else stops)
+        if p.grammar is not None:  # the engine ends a constrained generation there too
+            stop_set |= set(engine.container.eos_token_ids)
         metrics = st.metrics
 
         def route(text: str, final: bool = False) -> list[Delta]:

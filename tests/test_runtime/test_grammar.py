@@ -265,3 +265,40 @@ def test_json_schema_size_is_bounded() -> None:
         GrammarSpec.json_schema("[" * 5000 + "]" * 5000)  # text: the parser's own limit
     tok = TokenGrammar(DEMO / "tokenizer.json", 1000, [0, 2])
     tok.matcher(GrammarSpec.json_schema(chain(50)))  # a reasonable schema still compiles
+
+
+def test_drafts_past_the_end_of_the_output_do_not_rewind_the_grammar(
+    model: colibri.SyncModel, tok: ChatTokenizer
+) -> None:
+    """With end-of-sequence left out of the stop ids (ignore_eos), an MTP draft chained past
+    the complete output pushed an end-of-sequence token the grammar did not count, and the
+    rollback undid one more token than was pushed: the next tokens broke the schema
+    ('{"a":02111122...'). The grammar's matcher restores its own copy now, every draft mode
+    gives the undrafted output, and the end-of-sequence token after the output ends the
+    generation (it was repeated up to max_tokens)."""
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+    spec = GrammarSpec.json_schema(schema)
+    eos = set(Container.open(DEMO).eos_token_ids)
+    ref, reason = _generate(model, spec, n=24, stop_token_ids=[], draft="off")
+    assert reason == "stop" and ref[-1] in eos and not eos & set(ref[:-1]), ref
+    jsonschema.validate(json.loads(_text(tok, ref)), schema)
+    for draft in ("mtp:3", "lookup:4", "auto"):
+        got, reason = _generate(model, spec, n=24, stop_token_ids=[], draft=draft)
+        assert (got, reason) == (ref, "stop"), draft
+
+
+def test_a_pushed_token_the_grammar_refuses_leaves_the_state_as_it_was(tok: ChatTokenizer) -> None:
+    g = TokenGrammar(DEMO / "tokenizer.json", 1000, [0, 2])
+    m = g.matcher(GrammarSpec.gbnf('root ::= "yes" | "no"'))
+    before = m.allowed().copy()
+    with pytest.raises(GrammarError):
+        m.push([tok.encode("n")[0], tok.encode("n")[0]])
+    m.rollback(1)  # the one token that was taken
+    assert (m.allowed() == before).all()
+    with pytest.raises(GrammarError, match="1 pushed|0 pushed"):
+        m.rollback(1)
