@@ -300,5 +300,5 @@ def test_a_pushed_token_the_grammar_refuses_leaves_the_state_as_it_was(tok: Chat
         m.push([tok.encode("n")[0], tok.encode("n")[0]])
     m.rollback(1)  # the one token that was taken
     assert (m.allowed() == before).all()
-    with pytest.raises(GrammarError, match="1 pushed|0 pushed"):
+    with pytest.raises(GrammarError, match="0 pushed"):
         m.rollback(1)
