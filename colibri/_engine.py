@@ -27,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
+from colibri._logging import default_library_logging
 from colibri._config import EngineOptions
 from colibri._stats import ComputeStats, EngineStats, ExpertsStats
 from runtime.cluster.source import ClusterExperts
@@ -257,6 +258,7 @@ class Engine:
         ``progress(step, done, total)`` follows the load ("dense weights", "experts" read
         into RAM, "pinned experts"; possibly from a worker thread); each step is also one
         log line at info level when it ends."""
+        default_library_logging()
         opts = options or EngineOptions()
         upd: dict[str, Any] = {}
         if path is not None:

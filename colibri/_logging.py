@@ -7,7 +7,16 @@ import sys
 
 import structlog
 
-__all__ = ["configure_logging"]
+__all__ = ["configure_logging", "default_library_logging"]
+
+
+def default_library_logging() -> None:
+    """Used by an engine opening in a program that has not configured structlog: warnings and
+    errors on stderr. structlog's own default prints every level on stdout, which mixed the
+    engine's info lines ("loaded ...") into the output of a script using the Python API. A
+    program that configured structlog (before or after) keeps its own set-up."""
+    if not structlog.is_configured():
+        configure_logging("console", logging.WARNING)
 
 
 def configure_logging(fmt: str = "console", level: int = logging.WARNING) -> None:

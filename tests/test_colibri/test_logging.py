@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 
 def test_a_logged_traceback_shows_no_local_variables() -> None:
@@ -24,6 +25,33 @@ except RuntimeError:
     assert "request failed" in r.stderr and "RuntimeError: boom" in r.stderr, r.stderr
     assert "line 6, in handler" in r.stderr  # the frames are there
     assert "SECRETKEY123" not in r.stderr and "my private prompt" not in r.stderr, r.stderr
+
+
+def test_the_python_api_keeps_its_log_lines_off_stdout(tmp_path: Path) -> None:
+    """A script using the Python API got the engine's info lines ("loaded ...") on stdout
+    (structlog's own default), mixed into its output: unless the program configured structlog,
+    an engine opening logs warnings and errors to stderr; a program's own set-up is kept."""
+    from _demo import demo_model
+
+    run = f"""
+import colibri
+with colibri.open_model({str(demo_model())!r}, state_dir={str(tmp_path)!r}) as m:
+    print("OUT", m.generate([5, 17, 99], max_new_tokens=2))
+"""
+    r = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("OUT [") and len(r.stdout.splitlines()) == 1, r.stdout
+    assert "loaded" not in r.stderr, r.stderr
+    own = (
+        """
+import logging, structlog
+structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
+"""
+        + run
+    )
+    r = subprocess.run([sys.executable, "-c", own], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "loaded" in r.stdout, r.stdout  # the program's own configuration (stdout, info)
 
 
 def test_an_unhandled_error_is_counted_as_500_not_499() -> None:
