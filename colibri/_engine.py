@@ -27,8 +27,8 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
-from colibri._logging import default_library_logging
 from colibri._config import EngineOptions
+from colibri._logging import default_library_logging
 from colibri._stats import ComputeStats, EngineStats, ExpertsStats
 from runtime.cluster.source import ClusterExperts
 from runtime.compute import ExpertCompute
