@@ -68,7 +68,7 @@ from typing import Any, TypeVar
 
 import click
 
-from colibri._config import EngineOptions, default_model_path, env_defaults
+from colibri._config import EngineOptions, default_model_path, env_defaults, parse_bytes
 from storage.errors import ColibriError
 from storage.units import format_bytes as _binary  # one size format
 
@@ -127,11 +127,47 @@ class _EnvOption(click.Option):
             raise
 
 
+class _Checked(click.ParamType[Any]):
+    """Text passed on as written, checked when it is read: a bad value is a usage error
+    (exit 2) naming the option, or the ``COLI_*`` variable it came from (:class:`_EnvOption`),
+    instead of an error after the model has started to load."""
+
+    def __init__(self, name: str, check: Callable[[str], object]) -> None:
+        self.name = name
+        self._check = check
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str):
+            try:
+                self._check(value)
+            except (ColibriError, ValueError) as exc:
+                self.fail(str(exc), param, ctx)
+        return value
+
+
+def _check_draft(value: str) -> object:
+    from runtime.speculative.policy import DraftPolicy
+
+    return DraftPolicy.parse(value)
+
+
+def _check_disk_weights(value: str) -> object:
+    from storage.multidisk.placement import parse_weights
+
+    return parse_weights(value)
+
+
+_SIZE = _Checked("size", parse_bytes)
+
+
 def _engine_options(fn: F) -> F:
     env = env_defaults()
     fn = click.option(
         "--ram",
         "ram",
+        cls=_EnvOption,
+        env_var_name="COLI_RAM",
+        type=_SIZE,
         default=env.get("ram_budget"),
         help="RAM budget for the whole engine, e.g. 6GiB (env COLI_RAM; default: auto).",
     )(fn)
@@ -187,6 +223,9 @@ def _engine_options(fn: F) -> F:
     fn = _dirs_option("--model-dir", "model_dirs", env, _MODEL_DIR_HELP)(fn)
     fn = click.option(
         "--disk-weights",
+        cls=_EnvOption,
+        env_var_name="COLI_DISK_WEIGHTS",
+        type=_Checked("weights", _check_disk_weights),
         default=env.get("disk_weights"),
         expose_value=False,
         callback=_keep,
@@ -211,6 +250,9 @@ def _engine_options(fn: F) -> F:
     )(fn)
     fn = click.option(
         "--draft",
+        cls=_EnvOption,
+        env_var_name="COLI_DRAFT",
+        type=_Checked("draft", _check_draft),
         default=env.get("draft", "auto"),
         show_default=True,
         expose_value=False,
@@ -265,8 +307,9 @@ def _engine_options(fn: F) -> F:
         "--verify-reads/--no-verify-reads",
         cls=_EnvOption,
         env_var_name="COLI_VERIFY_READS",
-        # click's boolean words (1/0, true/false, yes/no, on/off); another is an error
-        default=env.get("verify_reads", "0"),
+        # click's boolean words (1/0, true/false, yes/no, on/off); another is an error. Off
+        # without the variable: a "0" default read as the word "verify-reads" in --help.
+        default=env.get("verify_reads", False),
         show_default=True,
         expose_value=False,
         callback=_keep,
@@ -1258,6 +1301,9 @@ def chat(
 @_model_option
 @click.option(
     "--ram",
+    cls=_EnvOption,
+    env_var_name="COLI_RAM",
+    type=_SIZE,
     default=env_defaults().get("ram_budget", "auto"),
     show_default=True,
     help="RAM budget to plan for, e.g. 24GiB, or auto (env COLI_RAM).",

@@ -188,20 +188,31 @@ def test_a_chat_session_open_in_another_process_is_refused(home: Path, tmp_path:
 @pytest.mark.parametrize(
     ("var", "value"),
     [("COLI_THREADS", "abc"), ("COLI_READER", "floppy"), ("COLI_VERIFY_READS", "maybe"),
-     ("COLI_PREFETCH", "sometimes"), ("COLI_LOG_FORMAT", "xml")],
+     ("COLI_PREFETCH", "sometimes"), ("COLI_LOG_FORMAT", "xml"), ("COLI_RAM", "banana"),
+     ("COLI_DRAFT", "zz"), ("COLI_DISK_WEIGHTS", "a,b")],
 )  # fmt: skip
 def test_a_bad_environment_value_names_its_variable(home: Path, var: str, value: str) -> None:
     """A bad COLI_* value was reported as a bad --flag the user never typed (and
-    COLI_VERIFY_READS=maybe silently meant off): the usage error names the variable; the
-    flag given on the command line wins over it."""
+    COLI_VERIFY_READS=maybe silently meant off; COLI_RAM, COLI_DRAFT and COLI_DISK_WEIGHTS were
+    errors without the variable's name, exit 1, once the model had started to load): the usage
+    error names the variable; the flag given on the command line wins over it."""
     env = _env(home) | {var: value}
     r = subprocess.run([sys.executable, "-m", "colibri.cli", "run", "-n", "1", "Hi"],
                        capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
     assert r.returncode == 2 and f"{var}={value!r}" in r.stderr, r.stderr
     flag = {"COLI_THREADS": ["--threads", "1"], "COLI_READER": ["--reader", "auto"],
             "COLI_VERIFY_READS": ["--no-verify-reads"], "COLI_PREFETCH": ["--prefetch", "auto"],
-            "COLI_LOG_FORMAT": []}[var]  # fmt: skip
+            "COLI_LOG_FORMAT": [], "COLI_RAM": ["--ram", "auto"], "COLI_DRAFT": ["--draft", "off"],
+            "COLI_DISK_WEIGHTS": ["--disk-weights", "1"]}[var]  # fmt: skip
     pre = ["--log-format", "console"] if var == "COLI_LOG_FORMAT" else []
     ok = subprocess.run([sys.executable, "-m", "colibri.cli", *pre, "run", *flag, "-n", "1", "Hi"],
                         capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
     assert ok.returncode == 0, ok.stderr
+
+
+def test_help_shows_the_real_default_of_verify_reads(home: Path) -> None:
+    """--help said "[default: verify-reads]" (the default was the string "0") while reads were
+    not checked unless COLI_VERIFY_READS said so."""
+    r = coli(home, "run", "--help")
+    assert r.returncode == 0
+    assert "[default: no-verify-reads]" in " ".join(r.stdout.split()).replace("- ", "-"), r.stdout
