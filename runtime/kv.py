@@ -21,7 +21,7 @@ Shape legend: S tokens held, C kv_lora_rank, R qk_rope_head_dim, DI index_head_d
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -72,6 +72,9 @@ class KVCache:
         }
         self._tokens = np.zeros(self._cap, np.int32)
         self._addresses = self._find_addresses()
+        # A step queued on this cache ahead of its caller and not yet taken or abandoned
+        # (runtime.scheduler.Ahead): the next generation on the cache settles it first.
+        self.step_ahead: Any = None
 
     def _find_addresses(self) -> list[tuple[int, int]]:
         return [

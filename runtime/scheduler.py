@@ -299,9 +299,20 @@ class Ahead:
     req: StepRequest
     start: int  # the cache's length when it was queued
     spec: SpeculativeDecoder | None = None
+    ended: bool = False  # taken (logits, rows) or abandoned
+    _abandoning: anyio.Event | None = None  # set once an abandon has finished
+
+    def __post_init__(self) -> None:
+        self.req.cache.step_ahead = self
+
+    def _end(self) -> None:
+        self.ended = True
+        if self.req.cache.step_ahead is self:
+            self.req.cache.step_ahead = None
 
     async def logits(self) -> F32Array:
         """The decode step's logits [V] (waits for its step)."""
+        self._end()
         await self.sched._finish(self.req)
         assert self.req.logits is not None
         row: F32Array = self.req.logits[-1]
@@ -313,6 +324,7 @@ class Ahead:
         row (its token was emitted) and never unchecked drafts."""
         spec, req, cache = self.spec, self.req, self.req.cache
         assert spec is not None
+        self._end()
         try:
             await self.sched._finish(req)
         except BaseException:
@@ -328,17 +340,30 @@ class Ahead:
     async def abandon(self) -> None:
         """The caller stopped before needing this step (a consumer that closed the generation
         after its last token): the step leaves the queue, or (already running) finishes, and
-        its rows are cut from the cache, which is as if it had never been queued."""
-        sched, req = self.sched, self.req
-        if req in sched._pending:
-            sched._pending.remove(req)
-        else:
+        its rows are cut from the cache, which is as if it had never been queued. Once only:
+        the next generation on the cache may have abandoned it already (its caller broke out
+        of the loop and the generation was closed later), and the cache is that one's now."""
+        if self._abandoning is not None:  # abandoned elsewhere: wait until it is done
             with anyio.CancelScope(shield=True):
-                await req.done.wait()
-            if req.cache.length > self.start:
-                req.cache.truncate(self.start)
-        if self.spec is not None:
-            self.spec.abandon()
+                await self._abandoning.wait()
+            return
+        if self.ended:
+            return
+        self._abandoning = anyio.Event()
+        sched, req = self.sched, self.req
+        try:
+            if req in sched._pending:
+                sched._pending.remove(req)
+            else:
+                with anyio.CancelScope(shield=True):
+                    await req.done.wait()
+                if req.cache.length > self.start:
+                    req.cache.truncate(self.start)
+            if self.spec is not None:
+                self.spec.abandon()
+        finally:
+            self._end()  # the cache is free only now: its step has left or been cut
+            self._abandoning.set()
 
 
 class Scheduler:

@@ -403,3 +403,50 @@ def test_a_prompt_rides_in_the_decode_step_or_waits_only_while_others_decode(
         assert (steps, mixed) == (1, 0)
     else:
         assert (steps, mixed) == (2, 2)
+
+
+@pytest.mark.parametrize("draft", ["off", "4", "mtp:2"])
+def test_a_generation_left_with_break_leaves_its_kept_cache_whole(draft: str) -> None:
+    """Breaking out of ``generate(cache=...)`` leaves the generator to be closed later by the
+    event loop, with its next step queued (the batcher's pipelining): the next generation on
+    the kept cache truncated and prefilled while that step still ran and was cut afterwards,
+    and its tokens and logprobs were those of a damaged context. It now waits for that step
+    to leave the queue or be cut: a kept cache gives what a fresh one gives."""
+    prompt = PROMPTS[3]
+
+    async def main() -> list[tuple[Any, Any]]:
+        o = colibri.EngineOptions(learn=False, reader="threads")
+        async with colibri.Engine.open(DEMO, options=o) as eng:
+
+            async def first(cache: Any) -> list[int]:
+                got: list[int] = []
+                gen = eng.generate(
+                    prompt, max_new_tokens=30, temperature=0.9, seed=1, cache=cache, draft=draft
+                )
+                async for ev in gen:
+                    if isinstance(ev, TokenEvent):
+                        got.append(ev.token_id)
+                        if len(got) == 3:
+                            break  # no aclosing(): the loop closes the generator later
+                return got
+
+            async def turn(p: list[int], cache: Any) -> list[tuple[int, float]]:
+                out = []
+                gen = eng.generate(
+                    p, max_new_tokens=8, temperature=0.9, seed=2, cache=cache, draft=draft
+                )
+                async with aclosing(gen) as events:
+                    async for ev in events:
+                        if isinstance(ev, TokenEvent):
+                            out.append((ev.token_id, ev.logprob))
+                return out
+
+            pairs = []
+            for _ in range(3):
+                cache = eng.new_cache()
+                p2 = prompt + await first(cache) + [44, 45]
+                pairs.append((await turn(p2, cache), await turn(p2, None)))
+            return pairs
+
+    for kept, fresh in anyio.run(main):
+        assert kept == fresh
