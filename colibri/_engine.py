@@ -106,6 +106,10 @@ def _as_ids(token_ids: Sequence[int] | npt.NDArray[np.integer]) -> npt.NDArray[n
         raise ModelError(f"token ids must be a 1-D sequence, got shape {raw.shape}")
     if raw.dtype.kind not in "iu":  # bool is its own kind ("b"), floats "f", text "U"
         raise ModelError(f"token ids must be integers, got {raw.dtype} values")
+    if not isinstance(token_ids, np.ndarray) and any(
+        isinstance(t, bool | np.bool_) for t in token_ids
+    ):  # [True, 2] is an int64 array to numpy: True would have run as token 1
+        raise ModelError("token ids must be integers, got a bool among them")
     if raw.dtype.kind == "u" and raw.size and int(raw.max()) > np.iinfo(np.int64).max:
         raise ModelError(f"token id {int(raw.max())} is out of range")
     return raw.astype(np.int64, copy=False)
@@ -432,6 +436,11 @@ class Engine:
         # Checked here, alone: a token id past the vocabulary found inside a batched step
         # would fail every generation sharing that step.
         _in_vocab("prompt", ids, vocab)
+        if grammar is not None and not isinstance(grammar, GrammarSpec):
+            raise ModelError(
+                f"grammar must be a GrammarSpec (GrammarSpec.json_schema(...), .json_object(), "
+                f".regex(...), .gbnf(...), .lark(...)), got {type(grammar).__name__}"
+            )
         if stop_token_ids is None:
             stops = set(self.container.eos_token_ids)
         else:
@@ -457,6 +466,12 @@ class Engine:
         if cache is None:
             cache = self._model.new_cache()
         else:
+            if cache.step_ahead is not None:
+                # The last generation on this cache queued its next step and was left with a
+                # `break` (its generator is closed later, by the event loop): that step leaves
+                # the queue, or finishes and is cut, before this one reads the cache.
+                with anyio.CancelScope(shield=True):
+                    await cache.step_ahead.abandon()
             reused = self._mtp_history_bound(
                 self.reusable_prefix(cache, ids), ids.size, sampler, policy
             )

@@ -101,7 +101,9 @@ class GrammarSpec:
         try:
             text = schema if isinstance(schema, str) else json.dumps(schema)
             parsed = jsontext.loads(text)
-        except (ValueError, RecursionError) as exc:  # RecursionError: json.dumps of a deep dict
+        # RecursionError: json.dumps of a deep dict; TypeError: a value JSON has no form for
+        # (a set, bytes, an object)
+        except (ValueError, RecursionError, TypeError) as exc:
             raise GrammarError(f"the JSON schema is not valid JSON: {exc}") from exc
         if not isinstance(parsed, dict):
             raise GrammarError("a JSON schema must be a JSON object")

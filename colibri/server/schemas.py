@@ -164,6 +164,13 @@ class CompletionRequest(_OpenAIGeneration):
     # not in OpenAI's legacy API; honoured as in chat completions (structured output)
     response_format: dict[str, Any] | None = None
 
+    @field_validator("max_tokens", mode="before")
+    @classmethod
+    def _null_is_the_default(cls, v: Any) -> Any:
+        # an explicit null is OpenAI's default (16), as some clients send every field; it
+        # generated up to the whole context
+        return 16 if v is None else v
+
 
 class AnthropicMessage(_Loose):
     role: Literal["user", "assistant"]

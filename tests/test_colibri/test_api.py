@@ -169,12 +169,14 @@ def test_empty_token_list_is_an_error(model: colibri.SyncModel) -> None:
     [
         ([1.5, 2.0], {}, "must be integers, got float64"),
         ([True, False], {}, "must be integers, got bool"),
+        ([True, 2], {}, "must be integers, got a bool"),  # ran as [1, 2]
         ([[1, 2], [3, 4]], {}, r"1-D sequence, got shape \(2, 2\)"),
         ("hello", {}, "encode text with the tokenizer"),
         (np.array([2**63], dtype=np.uint64), {}, "out of range"),
         (PROMPT, {"max_new_tokens": "3"}, "max_new_tokens must be an integer"),
         (PROMPT, {"max_new_tokens": True}, "max_new_tokens must be an integer"),
         (PROMPT, {"top_logprobs": -1}, "top_logprobs must be >= 0"),
+        (PROMPT, {"grammar": "json"}, "grammar must be a GrammarSpec"),  # an AttributeError
         (PROMPT, {"stop_token_ids": [-5]}, "stop token ids must be in 0.."),
         (PROMPT, {"stop_token_ids": [10**6]}, "stop token ids must be in 0.."),
     ],

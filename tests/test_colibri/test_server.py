@@ -133,6 +133,21 @@ def test_chat_greedy_equals_the_engine(servers: dict[str, Server], ref: Any) -> 
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
 
 
+def test_completions_max_tokens_null_is_the_default_16(servers: dict[str, Server]) -> None:
+    """An explicit ``"max_tokens": null`` (clients that send every field) generated up to the
+    whole context; it is OpenAI's default, 16."""
+    s = servers["main"]
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": None, "ignore_eos": True}
+    r = httpx.post(
+        f"{s.url}/v1/completions",
+        json=body,
+        headers={"authorization": f"Bearer {KEY}"},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 16, r.json()["usage"]
+
+
 def test_completions_text_and_token_prompts(servers: dict[str, Server], ref: Any) -> None:
     model, tok = ref
     client = servers["main"].oai(KEY)

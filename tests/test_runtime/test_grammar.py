@@ -302,3 +302,8 @@ def test_a_pushed_token_the_grammar_refuses_leaves_the_state_as_it_was(tok: Chat
     assert (m.allowed() == before).all()
     with pytest.raises(GrammarError, match="0 pushed"):
         m.rollback(1)
+
+
+def test_a_schema_json_cannot_hold_is_a_grammar_error() -> None:
+    with pytest.raises(GrammarError, match="not valid JSON"):
+        GrammarSpec.json_schema({"enum": {1, 2}})  # a set: it was a bare TypeError
