@@ -183,6 +183,7 @@ async def messages(request: Request) -> Response:
         st, request, req, ids=ids, max_tokens=req.max_tokens, stop=req.stop_sequences
     )
     chat_params(st, params, text, tools)
+    params.one_call = bool((req.tool_choice or {}).get("disable_parallel_tool_use"))
     mid = new_id("msg_")
     gen = Generation(st, params, "/v1/messages", mid)
     ticket = st.admission.reserve()

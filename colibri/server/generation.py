@@ -59,6 +59,7 @@ class GenParams:
     think: bool = False  # split <think>...</think> into reasoning
     think_open: bool = False  # the prompt ends inside a think section
     tools: list[dict[str, Any]] | None = None  # parse tool-call blocks against these
+    one_call: bool = False  # parallel_tool_calls false: only the first call is a call
     grammar: Any = None  # runtime.grammar.GrammarSpec: structured output (response_format)
     draft: str | int | None = None  # the request's drafting (None: the engine's --draft)
 
@@ -436,7 +437,12 @@ class Generation:
             else:
                 tail = ""
             final = emit(route(tail, final=True))
-            rest, calls = tools.finish(p.tools, cut=reason == "length")
+            # cut at max_tokens or at a stop string: an unclosed last block is no finished call
+            # (a stop string inside one made a call with its arguments lost)
+            cut = reason == "length" or stopper.hit is not None
+            rest, calls = tools.finish(p.tools, cut=cut)
+            if p.one_call:
+                calls = calls[:1]
             if rest:
                 final += emit([Delta("content", rest)])
             if pending_lp:

@@ -154,7 +154,15 @@ async def chat_completions(request: Request) -> Response:
         )
     if choice == "none":
         tools = None
-    extra = template_extra(req, tools, req.enable_thinking)
+    # Structured output is the answer: a template that would open a think section first is
+    # asked not to (unless the request says otherwise), and JSON output comes back as content
+    # even where the prompt still ends inside <think> (it went to reasoning_content, content
+    # empty: a JSON grammar never lets the model close the section). A regex, GBNF or Lark
+    # grammar may close it itself ("</think>" in the grammar): its output is split as usual.
+    thinking = req.enable_thinking
+    if grammar is not None and thinking is None:
+        thinking = False
+    extra = template_extra(req, tools, thinking)
     if req.reasoning_effort is not None:
         extra["reasoning_effort"] = req.reasoning_effort
     messages = _message_dicts(req)
@@ -170,7 +178,10 @@ async def chat_completions(request: Request) -> Response:
     params.logprobs = req.logprobs
     params.top_logprobs = req.top_logprobs or 0
     chat_params(st, params, text, tools)
+    params.one_call = req.parallel_tool_calls is False
     params.grammar = grammar
+    if grammar is not None and grammar.kind in ("json_object", "json_schema"):
+        params.think = params.think_open = False
     rid = new_id("chatcmpl-")
     gen = Generation(st, params, "/v1/chat/completions", rid)
     created = int(time.time())

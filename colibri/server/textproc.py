@@ -200,22 +200,78 @@ _ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re
 
 
 def _param_types(tools: Sequence[Mapping[str, Any]] | None, name: str) -> dict[str, Any]:
+    """Tool ``name``'s parameters -> the JSON types each admits (None: unknown, any)."""
     for t in tools or ():
         fn = t.get("function", t)
         if isinstance(fn, Mapping) and fn.get("name") == name:
             params = fn.get("parameters") or fn.get("input_schema") or {}
             props = params.get("properties") if isinstance(params, Mapping) else None
-            return {k: v.get("type") for k, v in (props or {}).items() if isinstance(v, Mapping)}
+            return {
+                k: _json_types(v, params, 0)
+                for k, v in (props or {}).items()
+                if isinstance(v, Mapping)
+            }
     return {}
 
 
-def _value(raw: str, declared: Any) -> Any:
-    if declared == "string":
+def _json_types(schema: Any, root: Mapping[str, Any], depth: int) -> frozenset[str] | None:
+    """The JSON types ``schema`` admits: its type (or list of types), its enum's or const's
+    values, the union over anyOf / oneOf, through local ``$ref`` s; None when it does not say."""
+    if not isinstance(schema, Mapping) or depth > 16:
+        return None
+    ref = schema.get("$ref")
+    if isinstance(ref, str):
+        if not ref.startswith("#/"):
+            return None
+        target: Any = root
+        for part in ref[2:].split("/"):
+            target = target.get(part) if isinstance(target, Mapping) else None
+        return _json_types(target, root, depth + 1)
+    t = schema.get("type")
+    if isinstance(t, str):
+        return frozenset([t])
+    if isinstance(t, list) and all(isinstance(x, str) for x in t):
+        return frozenset(t)
+    if isinstance(schema.get("enum"), list):
+        return frozenset(_json_type(v) for v in schema["enum"])
+    if "const" in schema:
+        return frozenset([_json_type(schema["const"])])
+    for key in ("anyOf", "oneOf"):
+        subs = schema.get(key)
+        if isinstance(subs, list) and subs:
+            union: set[str] = set()
+            for sub in subs:
+                got = _json_types(sub, root, depth + 1)
+                if got is None:
+                    return None
+                union |= got
+            return frozenset(union)
+    return None
+
+
+def _json_type(v: Any) -> str:
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, int):
+        return "integer"
+    return {float: "number", str: "string", list: "array", dict: "object"}.get(type(v), "null")
+
+
+def _value(raw: str, declared: frozenset[str] | None) -> Any:
+    """A GLM-format argument value: the raw text where the schema admits a string, unless it
+    admits another type the text is JSON of ("12345" for ``str | None`` stays a string; it
+    became the integer 12345); JSON where it can be read as JSON otherwise."""
+    if declared is not None and declared == {"string"}:
         return raw
     try:
-        return json.loads(raw)
+        parsed = json.loads(raw)
     except (json.JSONDecodeError, ValueError):
         return raw
+    if declared is None or "string" not in declared:
+        return parsed
+    kind = _json_type(parsed)
+    fits = kind in declared or (kind == "integer" and "number" in declared)
+    return parsed if fits and kind != "string" else raw
 
 
 def parse_tool_calls(
@@ -246,7 +302,22 @@ def parse_tool_calls(
     return "".join(kept).strip() if calls else text, calls
 
 
+def _declared(tools: Sequence[Mapping[str, Any]] | None, name: str) -> bool:
+    """Whether ``name`` is a tool the request declared (any non-empty name without tools)."""
+    if not name:
+        return False
+    if tools is None:
+        return True
+    for t in tools:
+        fn = t.get("function", t)
+        if isinstance(fn, Mapping) and fn.get("name") == name:
+            return True
+    return False
+
+
 def _parse_block(body: str, tools: Sequence[Mapping[str, Any]] | None) -> ParsedToolCall | None:
+    """One block's call, or None (it stays text): a block that parses as neither format, or
+    names a tool the request did not declare (a client would run what it never offered)."""
     call_id = f"call_{uuid.uuid4().hex[:24]}"
     if body.startswith("{"):
         try:
@@ -261,12 +332,12 @@ def _parse_block(body: str, tools: Sequence[Mapping[str, Any]] | None) -> Parsed
                 args = json.loads(args)
             except json.JSONDecodeError:
                 return None
-        if not isinstance(args, dict):
+        if not isinstance(args, dict) or not _declared(tools, obj["name"]):
             return None
         return ParsedToolCall(call_id, obj["name"], json.dumps(args, ensure_ascii=False))
     first, _, rest = body.partition("<arg_key>")
     name = first.strip()
-    if not name or any(c.isspace() for c in name) or "<" in name:
+    if any(c.isspace() for c in name) or "<" in name or not _declared(tools, name):
         return None
     types = _param_types(tools, name)
     args_text = "<arg_key>" + rest if rest else ""

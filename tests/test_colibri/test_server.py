@@ -665,7 +665,8 @@ def tools_model(tmp_path: Path) -> Path:
 async def test_tools_and_reasoning_plumbing(tmp_path: Path, anyio_backend: str) -> None:
     """A model whose template renders tools and opens a think section (the demo model's does
     neither): tools reach the prompt, tool calls in history render, and output inside the
-    unclosed think section comes back as reasoning_content. In process, on asyncio and trio."""
+    unclosed think section comes back as reasoning_content (JSON output as content). In process,
+    on asyncio and trio."""
     from colibri.server import ServerConfig, create_app
 
     model_dir = tools_model(tmp_path)
@@ -747,6 +748,40 @@ async def test_tools_and_reasoning_plumbing(tmp_path: Path, anyio_backend: str) 
                     assert json.loads(args) == {"city": "Paris"}
                 else:
                     assert not got.get("tool_calls") and "<tool_call>get_weather" in got["content"]
+            # a stop string inside the block cuts it as max_tokens does: text, "stop", no call
+            # (it was a finished call with its arguments lost)
+            r = await client.post(
+                "/v1/chat/completions",
+                json={**base, "tools": tools, "max_tokens": 64, "response_format": fmt,
+                      "stop": ["</arg_key>"]},
+            )  # fmt: skip
+            cutmsg = r.json()["choices"][0]
+            assert cutmsg["finish_reason"] == "stop" and not cutmsg["message"].get("tool_calls")
+            assert "<tool_call>get_weather" in cutmsg["message"]["content"], cutmsg
+            # two calls, parallel_tool_calls false: the first only (both were returned)
+            two = {"type": "regex", "grammar": re.escape(call + call[len("</think>\n\n") :])}
+            counts = []
+            for parallel in (True, False):
+                r = await client.post(
+                    "/v1/chat/completions",
+                    json={**base, "tools": tools, "max_tokens": 200, "response_format": two,
+                          "parallel_tool_calls": parallel},
+                )  # fmt: skip
+                counts.append(len(r.json()["choices"][0]["message"]["tool_calls"]))
+            assert counts == [2, 1], counts
+            # JSON output is the answer even though this template always opens <think> (it
+            # came back as reasoning_content with the content empty)
+            js = await client.post(
+                "/v1/chat/completions",
+                json={**base, "max_tokens": 32, "response_format": {
+                    "type": "json_schema", "json_schema": {"name": "a", "strict": True, "schema": {
+                        "type": "object", "required": ["a"], "additionalProperties": False,
+                        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}}}}},
+            )  # fmt: skip
+            assert js.status_code == 200, js.text
+            jm = js.json()["choices"][0]["message"]
+            assert isinstance(json.loads(jm["content"]), dict), jm
+            assert not jm.get("reasoning_content"), jm
     assert body["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"]
     assert none.json()["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "tool_choice"
@@ -784,6 +819,29 @@ def test_text_processing() -> None:
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [
         ("get_weather", {"city": "42", "days": 3})
     ]
+    # a schema that admits a string keeps the text as written unless it admits the JSON's own
+    # type too: str | None (pydantic's anyOf), type lists, a $ref to a string enum
+    wide = {
+        "$defs": {"Unit": {"enum": ["c", "f"]}},
+        "properties": {
+            "zip": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+            "code": {"type": ["string", "integer"]},
+            "unit": {"$ref": "#/$defs/Unit"},
+            "n": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+        },
+    }
+    args = "".join(
+        f"<arg_key>{k}</arg_key><arg_value>{v}</arg_value>"
+        for k, v in (("zip", "02139"), ("zip", "12345"), ("code", "7"), ("unit", "true"),
+                     ("n", "null"))
+    )  # fmt: skip
+    wide_tools = [{"type": "function", "function": {"name": "w", "parameters": wide}}]
+    _, calls = parse_tool_calls(f"<tool_call>w{args}</tool_call>", wide_tools)
+    assert json.loads(calls[0].arguments) == {"zip": "12345", "code": 7, "unit": "true", "n": None}
+    # a call to a tool the request did not declare, or to no name, stays text
+    for block in ("<tool_call>rm_rf<arg_key>path</arg_key><arg_value>/</arg_value></tool_call>",
+                  '<tool_call>{"name": "", "arguments": {}}</tool_call>'):  # fmt: skip
+        assert parse_tool_calls(block, tools) == (block, [])
     text, calls = parse_tool_calls('<tool_call>{"name": "f", "arguments": {"a": [1]}}</tool_call>')
     assert text == "" and calls[0].name == "f" and json.loads(calls[0].arguments) == {"a": [1]}
     assert parse_tool_calls("no calls <tool_call>not valid json{")[1] == []
