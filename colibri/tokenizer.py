@@ -86,7 +86,10 @@ class ChatTokenizer:
         self.config = dict(tokenizer_config)
         decoder = self._tok.decoder
         self._byte_level = decoder is not None and type(decoder).__name__ == "ByteLevel"
-        self._added_ids = frozenset(int(i) for i in self._tok.get_added_tokens_decoder())
+        added = self._tok.get_added_tokens_decoder()
+        self._added_ids = frozenset(int(i) for i in added)
+        # special tokens: decode() leaves them out of the text, so their bytes are none
+        self._special_ids = frozenset(int(i) for i, t in added.items() if t.special)
         self._template_src, where = chat_template_source(tokenizer_file.parent, self.config)
         self._template = (
             compile_chat_template(self._template_src, where) if self._template_src else None
@@ -127,10 +130,13 @@ class ChatTokenizer:
         """The bytes token ``token_id`` stands for in the output text, also for a token that
         holds only part of a UTF-8 character (whose own decode is U+FFFD): byte-level BPE
         tokens through GPT-2's byte-to-character table, ``<0xHH>`` byte-fallback tokens as
-        that byte, sentencepiece pieces with ``▁`` as a space; added tokens as their text."""
+        that byte, sentencepiece pieces with ``▁`` as a space; added tokens as their text, special ones (which
+        the output text leaves out) as no bytes."""
         piece = self._tok.id_to_token(int(token_id))
         if piece is None:
             return b""
+        if int(token_id) in self._special_ids:
+            return b""  # not in the output text (it was "<|assistant|>", so offsets ran past it)
         if int(token_id) in self._added_ids:
             return str(piece).encode("utf-8")
         if self._byte_level:
