@@ -130,8 +130,8 @@ class ChatTokenizer:
         """The bytes token ``token_id`` stands for in the output text, also for a token that
         holds only part of a UTF-8 character (whose own decode is U+FFFD): byte-level BPE
         tokens through GPT-2's byte-to-character table, ``<0xHH>`` byte-fallback tokens as
-        that byte, sentencepiece pieces with ``▁`` as a space; added tokens as their text, special ones (which
-        the output text leaves out) as no bytes."""
+        that byte, sentencepiece pieces with ``▁`` as a space; added tokens as their text,
+        special ones (which the output text leaves out) as no bytes."""
         piece = self._tok.id_to_token(int(token_id))
         if piece is None:
             return b""
