@@ -711,7 +711,11 @@ def _run(
         _write_state(dst, rec, source.identity, plans, done)
 
     for name in source.side_files:
-        if name == "config.json" and source.config is not None:  # an unwrapped text model's
+        if name == "config.json" and catalog.mtp_dropped:
+            cfg = source.config if source.config is not None else _read_json(source.root / name)
+            cfg = {**cfg, "num_nextn_predict_layers": 0}
+            data = (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode()
+        elif name == "config.json" and source.config is not None:  # an unwrapped text model's
             data = (json.dumps(source.config, indent=2, sort_keys=True) + "\n").encode()
         else:
             try:
@@ -956,3 +960,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConversionError(f"{path}: cannot read: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise ConversionError(f"{path}: not a JSON object")
+    return obj

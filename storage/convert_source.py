@@ -282,6 +282,9 @@ class _Catalog:
     items: tuple[_Item, ...]
     unknown: tuple[str, ...]
     notes: tuple[str, ...]
+    # config.json declares MTP layers the source has no weights for: the container's config
+    # declares none (num_nextn_predict_layers 0), so that it describes what the shards hold
+    mtp_dropped: bool = False
 
 
 def _build_catalog(source: _Source, options: ConvertOptions) -> _Catalog:
@@ -359,6 +362,13 @@ def _build_catalog(source: _Source, options: ConvertOptions) -> _Catalog:
         notes.append(
             "the source has no MTP layer weights although config.json declares "
             f"{arch.num_mtp_layers}; the container has none (speculative decoding unavailable)"
+        )
+        return _Catalog(
+            dataclasses.replace(arch, num_mtp_layers=0),
+            tuple(items),
+            tuple(unknown),
+            tuple(notes),
+            mtp_dropped=True,
         )
     return _Catalog(arch, tuple(items), tuple(unknown), tuple(notes))
 

@@ -900,3 +900,34 @@ def test_an_index_naming_files_outside_src_and_a_dst_that_is_a_file_are_refused(
     (tmp_path / "afile").write_text("x")
     with pytest.raises(ConversionError, match="is a file, not a directory"):
         convert(bf16_src[0], tmp_path / "afile", ConvertOptions(shard_size=SMALL))
+
+
+def test_a_source_without_mtp_weights_makes_a_container_that_declares_none(
+    tmp_path: Path,
+) -> None:
+    """Converting a checkpoint whose config declares an MTP layer it has no weights for is
+    allowed (docs/format.md); the container's config said one MTP layer all the same, so
+    `coli doctor` failed it (67 tensors missing) and `coli info` counted one. Its config.json
+    now declares none, and the doctor passes it."""
+    from storage.container import Container
+    from storage.doctor import run_doctor
+
+    cfg = tiny_config()
+    arch = ArchConfig.from_dict(cfg)
+    mtp = tuple(
+        n
+        for n in expected_tensors(arch)
+        if n.startswith(tuple(f"model.layers.{i}." for i in range(arch.num_hidden_layers, 64)))
+    )
+    assert mtp
+    make_checkpoint(tmp_path / "src", cfg, n_shards=1, skip=mtp)
+    res = convert(tmp_path / "src", tmp_path / "dst", ConvertOptions(shard_size=SMALL))
+    assert any("no MTP layer weights" in n for n in res.notes), res.notes
+    written = json.loads((tmp_path / "dst" / "config.json").read_text())
+    assert written["num_nextn_predict_layers"] == 0
+    assert {k: v for k, v in written.items() if k != "num_nextn_predict_layers"} == {
+        k: v for k, v in cfg.items() if k != "num_nextn_predict_layers"
+    }
+    assert Container.open(tmp_path / "dst").arch.num_mtp_layers == 0
+    report = run_doctor(tmp_path / "dst")
+    assert report.ok and not [c for c in report.checks if c.status != "pass"], report.checks
