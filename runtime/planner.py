@@ -125,6 +125,9 @@ class Plan:
     bottleneck: Bottleneck
     why: str
     suggested: dict[str, Any]
+    # outside the budget: a prefill chunk's activations (the engine's default chunk)
+    prefill_chunk: int = 0
+    prefill_activation_bytes: int = 0
     assumptions: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)  # e.g. a budget past MemAvailable
     layout: StoreLayout | None = field(default=None, repr=False)  # what the engine allocates
@@ -175,6 +178,11 @@ class Plan:
             f"bottleneck     {self.bottleneck}: {self.why}",
             f"minimum RAM    {_size(self.min_ram_bytes)}; every expert cached at "
             f"{_size(self.full_residency_ram_bytes)}",
+            f"outside budget prefill activations of about "
+            f"{_size(self.prefill_activation_bytes)} ({self.prefill_chunk}-token chunks; "
+            f"--prefill-chunk lowers it); KV at {self.kv_bytes_per_token:,} B a token for "
+            f"contexts beyond the reserved one (concurrent sequences, server KV slots, past "
+            f"{self.kv_reserve_tokens} tokens); the interpreter",
             "suggested      "
             + " ".join(
                 f"{k}={('on' if v else 'off') if isinstance(v, bool) else v}"
@@ -330,6 +338,9 @@ def make_plan(
         more = min(int(AUTO_FRACTION * avail), full_ram)
         if budget is not None and more > budget:
             suggested["ram"] = f"{math.ceil(more / 2**20)}MiB"
+    chunk = choose_prefill_chunk(
+        c.arch.hidden_size, top_k, streaming=not resident, ram_budget=ram_budget
+    )
     return Plan(
         model=str(c.path),
         mode="resident" if resident else "streaming",
@@ -367,6 +378,8 @@ def make_plan(
             "routing": "uniform",
             "dense": "stored non-expert tensors + f32 copies (1-D, router, W_UK^T absorption)",
         },
+        prefill_chunk=chunk,
+        prefill_activation_bytes=chunk * activation_bytes_per_token(c.arch.hidden_size, top_k),
         warnings=warnings,
         layout=layout,
     )

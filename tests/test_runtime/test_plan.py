@@ -42,7 +42,11 @@ def synthetic(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _engine_facts(path: Path, budget: int | None, **opts: Any) -> dict[str, Any]:
     with colibri.open_model(path, ram_budget=budget, **opts) as m:
         e = m.stats()["experts"]
-        return {"experts": e, "dense": resident_nbytes(m.engine._model.weights)}
+        return {
+            "experts": e,
+            "dense": resident_nbytes(m.engine._model.weights),
+            "prefill_chunk": m.stats()["compute"]["prefill_chunk"],
+        }
 
 
 def _assert_same_layout(plan: Any, e: dict[str, Any]) -> None:
@@ -61,11 +65,16 @@ def test_demo_plan_matches_engine_open(tmp_path: Path) -> None:
     assert facts["experts"]["mode"] == "resident"
     # The dense estimate from the headers is the loaded arrays' size, to the byte.
     assert auto.dense_bytes == facts["dense"]
+    # the prefill chunk the engine takes, whose activations the plan shows outside the budget
+    assert auto.prefill_chunk == facts["prefill_chunk"] and auto.prefill_activation_bytes > 0
+    assert any(line.startswith("outside budget ") for line in auto.render_lines())
     for extra_slots in (0, 7, 30):
         budget = auto.min_ram_bytes + extra_slots * auto.slot_bytes
         plan = make_plan(c, budget)
-        e = _engine_facts(DEMO, budget, learn=False, state_dir=tmp_path)["experts"]
+        got = _engine_facts(DEMO, budget, learn=False, state_dir=tmp_path)
+        e = got["experts"]
         _assert_same_layout(plan, e)
+        assert plan.prefill_chunk == got["prefill_chunk"]
         layers = plan.moe_layers
         assert plan.lru_slots_per_layer == min(16, extra_slots // layers)
         want = plan.lru_slots_per_layer * layers / (16 * layers)
