@@ -1415,7 +1415,14 @@ def _open_with_progress(opts: EngineOptions) -> Iterator[Any]:
     """``open_model`` with the load shown (:class:`_LoadBar`); the display ends once the model
     is open (or the load failed)."""
     from colibri._engine import open_model
+    from runtime.kernels.cache import kernels_cached
 
+    if sys.stderr.isatty() and not kernels_cached():
+        click.echo(
+            "first run here: compiling the kernels for this CPU (a minute or two; later runs "
+            "start at once)",
+            err=True,
+        )
     with contextlib.ExitStack() as stack:
         bar = _LoadBar()
         try:

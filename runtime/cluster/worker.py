@@ -219,13 +219,18 @@ class ExpertWorker:
         return self.info()
 
     def _warm_up(self) -> None:
-        """Compile the kernels on one row now, not inside the first (deadline-bound) request."""
+        """Compile the kernels now, not inside the first (deadline-bound) requests: one row
+        (a decode step) and several (batched steps and prefill chunks take other kernels;
+        warmed on one row only, a fresh machine's workers compiled those inside the first
+        prompt's requests and every one missed the default --expert-timeout)."""
         if not self.keys:
             return
         layer, e = min(self.keys)
-        x = np.zeros((1, self.arch.hidden_size), dtype=np.float32)
-        ids = np.full((1, 1), e, dtype=np.int64)
-        self.compute(layer, [e], x, ids, np.ones((1, 1), dtype=np.float32), count=False)
+        for rows in (1, 2, 8, 64):
+            x = np.zeros((rows, self.arch.hidden_size), dtype=np.float32)
+            ids = np.full((rows, 1), e, dtype=np.int64)
+            gates = np.ones((rows, 1), dtype=np.float32)
+            self.compute(layer, [e], x, ids, gates, count=False)
 
     def _load_usage(self) -> None:
         if self.state_dir is None or self._usage is not None:

@@ -287,3 +287,29 @@ def test_a_raw_prompt_gets_the_special_tokens_transformers_adds(tmp_path: Path, 
         assert ours.encode(text) == hf(text, add_special_tokens=False).input_ids
     with_bos = how in ("post-processor", "both")
     assert (ours.encode("x", raw=True)[0] == tok.token_to_id(bos)) == with_bos
+
+
+def test_a_first_run_on_a_terminal_says_the_kernels_are_compiling(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """A fresh install spent up to a minute compiling kernels before its first token with no
+    word about it: on a terminal, a run with no compiled kernels cached says so first (and one
+    with them cached does not; pipes and files never get the line)."""
+    from runtime.kernels.cache import kernels_cached
+
+    assert kernels_cached()  # this checkout's kernels (the suite compiled them)
+    words = "compiling the kernels"
+    for cache, shown in ((tmp_path / "numba", True), (None, False)):
+        e = dict(env) if cache is None else {**env, "NUMBA_CACHE_DIR": str(cache)}
+        child = pexpect.spawn(
+            sys.executable,
+            ["-m", "colibri.cli", "run", "-n", "1", "--state-dir", str(tmp_path / "s"), "Hi"],
+            env=e,
+            encoding="utf-8",
+            timeout=120,
+        )
+        try:
+            got = child.expect_exact([words, "first after"])
+            assert got == (0 if shown else 1), child.before
+        finally:
+            child.terminate(force=True)
