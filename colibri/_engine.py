@@ -197,6 +197,9 @@ class Engine:
         self._spec_stats = SpecStats()
         self._spec_cost: CostModel | None = None
         self._grammar_tok: TokenGrammar | None = None
+        # one grammar compiles at a time (a big schema takes seconds of CPU: several at once
+        # starved every generation's steps); copies of compiled ones wait behind it too
+        self._grammar_limiter = anyio.CapacityLimiter(1)
         # which kernel variant runs on which CPU ISA, and whether the lossy fast-int8 is on
         self._kernels = kernel_info(mode=options.kernels)
         self._cluster: RayCluster | None = None  # --ray: the expert workers
@@ -586,7 +589,9 @@ class Engine:
                 list(self.container.eos_token_ids),
             )
         # compiled off the loop: a big grammar takes seconds (a 3.6 MB regex ~1.8 s)
-        matcher: GrammarMatcher = await anyio.to_thread.run_sync(self._grammar_tok.matcher, grammar)
+        matcher: GrammarMatcher = await anyio.to_thread.run_sync(
+            self._grammar_tok.matcher, grammar, limiter=self._grammar_limiter
+        )
         return matcher
 
     async def _speculator(

@@ -202,6 +202,7 @@ class TokenGrammar:
         self._lock = threading.Lock()
         # (kind, source) -> its compiled matcher at the start, least recently used first
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._failed: OrderedDict[tuple[str, str], str] = OrderedDict()  # -> its error
         self.compilations = 0  # grammars compiled (not copied from one kept)
 
     def matcher(self, spec: GrammarSpec) -> GrammarMatcher:
@@ -216,8 +217,20 @@ class TokenGrammar:
             start = self._compiled.get(key)
             if start is not None:
                 self._compiled.move_to_end(key)
+            failed = self._failed.get(key)
+        if failed is not None:
+            raise GrammarError(failed)
         if start is None:
-            start = self._compile(spec)
+            try:
+                start = self._compile(spec)
+            except GrammarError as exc:
+                # the same grammar fails the same way: asked for again (a client retrying),
+                # it is refused at once instead of compiling for seconds again
+                with self._lock:
+                    self._failed[key] = str(exc)
+                    while len(self._failed) > COMPILED_KEPT:
+                        self._failed.popitem(last=False)
+                raise
             with self._lock:
                 self._compiled[key] = start
                 while len(self._compiled) > COMPILED_KEPT:

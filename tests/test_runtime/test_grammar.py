@@ -195,8 +195,8 @@ def test_mask_and_forced_tokens(tok: ChatTokenizer) -> None:
 def test_a_grammar_asked_for_again_is_copied_not_compiled(tok: ChatTokenizer) -> None:
     """The same spec twice compiles once (a service sends one schema with every request, and
     the server checks it before generating too); the copies are independent matchers at the
-    grammar's start; an invalid grammar is refused every time; the least recently used
-    grammar is dropped past COMPILED_KEPT."""
+    grammar's start; an invalid grammar is refused every time (compiled once); the least
+    recently used grammar is dropped past COMPILED_KEPT."""
     g = TokenGrammar(DEMO / "tokenizer.json", 1000, [0, 2])
     yes_no = GrammarSpec.gbnf('root ::= "yes" | "no"')
     a = g.matcher(yes_no)
@@ -207,9 +207,22 @@ def test_a_grammar_asked_for_again_is_copied_not_compiled(tok: ChatTokenizer) ->
     assert np.array_equal(b.allowed(), start) and not np.array_equal(a.allowed(), start)
     b.consume(tok.encode("y")[0])
     assert g.decode(a.forced()) == "o" and g.decode(b.forced()) == "es"
+    compiled: list[GrammarSpec] = []
+    real = g._compile
+
+    def counting(spec: GrammarSpec) -> Any:
+        compiled.append(spec)
+        return real(spec)
+
+    g._compile = counting  # type: ignore[method-assign]
+    errors = []
     for _ in range(2):
-        with pytest.raises(GrammarError):
+        with pytest.raises(GrammarError) as err:
             g.matcher(GrammarSpec.gbnf("root ::= undefined_rule"))
+        errors.append(str(err.value))
+    # refused again at once with the same error, not compiled again (a bad schema took
+    # seconds of CPU at every retry)
+    assert len(compiled) == 1 and errors[0] == errors[1]
     for i in range(COMPILED_KEPT):
         g.matcher(GrammarSpec.regex(f"a{{{i + 1}}}"))
     assert g.compilations == 1 + COMPILED_KEPT
