@@ -252,17 +252,40 @@ class TokenGrammar:
         # (Computing a mask does not advance the matcher; the copies start from this state.)
         import llguidance.numpy as lnp
 
-        lnp.fill_next_token_bitmask(m, np.zeros((1, (self.vocab_size + 31) // 32), np.int32))
+        words = np.zeros((1, (self.vocab_size + 31) // 32), np.int32)
+        lnp.fill_next_token_bitmask(m, words)
         if m.is_error():
             raise GrammarError(
                 f"the {spec.kind} grammar admits no output: {_reason(m.get_error())}"
             )
+        # ... and one step further, on a copy: a grammar past the parser's limits (an object
+        # with hundreds of optional properties, a{1000000}) passes the first mask and fails at
+        # the first token, which was an error inside a stream already answered 200
+        first = _first_allowed(words, self.vocab_size, self.eos_token_ids)
+        if first is not None:
+            probe = m.deep_copy()
+            if probe.consume_token(first):
+                lnp.fill_next_token_bitmask(probe, words)
+            if probe.is_error():
+                raise GrammarError(_limit_message(spec.kind, probe.get_error()))
         with self._lock:
             self.compilations += 1
         return m
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode_str([int(i) for i in ids]))
+
+
+def _first_allowed(words: npt.NDArray[np.int32], vocab: int, eos: Sequence[int]) -> int | None:
+    """The lowest token id a bitmask [1, W] allows, end-of-sequence ids left out."""
+    bits = (words[0][:, None] >> np.arange(32, dtype=np.int32)[None, :]) & 1
+    ok = np.flatnonzero(bits.reshape(-1)[:vocab])
+    ok = ok[~np.isin(ok, list(eos))]
+    return int(ok[0]) if ok.size else None
+
+
+def _limit_message(kind: str, error: str) -> str:
+    return f"the {kind} grammar is too large for the constraint parser: {_reason(error)}"
 
 
 def _reason(error: str) -> str:
@@ -303,7 +326,10 @@ class GrammarMatcher:
 
     def _advance(self, token: int) -> None:
         if not self._m.consume_token(int(token)):
-            raise GrammarError(f"token {token} breaks the grammar: {_reason(self._m.get_error())}")
+            error = self._m.get_error()
+            if " max is " in error:  # a parser limit (items in a row, ...), not the token
+                raise GrammarError(_limit_message("response", error))
+            raise GrammarError(f"token {token} breaks the grammar: {_reason(error)}")
 
     def push(self, tokens: Sequence[int]) -> None:
         """Advance tentatively by draft tokens (undo with :meth:`rollback`).

@@ -320,3 +320,25 @@ def test_a_pushed_token_the_grammar_refuses_leaves_the_state_as_it_was(tok: Chat
 def test_a_schema_json_cannot_hold_is_a_grammar_error() -> None:
     with pytest.raises(GrammarError, match="not valid JSON"):
         GrammarSpec.json_schema({"enum": {1, 2}})  # a set: it was a bare TypeError
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        GrammarSpec.json_schema(
+            {
+                "type": "object",
+                "properties": {f"p{i}": {"type": "integer"} for i in range(600)},
+                "additionalProperties": False,
+            }
+        ),
+        GrammarSpec.regex("a{1000000}"),
+    ],
+    ids=["600-optional-properties", "regex-repeat"],
+)
+def test_a_grammar_past_the_parsers_limits_is_refused_before_any_token(spec: GrammarSpec) -> None:
+    """These passed the compile check and failed at the first token ("token 94 breaks the
+    grammar"), after the server had answered a stream with 200: they are refused up front."""
+    g = TokenGrammar(DEMO / "tokenizer.json", 1000, [0, 2])
+    with pytest.raises(GrammarError, match="too large for the constraint parser"):
+        g.matcher(spec)
