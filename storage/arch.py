@@ -563,6 +563,9 @@ class TensorRole:
     layer: int | None = None
     expert: int | None = None
     proj: str | None = None  # gate_proj / up_proj / down_proj for MLP matrices
+    # a 1-D tensor's length where config.json fixes it (norms over the hidden size, the
+    # correction bias, MLA's latent norms); None: a matrix, or a vector left unchecked
+    length: int | None = None
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -582,7 +585,7 @@ def classify(name: str, arch: ArchConfig) -> TensorRole | None:
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         return TensorRole("io", (v, h))
     if name == "model.norm.weight":
-        return TensorRole("f32", None)
+        return TensorRole("f32", None, length=h)
     m = _LAYER.match(name)
     if not m:
         return None
@@ -597,7 +600,7 @@ def classify(name: str, arch: ArchConfig) -> TensorRole | None:
     ):
         if rest == fam.router:
             return TensorRole("f32", (arch.n_routed_experts, h), layer)
-        return TensorRole("f32", None, layer)
+        return TensorRole("f32", None, layer, length=_vector_len(rest, arch))
     e = _EXPERT[arch.model_type].match(rest)
     if e:
         # An expert the config does not have (dense layer, index past n_routed_experts) is an
@@ -616,6 +619,34 @@ def classify(name: str, arch: ArchConfig) -> TensorRole | None:
     return TensorRole(
         mat, shape, layer, None, rest.split(".")[-2] if rest.startswith("mlp.") else None
     )
+
+
+_HIDDEN_NORMS = frozenset(
+    {
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+        "enorm.weight",
+        "hnorm.weight",
+        "shared_head.norm.weight",
+    }
+)
+
+
+def _vector_len(rest: str, a: ArchConfig) -> int | None:
+    """The length config.json implies for a layer's 1-D tensor ``rest``, where it is certain
+    (a norm or bias of another length was broadcast silently: wrong logits); None elsewhere."""
+    if rest in _HIDDEN_NORMS:
+        return a.hidden_size
+    if rest.endswith("e_score_correction_bias"):
+        return a.n_routed_experts
+    if a.is_mla:
+        if rest == "self_attn.q_a_layernorm.weight":
+            return a.q_lora_rank
+        if rest == "self_attn.kv_a_layernorm.weight":
+            return a.kv_lora_rank
+        if rest in ("self_attn.indexer.k_norm.weight", "self_attn.indexer.k_norm.bias"):
+            return a.index_head_dim or None
+    return None
 
 
 def _matrix_shape(rest: str, layer: int, a: ArchConfig) -> tuple[int, int] | None:

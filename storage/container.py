@@ -726,6 +726,12 @@ def _make_entry(
                 f"{where}: a norm/bias must be stored as {'/'.join(_FLOAT_DTYPES)} without "
                 f"scales, found {info.dtype}{' + scales' if scales is not None else ''}"
             )
+        if len(info.shape) != 1 or (role.length is not None and info.shape[0] != role.length):
+            want = f"[{role.length}]" if role.length is not None else "one dimension"
+            raise FormatError(
+                f"{where}: shape {list(info.shape)}, but config.json implies {want} (a norm or "
+                "bias of another length would be broadcast: wrong output)"
+            )
         return TensorEntry(name, None, info.shape, info, None, role.role)
     n_scales = scales.numel if scales is not None else 0
     key = (info.dtype, info.nbytes, n_scales, role.shape)

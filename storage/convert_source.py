@@ -384,6 +384,11 @@ def _check_tensor(info: TensorInfo, role: TensorRole) -> str | None:
             )
     elif len(info.shape) != 1:
         raise ConversionError(f"{where}: expected a 1-D tensor, got shape {list(info.shape)}")
+    elif role.length is not None and info.shape[0] != role.length:
+        raise ConversionError(
+            f"{where}: shape {list(info.shape)} disagrees with config.json, which implies "
+            f"[{role.length}]; the checkpoint and its config do not match"
+        )
     if info.dtype in _FLOAT_INPUTS:
         return None
     if info.dtype == "F8_E4M3":

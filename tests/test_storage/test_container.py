@@ -231,6 +231,32 @@ def test_unquantized_matrix_stored_1d_is_accepted(copy: Path) -> None:
     assert c.load_f32(name).shape == (4, 64)
 
 
+@pytest.mark.parametrize(
+    ("name", "shape"),
+    [
+        ("model.norm.weight", (1,)),
+        ("model.norm.weight", (1, 64)),
+        ("model.norm.weight", (32,)),
+        ("model.layers.1.input_layernorm.weight", (1,)),
+        ("model.layers.1.mlp.gate.e_score_correction_bias", (1,)),
+        ("model.layers.0.self_attn.kv_a_layernorm.weight", (64,)),
+    ],
+)
+def test_a_norm_or_bias_of_another_length_is_refused(
+    copy: Path, name: str, shape: tuple[int, ...]
+) -> None:
+    """Such a vector was broadcast at run time (wrong logits, the doctor passing it) or failed
+    inside the forward with numpy's error: the container is refused at open, naming the file,
+    the tensor and the length config.json implies."""
+
+    def resize(t: Arrays) -> None:
+        t[name] = (t[name][0], np.ones(shape, dtype=t[name][1].dtype))
+
+    rewrite(copy / "out-00000.safetensors", resize)
+    with pytest.raises(FormatError, match=rf"out-00000\.safetensors: tensor '{name}'.*implies"):
+        Container.open(copy)
+
+
 def test_manifest_is_exposed(copy: Path) -> None:
     from _demo import demo_model
 

@@ -931,3 +931,14 @@ def test_a_source_without_mtp_weights_makes_a_container_that_declares_none(
     assert Container.open(tmp_path / "dst").arch.num_mtp_layers == 0
     report = run_doctor(tmp_path / "dst")
     assert report.ok and not [c for c in report.checks if c.status != "pass"], report.checks
+
+
+def test_a_norm_of_another_length_than_the_config_implies_is_refused(tmp_path: Path) -> None:
+    """A 1-D tensor was checked for being 1-D only: a norm of the wrong length converted and
+    then ran broadcast (wrong output)."""
+    cfg = tiny_config()
+    name = "model.layers.1.post_attention_layernorm.weight"
+    bad = {name: np.ones(cfg["hidden_size"] // 2, dtype=np.float32)}
+    make_checkpoint(tmp_path / "src", cfg, n_shards=1, extra=bad)  # in place of the real one
+    with pytest.raises(ConversionError, match=rf"{name}'.*\[32\].*implies \[64\]"):
+        convert(tmp_path / "src", tmp_path / "dst", ConvertOptions())
