@@ -289,6 +289,25 @@ def _expected_shards(
     return sorted({v for v in wmap.values() if isinstance(v, str) and v})
 
 
+_NUMBERED = re.compile(r"^(out(?:-mtp|-idx)?)-(\d{5})\.safetensors$")
+
+
+def _numbering_gaps(names: set[str]) -> list[str]:
+    """Shard names missing from the public layout's numbering (``out-00000``, ``out-00001``,
+    ... and the same for ``out-mtp-`` and ``out-idx-``: each series from 00000, no gaps)."""
+    series: dict[str, set[int]] = {}
+    for n in names:
+        m = _NUMBERED.match(n)
+        if m is not None:
+            series.setdefault(m.group(1), set()).add(int(m.group(2)))
+    return [
+        f"{prefix}-{i:05d}.safetensors"
+        for prefix, got in sorted(series.items())
+        for i in range(max(got))
+        if i not in got
+    ]
+
+
 def _load_json(path: Path, *, required: bool) -> dict[str, Any] | None:
     """A JSON object from ``path``; None when absent and not required."""
     try:
@@ -465,17 +484,29 @@ class Container:
         else:
             dirs = (d,)
             paths = shard_paths(d)
-            if manifest is not None:  # the converter's own list: a shard it names must be here
-                present = {p.name for p in paths}
-                for name in _expected_shards(d, manifest, problems) or []:
-                    if name not in present:
-                        problems.add(
-                            ContainerError(
-                                f"{d / name}: listed in {MANIFEST_NAME} but missing; the "
-                                "download or copy is incomplete (copy the file, or pass "
-                                "--model-dir for shards kept elsewhere)"
-                            )
+            # the converter's own list (else a Hugging Face index): a shard it names must be
+            # here (one an index named was found missing only through the tensors it held:
+            # "the conversion is incomplete", or an MTP layer silently absent)
+            present = {p.name for p in paths}
+            listed = _expected_shards(d, manifest, problems)
+            source = MANIFEST_NAME if manifest is not None else HF_INDEX_NAME
+            for name in listed or []:
+                if name not in present:
+                    problems.add(
+                        ContainerError(
+                            f"{d / name}: listed in {source} but missing; the download or "
+                            "copy is incomplete (copy the file, or pass --model-dir for "
+                            "shards kept elsewhere)"
                         )
+                    )
+            if listed is None:
+                for gap in _numbering_gaps(present):
+                    problems.add(
+                        ContainerError(
+                            f"{d / gap}: missing (the shards are numbered from 00000 without "
+                            "gaps); the download or copy is incomplete"
+                        )
+                    )
         for p in paths:
             try:
                 shards.append(read_header(p))

@@ -257,6 +257,26 @@ def test_a_norm_or_bias_of_another_length_is_refused(
         Container.open(copy)
 
 
+def test_a_shard_the_index_lists_or_the_numbering_skips_is_named(copy: Path) -> None:
+    """Without a manifest, a shard missing from a Hugging Face index was found only through
+    the tensors it held ("the conversion is incomplete", or an MTP layer silently absent),
+    and a gap in the public layout's out-NNNNN numbering went unseen (coli info counting no
+    MoE layer): the missing file is named."""
+    (copy / "out-mtp-00000.safetensors").rename(copy / "out-mtp-00001.safetensors")
+    with pytest.raises(ContainerError) as err:
+        Container.open(copy)
+    assert_names(err.value, copy / "out-mtp-00000.safetensors", "numbered")
+    (copy / "out-mtp-00001.safetensors").rename(copy / "out-mtp-00000.safetensors")
+    names = {
+        n: "out-00000.safetensors" for n in read_header(copy / "out-00000.safetensors").tensors
+    }
+    names["model.layers.2.extra"] = "model-00002-of-00002.safetensors"
+    (copy / "model.safetensors.index.json").write_text(json.dumps({"weight_map": names}))
+    with pytest.raises(ContainerError) as err:
+        Container.open(copy)
+    assert_names(err.value, copy / "model-00002-of-00002.safetensors", "index.json")
+
+
 def test_manifest_is_exposed(copy: Path) -> None:
     from _demo import demo_model
 
