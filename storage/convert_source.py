@@ -344,6 +344,23 @@ def _build_catalog(source: _Source, options: ConvertOptions) -> _Catalog:
         )
 
     notes: list[str] = list(source.notes)
+    ragged = [
+        it
+        for it in items
+        if it.fmt is not None
+        and it.fmt.group_size
+        and len(it.info.shape) == 2
+        and it.info.shape[1] % it.fmt.group_size
+    ]
+    if ragged:
+        first = ragged[0]
+        assert first.fmt is not None
+        notes.append(
+            f"{len(ragged)} matrices (e.g. {first.name}, {first.info.shape[1]} wide) are not a "
+            f"whole number of {first.fmt} groups per row: colibri reads them (a row's last group "
+            "is shorter), the C engine, which derives the group size from the scale count, "
+            "would not; a group size that divides their width makes a container both read"
+        )
     missing = [n for n in expected_tensors(arch) if n not in tensors]
     optional = optional_tensors(arch)
     if optional and set(missing) == optional:  # an MTP layer without its (optional) indexer

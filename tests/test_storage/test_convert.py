@@ -942,3 +942,17 @@ def test_a_norm_of_another_length_than_the_config_implies_is_refused(tmp_path: P
     make_checkpoint(tmp_path / "src", cfg, n_shards=1, extra=bad)  # in place of the real one
     with pytest.raises(ConversionError, match=rf"{name}'.*\[32\].*implies \[64\]"):
         convert(tmp_path / "src", tmp_path / "dst", ConvertOptions())
+
+
+def test_a_width_that_is_not_whole_groups_is_noted(tmp_path: Path) -> None:
+    """int4-g64 on a 160-wide matrix (the tiny config's dense MLP) reads right in colibri,
+    whose last group of a row is shorter, but the C engine derives the group size from the
+    scale count (160 / 3 = 53) and misreads it: the conversion says so, naming a matrix."""
+    cfg = tiny_config()
+    make_checkpoint(tmp_path / "src", cfg, n_shards=1)
+    res = convert(tmp_path / "src", tmp_path / "dst", ConvertOptions())
+    (note,) = [n for n in res.notes if "groups per row" in n]
+    assert "160 wide" in note and "int4-g64" in note, note
+    even = ConvertOptions(dense="int4-g16", experts="int4-g16")
+    ok = convert(tmp_path / "src", tmp_path / "dst16", even)
+    assert not [n for n in ok.notes if "groups per row" in n], ok.notes
