@@ -68,10 +68,17 @@ def _byte_decoder() -> dict[str, int]:
 class PromptTooLongError(ColibriError):
     """A text has more tokens than allowed (:meth:`ChatTokenizer.encode` with ``limit``)."""
 
-    def __init__(self, n_tokens: int, limit: int) -> None:
-        super().__init__(f"the text has {n_tokens} tokens, more than {limit}")
+    def __init__(self, n_tokens: int, limit: int, *, at_least: bool = False) -> None:
+        more = "at least " if at_least else ""
+        super().__init__(f"the text has {more}{n_tokens} tokens, more than {limit}")
         self.n_tokens = n_tokens
         self.limit = limit
+        self.at_least = at_least  # n_tokens is a floor (the text was never tokenized)
+
+
+#: normalizers that never shrink a text by more than half its bytes (a collapsing one, e.g.
+#: a Replace of whitespace runs, could: the byte floor of ChatTokenizer.encode is not used then)
+_SAFE_NORMALIZERS = frozenset({"NFC", "NFD", "NFKC", "NFKD", "Prepend"})
 
 
 class ChatTokenizer:
@@ -84,6 +91,7 @@ class ChatTokenizer:
         except Exception as exc:  # tokenizers raises plain Exception subclasses
             raise ConfigError(f"{tokenizer_file}: cannot load tokenizer ({exc})") from exc
         self.config = dict(tokenizer_config)
+        self._longest: int | None = None  # bytes a token may cover, x 2 (_token_floor)
         decoder = self._tok.decoder
         self._byte_level = decoder is not None and type(decoder).__name__ == "ByteLevel"
         added = self._tok.get_added_tokens_decoder()
@@ -112,6 +120,12 @@ class ChatTokenizer:
         carries its own special tokens): the ids are what transformers' ``tokenizer(text)``
         gives, with the special tokens tokenizer.json's post-processor adds (a BOS, for
         tokenizers that start every text with one)."""
+        if limit is not None and len(text) > limit:
+            floor = self._token_floor(text)
+            if floor > limit:
+                # refused without tokenizing: a 4 MB prompt to a model of a 1,024-token context
+                # took seconds of a text thread (and GBs of memory) only to be refused
+                raise PromptTooLongError(floor, limit, at_least=True)
         if len(text) > _LONG_TEXT:
             # encode_batch releases the GIL while it works (encode holds it for the whole call:
             # seconds for a 4 MB prompt, during which no other thread, the event loop included,
@@ -122,6 +136,18 @@ class ChatTokenizer:
         if limit is not None and len(enc) > limit:
             raise PromptTooLongError(len(enc), limit)
         return list(enc.ids)
+
+    def _token_floor(self, text: str) -> int:
+        """Fewest tokens ``text`` can become: no token covers more bytes than the longest
+        vocabulary entry, and a safe normalizer at most halves the text (0 when unknown)."""
+        if self._longest is None:
+            norm = self._tok.normalizer
+            safe = norm is None or type(norm).__name__ in _SAFE_NORMALIZERS
+            longest = max((len(k.encode("utf-8")) for k in self._tok.get_vocab()), default=1)
+            self._longest = 2 * max(longest, 1) if safe else 0
+        if not self._longest:
+            return 0
+        return len(text.encode("utf-8")) // self._longest
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=True))

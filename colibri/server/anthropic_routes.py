@@ -21,6 +21,7 @@ from starlette.routing import Route
 from colibri.server.errors import ApiError
 from colibri.server.generation import Generation, Result, new_id, template_messages
 from colibri.server.requests import (
+    block_text,
     chat_params,
     check_model,
     common_params,
@@ -38,13 +39,16 @@ __all__ = ["anthropic_routes", "to_template_messages"]
 def _text_of(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
+    if not isinstance(content, list):  # an int or a lone block was a 500
+        raise ApiError(400, f"{where}: a string or a list of text blocks", param=where)
     parts: list[str] = []
-    for block in content or []:
-        kind = block.get("type")
+    for k, block in enumerate(content):
+        at = f"{where}.{k}"
+        kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
-            parts.append(str(block.get("text", "")))
+            parts.append(block_text(block, "text", at))
         else:
-            raise ApiError(400, f"{where}: block type {kind!r} is not supported here", param=where)
+            raise ApiError(400, f"{at}: block type {kind!r} is not supported here", param=at)
     return "".join(parts)
 
 
@@ -61,12 +65,12 @@ def to_template_messages(req: MessagesRequest) -> list[dict[str, Any]]:
         thinking: list[str] = []
         calls: list[dict[str, Any]] = []
         for j, block in enumerate(m.content):
-            kind = block.get("type")
             where = f"messages.{i}.content.{j}"
+            kind = block.get("type") if isinstance(block, dict) else None
             if kind == "text":
-                text.append(str(block.get("text", "")))
+                text.append(block_text(block, "text", where))
             elif kind == "thinking" and m.role == "assistant":
-                thinking.append(str(block.get("thinking", "")))
+                thinking.append(block_text(block, "thinking", where))
             elif kind == "redacted_thinking":
                 continue
             elif kind == "tool_use" and m.role == "assistant":

@@ -28,6 +28,7 @@ from colibri.server.generation import (
     template_messages,
 )
 from colibri.server.requests import (
+    block_text,
     chat_params,
     check_model,
     common_params,
@@ -75,10 +76,10 @@ def _message_dicts(req: ChatCompletionRequest) -> list[dict[str, Any]]:
         content = d.get("content")
         if isinstance(content, list):
             parts: list[str] = []
-            for part in content:
-                kind = part.get("type")
+            for k, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
                 if kind in ("text", "input_text"):
-                    parts.append(str(part.get("text", "")))
+                    parts.append(block_text(part, "text", f"messages.{i}.content.{k}"))
                 else:
                     raise ApiError(
                         400,

@@ -265,6 +265,20 @@ async def render_chat(
     return text, await st.encode_prompt(text)
 
 
+def block_text(block: Any, key: str, where: str) -> str:
+    """A content block's text field (``key``): a string, else a 400 (a null or an object
+    went into the prompt as Python's "None" or "{'a': 1}"; a block that is no object was a
+    500)."""
+    if not isinstance(block, Mapping):
+        raise ApiError(400, f"{where}: a content block is an object", param=where)
+    value = block.get(key, "")
+    if not isinstance(value, str):
+        raise ApiError(
+            400, f"{where}.{key}: a string, not {type(value).__name__}", param=f"{where}.{key}"
+        )
+    return value
+
+
 def template_extra(req: Extensions, tools: Any, thinking: bool | None) -> dict[str, Any]:
     """The chat template's variables: the request's ``chat_template_kwargs``, then the tools
     and the thinking switch when given."""

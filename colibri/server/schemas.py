@@ -182,6 +182,10 @@ class AnthropicMessage(_Loose):
 
 
 class AnthropicTool(_Loose):
+    # a client tool ("custom", or no type); Anthropic's server tools (web_search_20250305,
+    # ...) are tools the server would run: refused rather than offered to the model as
+    # functions the client never defined
+    type: Literal["custom"] | None = None
     name: str = Field(min_length=1)
     description: str | None = None
     input_schema: dict[str, Any] = Field(default_factory=dict)

@@ -315,7 +315,7 @@ class AppState:
             raise ApiError(
                 400,
                 f"this model's context is {self.context_length} tokens, but the prompt has "
-                f"{exc.n_tokens} tokens; shorten it",
+                f"{'at least ' if exc.at_least else ''}{exc.n_tokens} tokens; shorten it",
                 param=param,
                 code="context_length_exceeded",
             ) from None

@@ -285,3 +285,47 @@ async def test_a_request_sets_its_own_drafting(client: httpx.AsyncClient) -> Non
         assert r.status_code == 200, (value, r.text)
     bad = await client.post("/v1/chat/completions", json=_chat(draft="sometimes"))
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "draft", bad.text
+
+
+async def test_content_of_the_wrong_shape_is_a_4xx_never_a_500(client: httpx.AsyncClient) -> None:
+    """A tool_result whose content is a number, a lone block or a list of strings was a 500
+    (which SDKs retry); a text block's null or object text went into the prompt as Python's
+    "None" / "{'a': 1}"; an Anthropic server tool (web_search) was offered to the model as a
+    function the client never defined."""
+    user = {"role": "user", "content": "Weather?"}
+    call = {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "w",
+                                              "input": {}}]}  # fmt: skip
+    base = {"model": "m", "max_tokens": 2}
+    for content in (5, {"type": "text", "text": "x"}, ["sunny"], [None]):
+        result = {"type": "tool_result", "tool_use_id": "t1", "content": content}
+        msgs = [user, call, {"role": "user", "content": [result]}]
+        r = await client.post("/v1/messages", json={**base, "messages": msgs})
+        assert r.status_code == 400, (content, r.status_code, r.text)
+    for text in (None, {"a": 1}):
+        block = [{"type": "text", "text": text}]
+        r = await client.post(
+            "/v1/messages", json={**base, "messages": [{"role": "user", "content": block}]}
+        )
+        assert r.status_code == 400 and "string" in r.text, (text, r.text)
+        r = await client.post("/v1/messages", json={**base, "messages": [user], "system": block})
+        assert r.status_code == 400, r.text
+        r = await client.post(
+            "/v1/chat/completions", json=_chat(messages=[{"role": "user", "content": block}])
+        )
+        assert r.status_code == 400 and "string" in r.text, (text, r.text)
+    web = {"type": "web_search_20250305", "name": "web_search", "max_uses": 5}
+    r = await client.post("/v1/messages", json={**base, "messages": [user], "tools": [web]})
+    assert r.status_code == 422 and "tools" in r.text, r.text
+
+
+async def test_a_prompt_far_past_the_context_is_refused_without_tokenizing_it(
+    client: httpx.AsyncClient,
+) -> None:
+    """A 3.9 MB prompt to a model of a 1,024-token context was tokenized whole (seconds of a
+    text thread, GBs of memory) only to be refused: its byte count alone proves it too long."""
+    r = await client.post(
+        "/v1/completions", json={"model": "m", "prompt": "hello world " * 300_000, "max_tokens": 1}
+    )
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded" and "at least" in err["message"], err
