@@ -856,7 +856,8 @@ def run(
     default=10.0,
     show_default=True,
     type=click.FloatRange(min=0, min_open=True),
-    help="Seconds a connection has to send a request's headers.",
+    help="Seconds a connection has to send a request's headers, and the longest pause "
+    "allowed inside its body (then 408).",
 )
 @click.option(
     "--keep-alive-timeout",

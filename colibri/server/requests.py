@@ -53,7 +53,7 @@ def state_of(request: Request) -> AppState:
 async def parse_body(request: Request, model: type[M]) -> M:
     """The JSON body validated as ``model``: 400 for bad JSON, 413 too big, 422 bad fields."""
     st = state_of(request)
-    raw = await read_body(request, st.config.max_body)
+    raw = await read_body(request, st.config.max_body, st.config.header_timeout)
     try:
         data = json.loads(raw or b"null")
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import math
 from collections.abc import Iterable, Sequence
 
+import anyio
 from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -168,11 +170,25 @@ def tenant_of(request: Request) -> str | None:
     return t if isinstance(t, str) else None
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing (413) more than ``limit`` bytes even without Content-Length."""
+async def read_body(request: Request, limit: int, idle_timeout: float | None = None) -> bytes:
+    """The request body, refusing (413) more than ``limit`` bytes even without Content-Length,
+    and (408) a body that stalls: nothing for ``idle_timeout`` seconds (a client that sent its
+    headers then trickled or stopped held its connection and buffered body forever)."""
     chunks: list[bytes] = []
     total = 0
-    async for chunk in request.stream():
+    stream = request.stream().__aiter__()
+    while True:
+        with anyio.move_on_after(idle_timeout if idle_timeout is not None else math.inf) as wait:
+            try:
+                chunk = await stream.__anext__()
+            except StopAsyncIteration:
+                break
+        if wait.cancelled_caught:
+            raise ApiError(
+                408,
+                f"the request body stalled: nothing arrived for {idle_timeout:g} s",
+                code="request_timeout",
+            )
         total += len(chunk)
         if total > limit:
             raise ApiError(

@@ -86,7 +86,10 @@ class ServerConfig(BaseModel):
         description="seconds between throughput lines while the server is busy (0: none)",
     )
     header_timeout: float = Field(
-        default=10.0, gt=0, description="seconds a connection has to send a request's headers"
+        default=10.0,
+        gt=0,
+        description="seconds a connection has to send a request's headers, and the longest "
+        "pause allowed inside its body",
     )
     keep_alive_timeout: int = Field(
         default=5, ge=1, description="seconds an idle keep-alive connection stays open"

@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
+from _demo import demo_model
 from test_server import MODEL, Server
 
 pytestmark = pytest.mark.reliability
@@ -122,8 +123,41 @@ def test_reserved_template_kwargs_and_bad_enums_are_refused(server: Server) -> N
         _still_serves(c)
 
 
-def test_health_answers_while_a_4mb_prompt_is_tokenized(server: Server, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def long_context(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The test model with a 500,000-token context: a 4 MB prompt may fit it by its byte
+    count, so it is tokenized (with a 1,024-token context it is refused on its size alone)."""
+    src = demo_model()
+    d = tmp_path_factory.mktemp("long") / src.name  # served under the same name
+    d.mkdir()
+    for f in src.iterdir():
+        if f.name != "config.json":
+            (d / f.name).symlink_to(f)
+    cfg = json.loads((src / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 500_000}))
+    s = Server(d.parent, "--kv-slots", "0", model=d)
+    try:
+        yield s.wait_ready()
+    finally:
+        s.stop()
+
+
+def test_a_4mb_prompt_past_a_small_context_is_refused_at_once(server: Server) -> None:
+    """Its byte count alone proves it longer than 1,024 tokens: no seconds of tokenizing."""
+    prompt = ("the quick brown fox jumps over the lazy dog " * 90_000)[:4_000_000]
+    t0 = time.monotonic()
+    r = httpx.post(
+        server.url + "/v1/completions",
+        json={"model": MODEL, "prompt": prompt, "max_tokens": 1},
+        timeout=120,
+    )
+    assert r.status_code == 400 and "at least" in r.json()["error"]["message"], r.text
+    print(f"refused in {time.monotonic() - t0:.2f} s")
+
+
+def test_health_answers_while_a_4mb_prompt_is_tokenized(long_context: Server) -> None:
     """Tokenizing ~4 MB takes seconds; it runs in a worker thread, so the loop stays free."""
+    server = long_context
     prompt = ("the quick brown fox jumps over the lazy dog " * 90_000)[:4_000_000]
     done = threading.Event()
     status: list[int] = []
@@ -290,6 +324,21 @@ def test_connections_without_complete_headers_are_closed(strict: Server, sent: b
         sock.settimeout(15)
         assert sock.recv(4096).startswith(b"HTTP/1.1 200")
         assert _closed_within(sock, 15)  # ... and the idle keep-alive ends too
+
+
+def test_a_body_that_stalls_is_a_408_and_the_connection_closes(strict: Server) -> None:
+    """Headers sent, then a body that stops: the connection and its buffered body were held
+    forever (headers had a deadline, the body none). A pause past --header-timeout ends it."""
+    with socket.create_connection(("127.0.0.1", strict.port)) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n" + b'{"model": '
+        )
+        sock.settimeout(15)
+        reply = sock.recv(4096)
+        assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+        assert b"request_timeout" in reply + sock.recv(4096)
+        assert _closed_within(sock, 15)
 
 
 def _generated(server: Server) -> float:
