@@ -229,8 +229,16 @@ def rotary_keys(cfg: Mapping[str, Any], where: str = "config.json") -> dict[str,
             raise ConfigError(f"{where}: partial_rotary_factor != 1 is not supported for MLA")
         return {"partial_rotary_factor": partial, "rotary_dim": None}
     switch = _SLIDING_SWITCH.get(arch.model_type)
-    if cfg.get("sliding_window") is not None and (switch is None or cfg.get(switch)):
-        raise ConfigError(f"{where}: sliding-window attention (sliding_window) is not supported")
+    window = cfg.get("sliding_window")
+    if window is not None and (switch is None or cfg.get(switch)):
+        ctx = cfg.get("max_position_embeddings")
+        # a window as long as the context never cuts a key: full attention, as transformers
+        # computes it (some Mistral-derived MoE configs carry one)
+        if not (isinstance(window, int) and isinstance(ctx, int) and window >= ctx):
+            raise ConfigError(
+                f"{where}: sliding-window attention (sliding_window {window}, shorter than the "
+                f"{ctx}-token context) is not supported"
+            )
     if partial is None:  # config.json does not say: the legacy key, else the family's
         rotary_dim = cfg.get("rotary_dim")  # MiniMax-M2's released checkpoints
         partial = (

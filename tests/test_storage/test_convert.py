@@ -31,7 +31,7 @@ from storage.convert import (
     ConvertResult,
     convert,
 )
-from storage.errors import ColibriError, ContainerError, ConversionError
+from storage.errors import ColibriError, ConfigError, ContainerError, ConversionError
 from storage.manifest import MANIFEST_NAME, Manifest, read_manifest, sha256_file
 from storage.quant import QTensor, QuantFormat, dequantize, infer_format, quantize
 from storage.safetensors import PAD_PREFIX, ShardHeader, TensorInfo, read_header, read_tensor
@@ -841,7 +841,7 @@ def test_a_tied_checkpoint_without_lm_head_converts_with_the_embedding(tmp_path:
     ("over", "match"),
     [
         ({"model_type": "qwen3_moe", "num_experts": 4, "num_key_value_heads": 2,
-          "use_sliding_window": True, "sliding_window": 4096}, "sliding-window attention"),
+          "use_sliding_window": True, "sliding_window": 64}, "sliding-window attention"),
         ({"rope_parameters": {"rope_theta": 10000.0, "rope_type": "default",
                               "partial_rotary_factor": 0.5}}, "partial_rotary_factor != 1"),
         ({"rope_parameters": {"rope_theta": 10000.0, "rope_type": "dynamic"}}, "rope_type"),
@@ -956,3 +956,17 @@ def test_a_width_that_is_not_whole_groups_is_noted(tmp_path: Path) -> None:
     even = ConvertOptions(dense="int4-g16", experts="int4-g16")
     ok = convert(tmp_path / "src", tmp_path / "dst16", even)
     assert not [n for n in ok.notes if "groups per row" in n], ok.notes
+
+
+def test_a_sliding_window_as_long_as_the_context_is_full_attention(tmp_path: Path) -> None:
+    """A window that never cuts a key (sliding_window >= max_position_embeddings, as some
+    Mistral-derived MoE configs carry) was refused as sliding-window attention."""
+    from storage.arch import rotary_keys
+
+    cfg = {**tiny_config("deepseek_v3"), "model_type": "qwen3_moe", "num_experts": 4,
+           "num_key_value_heads": 2, "use_sliding_window": True}  # fmt: skip
+    ctx = int(cfg.get("max_position_embeddings") or 512)
+    cfg["max_position_embeddings"] = ctx
+    rotary_keys({**cfg, "sliding_window": ctx})  # accepted
+    with pytest.raises(ConfigError, match="shorter than the"):
+        rotary_keys({**cfg, "sliding_window": ctx - 1})
