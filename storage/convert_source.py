@@ -35,6 +35,7 @@ from storage.safetensors import (
     TensorSpec,
     read_header,
 )
+from storage.units import format_bytes
 
 if TYPE_CHECKING:
     from storage.convert import ConvertOptions
@@ -322,12 +323,20 @@ def _build_catalog(source: _Source, options: ConvertOptions) -> _Catalog:
                 role.proj,
             )
         )
+    unused_mtp: list[str] = []
     for name in sorted(tensors):
         if name in consumed or classify(name, arch) is not None:
             continue
-        # Unknown names are kept verbatim (same dtype and shape) so nothing is silently lost.
         m = _LAYER_RE.match(name)
-        items.append(_Item(name, tensors[name], None, None, int(m.group(1)) if m else None))
+        layer = int(m.group(1)) if m else None
+        if layer is not None and arch.num_mtp_layers == 0 and layer >= arch.num_hidden_layers:
+            # the MTP layer config.json declares for a family colibri runs no MTP head for
+            # (GLM-4.5): never run, so left out (copied verbatim it was GBs of bf16 experts)
+            if source.declared_layers is not None and layer < source.declared_layers:
+                unused_mtp.append(name)
+                continue
+        # Unknown names are kept verbatim (same dtype and shape) so nothing is silently lost.
+        items.append(_Item(name, tensors[name], None, None, layer))
         unknown.append(name)
     declared = source.declared_layers
     beyond = sorted(
@@ -344,6 +353,13 @@ def _build_catalog(source: _Source, options: ConvertOptions) -> _Catalog:
         )
 
     notes: list[str] = list(source.notes)
+    if unused_mtp:
+        size = sum(tensors[n].nbytes for n in unused_mtp)
+        notes.append(
+            f"left out the MTP layer config.json declares ({len(unused_mtp)} tensors, "
+            f"{format_bytes(size)}): colibri runs no MTP head for {arch.model_type} "
+            "(--draft lookup drafts for it)"
+        )
     ragged = [
         it
         for it in items

@@ -970,3 +970,27 @@ def test_a_sliding_window_as_long_as_the_context_is_full_attention(tmp_path: Pat
     rotary_keys({**cfg, "sliding_window": ctx})  # accepted
     with pytest.raises(ConfigError, match="shorter than the"):
         rotary_keys({**cfg, "sliding_window": ctx - 1})
+
+
+def test_the_mtp_layer_of_a_family_without_an_mtp_head_is_left_out(tmp_path: Path) -> None:
+    """GLM-4.5 declares an MTP layer colibri never runs: its tensors were copied verbatim as
+    unrecognised ones (GBs of bf16 experts on a real checkpoint); they are left out, said."""
+    cfg = {
+        "model_type": "glm4_moe", "hidden_size": 64, "vocab_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "intermediate_size": 96, "moe_intermediate_size": 32, "n_routed_experts": 4,
+        "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+        "num_nextn_predict_layers": 1, "partial_rotary_factor": 0.5,
+        "max_position_embeddings": 256, "rope_theta": 10000.0, "tie_word_embeddings": False,
+    }  # fmt: skip
+    mtp = {
+        f"model.layers.2.{n}": np.ones(shape, dtype=np.float32)
+        for n, shape in (("eh_proj.weight", (64, 128)), ("enorm.weight", (64,)),
+                         ("mlp.experts.0.down_proj.weight", (64, 32)))
+    }  # fmt: skip
+    make_checkpoint(tmp_path / "src", cfg, n_shards=1, extra=mtp)
+    res = convert(tmp_path / "src", tmp_path / "dst", ConvertOptions())
+    (note,) = [n for n in res.notes if "left out the MTP layer" in n]
+    assert "3 tensors" in note and "glm4_moe" in note, note
+    names = {n for p in (tmp_path / "dst").glob("*.safetensors") for n in read_header(p).tensors}
+    assert names and not [n for n in names if n.startswith("model.layers.2.")], sorted(names)
