@@ -129,9 +129,13 @@ def read_header(path: str | os.PathLike[str]) -> ShardHeader:
     if not isinstance(doc, dict):
         raise SafetensorsError(f"{p}: header JSON is not an object")
     data_start = 8 + n
-    meta_raw = doc.pop("__metadata__", None) or {}
-    if not isinstance(meta_raw, dict):
-        raise SafetensorsError(f"{p}: __metadata__ is not an object")
+    meta_raw = doc.pop("__metadata__", None)
+    if meta_raw is None:
+        meta_raw = {}
+    # an object of strings, as the format says and the official reader requires ([] and
+    # {"a": 1} were taken as {} and {"a": "1"})
+    if not isinstance(meta_raw, dict) or not all(isinstance(v, str) for v in meta_raw.values()):
+        raise SafetensorsError(f"{p}: __metadata__ is not an object of strings")
     tensors: dict[str, TensorInfo] = {}
     for name, ent in doc.items():
         tensors[name] = _entry(p, name, ent, data_start, size)

@@ -194,6 +194,8 @@ def test_header_length_past_eof(tmp_path: Path) -> None:
         (b"\xff\xfe{}", "not valid JSON"),
         (b"[1, 2]", "not an object"),
         (b'{"__metadata__": [1]}', "__metadata__"),
+        (b'{"__metadata__": []}', "__metadata__"),  # was taken as {}
+        (b'{"__metadata__": {"a": 1}}', "__metadata__ is not an object of strings"),  # "1"
         (b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
         (b'{"a": {"dtype": "F32", "shape": [' + b"9" * 5000 + b"]}}", "not valid JSON"),
     ],
