@@ -232,12 +232,23 @@ def rotary_keys(cfg: Mapping[str, Any], where: str = "config.json") -> dict[str,
     window = cfg.get("sliding_window")
     if window is not None and (switch is None or cfg.get(switch)):
         ctx = cfg.get("max_position_embeddings")
+
+        def number(x: Any) -> bool:
+            return isinstance(x, int | float) and not isinstance(x, bool)
+
         # a window as long as the context never cuts a key: full attention, as transformers
         # computes it (some Mistral-derived MoE configs carry one)
-        if not (isinstance(window, int) and isinstance(ctx, int) and window >= ctx):
+        if not (number(window) and number(ctx) and window >= ctx):
+            why = (
+                f"shorter than the {ctx}-token context"
+                if number(window) and number(ctx)
+                else "with no context length to compare it with"
+                if ctx is None
+                else "not a number of tokens"
+            )
             raise ConfigError(
-                f"{where}: sliding-window attention (sliding_window {window}, shorter than the "
-                f"{ctx}-token context) is not supported"
+                f"{where}: sliding-window attention (sliding_window {window!r}, {why}) is not "
+                "supported"
             )
     if partial is None:  # config.json does not say: the legacy key, else the family's
         rotary_dim = cfg.get("rotary_dim")  # MiniMax-M2's released checkpoints

@@ -478,9 +478,18 @@ class Container:
         shards: list[ShardHeader] = []
         if shard_dirs:
             dirs = tuple(_unique_dirs([d, *(Path(x) for x in shard_dirs)]))
-            paths, missing = find_shards(dirs, _expected_shards(d, manifest, problems))
+            listed = _expected_shards(d, manifest, problems)
+            paths, missing = find_shards(dirs, listed)
             for err in missing:
                 problems.add(err)
+            if listed is None:
+                for gap in _numbering_gaps({p.name for p in paths}):
+                    problems.add(
+                        ContainerError(
+                            f"{gap}: in none of the model directories searched (the shards "
+                            "are numbered from 00000 without gaps); the copy is incomplete"
+                        )
+                    )
         else:
             dirs = (d,)
             paths = shard_paths(d)

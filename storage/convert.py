@@ -935,6 +935,16 @@ def _human(n: int) -> str:
 # ----------------------------------------------------------------------------- entry point
 
 
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConversionError(f"{path}: cannot read: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise ConversionError(f"{path}: not a JSON object")
+    return obj
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m storage.convert SRC DST [...]`` (``coli convert`` is the user-facing CLI)."""
     ap = argparse.ArgumentParser(
@@ -960,13 +970,3 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ConversionError(f"{path}: cannot read: {exc}") from exc
-    if not isinstance(obj, dict):
-        raise ConversionError(f"{path}: not a JSON object")
-    return obj

@@ -437,9 +437,10 @@ class Generation:
             else:
                 tail = ""
             final = emit(route(tail, final=True))
-            # cut at max_tokens or at a stop string: an unclosed last block is no finished call
-            # (a stop string inside one made a call with its arguments lost)
-            cut = reason == "length" or stopper.hit is not None
+            # cut at max_tokens, a stop string or a stop token id the request added: an
+            # unclosed last block is no finished call (it became one with its arguments lost)
+            asked = ids and ids[-1] in stop_set and ids[-1] not in engine.container.eos_token_ids
+            cut = reason == "length" or stopper.hit is not None or bool(asked)
             rest, calls = tools.finish(p.tools, cut=cut)
             if p.one_call:
                 calls = calls[:1]

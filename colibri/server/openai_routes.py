@@ -161,7 +161,8 @@ async def chat_completions(request: Request) -> Response:
     # empty: a JSON grammar never lets the model close the section). A regex, GBNF or Lark
     # grammar may close it itself ("</think>" in the grammar): its output is split as usual.
     thinking = req.enable_thinking
-    if grammar is not None and thinking is None:
+    asked = "enable_thinking" in (req.chat_template_kwargs or {})
+    if grammar is not None and thinking is None and not asked:
         thinking = False
     extra = template_extra(req, tools, thinking)
     if req.reasoning_effort is not None:

@@ -931,6 +931,16 @@ def test_a_source_without_mtp_weights_makes_a_container_that_declares_none(
     assert Container.open(tmp_path / "dst").arch.num_mtp_layers == 0
     report = run_doctor(tmp_path / "dst")
     assert report.ok and not [c for c in report.checks if c.status != "pass"], report.checks
+    # the same as a script (format.md's `python -m storage.convert`): a helper defined after
+    # the __main__ block was a NameError there, after every shard had been written
+    r = subprocess.run(
+        [sys.executable, "-m", "storage.convert", str(tmp_path / "src"), str(tmp_path / "dst2")],
+        capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2],
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert (
+        json.loads((tmp_path / "dst2" / "config.json").read_text())["num_nextn_predict_layers"] == 0
+    )
 
 
 def test_a_norm_of_another_length_than_the_config_implies_is_refused(tmp_path: Path) -> None:
