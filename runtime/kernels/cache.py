@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
 #: index files that mean a run has compiled most of what it needs (a generation on the demo
 #: model compiles a few dozen kernels)
 CACHED_AT_LEAST = 12
