@@ -758,6 +758,22 @@ async def test_tools_and_reasoning_plumbing(tmp_path: Path, anyio_backend: str) 
             cutmsg = r.json()["choices"][0]
             assert cutmsg["finish_reason"] == "stop" and not cutmsg["message"].get("tool_calls")
             assert "<tool_call>get_weather" in cutmsg["message"]["content"], cutmsg
+            # ... and so does a stop token id the request adds (the first token of "Paris")
+            whole = await client.post(
+                "/v1/chat/completions",
+                json={**base, "tools": tools, "max_tokens": 64, "response_format": fmt,
+                      "return_token_ids": True},
+            )  # fmt: skip
+            ids = whole.json()["choices"][0]["token_ids"]
+            tok = ChatTokenizer(model_dir / "tokenizer.json", {})
+            at = next(k for k in range(len(ids)) if "<arg_value>" in tok.decode(ids[:k]))
+            r = await client.post(
+                "/v1/chat/completions",
+                json={**base, "tools": tools, "max_tokens": 64, "response_format": fmt,
+                      "stop_token_ids": [ids[at]]},
+            )  # fmt: skip
+            cutmsg = r.json()["choices"][0]
+            assert cutmsg["finish_reason"] == "stop" and not cutmsg["message"].get("tool_calls")
             # two calls, parallel_tool_calls false: the first only (both were returned)
             two = {"type": "regex", "grammar": re.escape(call + call[len("</think>\n\n") :])}
             counts = []

@@ -266,7 +266,13 @@ def test_a_shard_the_index_lists_or_the_numbering_skips_is_named(copy: Path) -> 
     with pytest.raises(ContainerError) as err:
         Container.open(copy)
     assert_names(err.value, copy / "out-mtp-00000.safetensors", "numbered")
-    (copy / "out-mtp-00001.safetensors").rename(copy / "out-mtp-00000.safetensors")
+    other = copy.parent / "second-drive"  # shards split over directories (--model-dir)
+    other.mkdir()
+    (copy / "out-mtp-00001.safetensors").rename(other / "out-mtp-00001.safetensors")
+    with pytest.raises(ContainerError) as err:
+        Container.open(copy, shard_dirs=[other])
+    assert_names(err.value, "out-mtp-00000.safetensors", "numbered")
+    (other / "out-mtp-00001.safetensors").rename(copy / "out-mtp-00000.safetensors")
     names = {
         n: "out-00000.safetensors" for n in read_header(copy / "out-00000.safetensors").tensors
     }
