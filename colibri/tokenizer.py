@@ -76,11 +76,6 @@ class PromptTooLongError(ColibriError):
         self.at_least = at_least  # n_tokens is a floor (the text was never tokenized)
 
 
-#: normalizers that never shrink a text by more than half its bytes (a collapsing one, e.g.
-#: a Replace of whitespace runs, could: the byte floor of ChatTokenizer.encode is not used then)
-_SAFE_NORMALIZERS = frozenset({"NFC", "NFD", "NFKC", "NFKD", "Prepend"})
-
-
 class ChatTokenizer:
     """The model's tokenizer plus its chat template."""
 
@@ -91,7 +86,7 @@ class ChatTokenizer:
         except Exception as exc:  # tokenizers raises plain Exception subclasses
             raise ConfigError(f"{tokenizer_file}: cannot load tokenizer ({exc})") from exc
         self.config = dict(tokenizer_config)
-        self._longest: int | None = None  # bytes a token may cover, x 2 (_token_floor)
+        self._longest: int | None = None  # bytes a token may cover (_token_floor)
         decoder = self._tok.decoder
         self._byte_level = decoder is not None and type(decoder).__name__ == "ByteLevel"
         added = self._tok.get_added_tokens_decoder()
@@ -138,13 +133,15 @@ class ChatTokenizer:
         return list(enc.ids)
 
     def _token_floor(self, text: str) -> int:
-        """Fewest tokens ``text`` can become: no token covers more bytes than the longest
-        vocabulary entry, and a safe normalizer at most halves the text (0 when unknown)."""
+        """Fewest tokens ``text`` can become (0 when unknown): with a byte-level BPE and no
+        normalizer, no token covers more bytes than the longest vocabulary entry."""
         if self._longest is None:
-            norm = self._tok.normalizer
-            safe = norm is None or type(norm).__name__ in _SAFE_NORMALIZERS
+            # only where it holds: a byte-level BPE without a normalizer covers every byte of
+            # the text by tokens of its vocabulary (an NFC normalizer can shrink a text 3x;
+            # an [UNK] of a fused-unknown BPE or a unigram model stands for any run of text)
+            safe = self._byte_level and self._tok.normalizer is None
             longest = max((len(k.encode("utf-8")) for k in self._tok.get_vocab()), default=1)
-            self._longest = 2 * max(longest, 1) if safe else 0
+            self._longest = max(longest, 1) if safe else 0
         if not self._longest:
             return 0
         return len(text.encode("utf-8")) // self._longest

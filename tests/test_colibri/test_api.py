@@ -3,6 +3,7 @@ error tree, and the tokenizer helpers the CLI streams text with. Real files, rea
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -435,3 +436,25 @@ def test_forward_is_bounded_by_the_context(model: colibri.SyncModel) -> None:
     ctx = model.engine.context_length
     with pytest.raises(ModelError, match=f"context is {ctx} tokens, but {ctx + 1} were given"):
         model.forward([5] * (ctx + 1))
+
+
+def test_the_byte_floor_of_a_prompt_is_used_only_where_it_holds(
+    tok: ChatTokenizer, tmp_path: Path
+) -> None:
+    """A prompt whose bytes prove it longer than a limit is refused untokenized, but only for
+    a byte-level BPE without a normalizer: an NFC normalizer shrinks Hangul jamo 3x, an [UNK]
+    stands for any run of text, and a refusal there could turn away a prompt that fits."""
+    from colibri.tokenizer import PromptTooLongError
+
+    with pytest.raises(PromptTooLongError, match="at least"):
+        tok.encode("hello world " * 20_000, limit=100)
+    c = Container.open(DEMO)
+    path = c.tokenizer_path()
+    assert path is not None
+    spec = json.loads(Path(path).read_text())
+    spec["normalizer"] = {"type": "NFC"}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    nfc = ChatTokenizer(tmp_path / "tokenizer.json", c.tokenizer_config())
+    with pytest.raises(PromptTooLongError) as err:  # counted, not guessed
+        nfc.encode("hello world " * 20_000, limit=100)
+    assert not err.value.at_least
