@@ -149,16 +149,21 @@ class ChatTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=True))
 
-    def token_bytes(self, token_id: int) -> bytes:
+    def is_special(self, token_id: int) -> bool:
+        """Whether ``token_id`` is a special token (left out of decoded text)."""
+        return int(token_id) in self._special_ids
+
+    def token_bytes(self, token_id: int, *, spelled: bool = False) -> bytes:
         """The bytes token ``token_id`` stands for in the output text, also for a token that
         holds only part of a UTF-8 character (whose own decode is U+FFFD): byte-level BPE
         tokens through GPT-2's byte-to-character table, ``<0xHH>`` byte-fallback tokens as
         that byte, sentencepiece pieces with ``▁`` as a space; added tokens as their text,
-        special ones (which the output text leaves out) as no bytes."""
+        special ones (which the output text leaves out) as no bytes unless ``spelled`` (text
+        that holds them as written: an echoed prompt)."""
         piece = self._tok.id_to_token(int(token_id))
         if piece is None:
             return b""
-        if int(token_id) in self._special_ids:
+        if int(token_id) in self._special_ids and not spelled:
             return b""  # not in the output text (it was "<|assistant|>", so offsets ran past it)
         if int(token_id) in self._added_ids:
             return str(piece).encode("utf-8")

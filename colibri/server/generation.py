@@ -181,19 +181,21 @@ class Generation:
             t = self._text_cache[tid] = self._tok.decode([tid])
         return t
 
-    def _logprob(self, ev: TokenEvent) -> TokenLogprob:
+    def _logprob(self, ev: TokenEvent, *, spelled: bool = False) -> TokenLogprob:
+        """``spelled``: the token stands in text that holds special tokens as written (an
+        echoed prompt: "<|user|>hello" is its own text), not in decoded output (which leaves
+        them out): their text and bytes are then their spelling, so offsets stay right."""
         top = tuple((t, self._token_text(t), lp) for t, lp in ev.top)
         tok = self._tok
+        raw = tok.token_bytes(ev.token_id, spelled=spelled)
+        text = self._token_text(ev.token_id)
+        if spelled and tok.is_special(ev.token_id):
+            text = raw.decode("utf-8", "replace")
         return TokenLogprob(
-            ev.token_id,
-            self._token_text(ev.token_id),
-            tok.token_bytes(ev.token_id),
-            ev.logprob,
-            top,
-            tuple(tok.token_bytes(t) for t, _ in ev.top),
+            ev.token_id, text, raw, ev.logprob, top, tuple(tok.token_bytes(t) for t, _ in ev.top)
         )
 
-    async def prompt_logprobs(self, n_top: int) -> list[TokenLogprob]:
+    async def prompt_logprobs(self, n_top: int, text: str | None = None) -> list[TokenLogprob]:
         """Each prompt token's logprob given the tokens before it, with the ``n_top`` most
         likely alternatives (legacy completions' ``echo`` with ``logprobs``: scoring a
         prompt). One forward over the prompt; the first token has no context, so its entry
@@ -201,12 +203,27 @@ class Generation:
         ids = self.p.prompt_ids
         logits = await self.state.engine.forward(ids)  # [T, V]
 
+        # ``text``: the prompt as sent, which the echo returns: a special token spelled in it
+        # ("<|user|>") stands for its spelling there; one the tokenizer added (a BOS) for none
+        held = text.encode("utf-8") if text is not None else b""
+        pos = 0
+
+        def entry(ev: TokenEvent) -> TokenLogprob:
+            nonlocal pos
+            spelled = False
+            if text is not None and self._tok.is_special(ev.token_id):
+                b = self._tok.token_bytes(ev.token_id, spelled=True)
+                spelled = bool(b) and held.startswith(b, pos)
+            lp = self._logprob(ev, spelled=spelled)
+            pos += len(lp.raw)
+            return lp
+
         def entries() -> list[TokenLogprob]:
-            out = [self._logprob(TokenEvent(ids[0], 0, 0.0))]
+            out = [entry(TokenEvent(ids[0], 0, 0.0))]
             for i in range(1, len(ids)):
                 row = log_softmax(logits[i - 1])  # [V]
                 top = tuple((int(t), float(row[t])) for t in top_ids(row, n_top)) if n_top else ()
-                out.append(self._logprob(TokenEvent(ids[i], i, float(row[ids[i]]), top)))
+                out.append(entry(TokenEvent(ids[i], i, float(row[ids[i]]), top)))
             return out
 
         return await self.state.off_loop(entries)

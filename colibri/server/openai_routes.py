@@ -385,7 +385,7 @@ async def completions(request: Request) -> Response:
         """The echoed prompt's logprobs (None without them)."""
         if not score:
             return None
-        lps = await gen.prompt_logprobs(n_top)
+        lps = await gen.prompt_logprobs(n_top, prompt_text)
         return completion_logprobs(lps, n_top, unscored_first=True)
 
     def joined(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:

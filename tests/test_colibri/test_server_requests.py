@@ -17,6 +17,7 @@ from test_server import tools_model
 
 import colibri
 from colibri.server import ServerConfig, create_app
+from storage.container import Container
 
 pytestmark = pytest.mark.anyio
 
@@ -242,6 +243,32 @@ async def test_echo_with_logprobs_scores_the_prompt(client: httpx.AsyncClient) -
     # max_tokens 0 without echo would generate nothing: refused
     r = await client.post("/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 0})
     assert r.status_code == 400 and "max_tokens" in r.text
+
+
+async def test_an_echoed_prompt_with_special_tokens_keeps_its_offsets(
+    client: httpx.AsyncClient,
+) -> None:
+    """A prompt that spells special tokens ("<|user|>hello") is echoed as sent; its special
+    tokens stood for no text, so every later text_offset pointed too early."""
+    c = Container.open(demo_model())
+    tok = colibri.tokenizer.ChatTokenizer(c.tokenizer_path(), c.tokenizer_config())
+    spelled = [
+        tok.token_bytes(i, spelled=True).decode()
+        for i in range(tok.vocab_size)
+        if tok.is_special(i)
+    ]
+    special = [t for t in spelled if t.startswith("<|")][:2]
+    assert len(special) == 2, spelled
+    prompt = f"{special[0]}hello there{special[1]}ok you"
+    body = {"model": "m", "prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 0}
+    r = await client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    text = choice["text"]
+    assert text == prompt and "".join(lp["tokens"]) == prompt
+    for t, off in zip(lp["tokens"], lp["text_offset"], strict=True):
+        assert text[off : off + len(t)] == t, (t, off, text)
 
 
 def test_legacy_top_logprobs_keep_the_most_likely_of_tokens_that_render_alike() -> None:
