@@ -170,6 +170,10 @@ def tenant_of(request: Request) -> str | None:
     return t if isinstance(t, str) else None
 
 
+#: the slowest a request body may arrive on average (bytes/s): read_body's overall deadline
+MIN_BODY_RATE = 64 * 1024
+
+
 async def read_body(request: Request, limit: int, idle_timeout: float | None = None) -> bytes:
     """The request body, refusing (413) more than ``limit`` bytes even without Content-Length,
     and (408) a body that stalls: nothing for ``idle_timeout`` seconds (a client that sent its
@@ -177,18 +181,24 @@ async def read_body(request: Request, limit: int, idle_timeout: float | None = N
     chunks: list[bytes] = []
     total = 0
     stream = request.stream().__aiter__()
+    idle = idle_timeout if idle_timeout is not None else math.inf
+    # ... and as a whole: the pause limit plus the largest body at MIN_BODY_RATE (a byte sent
+    # just before each pause limit kept a connection and its buffer for ever)
+    end = anyio.current_time() + idle + limit / MIN_BODY_RATE
     while True:
-        with anyio.move_on_after(idle_timeout if idle_timeout is not None else math.inf) as wait:
+        left = end - anyio.current_time()
+        with anyio.move_on_after(min(idle, left)) as wait:
             try:
                 chunk = await stream.__anext__()
             except StopAsyncIteration:
                 break
         if wait.cancelled_caught:
-            raise ApiError(
-                408,
-                f"the request body stalled: nothing arrived for {idle_timeout:g} s",
-                code="request_timeout",
+            why = (
+                f"nothing arrived for {idle:g} s"
+                if idle <= left
+                else f"it came slower than {MIN_BODY_RATE // 1024} KiB/s"
             )
+            raise ApiError(408, f"the request body stalled: {why}", code="request_timeout")
         total += len(chunk)
         if total > limit:
             raise ApiError(

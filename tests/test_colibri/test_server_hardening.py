@@ -443,3 +443,28 @@ def test_a_busy_server_logs_its_throughput(server: Server) -> None:
         time.sleep(0.1)
     assert lines, server.log_text()
     assert "tokens_per_s=" in lines[-1] and "running=" in lines[-1] and "waiting=" in lines[-1]
+
+
+def test_a_trickled_body_meets_an_overall_deadline() -> None:
+    """A byte sent just before each pause limit kept a connection and its buffer for ever: the
+    body as a whole must arrive at MIN_BODY_RATE (plus one pause), else 408."""
+    import anyio
+    from starlette.requests import Request
+
+    from colibri.server.errors import ApiError
+    from colibri.server.security import read_body
+
+    async def trickle() -> dict[str, Any]:
+        await anyio.sleep(0.05)  # under the 0.2 s pause limit, every time
+        return {"type": "http.request", "body": b"x", "more_body": True}
+
+    async def main() -> float:
+        request = Request({"type": "http", "method": "POST", "headers": []}, trickle)
+        t0 = anyio.current_time()
+        with pytest.raises(ApiError) as err:
+            await read_body(request, 8192, idle_timeout=0.2)  # 0.2 + 8192 / 64 KiB = 0.33 s
+        assert err.value.status == 408 and "slower than" in str(err.value), err.value
+        return anyio.current_time() - t0
+
+    took = anyio.run(main)
+    assert took < 5, took
