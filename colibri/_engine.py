@@ -675,6 +675,11 @@ class Engine:
         (the last prompt token must run again to give the next token's logits)."""
         ids = _as_ids(prompt_ids)
         held = cache.tokens
+        ahead = cache.step_ahead
+        if ahead is not None and not ahead.ended:
+            # a step a generation left with `break` queued: the next generation cuts its rows
+            # before it reads the cache (Ahead.abandon)
+            held = held[: ahead.start]
         n = min(held.size, ids.size - 1)
         diff = np.flatnonzero(held[:n] != ids[:n])
         return int(diff[0]) if diff.size else int(n)

@@ -450,3 +450,36 @@ def test_a_generation_left_with_break_leaves_its_kept_cache_whole(draft: str) ->
 
     for kept, fresh in anyio.run(main):
         assert kept == fresh
+
+
+def test_prompt_reuse_counts_what_the_next_generation_reuses_after_a_break() -> None:
+    """With the step a broken-off generation queued still on the cache, prompt_reuse (what a
+    server or chat reports as cached) counted that step's row, which the next generation cuts
+    first: one token more than it reused."""
+    from colibri._engine import DoneEvent
+
+    prompt = PROMPTS[2]
+
+    async def main() -> tuple[int, int]:
+        o = colibri.EngineOptions(learn=False, reader="threads")
+        async with colibri.Engine.open(DEMO, options=o) as eng:
+            cache = eng.new_cache()
+            got: list[int] = []
+            gen = eng.generate(prompt, max_new_tokens=30, cache=cache, draft="off")
+            async for ev in gen:  # held, not closed: its queued step stays on the cache
+                if isinstance(ev, TokenEvent):
+                    got.append(ev.token_id)
+                    if len(got) == 3:
+                        break
+            await anyio.sleep(0.3)  # the queued step runs meanwhile
+            p2 = prompt + got + [44, 45]
+            predicted = eng.prompt_reuse(cache, p2)
+            reused = -1
+            async for ev in eng.generate(p2, max_new_tokens=2, cache=cache, draft="off"):
+                if isinstance(ev, DoneEvent):
+                    reused = int(ev.stats["prompt_tokens_reused"])
+            await gen.aclose()
+            return predicted, reused
+
+    predicted, reused = anyio.run(main)
+    assert predicted == reused == len(PROMPTS[2]) + 2, (predicted, reused)
