@@ -304,6 +304,11 @@ class _Chat:
         messages. Errors are reported; the conversation goes on in memory."""
         try:
             self.state_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            self.state.persisted = 0
+            self.echo(f"warning: session not saved ({exc})", err=True)
+            return
+        try:
             self.state.persisted = sync_kv(
                 self.kv_path,
                 self.cache,
@@ -311,6 +316,12 @@ class _Chat:
                 vocab=self.vocab,
                 identity=self.identity,
             )
+        except (OSError, KVFileError) as exc:
+            # the KV file only saves a prefill; the messages are the conversation: they are
+            # written all the same (a full disk lost every turn, messages included)
+            self.state.persisted = 0
+            self.echo(f"warning: the session's KV file not saved ({exc})", err=True)
+        try:
             doc = {
                 "format": SESSION_FORMAT,
                 "version": SESSION_VERSION,
@@ -326,8 +337,7 @@ class _Chat:
                 (json.dumps(doc, ensure_ascii=False, indent=1) + "\n").encode(),
                 mode=0o600,
             )
-        except (OSError, KVFileError) as exc:
-            self.state.persisted = 0
+        except OSError as exc:
             self.echo(f"warning: session not saved ({exc})", err=True)
 
     def reset(self) -> None:

@@ -216,3 +216,21 @@ def test_help_shows_the_real_default_of_verify_reads(home: Path) -> None:
     r = coli(home, "run", "--help")
     assert r.returncode == 0
     assert "[default: no-verify-reads]" in " ".join(r.stdout.split()).replace("- ", "-"), r.stdout
+
+
+def test_a_kv_file_that_cannot_be_written_loses_no_messages(home: Path, tmp_path: Path) -> None:
+    """The KV file only saves a prefill: when it cannot be written (a full disk; here a
+    directory in its place) the messages were not written either, and every turn was lost
+    on quit. They are saved; the next run resumes the conversation."""
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / ".coli_kv.chat.default").mkdir()  # no file can be written there
+    first = coli(home, "chat", "--state-dir", str(state), "-n", "2", stdin="hi\nand then\n:q\n")
+    assert first.returncode == 0, first.stderr
+    assert "KV file not saved" in first.stderr and "session not saved" not in first.stderr
+    saved = json.loads((state / ".coli_chat.default.json").read_text())
+    assert [m["content"] for m in saved["messages"] if m["role"] == "user"] == ["hi", "and then"]
+    again = coli(home, "chat", "--state-dir", str(state), "-n", "2", stdin=":q\n")
+    assert (
+        again.returncode == 0 and "resumed a conversation of 2 turns" in again.stdout + again.stderr
+    )
