@@ -355,19 +355,31 @@ class _Chat:
     # ------------------------------------------------------------------ one turn
     def turn(self, text: str) -> TurnResult:
         """Add the user message, stream the reply, record it and save the session."""
+        ctx_len = self.engine.context_length
+        floor = self.tok.at_least_tokens(text)
+        if floor >= ctx_len:  # refused untokenized (a 20 MB paste took 15 s and 3 GB)
+            return self._too_long(
+                f"this message is at least {floor} tokens, the context holds {ctx_len}; shorten it",
+                floor,
+            )
         self.state.messages.append({"role": "user", "content": text})
         ids = conversation_ids(self.tok, self.state.messages)
-        ctx_len = self.engine.context_length
         if len(ids) >= ctx_len:
-            # the conversation, not this message, is what is too long: shortening the message
-            # would not help, starting over does
             self.state.messages.pop()
-            error = ModelError(
+            system = [m for m in self.state.messages[:1] if m["role"] == "system"]
+            alone = conversation_ids(self.tok, [*system, {"role": "user", "content": text}])
+            if len(alone) >= ctx_len:  # the message itself: starting over would not help
+                return self._too_long(
+                    f"this message is {len(alone)} tokens with the chat template, the context "
+                    f"holds {ctx_len}; shorten it",
+                    len(ids),
+                )
+            # the conversation is what is too long: starting over helps
+            return self._too_long(
                 f"the conversation has filled the model's context ({len(ids)} tokens with this "
-                f"message, the context holds {ctx_len}); :reset starts a new one"
+                f"message, the context holds {ctx_len}); :reset starts a new one",
+                len(ids),
             )
-            self.echo(f"error: {error}", err=True)
-            return TurnResult([], "context full", 0.0, 0.0, len(ids), 0, 1.0, error)
         reused = (
             self.engine.prompt_reuse(
                 self.cache, ids, temperature=self.s.temperature, seed=self._seed()
@@ -384,8 +396,10 @@ class _Chat:
         previous = signal.signal(signal.SIGINT, on_sigint)
         try:
             result = self._generate(ids, reused, stop)
-            if result.error is not None and not result.tokens:
-                self.state.messages.pop()  # nothing came of it: as if it was never sent
+            if not result.tokens and (result.error is not None or result.reason == "interrupted"):
+                # nothing came of it (an error, or Ctrl-C before the first token): as if it was
+                # never sent (an empty assistant turn went into the conversation)
+                self.state.messages.pop()
                 return result
             content = self.tok.decode(result.tokens)
             self.state.messages.append(
@@ -396,6 +410,11 @@ class _Chat:
         finally:
             signal.signal(signal.SIGINT, previous)
         return result
+
+    def _too_long(self, message: str, n_prompt: int) -> TurnResult:
+        error = ModelError(message)
+        self.echo(f"error: {error}", err=True)
+        return TurnResult([], "context full", 0.0, 0.0, n_prompt, 0, 1.0, error)
 
     def _seed(self) -> int | None:
         """This turn's seed: the session's, moved on by the turns so far (None: unseeded)."""
@@ -470,6 +489,8 @@ class _Chat:
         self.echo("")
         if stop.is_set():
             reason = "interrupted"
+        elif error is not None:
+            reason = "error"  # no DoneEvent came: "length" made the footer say the context was full
         h1, m1 = _hits(self.engine)
         looked = (h1 - h0) + (m1 - m0)
         dt = time.perf_counter() - t0

@@ -132,6 +132,11 @@ class ChatTokenizer:
             raise PromptTooLongError(len(enc), limit)
         return list(enc.ids)
 
+    def at_least_tokens(self, text: str) -> int:
+        """A lower bound of ``text``'s token count, found without tokenizing it (0 where
+        the tokenizer gives none): to refuse a text far past a limit at once."""
+        return self._token_floor(text)
+
     def _token_floor(self, text: str) -> int:
         """Fewest tokens ``text`` can become (0 when unknown): with a byte-level BPE and no
         normalizer, no token covers more bytes than the longest vocabulary entry."""

@@ -125,6 +125,28 @@ def test_ctrl_c_stops_the_reply_not_the_program(env: dict[str, str], tmp_path: P
     assert quit_(c, "eof") == 0
 
 
+def test_a_reply_stopped_before_its_first_token_leaves_no_empty_turn(tmp_path: Path) -> None:
+    """Ctrl-C during a long message's prefill kept the message and an empty assistant turn
+    (the next prompt held a turn where the model said nothing). Nothing came of it: the
+    message is dropped, as after an error; a stopped reply with tokens is kept."""
+    from colibri._chat import ChatSettings, TurnResult, _Chat
+
+    c = Container.open(DEMO)
+    tok_path = c.tokenizer_path()
+    assert tok_path is not None
+    tok = ChatTokenizer(tok_path, c.tokenizer_config())
+    with colibri.open_model(DEMO, learn=False) as m:
+        chat = _Chat(
+            m._portal, m.engine, tok, ChatSettings(), tmp_path, lambda *a, **k: None, False
+        )
+        for tokens, kept in (([], False), ([5, 6], True)):
+            stopped = TurnResult(tokens, "interrupted", 0.1, 0.0, 10, 0, 1.0)
+            chat._generate = lambda ids, reused, stop, r=stopped: r  # type: ignore[method-assign]
+            chat.turn("a long message")
+            roles = [msg["role"] for msg in chat.state.messages]
+            assert roles == (["user", "assistant"] if kept else []), chat.state.messages
+
+
 def _reference(turns: list[str], max_tokens: int, temperature: float, seed: int) -> list[Any]:
     """The same conversation through the Python API in one uninterrupted session."""
     c = Container.open(DEMO)

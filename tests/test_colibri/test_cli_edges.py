@@ -234,3 +234,20 @@ def test_a_kv_file_that_cannot_be_written_loses_no_messages(home: Path, tmp_path
     assert (
         again.returncode == 0 and "resumed a conversation of 2 turns" in again.stdout + again.stderr
     )
+
+
+def test_chat_says_when_the_message_itself_is_too_long(home: Path, tmp_path: Path) -> None:
+    """A message longer than the context alone was told the conversation filled the context
+    and ":reset starts a new one", even on an empty conversation where only shortening the
+    message helps; a huge paste was tokenized whole first (15 s and 3 GB for 20 MB)."""
+    state = str(tmp_path / "state")
+    long = " ".join(["word"] * 2000)  # well past the test model's 512 tokens, alone
+    huge = "x" * 2_000_000
+    r = coli(home, "chat", "--state-dir", state, "-n", "2", stdin=f"{long}\n{huge}\nhi\n:q\n")
+    assert r.returncode == 0, r.stderr
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 2, r.stderr
+    assert "with the chat template" in errors[0] and "shorten it" in errors[0], errors
+    assert "this message is at least" in errors[1] and "shorten it" in errors[1], errors
+    assert ":reset" not in r.stderr
+    assert r.stdout.count(" tok · ") == 1, r.stdout  # "hi" is answered: nothing was kept
