@@ -335,3 +335,31 @@ def test_a_first_run_on_a_terminal_says_the_kernels_are_compiling(
             assert got == (0 if shown else 1), child.before
         finally:
             child.terminate(force=True)
+
+
+def test_an_error_mid_reply_ends_it_as_an_error(tmp_path: Path) -> None:
+    """An engine error after some tokens (a damaged expert read) left the reply's reason at
+    "length": the footer said the reply reached the end of the context and advised :reset."""
+    from colibri._chat import ChatSettings, _Chat
+    from colibri._engine import TokenEvent
+    from storage.errors import ReadError
+
+    c = Container.open(DEMO)
+    tok_path = c.tokenizer_path()
+    assert tok_path is not None
+    tok = ChatTokenizer(tok_path, c.tokenizer_config())
+
+    async def failing(ids: Any, **kw: Any) -> Any:
+        yield TokenEvent(40, 0, -1.0)
+        raise ReadError("checksum mismatch")
+
+    with colibri.open_model(DEMO, learn=False) as m:
+        said: list[str] = []
+        chat = _Chat(
+            m._portal, m.engine, tok, ChatSettings(), tmp_path, lambda *a, **k: said.append(
+                str(a[0]) if a else ""), False
+        )  # fmt: skip
+        m.engine.generate = failing  # type: ignore[method-assign]
+        result = chat.turn("hi")
+    assert result.reason == "error" and result.tokens == [40], result
+    assert not any("end of the model's context" in s for s in said), said
