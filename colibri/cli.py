@@ -26,6 +26,11 @@ if _PROGRAM:  # until the command runs (main() installs the real handlers)
     _sig = __import__("_signal")
     _sig.signal(_sig.SIGINT, _exit_now)
     _sig.signal(_sig.SIGTERM, _exit_now)
+    # A standard stream the shell closed (`coli chat <&-`, `coli run >&-`) is None to Python:
+    # it reads as empty and writes go nowhere, instead of a traceback at its first use.
+    for _name, _mode in (("stdin", "r"), ("stdout", "w"), ("stderr", "w")):
+        if getattr(sys, _name) is None:
+            setattr(sys, _name, open(os.devnull, _mode, encoding="utf-8"))
 
 import signal
 

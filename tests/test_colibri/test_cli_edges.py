@@ -251,3 +251,21 @@ def test_chat_says_when_the_message_itself_is_too_long(home: Path, tmp_path: Pat
     assert "this message is at least" in errors[1] and "shorten it" in errors[1], errors
     assert ":reset" not in r.stderr
     assert r.stdout.count(" tok · ") == 1, r.stdout  # "hi" is answered: nothing was kept
+
+
+@pytest.mark.parametrize(
+    ("args", "redirect"), [(["chat"], "<&-"), (["run", "-n", "1", "Hi"], ">&-")]
+)
+def test_a_closed_standard_stream_is_no_traceback(
+    home: Path, tmp_path: Path, args: list[str], redirect: str
+) -> None:
+    """`coli chat <&-` and `coli run >&-` (a stream the shell closed: None to Python) ended in
+    a traceback; a closed input reads as empty, a closed output discards what is written."""
+    cmd = f'exec "$0" -m colibri.cli "$@" {redirect}'
+    r = subprocess.run(
+        ["sh", "-c", cmd, sys.executable, *args, "--state-dir", str(tmp_path / "s")],
+        capture_output=redirect != ">&-", text=True, env=_env(home), timeout=300,
+        stderr=subprocess.PIPE if redirect == ">&-" else None,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in (r.stderr or ""), r.stderr
