@@ -639,4 +639,14 @@ def run_chat(
                 {"role": "system", "content": settings.system}
             ]:
                 chat._dim("note: --system differs from the resumed conversation's")
-        chat.repl(input)
+        if sys.stdin.isatty():
+            chat.repl(input)
+        else:
+            # piped input is not echoed by a terminal: the prompt line shows it, so that a
+            # transcript reads "you> question", then the reply (it read "you> <reply>")
+            def read_piped(prompt: str) -> str:
+                line = input(prompt)
+                click.echo(line)
+                return line
+
+            chat.repl(read_piped)

@@ -269,3 +269,13 @@ def test_a_closed_standard_stream_is_no_traceback(
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in (r.stderr or ""), r.stderr
+
+
+def test_a_piped_chat_transcript_shows_each_message_on_its_prompt(
+    home: Path, tmp_path: Path
+) -> None:
+    """Piped input is not echoed by a terminal: the reply was printed on the "you> " line, so
+    a transcript read as if the user had typed the model's words."""
+    r = coli(home, "chat", "--state-dir", str(tmp_path / "s"), "-n", "3", stdin="hello there\n:q\n")
+    assert r.returncode == 0, r.stderr
+    assert "you> hello there\n" in r.stdout, r.stdout
