@@ -197,6 +197,7 @@ class Engine:
         self._spec_stats = SpecStats()
         self._spec_cost: CostModel | None = None
         self._grammar_tok: TokenGrammar | None = None
+        self._usage_warned = False  # "usage not saved" said once (_end_turn)
         # one grammar compiles at a time (a big schema takes seconds of CPU: several at once
         # starved every generation's steps); copies of compiled ones wait behind it too
         self._grammar_limiter = anyio.CapacityLimiter(1)
@@ -370,7 +371,11 @@ class Engine:
             path.parent.mkdir(parents=True, exist_ok=True)
             await asave_usage(path, self._usage, ENGINE_ID)
         except (ColibriError, OSError) as exc:
-            _log.warning("usage not saved", path=str(path), error=str(exc))
+            # once: a read-only or full state dir would say it at every turn end (in a chat,
+            # in the middle of the reply being printed)
+            if not self._usage_warned:
+                self._usage_warned = True
+                _log.warning("usage not saved", path=str(path), error=str(exc))
         if self._store is not None and self.options.repin:
             async with self._scheduler.limiter:  # no forward may run while pinned slots change
                 await self._store.repin(self._usage.counts)

@@ -87,3 +87,21 @@ def test_an_unhandled_error_is_counted_as_500_not_499() -> None:
     assert r.status_code == 500
     assert metrics.requests.labels("/v1/boom", "500")._value.get() == 1
     assert metrics.requests.labels("/v1/boom", "499")._value.get() == 0
+
+
+def test_usage_that_cannot_be_saved_is_said_once(tmp_path: Path) -> None:
+    """A state dir that cannot be written (read-only, full; here a file in its place) logged
+    "usage not saved" at every turn end: in a chat, in the middle of each printed reply."""
+    import structlog
+    from _demo import demo_model
+
+    import colibri
+
+    blocked = tmp_path / "state"
+    blocked.write_text("not a directory")
+    with structlog.testing.capture_logs() as logs:
+        with colibri.open_model(demo_model(), state_dir=blocked) as m:
+            for _ in range(3):
+                m.generate([5, 17, 99], max_new_tokens=2)
+    said = [e for e in logs if e.get("event") == "usage not saved"]
+    assert len(said) == 1, logs
