@@ -132,24 +132,31 @@ class ChatTokenizer:
             raise PromptTooLongError(len(enc), limit)
         return list(enc.ids)
 
+    def spans(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """``encode(text, raw=True)``'s ids and each token's (start, end) characters in
+        ``text`` (an added BOS spans nothing)."""
+        enc = self._tok.encode(text, add_special_tokens=True)
+        return list(enc.ids), [(int(a), int(b)) for a, b in enc.offsets]
+
     def at_least_tokens(self, text: str) -> int:
         """A lower bound of ``text``'s token count, found without tokenizing it (0 where
         the tokenizer gives none): to refuse a text far past a limit at once."""
         return self._token_floor(text)
 
     def _token_floor(self, text: str) -> int:
-        """Fewest tokens ``text`` can become (0 when unknown): with a byte-level BPE and no
-        normalizer, no token covers more bytes than the longest vocabulary entry."""
+        """Fewest tokens ``text`` can become (0 when unknown): with a byte-level BPE, no token
+        covers more bytes of the normalized text than the longest vocabulary entry."""
         if self._longest is None:
-            # only where it holds: a byte-level BPE without a normalizer covers every byte of
-            # the text by tokens of its vocabulary (an NFC normalizer can shrink a text 3x;
-            # an [UNK] of a fused-unknown BPE or a unigram model stands for any run of text)
-            safe = self._byte_level and self._tok.normalizer is None
+            # only where it holds: a byte-level BPE covers every byte of the (normalized) text
+            # by tokens of its vocabulary (an [UNK] of a fused-unknown BPE or a unigram model
+            # stands for any run of text)
             longest = max((len(k.encode("utf-8")) for k in self._tok.get_vocab()), default=1)
-            self._longest = max(longest, 1) if safe else 0
+            self._longest = max(longest, 1) if self._byte_level else 0
         if not self._longest:
             return 0
-        return len(text.encode("utf-8")) // self._longest
+        norm = self._tok.normalizer  # NFC (Qwen's) can shrink a text: count what it gives
+        seen = norm.normalize_str(text) if norm is not None else text
+        return len(seen.encode("utf-8")) // self._longest
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=True))

@@ -242,9 +242,11 @@ def rotary_keys(cfg: Mapping[str, Any], where: str = "config.json") -> dict[str,
             why = (
                 f"shorter than the {ctx}-token context"
                 if number(window) and number(ctx)
+                else "not a number of tokens"
+                if not number(window)
                 else "with no context length to compare it with"
                 if ctx is None
-                else "not a number of tokens"
+                else f"and max_position_embeddings {ctx!r} is not a number"
             )
             raise ConfigError(
                 f"{where}: sliding-window attention (sliding_window {window!r}, {why}) is not "

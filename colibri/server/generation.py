@@ -204,19 +204,19 @@ class Generation:
         logits = await self.state.engine.forward(ids)  # [T, V]
 
         # ``text``: the prompt as sent, which the echo returns: a special token spelled in it
-        # ("<|user|>") stands for its spelling there; one the tokenizer added (a BOS) for none
-        held = text.encode("utf-8") if text is not None else b""
-        pos = 0
+        # ("<|user|>") stands for its spelling there; one the tokenizer added (a BOS) for none.
+        # Which is which, the tokenizer's own spans say (a token's bytes need not rebuild the
+        # text: a sentencepiece "▁Hi" at the start, an NFC-normalized run).
+        spelled_at: set[int] = set()
+        if text is not None:
+            same, spans = self._tok.spans(text)
+            if same == [int(i) for i in ids]:
+                spelled_at = {
+                    k for k, (a, b) in enumerate(spans) if b > a and self._tok.is_special(same[k])
+                }
 
         def entry(ev: TokenEvent) -> TokenLogprob:
-            nonlocal pos
-            spelled = False
-            if text is not None and self._tok.is_special(ev.token_id):
-                b = self._tok.token_bytes(ev.token_id, spelled=True)
-                spelled = bool(b) and held.startswith(b, pos)
-            lp = self._logprob(ev, spelled=spelled)
-            pos += len(lp.raw)
-            return lp
+            return self._logprob(ev, spelled=ev.index in spelled_at)
 
         def entries() -> list[TokenLogprob]:
             out = [entry(TokenEvent(ids[0], 0, 0.0))]

@@ -18,12 +18,15 @@ def kernels_cached() -> bool:
     ``NUMBA_CACHE_DIR`` when set (as numba itself read it), else beside the modules."""
     from numba.core import config
 
+    here = Path(__file__).resolve().parent
+    ours = {p.stem for p in here.glob("*.py")}  # index files are named <module>.<function>-...
     cache_dir = str(getattr(config, "CACHE_DIR", "") or "")  # set from NUMBA_CACHE_DIR
-    if cache_dir:  # numba then caches there only
+    if cache_dir:  # numba then caches there only, under a directory named after ours
         root = Path(cache_dir)
-        found = sum(1 for _ in root.rglob("*.nbi")) if root.is_dir() else 0
+        files = list(root.rglob(f"{here.name}_*/*.nbi")) if root.is_dir() else []
     else:
-        here = Path(__file__).resolve().parent
-        found = sum(1 for _ in (here / "__pycache__").glob("*.nbi"))
+        files = list((here / "__pycache__").glob("*.nbi"))
+    # another package's kernels in a shared cache dir are not ours
+    found = sum(1 for f in files if f.name.split(".", 1)[0] in ours)
     # one index is not enough: a first run stopped after its first kernel left one
     return found >= CACHED_AT_LEAST

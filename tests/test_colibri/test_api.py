@@ -441,9 +441,9 @@ def test_forward_is_bounded_by_the_context(model: colibri.SyncModel) -> None:
 def test_the_byte_floor_of_a_prompt_is_used_only_where_it_holds(
     tok: ChatTokenizer, tmp_path: Path
 ) -> None:
-    """A prompt whose bytes prove it longer than a limit is refused untokenized, but only for
-    a byte-level BPE without a normalizer: an NFC normalizer shrinks Hangul jamo 3x, an [UNK]
-    stands for any run of text, and a refusal there could turn away a prompt that fits."""
+    """A prompt whose bytes prove it longer than a limit is refused untokenized, counting the
+    bytes of the normalized text (an NFC normalizer shrinks Hangul jamo 3x: counted before it,
+    a prompt that fits could be turned away; Qwen's tokenizers carry one)."""
     from colibri.tokenizer import PromptTooLongError
 
     with pytest.raises(PromptTooLongError, match="at least"):
@@ -455,6 +455,8 @@ def test_the_byte_floor_of_a_prompt_is_used_only_where_it_holds(
     spec["normalizer"] = {"type": "NFC"}
     (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
     nfc = ChatTokenizer(tmp_path / "tokenizer.json", c.tokenizer_config())
-    with pytest.raises(PromptTooLongError) as err:  # counted, not guessed
+    with pytest.raises(PromptTooLongError, match="at least"):  # refused untokenized too
         nfc.encode("hello world " * 20_000, limit=100)
-    assert not err.value.at_least
+    jamo = "\u1100\u1161" * 600  # 3,600 bytes that NFC makes 1,800 (600 syllables)
+    assert nfc.at_least_tokens(jamo) * 2 <= tok.at_least_tokens(jamo) + 1
+    assert nfc.at_least_tokens(jamo) <= len(nfc.encode(jamo))

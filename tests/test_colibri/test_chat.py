@@ -363,3 +363,31 @@ def test_an_error_mid_reply_ends_it_as_an_error(tmp_path: Path) -> None:
         result = chat.turn("hi")
     assert result.reason == "error" and result.tokens == [40], result
     assert not any("end of the model's context" in s for s in said), said
+
+
+def test_kernels_cached_counts_only_this_packages_kernels(tmp_path: Path) -> None:
+    """A NUMBA_CACHE_DIR shared with another numba user counted its index files as ours (and
+    one of ours, from a first run stopped early, was enough): the first-run notice was lost."""
+    import subprocess
+    import sys
+
+    probe = "from runtime.kernels.cache import kernels_cached; print(kernels_cached())"
+
+    def cached(root: Path) -> str:
+        env = {**os.environ, "NUMBA_CACHE_DIR": str(root)}
+        r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                           env=env, timeout=120, check=True)  # fmt: skip
+        return r.stdout.strip()
+
+    other = tmp_path / "other" / "somepkg_0123"
+    other.mkdir(parents=True)
+    for i in range(20):
+        (other / f"other_fn-{i}.py311.nbi").touch()
+    assert cached(tmp_path / "other") == "False"
+    ours = tmp_path / "ours" / "kernels_0123"
+    ours.mkdir(parents=True)
+    (ours / "_matmul_kernels.f0-1.py311.nbi").touch()
+    assert cached(tmp_path / "ours") == "False"  # one is a first run stopped early
+    for i in range(1, 20):
+        (ours / f"_matmul_kernels.f{i}-1.py311.nbi").touch()
+    assert cached(tmp_path / "ours") == "True"
