@@ -25,6 +25,7 @@ COLI_LOG_FORMAT    --log-format        (logging: console|json)
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -206,8 +207,9 @@ class EngineOptions(BaseModel):
     def _timeout(cls, v: object) -> object:
         if isinstance(v, str):
             v = float(v)
-        if isinstance(v, (int, float)) and not v > 0:
-            raise ValueError(f"must be > 0 seconds, got {v}")
+        if isinstance(v, (int, float)) and not (v > 0 and math.isfinite(v)):
+            # inf passed and crashed Ray's first wait (cannot convert float infinity)
+            raise ValueError(f"must be a finite number > 0 of seconds, got {v}")
         return v
 
     @field_validator("ray", mode="before")

@@ -348,7 +348,8 @@ class Engine:
                     scheduler.close(ColibriError(_CLOSED))
                 with anyio.CancelScope(shield=True):
                     if cluster is not None:
-                        await anyio.to_thread.run_sync(cluster.close)
+                        wait = max(1.0, min(30.0, opts.expert_timeout))
+                        await anyio.to_thread.run_sync(lambda: cluster.close(wait))
                     if store is not None:
                         store.begin_close(ColibriError(_CLOSED))
                         await store.reader.aclose()
@@ -981,12 +982,17 @@ async def _start_cluster(
             worker_ram=opts.worker_ram,
             worker_threads=opts.worker_threads,
             state_dir=str(opts.resolved_state_dir() / "cluster"),
+            kernels=opts.kernels,
         )
     )
-    mine = kernel_info().as_dict()
+    mine = kernel_info(mode=opts.kernels).as_dict()
     for info in cluster.infos:
         theirs = info.get("kernels", {})
-        if (theirs.get("variant"), theirs.get("isa")) != (mine["variant"], mine["isa"]):
+        if (theirs.get("variant"), theirs.get("isa"), theirs.get("mode")) != (
+            mine["variant"],
+            mine["isa"],
+            mine["mode"],
+        ):
             _log.warning(
                 "an expert worker runs another kernel variant or ISA: its outputs may differ "
                 "from this host's in the last bits",

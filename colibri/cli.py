@@ -372,7 +372,7 @@ def _cluster_options(fn: F, env: Mapping[str, str]) -> F:
     )(fn)
     fn = click.option(
         "--expert-timeout",
-        type=click.FloatRange(min=0, min_open=True),
+        type=_Finite(min=0, min_open=True),
         default=None,
         expose_value=False,
         callback=_keep,

@@ -200,11 +200,13 @@ class RayCluster:
         ray = _ray()
         return [int(i["pid"]) for i in ray.get([a.info.remote() for a in self.actors])]
 
-    def close(self) -> None:
-        """Save each worker's usage, stop the actors and (when this process started it) Ray."""
+    def close(self, timeout: float = 30.0) -> None:
+        """Save each worker's usage, stop the actors and (when this process started it) Ray.
+        ``timeout``: how long the workers get to save (the engine passes its expert timeout:
+        a frozen worker held a server's shutdown for 30 s)."""
         ray = _ray()
         try:
-            ray.get([a.close.remote() for a in self.actors], timeout=30)
+            ray.get([a.close.remote() for a in self.actors], timeout=timeout)
         except Exception as exc:  # a dead worker saves nothing; the rest already did
             _log.warning("an expert worker did not close cleanly", error=str(exc))
         for a in self.actors:
@@ -237,6 +239,7 @@ def start_cluster(
     worker_ram: int | None = None,
     worker_threads: int | None = None,
     state_dir: str | None = None,
+    kernels: str = "exact",
 ) -> RayCluster:
     """Start ``n_workers`` expert workers on Ray (``address``: ``"local"`` or a cluster address)
     and give each its share of ``container``'s experts. Blocking (run it off the event loop)."""
@@ -283,6 +286,7 @@ def start_cluster(
                 mirrors=list(mirrors),
                 reader=reader,
                 state_dir=worker_state,
+                kernels=kernels,
             )
         )
     try:

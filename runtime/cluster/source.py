@@ -122,6 +122,7 @@ class WorkerState:
             "reads": int(store.get("reads", 0)),
             "bytes_read": int(store.get("bytes_read", 0)),
             "mode": self.remote.get("mode", ""),
+            "kernels": dict(self.remote.get("kernels", {})),  # its variant, ISA and mode
             "last_error": self.last_error,
         }
 
@@ -130,8 +131,9 @@ def _remember(ws: WorkerState, info: Mapping[str, Any]) -> None:
     """Keep a worker's own report (``info()`` / ``load()``: mode, counters, store stats)."""
     ws.remote.update(info.get("counters", {}))
     ws.remote.update(info.get("store", {}))
-    if "mode" in info:
-        ws.remote["mode"] = info["mode"]
+    for key in ("mode", "kernels"):
+        if key in info:
+            ws.remote[key] = info[key]
 
 
 @dataclass
@@ -233,6 +235,7 @@ class ClusterExperts:
         self.steps += 1
         by_worker: dict[int, list[int]] = {}
         local: list[int] = []
+        down: set[int] = set()
         for e in union:
             w = self.owner.get((layer, int(e)))
             if w is None:
@@ -241,6 +244,11 @@ class ClusterExperts:
                 by_worker.setdefault(w, []).append(int(e))
             else:
                 local.append(int(e))
+                # counted against the worker that was down too (its series counted only the
+                # step it failed in, far below the total)
+                self.workers[w].fallback_experts += 1
+                down.add(w)
+        self.fallback_events += len(down)
         sent = []
         t0 = self._clock()
         for w, experts in sorted(by_worker.items()):

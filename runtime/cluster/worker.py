@@ -33,7 +33,7 @@ import numpy as np
 import numpy.typing as npt
 
 from runtime.cluster.wire import pack_reply, unpack_request
-from runtime.compute import ExpertCompute
+from runtime.compute import ExpertCompute, KernelMode
 from runtime.kernels.isa import kernel_info
 from runtime.weights import ExpertSource, ResidentExperts
 from storage.container import Container
@@ -135,20 +135,24 @@ class ExpertWorker:
         reader: str = "auto",
         state_dir: str | os.PathLike[str] | None = None,
         probe_s: float = 0.3,
+        kernels: KernelMode = "exact",
     ) -> None:
+        """``kernels``: the coordinator's kernel mode (its lossy fast-int8 included): a worker
+        on another mode gave logits that matched neither the exact nor the fast-int8 run."""
         self.container = Container.open(Path(model), shard_dirs=[Path(d) for d in model_dirs])
+        self.kernel_mode: KernelMode = kernels
         self.arch = self.container.arch
         self.reader = reader
         self.mirrors = [Path(m) for m in mirrors]
         self.state_dir = Path(state_dir) if state_dir is not None else None
-        self.kernels = kernel_info().as_dict()
+        self.kernels = kernel_info(mode=kernels).as_dict()
         self.read_bps = self._probe(probe_s)
         self.counters = WorkerCounters()
         self.keys: frozenset[Key] = frozenset()
         self.mode = "empty"
         self._source: ExpertSource | None = None
         self._host: _StoreHost | None = None
-        self._compute = ExpertCompute(1)
+        self._compute = ExpertCompute(1, kernels=kernels)
         self._usage: Any = None
         self._since_save = 0
 
@@ -202,7 +206,7 @@ class ExpertWorker:
         if budget is None:
             budget = int(AUTO_FRACTION * (mem_available() or 0))
         self._compute.close()
-        self._compute = ExpertCompute(max(1, threads))
+        self._compute = ExpertCompute(max(1, threads), kernels=self.kernel_mode)
         self._load_usage()
         if len(keys) * one <= budget:
             self._source = ResidentExperts(self.container, keys=keys)

@@ -39,6 +39,9 @@ def test_a_bad_worker_count_is_one_clear_line(tmp_path: Path) -> None:
     r = coli("run", "--ray", "local", "--expert-workers", "0", "hi", home=tmp_path)
     assert r.returncode == 2 and "--expert-workers" in r.stderr
     assert "Traceback" not in r.stderr
+    # an infinite timeout passed the check and crashed the first step inside Ray
+    r = coli("run", "--ray", "local", "--expert-timeout", "inf", "hi", home=tmp_path)
+    assert r.returncode == 2 and "--expert-timeout" in r.stderr, r.stderr
 
 
 def test_a_worker_that_cannot_open_the_model_is_one_clear_error(tmp_path: Path) -> None:

@@ -269,8 +269,12 @@ def test_a_killed_worker_changes_no_token_and_rejoins(
                     os.kill(pid, signal.SIGKILL)
 
             assert await _generate(eng, 40, kill_at) == reference["tokens"]
-            w0 = _cluster(eng)["workers"][0]
+            st = _cluster(eng)
+            w0 = st["workers"][0]
             assert w0["failures"] >= 1 and w0["fallback_experts"] > 0, w0
+            # every expert computed here instead is counted against its worker (the series
+            # counted only the step the worker failed in, far below the total)
+            assert sum(w["fallback_experts"] for w in st["workers"]) == st["fallback_experts"], st
             await _until_rejoined(eng, 0, 90)
             before = _cluster(eng)["workers"][0]["calls"]
             assert await _generate(eng, 40) == reference["tokens"]
@@ -308,3 +312,20 @@ def test_a_frozen_worker_misses_its_deadline_without_changing_a_token(
             assert _cluster(eng)["workers"][1]["rejoins"] >= 1
 
     anyio.run(main)
+
+
+def test_workers_run_the_coordinators_kernel_mode(tmp_path: Path, no_leftover_ray: None) -> None:
+    """With --kernels fast-int8 (lossy, opt-in) the workers computed their experts exact: the
+    logits matched neither the one-process fast-int8 run nor the exact one. The workers run
+    the coordinator's mode, and report it."""
+
+    async def logits(**kw: Any) -> tuple[Any, Any]:
+        opts = _opts(state_dir=tmp_path, learn=False, kernels="fast-int8", **kw)
+        async with Engine.open(options=opts) as eng:
+            out = await eng.forward(PROMPT)
+            return out, (_cluster(eng) if kw else None)
+
+    one, _ = anyio.run(logits)
+    got, st = anyio.run(lambda: logits(ray="local", expert_workers=1))
+    assert np.array_equal(got, one)
+    assert {w["kernels"]["mode"] for w in st["workers"]} == {"fast-int8"}, st["workers"]
