@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import weakref
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -182,7 +183,12 @@ class RayLink:
         return bool(ready)
 
 
-@dataclass
+#: the clusters of this process not closed yet: Ray's runtime is one per process, so the
+#: engine that started it may not shut it down while another engine still uses it
+_OPEN: weakref.WeakSet[RayCluster] = weakref.WeakSet()
+
+
+@dataclass(eq=False)
 class RayCluster:
     """The started workers: links, ownership ranking, each worker's load arguments."""
 
@@ -214,8 +220,16 @@ class RayCluster:
                 ray.kill(a, no_restart=True)
             except Exception:  # already gone
                 pass
+        _OPEN.discard(self)
         if self.started_ray:
-            ray.shutdown()
+            others = [c for c in _OPEN if c.address == self.address]
+            if others:
+                # another engine of this process joined the Ray this one started: it stays up
+                # for it, and the last one to close shuts it down (closing the first engine
+                # of two hung the second for a minute, then crashed it)
+                others[0].started_ray = True
+            else:
+                ray.shutdown()
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -336,7 +350,7 @@ def start_cluster(
         modes=[i["mode"] for i in infos],
         experts=[i["experts"] for i in infos],
     )
-    return RayCluster(
+    cluster = RayCluster(
         links=links,
         owners=owners,
         load_args=load_args,
@@ -346,3 +360,5 @@ def start_cluster(
         weights=weights,
         actors=actors,
     )
+    _OPEN.add(cluster)
+    return cluster

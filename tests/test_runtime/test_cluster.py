@@ -329,3 +329,25 @@ def test_workers_run_the_coordinators_kernel_mode(tmp_path: Path, no_leftover_ra
     got, st = anyio.run(lambda: logits(ray="local", expert_workers=1))
     assert np.array_equal(got, one)
     assert {w["kernels"]["mode"] for w in st["workers"]} == {"fast-int8"}, st["workers"]
+
+
+def test_closing_one_of_two_engines_on_one_ray_leaves_the_other_working(
+    reference: dict[str, Any], tmp_path: Path, no_leftover_ray: None
+) -> None:
+    """Two models with ray="local" in one process share Ray's runtime; closing the one that
+    started it shut Ray down under the other, whose next step hung for a minute and crashed
+    the process (the open-the-new-model-then-close-the-old-one pattern)."""
+    import colibri
+
+    kw = dict(ray="local", expert_workers=1, state_dir=tmp_path, learn=False, draft="off")
+    first_cm, second_cm = colibri.open_model(**kw), colibri.open_model(**kw)
+    first_cm.__enter__()  # starts Ray
+    try:
+        second = second_cm.__enter__()  # joins it
+    finally:
+        first_cm.__exit__(None, None, None)  # the one that started Ray closes first
+    try:
+        assert ray.is_initialized()
+        assert second.generate(PROMPT, max_new_tokens=40) == reference["tokens"]
+    finally:
+        second_cm.__exit__(None, None, None)
