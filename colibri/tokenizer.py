@@ -86,7 +86,7 @@ class ChatTokenizer:
         except Exception as exc:  # tokenizers raises plain Exception subclasses
             raise ConfigError(f"{tokenizer_file}: cannot load tokenizer ({exc})") from exc
         self.config = dict(tokenizer_config)
-        self._longest: int | None = None  # bytes a token may cover (_token_floor)
+        self._longest: int | None = None  # bytes a token may cover (at_least_tokens)
         decoder = self._tok.decoder
         self._byte_level = decoder is not None and type(decoder).__name__ == "ByteLevel"
         added = self._tok.get_added_tokens_decoder()
@@ -116,7 +116,7 @@ class ChatTokenizer:
         gives, with the special tokens tokenizer.json's post-processor adds (a BOS, for
         tokenizers that start every text with one)."""
         if limit is not None and len(text) > limit:
-            floor = self._token_floor(text)
+            floor = self.at_least_tokens(text)
             if floor > limit:
                 # refused without tokenizing: a 4 MB prompt to a model of a 1,024-token context
                 # took seconds of a text thread (and GBs of memory) only to be refused
@@ -139,13 +139,10 @@ class ChatTokenizer:
         return list(enc.ids), [(int(a), int(b)) for a, b in enc.offsets]
 
     def at_least_tokens(self, text: str) -> int:
-        """A lower bound of ``text``'s token count, found without tokenizing it (0 where
-        the tokenizer gives none): to refuse a text far past a limit at once."""
-        return self._token_floor(text)
-
-    def _token_floor(self, text: str) -> int:
-        """Fewest tokens ``text`` can become (0 when unknown): with a byte-level BPE, no token
-        covers more bytes of the normalized text than the longest vocabulary entry."""
+        """A lower bound of ``text``'s token count, found without tokenizing it (0 where the
+        tokenizer gives none), to refuse a text far past a limit at once: with a byte-level
+        BPE, no token covers more bytes of the normalized text than the longest vocabulary
+        entry."""
         if self._longest is None:
             # only where it holds: a byte-level BPE covers every byte of the (normalized) text
             # by tokens of its vocabulary (an [UNK] of a fused-unknown BPE or a unigram model

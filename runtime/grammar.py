@@ -276,10 +276,19 @@ class TokenGrammar:
         return str(self._tok.decode_str([int(i) for i in ids]))
 
 
+_BITS = np.arange(32, dtype=np.int32)  # [32]
+
+
+def _unpack(words: npt.NDArray[np.int32], vocab: int) -> BoolArray:
+    """llguidance's token bitmask [1, W] (32 token ids a word, low bit first) as [V] bools."""
+    bits = (words[0][:, None] >> _BITS[None, :]) & 1  # [W, 32]
+    ok: BoolArray = bits.reshape(-1)[:vocab].astype(bool)  # [V]
+    return ok
+
+
 def _first_allowed(words: npt.NDArray[np.int32], vocab: int, eos: Sequence[int]) -> int | None:
     """The lowest token id a bitmask [1, W] allows, end-of-sequence ids left out."""
-    bits = (words[0][:, None] >> np.arange(32, dtype=np.int32)[None, :]) & 1
-    ok = np.flatnonzero(bits.reshape(-1)[:vocab])
+    ok = np.flatnonzero(_unpack(words, vocab))
     ok = ok[~np.isin(ok, list(eos))]
     return int(ok[0]) if ok.size else None
 
@@ -302,7 +311,6 @@ class GrammarMatcher:
         self._v = vocab_size
         self._undo: list[Any] = []  # the state before each pushed token (rollback)
         self._words = np.full((1, (vocab_size + 31) // 32), -1, dtype=np.int32)  # [1, W]
-        self._bits = np.arange(32, dtype=np.int32)  # [32]
 
     def allowed(self) -> BoolArray:
         """Tokens the grammar admits next [V] (end-of-sequence ids only once it is complete)."""
@@ -310,9 +318,7 @@ class GrammarMatcher:
 
         lnp.fill_next_token_bitmask(self._m, self._words)
         self._check()
-        bits = (self._words[0][:, None] >> self._bits[None, :]) & 1  # [W, 32]
-        ok: BoolArray = bits.reshape(-1)[: self._v].astype(bool)  # [V]
-        return ok
+        return _unpack(self._words, self._v)
 
     def mask(self, logits: F32Array) -> F32Array:
         """A copy of ``logits`` [V] with every disallowed token at ``-inf``."""

@@ -476,20 +476,12 @@ class Container:
             problems.add(exc)
 
         shards: list[ShardHeader] = []
+        listed = _expected_shards(d, manifest, problems)
         if shard_dirs:
             dirs = tuple(_unique_dirs([d, *(Path(x) for x in shard_dirs)]))
-            listed = _expected_shards(d, manifest, problems)
             paths, missing = find_shards(dirs, listed)
             for err in missing:
                 problems.add(err)
-            if listed is None:
-                for gap in _numbering_gaps({p.name for p in paths}):
-                    problems.add(
-                        ContainerError(
-                            f"{gap}: in none of the model directories searched (the shards "
-                            "are numbered from 00000 without gaps); the copy is incomplete"
-                        )
-                    )
         else:
             dirs = (d,)
             paths = shard_paths(d)
@@ -497,7 +489,6 @@ class Container:
             # here (one an index named was found missing only through the tensors it held:
             # "the conversion is incomplete", or an MTP layer silently absent)
             present = {p.name for p in paths}
-            listed = _expected_shards(d, manifest, problems)
             source = MANIFEST_NAME if manifest is not None else HF_INDEX_NAME
             for name in listed or []:
                 if name not in present:
@@ -508,14 +499,15 @@ class Container:
                             "shards kept elsewhere)"
                         )
                     )
-            if listed is None:
-                for gap in _numbering_gaps(present):
-                    problems.add(
-                        ContainerError(
-                            f"{d / gap}: missing (the shards are numbered from 00000 without "
-                            "gaps); the download or copy is incomplete"
-                        )
+        if listed is None:  # no list: the public layout numbers its shards without gaps
+            where = "" if len(dirs) == 1 else " from every model directory searched"
+            for gap in _numbering_gaps({p.name for p in paths}):
+                problems.add(
+                    ContainerError(
+                        f"{d / gap}: missing{where} (the shards are numbered from 00000 "
+                        "without gaps); the download or copy is incomplete"
                     )
+                )
         for p in paths:
             try:
                 shards.append(read_header(p))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import fcntl
 import json
 import os
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -704,17 +706,26 @@ def test_a_dst_holding_another_model_is_refused(bf16_src: Src, tmp_path: Path) -
     assert {p.name: p.read_bytes() for p in dst.iterdir() if p.is_file()} == before
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs (needs root)")
-def test_a_failed_conversion_leaves_no_empty_dst_behind(bf16_src: Src, tmp_path: Path) -> None:
-    """A conversion refused before it wrote anything (here: no disk space, on a 512 KiB
-    tmpfs) removes the DST it created instead of leaving it empty."""
-    mnt = tmp_path / "small"
+@contextlib.contextmanager
+def _tmpfs(mnt: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted at ``mnt`` for the block (the test is skipped where mounting
+    is refused), unmounted after it."""
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mnt)],
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
                        capture_output=True, text=True)  # fmt: skip
     if r.returncode:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
     try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs (needs root)")
+def test_a_failed_conversion_leaves_no_empty_dst_behind(bf16_src: Src, tmp_path: Path) -> None:
+    """A conversion refused before it wrote anything (here: no disk space, on a 512 KiB
+    tmpfs) removes the DST it created instead of leaving it empty."""
+    with _tmpfs(tmp_path / "small", "512k") as mnt:
         dst = mnt / "new" / "dst"
         with pytest.raises(ConversionError, match="not enough free disk space"):
             convert(bf16_src[0], dst, ConvertOptions(shard_size=SMALL))
@@ -723,8 +734,6 @@ def test_a_failed_conversion_leaves_no_empty_dst_behind(bf16_src: Src, tmp_path:
         with pytest.raises(ConversionError, match="not enough free disk space"):
             convert(bf16_src[0], mnt / "kept", ConvertOptions(shard_size=SMALL))
         assert (mnt / "kept").is_dir()
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
 
 
 def test_a_source_fine_tuned_mid_file_is_another_source(tmp_path: Path) -> None:
@@ -805,13 +814,7 @@ def test_a_repair_killed_while_re_verifying_resumes(tmp_path: Path, bf16_src: Sr
 def test_a_read_only_dst_is_named_with_what_to_do(bf16_src: Src, tmp_path: Path) -> None:
     """A DST on a read-only filesystem failed with the name of a random temp file and the OS
     message alone; the error names the file colibri writes and says what to do."""
-    mnt = tmp_path / "ro"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=80m", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)  # fmt: skip
-    if r.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
+    with _tmpfs(tmp_path / "ro", "80m") as mnt:
         (mnt / "dst").mkdir()
         subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
         with pytest.raises(ConversionError) as err:
@@ -819,8 +822,6 @@ def test_a_read_only_dst_is_named_with_what_to_do(bf16_src: Src, tmp_path: Path)
         msg = str(err.value)
         assert ".colibri-convert.json: cannot write" in msg and "read-only" in msg, msg
         assert ".tmp" not in msg, msg
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
 
 
 def test_a_tied_checkpoint_without_lm_head_converts_with_the_embedding(tmp_path: Path) -> None:
