@@ -65,6 +65,7 @@ __all__ = [
     "StreamingExperts",
     "TierStats",
     "TraceEvent",
+    "layer_slot_sizes",
     "plan_layout",
 ]
 
@@ -93,18 +94,38 @@ class TraceEvent(NamedTuple):
 
 @dataclass(frozen=True)
 class StoreLayout:
-    """How the expert share of the RAM budget is split (see :func:`plan_layout`)."""
+    """How the expert share of the RAM budget is split (see :func:`plan_layout`).
+
+    ``slot_bytes``: a transient slot, which may carry any layer's expert (the largest one's
+    size); ``layer_slots``: (layer, blob bytes, scales bytes) of the pinned and cache slots of
+    each expert layer, sized for that layer's largest expert (empty: every slot is a
+    transient-sized one). The MTP layer's experts are int8 in the public container, about
+    twice a main int4 one: sizing every slot for them would halve what the cache holds."""
 
     pinned: tuple[Key, ...]
     lru_slots_per_layer: int
     n_layers: int
     transient_slots: int
     slot_bytes: int
+    layer_slots: tuple[tuple[int, int, int], ...] = ()
+
+    def layer_slot_bytes(self, layer: int) -> int:
+        """Bytes of one pinned or cache slot of ``layer``."""
+        for at, blob, scales in self.layer_slots:
+            if at == layer:
+                return blob + max(scales, ALIGN)
+        return self.slot_bytes
 
     @property
     def nbytes(self) -> int:
-        slots = len(self.pinned) + self.transient_slots + self.lru_slots_per_layer * self.n_layers
-        return slots * self.slot_bytes
+        per_layer = (
+            sum(blob + max(scales, ALIGN) for _, blob, scales in self.layer_slots)
+            if self.layer_slots
+            else self.n_layers * self.slot_bytes
+        )
+        pinned = sum(self.layer_slot_bytes(layer) for layer, _ in self.pinned)
+        transient = self.transient_slots * self.slot_bytes
+        return transient + pinned + self.lru_slots_per_layer * per_layer
 
 
 def _scale_requests(x: ExpertExtent) -> list[ReadRequest]:
@@ -145,15 +166,25 @@ def _range_reads(
     return reqs, bufs
 
 
-def slot_sizes(c: Container) -> tuple[int, int]:
-    """(blob buffer bytes, scales buffer bytes) that hold any expert's aligned read superset."""
-    blob = scales = 0
+def layer_slot_sizes(c: Container) -> dict[int, tuple[int, int]]:
+    """Per expert layer: (blob buffer bytes, scales buffer bytes) that hold any of its experts'
+    aligned read supersets."""
+    out: dict[int, tuple[int, int]] = {}
     for layer in c.expert_layers():
+        blob = scales = 0
         for e in range(c.arch.n_routed_experts):
             x = c.expert(layer, e)
             blob = max(blob, required_size(ReadRequest(x.path, x.start, x.end - x.start)))
             scales = max(scales, sum(required_size(r) for r in _scale_requests(x)))
-    return blob, scales
+        out[layer] = (blob, scales)
+    return out
+
+
+def slot_sizes(c: Container) -> tuple[int, int]:
+    """(blob buffer bytes, scales buffer bytes) that hold any expert's aligned read superset:
+    a transient slot's."""
+    sizes = layer_slot_sizes(c).values()
+    return max((b for b, _ in sizes), default=0), max((s for _, s in sizes), default=0)
 
 
 def plan_layout(
@@ -167,14 +198,20 @@ def plan_layout(
 
     ``None`` means everything resident (every expert gets a cache slot). Transient slots (``2K``)
     carry misses the cache cannot hold and lookahead reads; they are the floor of any budget.
+    Transient slots hold the largest expert of any layer; a layer's pinned and cache slots
+    hold its own largest (:class:`StoreLayout`). ``pinned`` is taken in order while it fits.
     """
-    blob, scales = slot_sizes(c)
+    sizes = layer_slot_sizes(c)
+    blob = max((b for b, _ in sizes.values()), default=0)
+    scales = max((s for _, s in sizes.values()), default=0)
     slot = blob + max(scales, ALIGN)
+    per = {layer: b + max(s, ALIGN) for layer, (b, s) in sizes.items()}
+    layer_slots = tuple((layer, b, s) for layer, (b, s) in sorted(sizes.items()))
     layers = c.expert_layers()
     n_e = c.arch.n_routed_experts
     transient = 2 * top_k
     if expert_budget is None:
-        return StoreLayout((), n_e, len(layers), transient, slot)
+        return StoreLayout((), n_e, len(layers), transient, slot, layer_slots)
     avail = expert_budget - transient * slot
     if avail < 0:
         raise ColibriError(
@@ -182,28 +219,37 @@ def plan_layout(
             f"needs at least {transient * slot / 2**20:.1f} MiB ({transient} transient slots of "
             f"{slot / 2**20:.1f} MiB); raise --ram (--worker-ram for an expert worker's share)"
         )
-    pin = list(pinned)[: avail // slot]
-    avail -= len(pin) * slot
+    pin: list[Key] = []
+    for key in pinned:
+        cost = per.get(key[0], slot)
+        if cost > avail:
+            break
+        pin.append(key)
+        avail -= cost
     # a layer never needs more cache slots than it has experts left unpinned (the count is
     # the same for every layer: the one with the fewest pinned bounds it; a live re-pin that
     # moves a pin to another layer leaves that layer an expert short, which then streams
     # through the transient slots: speed, never meaning)
     pinned_in = Counter(layer for layer, _ in pin)
     need = max((n_e - pinned_in[layer] for layer in layers), default=n_e)
-    per_layer = min(need, avail // (slot * max(len(layers), 1)))
-    return StoreLayout(tuple(pin), int(per_layer), len(layers), transient, slot)
+    row = sum(per.get(layer, slot) for layer in layers)  # one cache slot in every layer
+    per_layer = min(need, avail // max(row, 1))
+    return StoreLayout(tuple(pin), int(per_layer), len(layers), transient, slot, layer_slots)
 
 
 class _Slot:
     """One preallocated home for an expert: aligned blob buffer + scales buffer."""
 
-    __slots__ = ("blob", "key", "scales", "weights")
+    __slots__ = ("blob", "key", "scales", "spans", "weights")
 
     def __init__(self, blob_bytes: int, scales_bytes: int, huge: bool = False) -> None:
         self.blob = aligned_empty(blob_bytes, ALIGN, huge=huge)
         self.scales = aligned_empty(max(scales_bytes, ALIGN), ALIGN)
         self.key: Key | None = None
         self.weights: ExpertWeights | None = None
+        # where the read put the expert: (blob offset, length), then (offset, length) in
+        # ``scales`` per scales request (what :func:`_copy_slot` copies)
+        self.spans: tuple[tuple[int, int], ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -347,7 +393,9 @@ class ExpertStore:
         self.policy.prefill = prefill_admit
         self.stats: TierStats = self.policy.stats
         self._clock = clock
-        self._blob_bytes, self._scales_bytes = slot_sizes(container)
+        self._blob_bytes, self._scales_bytes = slot_sizes(container)  # a transient slot's
+        # a layer's pinned and cache slots: its own largest expert (the layout's sizes)
+        self._layer_sizes = {layer: (b, sc) for layer, b, sc in layout.layer_slots}
         # Demand reads go through a window, first come first served (runtime.policies.pieces):
         # up to ``read_depth`` whole experts on the device, except that the last read of a
         # burst goes once the one before it landed, so that the two do not land together.
@@ -461,9 +509,9 @@ class ExpertStore:
         self._transient_free = [self._new_slot() for _ in range(self.layout.transient_slots)]
         for layer in self.policy.lru:
             self._free_cache[layer] = [
-                self._new_slot() for _ in range(self.layout.lru_slots_per_layer)
+                self._new_slot(layer) for _ in range(self.layout.lru_slots_per_layer)
             ]
-        pinned_slots = [self._new_slot() for _ in self.layout.pinned]
+        pinned_slots = [self._new_slot(layer) for layer, _ in self.layout.pinned]
         slots = (
             self._transient_free
             + [x for free in self._free_cache.values() for x in free]
@@ -494,8 +542,20 @@ class ExpertStore:
             for e in range(counts.shape[1])
             if counts[layer, e] > 0 or (layer, e) in pol.pinned
         }
+        # a pin's slot is sized for its layer: swaps stay among layers of one slot size
+        classes: dict[tuple[int, int], set[int]] = {}
+        for layer in pol.lru:
+            classes.setdefault(self._sizes(layer), set()).add(layer)
+        swaps = [
+            swap
+            for layers in classes.values()
+            for swap in repin_swaps(
+                [k for k in self._pinned if k[0] in layers],
+                {k: v for k, v in score.items() if k[0] in layers},
+            )
+        ]
         done = 0
-        for old, new in repin_swaps(list(self._pinned), score):
+        for old, new in swaps:
             if new in pol.inflight or new in pol.pinned:
                 continue
             if pol.uncache(new):  # it was in the LRU: its slot goes back to the free list
@@ -513,10 +573,22 @@ class ExpertStore:
         self.stats.repins += done
         return done
 
-    def _new_slot(self) -> _Slot:
-        s = _Slot(self._blob_bytes, self._scales_bytes, huge=self.hugepages.advise)
+    def _sizes(self, layer: int | None) -> tuple[int, int]:
+        """(blob, scales) bytes of a slot of ``layer`` (None: a transient slot)."""
+        if layer is None:
+            return self._blob_bytes, self._scales_bytes
+        return self._layer_sizes.get(layer, (self._blob_bytes, self._scales_bytes))
+
+    def _new_slot(self, layer: int | None = None) -> _Slot:
+        """A slot for ``layer``'s experts (pinned or cache), or a transient one (None)."""
+        s = _Slot(*self._sizes(layer), huge=self.hugepages.advise)
         self.nbytes += s.nbytes
         return s
+
+    def _fits(self, slot: _Slot, layer: int | None) -> bool:
+        """Whether ``slot`` holds any expert of ``layer`` (None: of every layer)."""
+        blob, scales = self._sizes(layer)
+        return slot.blob.nbytes >= blob and slot.scales.nbytes >= max(scales, ALIGN)
 
     def tiers(self) -> dict[Key, str]:
         """Where each resident expert lives now: ``pinned`` or ``lru`` (absent = storage)."""
@@ -586,6 +658,7 @@ class ExpertStore:
         blob_u8 = np.frombuffer(views[0], dtype=np.uint8)
         svs = [np.frombuffer(v, dtype=np.uint8) for v in views[1:]]
         slot.weights = _weights_from(x, blob_u8, sreqs, svs)
+        slot.spans = (_span(blob_u8, slot.blob), *(_span(v, slot.scales) for v in svs))
         slot.key = key
         return True
 
@@ -1006,9 +1079,14 @@ class ExpertStore:
         elif outcome == "deliver":
             assert isinstance(step, _Step) and slot.weights is not None
             joined = pol.adoptable(key)  # a lookahead read the step joined: the cache takes it
-            if not where.cached and not (joined and self._adopt(key, slot)):
-                self._held[key] = slot
-                step.held.add(key[1])  # before the put: the compute thread reads it after
+            if not where.cached:
+                cached = self._adopt(key, slot) if joined else None
+                if cached is None:
+                    self._held[key] = slot
+                    step.held.add(key[1])  # before the put: the compute thread reads it after
+                else:
+                    slot = cached
+            assert slot.weights is not None
             step.out.put((key[1], slot.weights))
 
     # ------------------------------------------------------------------ loop-side step API
@@ -1039,9 +1117,12 @@ class ExpertStore:
                 slot = self._cached[key]
             else:  # "parked": a lookahead result in a transient slot, now the step's
                 slot = self._prefetched.pop(key)
-                if not self._adopt(key, slot):
+                cached = self._adopt(key, slot)
+                if cached is None:
                     self._held[key] = slot
                     step.held.add(e)
+                else:
+                    slot = cached
             assert slot.weights is not None
             ready.append((e, slot.weights))
         if not demand:
@@ -1053,21 +1134,27 @@ class ExpertStore:
         self._wake_gate()
         return ready
 
-    def _adopt(self, key: Key, slot: _Slot) -> bool:
+    def _adopt(self, key: Key, slot: _Slot) -> _Slot | None:
         """A step takes ``key``'s lookahead result from transient ``slot``: if the layer's LRU
-        takes it (:meth:`TierPolicy.adopt`), the slot becomes its cache slot and the victim's
-        (or a free cache slot's) buffer becomes transient; False leaves it transient."""
+        takes it (:meth:`TierPolicy.adopt`), returns the cache slot that now holds it (None
+        leaves it transient). The slot becomes the cache's and the victim's (or a free cache
+        slot's) buffer becomes transient; where that buffer is too small for a transient slot
+        (its layer's experts are smaller than another layer's), the expert is copied into it
+        instead and ``slot`` goes back to the transient slots."""
         where = self.policy.adopt(key)
         if where is None:
-            return False
+            return None
         spare = (
             self._cached.pop(where.evicted)
             if where.evicted is not None
             else self._free_cache[key[0]].pop()
         )
+        if not self._fits(spare, None):
+            _copy_slot(self.c.expert(*key), slot, spare)
+            slot, spare = spare, slot
         self._cached[key] = slot
         self._return_transient(spare)
-        return True
+        return slot
 
     def _loop_done_with(self, layer: int, e: int) -> None:
         slot = self._held.pop((layer, e), None)
@@ -1107,6 +1194,28 @@ def _weights_from(
                 break
     q = x.qtensors(blob, scales)
     return ExpertWeights(Linear(q["gate_proj"]), Linear(q["up_proj"]), Linear(q["down_proj"]))
+
+
+def _span(view: npt.NDArray[np.uint8], base: npt.NDArray[np.uint8]) -> tuple[int, int]:
+    """(offset, length) of ``view`` inside ``base``, the buffer it was read into."""
+    off = int(view.ctypes.data) - int(base.ctypes.data)
+    assert 0 <= off and off + view.nbytes <= base.nbytes, "a read landed outside its slot"
+    return off, int(view.nbytes)
+
+
+def _copy_slot(x: ExpertExtent, src: _Slot, dst: _Slot) -> None:
+    """Copy expert ``x`` from ``src`` into ``dst``, each range where its read put it in
+    ``src`` (:attr:`_Slot.spans`), and point ``dst``'s weights at the copy."""
+    assert src.weights is not None and src.spans
+    (b_off, b_len), *scale_spans = src.spans
+    dst.blob[b_off : b_off + b_len] = src.blob[b_off : b_off + b_len]
+    views = []
+    for off, n in scale_spans:
+        dst.scales[off : off + n] = src.scales[off : off + n]
+        views.append(dst.scales[off : off + n])
+    dst.weights = _weights_from(x, dst.blob[b_off : b_off + b_len], _scale_requests(x), views)
+    dst.spans = src.spans
+    dst.key = src.key
 
 
 def _arriving(item: tuple[int, ExpertWeights] | _Early) -> int:

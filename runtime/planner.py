@@ -113,7 +113,7 @@ class Plan:
     experts_per_layer: int
     top_k: int
     expert_bytes: int  # one expert as read: blob + scales
-    slot_bytes: int  # one preallocated slot (aligned blob + scales buffers)
+    slot_bytes: int  # one pinned or cache slot of a main layer (aligned blob + scales buffers)
     transient_slots: int
     lru_slots_per_layer: int
     pinned: int
@@ -128,6 +128,10 @@ class Plan:
     # outside the budget: a prefill chunk's activations (the engine's default chunk)
     prefill_chunk: int = 0
     prefill_activation_bytes: int = 0
+    # a transient slot (any layer's largest expert) and an MTP layer's cache slot: larger
+    # than ``slot_bytes`` where the MTP experts are int8 (0: no MTP layer)
+    transient_slot_bytes: int = 0
+    mtp_slot_bytes: int = 0
     assumptions: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)  # e.g. a budget past MemAvailable
     layout: StoreLayout | None = field(default=None, repr=False)  # what the engine allocates
@@ -160,7 +164,18 @@ class Plan:
             f"experts        {self.moe_layers} layers"
             + (f" ({self.mtp_layers} MTP)" if self.mtp_layers else "")
             + f" x {self.experts_per_layer}, top-"
-            f"{self.top_k}, {_size(self.expert_bytes)} each ({_size(self.slot_bytes)} per slot)",
+            f"{self.top_k}, {_size(self.expert_bytes)} each ({_size(self.slot_bytes)} per slot"
+            + (
+                f"; {_size(self.mtp_slot_bytes)} in the MTP layer"
+                if self.mtp_slot_bytes and self.mtp_slot_bytes != self.slot_bytes
+                else ""
+            )
+            + (
+                f"; {_size(self.transient_slot_bytes)} per transient slot"
+                if self.transient_slot_bytes != self.slot_bytes and self.mode == "streaming"
+                else ""
+            )
+            + ")",
         ]
         if self.mode == "resident":
             lines.append("tiers          every expert resident in RAM (no streaming)")
@@ -225,11 +240,14 @@ def make_plan(
     top_k = c.arch.top_k
     all_experts = c.expert_nbytes * n_e * n_layers  # Engine.open's residency test
     avail = mem_available() if available is None else available
-    full = plan_layout(c, None, top_k=top_k)  # slot size, transient count; nothing allocated
-    slot = full.slot_bytes
+    full = plan_layout(c, None, top_k=top_k)  # slot sizes, transient count; nothing allocated
+    slot = full.slot_bytes  # a transient slot: any layer's largest expert
     transient = full.transient_slots
     floor = dense + kv_reserve + transient * slot
-    full_ram = floor + n_e * n_layers * slot
+    full_ram = floor + n_e * sum(full.layer_slot_bytes(la) for la in layers)
+    main_layers = [la for la in layers if la < arch.num_hidden_layers]
+    main_slot = max((full.layer_slot_bytes(la) for la in main_layers), default=slot)
+    mtp_slot = max((full.layer_slot_bytes(la) for la in layers if la not in main_layers), default=0)
     ext = c.expert_extents()
     expert_bytes = (
         ext[0].nbytes + sum(s.nbytes for s in ext[0].scales.values() if s is not None) if ext else 0
@@ -266,8 +284,15 @@ def make_plan(
         if pin and usage_counts is not None:
             max_pin = int(pin_fraction * (expert_budget - transient * slot))
             chosen = choose_pinned(
-                usage_counts, layers, max(0, max_pin // slot), min_total=pin_min_selections
+                usage_counts, layers, max(0, max_pin // main_slot), min_total=pin_min_selections
             )
+            # (a pin costs its layer's slot: keep the ones that fit in the pinned share)
+            spent = 0
+            for i, key in enumerate(chosen):
+                spent += full.layer_slot_bytes(key[0])
+                if spent > max_pin:
+                    chosen = chosen[:i]
+                    break
         layout = plan_layout(c, expert_budget, top_k=top_k, pinned=chosen)
         assert layout is not None
         pinned = len(layout.pinned)
@@ -359,7 +384,9 @@ def make_plan(
         experts_per_layer=n_e,
         top_k=top_k,
         expert_bytes=expert_bytes,
-        slot_bytes=slot,
+        slot_bytes=main_slot,
+        transient_slot_bytes=slot,
+        mtp_slot_bytes=mtp_slot,
         transient_slots=0 if resident else transient,
         lru_slots_per_layer=lru,
         pinned=pinned,

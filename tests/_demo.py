@@ -29,6 +29,6 @@ def budget_for_lru(path: Path, lru_per_layer: int) -> int:
     ctx = min(4096, int(c.config.get("max_position_embeddings") or 4096))
     kv = kv_bytes_per_token(c.arch) * ctx
     probe = plan_layout(c, 1 << 40, top_k=c.arch.top_k)
-    n_layers = len(c.expert_layers())
-    experts = probe.slot_bytes * (probe.transient_slots + lru_per_layer * n_layers)
-    return dense + kv + experts + probe.slot_bytes // 2
+    row = sum(probe.layer_slot_bytes(layer) for layer in c.expert_layers())  # a slot per layer
+    experts = probe.slot_bytes * probe.transient_slots + row * lru_per_layer
+    return dense + kv + experts + row // 2

@@ -72,8 +72,8 @@ def test_plan_json_on_the_demo(home: Path) -> None:
     for key in ("kv_reserve_bytes", "slot_bytes", "transient_slots", "bottleneck", "why",
                 "suggested", "min_ram_bytes", "per_token"):  # fmt: skip
         assert key in p
-    small = json.loads(coli(home, "plan", "--json", "--ram", "5MiB").stdout)
-    assert small["mode"] == "streaming" and small["ram_budget_bytes"] == 5 * 2**20
+    small = json.loads(coli(home, "plan", "--json", "--ram", "4500KiB").stdout)
+    assert small["mode"] == "streaming" and small["ram_budget_bytes"] == 4500 * 2**10
     assert 0 < small["projected_hit_rate"] < 1 and small["bottleneck"] == "memory"
     text = coli(home, "plan", "--ram", "6MiB")
     assert text.returncode == 0 and "bottleneck" in text.stdout and "hit rate" in text.stdout

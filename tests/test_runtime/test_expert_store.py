@@ -20,7 +20,14 @@ import pytest
 from _demo import TINY
 from fake_reader import FakeReader, Rule
 
-from runtime.experts import ExpertStore, StoreLayout, StreamingExperts, slot_sizes
+from runtime.experts import (
+    ExpertStore,
+    StoreLayout,
+    StreamingExperts,
+    layer_slot_sizes,
+    plan_layout,
+    slot_sizes,
+)
 from runtime.weights import ExpertWeights, ResidentExperts
 from storage.container import Container
 from storage.errors import ReadError
@@ -47,8 +54,12 @@ WANT = {(layer, e): _digest(RESIDENT.get(layer, [e])[e]) for layer in LAYERS for
 
 
 def _layout(lru: int = 2, transient: int = 2 * TOP_K) -> StoreLayout:
+    """Cache slots sized per layer (TINY's MTP experts are int8, twice a main int4 one: its
+    main layers' cache slots are too small to serve as transient slots), as plan_layout sizes
+    them."""
     blob, scales = slot_sizes(C)
-    return StoreLayout((), lru, len(LAYERS), transient, blob + max(scales, 4096))
+    per = tuple((layer, b, s) for layer, (b, s) in sorted(layer_slot_sizes(C).items()))
+    return StoreLayout((), lru, len(LAYERS), transient, blob + max(scales, 4096), per)
 
 
 Body = Callable[[ExpertStore, StreamingExperts], Awaitable[None]]
@@ -113,11 +124,15 @@ async def _step_while(
 
 
 def _settled(store: ExpertStore) -> None:
-    """Nothing in flight, held or parked; every transient slot is back."""
+    """Nothing in flight, held or parked; every transient slot is back, and still holds any
+    layer's expert (slots handed between the cache and the transient ones kept their sizes)."""
     assert not store._inflight
     assert not store._held
     assert not store._prefetched
     assert len(store._transient_free) == store.layout.transient_slots
+    assert all(store._fits(slot, None) for slot in store._transient_free)
+    for key, slot in store._cached.items():
+        assert store._fits(slot, key[0])
     assert store.policy.transient_free == store.layout.transient_slots
 
 
@@ -210,6 +225,106 @@ def test_lookahead_reads_land_parked_and_serve_the_next_step() -> None:
         _settled(store)
 
     _run(reader, body, prefetch=True, lru=0)
+
+
+def test_slots_are_sized_per_layer_and_add_up_to_the_layout() -> None:
+    """A main layer's cache slots hold its int4 experts, not the MTP layer's int8 ones (twice
+    as big): the same budget caches more experts; transient slots hold any layer's."""
+    mtp = LAYERS[-1]
+    assert mtp >= C.arch.num_hidden_layers
+    sizes = layer_slot_sizes(C)
+    main = sizes[LAYERS[0]][0] + max(sizes[LAYERS[0]][1], 4096)
+    big = sizes[mtp][0] + max(sizes[mtp][1], 4096)
+    assert big > main
+    full = plan_layout(C, None, top_k=TOP_K)
+    pins = main + big  # the two pinned experts below
+    budget = full.transient_slots * full.slot_bytes + pins + 3 * (main * (len(LAYERS) - 1) + big)
+    layout = plan_layout(C, budget, top_k=TOP_K, pinned=[(LAYERS[0], 0), (mtp, 1)])
+    assert layout.lru_slots_per_layer == 3 and layout.pinned == ((LAYERS[0], 0), (mtp, 1))
+    assert layout.layer_slot_bytes(LAYERS[0]) == main and layout.layer_slot_bytes(mtp) == big
+    # one slot for every layer at the transient size would have left room for fewer
+    left = budget - (full.transient_slots + 2) * full.slot_bytes
+    uniform = left // (len(LAYERS) * full.slot_bytes)
+    assert uniform < 3
+
+    async def main_() -> None:
+        async with anyio.create_task_group() as tg:
+            store = ExpertStore(C, FakeReader(), layout)
+            await store.start(tg)
+            try:
+                assert store.nbytes == layout.nbytes <= budget
+                for layer, free in store._free_cache.items():
+                    assert all(x.nbytes == layout.layer_slot_bytes(layer) for x in free)
+                assert {k: x.nbytes for k, x in store._pinned.items()} == {
+                    (LAYERS[0], 0): main,
+                    (mtp, 1): big,
+                }
+                assert all(x.nbytes == full.slot_bytes for x in store._transient_free)
+            finally:
+                tg.cancel_scope.cancel()
+
+    anyio.run(main_)
+
+
+def test_a_lookahead_result_adopted_by_a_smaller_cache_slot_is_copied_there() -> None:
+    """The cache takes a parked lookahead result as it would have taken the step's own read;
+    a main layer's cache slot is too small to become a transient slot, so the expert is
+    copied into it and its transient slot goes back: later reads into that transient slot
+    leave the cached copy as it was."""
+    layer = LAYERS[1]
+    reader = FakeReader()
+
+    async def body(store: ExpertStore, src: StreamingExperts) -> None:
+        await anyio.to_thread.run_sync(lambda: src.prefetch(layer, [1, 3]))
+        with anyio.fail_after(10):
+            while store._inflight:
+                await anyio.sleep(0.001)
+        assert await _step(src, layer, [1, 3]) == {e: WANT[(layer, e)] for e in (1, 3)}
+        assert store.tiers() == {(layer, 1): "lru", (layer, 3): "lru"}
+        _settled(store)
+        # other experts through every transient slot (overwriting what the lookahead read)
+        for e in (8, 9, 10, 11):
+            got = await _step(src, LAYERS[0], [e, e + 4])
+            assert got == {x: WANT[(LAYERS[0], x)] for x in (e, e + 4)}
+        n = len(reader.extents)
+        assert await _step(src, layer, [1, 3]) == {e: WANT[(layer, e)] for e in (1, 3)}
+        assert len(reader.extents) == n  # served from the cache copies
+        _settled(store)
+
+    _run(reader, body, prefetch=True, lru=2)
+
+
+def test_repin_swaps_pins_among_layers_of_one_slot_size() -> None:
+    """Live re-pin reuses the cold pin's slot, which is sized for its layer: the hottest
+    outsider overall (an MTP expert) takes the MTP pin's slot, not the colder main pin's
+    (too small for it), and a hot main expert takes the main pin's."""
+    mtp = LAYERS[-1]
+    main_layer = LAYERS[0]
+    layout = StoreLayout(
+        ((main_layer, 0), (mtp, 0)), 2, len(LAYERS), 2 * TOP_K, _layout().slot_bytes,
+        _layout().layer_slots,
+    )  # fmt: skip
+    reader = FakeReader()
+
+    async def main_() -> None:
+        async with anyio.create_task_group() as tg:
+            store = ExpertStore(C, reader, layout)
+            await store.start(tg)
+            try:
+                counts = np.zeros((C.arch.total_layers, len(ALL)), np.int64)
+                counts[mtp, 5] = 1000  # hot MTP expert: only the MTP pin's slot fits it
+                counts[main_layer, 7] = 900
+                assert await store.repin(counts) == 2
+                assert set(store._pinned) == {(main_layer, 7), (mtp, 5)}
+                for key, slot in store._pinned.items():
+                    assert store._fits(slot, key[0])
+                src = StreamingExperts(store)
+                for layer, e in list(store._pinned):
+                    assert await _step(src, layer, [e]) == {e: WANT[(layer, e)]}
+            finally:
+                tg.cancel_scope.cancel()
+
+    anyio.run(main_)
 
 
 def test_a_demand_miss_waits_for_the_lookahead_read_already_in_flight() -> None:

@@ -76,7 +76,9 @@ def test_demo_plan_matches_engine_open(tmp_path: Path) -> None:
         _assert_same_layout(plan, e)
         assert plan.prefill_chunk == got["prefill_chunk"]
         layers = plan.moe_layers
-        assert plan.lru_slots_per_layer == min(16, extra_slots // layers)
+        # a cache slot in every layer: the main layers' size, the MTP layer's its own
+        row = (layers - plan.mtp_layers) * plan.slot_bytes + plan.mtp_layers * plan.mtp_slot_bytes
+        assert plan.lru_slots_per_layer == min(16, extra_slots * auto.slot_bytes // row)
         want = plan.lru_slots_per_layer * layers / (16 * layers)
         assert plan.projected_hit_rate == pytest.approx(want)
 

@@ -56,7 +56,8 @@ def budget_for(c: Container, path: Path, fraction: float) -> int:
     dense = resident_nbytes(model.weights)
     kv = kv_bytes_per_token(c.arch) * 4096
     transient = layout.transient_slots * layout.slot_bytes
-    return int(dense + kv + transient + fraction * len(c.expert_extents()) * layout.slot_bytes)
+    slots = sum(layout.layer_slot_bytes(x.layer) for x in c.expert_extents())  # one per expert
+    return int(dense + kv + transient + fraction * slots)
 
 
 def drop_caches() -> bool:
