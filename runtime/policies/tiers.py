@@ -185,6 +185,10 @@ class TierPolicy:
         self.prefetch_mode: PrefetchMode = prefetch
         self._ledger = {layer: _Ledger() for layer in self.lru}
         self._la_start: dict[Key, float] = {}  # lookahead reads on the device: first piece
+        # lookahead reads counted in ``prefetch_issued``: once their first piece goes to the
+        # device or a step joins them (a prediction dropped before either never counts, so the
+        # counter only grows)
+        self._la_issued: set[Key] = set()
         self._la_read_s: dict[Key, float] = {}  # lookahead reads: device time of their pieces
         self._la_piece: dict[Key, tuple[float, float]] = {}  # piece on the device: (start, busy)
         self._la_begun: dict[Key, int] = {}  # lookahead reads: their layer's begun steps then
@@ -267,6 +271,7 @@ class TierPolicy:
                     continue
                 self.waiters[key] = step
                 if key in self.inflight:
+                    self._issued(key)
                     self.stats.prefetch_used += 1  # a lookahead read already under way
                     self._lookahead_held.add(key)
                     started = self._la_start.get(key)
@@ -351,8 +356,15 @@ class TierPolicy:
         led = self._ledger[layer]
         return led.steps % led.probe_every == led.probe_every - 1 and led.promising
 
+    def _issued(self, key: Key) -> None:
+        """Count ``key``'s lookahead read as issued, once."""
+        if key not in self._la_issued:
+            self._la_issued.add(key)
+            self.stats.prefetch_issued += 1
+
     def piece_started(self, key: Key, now: float) -> None:
         """A piece of ``key``'s lookahead read went to the device at ``now``."""
+        self._issued(key)
         self._la_start.setdefault(key, now)
         self._la_piece[key] = (now, self.demand_busy(now))
 
@@ -526,7 +538,6 @@ class TierPolicy:
                 return []
             led.wet = True
         for key in keys:
-            self.stats.prefetch_issued += 1
             self.inflight.add(key)
             self._la_begun[key] = self._begun.get(layer, 0)
         return keys
@@ -556,9 +567,9 @@ class TierPolicy:
         self.inflight.discard(key)
         self._la_begun.pop(key, None)
         self._la_piece.pop(key, None)
+        self._la_issued.discard(key)
         if self._la_start.pop(key, None) is None:
-            self.stats.prefetch_issued -= 1
-            return
+            return  # before its first piece: it never happened (and was never counted)
         self.stats.prefetch_aborted += 1
         self._wasted(key)
 
@@ -582,6 +593,7 @@ class TierPolicy:
                 lru.discard(e)
         self._la_start.pop(key, None)
         self._la_begun.pop(key, None)
+        self._la_issued.discard(key)
         read_s = self._la_read_s.pop(key, 0.0)  # kept below for a result a step may use later
         step = self.waiters.pop(key, None)
         if step is None and placement.cached and ok and not demand:
