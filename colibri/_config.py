@@ -31,11 +31,11 @@ import re
 from collections.abc import Iterable, Mapping
 from decimal import Decimal
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from storage.errors import ColibriError
+from storage.errors import ColibriError, OptionsError
 
 __all__ = ["ENV_VARS", "EngineOptions", "default_model_path", "env_defaults", "parse_bytes"]
 
@@ -92,6 +92,19 @@ class EngineOptions(BaseModel):
     """How to open a model. All fields have CLI flags; see the module docstring."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    def __init__(self, /, **data: Any) -> None:
+        """A bad value is an :class:`~storage.errors.OptionsError` (a ``ColibriError`` and a
+        ``ValueError``) in one line naming each option, not pydantic's ``ValidationError``."""
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise OptionsError(
+                "; ".join(
+                    f"{'.'.join(str(x) for x in e.get('loc', ())) or 'options'}: {e.get('msg', '')}"
+                    for e in exc.errors()
+                )
+            ) from None
 
     model: Path | None = None
     ram_budget: int | None = None

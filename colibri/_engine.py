@@ -13,7 +13,15 @@ import os
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +58,7 @@ from runtime.speculative import CostModel, DraftPolicy, SpecStats, SpeculativeDe
 from runtime.speculative.drafts import MAX_PENDING as MTP_HISTORY
 from storage.atomic import remove_leftovers
 from storage.container import Container
-from storage.errors import ColibriError, ModelError
+from storage.errors import ColibriError, ModelError, OptionsError
 from storage.usage import UsageCounts
 
 if TYPE_CHECKING:
@@ -116,8 +124,8 @@ def _as_ids(token_ids: Sequence[int] | npt.NDArray[np.integer]) -> npt.NDArray[n
 
 
 _CLOSED = (
-    "this engine is closed (its `async with Engine.open(...)` block has ended); open the model "
-    "again"
+    "this engine is closed (the `with colibri.open_model(...)` or `async with "
+    "Engine.open(...)` block that opened it has ended); open the model again"
 )
 
 
@@ -138,7 +146,11 @@ def _in_vocab(what: str, ids: npt.NDArray[np.int64], vocab: int) -> None:
 def _id_list(name: str, value: object) -> list[Any]:
     """``value``, a collection of token ids (a list, tuple, set, numpy array, iterator), as a
     list; a single id or text is a :class:`ModelError` naming ``name``."""
-    if isinstance(value, str | bytes | int | np.integer) or not isinstance(value, Iterable):
+    if (
+        isinstance(value, str | bytes | int | np.integer)
+        or not isinstance(value, Iterable)
+        or (isinstance(value, np.ndarray) and value.ndim == 0)
+    ):
         raise ModelError(f"{name} must be a collection of token ids, got {value!r}")
     return list(value)
 
@@ -254,7 +266,7 @@ class Engine:
         path: str | os.PathLike[str] | None = None,
         *,
         ram_budget: int | str | None = None,
-        options: EngineOptions | None = None,
+        options: EngineOptions | Mapping[str, Any] | None = None,
         progress: LoadProgress | None = None,
     ) -> AsyncIterator[Engine]:
         """Open a model directory (default: the bundled demo model).
@@ -267,6 +279,13 @@ class Engine:
         into RAM, "pinned experts"; possibly from a worker thread); each step is also one
         log line at info level when it ends."""
         default_library_logging()
+        if isinstance(options, Mapping):  # the fields as a dict: the same options
+            options = EngineOptions(**options)
+        elif options is not None and not isinstance(options, EngineOptions):
+            raise OptionsError(
+                f"options must be an EngineOptions (or a dict of its fields), got "
+                f"{type(options).__name__}"
+            )
         opts = options or EngineOptions()
         upd: dict[str, Any] = {}
         if path is not None:
@@ -450,6 +469,8 @@ class Engine:
                 f"grammar must be a GrammarSpec (GrammarSpec.json_schema(...), .json_object(), "
                 f".regex(...), .gbnf(...), .lark(...)), got {type(grammar).__name__}"
             )
+        if cache is not None:
+            self._check_cache(cache)
         if stop_token_ids is None:
             stops = set(self.container.eos_token_ids)
         else:
@@ -673,6 +694,22 @@ class Engine:
         """An empty KV cache for :meth:`generate` (``cache=``): a context a caller keeps."""
         cache: KVCache = self._model.new_cache()
         return cache
+
+    def _check_cache(self, cache: object) -> None:
+        """``generate(cache=...)`` takes a cache of this model's shape (from a
+        :meth:`new_cache` of an engine on the same model): anything else is a ModelError
+        before any step (a cache of another model's shape failed inside the step with a
+        numpy broadcast error)."""
+        if not isinstance(cache, KVCache):
+            raise ModelError(
+                f"cache must be a KV cache from engine.new_cache(), got {type(cache).__name__}"
+            )
+        want = self._model.new_cache().shape
+        if cache.shape != want:
+            raise ModelError(
+                "this cache was made for another model (its KV shape differs from this "
+                "model's); take one from this engine's new_cache()"
+            )
 
     @staticmethod
     def reusable_prefix(cache: KVCache, prompt_ids: Sequence[int] | npt.NDArray[np.integer]) -> int:
@@ -1022,6 +1059,16 @@ class SyncModel:
     def container(self) -> Container:
         return self.engine.container
 
+    def _check_thread(self) -> None:
+        """A blocking method called on the engine's own event loop (from a coroutine that
+        :meth:`call` runs) would wait for that loop forever: say so instead."""
+        if getattr(self._portal, "_event_loop_thread_id", None) == threading.get_ident():
+            raise ColibriError(
+                "a SyncModel method blocks: it cannot run inside a coroutine on the model's "
+                "own event loop (one that model.call() runs); await model.engine's methods "
+                "there instead"
+            )
+
     def call(self, fn: Callable[..., Awaitable[R]], *args: Any) -> R:
         """``await fn(*args)`` on the engine's event loop, from this (blocking) thread.
 
@@ -1030,6 +1077,7 @@ class SyncModel:
         `.coli_usage` is saved) before the interrupt goes on, so closing the model afterwards
         never pulls the reader from under a running step. A second Ctrl-C stops waiting."""
         self.engine._check_open()  # the portal's loop is gone with the engine
+        self._check_thread()
         task = _PortalTask(self._portal, fn, *args)
         try:
             return task.future.result()
@@ -1072,6 +1120,7 @@ class SyncModel:
 
     def enable_replica(self, which: int | str | os.PathLike[str]) -> dict[str, Any]:
         """Re-enable a demoted copy (see :meth:`Engine.enable_replica`)."""
+        self._check_thread()
         result: dict[str, Any] = self._portal.call(self.engine.enable_replica, which)
         return result
 

@@ -470,7 +470,7 @@ def _options(model: Path | None, ram: str | None, reader: str) -> EngineOptions:
     if ctx is not None:
         extra = {k: v for k, v in ctx.meta.get("colibri.engine", {}).items() if k[0] != "_"}
     try:
-        return EngineOptions(model=model, ram_budget=ram, reader=reader, **extra)  # type: ignore[arg-type]
+        return EngineOptions(model=model, ram_budget=ram, reader=reader, **extra)
     except ValueError as exc:  # pydantic's ValidationError: one line, naming the option
         raise ColibriError(f"bad option: {_one_line(exc)}") from exc
 

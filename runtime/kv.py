@@ -76,6 +76,19 @@ class KVCache:
         # (runtime.scheduler.Ahead): the next generation on the cache settles it first.
         self.step_ahead: Any = None
 
+    @property
+    def shape(self) -> tuple[str, int, int, int, int, tuple[int, ...]]:
+        """What a model's caches share (layout, layers, row widths, indexed layers): a cache
+        serves only a model whose ``new_cache()`` has the same shape."""
+        return (
+            self.layout,
+            self.n_layers,
+            self.kv_lora_rank,
+            self.qk_rope_head_dim,
+            self.index_head_dim,
+            self.indexed_layers,
+        )
+
     def _find_addresses(self) -> list[tuple[int, int]]:
         return [
             (int(a.ctypes.data), int(b.ctypes.data))

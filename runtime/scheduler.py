@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from runtime.experts import ExpertStore
     from runtime.kernels.quant_matmul import SplitExpert
     from runtime.layers.moe import MoEWeights
+    from runtime.models._decoder import LogitsOut
     from runtime.speculative import SpeculativeDecoder
     from runtime.weights import ExpertSource, ExpertWeights
 
@@ -481,9 +482,25 @@ class Scheduler:
             t.expert_compute_s += max(0.0, moe - dem - la)
             t.dense_compute_s += max(0.0, total - moe)
 
-    async def forward(self, ids: npt.NDArray[np.int64], cache: KVCache) -> Any:
-        """Every row of ``ids`` after ``cache`` (logits [T, V], hidden [T, D])."""
-        return await self.run(lambda: self.model.forward_batch([ids], [cache], ctx=self.ctx)[0])
+    async def forward(self, ids: npt.NDArray[np.int64], cache: KVCache) -> LogitsOut:
+        """Every row of ``ids`` after ``cache`` (logits [T, V], hidden [T, D]), in steps of
+        ``prefill_chunk`` rows: the same bits as one step (rows are batch-invariant), while
+        other generations' steps run between the chunks and a cancelled caller stops at the
+        next one (the chunks computed stay in ``cache``)."""
+        outs: list[LogitsOut] = []
+        for i in range(0, int(ids.size), self.prefill_chunk):
+            part = ids[i : i + self.prefill_chunk]
+            outs.append(
+                await self.run(
+                    lambda p=part: self.model.forward_batch([p], [cache], ctx=self.ctx)[0]
+                )
+            )
+        if len(outs) == 1:
+            return outs[0]
+        return outs[0]._replace(
+            logits=np.concatenate([o.logits for o in outs]),
+            hidden=np.concatenate([o.hidden for o in outs]),
+        )
 
     # ---- prefill
     async def prefill(

@@ -16,6 +16,7 @@ __all__ = [
     "FormatError",
     "KVFileError",
     "ModelError",
+    "OptionsError",
     "ReadError",
     "SafetensorsError",
     "StorageError",
@@ -75,6 +76,10 @@ class UsageFileError(StorageError):
 
 class KVFileError(StorageError):
     """A `.coli_kv` file is damaged or belongs to another model."""
+
+
+class OptionsError(ColibriError, ValueError):
+    """An engine option (``EngineOptions`` / ``open_model`` keyword) has a value it cannot take."""
 
 
 class ModelError(ColibriError):

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import numpy as np
 import pytest
 from _demo import budget_for_lru, demo_model
 
@@ -328,3 +329,128 @@ def test_cancelling_what_holds_a_streaming_engine_never_hangs(tmp_path: Path, ba
         capture_output=True, text=True, timeout=240, cwd=root, env=env,
     )  # fmt: skip
     assert r.returncode == 0 and "left every scope" in r.stdout, r.stderr[-3000:]
+
+
+@pytest.mark.anyio
+async def test_forward_runs_in_chunks_others_step_between_and_a_cancel_stops_it(
+    state_dir: Path, anyio_backend: str
+) -> None:
+    """A long ``forward`` was one step: a timeout around it returned only once all of it ran,
+    and every other generation stalled for its whole length. It runs in ``prefill_chunk``
+    steps now (the same logits, bit for bit), and a cancelled caller stops at the next."""
+    ids = [(7 * i) % 900 + 3 for i in range(200)]
+    async with Engine.open(options=_opts(state_dir)) as whole:
+        want = await whole.forward(ids)
+    async with Engine.open(options=_opts(state_dir, prefill_chunk=16)) as engine:
+        assert np.array_equal(await engine.forward(ids), want)
+        model = engine._model
+        calls: list[int] = []
+        plain = model.forward_batch
+
+        def counted(*a: Any, **kw: Any) -> Any:
+            calls.append(len(a[0][0]))
+            return plain(*a, **kw)
+
+        model.forward_batch = counted  # type: ignore[method-assign]
+        try:
+            # a generation beside it takes steps between the forward's chunks
+            order: list[str] = []
+
+            async def gen() -> None:
+                async for ev in engine.generate([1, 2, 3], max_new_tokens=6, stop_token_ids=[]):
+                    if isinstance(ev, TokenEvent):
+                        order.append("token")
+
+            async def fwd() -> None:
+                await engine.forward(ids)
+                order.append("forward done")
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(fwd)
+                tg.start_soon(gen)
+            assert order.index("forward done") > order.index("token")
+            calls.clear()
+            with anyio.CancelScope() as scope:
+
+                async def cancel_once_started() -> None:
+                    while not calls:
+                        await anyio.sleep(0.001)
+                    scope.cancel()
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(cancel_once_started)
+                    await engine.forward(ids)
+            assert scope.cancelled_caught
+            assert 1 <= len(calls) <= 2 < -(-len(ids) // 16)  # stopped after a chunk or two
+        finally:
+            del model.forward_batch
+        assert np.array_equal(await engine.forward(ids), want)  # and the engine goes on
+
+
+@pytest.mark.anyio
+async def test_a_foreign_or_wrong_cache_and_a_0d_stop_array_are_model_errors(
+    state_dir: Path, anyio_backend: str
+) -> None:
+    """A cache of another model's shape failed inside the step with a numpy broadcast error;
+    a string as the cache with an AttributeError; a 0-d array of stop ids with a TypeError."""
+    from runtime.kv import KVCache
+
+    async def run(**kw: Any) -> None:
+        async for _ in engine.generate([1, 2, 3], max_new_tokens=2, **kw):
+            pass
+
+    async with Engine.open(options=_opts(state_dir)) as engine:
+        own = engine.new_cache()
+        other = KVCache(own.n_layers, own.kv_lora_rank + 32, own.qk_rope_head_dim)
+        for bad, words in (
+            ({"cache": "x"}, "engine.new_cache()"),
+            ({"cache": other}, "another model"),
+            ({"stop_token_ids": np.array(3)}, "collection of token ids"),
+        ):
+            with pytest.raises(ModelError, match=words):
+                await run(**bad)
+        await run(cache=own)  # its own cache still works
+        assert own.length > 0
+
+
+def test_engine_options_errors_are_colibri_errors_and_a_dict_is_accepted(
+    state_dir: Path,
+) -> None:
+    """A bad option was pydantic's ValidationError (not a ColibriError, unlike a bad budget);
+    ``Engine.open(options={...})`` an AttributeError."""
+    from storage.errors import OptionsError
+
+    for bad in ({"threads": 0}, {"reader": "x"}, {"frobnicate": 1}):
+        with pytest.raises(OptionsError) as err:
+            EngineOptions(**bad)
+        assert isinstance(err.value, ColibriError) and isinstance(err.value, ValueError)
+        assert next(iter(bad)) in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(OptionsError):
+        with colibri.open_model(DEMO, threads=0):
+            pass
+
+    async def main() -> int:
+        async with Engine.open(DEMO, options={"state_dir": state_dir, "max_batch": 2}) as e:
+            return e.options.max_batch
+
+    assert anyio.run(main) == 2
+
+    async def wrong() -> None:
+        async with Engine.open(DEMO, options="threads=1"):  # type: ignore[arg-type]
+            pass
+
+    with pytest.raises(OptionsError, match="EngineOptions"):
+        anyio.run(wrong)
+
+
+def test_a_blocking_call_inside_the_models_own_loop_is_a_colibri_error(state_dir: Path) -> None:
+    """``model.call(coro)`` where the coroutine calls a blocking method: anyio's RuntimeError
+    about the event loop thread; a ColibriError saying what to do now."""
+    with colibri.open_model(DEMO, state_dir=state_dir) as m:
+
+        async def nested() -> None:
+            m.generate([1, 2, 3], max_new_tokens=2)
+
+        with pytest.raises(ColibriError, match=r"await model\.engine"):
+            m.call(nested)
+        assert len(m.generate([1, 2, 3], max_new_tokens=2)) == 2  # still usable
