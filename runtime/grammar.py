@@ -139,6 +139,12 @@ class GrammarSpec:
             schema = inner.get("schema") if isinstance(inner, Mapping) else None
             if schema is None:
                 schema = fmt.get("schema")
+            if schema is True:  # the JSON Schema that every JSON value satisfies
+                schema = {}
+            elif schema is False:
+                raise GrammarError(
+                    "response_format json_schema.schema is false: no JSON value satisfies it"
+                )
             if not isinstance(schema, Mapping | str):
                 raise GrammarError("response_format json_schema needs json_schema.schema")
             return cls.json_schema(schema)

@@ -353,7 +353,11 @@ async def create_app(
         kv_dir=kv_dir,
     )
     routes = [
-        Route("/openapi.json", openapi_route(name, __version__), methods=["GET"]),
+        Route(
+            "/openapi.json",
+            openapi_route(name, __version__, vocab_size=vocab, n_slots=len(slots)),
+            methods=["GET"],
+        ),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/experts", experts, methods=["GET"]),

@@ -8,6 +8,8 @@ go to the structured log).
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic import ValidationError
@@ -76,11 +78,22 @@ def error_response(exc: ApiError, *, anthropic: bool = False) -> JSONResponse:
     return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
 
+# pydantic's tags for the branch of a union a value was checked against ("str",
+# "literal['none','auto']", "list[dict[str,any]]", "function-after[...]", a model class name):
+# not part of the request's path
+_BRANCH_TAG = re.compile(r"^([a-z][a-z0-9_-]*\[.*\]|str|int|float|bool|bytes|none|[A-Z]\w*)$")
+
+
+def _request_path(loc: Sequence[int | str]) -> str:
+    """A pydantic error location as the field's dotted path in the request."""
+    return ".".join(str(x) for x in loc if not (isinstance(x, str) and _BRANCH_TAG.match(x)))
+
+
 def validation_error(exc: ValidationError) -> ApiError:
-    """422 naming the first bad field (``param`` is its dotted path)."""
+    """422 naming the first bad field (``param`` is its dotted path in the request)."""
     errs = exc.errors()
     first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
-    loc = ".".join(str(x) for x in first.get("loc", ()))
+    loc = _request_path(first.get("loc", ()))
     more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
     msg = f"{loc}: {first.get('msg', 'invalid')}{more}" if loc else str(first.get("msg"))
     return ApiError(422, msg, param=loc or None, code="invalid_value")

@@ -124,10 +124,16 @@ class Result:
 
 
 def check_prompt(
-    state: AppState, ids: list[int], max_tokens: int | None, *, param: str = "messages"
+    state: AppState,
+    ids: list[int],
+    max_tokens: int | None,
+    *,
+    param: str = "messages",
+    max_tokens_param: str = "max_tokens",
 ) -> int:
     """Validate prompt ids against the vocabulary and context; returns max_tokens to use.
-    ``param``: the request field that holds the prompt (named in the errors)."""
+    ``param``: the request field that holds the prompt; ``max_tokens_param``: the one that
+    held ``max_tokens`` (both named in the errors)."""
     if not ids:
         raise ApiError(400, "the prompt is empty", param=param, code="empty_prompt")
     ctx = state.context_length
@@ -153,9 +159,10 @@ def check_prompt(
     if len(ids) + max_tokens > ctx:
         raise ApiError(
             400,
-            f"this model's context is {ctx} tokens: {len(ids)} prompt tokens + max_tokens "
-            f"{max_tokens} exceed it; lower max_tokens to at most {ctx - len(ids)}",
-            param="max_tokens",
+            f"this model's context is {ctx} tokens: {len(ids)} prompt tokens + "
+            f"{max_tokens_param} {max_tokens} exceed it; lower {max_tokens_param} to at most "
+            f"{ctx - len(ids)}",
+            param=max_tokens_param,
             code="context_length_exceeded",
         )
     return max_tokens

@@ -176,6 +176,9 @@ async def chat_completions(request: Request) -> Response:
         ids=ids,
         max_tokens=req.max_completion_tokens or req.max_tokens,
         stop=req.stop,
+        max_tokens_param=(
+            "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        ),
     )
     params.logprobs = req.logprobs
     params.top_logprobs = req.top_logprobs or 0

@@ -2,7 +2,10 @@
 
 The request bodies come straight from the pydantic models the routes validate with
 (:mod:`colibri.server.schemas`), so the document cannot drift from what the server accepts;
-``model`` is narrowed to the one model this server serves. Clients and fuzzers
+``model`` is narrowed to the one model this server serves, and the fields the server takes
+only some values of are narrowed to those (``n`` 1, no penalties, token ids inside the
+vocabulary, one non-empty prompt, an existing ``cache_slot``, ...: :func:`_served`), so that
+a request the document describes is one the server runs. Clients and fuzzers
 (``tests/test_server_fuzz.py`` runs schemathesis against it) read it.
 """
 
@@ -35,7 +38,68 @@ def _responses(ok: str) -> dict[str, Any]:
     return out
 
 
-def openapi_document(model_name: str, version: str) -> dict[str, Any]:
+_NULL = {"type": "null"}
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"anyOf": [schema, _NULL], "default": None}
+
+
+def _served(props: dict[str, Any], vocab_size: int, n_slots: int) -> None:
+    """Narrow a request schema's ``props`` to the values the server serves (the rest are 400s
+    that name the field: colibri.server.requests.refuse_unsupported and the routes)."""
+    token = {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}
+    if "n" in props:
+        props["n"] = {"type": "integer", "const": 1, "default": 1}
+    for name in ("frequency_penalty", "presence_penalty", "min_p"):
+        if name in props:
+            props[name] = _nullable({"type": "number", "const": 0})
+    if "repetition_penalty" in props:
+        props["repetition_penalty"] = _nullable({"type": "number", "const": 1})
+    if "logit_bias" in props:
+        props["logit_bias"] = _nullable(
+            {"type": "object", "additionalProperties": {"type": "number", "const": 0}}
+        )
+    if "best_of" in props:
+        props["best_of"] = _nullable({"type": "integer", "const": 1})
+    if "suffix" in props:
+        props["suffix"] = _nullable({"type": "string", "maxLength": 0})
+    if "cache_slot" in props:
+        props["cache_slot"] = (
+            _nullable({"type": "integer", "minimum": 0, "maximum": n_slots - 1})
+            if n_slots
+            else {"type": "null", "default": None}
+        )
+    if "stop_token_ids" in props:
+        props["stop_token_ids"] = _nullable({"type": "array", "items": token})
+    if "stop" in props:
+        props["stop"] = _nullable(
+            {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"},
+                                            "maxItems": 16}]}
+        )  # fmt: skip
+    if "draft" in props:
+        props["draft"] = _nullable(
+            {"anyOf": [{"type": "integer", "minimum": 0},
+                       {"type": "string", "pattern": r"^(auto|off|\d+|(mtp|lookup)(:\d+)?)$"}]}
+        )  # fmt: skip
+    if "prompt" in props:  # one prompt: text or token ids, never empty
+        ids = {"type": "array", "items": token, "minItems": 1}
+        text = {"type": "string", "minLength": 1}
+        props["prompt"] = {
+            "anyOf": [
+                text,
+                {"type": "array", "items": text, "minItems": 1, "maxItems": 1},
+                ids,
+                {"type": "array", "items": ids, "minItems": 1, "maxItems": 1},
+            ]
+        }
+
+
+def openapi_document(
+    model_name: str, version: str, *, vocab_size: int | None = None, n_slots: int | None = None
+) -> dict[str, Any]:
+    """The document; with ``vocab_size`` and ``n_slots`` (the served model's), the fields the
+    server takes only some values of are narrowed to them (:func:`_served`)."""
     bodies: list[tuple[str, type[BaseModel]]] = [
         ("/v1/chat/completions", ChatCompletionRequest),
         ("/v1/completions", CompletionRequest),
@@ -46,7 +110,10 @@ def openapi_document(model_name: str, version: str) -> dict[str, Any]:
     )
     schemas: dict[str, Any] = dict(top.get("$defs", {}))
     for _, m in bodies:  # the one model served here
-        schemas[m.__name__]["properties"]["model"] = {"type": "string", "enum": [model_name]}
+        props = schemas[m.__name__]["properties"]
+        props["model"] = {"type": "string", "enum": [model_name]}
+        if vocab_size is not None and n_slots is not None:
+            _served(props, vocab_size, n_slots)
     paths: dict[str, Any] = {}
     for path, m in bodies:
         paths[path] = {
@@ -83,8 +150,8 @@ def openapi_document(model_name: str, version: str) -> dict[str, Any]:
     }
 
 
-def openapi_route(model_name: str, version: str) -> Any:
-    doc = openapi_document(model_name, version)
+def openapi_route(model_name: str, version: str, *, vocab_size: int, n_slots: int) -> Any:
+    doc = openapi_document(model_name, version, vocab_size=vocab_size, n_slots=n_slots)
 
     async def openapi(request: Request) -> Response:
         return JSONResponse(doc)

@@ -145,6 +145,7 @@ def common_params(
     max_tokens: int | None,
     stop: str | list[str] | None,
     prompt_param: str = "messages",
+    max_tokens_param: str = "max_tokens",
 ) -> GenParams:
     """Sampling, stops, slot and limits shared by every API (``max_tokens`` and ``stop`` are
     named differently in each); the tenant (for prefix reuse) comes from the request's key."""
@@ -184,7 +185,9 @@ def common_params(
         stop_ids = sorted(set(st.engine.container.eos_token_ids) | set(req.stop_token_ids))
     return GenParams(
         prompt_ids=ids,
-        max_tokens=check_prompt(st, ids, max_tokens, param=prompt_param),
+        max_tokens=check_prompt(
+            st, ids, max_tokens, param=prompt_param, max_tokens_param=max_tokens_param
+        ),
         temperature=temp,
         top_p=tp,
         top_k=top_k,

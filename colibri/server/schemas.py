@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
     "AnthropicMessage",
@@ -43,6 +43,23 @@ class _Loose(BaseModel):
 
 class Extensions(_Loose):
     """colibri's extension fields, shared by every generation request."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """An explicit null for a field with a default is that default (OpenAI declares
+        ``n``, ``stream``, ``logprobs``, ``echo``... nullable, and SDKs and wrappers send
+        ``None`` for what they leave unset): it was a 422. A required field stays required."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        unset = [
+            k
+            for k, v in data.items()
+            if v is None and k in fields and not fields[k].is_required()
+            and fields[k].default is not None
+        ]  # fmt: skip
+        return {k: v for k, v in data.items() if k not in unset} if unset else data
 
     cache_slot: int | None = Field(
         default=None, ge=0, description="KV slot: keep this conversation's cache between turns"
@@ -155,7 +172,8 @@ class CompletionRequest(_OpenAIGeneration):
     """``POST /v1/completions`` (the legacy text completion API)."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    # 0 with echo: score the prompt (its logprobs), generate nothing
+    # 0 with echo: score the prompt (its logprobs), generate nothing; an explicit null is the
+    # default, 16 (it generated up to the whole context): Extensions._null_is_the_default
     max_tokens: int | None = Field(default=16, ge=0)
     best_of: int | None = Field(default=None, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -163,13 +181,6 @@ class CompletionRequest(_OpenAIGeneration):
     suffix: str | None = None
     # not in OpenAI's legacy API; honoured as in chat completions (structured output)
     response_format: dict[str, Any] | None = None
-
-    @field_validator("max_tokens", mode="before")
-    @classmethod
-    def _null_is_the_default(cls, v: Any) -> Any:
-        # an explicit null is OpenAI's default (16), as some clients send every field; it
-        # generated up to the whole context
-        return 16 if v is None else v
 
 
 class AnthropicMessage(_Loose):

@@ -133,6 +133,75 @@ def test_chat_greedy_equals_the_engine(servers: dict[str, Server], ref: Any) -> 
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
 
 
+def test_null_optional_fields_are_their_defaults(servers: dict[str, Server]) -> None:
+    """The SDK types ``n``, ``stream``, ``logprobs``, ``echo`` as optional and wrappers send
+    ``None`` for what they leave unset: each was a 422; null is the field's default now (a
+    required field stays required)."""
+    s = servers["main"]
+    auth = {"authorization": f"Bearer {KEY}"}
+    nulls = {"n": None, "stream": None, "ignore_eos": None, "return_token_ids": None}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+    r = httpx.post(
+        f"{s.url}/v1/chat/completions",
+        json={**chat, **nulls, "logprobs": None},
+        headers=auth,
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1 and r.json()["choices"][0]["logprobs"] is None
+    comp = {"model": MODEL, "prompt": "Once", "max_tokens": 3, "echo": None}
+    r = httpx.post(f"{s.url}/v1/completions", json={**comp, **nulls}, headers=auth, timeout=120)
+    assert r.status_code == 200, r.text
+    assert not r.json()["choices"][0]["text"].startswith("Once")  # echo off
+    client = openai.OpenAI(base_url=f"{s.url}/v1", api_key=KEY)
+    got = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, n=None
+    )
+    assert len(got.choices) == 1
+    r = httpx.post(f"{s.url}/v1/chat/completions", json={**chat, "model": None}, headers=auth)
+    assert r.status_code == 422 and r.json()["error"]["param"] == "model"
+
+
+def test_errors_name_the_fields_as_sent(servers: dict[str, Server]) -> None:
+    """A too-large ``max_completion_tokens`` was reported as ``max_tokens`` (never sent); a
+    field of several accepted types had pydantic's branch tags in ``param``
+    (``tool_choice.literal['none','auto','required']``, ``messages.0.content.str``)."""
+    s = servers["main"]
+    auth = {"authorization": f"Bearer {KEY}"}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+
+    def err(body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        r = httpx.post(f"{s.url}/v1/chat/completions", json=body, headers=auth, timeout=60)
+        return r.status_code, r.json()["error"]
+
+    code, e = err({**chat, "max_completion_tokens": 5000})
+    assert code == 400 and e["param"] == "max_completion_tokens"
+    assert "max_completion_tokens 5000" in e["message"] and "max_tokens " not in e["message"]
+    code, e = err({**chat, "max_tokens": 5000})
+    assert code == 400 and e["param"] == "max_tokens"
+    code, e = err({**chat, "tool_choice": "maybe"})
+    assert code == 422 and e["param"] == "tool_choice", e
+    code, e = err({**chat, "messages": [{"role": "user", "content": 5}]})
+    assert code == 422 and e["param"] == "messages.0.content", e
+
+
+def test_a_json_schema_of_true_allows_any_json(servers: dict[str, Server]) -> None:
+    """``true`` is a valid JSON Schema (any value): it was refused as a missing schema."""
+    s = servers["main"]
+    auth = {"authorization": f"Bearer {KEY}"}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Give me JSON"}],
+        "max_tokens": 40,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": True}},
+    }
+    r = httpx.post(f"{s.url}/v1/chat/completions", json=body, headers=auth, timeout=120)
+    assert r.status_code == 200, r.text
+    false = {**body, "response_format": {"type": "json_schema", "json_schema": {"schema": False}}}
+    r = httpx.post(f"{s.url}/v1/chat/completions", json=false, headers=auth, timeout=60)
+    assert r.status_code == 400 and "false" in r.json()["error"]["message"]
+
+
 def test_completions_max_tokens_null_is_the_default_16(servers: dict[str, Server]) -> None:
     """An explicit ``"max_tokens": null`` (clients that send every field) generated up to the
     whole context; it is OpenAI's default, 16."""
