@@ -67,6 +67,7 @@ __all__ = [
     "model_identity",
     "read_header",
     "read_kv",
+    "read_tokens",
     "slot_path",
     "sync_kv",
     "write_kv",
@@ -383,6 +384,24 @@ def read_kv(
         raise KVFileError(f"{p}: records end early (truncated)")
     _decode_into(cache, h, data.reshape(h.n_records, h.record_floats).astype(np.float32))
     return cache
+
+
+def read_tokens(path: str | os.PathLike[str], header: KVHeader) -> npt.NDArray[np.int32]:
+    """The token ids of ``path``'s records (``header``: its header, already checked), read
+    one word per record without the rows (what a server matches prompts against before it
+    loads the file). Raises :class:`KVFileError` when the records end early."""
+    p = Path(path)
+    try:
+        size = p.stat().st_size
+        if size < header.file_nbytes():
+            raise KVFileError(f"{p}: records end early (truncated)")
+        if header.n_records == 0:
+            return np.zeros(0, np.int32)
+        words = np.memmap(p, dtype="<i4", mode="r", offset=_HEADER.size,
+                          shape=(header.n_records, header.record_floats))  # fmt: skip
+        return np.ascontiguousarray(words[:, 0], dtype=np.int32)
+    except OSError as exc:
+        raise KVFileError(f"{p}: cannot read: {exc.strerror or exc}") from exc
 
 
 def load_kv(

@@ -335,6 +335,7 @@ async def create_app(
         cfg.kv_slots, engine.new_cache, vocab=vocab, identity=identity, directory=kv_dir
     )
     await slots.check_files()
+    kv_dir = slots.directory  # None when another server holds that directory
     m = Metrics(engine.snapshot)
     template = getattr(tokenizer, "_template_src", None) or ""
     state = AppState(
@@ -478,7 +479,10 @@ async def serve(config: ServerConfig, options: EngineOptions, *, web: bool = Fal
                 tg.start_soon(_throughput_lines, app.state.colibri, config.stats_interval)
             server = _Server(uv)
             server.on_shutdown = app.state.colibri.stopping.set
-            await server.serve(sockets=[sock])
+            try:
+                await server.serve(sockets=[sock])
+            finally:
+                app.state.colibri.slots.close()
             tg.cancel_scope.cancel()
     return server.stopped_by
 

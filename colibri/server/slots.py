@@ -11,7 +11,10 @@ foreign file is reported, renamed aside and the slot starts empty.
 
 from __future__ import annotations
 
+import fcntl
+import os
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -21,6 +24,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 import numpy as np
+import numpy.typing as npt
 import structlog
 
 from runtime.kv import KVCache
@@ -31,12 +35,17 @@ from storage.kvfile import (
     header_for,
     load_kv,
     read_header,
+    read_tokens,
     slot_path,
 )
 
-__all__ = ["Slot", "SlotPool"]
+__all__ = ["REUSE_MIN_TOKENS", "Slot", "SlotPool"]
 
 _log = structlog.get_logger(__name__)
+# Automatic prefix matching takes a slot only for a prefix of at least this many tokens, or
+# of half the slot's tokens when it holds fewer: the few tokens every chat template puts first
+# are no reason to give a new conversation another one's slot.
+REUSE_MIN_TOKENS = 64
 
 
 @dataclass
@@ -52,12 +61,25 @@ class Slot:
     last_used: float = 0.0
     turns: int = 0
     tenant: str | None = None  # the API key of its last request (None: none, or from disk)
+    # the token ids of its file, read at start-up, until the file is loaded on first use
+    file_tokens: npt.NDArray[np.int32] | None = None
+
+    def held(self) -> npt.NDArray[np.int32] | None:
+        """The tokens the slot holds: its cache's, or (not loaded yet) its file's."""
+        if self.cache is not None:
+            return self.cache.tokens
+        return self.file_tokens
 
     def describe(self) -> dict[str, Any]:
+        held = self.held()
         return {
             "slot": self.index,
-            "tokens": 0 if self.cache is None else int(self.cache.length),
-            "persisted_tokens": self.persisted,
+            "tokens": 0 if held is None else int(held.size),
+            "persisted_tokens": (
+                self.persisted
+                if self.loaded or self.file_tokens is None
+                else int(self.file_tokens.size)
+            ),
             "busy": self.lock.locked(),
             "loaded": self.loaded,
             "turns": self.turns,
@@ -85,17 +107,52 @@ class SlotPool:
         self.slots = [
             Slot(i, None if directory is None else slot_path(directory, i)) for i in range(n)
         ]
+        self._lock_fd: int | None = None
 
     def __len__(self) -> int:
         return len(self.slots)
 
+    def _lock_directory(self) -> bool:
+        """Hold an exclusive ``flock`` on the slot directory while this pool lives (False: a
+        pool of another process holds it): two servers writing the same slot files interleaved
+        each other's records into files that loaded silently with rows of neither
+        conversation."""
+        assert self.directory is not None
+        fd = os.open(self.directory, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        self._lock_fd = fd
+        weakref.finalize(self, os.close, fd)
+        return True
+
+    def close(self) -> None:
+        """Release the slot directory (also done when the pool is garbage-collected)."""
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+
     async def check_files(self) -> None:
-        """Validate each slot file's header now (cheap); a bad one is reported and set aside."""
+        """Take the slot directory, then validate each slot file's header now (cheap) and read
+        its token ids (what automatic prefix matching compares before the file is loaded); a
+        bad file is reported and set aside."""
         if self.directory is None:
+            return
+        if not await anyio.to_thread.run_sync(self._lock_directory):
+            _log.warning(
+                "KV slots kept in memory only: another colibri server saves its slots in this "
+                "directory (give this one its own with --kv-dir DIR)",
+                directory=str(self.directory),
+            )
+            self.directory = None
+            for s in self.slots:
+                s.path = None
             return
         expect = self._new_cache()
 
-        def check(path: Path) -> None:
+        def check(slot: Slot, path: Path) -> None:
             if not path.exists():
                 return
             want = header_for(expect, self.vocab, self.identity)
@@ -105,14 +162,17 @@ class SlotPool:
                     h.identity and self.identity and h.identity != self.identity
                 ):
                     raise KVFileError(f"written for another model (header {h}, expected {want})")
-            except KVFileError as exc:
+                slot.file_tokens = read_tokens(path, h)
+                slot.last_used = path.stat().st_mtime
+            except (KVFileError, OSError) as exc:
+                slot.file_tokens = None
                 set_aside_and_warn(
                     _log, path, "KV slot file ignored; the slot starts empty", str(exc)
                 )
 
         for s in self.slots:
             if s.path is not None:
-                await anyio.to_thread.run_sync(check, s.path)
+                await anyio.to_thread.run_sync(check, s, s.path)
 
     async def _load(self, slot: Slot) -> None:
         if slot.loaded:
@@ -127,6 +187,7 @@ class SlotPool:
             slot.persisted = cache.length
             _log.info("KV slot restored", slot=slot.index, tokens=cache.length)
         slot.cache = cache if cache is not None else self._new_cache()
+        slot.file_tokens = None
         slot.loaded = True
 
     @asynccontextmanager
@@ -166,24 +227,34 @@ class SlotPool:
         busy (the request then runs on a fresh cache). Reuse never changes output.
 
         ``scoped``: only slots whose last request came with ``tenant``'s API key count as a
-        match (another key's slot may still be taken over, emptied first: see generation)."""
+        match (another key's slot may still be taken over, emptied first: see generation).
+
+        A match needs :data:`REUSE_MIN_TOKENS` common tokens, or half the slot's tokens when
+        it holds fewer (the tokens a chat template always puts first matched every slot, and
+        unrelated conversations took turns in one). A slot not loaded yet matches on its
+        file's tokens; without a match an empty slot goes first, then the least recently used
+        (a file's age counts as its use)."""
         free = [s for s in self.slots if not s.lock.locked()]
         if not free:
             return None
         ids = np.asarray(prompt_ids, dtype=np.int64)
 
+        def size(s: Slot) -> int:
+            held = s.held()
+            return 0 if held is None else int(held.size)
+
         def common(s: Slot) -> int:
-            if s.cache is None or (scoped and s.tenant != tenant):
+            held = s.held()
+            if held is None or (scoped and s.tenant != tenant):
                 return 0
-            held = s.cache.tokens
             n = min(held.size, ids.size)
             diff = np.flatnonzero(held[:n] != ids[:n])
             return int(diff[0]) if diff.size else int(n)
 
         best = max(free, key=lambda s: (common(s), -s.last_used))
-        if common(best) > 0:
+        if common(best) >= min(REUSE_MIN_TOKENS, max(1, (size(best) + 1) // 2)):
             return best.index
-        return min(free, key=lambda s: s.last_used).index
+        return min(free, key=lambda s: (size(s) > 0, s.last_used)).index
 
     def describe(self) -> list[dict[str, Any]]:
         return [s.describe() for s in self.slots]

@@ -50,7 +50,10 @@ def test_ps_reports_what_a_server_holds(tmp_path: Path) -> None:
     r = coli("ps", "--url", "http://127.0.0.1:9", home=tmp_path)
     assert r.returncode == 1 and "no colibri server answers" in r.stderr
     assert "hint: start one with `coli serve`" in r.stderr
-    srv = Server(tmp_path, "--api-key", "k1", "--kv-slots", "2", "--ram", "4600KiB").wait_ready()
+    srv = Server(
+        tmp_path, "--api-key", "k1", "--kv-slots", "2", "--ram", "4600KiB",
+        "--kv-dir", str(tmp_path / "kv"),
+    ).wait_ready()  # fmt: skip
     try:
         name = httpx.get(srv.url + "/health", timeout=10).json()["model"]
         body = {"model": name, "prompt": "w5 w6", "max_tokens": 3, "cache_slot": 1}
