@@ -1127,11 +1127,18 @@ class SyncModel:
 
 @contextmanager
 def _sigint_deferred() -> Iterator[None]:
-    """Hold a Ctrl-C that arrives inside the block until it ends (then raise it): for steps
-    that must complete as a whole, such as starting the portal's thread (an interrupt in the
-    middle leaves a loop thread nobody can stop). Only in the main thread, where signals land.
-    SIGINT and SIGTERM are blocked in this thread meanwhile, so threads started inside never
-    receive them."""
+    """Hold a Ctrl-C or SIGTERM that arrives inside the block until it ends (then act on it):
+    for steps that must complete as a whole, such as starting the portal's thread (an
+    interrupt in the middle leaves a loop thread nobody can stop, and the process waits for it
+    forever). Only in the main thread, where Python runs signal handlers. SIGINT and SIGTERM
+    are blocked in this thread meanwhile, so threads started inside never receive them.
+
+    Both are held by swapping their handlers, not only by the mask: a signal sent to the
+    process is delivered to any thread that does not block it (one started before, such as the
+    CLI's re-send timer), and Python then runs the handler in the main thread all the same: a
+    SIGTERM did, inside the portal's start, and the process hung. At the end a held SIGINT is
+    a KeyboardInterrupt; a held SIGTERM is raised again for the handler it had (the CLI's
+    raises its Terminated; without one, the default ends the process)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -1140,14 +1147,17 @@ def _sigint_deferred() -> Iterator[None]:
     def hold(signum: int, frame: object) -> None:
         held.append(signum)
 
-    previous = signal.signal(signal.SIGINT, hold)
+    stop = (signal.SIGINT, signal.SIGTERM)
+    # (a handler installed outside Python reads as None: that signal is left alone)
+    previous = {s: h for s in stop if (h := signal.getsignal(s)) is not None}
+    for s in previous:
+        signal.signal(s, hold)
     # Threads started inside (the portal's loop thread, and every thread it starts in turn:
     # compute, expert pool, readers) inherit this mask, so SIGINT / SIGTERM always reach the
     # main thread, the one that acts on them (delivered to another thread while the main one
     # waits on a lock, a signal could go unnoticed until the work ended).
-    stop = {signal.SIGINT, signal.SIGTERM}
     mask = (
-        signal.pthread_sigmask(signal.SIG_BLOCK, stop)
+        signal.pthread_sigmask(signal.SIG_BLOCK, set(stop))
         if hasattr(signal, "pthread_sigmask")
         else None
     )
@@ -1155,8 +1165,11 @@ def _sigint_deferred() -> Iterator[None]:
         yield
     finally:
         if mask is not None:
-            signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a held signal is delivered now
-        signal.signal(signal.SIGINT, previous)
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a blocked signal lands now
+        for s, h in previous.items():
+            signal.signal(s, h)
+    if signal.SIGTERM in held:
+        signal.raise_signal(signal.SIGTERM)
     if held:
         raise KeyboardInterrupt
 

@@ -320,9 +320,9 @@ async def create_app(
     identity = await anyio.to_thread.run_sync(model_identity, c.path)
     kv_dir: Path | None = None
     if cfg.kv_slots and cfg.kv_persist:
-        kv_dir = cfg.kv_dir or engine.options.resolved_state_dir()
+        kv_dir = made = cfg.kv_dir or engine.options.resolved_state_dir()
         try:
-            await anyio.to_thread.run_sync(lambda: kv_dir.mkdir(parents=True, exist_ok=True))
+            await anyio.to_thread.run_sync(lambda: made.mkdir(parents=True, exist_ok=True))
         except OSError as exc:
             raise ColibriError(
                 f"cannot create the KV slot directory {kv_dir}: {exc.strerror or exc}; pass "

@@ -263,3 +263,40 @@ anyio.run(main)
     )  # fmt: skip
     assert p.returncode == 0, p.stderr[-3000:]
     assert "hopped [1]" in p.stdout, (p.stdout, p.stderr[-3000:])
+
+
+def test_a_sigterm_during_the_portals_start_waits_for_it_then_acts() -> None:
+    """`coli run` / `coli chat` killed with SIGTERM while the model loaded hung for good (3 of
+    12 tries): the signal, sent by a thread started before the block (the CLI's re-send
+    timer), ran the CLI's handler in the main thread inside the portal's start, and the
+    process then waited for a loop thread nobody stopped. The block now holds SIGTERM as it
+    holds Ctrl-C, and raises it again once the step is whole."""
+    import threading
+
+    from colibri._engine import _sigint_deferred
+
+    class Stopped(KeyboardInterrupt):
+        pass
+
+    def handler(signum: int, frame: object) -> None:
+        raise Stopped
+
+    go = threading.Event()
+    sender = threading.Thread(
+        target=lambda: (go.wait(), os.kill(os.getpid(), signal.SIGTERM)), daemon=True
+    )
+    sender.start()  # before the block: it does not inherit the block's signal mask
+    previous = signal.signal(signal.SIGTERM, handler)
+    steps: list[str] = []
+    try:
+        with pytest.raises(Stopped):
+            with _sigint_deferred():
+                go.set()
+                sender.join()
+                for _ in range(50):  # the handler would run at one of these bytecodes
+                    time.sleep(0.001)
+                steps.append("whole")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert steps == ["whole"]
+    assert signal.getsignal(signal.SIGTERM) is previous
