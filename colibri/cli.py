@@ -62,9 +62,13 @@ def _interrupted_exit(code: int) -> None:
 import asyncio
 import concurrent.futures
 import contextlib
+import http
+import importlib.util
 import json
 import logging
 import selectors
+import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -500,6 +504,16 @@ def _on_sigint(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
+def _package_dirs(*names: str) -> list[str]:
+    """The directories of the installed packages among ``names`` (found, not imported)."""
+    out = []
+    for name in names:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations:
+            out += [str(Path(d)) + os.sep for d in spec.submodule_search_locations]
+    return out
+
+
 _HERE = Path(__file__).resolve().parent.parent
 _SAFE_FILES = (
     *(str(_HERE / pkg) + os.sep for pkg in ("colibri", "runtime", "storage")),
@@ -508,6 +522,14 @@ _SAFE_FILES = (
     # an event loop waiting (coli serve while the engine loads): asyncio unwinds from there
     selectors.__file__,
     os.path.dirname(asyncio.__file__) + os.sep,
+    # a network wait (coli pull listing a repository, coli ps asking a server that does not
+    # answer): Python's own handler raises there too, and the clients unwind cleanly
+    socket.__file__,
+    ssl.__file__,
+    os.path.dirname(http.__file__) + os.sep,
+    *_package_dirs(
+        "httpx", "httpcore", "httpx2", "httpcore2", "h11", "urllib3", "requests", "huggingface_hub"
+    ),
 )
 
 

@@ -300,3 +300,49 @@ def test_a_sigterm_during_the_portals_start_waits_for_it_then_acts() -> None:
         signal.signal(signal.SIGTERM, previous)
     assert steps == ["whole"]
     assert signal.getsignal(signal.SIGTERM) is previous
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_stops_a_command_waiting_on_the_network(tmp_path: Path, sig: int) -> None:
+    """`coli ps` asking a server that accepts but never answers, `coli pull` listing a hub that
+    does the same: a Ctrl-C (or SIGTERM) inside the network wait was sent again and again until
+    the wait ended (ps after its own 10 s, pull only when the peer closed); it ends the
+    command now, with the shell's status."""
+    import socket as socket_
+    import threading
+
+    listener = socket_.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    port = listener.getsockname()[1]
+    held: list[socket_.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                held.append(listener.accept()[0])  # and never answer
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COLI_", "HF_"))}
+    env["HOME"] = str(tmp_path)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for args in (["ps", "--url", url], ["pull", "--endpoint", url, "foo/bar", "out"]):
+            p = subprocess.Popen(
+                [sys.executable, "-m", "colibri.cli", *args], cwd=tmp_path, env=env,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            )  # fmt: skip
+            deadline = time.monotonic() + 60
+            while len(held) < 1 + (args[0] == "pull") and time.monotonic() < deadline:
+                time.sleep(0.05)  # the command is in its network wait
+            time.sleep(0.3)
+            code, took, err = _signal_and_wait(p, sig)
+            assert code == 128 + sig, (args, code, err)
+            assert took < EXIT_WITHIN_S, (args, took)
+            assert "Traceback" not in err
+    finally:
+        listener.close()
+        for c in held:
+            c.close()
