@@ -33,8 +33,10 @@ import anyio.to_thread
 import numpy as np
 
 from storage.aligned import ALIGN, aligned_empty, huge_backed_bytes, hugepage_support, round_up
+from storage.errors import ColibriError
 from storage.manifest import read_manifest
 from storage.reader import (
+    _MEMORY_FS,
     Reader,
     ReaderKind,
     ReadRequest,
@@ -69,6 +71,8 @@ def make_test_file(path: str | os.PathLike[str], nbytes: int) -> Path:
 
 def _targets(target: Path, block: int | None) -> tuple[list[tuple[Path, int, int]], int, str]:
     """(candidate extents (path, offset, length), block, where they came from)."""
+    if not target.exists():
+        raise ColibriError(f"{target} does not exist; pass a model directory or a big file")
     if target.is_dir():
         man = read_manifest(target)
         if man is not None and man.experts:
@@ -78,7 +82,10 @@ def _targets(target: Path, block: int | None) -> tuple[list[tuple[Path, int, int
                 return ext, size, f"{len(ext)} expert extents from the manifest"
         files = sorted(p for p in target.iterdir() if p.suffix == ".safetensors")
         if not files:
-            raise ValueError(f"{target}: no manifest experts and no .safetensors files to read")
+            raise ColibriError(
+                f"{target}: no manifest experts and no .safetensors files to read; pass a model "
+                "directory or a big file"
+            )
     else:
         files = [target]
     size = block or DEFAULT_BLOCK
@@ -88,8 +95,17 @@ def _targets(target: Path, block: int | None) -> tuple[list[tuple[Path, int, int
         if n >= size:
             ext.append((f, n, size))  # (path, file size, block): offsets drawn per read
     if not ext:
-        raise ValueError(f"no file under {target} holds one {size}-byte block")
+        raise ColibriError(
+            f"no file under {target} holds one {size}-byte block; pass a smaller --block or a "
+            "bigger file"
+        )
     return ext, size, "random 4 KiB-aligned offsets"
+
+
+def _lengths(ext: list[tuple[Path, int, int]]) -> dict[str, int]:
+    """Smallest, median and largest length of the reads drawn from ``ext``."""
+    sizes = sorted(n for _, _, n in ext)
+    return {"min": sizes[0], "median": sizes[len(sizes) // 2], "max": sizes[-1]}
 
 
 def _plan(
@@ -238,7 +254,7 @@ async def bench_storage(
     if block is not None and (block <= 0 or block % ALIGN):
         # an O_DIRECT read moves whole 4 KiB pages: a backend would be credited fewer bytes
         # than it (and fio, replaying the aligned spans) moved, and the ratio compare unlike work
-        raise ValueError(f"--block must be a positive multiple of 4 KiB, got {block} bytes")
+        raise ColibriError(f"--block must be a positive multiple of 4 KiB, got {block} bytes")
     ext, size, source = _targets(target, block)
     files = sorted({p for p, _, _ in ext})
     as_root = os.geteuid() == 0
@@ -272,6 +288,9 @@ async def bench_storage(
     runs: dict[str, list[dict[str, float]]] = {n: [] for n in readers}
     fio_runs: list[dict[str, Any]] = []
     cache_how = "not dropped"
+    in_memory = filesystem_type(files[0]) in _MEMORY_FS
+    if in_memory:
+        cache_how = f"in memory ({filesystem_type(files[0])}: every read is a RAM copy)"
     try:
         for rep in range(repeats):
             reqs = _plan(ext, source, reads, seed + rep)
@@ -282,7 +301,7 @@ async def bench_storage(
             k = rep % len(names)  # rotate so no backend always goes first
             for name in names[k:] + names[:k]:
                 # not root: per-file fadvise, unless told not to drop (--no-drop-caches)
-                if dropping or (drop_caches is None and not as_root):
+                if not in_memory and (dropping or (drop_caches is None and not as_root)):
                     cache_how = await anyio.to_thread.run_sync(_drop_caches, files, dropping)
                 if name != "fio":
                     c0 = time.process_time()
@@ -360,6 +379,9 @@ async def bench_storage(
         "files": [str(p) for p in files],
         "extents": source,
         "block": size,
+        # the reads' lengths: expert extents differ in size (an int8 MTP layer's are about
+        # twice a main one's); ``block`` is the largest, the buffer each read goes into
+        "read_bytes": _lengths(ext),
         "reads": reads,
         "queue_depth": queue_depth,
         "repeats": repeats,

@@ -61,6 +61,22 @@ def test_bench_storage_prints_json_with_a_figure(home: Path) -> None:
     # a block that is not whole 4 KiB pages: backends and fio would be credited unlike bytes
     odd = coli(home, "bench", "storage", "--model", str(DEMO), "--block", "1000")
     assert odd.returncode == 2 and "multiple of 4 KiB" in odd.stderr, odd.stderr
+    # what it cannot read is one error line, not a traceback
+    (home / "empty").mkdir()
+    (home / "small.bin").write_bytes(b"x" * 8192)
+    for args, words in (
+        (["--block", "64MiB"], "holds one"),
+        (["--model", str(home / "empty")], "no manifest experts"),
+        (["--model", str(home / "small.bin")], "holds one"),
+    ):
+        r = coli(home, "bench", "storage", "--no-fio", "--reads", "2", "--repeats", "1",
+                 "--model", str(DEMO), *args)  # fmt: skip
+        assert r.returncode == 1 and words in r.stderr, (args, r.stderr)
+        assert "Traceback" not in r.stderr
+    # the reads' sizes as they are (the MTP layer's int8 experts are the largest)
+    sizes = out["read_bytes"]
+    assert sizes["min"] <= sizes["median"] <= sizes["max"] == out["block"]
+    assert sizes["min"] < sizes["max"]
 
 
 def test_plan_json_on_the_demo(home: Path) -> None:

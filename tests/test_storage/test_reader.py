@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from storage.aligned import ALIGN, SlabPool, aligned_empty, is_aligned, round_up
-from storage.errors import ReadError
+from storage.errors import ColibriError, ReadError
 from storage.reader import (
     Reader,
     ReadRequest,
@@ -580,7 +580,7 @@ async def test_bench_storage_refuses_a_block_of_partial_pages(
     O_DIRECT moved (and fio was credited) the aligned span: the figure compared unlike work."""
     from storage.bench import bench_storage
 
-    with pytest.raises(ValueError, match="multiple of 4 KiB"):
+    with pytest.raises(ColibriError, match="multiple of 4 KiB"):
         await bench_storage(data_file[0], block=1000, reads=2, repeats=1, fio=False)
 
 
