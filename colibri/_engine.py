@@ -345,6 +345,7 @@ class Engine:
                         container.arch.top_k,
                         streaming=store is not None,
                         ram_budget=opts.ram_budget,
+                        context=int(model.config.max_position_embeddings),
                     ),
                     max_batch=opts.max_batch,
                     store=store,

@@ -166,7 +166,16 @@ def _check_disk_weights(value: str) -> object:
     return parse_weights(value)
 
 
-_SIZE = _Checked("size", parse_bytes)
+def _check_budget(value: str) -> object:
+    """A RAM budget: a positive size, or auto (0 passed the size parser and failed only at
+    open, as an error that named neither --ram nor COLI_RAM)."""
+    n = parse_bytes(value)
+    if n is not None and n <= 0:
+        raise ColibriError(f"a RAM budget must be a positive size (or auto), got {value!r}")
+    return n
+
+
+_SIZE = _Checked("size", _check_budget)
 
 
 def _engine_options(fn: F) -> F:
@@ -214,7 +223,9 @@ def _engine_options(fn: F) -> F:
     )(fn)
     fn = click.option(
         "--state-dir",
-        type=click.Path(path_type=Path),
+        cls=_EnvOption,
+        env_var_name="COLI_STATE_DIR",
+        type=click.Path(path_type=Path, file_okay=False),
         default=env.get("state_dir"),
         expose_value=False,
         callback=_keep,
@@ -633,6 +644,12 @@ def _hint_for(exc: ColibriError) -> str | None:
         if "missing" in str(exc) and "listed in" in str(exc):
             # the directory is a container, one of its files is gone: not a wrong path
             return "run `coli doctor --model DIR` for a full report"
+        env_model = os.environ.get("COLI_MODEL")
+        if env_model and "--model" not in sys.argv and env_model in str(exc):
+            return (
+                f"the model directory comes from COLI_MODEL={env_model!r}: point it at a "
+                "converted model, or unset it for the demo model"
+            )
         return "pass --model DIR pointing at a converted model, or omit it for the demo model"
     if str(exc).startswith("no colibri server answers"):
         return "start one with `coli serve`, or point --url at it"
@@ -1338,7 +1355,9 @@ def chat(
 )
 @click.option(
     "--state-dir",
-    type=click.Path(path_type=Path),
+    cls=_EnvOption,
+    env_var_name="COLI_STATE_DIR",
+    type=click.Path(path_type=Path, file_okay=False),
     default=env_defaults().get("state_dir"),
     help="Where .coli_usage lives (pinned experts); env COLI_STATE_DIR.",
 )
@@ -1626,7 +1645,13 @@ def bench_kernels(rounds: int) -> None:
 @click.option(
     "--tokens", type=click.IntRange(min=1), default=24, show_default=True, help="Tokens to decode."
 )
-@click.option("--fraction", default=0.2, show_default=True, help="Share of experts in RAM.")
+@click.option(
+    "--fraction",
+    type=_Finite(min=0.0, max=1.0, min_open=True),
+    default=0.2,
+    show_default=True,
+    help="Share of experts in RAM (0 < F <= 1).",
+)
 @click.option(
     "--reader",
     type=click.Choice(["auto", "uring", "threads", "buffered"]),
@@ -1931,7 +1956,9 @@ def _mirror_options(fn: F) -> F:
     fn = _mirror_model_dirs(fn)
     fn = click.option(
         "--state-dir",
-        type=click.Path(path_type=Path),
+        cls=_EnvOption,
+        env_var_name="COLI_STATE_DIR",
+        type=click.Path(path_type=Path, file_okay=False),
         default=env_defaults().get("state_dir"),
         help="Where .coli_usage lives (default: as for `coli run`).",
     )(fn)

@@ -364,7 +364,7 @@ def make_plan(
         if budget is not None and more > budget:
             suggested["ram"] = f"{math.ceil(more / 2**20)}MiB"
     chunk = choose_prefill_chunk(
-        c.arch.hidden_size, top_k, streaming=not resident, ram_budget=ram_budget
+        c.arch.hidden_size, top_k, streaming=not resident, ram_budget=ram_budget, context=ctx
     )
     return Plan(
         model=str(c.path),
@@ -431,19 +431,26 @@ def activation_bytes_per_token(hidden_size: int, top_k: int) -> int:
 
 
 def choose_prefill_chunk(
-    hidden_size: int, top_k: int, *, streaming: bool, ram_budget: int | None
+    hidden_size: int,
+    top_k: int,
+    *,
+    streaming: bool,
+    ram_budget: int | None,
+    context: int | None = None,
 ) -> int:
     """Tokens per prefill chunk (the engine's default; ``prefill_chunk`` overrides it).
 
     Streaming, a chunk reads every expert it routes to once, so a bigger chunk reads less per
     prompt token and gives each expert more rows per matmul: take the largest power of two up to
     :data:`PREFILL_CHUNK_MAX` whose activations fit an allowance of 1/8 of the RAM budget (at
-    least 256 MiB). Resident, :data:`PREFILL_CHUNK_RESIDENT`."""
+    least 256 MiB). Resident, :data:`PREFILL_CHUNK_RESIDENT`. Never more than the model's
+    ``context`` (no prompt is longer: a bigger chunk only overstated its activations)."""
     if not streaming:
-        return PREFILL_CHUNK_RESIDENT
-    allowance = max(256 << 20, (ram_budget or 0) // 8)
-    per_token = activation_bytes_per_token(hidden_size, top_k)
-    chunk = PREFILL_CHUNK_RESIDENT
-    while chunk * 2 <= PREFILL_CHUNK_MAX and chunk * 2 * per_token <= allowance:
-        chunk *= 2
-    return chunk
+        chunk = PREFILL_CHUNK_RESIDENT
+    else:
+        allowance = max(256 << 20, (ram_budget or 0) // 8)
+        per_token = activation_bytes_per_token(hidden_size, top_k)
+        chunk = PREFILL_CHUNK_RESIDENT
+        while chunk * 2 <= PREFILL_CHUNK_MAX and chunk * 2 * per_token <= allowance:
+            chunk *= 2
+    return min(chunk, context) if context else chunk

@@ -189,13 +189,15 @@ def test_a_chat_session_open_in_another_process_is_refused(home: Path, tmp_path:
     ("var", "value"),
     [("COLI_THREADS", "abc"), ("COLI_READER", "floppy"), ("COLI_VERIFY_READS", "maybe"),
      ("COLI_PREFETCH", "sometimes"), ("COLI_LOG_FORMAT", "xml"), ("COLI_RAM", "banana"),
-     ("COLI_DRAFT", "zz"), ("COLI_DISK_WEIGHTS", "a,b")],
+     ("COLI_DRAFT", "zz"), ("COLI_DISK_WEIGHTS", "a,b"), ("COLI_RAM", "0"),
+     ("COLI_STATE_DIR", "/etc/hostname")],
 )  # fmt: skip
 def test_a_bad_environment_value_names_its_variable(home: Path, var: str, value: str) -> None:
     """A bad COLI_* value was reported as a bad --flag the user never typed (and
     COLI_VERIFY_READS=maybe silently meant off; COLI_RAM, COLI_DRAFT and COLI_DISK_WEIGHTS were
-    errors without the variable's name, exit 1, once the model had started to load): the usage
-    error names the variable; the flag given on the command line wins over it."""
+    errors without the variable's name, exit 1, once the model had started to load; COLI_RAM=0
+    too; a COLI_STATE_DIR naming a file was taken, with a warning per save): the usage error
+    names the variable; the flag given on the command line wins over it."""
     env = _env(home) | {var: value}
     r = subprocess.run([sys.executable, "-m", "colibri.cli", "run", "-n", "1", "Hi"],
                        capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
@@ -203,7 +205,8 @@ def test_a_bad_environment_value_names_its_variable(home: Path, var: str, value:
     flag = {"COLI_THREADS": ["--threads", "1"], "COLI_READER": ["--reader", "auto"],
             "COLI_VERIFY_READS": ["--no-verify-reads"], "COLI_PREFETCH": ["--prefetch", "auto"],
             "COLI_LOG_FORMAT": [], "COLI_RAM": ["--ram", "auto"], "COLI_DRAFT": ["--draft", "off"],
-            "COLI_DISK_WEIGHTS": ["--disk-weights", "1"]}[var]  # fmt: skip
+            "COLI_DISK_WEIGHTS": ["--disk-weights", "1"],
+            "COLI_STATE_DIR": ["--state-dir", str(home / "state")]}[var]  # fmt: skip
     pre = ["--log-format", "console"] if var == "COLI_LOG_FORMAT" else []
     ok = subprocess.run([sys.executable, "-m", "colibri.cli", *pre, "run", *flag, "-n", "1", "Hi"],
                         capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
@@ -279,3 +282,12 @@ def test_a_piped_chat_transcript_shows_each_message_on_its_prompt(
     r = coli(home, "chat", "--state-dir", str(tmp_path / "s"), "-n", "3", stdin="hello there\n:q\n")
     assert r.returncode == 0, r.stderr
     assert "you> hello there\n" in r.stdout, r.stdout
+
+
+def test_a_missing_model_from_coli_model_is_named_in_the_hint(home: Path) -> None:
+    """A COLI_MODEL pointing nowhere said to pass --model DIR, which the user never did."""
+    env = _env(home) | {"COLI_MODEL": str(home / "nowhere")}
+    r = subprocess.run([sys.executable, "-m", "colibri.cli", "run", "-n", "1", "Hi"],
+                       capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert r.returncode == 1 and "does not exist" in r.stderr
+    assert "COLI_MODEL=" in r.stderr and "Traceback" not in r.stderr

@@ -313,3 +313,16 @@ def test_info_counts_active_parameters_and_expert_bytes_as_a_token_and_a_read_us
     assert d["active_parameters"] == dense + a.num_experts_per_tok * expert_params * moe_layers
     plan = json.loads(coli(home, "plan", "--json").stdout)
     assert d["expert_bytes"] == plan["expert_bytes"]
+
+
+def test_bench_stream_refuses_a_share_outside_0_1(home: Path) -> None:
+    """--fraction nan was a traceback inside the benchmark's budget, -1 a reported figure for a
+    negative share of experts in RAM."""
+    for bad in ("nan", "-1", "0", "1.5"):
+        r = coli(home, "bench", "stream", "--fraction", bad, "--tokens", "1")
+        assert r.returncode == 2 and "--fraction" in r.stderr, (bad, r.stderr)
+        assert "Traceback" not in r.stderr
+    script = Path(__file__).resolve().parents[2] / "tools" / "bench" / "stream.py"
+    r = subprocess.run([sys.executable, str(script), "--fraction", "nan"],
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 2 and "--fraction" in r.stderr and "Traceback" not in r.stderr

@@ -168,3 +168,18 @@ def test_cache_slots_never_outnumber_the_unpinned_experts() -> None:
     ]
     got = plan_layout(c, big, top_k=c.arch.top_k, pinned=some)
     assert got.lru_slots_per_layer == n_e - 3 and len(got.pinned) == len(some)
+
+
+def test_the_prefill_chunk_never_exceeds_the_context() -> None:
+    """A streaming plan took 4096-token chunks for a 1,024-token model: no prompt fills one,
+    and the plan's 'outside budget' activations were 4x what a prompt can take."""
+    from runtime.planner import choose_prefill_chunk
+
+    big = choose_prefill_chunk(256, 4, streaming=True, ram_budget=64 << 30)
+    assert big > 1024
+    assert choose_prefill_chunk(256, 4, streaming=True, ram_budget=64 << 30, context=1024) == 1024
+    assert choose_prefill_chunk(256, 4, streaming=False, ram_budget=None, context=300) == 300
+    c = Container.open(DEMO)
+    ctx = int(c.config["max_position_embeddings"])
+    plan = make_plan(c, make_plan(c, None).min_ram_bytes + (1 << 20))
+    assert plan.mode == "streaming" and plan.prefill_chunk <= ctx

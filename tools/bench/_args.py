@@ -15,3 +15,15 @@ def positive(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
     return n
+
+
+def share(text: str) -> float:
+    """An argparse type: a share in (0, 1] (of experts the budget holds); NaN, 0 and negative
+    shares are usage errors (NaN was a traceback inside the budget, -1 a reported figure)."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 < x <= 1.0:  # (False for NaN too)
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return x

@@ -35,6 +35,7 @@ from colibri._engine import TokenEvent  # noqa: E402
 from storage.container import Container  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _args import share  # noqa: E402
 from _synth import budget_for, ensure_synthetic  # noqa: E402
 
 
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         help="exact (bit-identical kernels) and/or fast (fast_prefill: dequantize + BLAS)",
     )
     ap.add_argument("--threads", type=int, default=None, help="default: one per CPU")
-    ap.add_argument("--fraction", type=float, default=0.2)
+    ap.add_argument("--fraction", type=share, default=0.2)
     ap.add_argument("--baseline-sample", type=int, default=64)
     a = ap.parse_args(argv)
     ensure_synthetic(a.model)

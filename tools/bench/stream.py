@@ -63,7 +63,7 @@ from storage.container import Container  # noqa: E402
 from storage.reader import ReadRequest, open_reader, required_size  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _args import positive  # noqa: E402
+from _args import positive, share  # noqa: E402
 from _memory import read_sum  # noqa: E402
 from _synth import budget_for, drop_caches, ensure_synthetic  # noqa: E402
 
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         "lookahead should pay",
     )
     ap.add_argument("--tokens", type=positive, default=24)
-    ap.add_argument("--fraction", type=float, default=0.2, help="share of experts the budget holds")
+    ap.add_argument("--fraction", type=share, default=0.2, help="share of experts the budget holds")
     ap.add_argument("--reader", default="auto")
     ap.add_argument("--reads", type=positive, default=60)
     ap.add_argument("--prefetch", choices=("auto", "on", "off"), default="auto")
