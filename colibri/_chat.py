@@ -20,6 +20,7 @@ Ctrl-C there within two seconds quits (exit status 130, the conversation kept).
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -300,27 +301,17 @@ class _Chat:
         return True
 
     def save(self, valid: int) -> None:
-        """Write the KV rows that changed (rows [0, valid) are already on disk), then the
-        messages. Errors are reported; the conversation goes on in memory."""
+        """Write the messages, then the KV rows that changed (rows [0, valid) are already on
+        disk). Errors are reported; the conversation goes on in memory. The messages go first:
+        they are the conversation, the KV file only saves a prefill (a disk with room for one
+        of the two kept the KV file and lost the turns); a crash between the two leaves the
+        new messages over the old KV rows, whose prefix the next run reuses."""
         try:
             self.state_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             self.state.persisted = 0
             self.echo(f"warning: session not saved ({exc})", err=True)
             return
-        try:
-            self.state.persisted = sync_kv(
-                self.kv_path,
-                self.cache,
-                valid=min(valid, self.state.persisted),
-                vocab=self.vocab,
-                identity=self.identity,
-            )
-        except (OSError, KVFileError) as exc:
-            # the KV file only saves a prefill; the messages are the conversation: they are
-            # written all the same (a full disk lost every turn, messages included)
-            self.state.persisted = 0
-            self.echo(f"warning: the session's KV file not saved ({exc})", err=True)
         try:
             doc = {
                 "format": SESSION_FORMAT,
@@ -332,13 +323,38 @@ class _Chat:
                 "kv_tokens": self.cache.length,
                 "messages": self.state.messages,
             }
-            atomic_write_bytes(  # a conversation: readable by its owner only
-                self.json_path,
-                (json.dumps(doc, ensure_ascii=False, indent=1) + "\n").encode(),
-                mode=0o600,
-            )
+            data = (json.dumps(doc, ensure_ascii=False, indent=1) + "\n").encode()
+            try:  # a conversation: readable by its owner only
+                atomic_write_bytes(self.json_path, data, mode=0o600)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not self.kv_path.exists():
+                    raise
+                # a full disk: the KV file (a saved prefill, rebuilt by the next run) makes
+                # room for the messages (the conversation itself)
+                self.kv_path.unlink()
+                self.state.persisted = 0
+                atomic_write_bytes(self.json_path, data, mode=0o600)
+                self.echo(
+                    "warning: the disk is full: the session's KV file was dropped to save the "
+                    "messages (the next run prefills the conversation again)",
+                    err=True,
+                )
+                return
         except OSError as exc:
             self.echo(f"warning: session not saved ({exc})", err=True)
+        try:
+            self.state.persisted = sync_kv(
+                self.kv_path,
+                self.cache,
+                valid=min(valid, self.state.persisted),
+                vocab=self.vocab,
+                identity=self.identity,
+            )
+        except (OSError, KVFileError) as exc:
+            # the messages were written all the same (a full disk lost every turn, messages
+            # included, when the KV file went first)
+            self.state.persisted = 0
+            self.echo(f"warning: the session's KV file not saved ({exc})", err=True)
 
     def reset(self) -> None:
         """Forget the conversation, in memory and on disk."""

@@ -499,10 +499,23 @@ def sync_kv(
         if os.fstat(fd).st_size != want.file_nbytes():
             os.ftruncate(fd, want.file_nbytes())
     except OSError as exc:
+        _trim_to_count(fd, want)
         raise KVFileError(f"cannot update {p}: {exc.strerror or exc}") from exc
     finally:
         os.close(fd)
     return cache.length
+
+
+def _trim_to_count(fd: int, shape: KVHeader) -> None:
+    """After a failed update: cut what an append left past the records the file's count
+    holds (best effort). On a full disk those bytes held the space the session's messages
+    needed next."""
+    try:
+        n = KVHeader.unpack(os.pread(fd, _HEADER.size, 0)).n_records
+        if os.fstat(fd).st_size > shape.file_nbytes(n):
+            os.ftruncate(fd, shape.file_nbytes(n))
+    except (OSError, KVFileError):
+        pass
 
 
 async def async_sync_kv(

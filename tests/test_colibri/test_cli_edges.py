@@ -291,3 +291,26 @@ def test_a_missing_model_from_coli_model_is_named_in_the_hint(home: Path) -> Non
                        capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
     assert r.returncode == 1 and "does not exist" in r.stderr
     assert "COLI_MODEL=" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs (needs root)")
+def test_a_full_disk_keeps_the_messages_not_the_kv_file(home: Path, tmp_path: Path) -> None:
+    """On a full disk the KV file (written first) took the last free space and the
+    conversation lost its turns: 1 of 3 saved. The messages go first now, and the KV file,
+    only a saved prefill, makes room for them when they do not fit."""
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)  # fmt: skip
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        said = "hello there\nand again\nthird one\n"
+        chat = coli(home, "chat", "--model", str(default_model_path()), "--state-dir", str(mnt),
+                    "-n", "8", "-t", "0", stdin=said + ":q\n")  # fmt: skip
+        assert chat.returncode == 0, chat.stderr
+        doc = json.loads((mnt / ".coli_chat.default.json").read_text())
+        assert doc["turns"] == 3 and len(doc["messages"]) == 6, (doc, chat.stderr)
+        assert [m["content"] for m in doc["messages"][::2]] == said.split("\n")[:3]
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
