@@ -205,6 +205,9 @@ class Engine:
         self._scheduler = scheduler
         self._lock = anyio.Lock()
         self._usage: UsageCounts | None = None
+        # the counts as this process last loaded or saved them (what it adds on top of the
+        # file's at the next save)
+        self._usage_base: UsageCounts | None = None
         # speculative decoding: telemetry and the cost model live as long as the engine
         self._spec_stats = SpecStats()
         self._spec_cost: CostModel | None = None
@@ -353,6 +356,7 @@ class Engine:
                 engine = cls(container, model, opts, scheduler)
                 engine._check_drafts(DraftPolicy.parse(opts.draft))
                 engine._usage = usage
+                engine._usage_base = None if usage is None else usage.copy()
                 engine._cluster = cluster
                 tg.start_soon(scheduler.serve)
                 yield engine
@@ -383,14 +387,22 @@ class Engine:
     # ------------------------------------------------------------------ learning
     async def _end_turn(self) -> None:
         """Turn end: save `.coli_usage` atomically (off the loop) and, when enabled, re-pin."""
-        from storage.usage import asave_usage
+        from storage.usage import merge_save_usage
 
         if self._usage is None:
             return
         path = self.options.resolved_state_dir() / USAGE_FILE
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            await asave_usage(path, self._usage, ENGINE_ID)
+            # this process's new counts go on top of the file's (another process on the same
+            # state directory may have saved its own since): the sum comes back
+            snap = self._usage.copy()
+            since = self._usage_base or UsageCounts(snap.n_layers, snap.n_experts)
+            total = await anyio.to_thread.run_sync(
+                merge_save_usage, path, snap, since, ENGINE_ID
+            )
+            self._usage.counts += total.counts - snap.counts  # (counting went on meanwhile)
+            self._usage_base = total
         except (ColibriError, OSError) as exc:
             # once: a read-only or full state dir would say it at every turn end (in a chat,
             # in the middle of the reply being printed)

@@ -14,6 +14,7 @@ dimensions, another version or another engine id is never trusted: it is renamed
 
 from __future__ import annotations
 
+import fcntl
 import os
 from pathlib import Path
 
@@ -32,6 +33,7 @@ __all__ = [
     "asave_usage",
     "format_usage",
     "load_usage",
+    "merge_save_usage",
     "parse_usage",
     "save_usage",
 ]
@@ -194,6 +196,38 @@ def save_usage(path: str | os.PathLike[str], counts: UsageCounts, engine_id: str
         atomic_write_bytes(p, format_usage(counts, engine_id).encode("ascii"))
     except OSError as exc:
         raise UsageFileError(f"cannot save usage counts to {p}: {exc}") from exc
+
+
+def merge_save_usage(
+    path: str | os.PathLike[str], counts: UsageCounts, since: UsageCounts, engine_id: str
+) -> UsageCounts:
+    """Save what ``counts`` gained over ``since`` (this process's counts when it last loaded
+    or saved) added to the file's counts now, and return that sum: another process on the
+    same state directory may have saved its own meanwhile (a chat and a server, two chats),
+    and writing ``counts`` alone lost them (last writer won). The read and the write hold an
+    exclusive ``flock`` on ``<path>.lock``. A file that is missing, or damaged since it was
+    loaded, is replaced by ``counts``. Raises :class:`UsageFileError` as :func:`save_usage`."""
+    p = Path(path)
+    try:
+        fd = os.open(p.with_name(p.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise UsageFileError(f"cannot save usage counts to {p}: {exc}") from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        disk: UsageCounts | None = None
+        try:
+            disk = parse_usage(
+                p.read_text(encoding="ascii"), counts.n_layers, counts.n_experts, engine_id
+            )
+        except (OSError, UnicodeDecodeError, UsageFileError):
+            disk = None
+        total = counts.copy()
+        if disk is not None:
+            total.counts = disk.counts + np.maximum(counts.counts - since.counts, 0)
+        save_usage(p, total, engine_id)
+        return total
+    finally:
+        os.close(fd)
 
 
 async def asave_usage(path: str | os.PathLike[str], counts: UsageCounts, engine_id: str) -> None:

@@ -454,3 +454,36 @@ def test_a_blocking_call_inside_the_models_own_loop_is_a_colibri_error(state_dir
         with pytest.raises(ColibriError, match=r"await model\.engine"):
             m.call(nested)
         assert len(m.generate([1, 2, 3], max_new_tokens=2)) == 2  # still usable
+
+
+def test_two_processes_on_one_state_dir_lose_no_usage_counts(tmp_path: Path) -> None:
+    """Each engine saved the counts it held in memory: on a shared state directory (a chat
+    beside a server, two chats) the last writer's counts replaced the other's turns. Each
+    engine now adds what it counted since its last save to the file's counts: the file ends
+    up with every turn of both, as one engine running them all would write."""
+    from colibri._engine import ENGINE_ID
+    from storage.usage import parse_usage
+
+    def run(m: colibri.SyncModel, seed: int) -> None:
+        m.generate([seed, seed + 1, seed + 2], max_new_tokens=6)
+
+    def total(state: Path, m: colibri.SyncModel) -> int:
+        arch = m.container.arch
+        text = (state / ".coli_usage").read_text()
+        return parse_usage(text, arch.total_layers, arch.n_routed_experts, ENGINE_ID).total
+
+    shared, alone = tmp_path / "shared", tmp_path / "alone"
+    opts: dict[str, Any] = {"draft": "off", "pin": False}
+    with (
+        colibri.open_model(DEMO, state_dir=shared, **opts) as a,
+        colibri.open_model(DEMO, state_dir=shared, **opts) as b,
+    ):
+        run(a, 5)
+        run(b, 9)
+        run(a, 13)
+        got = total(shared, a)
+    with colibri.open_model(DEMO, state_dir=alone, **opts) as one:
+        for seed in (5, 9, 13):
+            run(one, seed)
+        want = total(alone, one)
+    assert got == want > 0
