@@ -398,9 +398,7 @@ class Engine:
             # state directory may have saved its own since): the sum comes back
             snap = self._usage.copy()
             since = self._usage_base or UsageCounts(snap.n_layers, snap.n_experts)
-            total = await anyio.to_thread.run_sync(
-                merge_save_usage, path, snap, since, ENGINE_ID
-            )
+            total = await anyio.to_thread.run_sync(merge_save_usage, path, snap, since, ENGINE_ID)
             self._usage.counts += total.counts - snap.counts  # (counting went on meanwhile)
             self._usage_base = total
         except (ColibriError, OSError) as exc:

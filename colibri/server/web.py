@@ -25,7 +25,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 from starlette.requests import Request
-from starlette.responses import FileResponse, Response
+from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from colibri._engine import Engine
@@ -113,19 +113,32 @@ def state_dir_of(engine: Engine) -> Path:
 
 
 async def atlas(request: Request) -> Response:
-    """``GET /atlas``: ``<state dir>/atlas.json`` as written by ``coli atlas``; 404 if none."""
+    """``GET /atlas``: ``<state dir>/atlas.json`` as written by ``coli atlas``; 404 if none.
+    With ``?missing=ok`` (the dashboard) a missing atlas is a 200 ``{"missing": true, ...}``
+    with the commands that build it for this server (a 404 is a console error in a browser
+    on every page load of a healthy server)."""
     st = request.app.state.colibri
     path = state_dir_of(st.engine) / ATLAS_FILE
     try:
         data = await anyio.to_thread.run_sync(path.read_bytes)
     except FileNotFoundError:
-        raise ApiError(
-            404,
-            f"no routing atlas yet ({path} does not exist): run `coli atlas` with the same "
-            f"--model and --state-dir, or `coli atlas --server URL --out {path}` on this "
-            "machine (measured through this server)",
-            code="atlas_missing",
-        ) from None
+        model = st.engine.container.path
+        state = path.parent
+        url = str(request.base_url).rstrip("/")
+        commands = [
+            f"coli atlas --model {model} --state-dir {state}",
+            f"coli atlas --server {url} --out {path}",
+        ]
+        message = (
+            f"no routing atlas yet ({path} does not exist): run `{commands[0]}` (it loads the "
+            f"model itself), or `{commands[1]}` on this machine (measured through this server)"
+        )
+        if request.query_params.get("missing") == "ok":
+            return JSONResponse(
+                {"missing": True, "path": str(path), "commands": commands, "message": message},
+                headers={"cache-control": "no-cache"},
+            )
+        raise ApiError(404, message, code="atlas_missing") from None
     except OSError as exc:
         raise ApiError(500, f"cannot read {path}: {exc.strerror or exc}") from exc
     return Response(data, media_type="application/json", headers={"cache-control": "no-cache"})

@@ -90,15 +90,46 @@
     }
   }
 
-  /** fetch with the API key; network failures mark the server down, 401 asks for a key. */
+  /** How long a request may wait for the server's answer (its headers) before the server
+   * counts as not answering: a hung server (stopped, a stuck loop, a half-open connection)
+   * left every poll waiting forever, the page saying "connected" over frozen figures. */
+  const ANSWER_TIMEOUT_MS = 10000;
+
+  /** fetch with the API key; network failures and requests unanswered for
+   * ``opts.timeoutMs`` (default ANSWER_TIMEOUT_MS; 0: none) mark the server down, 401 asks
+   * for a key. */
   async function api(path, opts = {}) {
+    const limit = opts.timeoutMs === undefined ? ANSWER_TIMEOUT_MS : opts.timeoutMs;
+    const sentKey = state.key;
+    const init = Object.assign({ cache: "no-store" }, opts, { headers: authHeaders(opts.headers) });
+    delete init.timeoutMs;
+    let timer = null;
+    let timedOut = false;
+    if (limit > 0) {
+      const ctl = new AbortController();
+      if (opts.signal) {
+        if (opts.signal.aborted) ctl.abort();
+        else opts.signal.addEventListener("abort", () => ctl.abort(), { once: true });
+      }
+      init.signal = ctl.signal;
+      timer = setTimeout(() => {
+        timedOut = true;
+        ctl.abort();
+      }, limit);
+    }
     let res;
     try {
-      res = await fetch(path, Object.assign({ cache: "no-store" }, opts, { headers: authHeaders(opts.headers) }));
+      res = await fetch(path, init);
     } catch (e) {
+      if (timedOut) {
+        setUp(false);
+        throw new Error(`the server did not answer in ${Math.round(limit / 1000)} s`);
+      }
       if (e && e.name === "AbortError") throw e;
       setUp(false);
       throw e;
+    } finally {
+      if (timer !== null) clearTimeout(timer);
     }
     // a proxy in front answers 502 / 504 for a server that is gone, and this server 503 while
     // it shuts down: not "up"
@@ -108,8 +139,20 @@
     }
     setUp(true);
     if (res.status === 401) {
+      if (sentKey) {
+        // a key was sent and refused: say so, and forget it (it stayed stored)
+        state.keyRefused = true;
+        if (state.key === sentKey) {
+          state.key = "";
+          localStorage.removeItem("colibri.apiKey");
+        }
+      }
       showKeyForm();
       throw new HttpError(401, await errorText(res));
+    }
+    if (!$("key-form").hidden && state.key) {
+      $("key-form").hidden = true; // the key was taken
+      $("conn-text").textContent = "connected";
     }
     return res;
   }
@@ -161,8 +204,12 @@
     expertsPoller.now();
   }
 
+  /** Ask for the API key, saying so when the one sent was refused (a wrong key got the same
+   * form again without a word, and stayed stored). */
   function showKeyForm() {
     const f = $("key-form");
+    $("key-error").hidden = !state.keyRefused;
+    $("conn-text").textContent = state.keyRefused ? "API key refused" : "API key needed";
     if (!f.hidden) return;
     f.hidden = false;
     $("api-key").focus();
@@ -170,6 +217,7 @@
   $("key-form").addEventListener("submit", (ev) => {
     ev.preventDefault();
     state.key = $("api-key").value.trim();
+    state.keyRefused = false;
     localStorage.setItem("colibri.apiKey", state.key);
     $("key-form").hidden = true;
     loadModel().catch(() => {});
@@ -411,6 +459,9 @@
     const input = $("prompt");
     const text = input.value.trim();
     if (!text || chat.busy) return;
+    // "New chat" while this answer streams starts another conversation: this one must not
+    // write its (cut) answer into the new one's messages
+    const conversation = chat.messages;
     if (!state.model) {
       try {
         await loadModel();
@@ -435,9 +486,13 @@
       stream_options: { include_usage: true },
     };
     const temp = parseFloat($("temperature").value);
-    if (isFinite(temp)) body.temperature = clamp(temp, 0, 2);
+    if (isFinite(temp)) {
+      body.temperature = clamp(temp, 0, 2);
+      if (body.temperature !== temp) $("temperature").value = String(body.temperature); // shown as sent
+    }
     const maxTok = parseInt($("max-tokens").value, 10);
     if (isFinite(maxTok) && maxTok > 0) body.max_tokens = maxTok;
+    else if ($("max-tokens").value.trim() !== "") $("max-tokens").value = ""; // none: to the context
     const slot = $("slot").value;
     if (slot !== "") body.cache_slot = parseInt(slot, 10);
     if ($("ignore-eos").checked) body.ignore_eos = true;
@@ -481,6 +536,7 @@
         headers: { "content-type": "application/json" },
         body: JSON.stringify(body),
         signal: ctrl.signal,
+        timeoutMs: 0, // a generation may wait in the queue and prefill for long: Stop ends it
       });
       const qw = res.headers.get("x-colibri-queue-wait-ms");
       if (qw != null) queueWait = parseFloat(qw);
@@ -554,7 +610,9 @@
       a.body.classList.add("md");
       a.body.appendChild(renderMarkdown(content));
     }
-    if (content || reasoning) {
+    if (conversation !== chat.messages) {
+      // a new chat began meanwhile: nothing of this one goes into it
+    } else if (content || reasoning) {
       const msg = { role: "assistant", content };
       if (reasoning) msg.reasoning_content = reasoning;
       chat.messages.push(msg);
@@ -1220,23 +1278,27 @@
     state.atlasState = "loading";
     let res;
     try {
-      res = await api("/atlas");
+      // (a missing atlas answers 200 with the commands that build it: no console error)
+      res = await api("/atlas?missing=ok");
     } catch (e) {
       state.atlasState = "error";
       throw e;
-    }
-    if (res.status === 404) {
-      state.atlasState = "missing";
-      state.atlas = null;
-      $("atlas-missing").hidden = false;
-      $("atlas-view").hidden = true;
-      return;
     }
     if (!res.ok) {
       state.atlasState = "error";
       throw new HttpError(res.status, await errorText(res));
     }
     const a = await res.json();
+    if (a.missing) {
+      state.atlasState = "missing";
+      state.atlas = null;
+      // this server's own commands (its model and state dir): the fixed hint left out
+      // --state-dir, and the atlas it led to went where this server never looks
+      if (Array.isArray(a.commands)) $("atlas-commands").textContent = a.commands.join("\n");
+      $("atlas-missing").hidden = false;
+      $("atlas-view").hidden = true;
+      return;
+    }
     if (a.format !== "colibri-atlas") {
       state.atlasState = "error";
       throw new Error("not a colibri atlas");

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -290,10 +291,6 @@ def open_page(browser: Any, request: pytest.FixtureRequest) -> Iterator[Callable
         p.close()
 
 
-def _atlas_404(text: str, url: str) -> bool:
-    return url.endswith("/atlas") and "404" in text
-
-
 def _wait_done(page: Any, timeout: float = 30_000) -> Any:
     page.wait_for_selector(".msg.assistant[data-done]", timeout=timeout)
     return page.locator(".msg.assistant").last
@@ -301,7 +298,6 @@ def _wait_done(page: Any, timeout: float = 30_000) -> Any:
 
 def test_chat_streams_tokens_keyboard_and_stop(server: WebServer, open_page: Any) -> None:
     p = open_page()
-    p.allowed.append(_atlas_404)
     page = p.page
     page.goto(server.url + "/")
     page.wait_for_selector("#conn.ok")
@@ -378,7 +374,6 @@ def test_chat_streams_tokens_keyboard_and_stop(server: WebServer, open_page: Any
 def test_runtime_and_brain(server: WebServer, open_page: Any) -> None:
     server.chat(8)  # at least one turn to show
     p = open_page()
-    p.allowed.append(_atlas_404)
     page = p.page
     page.goto(server.url + "/#runtime")
     page.wait_for_function("() => document.querySelector('#machine').textContent.includes('cores')")
@@ -466,7 +461,6 @@ def test_brain_legend_and_tooltip_on_a_short_grid(server: WebServer, open_page: 
     """The Brain draws its legend (each tier's colour as the cells have it, with counts, and what
     brightness and white mean) and its tooltip stays whole on a one-row grid (a small model)."""
     p = open_page()
-    p.allowed.append(_atlas_404)
     page = p.page
     page.goto(server.url + "/#brain")
     page.wait_for_function("() => Number(document.querySelector('#brain').dataset.updates) >= 1")
@@ -529,7 +523,6 @@ def test_chat_renders_markdown_and_sends_the_system_prompt(
     stays text); the system prompt field goes first in the request; the Atlas hint names this
     server's own address."""
     p = open_page()
-    p.allowed.append(_atlas_404)
     page = p.page
     sent: list[dict[str, Any]] = []
 
@@ -574,12 +567,17 @@ def test_chat_renders_markdown_and_sends_the_system_prompt(
 
 def test_atlas_missing_then_built_and_rotated(server: WebServer, open_page: Any) -> None:
     p = open_page()
-    p.allowed.append(_atlas_404)
     page = p.page
     (server.state_dir / "atlas.json").unlink(missing_ok=True)
     page.goto(server.url + "/#atlas")
     page.wait_for_selector("#atlas-missing", state="visible")
     assert "coli atlas" in page.inner_text("#atlas-missing")
+    # this server's own commands: its state dir (the fixed hint left it out, and the atlas
+    # it led to went where the server never looks)
+    page.wait_for_function(
+        "d => document.querySelector('#atlas-commands').textContent.includes(d)",
+        arg=str(server.state_dir),
+    )
     p.shot("desktop-atlas-missing")
 
     run = subprocess.run(
@@ -676,7 +674,6 @@ def test_atlas_missing_then_built_and_rotated(server: WebServer, open_page: Any)
 
 def test_phone_layout(server: WebServer, open_page: Any) -> None:
     p = open_page(PHONE)
-    p.allowed.append(_atlas_404)
     page = p.page
     page.goto(server.url + "/")
     page.wait_for_selector("#conn.ok")
@@ -700,7 +697,6 @@ def test_page_survives_a_server_restart(open_page: Any, tmp_path: Path) -> None:
     srv = WebServer(tmp_path, tmp_path / "state", "--kv-slots", "1").wait_ready()
     try:
         p = open_page({"width": 1280, "height": 2400})
-        p.allowed.append(_atlas_404)
         page = p.page
         page.goto(srv.url + "/#runtime")
         page.wait_for_selector("#conn.ok")
@@ -748,7 +744,6 @@ def test_expert_workers_on_the_dashboard_and_in_metrics(open_page: Any, tmp_path
             assert calls and float(calls.group(1)) > 0, metrics[-2000:]
             assert f'colibri:cluster_worker_up{{worker="{w}"}} 1.0' in metrics
         p = open_page()
-        p.allowed.append(_atlas_404)
         page = p.page
         page.goto(srv.url + "/#runtime")
         page.wait_for_function("() => !document.querySelector('#cluster-card').hidden")
@@ -827,6 +822,12 @@ def test_a_keyed_server_shows_every_tab_once_the_key_is_entered(
         page.goto(srv.url + "/#atlas")
         page.wait_for_selector("#key-form", state="visible")
         assert page.is_hidden("#atlas-view")
+        assert "API key needed" in page.inner_text("#conn")  # not a plain "connected"
+        # a wrong key: said so (the same form came back without a word, the key stored)
+        page.fill("#api-key", "open-sesame")
+        page.press("#api-key", "Enter")
+        page.wait_for_selector("#key-error", state="visible", timeout=15_000)
+        assert page.evaluate("localStorage.getItem('colibri.apiKey')") is None
         page.fill("#api-key", "sesame")
         page.press("#api-key", "Enter")
         page.wait_for_selector("#key-form", state="hidden")
@@ -872,3 +873,64 @@ def test_atlas_counts_the_rows_it_routed_and_the_server_path_reproduces_them(
     assert runs[0]["selections"] == runs[1]["selections"] == here["selections"]
     assert runs[0]["topic_tokens"] == here["topic_tokens"]
     assert local["selections"] and here["selections"] == runs[0]["selections"]
+
+
+def test_a_hung_server_is_shown_as_not_answering(open_page: Any, tmp_path: Path) -> None:
+    """A server that stops answering without closing its connections (stopped, a stuck loop,
+    a half-open connection) left every poll waiting forever: the page said "connected" over
+    frozen figures. Unanswered requests now time out: banner, red dot, greyed figures; and
+    it reconnects once the server answers again."""
+    srv = WebServer(tmp_path, tmp_path / "state", "--kv-slots", "0").wait_ready()
+    try:
+        p = open_page()
+        page = p.page
+        page.goto(srv.url + "/#runtime")
+        page.wait_for_selector("#conn.ok")
+        p.allowed.append(lambda text, url: True)  # requests cut by the timeout
+        srv.proc.send_signal(signal.SIGSTOP)
+        try:
+            page.wait_for_selector("#banner", state="visible", timeout=30_000)
+            assert "offline" in page.inner_text("#conn")
+            assert page.evaluate("document.body.classList.contains('stale')")
+            p.shot("desktop-server-hung")
+        finally:
+            srv.proc.send_signal(signal.SIGCONT)
+        page.wait_for_selector("#banner", state="hidden", timeout=40_000)
+        page.wait_for_selector("#conn.ok")
+    finally:
+        srv.stop()
+
+
+def test_new_chat_while_an_answer_streams_starts_empty(server: WebServer, open_page: Any) -> None:
+    """ "New chat" while an answer streamed: the cut answer was pushed into the new
+    conversation once its request ended, and the new conversation's first request sent it
+    (the model saw, and counted, an answer no longer on screen)."""
+    p = open_page()
+    page = p.page
+    sent: list[Any] = []
+    page.on(
+        "request",
+        lambda r: (
+            sent.append(json.loads(r.post_data or "{}"))
+            if r.url.endswith("/v1/chat/completions")
+            else None
+        ),
+    )
+    page.goto(server.url + "/#chat")
+    page.fill("#max-tokens", "300")
+    page.check("#ignore-eos")
+    page.fill("#prompt", "Tell me a long story")
+    page.press("#prompt", "Enter")
+    page.wait_for_function(
+        "() => (document.querySelector('.msg.assistant .body') || {}).textContent?.length > 2",
+        timeout=60_000,
+    )
+    page.click("#new-chat")
+    page.wait_for_function("() => !document.querySelector('#send').disabled", timeout=30_000)
+    page.uncheck("#ignore-eos")
+    page.fill("#max-tokens", "3")
+    page.fill("#prompt", "A new conversation")
+    page.press("#prompt", "Enter")
+    _wait_done(page)
+    assert len(sent) == 2, sent
+    assert sent[1]["messages"] == [{"role": "user", "content": "A new conversation"}], sent[1]
