@@ -43,16 +43,24 @@ class StateDir:
     usage: bool  # a .coli_usage file (learned routing counts)
     kv_files: int  # .coli_kv.N slot files and .coli_kv.chat.* sessions
     kv_bytes: int
+    chat_sessions: int = 0  # .coli_chat.<name>.json (coli chat's conversations)
 
     @staticmethod
     def read(path: Path) -> StateDir:
         kv = [p for p in path.glob(".coli_kv*") if p.is_file() and ".bad-" not in p.name]
+        chats = [p for p in path.glob(".coli_chat.*.json") if p.is_file()]
         return StateDir(
-            path, (path / ".coli_usage").is_file(), len(kv), sum(p.stat().st_size for p in kv)
+            path,
+            (path / ".coli_usage").is_file(),
+            len(kv),
+            sum(p.stat().st_size for p in kv),
+            len(chats),
         )
 
     def describe(self) -> str:
         parts = ["usage" if self.usage else "no usage yet"]
+        if self.chat_sessions:
+            parts.append(f"{self.chat_sessions} chat session(s)")
         if self.kv_files:
             parts.append(f"{self.kv_files} KV file(s)")
         return ", ".join(parts)
@@ -81,6 +89,7 @@ class ModelEntry:
             "usage": bool(self.state and self.state.usage),
             "kv_files": 0 if self.state is None else self.state.kv_files,
             "kv_bytes": 0 if self.state is None else self.state.kv_bytes,
+            "chat_sessions": 0 if self.state is None else self.state.chat_sessions,
             "problem": self.problem,
         }
 
@@ -97,7 +106,9 @@ def _entry(path: Path) -> ModelEntry | None:
         if not isinstance(cfg, dict):
             raise ValueError("not a JSON object")
         found = (cfg.get(k) for k in ("n_routed_experts", "num_experts", "num_local_experts"))
-        model_type = str(cfg.get("model_type", "?"))
+        if not isinstance(cfg.get("model_type"), str) or not cfg["model_type"]:
+            raise ValueError("names no model_type (no colibri command can open it)")
+        model_type = str(cfg["model_type"])
         layers = int(cfg.get("num_hidden_layers") or 0)
         experts = int(next((v for v in found if v), 0))
     except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError) as exc:
@@ -120,6 +131,8 @@ def list_models(paths: Iterable[Path]) -> list[ModelEntry]:
     seen: dict[Path, ModelEntry] = {}
     for raw in paths:
         p = raw.expanduser().resolve()
+        if not p.exists():
+            raise ColibriError(f"{raw} does not exist")
         if not p.is_dir():
             raise ColibriError(f"{raw}: not a directory")
         candidates = [p] if (p / "config.json").is_file() else sorted(p.iterdir())

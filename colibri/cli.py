@@ -1740,8 +1740,8 @@ def info(model: Path | None, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def list_cmd(paths: tuple[Path, ...], as_json: bool) -> None:
     """Models on this machine: each PATH is a model dir or a directory of them (default: the
-    bundled demo model and --model / COLI_MODEL), with the state the engine keeps for each
-    (learned routing, KV slot files) and the state dirs of models not listed."""
+    bundled demo model and COLI_MODEL), with the state the engine keeps for each (learned
+    routing, chat sessions, KV files) and the state dirs of models not listed."""
     from colibri._inventory import list_models, orphan_state_dirs
     from storage.units import format_bytes
 
@@ -1760,6 +1760,7 @@ def list_cmd(paths: tuple[Path, ...], as_json: bool) -> None:
                     "usage": d.usage,
                     "kv_files": d.kv_files,
                     "kv_bytes": d.kv_bytes,
+                    "chat_sessions": d.chat_sessions,
                 }
                 for d in orphans
             ],
@@ -1774,7 +1775,9 @@ def list_cmd(paths: tuple[Path, ...], as_json: bool) -> None:
             click.echo(f"{m.path}\n    unusable: {m.problem}")
             continue
         kind = "container" if m.converted else "HF checkpoint"
-        state = m.state.describe() if m.state is not None else "never run"
+        state = (
+            f"{m.state.describe()} in {m.state.path}" if m.state is not None else "never run"
+        )
         click.echo(
             f"{m.path}\n    {m.model_type}, {m.layers} layers x {m.experts} experts, "
             f"{format_bytes(m.shard_bytes)} ({kind}); state: {state}"

@@ -29,21 +29,32 @@ def test_list_shows_models_and_their_state(tmp_path: Path) -> None:
     stray = tmp_path / ".cache" / "colibri" / "gone-12345678"
     stray.mkdir(parents=True)
     (stray / ".coli_kv.0").write_bytes(b"x" * 100)
+    (stray / ".coli_chat.default.json").write_text("{}")
+    # a config.json naming no model_type is listed as unusable (it looked healthy: "?, 0 layers")
+    (models / "odd").mkdir()
+    (models / "odd" / "config.json").write_text('{"num_hidden_layers": 2}')
     r = coli("list", str(models), home=tmp_path)
     assert r.returncode == 0, r.stderr
     cfg = json.loads((models / "glm" / "config.json").read_text())
     shape = f"{cfg['num_hidden_layers']} layers x {cfg['n_routed_experts']} experts"
     assert f"{models / 'glm'}\n    glm_moe_dsa, {shape}" in r.stdout
-    assert "(container); state: usage" in r.stdout
-    assert f"{stray}: no usage yet, 1 KV file(s), 100 B" in r.stdout
+    # the state dir by path (text output never said where it is)
+    state = json.loads(coli("list", str(models), "--json", home=tmp_path).stdout)["models"]
+    where = next(m["state_dir"] for m in state if m["path"].endswith("glm"))
+    assert f"(container); state: usage in {where}" in r.stdout
+    # chat sessions are counted
+    assert f"{stray}: no usage yet, 1 chat session(s), 1 KV file(s), 100 B" in r.stdout
+    assert f"{models / 'odd'}\n    unusable: config.json: names no model_type" in r.stdout
     # --json gives the same, the KV bytes too
     doc = json.loads(coli("list", str(models), "--json", home=tmp_path).stdout)
-    assert {"path": str(stray), "usage": False, "kv_files": 1, "kv_bytes": 100} in doc[
-        "other_state_dirs"
-    ]
+    assert {
+        "path": str(stray), "usage": False, "kv_files": 1, "kv_bytes": 100, "chat_sessions": 1,
+    } in doc["other_state_dirs"]  # fmt: skip
     assert doc["models"][0]["kv_bytes"] == 0
     bad = coli("list", str(tmp_path / "nope"), home=tmp_path)
-    assert bad.returncode == 1 and "not a directory" in bad.stderr
+    assert bad.returncode == 1 and "does not exist" in bad.stderr
+    afile = coli("list", str(models / "glm" / "config.json"), home=tmp_path)
+    assert afile.returncode == 1 and "not a directory" in afile.stderr
 
 
 def test_ps_reports_what_a_server_holds(tmp_path: Path) -> None:
