@@ -178,6 +178,20 @@ def _check_budget(value: str) -> object:
 _SIZE = _Checked("size", _check_budget)
 
 
+def _check_positive_size(value: str) -> object:
+    """A size > 0 (a shard size, a worker's budget): read as --ram reads it."""
+    n = parse_bytes(value)
+    if n is not None and n <= 0:
+        raise ColibriError(f"must be a positive size, got {value!r}")
+    return n
+
+
+#: sizes checked when the command line is read: a usage error naming the option (they failed
+#: later, as "cannot read '-1' as a size" naming no option)
+_ANY_SIZE = _Checked("size", parse_bytes)
+_POSITIVE_SIZE = _Checked("size", _check_positive_size)
+
+
 def _engine_options(fn: F) -> F:
     env = env_defaults()
     fn = click.option(
@@ -263,6 +277,7 @@ def _engine_options(fn: F) -> F:
     fn = click.option(
         "--stripe-min",
         "stripe_min_bytes",
+        type=_ANY_SIZE,
         default=None,
         expose_value=False,
         callback=_keep,
@@ -363,6 +378,7 @@ def _cluster_options(fn: F, env: Mapping[str, str]) -> F:
     )(fn)
     fn = click.option(
         "--worker-ram",
+        type=_POSITIVE_SIZE,
         default=None,
         expose_value=False,
         callback=_keep,
@@ -1102,8 +1118,18 @@ def _format_options(fn: F) -> F:
         (("--shard-size",), "Target output shard size, e.g. 2GiB."),
     ]
     for names, text in reversed(flags):
-        fn = click.option(*names, default=None, help=text)(fn)
+        kind = _POSITIVE_SIZE if names[0] == "--shard-size" else None
+        fn = click.option(*names, type=kind, default=None, help=text)(fn)
     return fn
+
+
+def _print_conversion(report: Any) -> None:
+    """A conversion's summary on stdout, its notes (warnings, resumes) on stderr, once: not
+    again when a rerun finds the conversion complete."""
+    click.echo(report.summary())
+    if not report.already_complete:
+        for note in report.notes:
+            click.echo(f"note: {note}", err=True)
 
 
 def _convert_options(
@@ -1178,7 +1204,7 @@ def convert(
     options = _convert_options(experts, dense, io_fmt, mtp, shard_size)
     with _byte_bar("converting") as update:
         result = do_convert(src, dst, options, force=force, progress=update)
-    click.echo(str(result))
+    _print_conversion(result)
 
 
 @main.command()
@@ -1225,7 +1251,7 @@ def pull(
         result = do_pull(repo_id, out, revision=revision, endpoint=endpoint, options=options,
                          progress=report, force=force)  # fmt: skip
     if result.convert is not None:
-        click.echo(str(result.convert))
+        _print_conversion(result.convert)
     click.echo(
         f"{result.out}: {repo_id}@{result.commit[:12]} {result.kind}; source "
         f"{_binary(result.source_bytes)}, at most {_binary(result.peak_source_bytes)} of it on "

@@ -187,6 +187,10 @@ class ConvertResult:
         return sum(s.size for s in self.manifest.shards)
 
     def __str__(self) -> str:
+        return "\n".join([self.summary(), *self.notes])
+
+    def summary(self) -> str:
+        """What was converted (and unrecognised tensors copied), without the notes."""
         n = len(self.manifest.shards)
         if self.already_complete:
             lines = [f"{self.dst}: already converted ({n} shards); nothing to do"]
@@ -205,7 +209,6 @@ class ConvertResult:
             lines.append(
                 f"copied {len(self.unknown_tensors)} unrecognised tensors verbatim: {shown}{more}"
             )
-        lines.extend(self.notes)
         return "\n".join(lines)
 
 

@@ -104,6 +104,8 @@ def read_json_object(path: Path, hint: str = "") -> dict[str, Any]:
 
 
 def _load_source(src: Path, identity: SourceIdentity | None = None) -> _Source:
+    if not src.exists():
+        raise ConversionError(f"{src} does not exist (SRC: a Hugging Face checkpoint dir)")
     if not src.is_dir():
         raise ConversionError(f"{src}: source is not a directory (expected a Hugging Face dir)")
     cfg_path = src / "config.json"

@@ -314,3 +314,19 @@ def test_a_full_disk_keeps_the_messages_not_the_kv_file(home: Path, tmp_path: Pa
         assert [m["content"] for m in doc["messages"][::2]] == said.split("\n")[:3]
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_size_options_are_usage_errors_naming_the_option(home: Path, tmp_path: Path) -> None:
+    """--shard-size -1, --stripe-min abc and --worker-ram abc failed later as "cannot read
+    '-1' as a size" naming no option (exit 1); a SRC that does not exist was "not a
+    directory"."""
+    for args, flag in (
+        (["convert", str(tmp_path), str(tmp_path / "out"), "--shard-size", "-1"], "--shard-size"),
+        (["convert", str(tmp_path), str(tmp_path / "out"), "--shard-size", "0"], "--shard-size"),
+        (["run", "--stripe-min", "abc", "-n", "1", "Hi"], "--stripe-min"),
+        (["run", "--worker-ram", "abc", "-n", "1", "Hi"], "--worker-ram"),
+    ):
+        r = coli(home, *args)
+        assert r.returncode == 2 and flag in r.stderr, (args, r.stderr)
+    r = coli(home, "convert", str(tmp_path / "nope"), str(tmp_path / "out"))
+    assert r.returncode == 1 and "does not exist" in r.stderr, r.stderr
