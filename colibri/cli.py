@@ -1801,9 +1801,7 @@ def list_cmd(paths: tuple[Path, ...], as_json: bool) -> None:
             click.echo(f"{m.path}\n    unusable: {m.problem}")
             continue
         kind = "container" if m.converted else "HF checkpoint"
-        state = (
-            f"{m.state.describe()} in {m.state.path}" if m.state is not None else "never run"
-        )
+        state = f"{m.state.describe()} in {m.state.path}" if m.state is not None else "never run"
         click.echo(
             f"{m.path}\n    {m.model_type}, {m.layers} layers x {m.experts} experts, "
             f"{format_bytes(m.shard_bytes)} ({kind}); state: {state}"
