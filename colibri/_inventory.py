@@ -152,7 +152,10 @@ def orphan_state_dirs(models: Iterable[ModelEntry]) -> list[StateDir]:
 
 
 def server_status(url: str, api_key: str | None = None, timeout: float = 10.0) -> dict[str, Any]:
-    """``/health`` and ``/profile`` of the ``coli serve`` at ``url`` (one dict)."""
+    """``/health`` and ``/profile`` of the ``coli serve`` at ``url`` (one dict); a URL without
+    a scheme (``127.0.0.1:8000``) is taken as http (it read as "no server answers")."""
+    if "://" not in url:
+        url = "http://" + url
     base = url.rstrip("/")
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     try:

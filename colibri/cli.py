@@ -87,6 +87,15 @@ __all__ = ["main"]
 
 
 def _fail(message: str, hint: str | None = None) -> None:
+    """The error line (and its hint) on stderr; one JSON object with ``--log-format json``,
+    as every other stderr line is then."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None and (ctx.find_root().obj or {}).get("log_format") == "json":
+        doc = {"event": "error", "level": "error", "error": message}
+        if hint:
+            doc["hint"] = hint
+        click.echo(json.dumps(doc), err=True)
+        return
     click.secho(f"error: {message}", fg="red", err=True)
     if hint:
         click.echo(f"hint: {hint}", err=True)

@@ -330,3 +330,12 @@ def test_size_options_are_usage_errors_naming_the_option(home: Path, tmp_path: P
         assert r.returncode == 2 and flag in r.stderr, (args, r.stderr)
     r = coli(home, "convert", str(tmp_path / "nope"), str(tmp_path / "out"))
     assert r.returncode == 1 and "does not exist" in r.stderr, r.stderr
+
+
+def test_with_json_logs_an_error_is_a_json_line(home: Path, tmp_path: Path) -> None:
+    """With --log-format json every stderr line parses, errors too (they were plain text)."""
+    r = coli(home, "--log-format", "json", "run", "--model", str(tmp_path / "nope"), "Hi")
+    assert r.returncode == 1
+    docs = [json.loads(line) for line in r.stderr.splitlines() if line.strip()]
+    [err] = [d for d in docs if d.get("event") == "error"]
+    assert "does not exist" in err["error"] and err["hint"]

@@ -78,6 +78,9 @@ def test_ps_reports_what_a_server_holds(tmp_path: Path) -> None:
         key_file = tmp_path / "key"
         key_file.write_text("# the server's key\nk1\n")
         from_file = coli("ps", "--url", srv.url, "--api-key-file", str(key_file), home=tmp_path)
+        # no scheme: http (it said no server answers there)
+        bare = coli("ps", "--url", srv.url.removeprefix("http://"), "--api-key", "k1",
+                    home=tmp_path)  # fmt: skip
     finally:
         srv.stop()
     assert denied.returncode == 1 and "needs an API key" in denied.stderr
@@ -87,6 +90,7 @@ def test_ps_reports_what_a_server_holds(tmp_path: Path) -> None:
     assert "Traceback" not in bad_url.stderr
     assert r.returncode == 0, r.stderr
     assert from_file.returncode == 0, from_file.stderr
+    assert bare.returncode == 0 and bare.stdout == r.stdout, bare.stderr
     assert from_file.stdout.splitlines()[0] == r.stdout.splitlines()[0]
     assert f"server     {srv.url}  model {name}" in r.stdout
     assert "experts    streaming:" in r.stdout and "hit rate" in r.stdout
