@@ -119,6 +119,9 @@ def _plain(m: Mapping[str, Any]) -> dict[str, Any]:
     return {"role": m["role"], "content": m["content"]}
 
 
+_ROLES = frozenset({"system", "user", "assistant"})  # what coli chat writes
+
+
 def _check_messages(messages: object, vocab: int) -> None:
     """Raise ``ValueError`` unless ``messages`` is a saved conversation: a list of
     ``{"role": str, "content": str}``, an assistant's ``tokens`` (when given) a list of token
@@ -127,10 +130,13 @@ def _check_messages(messages: object, vocab: int) -> None:
         raise ValueError("messages are damaged: not a list")
     for i, m in enumerate(messages):
         if not (
-            isinstance(m, dict) and isinstance(m.get("role"), str)
+            isinstance(m, dict) and m.get("role") in _ROLES
             and isinstance(m.get("content"), str)
         ):  # fmt: skip
-            raise ValueError(f"message {i} is damaged (needs a role and a content string)")
+            raise ValueError(
+                f"message {i} is damaged (needs a role, one of {', '.join(sorted(_ROLES))}, "
+                "and a content string)"
+            )
         toks = m.get("tokens")
         if toks is not None and not (
             isinstance(toks, list)
@@ -288,8 +294,8 @@ class _Chat:
             messages = data["messages"]
             _check_messages(messages, self.vocab)
             turns = data["turns"]
-            if type(turns) is not int or turns < 0:
-                raise ValueError(f"turns is {turns!r}, not a count")
+            if type(turns) is not int or not 0 <= turns <= len(messages):
+                raise ValueError(f"turns is {turns!r}, not a count of its {len(messages)} messages")
         except (
             OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError
         ) as exc:  # fmt: skip

@@ -1317,7 +1317,9 @@ def _session_name(ctx: click.Context, param: click.Parameter, value: str) -> str
     from colibri._chat import SESSION_RE
 
     if not SESSION_RE.fullmatch(value):
-        raise click.BadParameter("use 1-64 letters, digits, '.', '_' or '-'")
+        raise click.BadParameter(
+            "use 1-64 letters, digits, '.', '_' or '-', beginning with a letter or a digit"
+        )
     return value
 
 

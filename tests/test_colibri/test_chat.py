@@ -248,9 +248,12 @@ def test_ctrl_c_stops_a_reply_and_twice_at_the_prompt_quits_with_130(
         {"messages": [{"content": "no role"}]},
         {"turns": float("inf")},
         {"turns": -1},
+        {"messages": [{"role": "wizard", "content": "x"}]},
+        {"turns": 10**30},
     ],
-    ids=["tokens-not-a-list", "token-past-vocab", "token-bool", "no-role", "turns-inf", "turns<0"],
-)
+    ids=["tokens-not-a-list", "token-past-vocab", "token-bool", "no-role", "turns-inf", "turns<0",
+         "role-unknown", "turns-past-messages"],
+)  # fmt: skip
 def test_a_damaged_session_file_is_set_aside(
     env: dict[str, str], tmp_path: Path, damage: dict[str, Any]
 ) -> None:
