@@ -348,6 +348,8 @@ class _Chat:
                 return
         except OSError as exc:
             self.echo(f"warning: session not saved ({exc})", err=True)
+            if not self.kv_path.exists():  # dropped for room: no KV file in the messages' place
+                return
         try:
             self.state.persisted = sync_kv(
                 self.kv_path,

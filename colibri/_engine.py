@@ -205,6 +205,7 @@ class Engine:
         self._scheduler = scheduler
         self._lock = anyio.Lock()
         self._usage: UsageCounts | None = None
+        self._cache_shape: tuple[Any, ...] | None = None  # what generate(cache=...) must match
         # the counts as this process last loaded or saved them (what it adds on top of the
         # file's at the next save)
         self._usage_base: UsageCounts | None = None
@@ -399,7 +400,7 @@ class Engine:
             snap = self._usage.copy()
             since = self._usage_base or UsageCounts(snap.n_layers, snap.n_experts)
             total = await anyio.to_thread.run_sync(merge_save_usage, path, snap, since, ENGINE_ID)
-            self._usage.counts += total.counts - snap.counts  # (counting went on meanwhile)
+            self._usage.shift(total.counts - snap.counts)  # (counting went on meanwhile)
             self._usage_base = total
         except (ColibriError, OSError) as exc:
             # once: a read-only or full state dir would say it at every turn end (in a chat,
@@ -715,8 +716,9 @@ class Engine:
             raise ModelError(
                 f"cache must be a KV cache from engine.new_cache(), got {type(cache).__name__}"
             )
-        want = self._model.new_cache().shape
-        if cache.shape != want:
+        if self._cache_shape is None:  # (a new cache zeroes its arrays: made once)
+            self._cache_shape = self._model.new_cache().shape
+        if cache.shape != self._cache_shape:
             raise ModelError(
                 "this cache was made for another model (its KV shape differs from this "
                 "model's); take one from this engine's new_cache()"
@@ -1180,8 +1182,8 @@ def _sigint_deferred() -> Iterator[None]:
         for s, h in previous.items():
             signal.signal(s, h)
     if signal.SIGTERM in held:
-        signal.raise_signal(signal.SIGTERM)
-    if held:
+        signal.raise_signal(signal.SIGTERM)  # its handler decides (ignored: nothing happens)
+    if signal.SIGINT in held:
         raise KeyboardInterrupt
 
 

@@ -175,30 +175,24 @@ def _check_disk_weights(value: str) -> object:
     return parse_weights(value)
 
 
-def _check_budget(value: str) -> object:
-    """A RAM budget: a positive size, or auto (0 passed the size parser and failed only at
-    open, as an error that named neither --ram nor COLI_RAM)."""
-    n = parse_bytes(value)
-    if n is not None and n <= 0:
-        raise ColibriError(f"a RAM budget must be a positive size (or auto), got {value!r}")
-    return n
+def _positive_size(what: str) -> Callable[[str], object]:
+    """A check of a size > 0 (or auto) for ``what`` (0 passed the size parser and failed
+    later, as an error that named neither the option nor its variable)."""
 
+    def check(value: str) -> object:
+        n = parse_bytes(value)
+        if n is not None and n <= 0:
+            raise ColibriError(f"{what} must be a positive size, got {value!r}")
+        return n
 
-_SIZE = _Checked("size", _check_budget)
-
-
-def _check_positive_size(value: str) -> object:
-    """A size > 0 (a shard size, a worker's budget): read as --ram reads it."""
-    n = parse_bytes(value)
-    if n is not None and n <= 0:
-        raise ColibriError(f"must be a positive size, got {value!r}")
-    return n
+    return check
 
 
 #: sizes checked when the command line is read: a usage error naming the option (they failed
 #: later, as "cannot read '-1' as a size" naming no option)
+_SIZE = _Checked("size", _positive_size("a RAM budget"))
 _ANY_SIZE = _Checked("size", parse_bytes)
-_POSITIVE_SIZE = _Checked("size", _check_positive_size)
+_POSITIVE_SIZE = _Checked("size", _positive_size("a size"))
 
 
 def _engine_options(fn: F) -> F:
@@ -612,6 +606,15 @@ class _Group(click.Group):
                 raise
             _fail(str(exc), _hint_for(exc))
             sys.exit(1)
+        except click.UsageError as exc:
+            if (ctx.obj or {}).get("log_format") != "json":
+                raise  # click prints it, with the usage line
+            # with JSON logs every stderr line parses: a usage error too (exit 2, as click's)
+            doc = {"event": "usage_error", "level": "error", "error": exc.format_message()}
+            if exc.ctx is not None:
+                doc["command"] = exc.ctx.command_path
+            click.echo(json.dumps(doc), err=True)
+            sys.exit(exc.exit_code)
         except KeyboardInterrupt as exc:
             # Ctrl-C (SIGINT) exits 130, SIGTERM 143, as shells report them; the work was
             # cancelled and cleaned up on the way out (SyncModel.call), with no traceback.

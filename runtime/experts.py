@@ -546,14 +546,13 @@ class ExpertStore:
         classes: dict[tuple[int, int], set[int]] = {}
         for layer in pol.lru:
             classes.setdefault(self._sizes(layer), set()).add(layer)
-        swaps = [
-            swap
-            for layers in classes.values()
-            for swap in repin_swaps(
+        swaps: list[tuple[Key, Key]] = []
+        for layers in classes.values():  # at most 4 swaps in all, as with one class
+            swaps += repin_swaps(
                 [k for k in self._pinned if k[0] in layers],
                 {k: v for k, v in score.items() if k[0] in layers},
+                max_swaps=4 - len(swaps),
             )
-        ]
         done = 0
         for old, new in swaps:
             if new in pol.inflight or new in pol.pinned:

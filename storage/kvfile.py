@@ -395,11 +395,22 @@ def read_tokens(path: str | os.PathLike[str], header: KVHeader) -> npt.NDArray[n
         size = p.stat().st_size
         if size < header.file_nbytes():
             raise KVFileError(f"{p}: records end early (truncated)")
+        out = np.zeros(header.n_records, np.int32)
         if header.n_records == 0:
-            return np.zeros(0, np.int32)
-        words = np.memmap(p, dtype="<i4", mode="r", offset=_HEADER.size,
-                          shape=(header.n_records, header.record_floats))  # fmt: skip
-        return np.ascontiguousarray(words[:, 0], dtype=np.int32)
+            return out
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            # one word per record (a record is ~100 KiB at DeepSeek scale): no readahead of
+            # the rows between them
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            for i in range(header.n_records):
+                raw = os.pread(fd, 4, _HEADER.size + i * header.record_nbytes)
+                if len(raw) != 4:
+                    raise KVFileError(f"{p}: records end early (truncated)")
+                out[i] = _COUNT.unpack(raw)[0]
+        finally:
+            os.close(fd)
+        return out
     except OSError as exc:
         raise KVFileError(f"{p}: cannot read: {exc.strerror or exc}") from exc
 

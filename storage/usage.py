@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import threading
 from pathlib import Path
 
 import anyio.to_thread
@@ -54,6 +55,9 @@ class UsageCounts:
         self.n_layers = n_layers
         self.n_experts = n_experts
         self.counts: npt.NDArray[np.int64] = np.zeros((n_layers, n_experts), dtype=np.int64)
+        # the compute thread counts (add) while the event loop merges a save back (shift):
+        # both read-modify-write the array, which numpy does without the GIL
+        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"UsageCounts({self.n_layers}x{self.n_experts}, total={self.total})"
@@ -74,7 +78,15 @@ class UsageCounts:
         ids = np.asarray(expert_ids, dtype=np.int64).ravel()
         if ids.size and (ids.min() < 0 or ids.max() >= self.n_experts):
             raise ValueError(f"expert ids outside [0, {self.n_experts}) for layer {layer}")
-        self.counts[layer] += np.bincount(ids, minlength=self.n_experts)
+        add = np.bincount(ids, minlength=self.n_experts)
+        with self._lock:
+            self.counts[layer] += add
+
+    def shift(self, delta: npt.NDArray[np.int64]) -> None:
+        """Add ``delta`` [layers, experts] (what a merged save brought from the file)."""
+        if delta.any():
+            with self._lock:
+                self.counts += delta
 
     @property
     def total(self) -> int:
@@ -98,7 +110,8 @@ class UsageCounts:
     def copy(self) -> UsageCounts:
         """An independent copy (e.g. a snapshot to save while counting goes on)."""
         c = UsageCounts(self.n_layers, self.n_experts)
-        c.counts = self.counts.copy()
+        with self._lock:
+            c.counts = self.counts.copy()
         return c
 
 

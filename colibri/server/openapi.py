@@ -78,9 +78,10 @@ def _served(props: dict[str, Any], vocab_size: int, n_slots: int) -> None:
                                             "maxItems": 16}]}
         )  # fmt: skip
     if "draft" in props:
+        n = r"0*([0-9]|1[0-6])"  # DraftPolicy: at most 16 drafts
         props["draft"] = _nullable(
-            {"anyOf": [{"type": "integer", "minimum": 0},
-                       {"type": "string", "pattern": r"^(auto|off|\d+|(mtp|lookup)(:\d+)?)$"}]}
+            {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 16},
+                       {"type": "string", "pattern": f"^(auto|off|{n}|(mtp|lookup)(:{n})?)$"}]}
         )  # fmt: skip
     if "prompt" in props:  # one prompt: text or token ids, never empty
         ids = {"type": "array", "items": token, "minItems": 1}

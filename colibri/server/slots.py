@@ -108,31 +108,41 @@ class SlotPool:
             Slot(i, None if directory is None else slot_path(directory, i)) for i in range(n)
         ]
         self._lock_fd: int | None = None
+        self._unlock: weakref.finalize[[int], SlotPool] | None = None
 
     def __len__(self) -> int:
         return len(self.slots)
 
-    def _lock_directory(self) -> bool:
-        """Hold an exclusive ``flock`` on the slot directory while this pool lives (False: a
-        pool of another process holds it): two servers writing the same slot files interleaved
-        each other's records into files that loaded silently with rows of neither
-        conversation."""
+    def _lock_directory(self) -> str | None:
+        """Hold an exclusive ``flock`` on the slot directory while this pool lives: two
+        servers writing the same slot files interleaved each other's records into files that
+        loaded silently with rows of neither conversation. Returns why it could not (None:
+        locked)."""
         assert self.directory is not None
-        fd = os.open(self.directory, os.O_RDONLY)
+        try:
+            fd = os.open(self.directory, os.O_RDONLY)
+        except OSError as exc:
+            return f"cannot open the directory to lock it: {exc.strerror or exc}"
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        except OSError as exc:
             os.close(fd)
-            return False
+            if isinstance(exc, BlockingIOError):
+                return (
+                    "another colibri server saves its slots in this directory (give this one "
+                    "its own with --kv-dir DIR)"
+                )
+            return f"cannot lock the directory: {exc.strerror or exc}"  # ENOLCK (NFS), ...
         self._lock_fd = fd
-        weakref.finalize(self, os.close, fd)
-        return True
+        self._unlock = weakref.finalize(self, os.close, fd)
+        return None
 
     def close(self) -> None:
-        """Release the slot directory (also done when the pool is garbage-collected)."""
-        fd, self._lock_fd = self._lock_fd, None
-        if fd is not None:
-            fcntl.flock(fd, fcntl.LOCK_UN)
+        """Release the slot directory and its file descriptor (also done when the pool is
+        garbage-collected)."""
+        self._lock_fd = None
+        if self._unlock is not None:
+            self._unlock()  # closing the descriptor drops the lock
 
     async def check_files(self) -> None:
         """Take the slot directory, then validate each slot file's header now (cheap) and read
@@ -140,12 +150,9 @@ class SlotPool:
         bad file is reported and set aside."""
         if self.directory is None:
             return
-        if not await anyio.to_thread.run_sync(self._lock_directory):
-            _log.warning(
-                "KV slots kept in memory only: another colibri server saves its slots in this "
-                "directory (give this one its own with --kv-dir DIR)",
-                directory=str(self.directory),
-            )
+        why = await anyio.to_thread.run_sync(self._lock_directory)
+        if why is not None:
+            _log.warning(f"KV slots kept in memory only: {why}", directory=str(self.directory))
             self.directory = None
             for s in self.slots:
                 s.path = None
@@ -251,9 +258,12 @@ class SlotPool:
             diff = np.flatnonzero(held[:n] != ids[:n])
             return int(diff[0]) if diff.size else int(n)
 
-        best = max(free, key=lambda s: (common(s), -s.last_used))
-        if common(best) >= min(REUSE_MIN_TOKENS, max(1, (size(best) + 1) // 2)):
-            return best.index
+        def enough(s: Slot) -> bool:  # each slot by its own threshold
+            return common(s) >= min(REUSE_MIN_TOKENS, max(1, (size(s) + 1) // 2))
+
+        matches = [s for s in free if enough(s)]
+        if matches:
+            return max(matches, key=lambda s: (common(s), -s.last_used)).index
         return min(free, key=lambda s: (size(s) > 0, s.last_used)).index
 
     def describe(self) -> list[dict[str, Any]]:

@@ -139,13 +139,12 @@
     }
     setUp(true);
     if (res.status === 401) {
-      if (sentKey) {
-        // a key was sent and refused: say so, and forget it (it stayed stored)
+      if (sentKey && state.key === sentKey) {
+        // the key in use was sent and refused: say so, and forget it (it stayed stored); a
+        // late refusal of a key already replaced says nothing about the new one
         state.keyRefused = true;
-        if (state.key === sentKey) {
-          state.key = "";
-          localStorage.removeItem("colibri.apiKey");
-        }
+        state.key = "";
+        localStorage.removeItem("colibri.apiKey");
       }
       showKeyForm();
       throw new HttpError(401, await errorText(res));
@@ -459,9 +458,6 @@
     const input = $("prompt");
     const text = input.value.trim();
     if (!text || chat.busy) return;
-    // "New chat" while this answer streams starts another conversation: this one must not
-    // write its (cut) answer into the new one's messages
-    const conversation = chat.messages;
     if (!state.model) {
       try {
         await loadModel();
@@ -470,6 +466,10 @@
       }
     }
     input.value = "";
+    // "New chat" while this answer streams starts another conversation: this one must not
+    // write its (cut) answer into the new one's messages (taken here, after the model
+    // name's wait, so a New chat during that wait gets no orphan user turn either)
+    const conversation = chat.messages;
     chat.messages.push({ role: "user", content: text });
     const u = addMessage("user");
     u.body.textContent = text;

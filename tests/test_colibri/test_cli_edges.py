@@ -339,3 +339,8 @@ def test_with_json_logs_an_error_is_a_json_line(home: Path, tmp_path: Path) -> N
     docs = [json.loads(line) for line in r.stderr.splitlines() if line.strip()]
     [err] = [d for d in docs if d.get("event") == "error"]
     assert "does not exist" in err["error"] and err["hint"]
+    # a usage error too (click printed it as text)
+    r = coli(home, "--log-format", "json", "run", "--ram", "0", "Hi")
+    assert r.returncode == 2
+    [usage] = [json.loads(line) for line in r.stderr.splitlines() if line.strip()]
+    assert usage["event"] == "usage_error" and "--ram" in usage["error"]

@@ -8,6 +8,7 @@ milliseconds of generation instead of a whole context (the cap changes no parsin
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -65,6 +66,11 @@ def test_openapi_document_describes_the_routes(fuzz_server: Server) -> None:
     vocab = Container.open(demo_model()).arch.vocab_size
     assert ids["items"]["minimum"] == 0 and ids["items"]["maximum"] == vocab - 1
     assert comp["cache_slot"]["anyOf"][0]["maximum"] == 1  # --kv-slots 2
+    draft = comp["draft"]["anyOf"][0]["anyOf"]
+    assert draft[0]["maximum"] == 16  # DraftPolicy takes at most 16 drafts
+    assert re.fullmatch(draft[1]["pattern"], "mtp:16") and not re.fullmatch(
+        draft[1]["pattern"], "mtp:17"
+    )
     assert httpx.get(fuzz_server.url + "/openapi.json").status_code == 401  # behind the key
 
 

@@ -346,3 +346,24 @@ def test_a_signal_stops_a_command_waiting_on_the_network(tmp_path: Path, sig: in
         listener.close()
         for c in held:
             c.close()
+
+
+def test_a_held_sigterm_that_is_ignored_stays_ignored() -> None:
+    """A SIGTERM held during the portal's start was acted on afterwards as a Ctrl-C
+    (KeyboardInterrupt) even when its handler ignores it (nohup, a supervisor) or only sets a
+    flag (a library user's): only the handler it had decides."""
+    from colibri._engine import _sigint_deferred
+
+    seen: list[int] = []
+    for handler in (signal.SIG_IGN, lambda signum, frame: seen.append(signum)):
+        previous = signal.signal(signal.SIGTERM, handler)
+        try:
+            with _sigint_deferred():
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.02)
+            time.sleep(0.02)  # (a Python handler runs at the next bytecode)
+        except KeyboardInterrupt:  # (failing, not ending the test session)
+            pytest.fail(f"a SIGTERM with handler {handler!r} became a KeyboardInterrupt")
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+    assert seen == [signal.SIGTERM]

@@ -107,3 +107,34 @@ def test_one_slot_directory_per_server(tmp_path: Path, capsys: pytest.CaptureFix
     anyio.run(check, third)
     assert third.directory == tmp_path and third.slots[0].path == slot_path(tmp_path, 0)
     third.close()
+
+
+def test_each_slot_is_matched_by_its_own_threshold() -> None:
+    """Only the slot with the most common tokens was checked: a slot meeting its own
+    threshold was passed over for an empty one when a bigger slot shared more tokens but not
+    enough of its own."""
+    pool = _pool(None)
+    prompt = list(range(1000, 1100))
+    big = prompt[:60] + list(range(5000, 5140))  # 200 tokens, 60 common: needs 64
+    small = prompt[:55] + list(range(6000, 6045))  # 100 tokens, 55 common: needs 50
+    pool.slots[0].cache, pool.slots[1].cache = _filled(big), _filled(small)
+    assert pool.pick(prompt) == 1
+
+
+def test_closing_the_pool_closes_the_directory(tmp_path: Path) -> None:
+    """close() only unlocked: the directory's descriptor stayed open until garbage collection."""
+    import os
+
+    def open_fds() -> set[str]:
+        return {os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+                if os.path.exists(f"/proc/self/fd/{fd}")}  # fmt: skip
+
+    pool = _pool(tmp_path)
+
+    async def check() -> None:
+        await pool.check_files()
+
+    anyio.run(check)
+    assert str(tmp_path) in open_fds()
+    pool.close()
+    assert str(tmp_path) not in open_fds()

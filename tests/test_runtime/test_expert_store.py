@@ -754,3 +754,26 @@ def test_a_failed_down_stage_fails_the_step_and_returns_every_slot() -> None:
         assert await _map_step(src, layer, [5], con.early(layer)) == {5: WANT[(layer, 5)]}
 
     _run(reader, body, lru=0)
+
+
+def test_repin_makes_at_most_four_swaps_over_every_slot_size() -> None:
+    """Swaps are found per slot size (main layers, MTP layer): each class made up to 4, so a
+    re-pin between two turns could block on 8 reads instead of the 4 it promises."""
+    mtp = LAYERS[-1]
+    pins = tuple((LAYERS[0], e) for e in range(4)) + tuple((mtp, e) for e in range(4))
+    base = _layout()
+    layout = StoreLayout(pins, 2, len(LAYERS), 2 * TOP_K, base.slot_bytes, base.layer_slots)
+
+    async def main_() -> None:
+        async with anyio.create_task_group() as tg:
+            store = ExpertStore(C, FakeReader(), layout)
+            await store.start(tg)
+            try:
+                counts = np.zeros((C.arch.total_layers, len(ALL)), np.int64)
+                counts[LAYERS[0], 8:12] = 1000  # four hot main experts
+                counts[mtp, 8:12] = 1000  # and four hot MTP ones
+                assert await store.repin(counts) == 4
+            finally:
+                tg.cancel_scope.cancel()
+
+    anyio.run(main_)

@@ -210,3 +210,31 @@ def test_sigkill_during_save_never_leaves_a_broken_file(tmp_path: Path) -> None:
         seen.add(k)
     assert not [x for x in tmp_path.iterdir() if ".bad-" in x.name]
     assert len(seen) > 1  # the kills really landed at different points
+
+
+def test_counting_and_a_merged_save_never_lose_counts() -> None:
+    """The compute thread counts (add) while the event loop folds a merged save back (shift):
+    both read-modify-write the array, which numpy does without the GIL (counts were lost)."""
+    import threading
+
+    from storage.usage import UsageCounts
+
+    c = UsageCounts(4, 256)
+    ids = np.arange(256).repeat(4)
+    n = 400
+
+    def count() -> None:
+        for _ in range(n):
+            c.add(1, ids)
+
+    def fold() -> None:
+        one = np.ones((4, 256), np.int64)
+        for _ in range(n):
+            c.shift(one)
+
+    threads = [threading.Thread(target=count), threading.Thread(target=fold)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert c.total == n * ids.size + n * 4 * 256
