@@ -87,6 +87,7 @@ class ChatTokenizer:
             raise ConfigError(f"{tokenizer_file}: cannot load tokenizer ({exc})") from exc
         self.config = dict(tokenizer_config)
         self._longest: int | None = None  # bytes a token may cover (at_least_tokens)
+        self._byte_ids: frozenset[int] | None = None  # <0xHH> tokens (is_byte_fallback)
         decoder = self._tok.decoder
         self._byte_level = decoder is not None and type(decoder).__name__ == "ByteLevel"
         added = self._tok.get_added_tokens_decoder()
@@ -187,6 +188,19 @@ class ChatTokenizer:
             return bytes([int(m.group(1), 16)])
         return str(piece).replace("\u2581", " ").encode("utf-8")
 
+    def is_byte_fallback(self, token_id: int) -> bool:
+        """Whether ``token_id`` is a ``<0xHH>`` byte-fallback token (sentencepiece-style
+        vocabularies: Llama, Mistral, Mixtral), whose text depends on the run of byte tokens
+        it is part of (a run that is no valid UTF-8 decodes as one U+FFFD per token)."""
+        if self._byte_level:
+            return False
+        if self._byte_ids is None:
+            vocab = self._tok.get_vocab()
+            self._byte_ids = frozenset(
+                int(i) for t, i in vocab.items() if _BYTE_FALLBACK.fullmatch(t)
+            )
+        return int(token_id) in self._byte_ids
+
     def token_to_id(self, token: str) -> int | None:
         tid = self._tok.token_to_id(token)
         return None if tid is None else int(tid)
@@ -226,7 +240,9 @@ class ChatTokenizer:
                 self._template.render(
                     messages=list(messages),
                     add_generation_prompt=add_generation_prompt,
-                    **{**special, **extra},
+                    # as transformers renders: ``tools`` and ``documents`` are None, not
+                    # undefined, when not given (``tools is not none`` was true)
+                    **{"tools": None, "documents": None, **special, **extra},
                 )
             )
         except TemplateError as exc:
@@ -261,6 +277,10 @@ class TextStream:
     arrives: :meth:`push` holds such text back, so what it returns, concatenated, is exactly
     ``decode(all ids)``. Decoding restarts from a recent token each time (not from the first),
     which keeps the cost per token constant and spacing rules (a leading-space marker) right.
+    A run of ``<0xHH>`` byte-fallback tokens is held back until a token of another kind ends
+    it: the decoder renders the whole run at once (an invalid run as one U+FFFD per token, a
+    newline among them included), so text released from its first tokens could be rewritten by
+    its later ones (every later piece was then lost).
     """
 
     def __init__(self, tokenizer: ChatTokenizer) -> None:
@@ -272,6 +292,10 @@ class TextStream:
     def push(self, token_id: int) -> str:
         """Add one token; returns the text it completes ("" while a character is partial)."""
         self._ids.append(int(token_id))
+        if self._tok.is_byte_fallback(token_id) or self._tok.is_special(token_id):
+            # the run of byte tokens may go on (see the class docstring); a special token
+            # leaves no text and does not end a run either (the decoder skips it)
+            return ""
         done = self._tok.decode(self._ids[self._prefix : self._read])
         text = self._tok.decode(self._ids[self._prefix :])
         if len(text) > len(done) and not text.endswith("\ufffd") and text.startswith(done):

@@ -455,8 +455,9 @@ class Generation:
                         break
             if not hit:
                 tail, hit = stopper.feed(stream.flush())
-                if hit:
+                if hit:  # in the text held back to the end: a stop all the same
                     drop_past_stop()
+                    reason = "stop"
                 tail += stopper.flush()
             else:
                 tail = ""

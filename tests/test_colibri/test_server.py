@@ -202,6 +202,30 @@ def test_a_json_schema_of_true_allows_any_json(servers: dict[str, Server]) -> No
     assert r.status_code == 400 and "false" in r.json()["error"]["message"]
 
 
+def test_a_stop_in_the_text_held_to_the_end_is_a_stop(servers: dict[str, Server]) -> None:
+    """A stop string found in the text held back to the end (a trailing partial character,
+    U+FFFD) cut the text, but finish_reason stayed "length" (Anthropic's said stop)."""
+    s = servers["main"]
+    auth = {"authorization": f"Bearer {KEY}"}
+    base = {"model": MODEL, "messages": [{"role": "user", "content": "Emoji party 😀🎉 日本"}],
+            "max_tokens": 12, "temperature": 2.0, "ignore_eos": True}  # fmt: skip
+    for seed in range(200):
+        r = httpx.post(f"{s.url}/v1/chat/completions", json={**base, "seed": seed},
+                       headers=auth, timeout=60).json()  # fmt: skip
+        text = r["choices"][0]["message"]["content"] or ""
+        cut = r["choices"][0]["finish_reason"] == "length"  # (not an end-of-sequence token)
+        if cut and text.endswith("\ufffd") and "\ufffd" not in text[:-1]:
+            break
+    else:
+        pytest.skip("no sampled output ends in a partial character here")
+    got = httpx.post(f"{s.url}/v1/chat/completions",
+                     json={**base, "seed": seed, "stop": ["\ufffd"]}, headers=auth,
+                     timeout=60).json()  # fmt: skip
+    choice = got["choices"][0]
+    assert choice["message"]["content"] == text[:-1]
+    assert choice["finish_reason"] == "stop", choice
+
+
 def test_completions_max_tokens_null_is_the_default_16(servers: dict[str, Server]) -> None:
     """An explicit ``"max_tokens": null`` (clients that send every field) generated up to the
     whole context; it is OpenAI's default, 16."""
