@@ -799,7 +799,7 @@ class MLAMoEModel(DecoderStack):
                 )
                 return mla.attend(
                     lw.attn, d, part, latent, k_rope, None if allowed is None else allowed[a:b],
-                    self.softmax_scale, True, rows_after=t - b,
+                    self.softmax_scale, True, rows_after=t - b, mm=comp.linear,
                 )  # fmt: skip
 
             out = np.concatenate(comp.map_rows(blocks, rows))
@@ -826,7 +826,7 @@ class MLAMoEModel(DecoderStack):
         if blocks is None:
             return mla.project(w, d, x, cos, sin, il, comp.linear)
         parts = comp.map_rows(
-            blocks, lambda a, b: mla.project(w, d, x[a:b], cos[a:b], sin[a:b], il)
+            blocks, lambda a, b: mla.project(w, d, x[a:b], cos[a:b], sin[a:b], il, comp.linear)
         )
         return mla.MLAProjection(
             *(  # type: ignore[arg-type]

@@ -209,7 +209,8 @@ class GQAMoEModel(DecoderStack):
             q, k, v = gqa.project(w, d, x, seq.cos, seq.sin, comp.linear)
         else:  # every row is projected on its own: bit-identical in blocks
             parts = comp.map_rows(
-                blocks, lambda a, b: gqa.project(w, d, x[a:b], seq.cos[a:b], seq.sin[a:b])
+                blocks,
+                lambda a, b: gqa.project(w, d, x[a:b], seq.cos[a:b], seq.sin[a:b], comp.linear),
             )
             q, k, v = (np.concatenate([p[n] for p in parts]) for n in range(3))
         seq.cache.write(slot, seq.start, k, v)
@@ -220,7 +221,10 @@ class GQAMoEModel(DecoderStack):
         else:
             out = np.concatenate(
                 comp.map_rows(
-                    blocks, lambda a, b: gqa.attend(w, d, q[a:b], keys, values, rows_after=t - b)
+                    blocks,
+                    lambda a, b: gqa.attend(
+                        w, d, q[a:b], keys, values, rows_after=t - b, mm=comp.linear
+                    ),
                 )
             )
         return h + out, None  # [T, D]

@@ -356,3 +356,28 @@ def test_greedy_agreement_on_demo_model() -> None:
     forced, prefix = _agreement(m, prompts, 24)
     print(f"demo: teacher-forced agreement {forced:.3f}; before first divergence {prefix:.3f}")
     assert forced >= AGREEMENT, forced
+
+
+def _fast_int8_logits(model: Any, ids: npt.NDArray[np.int64], threads: int) -> F32:
+    comp = ExpertCompute(threads, parallel_min_macs=0 if threads > 1 else 1 << 24,
+                         kernels="fast-int8")  # fmt: skip
+    try:
+        return np.asarray(model.forward(ids, model.new_cache(), ctx=StepContext(comp)).logits)
+    finally:
+        comp.close()
+
+
+def test_fast_int8_rows_in_blocks_on_the_pool_are_the_rows_of_one_call() -> None:
+    """A long prompt chunk on 2+ threads projected and attended its rows in blocks with the
+    exact kernels while one block (1 thread, or a short chunk) used the fast-int8 ones: logits
+    (and on the tiny model greedy tokens) changed with the thread count and chunk size, against
+    the mode's promise of batch invariance."""
+    from _demo import TINY
+
+    from runtime.models import load_model
+
+    model = load_model(Container.open(TINY))
+    ids = (np.arange(200, dtype=np.int64) * 37) % 900 + 3
+    one = _fast_int8_logits(model, ids, 1)
+    assert np.array_equal(_fast_int8_logits(model, ids, 2), one)
+    assert np.array_equal(_fast_int8_logits(model, ids, 3), one)

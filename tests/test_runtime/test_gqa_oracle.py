@@ -254,3 +254,26 @@ def test_streaming_does_not_change_output(
     assert st["bytes_read"] > 0
     assert toks == streamed_reference["tokens"]
     assert np.array_equal(logits, streamed_reference["logits"])
+
+
+def test_fast_int8_rows_in_blocks_match_one_call_grouped_query(
+    containers: Callable[[str, str], Container],
+) -> None:
+    """The grouped-query attention's row blocks on the pool (a long chunk, 2+ threads) used
+    the exact kernels where one block used fast-int8: logits changed with the thread count."""
+    from runtime.compute import ExpertCompute
+    from runtime.context import StepContext
+
+    model = load_model(containers("olmoe", "q"))
+    ids = (np.arange(48, dtype=np.int64) * 7) % 90 + 3
+
+    def run(threads: int) -> np.ndarray:
+        comp = ExpertCompute(threads, parallel_min_macs=0 if threads > 1 else 1 << 24,
+                             kernels="fast-int8")  # fmt: skip
+        try:
+            out = model.forward(ids, model.new_cache(), ctx=StepContext(comp))
+            return np.asarray(out.logits)
+        finally:
+            comp.close()
+
+    assert np.array_equal(run(2), run(1))
