@@ -607,8 +607,9 @@ class _Group(click.Group):
             _fail(str(exc), _hint_for(exc))
             sys.exit(1)
         except click.UsageError as exc:
-            if (ctx.obj or {}).get("log_format") != "json":
-                raise  # click prints it, with the usage line
+            fmt = (ctx.obj or {}).get("log_format") or ctx.params.get("log_format")
+            if fmt != "json" or isinstance(exc, click.exceptions.NoArgsIsHelpError):
+                raise  # click prints it, with the usage line (or the group's help)
             # with JSON logs every stderr line parses: a usage error too (exit 2, as click's)
             doc = {"event": "usage_error", "level": "error", "error": exc.format_message()}
             if exc.ctx is not None:

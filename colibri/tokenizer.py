@@ -87,7 +87,10 @@ class ChatTokenizer:
             raise ConfigError(f"{tokenizer_file}: cannot load tokenizer ({exc})") from exc
         self.config = dict(tokenizer_config)
         self._longest: int | None = None  # bytes a token may cover (at_least_tokens)
-        self._byte_ids: frozenset[int] | None = None  # <0xHH> tokens (is_byte_fallback)
+        # <0xHH> tokens (is_byte_fallback): 256 lookups, not a scan of the vocabulary
+        self._byte_ids = frozenset(
+            int(i) for b in range(256) if (i := self._tok.token_to_id(f"<0x{b:02X}>")) is not None
+        )
         decoder = self._tok.decoder
         self._byte_level = decoder is not None and type(decoder).__name__ == "ByteLevel"
         added = self._tok.get_added_tokens_decoder()
@@ -192,13 +195,6 @@ class ChatTokenizer:
         """Whether ``token_id`` is a ``<0xHH>`` byte-fallback token (sentencepiece-style
         vocabularies: Llama, Mistral, Mixtral), whose text depends on the run of byte tokens
         it is part of (a run that is no valid UTF-8 decodes as one U+FFFD per token)."""
-        if self._byte_level:
-            return False
-        if self._byte_ids is None:
-            vocab = self._tok.get_vocab()
-            self._byte_ids = frozenset(
-                int(i) for t, i in vocab.items() if _BYTE_FALLBACK.fullmatch(t)
-            )
         return int(token_id) in self._byte_ids
 
     def token_to_id(self, token: str) -> int | None:
@@ -288,10 +284,14 @@ class TextStream:
         self._ids: list[int] = []
         self._prefix = 0  # decoding window starts here (context for spacing rules)
         self._read = 0  # text of ids[_prefix:_read] has been returned already
+        # where, in the text the last push returned, that token's own text begins (after the
+        # text of the tokens held back before it)
+        self.last_start = 0
 
     def push(self, token_id: int) -> str:
         """Add one token; returns the text it completes ("" while a character is partial)."""
         self._ids.append(int(token_id))
+        self.last_start = 0
         if self._tok.is_byte_fallback(token_id) or self._tok.is_special(token_id):
             # the run of byte tokens may go on (see the class docstring); a special token
             # leaves no text and does not end a run either (the decoder skips it)
@@ -299,7 +299,21 @@ class TextStream:
         done = self._tok.decode(self._ids[self._prefix : self._read])
         text = self._tok.decode(self._ids[self._prefix :])
         if len(text) > len(done) and not text.endswith("\ufffd") and text.startswith(done):
+            if len(self._ids) - self._read > 1:  # it releases tokens held before it too
+                before = self._tok.decode(self._ids[self._prefix : -1])
+                if before.startswith(done):
+                    self.last_start = min(len(before), len(text)) - len(done)
             self._prefix, self._read = self._read, len(self._ids)
+            return text[len(done) :]
+        return ""
+
+    def pending(self) -> str:
+        """The text held back now, as it reads if the generation ended here ("" while it ends
+        in a partial character): what a stop string may already be found in (a newline is a
+        byte token in Llama-style vocabularies, held until its run ends)."""
+        done = self._tok.decode(self._ids[self._prefix : self._read])
+        text = self._tok.decode(self._ids[self._prefix :])
+        if len(text) > len(done) and not text.endswith("\ufffd") and text.startswith(done):
             return text[len(done) :]
         return ""
 

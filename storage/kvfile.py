@@ -34,6 +34,7 @@ W floats per record = 1 + L * (C + R) + NI * DI.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -402,7 +403,9 @@ def read_tokens(path: str | os.PathLike[str], header: KVHeader) -> npt.NDArray[n
         try:
             # one word per record (a record is ~100 KiB at DeepSeek scale): no readahead of
             # the rows between them
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            if hasattr(os, "posix_fadvise"):  # (a hint: its failure changes nothing)
+                with contextlib.suppress(OSError):
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
             for i in range(header.n_records):
                 raw = os.pread(fd, 4, _HEADER.size + i * header.record_nbytes)
                 if len(raw) != 4:

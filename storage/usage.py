@@ -18,6 +18,7 @@ import fcntl
 import os
 import threading
 from pathlib import Path
+from typing import Any
 
 import anyio.to_thread
 import numpy as np
@@ -71,6 +72,13 @@ class UsageCounts:
 
     __hash__ = None  # type: ignore[assignment]  # mutable
 
+    def __getstate__(self) -> dict[str, Any]:  # (a lock does not pickle: a new one)
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def add(self, layer: int, expert_ids: npt.ArrayLike) -> None:
         """Count one selection per id (repeats count repeatedly: one per routed token)."""
         if not 0 <= layer < self.n_layers:
@@ -105,7 +113,8 @@ class UsageCounts:
         """Multiply every count by ``factor`` in [0, 1] (rounding down) so old habits fade."""
         if not 0.0 <= factor <= 1.0:
             raise ValueError(f"decay factor must be in [0, 1], got {factor}")
-        self.counts = np.floor(self.counts * factor).astype(np.int64)
+        with self._lock:
+            self.counts = np.floor(self.counts * factor).astype(np.int64)
 
     def copy(self) -> UsageCounts:
         """An independent copy (e.g. a snapshot to save while counting goes on)."""

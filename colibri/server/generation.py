@@ -439,11 +439,17 @@ class Generation:
                         # text nor its logprob (its id stays in token_ids)
                         continue
                     piece = stream.push(ev.token_id)
+                    start = stream.last_start  # (its own text, after what it released)
+                    if not piece and stopper.stops and stopper.would_hit(stream.pending()):
+                        # a stop string in text held back (a byte token's run): the
+                        # generation ends here, so that text is final; it was found only
+                        # once the run ended, a step or many later
+                        piece, start = stream.flush(), 0
                     if p.logprobs:
                         lp = self._logprob(ev)
                         pending_lp.append(lp)
                         all_lp.append(lp)
-                        lp_at.append(fed)
+                        lp_at.append(fed + start)
                     fed += len(piece)
                     released, hit = stopper.feed(piece)
                     if hit:  # the tokens from the stop string on are not in the output

@@ -81,6 +81,10 @@ class StopMatcher:
         out, self._pending = self._pending[:cut], self._pending[cut:]
         return out, False
 
+    def would_hit(self, text: str) -> bool:
+        """Whether feeding ``text`` next would complete a stop string (nothing is fed)."""
+        return self.hit is None and any(s in self._pending + text for s in self.stops)
+
     def flush(self) -> str:
         """The held-back tail once the generation ended without completing a stop string."""
         out, self._pending = ("" if self.hit is not None else self._pending), ""

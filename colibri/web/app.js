@@ -139,6 +139,8 @@
     }
     setUp(true);
     if (res.status === 401) {
+      // a late answer for a key already replaced says nothing about the one in use
+      if (state.key && state.key !== sentKey) throw new HttpError(401, await errorText(res));
       if (sentKey && state.key === sentKey) {
         // the key in use was sent and refused: say so, and forget it (it stayed stored); a
         // late refusal of a key already replaced says nothing about the new one

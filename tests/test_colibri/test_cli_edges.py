@@ -344,3 +344,6 @@ def test_with_json_logs_an_error_is_a_json_line(home: Path, tmp_path: Path) -> N
     assert r.returncode == 2
     [usage] = [json.loads(line) for line in r.stderr.splitlines() if line.strip()]
     assert usage["event"] == "usage_error" and "--ram" in usage["error"]
+    # a group run without its subcommand shows its help, as text (not a JSON "error")
+    r = coli(home, "--log-format", "json", "bench")
+    assert "Commands:" in r.stderr + r.stdout and "usage_error" not in r.stderr

@@ -78,3 +78,30 @@ def test_the_template_sees_tools_and_documents_as_none_when_not_given(tmp_path: 
     assert tok.apply_chat_template(msgs) == "user:hi|True"
     tools = [{"type": "function", "function": {"name": "f"}}]
     assert tok.apply_chat_template(msgs, tools=tools) == "TOOLS:1|user:hi|True"
+
+
+def test_held_text_is_visible_to_stop_strings_and_offsets_are_the_tokens_own(
+    tmp_path: Path,
+) -> None:
+    """Held byte runs (a newline is <0x0A> in Llama-style vocabularies) hid a stop string
+    until the run ended, a step or many later (a model looping on newlines ran to max_tokens);
+    and the token that released a held run had its logprob placed at the run's start."""
+    from colibri.server.textproc import StopMatcher
+
+    tok = _byte_fallback(tmp_path)
+
+    def tid(t: str) -> int:
+        i = tok.token_to_id(t)
+        assert i is not None
+        return i
+
+    s = tok.stream()
+    stop = StopMatcher(["\n"])
+    assert s.push(tid("\u2581a")) == "a"
+    assert s.push(tid("<0x0A>")) == ""  # held: its run may go on
+    assert s.pending() == "\n" and stop.would_hit(s.pending())
+    assert not StopMatcher(["x"]).would_hit(s.pending())
+    assert s.push(tid("<0x0A>")) == "" and s.pending() == "\n\n"
+    assert s.push(tid("\u2581b")) == "\n\n b"
+    assert s.last_start == 2  # its own text (" b") begins after the released newlines
+    assert s.push(tid("\u2581ab")) == " ab" and s.last_start == 0

@@ -238,3 +238,18 @@ def test_counting_and_a_merged_save_never_lose_counts() -> None:
     for t in threads:
         t.join()
     assert c.total == n * ids.size + n * 4 * 256
+
+
+def test_usage_counts_pickle_and_copy_with_a_lock_of_their_own() -> None:
+    """The lock added for merged saves made UsageCounts unpicklable (TypeError)."""
+    import copy
+    import pickle
+
+    from storage.usage import UsageCounts
+
+    c = UsageCounts(2, 8)
+    c.add(1, [3, 3, 5])
+    for twin in (pickle.loads(pickle.dumps(c)), copy.deepcopy(c)):
+        assert twin == c and twin._lock is not c._lock
+        twin.add(0, [1])  # its lock works
+        assert twin.total == c.total + 1
