@@ -332,8 +332,9 @@ async def create_app(
         await anyio.to_thread.run_sync(remove_leftovers, kv_dir)  # killed slot saves
     vocab = int(c.arch.vocab_size)
     slots = SlotPool(
-        cfg.kv_slots, engine.new_cache, vocab=vocab, identity=identity, directory=kv_dir
-    )
+        cfg.kv_slots, engine.new_cache, vocab=vocab, identity=identity, directory=kv_dir,
+        files_named=not cfg.kv_persist_auto,
+    )  # fmt: skip
     await slots.check_files()
     kv_dir = slots.directory  # None when another server holds that directory
     m = Metrics(engine.snapshot)

@@ -257,7 +257,9 @@ class Generation:
         st = self.state
         entered = False
         try:
-            async with st.admission.enter(ticket, st.slots, self.p.slot) as lease:
+            async with st.admission.enter(
+                ticket, st.slots, self.p.slot, named=self.p.slot_explicit
+            ) as lease:
                 entered = True
                 yield lease
         except BaseException as exc:

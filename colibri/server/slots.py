@@ -61,6 +61,10 @@ class Slot:
     last_used: float = 0.0
     turns: int = 0
     tenant: str | None = None  # the API key of its last request (None: none, or from disk)
+    # a request named it (cache_slot): a client's conversation, never lent to requests that
+    # name no slot (they took it while the client's next turn waited behind them, and their
+    # rows replaced its cache)
+    named: bool = False
     # the token ids of its file, read at start-up, until the file is loaded on first use
     file_tokens: npt.NDArray[np.int32] | None = None
 
@@ -82,6 +86,7 @@ class Slot:
             ),
             "busy": self.lock.locked(),
             "loaded": self.loaded,
+            "named": self.named,
             "turns": self.turns,
             "last_used": self.last_used or None,
             "file": None if self.path is None else str(self.path),
@@ -99,8 +104,12 @@ class SlotPool:
         vocab: int,
         identity: int,
         directory: Path | None,
+        files_named: bool = False,
     ) -> None:
+        """``files_named``: a slot file found at start-up holds a conversation a request
+        named (only those are saved: no ``--kv-persist-auto``)."""
         self._new_cache = new_cache
+        self._files_named = files_named
         self.vocab = vocab
         self.identity = identity
         self.directory = directory
@@ -171,6 +180,7 @@ class SlotPool:
                     raise KVFileError(f"written for another model (header {h}, expected {want})")
                 slot.file_tokens = read_tokens(path, h)
                 slot.last_used = path.stat().st_mtime
+                slot.named = self._files_named
             except (KVFileError, OSError) as exc:
                 slot.file_tokens = None
                 set_aside_and_warn(
@@ -198,9 +208,12 @@ class SlotPool:
         slot.loaded = True
 
     @asynccontextmanager
-    async def use(self, index: int) -> AsyncIterator[Slot]:
-        """Hold slot ``index`` (waits for the request using it), loaded and ready."""
+    async def use(self, index: int, *, named: bool = False) -> AsyncIterator[Slot]:
+        """Hold slot ``index`` (waits for the request using it), loaded and ready; ``named``:
+        the request named it (from then on automatic matching leaves it alone)."""
         slot = self.slots[index]
+        if named:
+            slot.named = True
         async with slot.lock:
             await self._load(slot)
             slot.last_used = time.time()
@@ -235,13 +248,15 @@ class SlotPool:
 
         ``scoped``: only slots whose last request came with ``tenant``'s API key count as a
         match (another key's slot may still be taken over, emptied first: see generation).
+        Slots a request named (``cache_slot``), and saved ones restored when only named slots
+        are saved (``files_named``), are never taken.
 
         A match needs :data:`REUSE_MIN_TOKENS` common tokens, or half the slot's tokens when
         it holds fewer (the tokens a chat template always puts first matched every slot, and
         unrelated conversations took turns in one). A slot not loaded yet matches on its
         file's tokens; without a match an empty slot goes first, then the least recently used
         (a file's age counts as its use)."""
-        free = [s for s in self.slots if not s.lock.locked()]
+        free = [s for s in self.slots if not s.lock.locked() and not s.named]
         if not free:
             return None
         ids = np.asarray(prompt_ids, dtype=np.int64)

@@ -20,6 +20,7 @@ import structlog
 from starlette.types import Receive, Scope, Send
 
 from colibri.server.errors import ApiError, error_body
+from colibri.server.timeouts import _SendTimeout
 
 __all__ = ["GenerationResponse", "Responder", "Runner", "sse"]
 
@@ -132,6 +133,11 @@ class GenerationResponse:
         except ApiError as exc:
             await self._fail(r, exc)
         except anyio.get_cancelled_exc_class():
+            raise
+        except _SendTimeout:
+            # the client stopped reading for --send-timeout: it loses its request (documented;
+            # not a server error), and nothing more is sent to it
+            _log.warning("client stopped reading: request dropped")
             raise
         except Exception as exc:
             _log.error("request failed", error=repr(exc), exc_info=True)

@@ -191,12 +191,17 @@ class Admission:
 
     @asynccontextmanager
     async def enter(
-        self, ticket: Ticket, slots: SlotPool, slot: int | None
+        self, ticket: Ticket, slots: SlotPool, slot: int | None, *, named: bool = False
     ) -> AsyncIterator[Lease]:
-        """Wait for the slot (if any), then for a compute place."""
+        """Wait for the slot (if any; ``named``: the request named it), then for a compute
+        place."""
         try:
             async with AsyncExitStack() as stack:
-                held = None if slot is None else await stack.enter_async_context(slots.use(slot))
+                held = (
+                    None
+                    if slot is None
+                    else await stack.enter_async_context(slots.use(slot, named=named))
+                )
                 await self._sem.acquire()
                 ticket.admitted = time.perf_counter()
                 self._leave_queue(ticket)

@@ -69,7 +69,9 @@ def guarded_protocol(header_timeout: float) -> type[GuardedH11Protocol]:
 
 
 class _SendTimeout(Exception):
-    """A client did not take a response chunk in time (internal: ends the request)."""
+    """A client did not take a response chunk in time (internal: ends the request; an
+    expected event, not an error: :class:`colibri.server.sse.GenerationResponse` lets it
+    through to this middleware, which closes the connection)."""
 
 
 class SendTimeoutMiddleware:
@@ -87,6 +89,8 @@ class SendTimeoutMiddleware:
 
         async def guarded_send(message: Message) -> None:
             nonlocal stalled
+            if stalled:  # (the error event after a stall waited a whole timeout more)
+                raise _SendTimeout
             with anyio.move_on_after(self.timeout) as scope_:
                 await send(message)
             if scope_.cancelled_caught:

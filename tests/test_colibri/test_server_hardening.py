@@ -388,6 +388,11 @@ def test_a_client_that_stops_reading_loses_its_place(strict: Server) -> None:
         assert _closed_within(slow, 30)  # the stalled response was dropped with its connection
     finally:
         slow.close()
+    # an expected event, said so: not an error with a traceback (and no second timeout spent
+    # sending an error event to a client that is not reading)
+    log = strict.log.read_text(errors="replace")
+    assert "client stopped reading" in log
+    assert "request failed" not in log and "Traceback" not in log
 
 
 def test_a_taken_port_is_one_error_before_the_model_loads() -> None:
