@@ -296,26 +296,32 @@ class TextStream:
             # the run of byte tokens may go on (see the class docstring); a special token
             # leaves no text and does not end a run either (the decoder skips it)
             return ""
-        done = self._tok.decode(self._ids[self._prefix : self._read])
-        text = self._tok.decode(self._ids[self._prefix :])
-        if len(text) > len(done) and not text.endswith("\ufffd") and text.startswith(done):
-            if len(self._ids) - self._read > 1:  # it releases tokens held before it too
-                before = self._tok.decode(self._ids[self._prefix : -1])
-                if before.startswith(done):
-                    self.last_start = min(len(before), len(text)) - len(done)
-            self._prefix, self._read = self._read, len(self._ids)
-            return text[len(done) :]
-        return ""
+        ready = self._ready()
+        if ready is None:
+            return ""
+        done, text = ready
+        if len(self._ids) - self._read > 1:  # it releases tokens held before it too
+            before = self._tok.decode(self._ids[self._prefix : -1])
+            if before.startswith(done):
+                self.last_start = min(len(before), len(text)) - len(done)
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(done) :]
 
     def pending(self) -> str:
         """The text held back now, as it reads if the generation ended here ("" while it ends
         in a partial character): what a stop string may already be found in (a newline is a
         byte token in Llama-style vocabularies, held until its run ends)."""
+        ready = self._ready()
+        return "" if ready is None else ready[1][len(ready[0]) :]
+
+    def _ready(self) -> tuple[str, str] | None:
+        """(text returned already, text of the window) when the window's new text can be
+        released: more of it, no partial character at its end, the text returned unchanged."""
         done = self._tok.decode(self._ids[self._prefix : self._read])
         text = self._tok.decode(self._ids[self._prefix :])
         if len(text) > len(done) and not text.endswith("\ufffd") and text.startswith(done):
-            return text[len(done) :]
-        return ""
+            return done, text
+        return None
 
     def flush(self) -> str:
         """Whatever is still held back (a trailing partial character decodes as U+FFFD)."""

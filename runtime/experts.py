@@ -113,19 +113,24 @@ class StoreLayout:
         """Bytes of one pinned or cache slot of ``layer``."""
         for at, blob, scales in self.layer_slots:
             if at == layer:
-                return blob + max(scales, ALIGN)
+                return _slot_nbytes(blob, scales)
         return self.slot_bytes
 
     @property
     def nbytes(self) -> int:
         per_layer = (
-            sum(blob + max(scales, ALIGN) for _, blob, scales in self.layer_slots)
+            sum(_slot_nbytes(blob, scales) for _, blob, scales in self.layer_slots)
             if self.layer_slots
             else self.n_layers * self.slot_bytes
         )
         pinned = sum(self.layer_slot_bytes(layer) for layer, _ in self.pinned)
         transient = self.transient_slots * self.slot_bytes
         return transient + pinned + self.lru_slots_per_layer * per_layer
+
+
+def _slot_nbytes(blob: int, scales: int) -> int:
+    """Bytes of a slot with these buffers (the scales buffer is at least a page: _Slot)."""
+    return blob + max(scales, ALIGN)
 
 
 def _scale_requests(x: ExpertExtent) -> list[ReadRequest]:
@@ -183,8 +188,14 @@ def layer_slot_sizes(c: Container) -> dict[int, tuple[int, int]]:
 def slot_sizes(c: Container) -> tuple[int, int]:
     """(blob buffer bytes, scales buffer bytes) that hold any expert's aligned read superset:
     a transient slot's."""
-    sizes = layer_slot_sizes(c).values()
-    return max((b for b, _ in sizes), default=0), max((s for _, s in sizes), default=0)
+    return _largest(layer_slot_sizes(c))
+
+
+def _largest(sizes: dict[int, tuple[int, int]]) -> tuple[int, int]:
+    """The (blob, scales) buffer sizes that hold every layer's experts."""
+    return max((b for b, _ in sizes.values()), default=0), max(
+        (s for _, s in sizes.values()), default=0
+    )
 
 
 def plan_layout(
@@ -202,10 +213,8 @@ def plan_layout(
     hold its own largest (:class:`StoreLayout`). ``pinned`` is taken in order while it fits.
     """
     sizes = layer_slot_sizes(c)
-    blob = max((b for b, _ in sizes.values()), default=0)
-    scales = max((s for _, s in sizes.values()), default=0)
-    slot = blob + max(scales, ALIGN)
-    per = {layer: b + max(s, ALIGN) for layer, (b, s) in sizes.items()}
+    slot = _slot_nbytes(*_largest(sizes))
+    per = {layer: _slot_nbytes(b, s) for layer, (b, s) in sizes.items()}
     layer_slots = tuple((layer, b, s) for layer, (b, s) in sorted(sizes.items()))
     layers = c.expert_layers()
     n_e = c.arch.n_routed_experts

@@ -445,12 +445,10 @@ def choose_prefill_chunk(
     :data:`PREFILL_CHUNK_MAX` whose activations fit an allowance of 1/8 of the RAM budget (at
     least 256 MiB). Resident, :data:`PREFILL_CHUNK_RESIDENT`. Never more than the model's
     ``context`` (no prompt is longer: a bigger chunk only overstated its activations)."""
-    if not streaming:
-        chunk = PREFILL_CHUNK_RESIDENT
-    else:
+    chunk = PREFILL_CHUNK_RESIDENT
+    if streaming:
         allowance = max(256 << 20, (ram_budget or 0) // 8)
         per_token = activation_bytes_per_token(hidden_size, top_k)
-        chunk = PREFILL_CHUNK_RESIDENT
         while chunk * 2 <= PREFILL_CHUNK_MAX and chunk * 2 * per_token <= allowance:
             chunk *= 2
     return min(chunk, context) if context else chunk

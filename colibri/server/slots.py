@@ -116,7 +116,6 @@ class SlotPool:
         self.slots = [
             Slot(i, None if directory is None else slot_path(directory, i)) for i in range(n)
         ]
-        self._lock_fd: int | None = None
         self._unlock: weakref.finalize[[int], SlotPool] | None = None
 
     def __len__(self) -> int:
@@ -142,14 +141,12 @@ class SlotPool:
                     "its own with --kv-dir DIR)"
                 )
             return f"cannot lock the directory: {exc.strerror or exc}"  # ENOLCK (NFS), ...
-        self._lock_fd = fd
         self._unlock = weakref.finalize(self, os.close, fd)
         return None
 
     def close(self) -> None:
         """Release the slot directory and its file descriptor (also done when the pool is
         garbage-collected)."""
-        self._lock_fd = None
         if self._unlock is not None:
             self._unlock()  # closing the descriptor drops the lock
 

@@ -53,13 +53,15 @@ RESIDENT = ResidentExperts(C)
 WANT = {(layer, e): _digest(RESIDENT.get(layer, [e])[e]) for layer in LAYERS for e in ALL}
 
 
-def _layout(lru: int = 2, transient: int = 2 * TOP_K) -> StoreLayout:
+def _layout(
+    lru: int = 2, transient: int = 2 * TOP_K, pinned: tuple[tuple[int, int], ...] = ()
+) -> StoreLayout:
     """Cache slots sized per layer (TINY's MTP experts are int8, twice a main int4 one: its
     main layers' cache slots are too small to serve as transient slots), as plan_layout sizes
     them."""
     blob, scales = slot_sizes(C)
     per = tuple((layer, b, s) for layer, (b, s) in sorted(layer_slot_sizes(C).items()))
-    return StoreLayout((), lru, len(LAYERS), transient, blob + max(scales, 4096), per)
+    return StoreLayout(pinned, lru, len(LAYERS), transient, blob + max(scales, 4096), per)
 
 
 Body = Callable[[ExpertStore, StreamingExperts], Awaitable[None]]
@@ -72,16 +74,18 @@ def _run(
     prefetch: bool = False,
     read_piece: int | None = None,
     early_reads: bool = True,
+    store_layout: StoreLayout | None = None,
     **layout: int,
 ) -> None:
+    """``body`` against a started store (``store_layout``, else ``_layout(**layout)``)."""
+
     async def main() -> None:
         async with anyio.create_task_group() as tg:
             opts: dict[str, Any] = {"early_reads": early_reads}
             if read_piece is not None:
                 opts["read_piece"] = read_piece
-            store = ExpertStore(
-                C, reader, _layout(**layout), prefetch=prefetch, clock=reader.clock, **opts
-            )
+            lay = store_layout if store_layout is not None else _layout(**layout)
+            store = ExpertStore(C, reader, lay, prefetch=prefetch, clock=reader.clock, **opts)
             await store.start(tg)
             try:
                 await body(store, StreamingExperts(store))
@@ -89,6 +93,13 @@ def _run(
                 tg.cancel_scope.cancel()
 
     anyio.run(main)
+
+
+async def _reads_landed(store: ExpertStore) -> None:
+    """Until no read is in flight (lookahead reads parked, a failed step's others landed)."""
+    with anyio.fail_after(10):
+        while store._inflight:
+            await anyio.sleep(0.001)
 
 
 async def _step(src: StreamingExperts, layer: int, experts: list[int]) -> dict[int, str]:
@@ -169,9 +180,7 @@ def test_a_read_error_reaches_the_step_and_returns_every_slot() -> None:
     async def body(store: ExpertStore, src: StreamingExperts) -> None:
         with pytest.raises(ReadError, match="injected"):
             await _step(src, layer, [1, 5, 9])
-        with anyio.fail_after(10):  # the step's other reads still land
-            while store._inflight:
-                await anyio.sleep(0.001)
+        await _reads_landed(store)  # the step's other reads still land
         _settled(store)
         assert 5 not in store.policy.lru[layer]  # a failed read is not cached
         assert store.stats.read_errors == 1
@@ -198,9 +207,7 @@ def test_a_step_ended_with_reads_stalled_gives_everything_back() -> None:
         assert store._inflight  # the stalled reads are still on the device
         reader.rules.clear()
         gate.set()  # they land with nobody waiting: their slots come back
-        with anyio.fail_after(10):
-            while store._inflight:
-                await anyio.sleep(0.001)
+        await _reads_landed(store)
         _settled(store)
         assert await _step(src, layer, [0, 2]) == {e: WANT[(layer, e)] for e in (0, 2)}
 
@@ -213,9 +220,7 @@ def test_lookahead_reads_land_parked_and_serve_the_next_step() -> None:
 
     async def body(store: ExpertStore, src: StreamingExperts) -> None:
         await anyio.to_thread.run_sync(lambda: src.prefetch(layer, [1, 3]))
-        with anyio.fail_after(10):
-            while store._inflight:
-                await anyio.sleep(0.001)
+        await _reads_landed(store)
         assert set(store._prefetched) == {(layer, 1), (layer, 3)}
         reads = len(reader.extents)
         assert await _step(src, layer, [1, 3, 7]) == {e: WANT[(layer, e)] for e in (1, 3, 7)}
@@ -247,23 +252,17 @@ def test_slots_are_sized_per_layer_and_add_up_to_the_layout() -> None:
     uniform = left // (len(LAYERS) * full.slot_bytes)
     assert uniform < 3
 
-    async def main_() -> None:
-        async with anyio.create_task_group() as tg:
-            store = ExpertStore(C, FakeReader(), layout)
-            await store.start(tg)
-            try:
-                assert store.nbytes == layout.nbytes <= budget
-                for layer, free in store._free_cache.items():
-                    assert all(x.nbytes == layout.layer_slot_bytes(layer) for x in free)
-                assert {k: x.nbytes for k, x in store._pinned.items()} == {
-                    (LAYERS[0], 0): main,
-                    (mtp, 1): big,
-                }
-                assert all(x.nbytes == full.slot_bytes for x in store._transient_free)
-            finally:
-                tg.cancel_scope.cancel()
+    async def body(store: ExpertStore, src: StreamingExperts) -> None:
+        assert store.nbytes == layout.nbytes <= budget
+        for layer, free in store._free_cache.items():
+            assert all(x.nbytes == layout.layer_slot_bytes(layer) for x in free)
+        assert {k: x.nbytes for k, x in store._pinned.items()} == {
+            (LAYERS[0], 0): main,
+            (mtp, 1): big,
+        }
+        assert all(x.nbytes == full.slot_bytes for x in store._transient_free)
 
-    anyio.run(main_)
+    _run(FakeReader(), body, store_layout=layout)
 
 
 def test_a_lookahead_result_adopted_by_a_smaller_cache_slot_is_copied_there() -> None:
@@ -276,9 +275,7 @@ def test_a_lookahead_result_adopted_by_a_smaller_cache_slot_is_copied_there() ->
 
     async def body(store: ExpertStore, src: StreamingExperts) -> None:
         await anyio.to_thread.run_sync(lambda: src.prefetch(layer, [1, 3]))
-        with anyio.fail_after(10):
-            while store._inflight:
-                await anyio.sleep(0.001)
+        await _reads_landed(store)
         assert await _step(src, layer, [1, 3]) == {e: WANT[(layer, e)] for e in (1, 3)}
         assert store.tiers() == {(layer, 1): "lru", (layer, 3): "lru"}
         _settled(store)
@@ -300,31 +297,19 @@ def test_repin_swaps_pins_among_layers_of_one_slot_size() -> None:
     (too small for it), and a hot main expert takes the main pin's."""
     mtp = LAYERS[-1]
     main_layer = LAYERS[0]
-    layout = StoreLayout(
-        ((main_layer, 0), (mtp, 0)), 2, len(LAYERS), 2 * TOP_K, _layout().slot_bytes,
-        _layout().layer_slots,
-    )  # fmt: skip
-    reader = FakeReader()
 
-    async def main_() -> None:
-        async with anyio.create_task_group() as tg:
-            store = ExpertStore(C, reader, layout)
-            await store.start(tg)
-            try:
-                counts = np.zeros((C.arch.total_layers, len(ALL)), np.int64)
-                counts[mtp, 5] = 1000  # hot MTP expert: only the MTP pin's slot fits it
-                counts[main_layer, 7] = 900
-                assert await store.repin(counts) == 2
-                assert set(store._pinned) == {(main_layer, 7), (mtp, 5)}
-                for key, slot in store._pinned.items():
-                    assert store._fits(slot, key[0])
-                src = StreamingExperts(store)
-                for layer, e in list(store._pinned):
-                    assert await _step(src, layer, [e]) == {e: WANT[(layer, e)]}
-            finally:
-                tg.cancel_scope.cancel()
+    async def body(store: ExpertStore, src: StreamingExperts) -> None:
+        counts = np.zeros((C.arch.total_layers, len(ALL)), np.int64)
+        counts[mtp, 5] = 1000  # hot MTP expert: only the MTP pin's slot fits it
+        counts[main_layer, 7] = 900
+        assert await store.repin(counts) == 2
+        assert set(store._pinned) == {(main_layer, 7), (mtp, 5)}
+        for key, slot in store._pinned.items():
+            assert store._fits(slot, key[0])
+        for layer, e in list(store._pinned):
+            assert await _step(src, layer, [e]) == {e: WANT[(layer, e)]}
 
-    anyio.run(main_)
+    _run(FakeReader(), body, store_layout=_layout(pinned=((main_layer, 0), (mtp, 0))))
 
 
 def test_a_demand_miss_waits_for_the_lookahead_read_already_in_flight() -> None:
@@ -374,9 +359,7 @@ def test_a_lookahead_read_stops_part_way_once_its_layer_routed_elsewhere(
         # the layer's step routes elsewhere: its demand read does not wait for the piece
         assert await _step(src, layer, [7]) == {7: WANT[(layer, 7)]}
         gate.set()
-        with anyio.fail_after(10):
-            while store._inflight:
-                await anyio.sleep(0.001)
+        await _reads_landed(store)
         read = [off for _, off in reader.extents]
         assert read.count(offsets[0]) == read.count(offsets[1]) == 1
         assert not set(offsets[2:]) & set(read)  # the rest was never read
@@ -543,9 +526,7 @@ def test_a_failed_piece_fails_its_read_after_the_others_and_returns_every_slot()
     async def body(store: ExpertStore, src: StreamingExperts) -> None:
         with pytest.raises(ReadError, match="injected"):
             await _step(src, layer, [1, 5, 9])
-        with anyio.fail_after(10):
-            while store._inflight:
-                await anyio.sleep(0.001)
+        await _reads_landed(store)
         _settled(store)
         assert store._window.inflight_bytes == 0 and store._window.queued == 0
         assert store.stats.read_errors == 1
@@ -746,9 +727,7 @@ def test_a_failed_down_stage_fails_the_step_and_returns_every_slot() -> None:
         with pytest.raises(ReadError, match="injected"):
             await _map_step(src, layer, [5], con.early(layer))
         assert [e for e, _, _ in con.seen] == [5]  # begun early, then the error
-        with anyio.fail_after(10):
-            while store._inflight:
-                await anyio.sleep(0.001)
+        await _reads_landed(store)
         _settled(store)
         assert store.stats.read_errors == 1
         assert await _map_step(src, layer, [5], con.early(layer)) == {5: WANT[(layer, 5)]}
@@ -761,19 +740,11 @@ def test_repin_makes_at_most_four_swaps_over_every_slot_size() -> None:
     re-pin between two turns could block on 8 reads instead of the 4 it promises."""
     mtp = LAYERS[-1]
     pins = tuple((LAYERS[0], e) for e in range(4)) + tuple((mtp, e) for e in range(4))
-    base = _layout()
-    layout = StoreLayout(pins, 2, len(LAYERS), 2 * TOP_K, base.slot_bytes, base.layer_slots)
 
-    async def main_() -> None:
-        async with anyio.create_task_group() as tg:
-            store = ExpertStore(C, FakeReader(), layout)
-            await store.start(tg)
-            try:
-                counts = np.zeros((C.arch.total_layers, len(ALL)), np.int64)
-                counts[LAYERS[0], 8:12] = 1000  # four hot main experts
-                counts[mtp, 8:12] = 1000  # and four hot MTP ones
-                assert await store.repin(counts) == 4
-            finally:
-                tg.cancel_scope.cancel()
+    async def body(store: ExpertStore, src: StreamingExperts) -> None:
+        counts = np.zeros((C.arch.total_layers, len(ALL)), np.int64)
+        counts[LAYERS[0], 8:12] = 1000  # four hot main experts
+        counts[mtp, 8:12] = 1000  # and four hot MTP ones
+        assert await store.repin(counts) == 4
 
-    anyio.run(main_)
+    _run(FakeReader(), body, store_layout=_layout(pinned=pins))
