@@ -52,6 +52,10 @@ def _text_of(content: Any, where: str) -> str:
     return "".join(parts)
 
 
+# Blocks only one role may send (Anthropic's API refuses them in the other).
+_ROLE_OF_BLOCK = {"thinking": "an assistant", "tool_use": "an assistant", "tool_result": "a user"}
+
+
 def to_template_messages(req: MessagesRequest) -> list[dict[str, Any]]:
     """Anthropic messages -> chat-template messages (system, tool calls and results included)."""
     out: list[dict[str, Any]] = []
@@ -100,8 +104,15 @@ def to_template_messages(req: MessagesRequest) -> list[dict[str, Any]]:
                     {
                         "role": "tool",
                         "tool_call_id": block.get("tool_use_id"),
-                        "content": _text_of(block.get("content", ""), where),
+                        "content": _text_of(block.get("content", ""), f"{where}.content"),
                     }
+                )
+            elif kind in _ROLE_OF_BLOCK:
+                raise ApiError(
+                    400,
+                    f"{where}: a {kind} block belongs in {_ROLE_OF_BLOCK[kind]} message, "
+                    f"not a {m.role} one",
+                    param=where,
                 )
             else:
                 raise ApiError(
@@ -128,6 +139,12 @@ def _stop_reason(res: Result) -> str:
     if res.finish_reason == "length":
         return "max_tokens"
     return "end_turn"
+
+
+def _stop_sequence(res: Result) -> str | None:
+    """The stop sequence that ended the answer: only with stop_reason stop_sequence (an
+    answer that called tools ends as tool_use, whatever stopped the text after the calls)."""
+    return res.stop_sequence if _stop_reason(res) == "stop_sequence" else None
 
 
 def _usage(res: Result) -> dict[str, Any]:
@@ -211,7 +228,7 @@ async def messages(request: Request) -> Response:
             "model": st.model_name,
             "content": content,
             "stop_reason": None if res is None else _stop_reason(res),
-            "stop_sequence": None if res is None else res.stop_sequence,
+            "stop_sequence": None if res is None else _stop_sequence(res),
             "usage": _usage(res) if res is not None else start,
         }
 
@@ -297,7 +314,10 @@ async def messages(request: Request) -> Response:
             sse(
                 {
                     "type": "message_delta",
-                    "delta": {"stop_reason": _stop_reason(res), "stop_sequence": res.stop_sequence},
+                    "delta": {
+                        "stop_reason": _stop_reason(res),
+                        "stop_sequence": _stop_sequence(res),
+                    },
                     "usage": _usage(res),
                     "colibri": res.stats(),
                 },

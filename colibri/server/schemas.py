@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
     "AnthropicMessage",
@@ -97,10 +97,22 @@ class StreamOptions(_Loose):
     include_usage: bool = False
 
 
+def _tool_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """A tool's parameter schema, checked where the server reads it (a call's argument types
+    come from its ``properties``): refused before generating, not when the model calls it."""
+    props = schema.get("properties")
+    if props is not None and not isinstance(props, dict):
+        raise ValueError("'properties' must be an object (JSON Schema: name -> schema)")
+    return schema
+
+
+ToolSchema = Annotated[dict[str, Any], AfterValidator(_tool_schema)]
+
+
 class FunctionDef(_Loose):
     name: str = Field(min_length=1)
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: ToolSchema | None = None
 
 
 class Tool(_Loose):
@@ -199,7 +211,7 @@ class AnthropicTool(_Loose):
     type: Literal["custom"] | None = None
     name: str = Field(min_length=1)
     description: str | None = None
-    input_schema: dict[str, Any] = Field(default_factory=dict)
+    input_schema: ToolSchema = Field(default_factory=dict)
 
 
 class ThinkingConfig(_Loose):

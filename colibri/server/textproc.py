@@ -8,6 +8,7 @@ prefix of ``</think>``, of a stop string, ...), so what it releases, concatenate
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
 from collections.abc import Mapping, Sequence
@@ -210,10 +211,10 @@ def _param_types(tools: Sequence[Mapping[str, Any]] | None, name: str) -> dict[s
         if isinstance(fn, Mapping) and fn.get("name") == name:
             params = fn.get("parameters") or fn.get("input_schema") or {}
             props = params.get("properties") if isinstance(params, Mapping) else None
+            if not isinstance(props, Mapping):  # (the request schemas refuse anything else)
+                return {}
             return {
-                k: _json_types(v, params, 0)
-                for k, v in (props or {}).items()
-                if isinstance(v, Mapping)
+                k: _json_types(v, params, 0) for k, v in props.items() if isinstance(v, Mapping)
             }
     return {}
 
@@ -253,6 +254,40 @@ def _json_types(schema: Any, root: Mapping[str, Any], depth: int) -> frozenset[s
     return None
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v):  # 1e999: Python reads infinity, which JSON cannot write back
+        raise ValueError(f"{text} is out of range")
+    return v
+
+
+def _no_surrogates(v: Any) -> Any:
+    """``v`` with every lone surrogate (a ``\\ud800`` escape without its pair) in its strings
+    and keys replaced by U+FFFD: such a string cannot be encoded as UTF-8 for the response."""
+    if isinstance(v, str):
+        return _SURROGATE.sub("\ufffd", v)
+    if isinstance(v, list):
+        return [_no_surrogates(x) for x in v]
+    if isinstance(v, dict):
+        return {_no_surrogates(k): _no_surrogates(x) for k, x in v.items()}
+    return v
+
+
+def _strict_json(text: str) -> Any:
+    """Model-written JSON, read as RFC 8259 JSON: ``NaN`` / ``Infinity`` and numbers beyond a
+    double (which Python's reader accepts and its writer would put back) raise ValueError, lone
+    surrogate escapes become U+FFFD. A call's arguments are then always JSON a client's strict
+    parser reads, and always encodable."""
+    return _no_surrogates(json.loads(text, parse_constant=_refuse_constant, parse_float=_finite))
+
+
 def _json_type(v: Any) -> str:
     if isinstance(v, bool):
         return "boolean"
@@ -268,8 +303,8 @@ def _value(raw: str, declared: frozenset[str] | None) -> Any:
     if declared is not None and declared == {"string"}:
         return raw
     try:
-        parsed = json.loads(raw)
-    except (json.JSONDecodeError, ValueError):
+        parsed = _strict_json(raw)
+    except ValueError:  # (json.JSONDecodeError is one)
         return raw
     if declared is None or "string" not in declared:
         return parsed
@@ -302,8 +337,20 @@ def parse_tool_calls(
         kept.append(text[pos : m.start()])
         pos = m.end()
         calls.append(call)
+    if not calls:
+        return text, calls
     kept.append(text[pos:])
-    return "".join(kept).strip() if calls else text, calls
+    # A block goes with the line breaks around it (text on both sides stays on two lines)
+    # and blank text between blocks goes; spaces stay ("See<tool_call>..</tool_call> you" is
+    # "See you", not "Seeyou"), but for trailing ones at the end.
+    out = kept[0]
+    for i, piece in enumerate(kept[1:], 1):
+        if i < len(kept) - 1 and not piece.strip():
+            continue
+        left, right = out.rstrip("\n"), piece.lstrip("\n")
+        broke = len(left) < len(out) or len(right) < len(piece)
+        out = left + ("\n" if broke and left.strip() and right.strip() else "") + right
+    return out.rstrip(), calls
 
 
 def _declared(tools: Sequence[Mapping[str, Any]] | None, name: str) -> bool:
@@ -325,20 +372,20 @@ def _parse_block(body: str, tools: Sequence[Mapping[str, Any]] | None) -> Parsed
     call_id = f"call_{uuid.uuid4().hex[:24]}"
     if body.startswith("{"):
         try:
-            obj = json.loads(body)
-        except json.JSONDecodeError:
+            obj = _strict_json(body)
+        except ValueError:  # (json.JSONDecodeError is one)
             return None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return None
         args = obj.get("arguments", obj.get("parameters", {}))
         if isinstance(args, str):
             try:
-                args = json.loads(args)
-            except json.JSONDecodeError:
+                args = _strict_json(args)
+            except ValueError:
                 return None
         if not isinstance(args, dict) or not _declared(tools, obj["name"]):
             return None
-        return ParsedToolCall(call_id, obj["name"], json.dumps(args, ensure_ascii=False))
+        return ParsedToolCall(call_id, obj["name"], _dump(args))
     first, _, rest = body.partition("<arg_key>")
     name = first.strip()
     if any(c.isspace() for c in name) or "<" in name or not _declared(tools, name):
@@ -346,4 +393,8 @@ def _parse_block(body: str, tools: Sequence[Mapping[str, Any]] | None) -> Parsed
     types = _param_types(tools, name)
     args_text = "<arg_key>" + rest if rest else ""
     args = {k.strip(): _value(v, types.get(k.strip())) for k, v in _ARG.findall(args_text)}
-    return ParsedToolCall(call_id, name, json.dumps(args, ensure_ascii=False))
+    return ParsedToolCall(call_id, name, _dump(args))
+
+
+def _dump(args: dict[str, Any]) -> str:
+    return json.dumps(args, ensure_ascii=False, allow_nan=False)

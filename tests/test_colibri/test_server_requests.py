@@ -356,3 +356,126 @@ async def test_a_prompt_far_past_the_context_is_refused_without_tokenizing_it(
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["code"] == "context_length_exceeded" and "at least" in err["message"], err
+
+
+async def test_a_tool_schema_the_server_cannot_read_is_refused_before_generating(
+    client: httpx.AsyncClient,
+) -> None:
+    """``properties`` that is not an object was accepted; the whole answer was generated and
+    then, when the model called that tool, the response was a 500 (streamed: an error event
+    after the text)."""
+    for bad in ("bad", [1]):
+        schema = {"type": "object", "properties": bad}
+        tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+        r = await client.post("/v1/chat/completions", json=_chat(tools=tools))
+        assert r.status_code == 422 and "tools.0.function.parameters" in r.text, r.text
+        assert "'properties' must be an object" in r.text, r.text
+        body = {
+            "model": "m",
+            "max_tokens": 2,
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"name": "f", "input_schema": schema}],
+        }
+        r = await client.post("/v1/messages", json=body)
+        assert r.status_code == 422 and "tools.0.input_schema" in r.text, r.text
+
+
+async def test_tool_calls_the_model_writes_are_always_strict_json(
+    client: httpx.AsyncClient,
+) -> None:
+    """A call whose model-written value was NaN / 1e999 came back as arguments '{"n": NaN}'
+    (JSON.parse refuses it), and one with a lone surrogate escape ("\\ud800") was a 500
+    (streamed: an error event instead of the call): it cannot be encoded. Text around a call
+    kept its spaces only when it had no line break ("See<call> you" came back "Seeyou")."""
+    import re
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    glm = (
+        "See<tool_call>f<arg_key>n</arg_key><arg_value>NaN</arg_value><arg_key>big</arg_key>"
+        "<arg_value>1e999</arg_value><arg_key>ok</arg_key><arg_value>[1.5]</arg_value>"
+        "</tool_call> you"
+    )
+    surrogate = '<tool_call>{"name": "f", "arguments": {"a": "\\ud800x\\ud83d\\ude00"}}</tool_call>'
+    not_json = '<tool_call>{"name": "f", "arguments": {"a": NaN}}</tool_call>'
+
+    def strict(text: str) -> Any:
+        def refuse(name: str) -> None:
+            raise ValueError(name)
+
+        return json.loads(text, parse_constant=refuse)
+
+    for forced, content, args in (
+        (glm, "See you", {"n": "NaN", "big": "1e999", "ok": [1.5]}),
+        (surrogate, None, {"a": "\ufffdx\U0001f600"}),
+        (not_json, not_json, None),  # not JSON at all: the block stays text
+    ):
+        fmt = {"type": "regex", "grammar": re.escape(forced)}
+        body = _chat(tools=tools, response_format=fmt, max_tokens=200)
+        r = await client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        msg = r.json()["choices"][0]["message"]
+        assert msg["content"] == content, msg
+        if args is None:
+            assert not msg.get("tool_calls"), msg
+            continue
+        assert [strict(c["function"]["arguments"]) for c in msg["tool_calls"]] == [args]
+        async with client.stream(
+            "POST", "/v1/chat/completions", json={**body, "stream": True}
+        ) as s:
+            lines = [line[6:] async for line in s.aiter_lines() if line.startswith("data: {")]
+        chunks = [json.loads(x) for x in lines]
+        assert not [c for c in chunks if "error" in c], chunks
+        deltas = [c["choices"][0]["delta"] for c in chunks if c.get("choices")]
+        streamed = "".join(d["function"]["arguments"] for x in deltas
+                           for d in x.get("tool_calls") or ())  # fmt: skip
+        assert strict(streamed) == args
+        assert "".join(x.get("content") or "" for x in deltas) == (content or "")
+
+
+async def test_anthropic_blocks_in_the_wrong_role_say_so(client: httpx.AsyncClient) -> None:
+    """A tool_use block in a user message was refused as 'not supported (text, thinking,
+    tool_use, tool_result)', a list naming it; an image in a tool_result named the wrong path."""
+    use = {"type": "tool_use", "id": "t1", "name": "f", "input": {}}
+    result = {"type": "tool_result", "tool_use_id": "t1", "content": "ok"}
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}
+    for messages, say, param in (
+        ([{"role": "user", "content": [use]}], "belongs in an assistant message", "0.content.0"),
+        (
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [result]}],
+            "belongs in a user message",
+            "1.content.0",
+        ),
+        (
+            [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": [use]},
+                {"role": "user", "content": [{**result, "content": [image]}]},
+            ],
+            "not supported here",
+            "2.content.0.content.0",
+        ),
+    ):
+        body = {"model": "m", "max_tokens": 2, "messages": messages}
+        r = await client.post("/v1/messages", json=body)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert say in err["message"] and err.get("param", "messages." + param) == (
+            "messages." + param
+        ), err
+
+
+def test_anthropic_stop_sequence_is_set_only_with_its_stop_reason() -> None:
+    """An answer that called tools and then hit a stop sequence said stop_reason tool_use
+    with stop_sequence set (Anthropic's contract: non-null only for stop_sequence)."""
+    from colibri.server.anthropic_routes import _stop_reason, _stop_sequence
+    from colibri.server.generation import Result
+    from colibri.server.textproc import ParsedToolCall
+
+    call = ParsedToolCall("call_1", "f", "{}")
+    for calls, finish, reason, seq in (
+        ([call], "stop", "tool_use", None),
+        ([], "stop", "stop_sequence", "END"),
+        ([call], "length", "max_tokens", None),
+    ):
+        res = Result(finish, "END" if finish == "stop" else None, "", "", calls, [], [], None)  # type: ignore[arg-type]
+        assert (_stop_reason(res), _stop_sequence(res)) == (reason, seq)
