@@ -1121,10 +1121,14 @@ def atlas(
 # ---------------------------------------------------------------------------- convert
 
 
+# The formats every --experts / --dense / --io / --mtp takes (storage.quant.QuantFormat).
+FORMATS_HELP = "f32, bf16, f16, int8, int4-row or int4-gN (N a power of two, 16..256)"
+
+
 def _format_options(fn: F) -> F:
     """The storage format flags `coli convert` and `coli pull` share."""
     flags = [
-        (("--experts",), "Routed experts format (default int4-g64)."),
+        (("--experts",), f"Routed experts format: {FORMATS_HELP} (default int4-g64)."),
         (("--dense",), "Dense matrices format (default int4-g64)."),
         (("--io", "io_fmt"), "embed_tokens/lm_head format (default int8)."),
         (("--mtp",), "MTP layer format (default int8)."),
@@ -1140,9 +1144,8 @@ def _print_conversion(report: Any) -> None:
     """A conversion's summary on stdout, its notes (warnings, resumes) on stderr, once: not
     again when a rerun finds the conversion complete."""
     click.echo(report.summary())
-    if not report.already_complete:
-        for note in report.notes:
-            click.echo(f"note: {note}", err=True)
+    for note in report.notes:  # (a complete one's: only what this run did, files rewritten)
+        click.echo(f"note: {note}", err=True)
 
 
 def _convert_options(
@@ -1153,6 +1156,10 @@ def _convert_options(
     from storage.convert import DEFAULTS, ConvertOptions
 
     given = {"experts": experts, "dense": dense, "io": io_fmt, "mtp": mtp}
+    for k, v in given.items():
+        if v is not None and not v.strip():  # ("" used to mean the default, silently)
+            flag = "--io" if k == "io" else f"--{k}"
+            raise click.BadParameter(f"{flag} is empty; formats: {FORMATS_HELP}")
     fields: dict[str, object] = {k: v for k, v in given.items() if v}
     if shard_size:
         fields["shard_size"] = parse_bytes(shard_size)

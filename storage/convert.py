@@ -54,7 +54,13 @@ from storage.convert_source import (
     _Source,
     read_json_object,
 )
-from storage.errors import ColibriError, ConfigError, ConversionError, UnknownQuantFormatError
+from storage.errors import (
+    ColibriError,
+    ConfigError,
+    ConversionError,
+    SafetensorsError,
+    UnknownQuantFormatError,
+)
 from storage.manifest import (
     CONVERT_STATE_NAME,
     MANIFEST_NAME,
@@ -484,6 +490,13 @@ def _convert_rows(
     if fmt.kind == "f32":
         return [w]
     qt = quantize(w, fmt)
+    if fmt.kind == "f16" and not np.isfinite(qt.data.view(np.float16)).all():
+        big = float(np.abs(w).max())
+        raise ConversionError(
+            f"{item.info.path}: tensor {item.name!r} holds values up to {big:.6g}, beyond "
+            f"float16's range (65504): as f16 they would be infinite; convert its role "
+            "(--dense / --experts / --io) to bf16 or f32 instead"
+        )
     return [qt.data] if qt.scales is None else [qt.data, qt.scales]
 
 
@@ -576,6 +589,15 @@ def _write_shard(
     path = dst / plan.file
     try:
         write_safetensors(path, plan.specs, chunks(), header_align=ALIGN)
+    except SafetensorsError as exc:
+        with contextlib.suppress(OSError):
+            path.with_name(path.name + ".tmp").unlink()
+        if isinstance(exc.__cause__, OSError):  # a full or failing disk: the done shards stay
+            raise ConversionError(
+                f"{exc}; the shards already written are kept: free space (or fix the drive) "
+                "and rerun the same command (it resumes)"
+            ) from exc
+        raise
     except BaseException:
         # Tidy up on an orderly failure; after a hard kill the next run removes the .tmp.
         with contextlib.suppress(OSError):
@@ -591,18 +613,25 @@ def _write_shard(
 # ----------------------------------------------------------------------------- the run
 
 
+# Weight files of other formats (PyTorch, GGUF, ...) a DST must not hold.
+_FOREIGN_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".npz")
+
+
 def _check_not_a_checkpoint(dst: Path) -> None:
     """Refuse a DST holding another model's weights (a Hugging Face checkpoint, say): the
     container's config.json and tokenizer would overwrite theirs, and its shards would sit
     beside tensors of the same names (a model no reader can open). --force does not help:
     it removes colibri's files only."""
-    other = sorted(
-        n for n in os.listdir(dst) if n.endswith(".safetensors") and not _SHARD_RE.match(n)
-    )
+    names = os.listdir(dst)
+    other = sorted(n for n in names if n.endswith(".safetensors") and not _SHARD_RE.match(n))
+    if not other and not any(_SHARD_RE.match(n) or n in (MANIFEST_NAME, STATE_NAME) for n in names):
+        # nothing of a conversion here: weights of another format, or the config / tokenizer
+        # of another model, would be overwritten all the same
+        other = sorted(n for n in names if n.endswith(_FOREIGN_WEIGHTS) or n in SIDE_FILES)
     if other:
         raise ConversionError(
             f"{dst} holds {other[0]}" + (f" (and {len(other) - 1} more)" if len(other) > 1 else "")
-            + ", another model's weights; convert into an empty directory"
+            + ", another model's weights or files; convert into an empty directory"
         )  # fmt: skip
 
 
@@ -641,6 +670,7 @@ def _run(
         if same_files and not verify_shards(dst, old):  # sizes only: a no-op must be fast
             with contextlib.suppress(FileNotFoundError):
                 (dst / STATE_NAME).unlink()
+            fixed = _sync_side_files(dst, source, catalog)
             report(total, total, "already converted")
             return ConvertResult(
                 dst,
@@ -648,7 +678,10 @@ def _run(
                 (),
                 tuple(s.file for s in old.shards),
                 old.unknown_tensors,
-                tuple(notes),
+                # only what this run did (the conversion's own notes were said when it ran)
+                (f"rewrote {', '.join(fixed)} from the source (missing or changed)",)
+                if fixed
+                else (),
                 already_complete=True,
             )
         # Damaged finished container: salvage what still checks out, redo the rest. The state
@@ -660,16 +693,17 @@ def _run(
         manifest_path.unlink()
         fsync_dir(dst)
     elif state is not None:
-        opts = state.get("options")
-        _check_same(
-            dst,
-            str(state.get("converter_version")),
-            opts if isinstance(opts, dict) else {},
-            _state_source(state),
-            rec,
-            source,
-        )
         candidates = _state_done(state)
+        if candidates:  # (a run that finished no shard has nothing to keep: it starts over)
+            opts = state.get("options")
+            _check_same(
+                dst,
+                str(state.get("converter_version")),
+                opts if isinstance(opts, dict) else {},
+                _state_source(state),
+                rec,
+                source,
+            )
     else:
         foreign = sorted(n for n in os.listdir(dst) if _SHARD_RE.match(n))
         if foreign:
@@ -714,19 +748,8 @@ def _run(
         _write_state(dst, rec, source.identity, plans, done)
 
     for name in source.side_files:
-        if name == "config.json" and catalog.mtp_dropped:
-            cfg = source.config if source.config is not None else _read_json(source.root / name)
-            cfg = {**cfg, "num_nextn_predict_layers": 0}
-            data = (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode()
-        elif name == "config.json" and source.config is not None:  # an unwrapped text model's
-            data = (json.dumps(source.config, indent=2, sort_keys=True) + "\n").encode()
-        else:
-            try:
-                data = (source.root / name).read_bytes()
-            except OSError as exc:
-                raise ConversionError(f"{source.root / name}: cannot read: {exc}") from exc
         with _writing(dst / name):
-            atomic_write_bytes(dst / name, data)
+            atomic_write_bytes(dst / name, _side_data(source, catalog, name))
 
     arch = catalog.arch
     manifest = Manifest(
@@ -749,6 +772,38 @@ def _run(
     report(total, total, "done")
     reused = tuple(p.file for p in plans if p.file not in written)
     return ConvertResult(dst, manifest, tuple(written), reused, catalog.unknown, tuple(notes))
+
+
+def _side_data(source: _Source, catalog: _Catalog, name: str) -> bytes:
+    """The bytes of side file ``name`` (config.json, the tokenizer's files ...) in DST."""
+    if name == "config.json" and catalog.mtp_dropped:
+        cfg = source.config if source.config is not None else _read_json(source.root / name)
+        cfg = {**cfg, "num_nextn_predict_layers": 0}
+        return (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode()
+    if name == "config.json" and source.config is not None:  # an unwrapped text model's
+        return (json.dumps(source.config, indent=2, sort_keys=True) + "\n").encode()
+    try:
+        return (source.root / name).read_bytes()
+    except OSError as exc:
+        raise ConversionError(f"{source.root / name}: cannot read: {exc}") from exc
+
+
+def _sync_side_files(dst: Path, source: _Source, catalog: _Catalog) -> list[str]:
+    """Rewrite the side files of a finished DST that are missing or differ from what the
+    source gives now (deleted by hand, or a fixed tokenizer / generation config in the
+    source): the names rewritten."""
+    fixed = []
+    for name in source.side_files:
+        data = _side_data(source, catalog, name)
+        try:
+            same = (dst / name).read_bytes() == data
+        except OSError:
+            same = False
+        if not same:
+            with _writing(dst / name):
+                atomic_write_bytes(dst / name, data)
+            fixed.append(name)
+    return fixed
 
 
 def _check_same(

@@ -405,7 +405,8 @@ def _build_catalog(source: _Source, options: ConvertOptions) -> _Catalog:
             tuple(notes),
             mtp_dropped=True,
         )
-    return _Catalog(arch, tuple(items), tuple(unknown), tuple(notes))
+    # (a GQA family's MTP layer left out: the container's config declares none either)
+    return _Catalog(arch, tuple(items), tuple(unknown), tuple(notes), mtp_dropped=bool(unused_mtp))
 
 
 def _check_tensor(info: TensorInfo, role: TensorRole) -> str | None:

@@ -261,7 +261,8 @@ def quantize(w: npt.NDArray[np.floating], fmt: QuantFormat | str) -> QTensor:
     if f.kind == "bf16":
         return QTensor(f, (o, i), f32_to_bf16(w32))
     if f.kind == "f16":
-        return QTensor(f, (o, i), w32.astype(np.float16).view(np.uint16))
+        with np.errstate(over="ignore"):  # (beyond its range: inf, which the converter refuses)
+            return QTensor(f, (o, i), w32.astype(np.float16).view(np.uint16))
     if f.kind == "int8":
         s = _scale(np.abs(w32).max(axis=1), 127)  # [O]
         q = np.clip(np.rint(w32 / s[:, None]), -128, 127).astype(np.int8)

@@ -199,6 +199,10 @@ def test_convert_bad_format_fails_cleanly(oracle_dir: Path, tmp_path: Path) -> N
     assert_clean_error(r, "int5")
     assert "int4-g64" in r.stderr  # says what would work
     assert not dst.exists() or not any(dst.iterdir())
+    # an empty format was the default, silently; --help lists the formats
+    r = coli("convert", str(oracle_dir / "glm_moe_dsa"), str(dst), "--io", "")
+    assert r.returncode == 2 and "--io is empty; formats: f32, bf16" in r.stderr, r.stderr
+    assert "int4-gN (N a power of two" in coli("convert", "--help").stdout
 
 
 def test_convert_missing_source_fails_cleanly(tmp_path: Path) -> None:

@@ -736,6 +736,22 @@ def test_a_failed_conversion_leaves_no_empty_dst_behind(bf16_src: Src, tmp_path:
         assert (mnt / "kept").is_dir()
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs (needs root)")
+def test_a_disk_that_fills_mid_shard_says_a_rerun_resumes(
+    bf16_src: Src, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The up-front space check passed (here: told so) but the disk filled while a shard was
+    written: the error was a bare "write failed: No space left on device", with no word that
+    the shards written are kept and a rerun resumes."""
+    usage = collections.namedtuple("usage", "total used free")
+    with _tmpfs(tmp_path / "small", "256k") as mnt:
+        monkeypatch.setattr("shutil.disk_usage", lambda p: usage(1 << 40, 0, 1 << 40))
+        with pytest.raises(ConversionError, match=r"No space left.*rerun the same command") as ei:
+            convert(bf16_src[0], mnt / "dst", ConvertOptions(shard_size=SMALL))
+        assert "(it resumes)" in str(ei.value)
+        assert not list((mnt / "dst").glob("*.tmp"))
+
+
 def test_a_source_fine_tuned_mid_file_is_another_source(tmp_path: Path) -> None:
     """Weights changed in the middle of a shard (a fine-tune of some layers: names, sizes,
     header, first MiB and last 64 KiB all alike) are another source: a finished DST is not
@@ -1005,3 +1021,83 @@ def test_the_mtp_layer_of_a_family_without_an_mtp_head_is_left_out(tmp_path: Pat
     assert "3 tensors" in note and "glm4_moe" in note, note
     names = {n for p in (tmp_path / "dst").glob("*.safetensors") for n in read_header(p).tensors}
     assert names and not [n for n in names if n.startswith("model.layers.2.")], sorted(names)
+    # and the container's config declares none (it copied the source's 1: another reader was
+    # told of a layer the shards do not hold)
+    out_cfg = json.loads((tmp_path / "dst" / "config.json").read_text())
+    assert out_cfg["num_nextn_predict_layers"] == 0
+
+
+def test_f16_output_that_would_overflow_is_refused(tmp_path: Path) -> None:
+    """A value beyond float16's range was cast to inf with only a numpy warning: the
+    conversion succeeded, doctor --verify passed (the checksums vouch for the inf) and the
+    model stopped at its first token saying its weights were damaged."""
+    from storage.arch import ArchConfig
+
+    cfg = tiny_config()
+    name = next(n for n in expected_tensors(ArchConfig.from_dict(cfg)) if "o_proj" in n)
+    src = tmp_path / "src"
+    ws = make_checkpoint(src, cfg, dtype="F32", n_shards=1)
+    big = np.array(ws[name], dtype=np.float32)
+    big.reshape(-1)[3] = 1e5
+    make_checkpoint(src, cfg, dtype="F32", n_shards=1, extra={name: big})
+    with pytest.raises(ConversionError, match=rf"{re.escape(name)}' holds values up to 100000"):
+        convert(src, tmp_path / "dst", ConvertOptions(dense="f16"))
+    convert(src, tmp_path / "ok", ConvertOptions(dense="bf16"))  # bf16 holds it
+
+
+def test_a_dst_holding_another_models_files_is_refused(bf16_src: Src, tmp_path: Path) -> None:
+    """A folder with another model's config.json / tokenizer.json and non-safetensors weights
+    (pytorch_model.bin) was converted into: its config and tokenizer were replaced."""
+    dst = tmp_path / "other"
+    dst.mkdir()
+    (dst / "config.json").write_text('{"model_type": "mine"}')
+    (dst / "tokenizer.json").write_text("{}")
+    (dst / "pytorch_model.bin").write_bytes(b"weights")
+    before = _files(dst)
+    for force in (False, True):
+        with pytest.raises(ConversionError, match="another model's weights or files"):
+            convert(bf16_src[0], dst, ConvertOptions(shard_size=SMALL), force=force)
+    assert _files(dst) == before
+
+
+def test_a_rerun_restores_side_files_and_takes_the_sources_fixes(
+    bf16_src: Src, tmp_path: Path
+) -> None:
+    """A finished container that lost its tokenizer.json said 'already converted; nothing to
+    do' and stayed unusable ('config.json not found ... coli convert' sent the user in a
+    circle); a fixed generation_config.json in the source was never taken either."""
+    src = Path(shutil.copytree(bf16_src[0], tmp_path / "src"))
+    dst = tmp_path / "dst"
+    convert(src, dst, ConvertOptions(shard_size=SMALL))
+    side = [n for n in ("config.json", "tokenizer.json") if (dst / n).exists()]
+    assert "config.json" in side
+    for n in side:
+        (dst / n).unlink()
+    (src / "generation_config.json").write_text('{"eos_token_id": [1, 2]}')
+    res = convert(src, dst, ConvertOptions(shard_size=SMALL))
+    assert res.already_complete and res.written == ()
+    for n in [*side, "generation_config.json"]:
+        assert (dst / n).read_bytes() == (src / n).read_bytes(), n
+    assert any("rewrote" in n and "config.json" in n for n in res.notes), res.notes
+    again = convert(src, dst, ConvertOptions(shard_size=SMALL))  # nothing left to rewrite
+    assert not [n for n in again.notes if "rewrote" in n]
+
+
+def test_a_failed_start_then_a_fixed_source_converts(tmp_path: Path) -> None:
+    """A conversion that stopped at a NaN before finishing any shard left a state file that then
+    refused the repaired source as 'a different source checkpoint ... pass --force' (doctor
+    had just said to rerun the same command)."""
+    from storage.arch import ArchConfig
+
+    cfg = tiny_config()
+    name = next(n for n in expected_tensors(ArchConfig.from_dict(cfg)) if "o_proj" in n)
+    src = tmp_path / "src"
+    ws = make_checkpoint(src, cfg, dtype="F32", n_shards=1)
+    bad = np.array(ws[name], dtype=np.float32)
+    bad.reshape(-1)[0] = np.nan
+    make_checkpoint(src, cfg, dtype="F32", n_shards=1, extra={name: bad})
+    with pytest.raises(ConversionError, match="holds NaN"):  # in its first shard
+        convert(src, tmp_path / "dst", ConvertOptions())
+    make_checkpoint(src, cfg, dtype="F32", n_shards=1)  # the repaired download
+    convert(src, tmp_path / "dst", ConvertOptions())
+    check_layout(tmp_path / "dst", cfg)
