@@ -174,6 +174,35 @@ def source_stamp(src: Path) -> dict[str, int]:
     return {"source_size": st.st_size, "source_mtime_ns": st.st_mtime_ns}
 
 
+def copy_stamp(copy: Path) -> dict[str, int]:
+    """What a mirror record keeps of the staged copy itself (inode and change time: anything
+    that writes the file, renames another over it or copies one in changes them) for
+    :func:`stale_copy` to notice a copy replaced after it was staged."""
+    st = copy.stat()
+    return {"copy_ino": st.st_ino, "copy_ctime_ns": st.st_ctime_ns}
+
+
+def changed_copy(copy: Path, entry: object) -> str | None:
+    """Why the copy a mirror record ``entry`` describes is no longer the file that was staged
+    and checked (another file of the same name, size and header put there), or None."""
+    if not isinstance(entry, dict):
+        return None
+    ino, ctime = entry.get("copy_ino"), entry.get("copy_ctime_ns")
+    if not isinstance(ino, int) or not isinstance(ctime, int):
+        return None  # a record from before copies were stamped
+    try:
+        now = copy_stamp(copy)
+    except OSError as exc:
+        return f"cannot stat: {exc.strerror or exc}"
+    if now != {"copy_ino": ino, "copy_ctime_ns": ctime}:
+        return (
+            "the file changed after it was staged (written, replaced or copied over); run "
+            "`coli mirror stage` again to check it (a copy that still matches is kept, not "
+            "copied again)"
+        )
+    return None
+
+
 def stale_copy(primary: Path, entry: object, expected_sha256: str | None) -> str | None:
     """Why the copy a mirror record ``entry`` describes was staged from other weights than
     ``primary`` holds now, or None when nothing says so (no record entry: a copy made by hand
@@ -283,8 +312,11 @@ def open_copies(
                 if os.path.samefile(p, q):
                     why: str | None = "the same file as the primary's (a link)"
                 else:
-                    why = compare_copy_file(p, q) or stale_copy(
-                        p, entries.get(p.name), sums.get(p.name)
+                    entry = entries.get(p.name)
+                    why = (
+                        compare_copy_file(p, q)
+                        or stale_copy(p, entry, sums.get(p.name))
+                        or changed_copy(q, entry)
                     )
             except OSError as exc:
                 why = f"cannot stat: {exc.strerror or exc}"

@@ -42,11 +42,19 @@ import structlog
 
 from storage.container import Container, find_shards
 from storage.errors import ColibriError, UsageFileError
-from storage.manifest import Manifest, atomic_write_bytes, fsync_dir, read_manifest, sha256_file
+from storage.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    atomic_write_bytes,
+    fsync_dir,
+    read_manifest,
+    sha256_file,
+)
 from storage.multidisk.identity import (
     MIRROR_FORMAT,
     MIRROR_RECORD,
     compare_copy_file,
+    copy_stamp,
     device_of,
     mirror_record,
     source_stamp,
@@ -313,6 +321,13 @@ def _check_target(to: Path, model: Path, dirs: Sequence[Path]) -> None:
         if same:
             what = "the model directory itself" if d == model else "one of the model's dirs"
             raise ColibriError(f"{to} is {what} ({d}); pick a directory on another drive")
+    if to.is_dir() and not mirror_record(to):
+        held = [n for n in (MANIFEST_NAME, "config.json") if (to / n).exists()]
+        if held:
+            raise ColibriError(
+                f"{to} holds {held[0]}: it is a model's directory, not a mirror; staging would "
+                "replace its files (pick an empty directory or an existing mirror of this model)"
+            )
     other = mirror_record(to).get("model")
     if isinstance(other, str) and Path(other) != model.resolve():
         raise ColibriError(
@@ -539,8 +554,16 @@ def stage_mirror(
             problem, got = _verify_file(src, dst, expected)
             if problem is None:
                 report.verified.append(f.file)
-                record[f.file] = {"size": f.size, "sha256": got, **source_stamp(src)}
+                record[f.file] = {
+                    "size": f.size, "sha256": got, **source_stamp(src), **copy_stamp(dst)
+                }  # fmt: skip
                 continue
+            if f.file not in record:
+                raise ColibriError(
+                    f"{dst} is not a copy of {src} ({problem}) and colibri did not stage it "
+                    "(colibri-mirror.json does not list it): it is left alone; move it away "
+                    "or pick another --to directory"
+                )
             _log.warning("mirror file replaced", file=str(dst), reason=problem)
             report.replaced.append(f.file)
             dst.unlink()
@@ -559,7 +582,9 @@ def stage_mirror(
         if resumed:
             report.resumed.append(f.file)
         report.bytes_copied += f.size
-        record[f.file] = {"size": f.size, "sha256": digest, **source_stamp(src)}
+        record[f.file] = {
+            "size": f.size, "sha256": digest, **source_stamp(src), **copy_stamp(dst)
+        }  # fmt: skip
         _save_record(to, plan.model, record, plan.dirs)
     _save_record(to, plan.model, record, plan.dirs)
     return report

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -371,6 +372,59 @@ def test_a_mirror_staged_from_other_weights_is_refused(
     assert again.replaced == [victim] and verify_mirror(primary, to).ok
     copies = open_copies(primary, shards, [to], c.shard_checksums())
     assert len(copies[1].files) == len(plan.files)
+
+
+def test_a_mirror_file_replaced_after_staging_is_refused(
+    model: dict[str, Any], tmp_path: Path
+) -> None:
+    """Another model's file of the same name, size and header copied over a staged mirror
+    file was read as the model's experts, without a word: logits changed with placement.
+    The record keeps the staged copy's own inode and change time: the engine refuses the
+    replaced file and reads the primary (bit-identical output); a stage re-checks it."""
+    to = tmp_path / "mirror"
+    plan = _plan(model, to, 1 << 40)
+    stage_mirror(plan)
+    victim = model["hot"][0]
+    other = Path(shutil.copytree(model["primary"], tmp_path / "other"))
+    _reconvert_in_place(other, victim, manifest=False)
+    shutil.copy2(other / victim, to / f".{victim}.new")
+    os.replace(to / f".{victim}.new", to / victim)  # same name, size and header
+    assert compare_copy_file(model["primary"] / victim, to / victim) is None
+    c = Container.open(model["primary"])
+    shards = [sh.path for sh in c.shards]
+    copies = open_copies(model["primary"], shards, [to], c.shard_checksums())
+    assert "changed after it was staged" in copies[1].skipped[victim]
+    assert model["primary"] / victim not in copies[1].files
+    budget = budget_for_lru(model["primary"], 0)
+    ref_toks, ref_logits, _ = run_model(model["primary"], ram_budget=budget)
+    toks, logits, _ = run_model(
+        model["primary"], ram_budget=budget, mirror=[to], disk_weights="0,1", disk_adapt=False
+    )
+    assert toks == ref_toks and np.array_equal(logits, ref_logits)
+    again = stage_mirror(_plan(model, to, 1 << 40))
+    assert again.replaced == [victim]
+    copies = open_copies(model["primary"], shards, [to], c.shard_checksums())
+    assert len(copies[1].files) == len(plan.files)
+
+
+def test_staging_never_replaces_files_colibri_did_not_stage(
+    model: dict[str, Any], tmp_path: Path
+) -> None:
+    """`coli mirror stage --to` another model's directory replaced that model's shard files of
+    the same names (a warning, exit 0: the other model was damaged). A model's directory is
+    refused; a file colibri did not stage is never replaced; both are left as they were."""
+    other = Path(shutil.copytree(model["primary"], tmp_path / "other"))
+    _reconvert_in_place(other, model["hot"][0], manifest=True)
+    before = {p.name: p.read_bytes() for p in other.iterdir()}
+    with pytest.raises(ColibriError, match="is a model's directory, not a mirror"):
+        stage_mirror(_plan(model, other, 1 << 40))
+    bare = tmp_path / "bare"  # the other model's shard alone, no config or manifest
+    bare.mkdir()
+    shutil.copy2(other / model["hot"][0], bare / model["hot"][0])
+    with pytest.raises(ColibriError, match="colibri did not stage it"):
+        stage_mirror(_plan(model, bare, 1 << 40))
+    assert {p.name: p.read_bytes() for p in other.iterdir()} == before
+    assert (bare / model["hot"][0]).read_bytes() == before[model["hot"][0]]
 
 
 def test_a_mirror_on_the_models_own_drive_is_warned_about(
