@@ -828,10 +828,14 @@ class Engine:
         its directory. It gets its declared/probed weight back and a fresh throughput estimate.
         Returns that copy's entry of ``stats()["experts"]["devices"]``; ColibriError when the
         experts do not stream or no copy matches."""
-        placement = None if self._store is None else self._store.placement
-        if placement is None:
+        store = self._store
+        placement = None if store is None else store.placement
+        if store is None or placement is None:
             raise ColibriError("the experts are resident in RAM: there is no copy to re-enable")
         idx = placement.index_of(which)
+        # its files are opened anew: the documented repair, `coli mirror stage`, renames
+        # fresh files into place, and the open ones are the damaged files that demoted it
+        store.reader.reopen(placement.copies[idx].files.values())
         placement.enable(idx)
         stats: dict[str, Any] = placement.stats()[idx]
         return stats

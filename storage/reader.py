@@ -32,7 +32,7 @@ from __future__ import annotations
 import errno
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
@@ -155,6 +155,10 @@ class Reader(Protocol):
         """Offer long-lived buffers for faster (fixed) reads; False when not used."""
         ...
 
+    def reopen(self, paths: Iterable[Path]) -> None:
+        """Open each of ``paths`` anew at its next read (the file at that path was replaced)."""
+        ...
+
     async def aclose(self) -> None:
         """Wait for reads in flight, then release the ring, threads and file descriptors."""
         ...
@@ -218,6 +222,7 @@ class _FileCache:
     def __init__(self, direct: bool) -> None:
         self.direct = direct
         self._fds: dict[Path, int] = {}
+        self._retired: list[int] = []  # (closed with the reader: a read may still use one)
 
     def get(self, path: Path) -> int | None:
         return self._fds.get(path)
@@ -247,13 +252,24 @@ class _FileCache:
         if self._fds.get(path) == fd:
             del self._fds[path]
 
+    def retire(self, paths: Iterable[Path]) -> None:
+        """The next read of each of ``paths`` opens the file again (it was replaced: a mirror
+        staged anew renames fresh files into place). The old descriptors stay open until the
+        reader closes: a read in flight may still use one, and closing it could hand its
+        number to another file."""
+        for path in paths:
+            fd = self._fds.pop(path, None)
+            if fd is not None:
+                self._retired.append(fd)
+
     def close_all(self) -> None:
-        for fd in self._fds.values():
+        for fd in [*self._fds.values(), *self._retired]:
             try:
                 os.close(fd)
             except OSError:
                 pass
         self._fds.clear()
+        self._retired.clear()
 
 
 # --------------------------------------------------------------------------- shared reader logic
@@ -302,6 +318,10 @@ class _ReaderBase:
             # read of an aborted step) may start after the engine closed its reader.
             raise ReadError(f"{self.name} reader is closed (the engine is shutting down)")
         _check_buffer(req, buf, self.direct)
+
+    def reopen(self, paths: Iterable[Path]) -> None:
+        """Open each of ``paths`` anew at its next read (see :meth:`_FileCache.retire`)."""
+        self._files.retire(paths)
 
     async def _fd(self, req: ReadRequest) -> int:
         fd = self._files.get(req.path)

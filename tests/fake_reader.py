@@ -112,5 +112,8 @@ class FakeReader:
     def register_buffers(self, bufs: Sequence[U8Array]) -> bool:
         return False
 
+    def reopen(self, paths: object) -> None:  # (it opens every file per read)
+        pass
+
     async def aclose(self) -> None:
         self.closed = True

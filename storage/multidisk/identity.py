@@ -260,6 +260,13 @@ class ModelCopy:
         return all(p in self.files for p in primary_paths)
 
 
+def _same_dir(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
 def _safe_device(path: Path) -> DeviceId | None:
     try:
         return device_of(path)
@@ -298,6 +305,12 @@ def open_copies(
         if same:
             _log.warning("mirror unused", mirror=str(root), reason="it is the primary directory")
             out.append(ModelCopy(i, root, _safe_device(root), {}, {"*": "the primary itself"}))
+            continue
+        twin = next((c for c in out[1:] if c.files and _same_dir(c.root, root)), None)
+        if twin is not None:  # (--mirror M --mirror /abs/M: it took two shares of one drive)
+            dup = f"the same directory as mirror {twin.index} ({twin.root})"
+            _log.warning("mirror unused", mirror=str(root), reason=dup)
+            out.append(ModelCopy(i, root, _safe_device(root), {}, {"*": dup}))
             continue
         files: dict[Path, Path] = {}
         skipped: dict[str, str] = {}

@@ -183,3 +183,20 @@ def test_the_prefill_chunk_never_exceeds_the_context() -> None:
     ctx = int(c.config["max_position_embeddings"])
     plan = make_plan(c, make_plan(c, None).min_ram_bytes + (1 << 20))
     assert plan.mode == "streaming" and plan.prefill_chunk <= ctx
+
+
+def test_the_benchmarks_budget_for_a_fraction_caches_that_share(tmp_path: Path) -> None:
+    """tools/bench's budget_for reserved KV for 4096 tokens where the engine reserves the
+    context (1024 on the demo model): ~16 MB more for the cache, every expert resident at any
+    --fraction, and `coli bench stream` on the demo model measured no streaming at all."""
+    sys.path.insert(0, str(ROOT / "tools" / "bench"))
+    try:
+        from _synth import budget_for
+    finally:
+        sys.path.remove(str(ROOT / "tools" / "bench"))
+    c = Container.open(DEMO)
+    n = c.arch.n_routed_experts * len(c.expert_layers())
+    for fraction in (0.1, 0.5):
+        plan = make_plan(c, budget_for(c, DEMO, fraction))
+        share = (plan.lru_slots_per_layer * plan.moe_layers + plan.pinned) / n
+        assert plan.mode == "streaming" and abs(share - fraction) < 0.08, (fraction, share)

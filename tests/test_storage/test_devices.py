@@ -341,7 +341,9 @@ def test_a_demoted_copy_can_be_enabled_again(
 ) -> None:
     """A mirror demoted by real short reads serves nothing; once its files are whole again,
     ``enable_replica`` (by directory, or by index) gives it back its declared weight and it
-    serves reads again; the output never changes."""
+    serves reads again; the output never changes. Repaired by renaming new files into place
+    (what staging does), the copy was demoted again at once: the engine read the damaged
+    files it still held open."""
     primary = models["primary"]
     mirror = Path(shutil.copytree(primary, tmp_path / "mirror"))
     names = expert_shards(primary)
@@ -358,8 +360,9 @@ def test_a_demoted_copy_can_be_enabled_again(
         assert demoted["demoted"] and demoted["weight"] == 0.0
         assert m.generate(PROMPT, max_new_tokens=24) == reference["tokens"]
         assert m.stats()["experts"]["devices"][1]["bytes"] == demoted["bytes"]  # unused
-        for n in names:  # repaired (same files, same inodes)
-            (mirror / n).write_bytes(saved[n])
+        for n in names:  # repaired as `coli mirror stage` does: new files renamed into place
+            (mirror / f".{n}.part").write_bytes(saved[n])
+            os.replace(mirror / f".{n}.part", mirror / n)
         got = m.enable_replica(mirror)
         assert got["index"] == 1 and not got["demoted"] and got["weight"] == 1.0
         assert m.enable_replica(1)["weight"] == 1.0  # by index; enabling twice is harmless

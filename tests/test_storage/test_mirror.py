@@ -561,3 +561,17 @@ def test_the_staged_copy_is_re_read_from_the_drive(tmp_path: Path) -> None:
     c = read_bytes()
     assert cached == uncached
     assert b - a < 1 << 20 and c - b >= 8 << 20, (b - a, c - b)
+
+
+def test_one_mirror_listed_twice_is_one_copy(model: dict[str, Any], tmp_path: Path) -> None:
+    """`--mirror M --mirror /abs/M/` made two copies of one directory: that drive took two
+    shares of the reads, without a word."""
+    to = tmp_path / "mirror"
+    stage_mirror(_plan(model, to, 1 << 40))
+    c = Container.open(model["primary"])
+    shards = [sh.path for sh in c.shards]
+    with capture_logs() as logs:
+        copies = open_copies(model["primary"], shards, [to, Path(f"{to.resolve()}/")])
+    assert copies[1].files and not copies[2].files
+    assert "same directory as mirror 1" in copies[2].skipped["*"]
+    assert any("same directory as mirror 1" in str(e.get("reason")) for e in logs), logs

@@ -43,9 +43,11 @@ def ensure_synthetic(path: Path, predictable: bool = False) -> None:
 
 
 def budget_for(c: Container, path: Path, fraction: float) -> int:
-    """A RAM budget: the dense part + a 4096-token KV reserve + the transient slots the
-    engine reserves first + ``fraction`` of the experts' slots (so that ``fraction`` is the
-    share of experts the cache holds)."""
+    """A RAM budget: the dense part + the KV reserve (4096 tokens, or the context when
+    shorter: what the engine reserves) + the transient slots the engine reserves first +
+    ``fraction`` of the experts' slots (so that ``fraction`` is the share of experts the cache
+    holds). (A 4096-token reserve on a 1024-token model left ~16 MB more for the cache: every
+    expert of the demo model resident at any fraction.)"""
     from colibri._config import EngineOptions
     from colibri._engine import _plan
     from runtime.budget import kv_bytes_per_token, resident_nbytes
@@ -54,7 +56,8 @@ def budget_for(c: Container, path: Path, fraction: float) -> int:
     model, layout, _ = anyio.run(_plan, c, opts)
     assert layout is not None
     dense = resident_nbytes(model.weights)
-    kv = kv_bytes_per_token(c.arch) * 4096
+    ctx = int(c.config.get("max_position_embeddings") or 4096)
+    kv = kv_bytes_per_token(c.arch) * min(4096, ctx)
     transient = layout.transient_slots * layout.slot_bytes
     slots = sum(layout.layer_slot_bytes(x.layer) for x in c.expert_extents())  # one per expert
     return int(dense + kv + transient + fraction * slots)
