@@ -477,6 +477,13 @@ def _dirs_option(
     )
 
 
+# --model-dir as for the engine, for the commands that open the model themselves (plan, info,
+# doctor, mirror): the model's shards may be spread over directories.
+_shard_dirs_option = _dirs_option(
+    "--model-dir", "model_dirs", env_defaults(), _MODEL_DIR_HELP, keep=False
+)
+
+
 def _keep(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
     if param.name is not None and value is not None:
         ctx.meta.setdefault("colibri.engine", {})[param.name] = value
@@ -1284,6 +1291,7 @@ def pull(
 
 @main.command()
 @_model_option
+@_shard_dirs_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
 @click.option(
     "--verify",
@@ -1291,7 +1299,7 @@ def pull(
     help="Also read every byte: shards against the manifest's sha256 (or, without a manifest, "
     "every float tensor and scale scanned for NaN/inf).",
 )
-def doctor(model: Path | None, as_json: bool, verify: bool) -> None:
+def doctor(model: Path | None, model_dirs: tuple[Path, ...], as_json: bool, verify: bool) -> None:
     """Read-only health check of a model directory."""
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
@@ -1312,7 +1320,10 @@ def doctor(model: Path | None, as_json: bool, verify: bool) -> None:
         def progress(done: int, total: int, what: str) -> None:
             bar.update(task, completed=done, total=total, description=what[-40:])
 
-        report = run_doctor(model or default_model_path(), verify=verify, progress=progress)
+        opts = EngineOptions(model=model, model_dirs=model_dirs)
+        report = run_doctor(
+            opts.resolved_model(), verify=verify, progress=progress, shard_dirs=opts.model_dirs
+        )
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2))
     else:
@@ -1414,8 +1425,10 @@ def chat(
     "--compute-gbps", type=_GBPS, default=None, help="Matmul weight GB/s (default: assumed)."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@_shard_dirs_option
 def plan(
     model: Path | None,
+    model_dirs: tuple[Path, ...],
     ram: str,
     state_dir: Path | None,
     disk_gbps: float | None,
@@ -1429,8 +1442,10 @@ def plan(
     from storage.container import Container
     from storage.usage import parse_usage
 
-    opts = EngineOptions(model=model, ram_budget=parse_bytes(ram), state_dir=state_dir)
-    c = Container.open(opts.resolved_model())
+    opts = EngineOptions(
+        model=model, ram_budget=parse_bytes(ram), state_dir=state_dir, model_dirs=model_dirs
+    )
+    c = Container.open(opts.resolved_model(), shard_dirs=opts.model_dirs)
     counts = None
     try:  # read-only: a damaged history is ignored here (Engine.open sets it aside)
         text = (opts.resolved_state_dir() / USAGE_FILE).read_text(encoding="ascii")
@@ -1736,14 +1751,16 @@ def bench_stream(
 
 @main.command()
 @_model_option
+@_shard_dirs_option
 @click.option("--json", "as_json", is_flag=True)
-def info(model: Path | None, as_json: bool) -> None:
+def info(model: Path | None, model_dirs: tuple[Path, ...], as_json: bool) -> None:
     """Model and machine summary."""
     from runtime.kernels.isa import kernel_info
     from storage.arch import math_keys, rope_keys, rotary_keys
     from storage.container import Container
 
-    c = Container.open(model or default_model_path())
+    opts = EngineOptions(model=model, model_dirs=model_dirs)
+    c = Container.open(opts.resolved_model(), shard_dirs=opts.model_dirs)
     a = c.arch
     where = str(c.path / "config.json")
     math = math_keys(c.config, where)  # a value the runtime refuses is an error here too
@@ -1995,10 +2012,7 @@ def _mem_total() -> int | None:
 
 
 # ----------------------------------------------------------------------------- coli mirror
-# --model-dir as for the engine: the model's shards may be spread over directories.
-_mirror_model_dirs = _dirs_option(
-    "--model-dir", "model_dirs", env_defaults(), _MODEL_DIR_HELP, keep=False
-)
+_mirror_model_dirs = _shard_dirs_option
 
 
 def _mirror_options(fn: F) -> F:

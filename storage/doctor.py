@@ -18,7 +18,7 @@ public C-engine one) gets every float tensor and every scale array scanned for N
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -110,17 +110,21 @@ Progress = Callable[[int, int, str], None]
 
 
 def run_doctor(
-    path: str | Path, *, verify: bool = False, progress: Progress | None = None
+    path: str | Path,
+    *,
+    verify: bool = False,
+    progress: Progress | None = None,
+    shard_dirs: Sequence[Path] = (),
 ) -> DoctorReport:
     """Check the model directory ``path``; never raises for a broken model. ``verify`` also
     reads all data (checksums, or a NaN/inf scan without a manifest), reporting to
-    ``progress``."""
+    ``progress``. ``shard_dirs``: more directories holding some of its shards (--model-dir)."""
     d = Path(path)
     report = DoctorReport(d)
     add = report.checks.append
     container: Container | None = None
     try:
-        container = Container.open(d, strict=False)
+        container = Container.open(d, strict=False, shard_dirs=shard_dirs)
     except ColibriError as exc:
         add(Check("fail", "config", str(exc)))
     except OSError as exc:  # permission problems and the like, outside the error tree

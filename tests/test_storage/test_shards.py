@@ -8,6 +8,7 @@ reader; the resharded variant (several expert shards) comes from test_devices' h
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -222,3 +223,23 @@ def test_coli_run_with_model_dirs(layout: dict[str, Any], tmp_path: Path) -> Non
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
     errors = [ln for ln in bad.stderr.splitlines() if ln.startswith("error: ")]
     assert len(errors) == 1 and str(dirs[1]) in errors[0], bad.stderr
+
+
+def test_plan_info_and_doctor_take_model_dirs(layout: dict[str, Any]) -> None:
+    """A model spread over drives could be run but not planned, shown or checked: `coli plan
+    --model-dir` and `coli info --model-dir` were "no such option", and `coli doctor` (which
+    the missing-shard hint names) failed the experts of a valid layout."""
+    dirs = layout["dirs"]
+    flags = ["--model", str(dirs[0])] + [a for d in dirs[1:] for a in ("--model-dir", str(d))]
+    plan = _coli("plan", *flags, "--ram", "64MiB", "--json")
+    want = _coli("plan", "--model", str(layout["single"]), "--ram", "64MiB", "--json")
+    assert plan.returncode == 0 and want.returncode == 0, plan.stderr + want.stderr
+    got, ref = json.loads(plan.stdout), json.loads(want.stdout)
+    for key in ("lru_slots_per_layer", "pinned", "transient_slots", "expert_bytes", "dense_bytes"):
+        assert got[key] == ref[key], key
+    info = _coli("info", *flags, "--json")
+    assert info.returncode == 0, info.stderr
+    doctor = _coli("doctor", *flags, "--json")
+    assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+    checks = {c["name"]: c["status"] for c in json.loads(doctor.stdout)["checks"]}
+    assert checks["experts"] == "pass" and checks["shards"] == "pass", checks
