@@ -33,6 +33,7 @@ if TYPE_CHECKING:
         TokenEvent,
         open_model,
     )
+    from runtime.grammar import GrammarSpec
     from storage.errors import ColibriError
 
 # Imported on first use: `import colibri` (and the `coli` command starting up) stays light, and
@@ -46,6 +47,7 @@ _WHERE = {
     "SyncModel": "colibri._engine",
     "TokenEvent": "colibri._engine",
     "open_model": "colibri._engine",
+    "GrammarSpec": "runtime.grammar",
     "ColibriError": "storage.errors",
 }
 
@@ -69,6 +71,7 @@ __all__ = [
     "Engine",
     "EngineOptions",
     "GenerationEvent",
+    "GrammarSpec",
     "SyncModel",
     "TokenEvent",
     "default_model_path",

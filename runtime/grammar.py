@@ -77,6 +77,49 @@ def _check_schema_size(schema: dict[str, Any]) -> None:
             stack.extend((v, depth + 1) for v in node)
 
 
+_KINDS: tuple[GrammarKind, ...] = ("json_object", "json_schema", "gbnf", "lark", "regex")
+#: The largest integer a double holds exactly (llguidance keeps numeric bounds as doubles).
+_EXACT_INT = 2**53
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+
+
+def _check_schema_exact(schema: dict[str, Any]) -> None:
+    """Refuse what the constraint parser would accept but enforce wrongly, so that an output
+    it lets through never fails its schema: integer bounds past 2**53 (kept as doubles,
+    rounded: ``minimum`` 2**53 + 1 forced 2**53, below it), and ``minProperties`` that only
+    keys outside ``required`` can meet where other keys are allowed (it does not keep such
+    keys unique: ``{"a":8,"a":0}`` counted two)."""
+    stack: list[Any] = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        for key in _BOUNDS:
+            v = node.get(key)
+            if isinstance(v, int) and not isinstance(v, bool) and abs(v) > _EXACT_INT:
+                raise GrammarError(
+                    f"{key} {v} is beyond 2**53: the constraint parser keeps bounds as "
+                    "doubles and would round it (a string with a pattern can hold such ids)"
+                )
+        least = node.get("minProperties")
+        required = node.get("required")
+        n_required = len(set(required)) if isinstance(required, list) else 0
+        others = node.get("additionalProperties", True) is not False or bool(
+            node.get("patternProperties")
+        )
+        if isinstance(least, int) and least > n_required and least > 1 and others:
+            raise GrammarError(
+                f"minProperties {least} needs keys beyond the {n_required} required ones, "
+                "and the constraint parser does not keep keys outside 'properties' unique (it "
+                "could repeat one key to count); name the keys under 'properties' and "
+                "'required', or set additionalProperties false"
+            )
+        stack.extend(node.values())
+
+
 @dataclass(frozen=True, slots=True)
 class GrammarSpec:
     """What a generation's output must match. Build with the classmethods.
@@ -87,6 +130,19 @@ class GrammarSpec:
 
     kind: GrammarKind
     source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KINDS:  # ('xml', 'JSON_SCHEMA': compiled as a regex of the text)
+            raise GrammarError(
+                f"unknown grammar kind {self.kind!r}: use one of {', '.join(_KINDS)}"
+            )
+        if not isinstance(self.source, str):
+            if self.kind != "json_schema" or not isinstance(self.source, Mapping):
+                raise GrammarError(
+                    f"a {self.kind} grammar's source is text, got {type(self.source).__name__}"
+                )
+            # (a dict was a TypeError from the compiled-grammar cache: unhashable)
+            object.__setattr__(self, "source", GrammarSpec.json_schema(self.source).source)
 
     @classmethod
     def json_object(cls) -> GrammarSpec:
@@ -108,6 +164,7 @@ class GrammarSpec:
         if not isinstance(parsed, dict):
             raise GrammarError("a JSON schema must be a JSON object")
         _check_schema_size(parsed)
+        _check_schema_exact(parsed)
         return cls("json_schema", text)
 
     @classmethod
@@ -178,7 +235,9 @@ class GrammarSpec:
                 return llguidance.LLMatcher.grammar_from_lark(self.source)
             return llguidance.LLMatcher.grammar_from_regex(self.source)
         except ValueError as exc:
-            raise GrammarError(f"the {self.kind} grammar does not compile: {exc}") from exc
+            raise GrammarError(
+                f"the {self.kind} grammar does not compile: {_plain(str(exc))}"
+            ) from exc
 
 
 class TokenGrammar:
@@ -241,7 +300,7 @@ class TokenGrammar:
                 self._compiled[key] = start
                 while len(self._compiled) > COMPILED_KEPT:
                     self._compiled.popitem(last=False)
-        return GrammarMatcher(start.deep_copy(), self.vocab_size)
+        return GrammarMatcher(start.deep_copy(), self.vocab_size, spec.kind)
 
     def _compile(self, spec: GrammarSpec) -> Any:
         import llguidance
@@ -249,7 +308,8 @@ class TokenGrammar:
         grammar = spec.compile()
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._tok)
         if is_error:
-            raise GrammarError(f"the {spec.kind} grammar is invalid: {'; '.join(messages)}")
+            why = "; ".join(_plain(m) for m in messages)
+            raise GrammarError(f"the {spec.kind} grammar is invalid: {why}")
         m = llguidance.LLMatcher(self._tok, grammar, log_level=0)
         if m.is_error():
             raise GrammarError(f"the {spec.kind} grammar is invalid: {_reason(m.get_error())}")
@@ -299,6 +359,17 @@ def _first_allowed(words: npt.NDArray[np.int32], vocab: int, eos: Sequence[int])
     return int(ok[0]) if ok.size else None
 
 
+def _plain(message: str) -> str:
+    """llguidance's message, where it names an option of its own colibri does not expose,
+    said as what the user can do instead."""
+    if "coerce_one_of" in message:
+        return (
+            "oneOf alternatives that can match the same value are not supported; use anyOf, or "
+            "make the alternatives exclusive (a const or enum that tells them apart)"
+        )
+    return message
+
+
 def _limit_message(kind: str, error: str) -> str:
     return f"the {kind} grammar is too large for the constraint parser: {_reason(error)}"
 
@@ -312,9 +383,10 @@ def _reason(error: str) -> str:
 class GrammarMatcher:
     """One generation's grammar state (wraps ``llguidance.LLMatcher``)."""
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, kind: str = "response") -> None:
         self._m = matcher
         self._v = vocab_size
+        self._kind = kind
         self._undo: list[Any] = []  # the state before each pushed token (rollback)
         self._words = np.full((1, (vocab_size + 31) // 32), -1, dtype=np.int32)  # [1, W]
 
@@ -340,7 +412,7 @@ class GrammarMatcher:
         if not self._m.consume_token(int(token)):
             error = self._m.get_error()
             if " max is " in error:  # a parser limit (items in a row, ...), not the token
-                raise GrammarError(_limit_message("response", error))
+                raise GrammarError(_limit_message(self._kind, error))
             raise GrammarError(f"token {token} breaks the grammar: {_reason(error)}")
 
     def push(self, tokens: Sequence[int]) -> None:

@@ -186,7 +186,8 @@ async def messages(request: Request) -> Response:
     if choice in ("any", "tool"):
         raise ApiError(
             400,
-            "tool_choice 'any' or a named tool is not supported (no constrained decoding yet)",
+            "tool_choice 'any' or a named tool is not supported (the model is not constrained "
+            "to call a tool)",
             param="tool_choice",
         )
     if choice == "none":

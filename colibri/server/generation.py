@@ -29,6 +29,7 @@ from colibri.server.textproc import (
     ThinkSplitter,
     ToolCallSplitter,
 )
+from runtime.grammar import GrammarError
 from runtime.sampling import log_softmax, top_ids
 from storage.errors import ColibriError, ModelError
 
@@ -504,6 +505,11 @@ class Generation:
                 logprobs=all_lp,
                 turn=turn,
             )
+        except GrammarError as exc:  # (a parser limit a grammar reached mid-generation)
+            reason = "error"
+            raise ApiError(
+                400, f"response_format: {exc}", param="response_format", code="invalid_request"
+            ) from exc
         except ModelError as exc:
             reason = "error"
             raise ApiError(400, str(exc), code="invalid_request") from exc

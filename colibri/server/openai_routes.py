@@ -149,8 +149,8 @@ async def chat_completions(request: Request) -> Response:
     if isinstance(choice, dict) or choice == "required":
         raise ApiError(
             400,
-            "tool_choice 'required' or a named function is not supported (no constrained "
-            "decoding yet); use 'auto' or 'none'",
+            "tool_choice 'required' or a named function is not supported (the model is not "
+            "constrained to call a tool); use 'auto' or 'none'",
             param="tool_choice",
         )
     if choice == "none":

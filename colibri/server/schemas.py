@@ -5,8 +5,8 @@ Unknown fields are ignored (clients send newer fields than any server knows); kn
 type-checked strictly (422 when malformed): JSON ``true`` never fills an integer field
 (pydantic's lax mode would make it 1: ``"cache_slot": true`` would pick slot 1), ``"1"`` never
 fills a number and ``"yes"`` never a boolean; an integer does fill a float field. Fields
-colibri knows but cannot honour (``n`` > 1, penalties, ``logit_bias``, non-text
-``response_format``) are refused with a 400 by the routes, never silently dropped.
+colibri knows but cannot honour (``n`` > 1, penalties, ``logit_bias``) are refused with a 400
+by the routes, never silently dropped.
 
 Extensions accepted in every generation request: ``cache_slot`` (KV slot index), ``top_k``,
 ``ignore_eos``, ``stop_token_ids``, ``chat_template_kwargs``, ``enable_thinking``,

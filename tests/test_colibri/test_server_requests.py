@@ -479,3 +479,26 @@ def test_anthropic_stop_sequence_is_set_only_with_its_stop_reason() -> None:
     ):
         res = Result(finish, "END" if finish == "stop" else None, "", "", calls, [], [], None)  # type: ignore[arg-type]
         assert (_stop_reason(res), _stop_sequence(res)) == (reason, seq)
+
+
+async def test_a_parser_limit_reached_mid_output_names_response_format(
+    client: httpx.AsyncClient,
+) -> None:
+    """A wide anyOf after another property passes the up-front check (the first tokens are
+    fine) and reaches the constraint parser's row limit later: the 400 had param null and
+    called it 'the response grammar'."""
+    wide = {"anyOf": [{"type": "object", "properties": {f"k{i}": {"const": i}},
+                       "required": [f"k{i}"], "additionalProperties": False}
+                      for i in range(2500)]}  # fmt: skip
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "string", "maxLength": 3}, "b": wide},
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    r = await client.post("/v1/chat/completions", json=_chat(response_format=fmt, max_tokens=64))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "response_format", err
+    assert "json_schema grammar is too large for the constraint parser" in err["message"], err

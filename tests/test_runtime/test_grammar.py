@@ -342,3 +342,69 @@ def test_a_grammar_past_the_parsers_limits_is_refused_before_any_token(spec: Gra
     g = TokenGrammar(DEMO / "tokenizer.json", 1000, [0, 2])
     with pytest.raises(GrammarError, match="too large for the constraint parser"):
         g.matcher(spec)
+
+
+@pytest.mark.parametrize(
+    ("schema", "say"),
+    [
+        (  # it forced 9007199254740992, below the minimum
+            {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "integer", "minimum": 2**53 + 1, "maximum": 2**53 + 1}
+                },
+                "required": ["id"],
+            },
+            "minimum 9007199254740993 is beyond 2",
+        ),
+        (  # {"a":8,"a":0} came back with finish_reason stop: one key, not two
+            {
+                "type": "object",
+                "patternProperties": {"^a$": {"type": "integer"}},
+                "additionalProperties": False,
+                "minProperties": 2,
+            },
+            "minProperties 2 needs keys beyond the 0 required",
+        ),
+        ({"type": "object", "minProperties": 2}, "minProperties 2"),
+        (  # llguidance's advice named an option nobody can set
+            {"oneOf": [{"type": "integer"}, {"type": "number"}]},
+            "use anyOf",
+        ),
+    ],
+    ids=["int-bound-past-2^53", "min-properties-pattern", "min-properties-free", "oneOf-overlap"],
+)
+def test_schemas_the_parser_would_enforce_wrongly_are_refused(
+    schema: dict[str, Any], say: str, tok: ChatTokenizer
+) -> None:
+    g = TokenGrammar(DEMO / "tokenizer.json", tok.vocab_size, [0, 2])
+    with pytest.raises(GrammarError, match=say):
+        g.matcher(GrammarSpec.json_schema(schema))
+
+
+def test_schemas_the_parser_enforces_stay_accepted(tok: ChatTokenizer) -> None:
+    g = TokenGrammar(DEMO / "tokenizer.json", tok.vocab_size, [0, 2])
+    for schema in (
+        {"type": "integer", "minimum": -(2**53), "maximum": 2**53},
+        {"type": "object", "required": ["a", "b"], "minProperties": 2},
+        {"type": "object", "properties": {"minimum": {"type": "integer"}}},  # a key, not a bound
+    ):
+        g.matcher(GrammarSpec.json_schema(schema))
+
+
+def test_grammar_spec_checks_its_kind_and_takes_a_schema_dict(
+    model: colibri.SyncModel, tok: ChatTokenizer
+) -> None:
+    """GrammarSpec('xml', ...) and 'JSON_SCHEMA' were compiled as regular expressions of their
+    text; a schema dict (as documented) was a TypeError from the compiled-grammar cache."""
+    for kind in ("xml", "JSON_SCHEMA"):
+        with pytest.raises(GrammarError, match=f"unknown grammar kind '{kind}'"):
+            GrammarSpec(kind, "hello")  # type: ignore[arg-type]
+    with pytest.raises(GrammarError, match="source is text"):
+        GrammarSpec("regex", {"a": 1})  # type: ignore[arg-type]
+    spec = GrammarSpec("json_schema", {"type": "integer", "minimum": 0, "maximum": 9})  # type: ignore[arg-type]
+    assert spec == GrammarSpec.json_schema({"type": "integer", "minimum": 0, "maximum": 9})
+    out = model.generate(PROMPT, max_new_tokens=4, grammar=spec)
+    text = _text(tok, out)
+    assert 0 <= int(text) <= 9, text
+    assert colibri.GrammarSpec is GrammarSpec
