@@ -504,6 +504,7 @@ class Engine:
         sched = self._scheduler
         time0 = dataclasses.replace(sched.stats.time)
         policy = DraftPolicy.parse(self.options.draft if draft is None else draft)
+        policy = policy.for_sampling(seeded=not sampler.params.greedy and seed is not None)
         self._check_drafts(policy)
         if cache is None:
             cache = self._model.new_cache()
@@ -755,6 +756,7 @@ class Engine:
         cached before the generation's own ``prompt_tokens_reused`` arrives."""
         params = SamplingParams(temperature=temperature, seed=seed)
         policy = DraftPolicy.parse(self.options.draft if draft is None else draft)
+        policy = policy.for_sampling(seeded=not params.greedy and seed is not None)
         ids = _as_ids(prompt_ids)
         return self._mtp_history_bound(
             self.reusable_prefix(cache, ids), int(ids.size), Sampler(params), policy

@@ -150,7 +150,9 @@ class _OpenAIGeneration(Extensions):
     model: str
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, ge=0, le=1)
-    seed: int | None = None
+    # OpenAI's range (int64); a negative seed is taken as its two's complement (s + 2**64),
+    # so every seed in the range draws its own numbers (a wider one aliased another)
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -230,7 +232,7 @@ class MessagesRequest(Extensions):
     stream: bool = False
     temperature: float | None = Field(default=None, ge=0, le=1)
     top_p: float | None = Field(default=None, ge=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     tools: list[AnthropicTool] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: ThinkingConfig | None = None

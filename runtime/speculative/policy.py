@@ -10,6 +10,9 @@ from typing import Literal
 
 from storage.errors import ModelError
 
+#: Drafts a round for ``mtp`` / ``lookup`` under seeded sampling (see DraftPolicy.for_sampling).
+SEEDED_K = 2
+
 
 @dataclass(frozen=True, slots=True)
 class DraftPolicy:
@@ -20,6 +23,15 @@ class DraftPolicy:
     mode: Literal["auto", "off", "fixed"] = "auto"
     k: int = 4
     source: Literal["any", "mtp", "lookup"] = "any"
+
+    def for_sampling(self, *, seeded: bool) -> DraftPolicy:
+        """The policy a generation runs: a pinned source without a number (``mtp``,
+        ``lookup``) under *seeded* sampling drafts :data:`SEEDED_K` tokens a round, fixed. Its
+        own schedule follows timings, which a seed's output must not depend on: it drafted
+        nothing at all there, as if ``off`` (``auto``, which picks no source, still does)."""
+        if seeded and self.mode == "auto" and self.source != "any":
+            return DraftPolicy("fixed", SEEDED_K, self.source)
+        return self
 
     @classmethod
     def parse(cls, value: str | int | DraftPolicy | None) -> DraftPolicy:

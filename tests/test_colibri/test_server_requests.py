@@ -502,3 +502,13 @@ async def test_a_parser_limit_reached_mid_output_names_response_format(
     err = r.json()["error"]
     assert err["param"] == "response_format", err
     assert "json_schema grammar is too large for the constraint parser" in err["message"], err
+
+
+async def test_seeds_outside_openais_range_are_422s(client: httpx.AsyncClient) -> None:
+    """Seeds were taken modulo 2**64 without a word: 5 and 5 + 2**64 drew the same text."""
+    for seed in (2**64 + 5, 2**63, -(2**63) - 1):
+        r = await client.post("/v1/chat/completions", json=_chat(seed=seed, temperature=1))
+        assert r.status_code == 422 and "seed" in r.text, (seed, r.text)
+    for seed in (2**63 - 1, -(2**63), -1):
+        r = await client.post("/v1/chat/completions", json=_chat(seed=seed, temperature=1))
+        assert r.status_code == 200, (seed, r.text)

@@ -946,3 +946,30 @@ def test_stats_report_speculative_telemetry() -> None:
     assert spec["tokens_per_forward"] >= 1.0
     assert {"grammar", "mtp", "lookup"} <= set(spec["cost_model"]["sources"])
     assert len(spec["cost_model"]["sources"]["mtp"]["acceptance_by_position"]) == 4
+
+
+def test_a_pinned_source_drafts_under_seeded_sampling() -> None:
+    """draft="mtp" (or "lookup") with a seed drafted nothing at all, as if off: its adaptive
+    schedule follows timings, which a seed's output must not depend on. It drafts a fixed
+    SEEDED_K a round there: reproducible, the same as asking for mtp:SEEDED_K."""
+    from runtime.speculative.policy import SEEDED_K
+
+    prompt = _prompts(2)[0]
+
+    async def main() -> list[tuple[list[int], int]]:
+        async with colibri.Engine.open(DEMO, options=colibri.EngineOptions(learn=False)) as eng:
+            out = []
+            for draft in ("mtp", "mtp", f"mtp:{SEEDED_K}"):
+                before = eng.stats()["speculative"]["proposed"]["mtp"]
+                toks = [
+                    ev.token_id
+                    async for ev in eng.generate(
+                        prompt, max_new_tokens=24, temperature=0.8, seed=5, draft=draft
+                    )
+                    if isinstance(ev, TokenEvent)
+                ]
+                out.append((toks, eng.stats()["speculative"]["proposed"]["mtp"] - before))
+            return out
+
+    (a, na), (b, nb), (c, nc) = anyio.run(main)
+    assert na > 0 and a == b == c and na == nb == nc
