@@ -171,7 +171,8 @@ def _check_finite(logits: npt.NDArray[np.float32], i: int) -> LogitNorm:
     if not norm.finite:
         raise ModelError(
             f"the model produced non-finite logits (NaN or inf) for output token {i}: the "
-            "weights are probably damaged; check them with `coli doctor --verify`"
+            "weights are probably damaged; check them with `coli doctor --verify` (a mirror's "
+            "copies: `coli mirror verify`)"
         )
     return norm
 

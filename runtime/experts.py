@@ -879,7 +879,8 @@ class ExpertStore:
         if crc32_of(views) != want[1]:
             raise ReadError(
                 f"the scales of layer {key[0]} expert {key[1]} in {x.path.name}: checksum "
-                "mismatch: this copy on disk is damaged; run `coli doctor --verify`"
+                "mismatch: this copy on disk is damaged; run `coli doctor --verify` (a mirror's "
+                "copy: `coli mirror verify`)"
             )
 
     # ------------------------------------------------------------------ slots and the gate

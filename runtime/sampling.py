@@ -157,8 +157,8 @@ class Sampler:
         if not np.isfinite(x.max()):  # NaN anywhere, +inf, or every token masked out
             raise ModelError(
                 "cannot sample: the model produced non-finite logits (NaN or +inf; the weights "
-                "are probably damaged: check them with `coli doctor --verify`), or they allow "
-                "no token"
+                "are probably damaged: check them with `coli doctor --verify`, a mirror's with "
+                "`coli mirror verify`), or they allow no token"
             )
         if p.top_k and p.top_k < x.size:
             # keep exactly k; ties at the boundary go to the lowest ids (stable order)

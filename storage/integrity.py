@@ -81,7 +81,8 @@ def crc_check(want: int, what: str) -> Check:
             return None
         return (
             f"{what}: checksum mismatch (CRC-32 {got:08x}, the manifest says {want:08x}): "
-            "this copy on disk is damaged; run `coli doctor --verify`"
+            "this copy on disk is damaged; run `coli doctor --verify` (a mirror's copy: "
+            "`coli mirror verify`)"
         )
 
     return check

@@ -30,7 +30,8 @@ def rms_norm(x: F32Array, weight: F32Array, eps: float, *, check: bool = False) 
         if not np.isfinite(ss).all():
             raise ModelError(
                 "the model's activations overflowed or became NaN before its final norm: the "
-                "weights are probably damaged; check them with `coli doctor --verify`"
+                "weights are probably damaged; check them with `coli doctor --verify` (a mirror's "
+                "copies: `coli mirror verify`)"
             )
     else:
         ss = np.add.reduce(np.square(x), axis=-1, keepdims=True, dtype=np.float32)  # [T, 1]

@@ -60,6 +60,7 @@ from storage.multidisk.identity import (
     source_stamp,
     stale_copy,
 )
+from storage.units import format_bytes
 from storage.usage import parse_usage
 
 __all__ = [
@@ -544,8 +545,8 @@ def stage_mirror(
     free = shutil.disk_usage(to).free
     if need > free:
         raise ColibriError(
-            f"{to}: the plan needs {need / 2**30:.2f} GiB more but the drive has "
-            f"{free / 2**30:.2f} GiB free; lower --budget"
+            f"{to}: the plan needs {format_bytes(need)} more but the drive has "
+            f"{format_bytes(free)} free; lower --budget"
         )
     for f in plan.files:
         src, dst = plan.source(f.file), to / f.file
@@ -574,7 +575,7 @@ def stage_mirror(
                 raise
             raise ColibriError(
                 f"{to}: the drive filled up while copying {f.file} ("
-                f"{_size_or_zero(_part(dst)) / 2**30:.2f} of {f.size / 2**30:.2f} GiB copied, "
+                f"{format_bytes(_size_or_zero(_part(dst)))} of {format_bytes(f.size)} copied, "
                 f"kept as {_part(dst).name}: a rerun resumes it); free space there or lower "
                 "--budget"
             ) from exc
