@@ -29,7 +29,7 @@ from runtime.layers.moe_router import RouterConfig
 from runtime.layers.swiglu import MLPWeights, fused
 from runtime.linear import Linear
 from storage.aligned import HugeArena
-from storage.arch import FAMILIES, ArchConfig, Family
+from storage.arch import FAMILIES, ArchConfig, Family, attention_biases
 from storage.errors import ModelError, ReadError
 from storage.integrity import ExpertChecksums, crc32_of, crc_check
 from storage.quant import QTensor, QuantFormat, dequantize
@@ -244,6 +244,16 @@ def _opt_f32(c: ContainerLike, name: str) -> F32Array | None:
     return c.load_f32(name) if c.has(name) else None
 
 
+def _bias(c: ContainerLike, attn: str, proj: str) -> F32Array | None:
+    """The bias of attention projection ``proj`` (``attn``: the layer's ``self_attn.``
+    prefix), where the family and config.json's attention_bias give it one (as transformers
+    builds the layer: a bias the checkpoint holds beyond those is never applied)."""
+    mt = str(c.config.get("model_type", ""))
+    if proj not in attention_biases(mt, c.config):
+        return None
+    return _opt_f32(c, f"{attn}{proj}.bias")
+
+
 def _mla(c: ContainerLike, p: str, d: MLADims) -> MLAWeights:
     lin = c.load_qtensor
     kv_b = lin(p + "kv_b_proj.weight")  # [NH * (N + V_), C]
@@ -277,9 +287,9 @@ def _mla(c: ContainerLike, p: str, d: MLADims) -> MLAWeights:
         uk_heads=uk_heads,
         w_uv=w_uv,
         uv_heads=uv_heads,
-        q_a_bias=_opt_f32(c, p + "q_a_proj.bias"),
-        kv_a_bias=_opt_f32(c, p + "kv_a_proj_with_mqa.bias"),
-        o_bias=_opt_f32(c, p + "o_proj.bias"),
+        q_a_bias=_bias(c, p, "q_a_proj"),
+        kv_a_bias=_bias(c, p, "kv_a_proj_with_mqa"),
+        o_bias=_bias(c, p, "o_proj"),
         **q,
     )
 
@@ -362,10 +372,10 @@ def load_gqa_layer(
         k_proj=Linear(c.load_qtensor(a + "k_proj.weight")),
         v_proj=Linear(c.load_qtensor(a + "v_proj.weight")),
         o_proj=Linear(c.load_qtensor(a + "o_proj.weight")),
-        q_bias=_opt_f32(c, a + "q_proj.bias"),
-        k_bias=_opt_f32(c, a + "k_proj.bias"),
-        v_bias=_opt_f32(c, a + "v_proj.bias"),
-        o_bias=_opt_f32(c, a + "o_proj.bias"),
+        q_bias=_bias(c, a, "q_proj"),
+        k_bias=_bias(c, a, "k_proj"),
+        v_bias=_bias(c, a, "v_proj"),
+        o_bias=_bias(c, a, "o_proj"),
         q_norm=_opt_f32(c, a + "q_norm.weight"),
         k_norm=_opt_f32(c, a + "k_norm.weight"),
     )

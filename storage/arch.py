@@ -50,6 +50,10 @@ class Family:
     expert_size_key: str = "moe_intermediate_size"  # config key sizing one routed expert
     qk_norm: Literal["none", "head", "full", "config"] = "none"  # config: use_qk_norm -> head
     dsa: bool = False  # DeepSeek sparse attention: a lightning indexer per "full" layer
+    # The attention projections (after ``self_attn.``) that carry a bias when config.json's
+    # attention_bias is true, as transformers builds them; any other projection bias is an
+    # unknown tensor (kept, never applied: transformers ignores it too)
+    attn_biases: tuple[str, ...] = ("q_a_proj", "kv_a_proj_with_mqa", "o_proj")
     # What transformers' config class takes for a key config.json leaves out (the keys that
     # change the math and that colibri would otherwise default alike for every family).
     defaults: tuple[tuple[str, Any], ...] = ()
@@ -65,6 +69,7 @@ class Family:
 
 
 _W123 = ("w1", "w3", "w2")  # Mixtral's gate, up, down
+_QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
 # transformers 5's config-class defaults (DeepseekV3Config, DeepseekV32Config, GlmMoeDsaConfig,
 # Glm4MoeConfig, OlmoeConfig, Qwen3MoeConfig, MixtralConfig, MiniMaxM2Config); Kimi K2 ships
 # DeepSeek-V3's config class as remote code.
@@ -92,24 +97,26 @@ FAMILIES: dict[str, Family] = {
     "deepseek_v32": Family("deepseek_v32", "mla", dsa=True, defaults=(
         *_DSV3_DEFAULTS[:-1], ("max_position_embeddings", 163840))),
     "olmoe": Family("olmoe", "gqa", bias=None, expert_size_key="intermediate_size",
-                    qk_norm="full", defaults=(
+                    qk_norm="full", attn_biases=_QKVO, defaults=(
                         ("rms_norm_eps", 1e-5), ("norm_topk_prob", False),
                         ("max_position_embeddings", 4096), ("rope_theta", 10000.0))),
-    "qwen3_moe": Family("qwen3_moe", "gqa", bias=None, qk_norm="head", defaults=(
+    "qwen3_moe": Family("qwen3_moe", "gqa", bias=None, qk_norm="head", attn_biases=_QKVO,
+                        defaults=(
         ("rms_norm_eps", 1e-6), ("norm_topk_prob", False), ("decoder_sparse_step", 1),
         ("max_position_embeddings", 32768), ("rope_theta", 10000.0))),
     "mixtral": Family("mixtral", "gqa", moe_prefix="block_sparse_moe", expert_names=_W123,
-                      bias=None, expert_size_key="intermediate_size", defaults=(
+                      bias=None, expert_size_key="intermediate_size", attn_biases=(), defaults=(
                           ("rms_norm_eps", 1e-5), ("max_position_embeddings", 131072),
                           ("rope_theta", 1000000.0))),
-    "glm4_moe": Family("glm4_moe", "gqa", qk_norm="config", defaults=(
+    "glm4_moe": Family("glm4_moe", "gqa", qk_norm="config", attn_biases=_QKVO[:3], defaults=(
         ("rms_norm_eps", 1e-5), ("routed_scaling_factor", 1.0), ("n_group", 1),
         ("topk_group", 1), ("n_shared_experts", 1), ("first_k_dense_replace", 1),
         ("norm_topk_prob", True), ("use_qk_norm", False), ("max_position_embeddings", 131072),
         ("rope_theta", 10000.0))),
     "minimax_m2": Family("minimax_m2", "gqa", moe_prefix="block_sparse_moe", expert_names=_W123,
                          bias="block_sparse_moe.e_score_correction_bias",
-                         expert_size_key="intermediate_size", qk_norm="full", defaults=(
+                         expert_size_key="intermediate_size", qk_norm="full", attn_biases=(),
+                         defaults=(
                              ("rms_norm_eps", 1e-6), ("max_position_embeddings", 196608),
                              ("rope_theta", 5000000.0))),
 }  # fmt: skip
@@ -421,6 +428,7 @@ class ArchConfig:
     num_key_value_heads: int = 0
     head_dim: int = 0
     qk_norm: Literal["none", "head", "full"] = "none"
+    attention_biases: frozenset[str] = frozenset()  # see attention_biases()
 
     @staticmethod
     def from_dict(cfg: Mapping[str, Any], where: str = "config.json") -> ArchConfig:
@@ -529,6 +537,7 @@ class ArchConfig:
             index_n_heads=need_int("index_n_heads") if is_dsa else 0,
             index_head_dim=need_int("index_head_dim") if is_dsa else 0,
             indexer_types=tuple(str(t) for t in idx_types),
+            attention_biases=attention_biases(mt, cfg),
             **gqa,
         )
 
@@ -600,6 +609,19 @@ def _expert_re(fam: Family) -> re.Pattern[str]:
 _EXPERT = {mt: _expert_re(f) for mt, f in FAMILIES.items()}
 
 
+_ATTN_BIAS = re.compile(r"self_attn\.(\w+_proj\w*)\.bias")
+
+
+def attention_biases(model_type: str, cfg: Mapping[str, Any]) -> frozenset[str]:
+    """The attention projections (names after ``self_attn.``) whose bias the model applies:
+    the family's (:attr:`Family.attn_biases`) when config.json's ``attention_bias`` is true,
+    else none, as transformers builds the layers."""
+    fam = FAMILIES.get(model_type)
+    if fam is None or not cfg.get("attention_bias"):
+        return frozenset()
+    return frozenset(fam.attn_biases)
+
+
 def classify(name: str, arch: ArchConfig) -> TensorRole | None:
     """Role and logical shape of an HF tensor name, or None if the name is unknown."""
     h, v = arch.hidden_size, arch.vocab_size
@@ -616,6 +638,9 @@ def classify(name: str, arch: ArchConfig) -> TensorRole | None:
     mtp = layer >= arch.num_hidden_layers
     mat: Role = "mtp" if mtp else "dense"
     fam = arch.family
+    proj_bias = _ATTN_BIAS.fullmatch(rest)
+    if proj_bias is not None and proj_bias.group(1) not in arch.attention_biases:
+        return None  # (a bias the family's attention has no place for: unknown, never applied)
     if rest.endswith(("norm.weight", "norm.bias", ".bias", "e_score_correction_bias")) or (
         rest == fam.router
     ):

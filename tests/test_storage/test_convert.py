@@ -1101,3 +1101,32 @@ def test_a_failed_start_then_a_fixed_source_converts(tmp_path: Path) -> None:
     make_checkpoint(src, cfg, dtype="F32", n_shards=1)  # the repaired download
     convert(src, tmp_path / "dst", ConvertOptions())
     check_layout(tmp_path / "dst", cfg)
+
+
+def test_an_attention_bias_the_config_does_not_give_is_unknown_and_never_applied(
+    tmp_path: Path,
+) -> None:
+    """A q_a_proj.bias in a checkpoint whose config says attention_bias false was classified
+    as a known F32 tensor and applied (logits off by 7.6 on Mixtral), where transformers
+    ignores it: it is an unknown tensor now (listed, kept, never applied); with
+    attention_bias true it is the model's bias and applies."""
+    from runtime.models import load_model
+    from storage.container import Container
+
+    name = "model.layers.0.self_attn.q_a_proj.bias"
+    extra = {name: np.full((48,), 3.0, dtype=np.float32)}
+    ids = np.array([1, 5, 9, 13], dtype=np.int64)
+
+    def logits(cfg: dict[str, Any], bias: bool, tag: str) -> tuple[Any, Any]:
+        src = tmp_path / f"src-{tag}"
+        make_checkpoint(src, cfg, dtype="F32", n_shards=1, extra=extra if bias else None)
+        res = convert(src, tmp_path / f"dst-{tag}", ConvertOptions(experts="f32", dense="f32"))
+        model = load_model(Container.open(tmp_path / f"dst-{tag}"))
+        return model.forward(ids, model.new_cache()).logits, res
+
+    plain, _ = logits(tiny_config(), False, "plain")
+    ignored, res = logits(tiny_config(), True, "ignored")
+    assert name in res.unknown_tensors
+    assert np.array_equal(plain, ignored)
+    applied, res = logits(tiny_config(attention_bias=True), True, "applied")
+    assert name not in res.unknown_tensors and not np.allclose(plain, applied)
