@@ -459,8 +459,11 @@ class ArchConfig:
         n_layers = need_int("num_hidden_layers")
         first_dense = opt_int("first_k_dense_replace", 0)
         count_key = next((k for k in _EXPERT_COUNT_KEYS if cfg.get(k) is not None), None)
-        if count_key is None:
-            raise ConfigError(f"{where}: missing required key {_EXPERT_COUNT_KEYS[0]!r}")
+        if count_key is None:  # (named the DeepSeek key to a Mixtral config)
+            raise ConfigError(
+                f"{where}: missing the routed expert count (one of "
+                f"{', '.join(_EXPERT_COUNT_KEYS)})"
+            )
         n_routed = config_int(where, count_key, cfg[count_key], 0)
         try:
             mlp_types = cfg.get("mlp_layer_types") or _default_mlp_types(

@@ -199,3 +199,18 @@ def test_keys_left_out_of_config_json_mean_what_transformers_takes(model_type: s
     if model_type == "glm4_moe":
         got["qk_norm"], want["qk_norm"] = arch.qk_norm, "head" if hf.use_qk_norm else "none"
     assert got == want
+
+
+def test_a_missing_expert_count_names_every_key_it_may_come_from() -> None:
+    """A Mixtral config without num_local_experts was told it lacked 'n_routed_experts', a
+    key Mixtral does not use."""
+    from storage.arch import ArchConfig
+    from storage.errors import ConfigError
+
+    cfg = {
+        "model_type": "mixtral", "hidden_size": 64, "vocab_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96,
+        "num_experts_per_tok": 2,
+    }  # fmt: skip
+    with pytest.raises(ConfigError, match="num_local_experts"):
+        ArchConfig.from_dict(cfg)
