@@ -461,8 +461,7 @@ class ArchConfig:
         count_key = next((k for k in _EXPERT_COUNT_KEYS if cfg.get(k) is not None), None)
         if count_key is None:  # (named the DeepSeek key to a Mixtral config)
             raise ConfigError(
-                f"{where}: missing the routed expert count (one of "
-                f"{', '.join(_EXPERT_COUNT_KEYS)})"
+                f"{where}: missing the routed expert count (one of {', '.join(_EXPERT_COUNT_KEYS)})"
             )
         n_routed = config_int(where, count_key, cfg[count_key], 0)
         try:
