@@ -396,7 +396,8 @@ class Scheduler:
         self.prefill_wait = prefill_wait
         self.store = store
         self.stats = SchedulerStats()
-        self.limiter = anyio.CapacityLimiter(1)
+        self.limiter = anyio.CapacityLimiter(1)  # one call at a time (held by the caller)
+        self._thread = anyio.CapacityLimiter(1)  # the worker thread it runs on
         # calls on the compute thread now (set there; read on the loop by wait_idle)
         self._running = 0
         self._running_lock = threading.Lock()
@@ -436,17 +437,21 @@ class Scheduler:
         """``fn(*args)`` on the compute thread, after every forward queued before it; its time
         goes into ``stats.time`` (:class:`TimeBreakdown`)."""
         self._check_open()
-        t0 = time.perf_counter()
-        inside = [0.0]  # seconds on the compute thread (the rest is the hand-off)
-        try:
-            return await anyio.to_thread.run_sync(
-                self._timed, fn, args, inside, limiter=self.limiter
-            )
-        finally:
-            wall = time.perf_counter() - t0
-            self.stats.compute_seconds += wall
-            self.stats.forward_calls += 1
-            self.stats.time.other_s += max(0.0, wall - inside[0])
+        # The wait for the compute thread (calls queued before this one) is theirs, not this
+        # call's: timed from the moment the thread is this call's (it was counted, and
+        # compute_seconds ran ahead of the wall clock with calls queued).
+        async with self.limiter:
+            t0 = time.perf_counter()
+            inside = [0.0]  # seconds on the compute thread (the rest is the hand-off)
+            try:
+                return await anyio.to_thread.run_sync(
+                    self._timed, fn, args, inside, limiter=self._thread
+                )
+            finally:
+                wall = time.perf_counter() - t0
+                self.stats.compute_seconds += wall
+                self.stats.forward_calls += 1
+                self.stats.time.other_s += max(0.0, wall - inside[0])
 
     async def wait_idle(self, poll_s: float = 0.005) -> None:
         """Until nothing runs on the compute thread. A forward whose caller was torn down
@@ -490,11 +495,15 @@ class Scheduler:
         outs: list[LogitsOut] = []
         for i in range(0, int(ids.size), self.prefill_chunk):
             part = ids[i : i + self.prefill_chunk]
-            outs.append(
-                await self.run(
-                    lambda p=part: self.model.forward_batch([p], [cache], ctx=self.ctx)[0]
+            # counted as a prompt's prefill (its steps, seconds, reads and tokens): it is one
+            with self._as_prefill([StepRequest(cache, anyio.Event(), ids=part, prefill=True)]):
+                outs.append(
+                    await self.run(
+                        lambda p=part: self.model.forward_batch([p], [cache], ctx=self.ctx)[0]
+                    )
                 )
-            )
+            self.stats.prefill_chunks += 1
+            self.stats.prefill_tokens += int(part.size)
         if len(outs) == 1:
             return outs[0]
         return outs[0]._replace(
@@ -528,10 +537,8 @@ class Scheduler:
                 await self._prefill_run([req])
                 if req.error is not None:
                     raise req.error
-            self.stats.prefill_chunks += 1
             assert req.logits is not None
             last = req.logits[-1]
-        self.stats.prefill_tokens += int(ids.size)
         assert last is not None
         return last
 
@@ -583,12 +590,14 @@ class Scheduler:
             return
         self._chunks_done(batch, outs)
 
-    @staticmethod
-    def _chunks_done(chunks: Sequence[StepRequest], outs: Sequence[Any]) -> None:
+    def _chunks_done(self, chunks: Sequence[StepRequest], outs: Sequence[Any]) -> None:
         """Compute thread: each prefill chunk's last-row logits from its step's output, and
         its hook called with its rows' hidden states (a failing hook fails its generation
-        only)."""
+        only). Its tokens are counted here, when computed (a prefill cancelled or failed after
+        some chunks counted their steps and reads, never their tokens)."""
         for r, o in zip(chunks, outs, strict=True):
+            self.stats.prefill_chunks += 1
+            self.stats.prefill_tokens += 0 if r.ids is None else int(r.ids.size)
             r.logits = o.logits
             if r.hook is not None:
                 try:

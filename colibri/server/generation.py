@@ -286,6 +286,9 @@ class Generation:
         )
         metrics.request_success.labels(turn.finish_reason).inc()
         metrics.e2e.observe(turn.total_s)
+        # counted as an admitted request's are (its prompt and its wait were left out)
+        metrics.prompt_tokens.inc(turn.prompt_tokens)
+        metrics.queue_time.observe(ticket.wait_s)
         self.state.record(turn)
 
     def admit(self, lease: Lease) -> int:

@@ -125,8 +125,8 @@ class TierStats:
         # None before the first lookup: no hit rate yet, rather than a 0 % one
         looked = self.hits_pinned + self.hits_lru + self.misses
         d["hit_rate"] = self.hit_rate if looked else None
-        d["lookahead_recall"] = (
-            self.lookahead_predicted_hits / self.lookahead_routed if self.lookahead_routed else 0.0
+        d["lookahead_recall"] = (  # (None before the first prediction, as hit_rate)
+            self.lookahead_predicted_hits / self.lookahead_routed if self.lookahead_routed else None
         )
         return d
 

@@ -149,6 +149,57 @@ def test_stats_counters_grow(model: colibri.SyncModel) -> None:
     assert model.stats()["forward_calls"] == after["forward_calls"] + 1
 
 
+def test_stats_count_work_once_and_when_done(tmp_path: Path) -> None:
+    """Stats that ran ahead of the work: with calls queued for the compute thread,
+    compute_seconds counted the queue wait too (4 concurrent generations: 2.2 s of compute in
+    0.56 s of wall time); a cancelled prefill counted its steps, never its tokens; a forward
+    (scoring a prompt) computed its tokens without counting them; lookahead_recall was 0.0
+    before any prediction (hit_rate is None)."""
+    prompt = [int(t) for t in np.random.default_rng(3).integers(3, 200, 480)]
+
+    async def main() -> None:
+        opts = EngineOptions(learn=False, max_batch=1, prefill_chunk=16, state_dir=tmp_path)
+        async with Engine.open(DEMO, options=opts) as eng:
+            before = eng.stats()
+            t0 = anyio.current_time()
+
+            async def one(k: int) -> None:
+                async for _ in eng.generate([k + 5, 6, 7], max_new_tokens=24, stop_token_ids=[]):
+                    pass
+
+            async with anyio.create_task_group() as tg:
+                for k in range(4):
+                    tg.start_soon(one, k)
+            wall = anyio.current_time() - t0
+            spent = eng.stats()["compute_seconds"] - before["compute_seconds"]
+            assert spent <= wall, (spent, wall)
+            # a prefill cancelled part-way: its tokens are those its cache holds
+            before = eng.stats()
+            cache = eng.new_cache()
+
+            async def long() -> None:
+                async for _ in eng.generate(prompt, max_new_tokens=1, cache=cache):
+                    pass
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(long)
+                while eng.stats()["prefill_steps"] - before["prefill_steps"] < 3:
+                    await anyio.sleep(0.001)
+                tg.cancel_scope.cancel()
+            done = eng.stats()["prefill_tokens"] - before["prefill_tokens"]
+            assert 0 < cache.length < len(prompt), cache.length
+            assert done == cache.length
+            before = eng.stats()
+            await eng.forward(prompt[:100])
+            assert eng.stats()["prefill_tokens"] - before["prefill_tokens"] == 100
+        async with Engine.open(DEMO, ram_budget="20MiB", options=opts) as eng:
+            experts = eng.stats()["experts"]
+            assert experts["mode"] == "streaming"
+            assert experts["hit_rate"] is None and experts["lookahead_recall"] is None
+
+    anyio.run(main)
+
+
 # ----------------------------------------------------------------------------- errors
 
 
@@ -460,3 +511,17 @@ def test_the_byte_floor_of_a_prompt_is_used_only_where_it_holds(
     jamo = "\u1100\u1161" * 600  # 3,600 bytes that NFC makes 1,800 (600 syllables)
     assert nfc.at_least_tokens(jamo) * 2 <= tok.at_least_tokens(jamo) + 1
     assert nfc.at_least_tokens(jamo) <= len(nfc.encode(jamo))
+
+
+def test_expert_bytes_by_layer_are_what_a_read_brings() -> None:
+    """The dashboard's tier bytes came from blob sizes without the scales (~9% low)."""
+    c = Container.open(DEMO)
+    sizes = c.expert_nbytes_by_layer()
+    for x in c.expert_extents():
+        read = x.nbytes + sum(t.nbytes for t in x.scales.values() if t is not None)
+        assert sizes[x.layer] >= read
+        assert any(t is not None for t in x.scales.values())
+    assert set(sizes.values()) == {
+        x.nbytes + sum(t.nbytes for t in x.scales.values() if t is not None)
+        for x in c.expert_extents()
+    }

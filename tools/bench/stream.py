@@ -288,7 +288,9 @@ def main(argv: list[str] | None = None) -> int:
         "bytes_missed_per_token": int(per_token(main_run)),
         "bytes_read_per_token": int(read / steps),
         "hit_rate": round(s1["hit_rate"], 3),
-        "lookahead_recall": round(s1["lookahead_recall"], 3),
+        "lookahead_recall": None
+        if s1["lookahead_recall"] is None
+        else round(s1["lookahead_recall"], 3),
         "prefetch_issued_used_wasted": [
             s1["prefetch_issued"] - s0["prefetch_issued"],
             s1["prefetch_used"] - s0["prefetch_used"],
