@@ -347,7 +347,11 @@ class Placement:
         checks = list(checks) if checks is not None else [None] * len(reqs)
         if len(self.copies) == 1:  # no mirror: the reader as is, plus the counters
             got = await self._read_single(reader, reqs, bufs)
-            await verify_views(got, checks)
+            try:
+                await verify_views(got, checks)
+            except ReadError:  # bytes that fail their check are this copy's error too
+                self._counters[0].errors += 1
+                raise
             return got
         order = list(self.order(key[0], key[1], [r.path for r in reqs]))
         pieces: list[_Piece] = []
@@ -432,6 +436,8 @@ class Placement:
                 c.inflight -= 1
                 if not c.inflight:
                     c.busy += t1 - c.busy_since
+            # the copy served these bytes, whatever their check finds (as with one copy)
+            self._observe(idx, req.length, t1 - t0, t1)
             if p.check is not None:
                 problem = await anyio.to_thread.run_sync(p.check, p.view)
                 if problem is not None:
@@ -440,7 +446,6 @@ class Placement:
                     self._failed(idx, bad, retry=k + 1 < len(p.order))
                     p.view = None
                     continue
-            self._observe(idx, req.length, t1 - t0, t1)
             if errors:
                 self._counters[idx].served_failovers += 1
             return

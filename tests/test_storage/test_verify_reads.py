@@ -102,3 +102,19 @@ def test_verify_reads_needs_checksums(tmp_path: Path, private_home: None) -> Non
     (d / "colibri-manifest.json").unlink()  # as a public C-engine container
     with pytest.raises(ConfigError, match=r"needs colibri-manifest\.json"):
         run_model(d, verify_reads=True)
+
+
+def test_a_failed_checksum_counts_as_its_copys_error(tmp_path: Path, private_home: None) -> None:
+    """With one copy, bytes that failed their checksum were the engine's read error but not
+    the copy's: /metrics said 33 read errors and expert_device_errors_total 0."""
+    import colibri
+
+    d = Path(shutil.copytree(TINY, tmp_path / "m"))
+    _damage_layer(d, LAYER)
+    with colibri.open_model(d, ram_budget=budget_for_lru(d, 0), verify_reads=True) as m:
+        with pytest.raises(ReadError, match="checksum"):
+            m.generate([1, 2, 3, 4], max_new_tokens=4)
+        experts = m.stats()["experts"]
+    (device,) = experts["devices"]
+    assert experts["read_errors"] >= 1
+    assert device["errors"] >= 1
