@@ -649,10 +649,17 @@ def _key_file(path: Path) -> list[str]:
     """The API keys in ``path`` (--api-key-file): one per line, blank lines and ``#`` comments
     skipped."""
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
+        text = path.read_text(encoding="utf-8-sig")  # (an editor's BOM is not the key's)
+    except (OSError, UnicodeDecodeError) as exc:
         raise ColibriError(f"cannot read --api-key-file {path}: {exc}") from exc
-    return [k for line in text.splitlines() if (k := line.strip()) and k[0] != "#"]
+    keys = [k for line in text.splitlines() if (k := line.strip()) and k[0] != "#"]
+    bad = next((k for k in keys if not (k.isascii() and k.isprintable())), None)
+    if bad is not None:
+        raise ColibriError(
+            f"--api-key-file {path}: a key holds characters other than printable ASCII "
+            "(keys are one per line)"
+        )
+    return keys
 
 
 def _summary(line: str, **fields: Any) -> None:
@@ -1017,7 +1024,8 @@ def serve(
             kv_slots=kv_slots,
             kv_dir=kv_dir,
             kv_persist=kv_persist,
-            cors_origins=cors,
+            # (an origin never ends in '/': 'http://good.example/' matched no page)
+            cors_origins=tuple(o.strip().rstrip("/") for o in cors),
             allowed_hosts=hosts,
             header_timeout=header_timeout,
             keep_alive_timeout=keep_alive_timeout,

@@ -395,6 +395,7 @@ async def create_app(
             more_keys=cfg.api_keys,
             hosts=allowed_hosts(cfg.host, cfg.allowed_hosts),
             max_body=cfg.max_body,
+            origins=cfg.cors_origins,
         )
     )
     app = Starlette(
@@ -459,6 +460,11 @@ async def serve(config: ServerConfig, options: EngineOptions, *, web: bool = Fal
     ``web``: with the dashboard at ``/``. Returns the signal that stopped it (None: stopped
     otherwise). In-flight requests get one second to finish, then they are cancelled."""
     check_bind(config.host, config.keys[0] if config.keys else None)
+    if "*" in config.cors_origins and not config.keys:
+        _log.warning(
+            "--cors-origin '*' without an API key: any web page the user opens can use this "
+            "server and read its answers (conversations, /profile); list the origins instead"
+        )
     sock = _listen(config.host, config.port)  # before the (long) model load: fail fast
     async with Engine.open(options=options) as engine:
         app = await create_app(engine, config, web=web)

@@ -35,6 +35,8 @@ __all__ = [
 ]
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+# Binds on every interface ("0" is 0.0.0.0 to the resolver: it was taken for a host name)
+WILDCARD_HOSTS = ("0.0.0.0", "::", "", "0")
 _PUBLIC_PATHS = frozenset({"/health"})
 TENANT_KEY = "colibri_tenant"  # request.state attribute: which API key a request used
 
@@ -64,7 +66,7 @@ def allowed_hosts(bind_host: str, extra: Iterable[str] = ()) -> frozenset[str] |
     """Host names accepted in the ``Host`` header; None accepts any (a wildcard bind with a key
     and no explicit list: the key is the protection there)."""
     names = {h.strip("[]").lower() for h in extra if h}
-    wildcard = bind_host in ("0.0.0.0", "::", "")
+    wildcard = bind_host in WILDCARD_HOSTS
     if wildcard and not names:
         return None
     names.update(LOOPBACK_HOSTS)
@@ -93,8 +95,10 @@ class SecurityMiddleware:
         hosts: frozenset[str] | None,
         max_body: int,
         more_keys: Sequence[str] = (),
+        origins: Sequence[str] = (),
     ) -> None:
         self.app = app
+        self._origins = frozenset(o.rstrip("/").lower() for o in origins)
         keys = [k for k in (api_key, *more_keys) if k]
         # Digests of the keys, compared in constant time; a key's tenant is its position.
         self._keys = [hmac.digest(b"colibri", k.encode(), "sha256") for k in keys]
@@ -140,9 +144,11 @@ class SecurityMiddleware:
                     f"request body of {n} bytes exceeds the {self._max_body}-byte limit",
                     code="request_too_large",
                 )
+        if not self._keys and method not in _SAFE_METHODS:
+            self._check_origin(headers)
         if not self._keys or path in _PUBLIC_PATHS or method == "OPTIONS":
             return None
-        given = headers.get("x-api-key")
+        given = headers.get("x-api-key") or None  # (an empty one hid a good Bearer token)
         auth = headers.get("authorization", "")
         if given is None and auth[:7].lower() == "bearer ":
             given = auth[7:].strip()
@@ -163,6 +169,35 @@ class SecurityMiddleware:
             )
         return f"key-{match}"
 
+    def _check_origin(self, headers: Headers) -> None:
+        """Without an API key, refuse a state-changing request a web page of another origin
+        sent (403): a browser sends those (a form, a ``no-cors`` fetch of ``text/plain``)
+        without asking the server first, and the page, though it cannot read the answer,
+        could generate, fill the queue and overwrite a saved conversation's KV slot. The
+        browser names the page in ``Origin``; clients that are not browsers send none. Same
+        origin (the dashboard) and ``--cors-origin`` origins pass. (With a key, the key
+        protects: such a page cannot send it.)"""
+        origin = headers.get("origin")
+        if origin is None:
+            return
+        o = origin.strip().rstrip("/").lower()
+        if "*" in self._origins or o in self._origins:
+            return
+        netloc = o.split("://", 1)[1] if "://" in o else ""
+        if netloc and netloc == headers.get("host", "").strip().lower():
+            return
+        raise ApiError(
+            403,
+            f"a request from the web page at {origin!r} is refused (cross-site request "
+            "protection): start the server with --cors-origin ORIGIN to let that page use it, "
+            "or set an API key",
+            code="cross_origin_refused",
+        )
+
+
+#: Methods a browser may send cross-site that change nothing here.
+_SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
 
 def tenant_of(request: Request) -> str | None:
     """The tenant :class:`SecurityMiddleware` found for this request (see ``_check``)."""
@@ -182,9 +217,12 @@ async def read_body(request: Request, limit: int, idle_timeout: float | None = N
     total = 0
     stream = request.stream().__aiter__()
     idle = idle_timeout if idle_timeout is not None else math.inf
-    # ... and as a whole: the pause limit plus the largest body at MIN_BODY_RATE (a byte sent
-    # just before each pause limit kept a connection and its buffer for ever)
-    end = anyio.current_time() + idle + limit / MIN_BODY_RATE
+    # ... and as a whole: the pause limit plus the body at MIN_BODY_RATE, its declared length
+    # when it has one, else the largest (a byte sent just before each pause limit kept a
+    # connection and its buffer for ever; an 83-byte body could take 74 s)
+    declared = request.headers.get("content-length", "")
+    size = min(int(declared), limit) if declared.isdigit() else limit
+    end = anyio.current_time() + idle + size / MIN_BODY_RATE
     while True:
         left = end - anyio.current_time()
         with anyio.move_on_after(min(idle, left)) as wait:

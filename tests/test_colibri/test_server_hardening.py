@@ -473,3 +473,30 @@ def test_a_trickled_body_meets_an_overall_deadline() -> None:
 
     took = anyio.run(main)
     assert took < 5, took
+
+
+def test_a_short_body_has_a_short_deadline() -> None:
+    """The overall deadline was the largest body's (max_body at 64 KiB/s) whatever the body
+    declared: an 83-byte body sent a byte every 8 s held its connection 74 s."""
+    import anyio
+    from starlette.requests import Request
+
+    from colibri.server.errors import ApiError
+    from colibri.server.security import read_body
+
+    async def trickle() -> dict[str, Any]:
+        await anyio.sleep(0.05)  # under the pause limit, every time
+        return {"type": "http.request", "body": b"x", "more_body": True}
+
+    async def main() -> float:
+        scope = {"type": "http", "method": "POST", "headers": [(b"content-length", b"83")]}
+        request = Request(scope, trickle)
+        t0 = anyio.current_time()
+        with pytest.raises(ApiError) as err:
+            # the largest body (4 MiB) would be given 0.3 + 64 s; 83 bytes get 0.3 s
+            await read_body(request, 4 << 20, idle_timeout=0.3)
+        assert err.value.status == 408 and "slower than" in str(err.value), err.value
+        return anyio.current_time() - t0
+
+    took = anyio.run(main)
+    assert took < 30, took

@@ -18,6 +18,7 @@ from test_server import tools_model
 import colibri
 from colibri.server import ServerConfig, create_app
 from storage.container import Container
+from storage.errors import ColibriError
 
 pytestmark = pytest.mark.anyio
 
@@ -512,3 +513,56 @@ async def test_seeds_outside_openais_range_are_422s(client: httpx.AsyncClient) -
     for seed in (2**63 - 1, -(2**63), -1):
         r = await client.post("/v1/chat/completions", json=_chat(seed=seed, temperature=1))
         assert r.status_code == 200, (seed, r.text)
+
+
+async def test_cross_site_posts_are_refused_without_a_key(tmp_path: Path) -> None:
+    """A web page could POST to a keyless loopback server (a form, or a no-cors fetch of
+    text/plain, which browsers send without asking): it generated, filled the queue and
+    overwrote a saved KV slot. A request naming another Origin is a 403; the server's own
+    origin (the dashboard), --cors-origin origins and clients that send no Origin pass."""
+    body = json.dumps(_chat())
+    plain = {"content-type": "text/plain"}
+    async for c in _client(demo_model(), tmp_path, cors_origins=("https://good.example",)):
+        r = await c.post("/v1/chat/completions", content=body,
+                         headers={**plain, "origin": "https://evil.example"})  # fmt: skip
+        assert r.status_code == 403 and "cross-site" in r.text, r.text
+        r = await c.post("/v1/messages", content=body, headers={"origin": "null"})
+        assert r.status_code == 403, r.text
+        for ok in ({"origin": "http://localhost"}, {"origin": "https://good.example"}, {}):
+            r = await c.post("/v1/chat/completions", content=body, headers={**plain, **ok})
+            assert r.status_code == 200, (ok, r.text)
+        r = await c.get("/v1/models", headers={"origin": "https://evil.example"})
+        assert r.status_code == 200  # (reading is CORS's business: the page sees nothing)
+    async for c in _client(demo_model(), tmp_path / "k", api_key="sekret"):
+        # with a key the key protects (a page cannot send it); an empty x-api-key header
+        # no longer hides a good Bearer token
+        headers = {"origin": "https://evil.example", "authorization": "Bearer sekret"}
+        r = await c.post("/v1/chat/completions", content=body, headers=headers)
+        assert r.status_code == 200, r.text
+        r = await c.post("/v1/chat/completions", content=body,
+                         headers={"x-api-key": "", "authorization": "Bearer sekret"})  # fmt: skip
+        assert r.status_code == 200, r.text
+
+
+async def test_an_integer_python_cannot_read_is_a_400(client: httpx.AsyncClient) -> None:
+    """A 5000-digit integer literal (past Python's 4300-digit limit) was a 500 with two
+    tracebacks in the log."""
+    body = json.dumps(_chat())[:-1] + ', "seed": ' + "1" * 5000 + "}"
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/messages"):
+        r = await client.post(path, content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "cannot be read" in r.text, (path, r.text)
+
+
+def test_security_odds_and_ends(tmp_path: Path) -> None:
+    """--host 0 binds every interface but was taken for a host name (every LAN request 421);
+    a key file saved with a BOM was refused as 'not printable ASCII' without naming it."""
+    from colibri.cli import _key_file
+    from colibri.server.security import allowed_hosts
+
+    assert allowed_hosts("0") is None and allowed_hosts("0.0.0.0") is None
+    f = tmp_path / "keys"
+    f.write_bytes(b"\xef\xbb\xbfmykey123\r\n# comment\nsecond\n")
+    assert _key_file(f) == ["mykey123", "second"]
+    f.write_bytes("caf\u00e9\n".encode())
+    with pytest.raises(ColibriError, match=f"--api-key-file {f}: a key holds"):
+        _key_file(f)
