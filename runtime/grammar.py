@@ -258,7 +258,9 @@ class TokenGrammar:
             raise GrammarError("structured output needs an end-of-sequence token id")
         try:
             self._tok = llguidance.LLTokenizer(
-                text, n_vocab=int(vocab_size), eos_token=[int(t) for t in eos_token_ids]
+                _plain_added_tokens(text),
+                n_vocab=int(vocab_size),
+                eos_token=[int(t) for t in eos_token_ids],
             )
         except Exception as exc:  # the Rust side raises plain exceptions
             raise GrammarError(f"{path}: llguidance cannot use this tokenizer ({exc})") from exc
@@ -333,13 +335,53 @@ class TokenGrammar:
             if probe.consume_token(first):
                 lnp.fill_next_token_bitmask(probe, words)
             if probe.is_error():
-                raise GrammarError(_limit_message(spec.kind, probe.get_error()))
+                error = probe.get_error()
+                if _is_limit(error):  # a parser limit (items in a row, lexer states, ...)
+                    raise GrammarError(_limit_message(spec.kind, error))
+                raise GrammarError(f"the {spec.kind} grammar is invalid: {_reason(error)}")
         with self._lock:
             self.compilations += 1
         return m
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode_str([int(i) for i in ids]))
+
+
+def _plain_added_tokens(text: str) -> str:
+    """``tokenizer.json`` as llguidance should read it. llguidance takes every added token for
+    a special one, never text; Qwen3's and GLM's ``<think>``, ``</think>``, ``<tool_call>``
+    are added tokens marked ``special: false``, text the model writes. A grammar spelling
+    them ("<think>x</think>") then rejected the very token that spells them (refused up
+    front, or failed mid-stream). Non-special added tokens move into the model's vocabulary
+    under their text (printable ASCII without spaces, the same in byte-level and
+    sentencepiece spellings), so they are text to the grammar; others keep their place."""
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return text  # (llguidance says what is wrong with it)
+    added = doc.get("added_tokens") if isinstance(doc, dict) else None
+    vocab = doc.get("model", {}).get("vocab") if isinstance(doc, dict) else None
+    if not isinstance(added, list) or not isinstance(vocab, dict):
+        return text
+    keep = []
+    for a in added:
+        content = a.get("content") if isinstance(a, dict) else None
+        if (
+            isinstance(a, dict)
+            and a.get("special") is False
+            and isinstance(content, str)
+            and isinstance(a.get("id"), int)
+            and content.isascii()
+            and content.isprintable()
+            and " " not in content
+        ):
+            vocab.setdefault(content, a["id"])
+            continue
+        keep.append(a)
+    if len(keep) == len(added):
+        return text
+    doc["added_tokens"] = keep
+    return json.dumps(doc)
 
 
 _BITS = np.arange(32, dtype=np.int32)  # [32]
@@ -368,6 +410,12 @@ def _plain(message: str) -> str:
             "make the alternatives exclusive (a const or enum that tells them apart)"
         )
     return message
+
+
+def _is_limit(error: str) -> bool:
+    """Whether an llguidance error is one of its parser's limits, not the grammar's own
+    rule: 'Current row has 2500 items; max is 2000', 'too many expressions constructed'."""
+    return " max is " in error or "too many" in error
 
 
 def _limit_message(kind: str, error: str) -> str:
@@ -411,7 +459,7 @@ class GrammarMatcher:
     def _advance(self, token: int) -> None:
         if not self._m.consume_token(int(token)):
             error = self._m.get_error()
-            if " max is " in error:  # a parser limit (items in a row, ...), not the token
+            if _is_limit(error):  # a parser limit (items in a row, ...), not the token
                 raise GrammarError(_limit_message(self._kind, error))
             raise GrammarError(f"token {token} breaks the grammar: {_reason(error)}")
 

@@ -408,3 +408,33 @@ def test_grammar_spec_checks_its_kind_and_takes_a_schema_dict(
     text = _text(tok, out)
     assert 0 <= int(text) <= 9, text
     assert colibri.GrammarSpec is GrammarSpec
+
+
+def test_a_grammar_may_spell_text_tokens_the_tokenizer_adds(tmp_path: Path) -> None:
+    """Qwen3's and GLM's <think>, </think> are added tokens marked special: false (text the
+    model writes); llguidance took them for special tokens, so a grammar spelling them
+    rejected the very token that spells them ('<think>x</think>' refused as 'too large', 'ab
+    </think>x' failing mid-stream)."""
+    doc = json.loads((DEMO / "tokenizer.json").read_text())
+    n = len(doc["model"]["vocab"])
+    ids = {"<think>": n, "</think>": n + 1}  # past the BPE vocabulary, as in Qwen3's
+    for text, tid in ids.items():
+        doc["added_tokens"].append(
+            {"id": tid, "content": text, "special": False, "single_word": False,
+             "lstrip": False, "rstrip": False, "normalized": False}
+        )  # fmt: skip
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(doc))
+    g = TokenGrammar(path, n + 2, [0])
+    for text in ("<think>x</think>", "ab </think>x"):
+        m = g.matcher(GrammarSpec.regex(text))
+        out: list[int] = []
+        while not m.accepting:  # the lowest allowed token each step: a whole path
+            tok = int(np.flatnonzero(m.allowed())[0])
+            m.consume(tok)
+            out.append(tok)
+        assert g.decode(out) == text
+    # the token that spells it is text to the grammar: accepted where the text goes
+    m = g.matcher(GrammarSpec.regex("(<think>)?x"))
+    m.consume(ids["<think>"])
+    assert g.decode([ids["<think>"]]) == "<think>"
