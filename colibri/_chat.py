@@ -157,14 +157,23 @@ def conversation_ids(tok: ChatTokenizer, messages: Sequence[Mapping[str, Any]]) 
         for i, m in enumerate(messages)
         if m.get("role") == "assistant" and m.get("tokens") is not None
     }
+    plain = _as_template(tok, messages)
     if spliced:
         marked = [
-            {"role": m["role"], "content": _MARK.format(i)} if i in spliced else _plain(m)
+            {"role": m["role"], "content": _MARK.format(i)} if i in spliced else plain[i]
             for i, m in enumerate(messages)
         ]
         parts = _MARK_RE.split(tok.apply_chat_template(marked, add_generation_prompt=True))
         found = [int(x) for x in parts[1::2]]
-        if found == sorted(spliced):
+        # ... only where the template renders a reply as the text the model wrote: a thinking
+        # template drops earlier reasoning or re-wraps it (GLM-4.5 rendered two think blocks,
+        # MiniMax-M2 a '</think>' without its '<think>'), and then the whole rendering is
+        # encoded (the cache reuses the common prefix only)
+        texts = {i: tok.decode(t) for i, t in spliced.items()}
+        rebuilt = "".join(p if k % 2 == 0 else texts.get(int(p), "") for k, p in enumerate(parts))
+        if found == sorted(spliced) and rebuilt == tok.apply_chat_template(
+            plain, add_generation_prompt=True
+        ):
             ids: list[int] = []
             for k, text in enumerate(parts[0::2]):
                 if text:
@@ -172,7 +181,29 @@ def conversation_ids(tok: ChatTokenizer, messages: Sequence[Mapping[str, Any]]) 
                 if k < len(found):
                     ids += spliced[found[k]]
             return ids
-    return tok.encode_chat([_plain(m) for m in messages])
+    return tok.encode_chat(plain)
+
+
+def _as_template(tok: ChatTokenizer, messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The messages as a chat template expects them, as the server gets them from a client:
+    a reply's think section (``<think>...</think>`` at its start, or all up to ``</think>``
+    when the generation prompt opened it) as ``reasoning_content``, the rest as content."""
+    # (imported here: colibri.server loads the web stack, which coli chat does not need)
+    from colibri.server.textproc import THINK_END, THINK_START, ThinkSplitter
+
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        msg = _plain(m)
+        if m.get("role") == "assistant" and THINK_END in msg["content"]:
+            prompt = tok.apply_chat_template(out, add_generation_prompt=True) if out else ""
+            split = ThinkSplitter(enabled=True, inside=prompt.rstrip().endswith(THINK_START))
+            parts = split.feed(msg["content"]) + split.flush()
+            reasoning = "".join(t for kind, t in parts if kind == "reasoning")
+            msg["content"] = "".join(t for kind, t in parts if kind == "content")
+            if reasoning:
+                msg["reasoning_content"] = reasoning.strip()
+        out.append(msg)
+    return out
 
 
 def format_footer(

@@ -394,3 +394,39 @@ def test_kernels_cached_counts_only_this_packages_kernels(tmp_path: Path) -> Non
     for i in range(1, 20):
         (ours / f"_matmul_kernels.f{i}-1.py311.nbi").touch()
     assert cached(tmp_path / "ours") == "True"
+
+
+@pytest.mark.parametrize("opens", [False, True], ids=["reply-opens-think", "prompt-opens-think"])
+def test_a_thinking_template_renders_earlier_replies_as_it_would(opens: bool) -> None:
+    """coli chat spliced a reply's generated ids where the template renders the reply: a
+    thinking template (Qwen3's drops earlier reasoning, GLM-4.5's re-wraps it) never saw the
+    text, so turn 2's prompt kept the reasoning (Qwen3), held two think blocks (GLM-4.5) or a
+    '</think>' without its '<think>' (MiniMax-M2, whose generation prompt opens it). The
+    prompt is now what the template renders for the conversation."""
+    c = Container.open(DEMO)
+    tok_path = c.tokenizer_path()
+    assert tok_path is not None
+    template = (
+        "{% for m in messages %}<|{{ m.role }}|>"
+        "{% if m.role == 'assistant' %}{{ m.content }}"  # reasoning of earlier turns dropped
+        "{% else %}{{ m.content }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>" + ("<think>" if opens else "") + "{% endif %}"
+    )
+    tok = ChatTokenizer(tok_path, {**c.tokenizer_config(), "chat_template": template})
+    reply = ("" if opens else "<think>") + "I think.</think>\nHello there."
+    gen = tok.encode(reply)
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": tok.decode(gen), "tokens": gen},
+        {"role": "user", "content": "And now?"},
+    ]
+    want = tok.encode(
+        "<|user|>Hi<|assistant|>Hello there.<|user|>And now?<|assistant|>"
+        + ("<think>" if opens else "")
+    )
+    assert conversation_ids(tok, messages) == want
+    # a reply the template renders as written is still spliced as its ids (the cache reuses
+    # the whole turn)
+    plain = tok.encode("Hello there.")
+    messages[1] = {"role": "assistant", "content": tok.decode(plain), "tokens": plain}
+    assert conversation_ids(tok, messages) == want
