@@ -279,8 +279,42 @@ async def render_chat(
     try:
         text = await st.off_loop(lambda: st.tokenizer.apply_chat_template(messages, **extra))
     except ColibriError as exc:
-        raise ApiError(400, str(exc), param="messages", code="template_error") from exc
+        # Tool-call arguments go to the template as objects (GLM's and MiniMax's iterate
+        # them); DeepSeek-V3's adds them to a string, as the JSON text clients send: refused
+        # as objects, rendered as that text
+        as_text = _arguments_as_text(messages)
+        if as_text is None:
+            raise ApiError(400, str(exc), param="messages", code="template_error") from exc
+        try:
+            text = await st.off_loop(lambda: st.tokenizer.apply_chat_template(as_text, **extra))
+        except ColibriError:
+            raise ApiError(400, str(exc), param="messages", code="template_error") from exc
     return text, await st.encode_prompt(text)
+
+
+def _arguments_as_text(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]] | None:
+    """``messages`` with every tool call's arguments as JSON text, or None when none are
+    objects (nothing to try again)."""
+    changed = False
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        d = dict(m)
+        calls = d.get("tool_calls")
+        if calls:
+            fixed = []
+            for c in calls:
+                c = dict(c)
+                fn = dict(c.get("function") or {})
+                if isinstance(fn.get("arguments"), dict):
+                    fn["arguments"] = json.dumps(fn["arguments"], ensure_ascii=False)
+                    changed = True
+                c["function"] = fn
+                if isinstance(c.get("arguments"), dict):
+                    c["arguments"] = fn.get("arguments")
+                fixed.append(c)
+            d["tool_calls"] = fixed
+        out.append(d)
+    return out if changed else None
 
 
 def block_text(block: Any, key: str, where: str) -> str:

@@ -566,3 +566,32 @@ def test_security_odds_and_ends(tmp_path: Path) -> None:
     f.write_bytes("caf\u00e9\n".encode())
     with pytest.raises(ColibriError, match=f"--api-key-file {f}: a key holds"):
         _key_file(f)
+
+
+async def test_a_template_that_adds_arguments_to_a_string_renders_them(tmp_path: Path) -> None:
+    """DeepSeek-V3's template adds a tool call's arguments to a string (the JSON text clients
+    send); colibri hands templates objects (GLM's and MiniMax's iterate them), and every
+    conversation that went on after a tool call was a 400 template_error."""
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    for f in demo_model().iterdir():
+        if f.name != "tokenizer_config.json":
+            (model_dir / f.name).symlink_to(f)
+    cfg = json.loads((demo_model() / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = (
+        "{% for m in messages %}<|{{ m.role }}|>{{ m.content or '' }}"
+        "{% for tc in m.tool_calls or [] %}"
+        "{{ 'call ' + tc['function']['name'] + ' ' + tc['function']['arguments'] }}"
+        "{% endfor %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}  # fmt: skip
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    async for c in _client(model_dir, tmp_path / "state", kv_slots=0):
+        r = await c.post("/v1/chat/completions", json=_chat(messages=messages))
+        assert r.status_code == 200, r.text
