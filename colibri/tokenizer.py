@@ -17,7 +17,12 @@ from typing import Any
 from jinja2 import TemplateError
 from tokenizers import Tokenizer
 
-from storage.chat_template import CHAT_TEMPLATE_NAME, chat_template_source, compile_chat_template
+from storage.chat_template import (
+    CHAT_TEMPLATE_NAME,
+    chat_template_source,
+    compile_chat_template,
+    tool_use_template_source,
+)
 from storage.errors import ColibriError, ConfigError
 
 __all__ = ["CHAT_TEMPLATE_NAME", "ChatTokenizer", "PromptTooLongError", "TextStream"]
@@ -100,6 +105,10 @@ class ChatTokenizer:
         self._template_src, where = chat_template_source(tokenizer_file.parent, self.config)
         self._template = (
             compile_chat_template(self._template_src, where) if self._template_src else None
+        )
+        tool_src = tool_use_template_source(tokenizer_file.parent, self.config)
+        self._tool_template = (
+            compile_chat_template(tool_src, f"{where} (tool_use)") if tool_src else None
         )
 
     @property
@@ -231,9 +240,12 @@ class ChatTokenizer:
             for k, v in self.config.items()
             if k.endswith("_token") and (t := _token_text(v)) is not None
         }
+        template = self._template
+        if extra.get("tools") and self._tool_template is not None:
+            template = self._tool_template  # (as transformers picks it: tools were given)
         try:
             text = str(
-                self._template.render(
+                template.render(
                     messages=list(messages),
                     add_generation_prompt=add_generation_prompt,
                     # as transformers renders: ``tools`` and ``documents`` are None, not

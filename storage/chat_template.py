@@ -19,7 +19,12 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from storage.errors import ConfigError
 
-__all__ = ["CHAT_TEMPLATE_NAME", "chat_template_source", "compile_chat_template"]
+__all__ = [
+    "CHAT_TEMPLATE_NAME",
+    "chat_template_source",
+    "compile_chat_template",
+    "tool_use_template_source",
+]
 
 CHAT_TEMPLATE_NAME = "chat_template.jinja"
 
@@ -93,3 +98,23 @@ def chat_template_source(
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default") or next(iter(named.values()), None)
     return (template if isinstance(template, str) else None), where
+
+
+def tool_use_template_source(model_dir: Path, tokenizer_config: Mapping[str, Any]) -> str | None:
+    """The template named "tool_use" among tokenizer_config.json's named templates, which
+    transformers renders when tools are given (Mistral's and Mixtral's instruct models ship
+    such a pair), or None (one template serves both; ``chat_template.jinja`` wins, as in
+    :func:`chat_template_source`)."""
+    if (model_dir / CHAT_TEMPLATE_NAME).is_file():
+        return None
+    template = tokenizer_config.get("chat_template")
+    if not isinstance(template, list):
+        return None
+    for t in template:
+        if (
+            isinstance(t, dict)
+            and t.get("name") == "tool_use"
+            and isinstance(t.get("template"), str)
+        ):
+            return str(t["template"])
+    return None

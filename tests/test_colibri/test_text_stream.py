@@ -105,3 +105,24 @@ def test_held_text_is_visible_to_stop_strings_and_offsets_are_the_tokens_own(
     assert s.push(tid("\u2581b")) == "\n\n b"
     assert s.last_start == 2  # its own text (" b") begins after the released newlines
     assert s.push(tid("\u2581ab")) == " ab" and s.last_start == 0
+
+
+def test_the_tool_use_template_renders_when_tools_are_given(tmp_path: Path) -> None:
+    """tokenizer_config.json may name templates (Mixtral-8x22B-Instruct ships "default" and
+    "tool_use"); with tools the default one rendered, and the tools never reached the model."""
+    from colibri.tokenizer import ChatTokenizer
+
+    cfg = {
+        "chat_template": [
+            {"name": "default", "template": "D:{{ messages[0].content }}"},
+            {"name": "tool_use", "template": "T{{ tools | length }}:{{ messages[0].content }}"},
+        ]
+    }
+    from _demo import demo_model
+
+    (tmp_path / "tokenizer.json").symlink_to(demo_model() / "tokenizer.json")
+    tok = ChatTokenizer(tmp_path / "tokenizer.json", cfg)
+    msgs = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(msgs) == "D:hi"
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert tok.apply_chat_template(msgs, tools=tools) == "T1:hi"
