@@ -245,8 +245,14 @@ class Engine:
                 else "it has no MTP layer"
             )
             raise ModelError(
-                f"draft {policy} needs the model's MTP head, and {why}; use --draft lookup or auto"
+                f"draft {policy} needs the model's MTP head, and {why}; use draft 'lookup' or "
+                "'auto' (--draft on the command line)"
             )
+
+    def check_draft(self, policy: DraftPolicy) -> None:
+        """Raise :class:`ModelError` when this model cannot draft as ``policy`` asks (``mtp``
+        without an MTP head): what :meth:`generate` would raise, before it starts."""
+        self._check_drafts(policy)
 
     def _check_loop(self) -> None:
         """An engine serves the event loop that opened it: its batcher, locks and events live

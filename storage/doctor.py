@@ -389,7 +389,9 @@ def _check_experts(c: Container) -> Check:
 def _check_mtp(c: Container) -> Check:
     a = c.arch
     if a.num_mtp_layers == 0:
-        return Check("pass", "mtp", "no MTP layer declared (no speculative drafting)")
+        return Check(
+            "pass", "mtp", "no MTP layer declared (speculative drafts from prompt lookup only)"
+        )
     fmts: Counter[str] = Counter()
     int4: list[str] = []
     for n in c.names():

@@ -156,10 +156,11 @@ async def chat_completions(request: Request) -> Response:
     if choice == "none":
         tools = None
     # Structured output is the answer: a template that would open a think section first is
-    # asked not to (unless the request says otherwise), and JSON output comes back as content
-    # even where the prompt still ends inside <think> (it went to reasoning_content, content
-    # empty: a JSON grammar never lets the model close the section). A regex, GBNF or Lark
-    # grammar may close it itself ("</think>" in the grammar): its output is split as usual.
+    # asked not to for any grammar (unless the request sets enable_thinking), and JSON output
+    # comes back as content even where the prompt still ends inside <think> (it went to
+    # reasoning_content, content empty: a JSON grammar never lets the model close the
+    # section). A regex, GBNF or Lark grammar with thinking asked for may close the section
+    # itself ("</think>" in the grammar): its output is split as usual.
     thinking = req.enable_thinking
     asked = "enable_thinking" in (req.chat_template_kwargs or {})
     if grammar is not None and thinking is None and not asked:

@@ -212,16 +212,17 @@ def common_params(
         slot=req.cache_slot if req.cache_slot is not None else _auto_slot(st, ids, tenant),
         slot_explicit=req.cache_slot is not None,
         tenant=tenant,
-        draft=_draft(req.draft),
+        draft=_draft(st, req.draft),
     )
 
 
-def _draft(value: str | int | None) -> str | int | None:
-    """The request's ``draft`` checked (a 400 naming it, not an error mid-generation)."""
+def _draft(st: AppState, value: str | int | None) -> str | int | None:
+    """The request's ``draft`` checked against this model too (a 400 naming it, not an error
+    mid-generation: ``mtp`` on a model without an MTP head)."""
     if value is None:
         return None
     try:
-        DraftPolicy.parse(value)
+        st.engine.check_draft(DraftPolicy.parse(value))
     except (ColibriError, ValueError) as exc:
         raise ApiError(400, str(exc), param="draft") from exc
     return value

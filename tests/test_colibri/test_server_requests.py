@@ -595,3 +595,21 @@ async def test_a_template_that_adds_arguments_to_a_string_renders_them(tmp_path:
     async for c in _client(model_dir, tmp_path / "state", kv_slots=0):
         r = await c.post("/v1/chat/completions", json=_chat(messages=messages))
         assert r.status_code == 200, r.text
+
+
+async def test_a_draft_mode_the_model_cannot_run_is_a_400_naming_draft(tmp_path: Path) -> None:
+    """draft 'mtp' to a model without an MTP head failed once generating: a 400 with param
+    null telling an HTTP client to pass '--draft'."""
+    import shutil
+
+    model_dir = Path(shutil.copytree(demo_model(), tmp_path / "no_mtp"))
+    (model_dir / "colibri-manifest.json").unlink(missing_ok=True)
+    next(model_dir.glob("out-mtp-*.safetensors")).unlink()
+    async for c in _client(model_dir, tmp_path / "state", kv_slots=0):
+        r = await c.post("/v1/chat/completions", json=_chat(draft="mtp"))
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "draft" and "needs the model's MTP head" in err["message"], err
+        assert "use draft 'lookup' or 'auto'" in err["message"], err
+        r = await c.post("/v1/chat/completions", json=_chat(draft="lookup"))
+        assert r.status_code == 200, r.text
