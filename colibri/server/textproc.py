@@ -30,6 +30,11 @@ THINK_START = "<think>"
 THINK_END = "</think>"
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
+# MiniMax-M2's block: <minimax:tool_call><invoke name="f"><parameter name="k">v</parameter>
+# </invoke>...</minimax:tool_call> (one block, any number of calls)
+MINIMAX_CALL_START = "<minimax:tool_call>"
+MINIMAX_CALL_END = "</minimax:tool_call>"
+_CALL_STARTS = (TOOL_CALL_START, MINIMAX_CALL_START)
 
 
 def _partial_suffix(text: str, markers: Sequence[str]) -> int:
@@ -166,12 +171,13 @@ class ToolCallSplitter:
             self._calls += text
             return ""
         self._buf += text
-        i = self._buf.find(TOOL_CALL_START)
-        if i >= 0:
+        found = [i for m in _CALL_STARTS if (i := self._buf.find(m)) >= 0]
+        if found:
+            i = min(found)
             out, self._calls, self._buf = self._buf[:i], self._buf[i:], ""
             self.seen = True
             return out
-        keep = _partial_suffix(self._buf, [TOOL_CALL_START])
+        keep = _partial_suffix(self._buf, _CALL_STARTS)
         cut = len(self._buf) - keep
         out, self._buf = self._buf[:cut], self._buf[cut:]
         return out
@@ -199,8 +205,16 @@ class ParsedToolCall:
 
 
 _BLOCK = re.compile(
-    re.escape(TOOL_CALL_START) + r"(.*?)(?:" + re.escape(TOOL_CALL_END) + r"|$)", re.S
+    "|".join(
+        re.escape(a) + r"(.*?)(?:" + re.escape(b) + r"|$)"
+        for a, b in ((TOOL_CALL_START, TOOL_CALL_END), (MINIMAX_CALL_START, MINIMAX_CALL_END))
+    ),
+    re.S,
 )
+_INVOKE = re.compile(r'<invoke name="([^"<>]*)">(.*?)</invoke>', re.S)
+_MM_PARAM = re.compile(r'<parameter name="([^"<>]*)">(.*?)</parameter>', re.S)
+_QC_FUNCTION = re.compile(r"<function=([^>\s]+)>(.*?)(?:</function>|$)", re.S)
+_QC_PARAM = re.compile(r"<parameter=([^>]+)>\n?(.*?)\n?</parameter>", re.S)
 _ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
 
 
@@ -328,15 +342,18 @@ def parse_tool_calls(
     kept: list[str] = []
     pos = 0
     for m in _BLOCK.finditer(text):
-        if closed_only and not m.group(0).endswith(TOOL_CALL_END):
+        if closed_only and not m.group(0).endswith((TOOL_CALL_END, MINIMAX_CALL_END)):
             continue
-        body = m.group(1).strip()
-        call = _parse_block(body, tools)
-        if call is None:
+        if m.group(1) is not None:
+            one = _parse_block(m.group(1).strip(), tools)
+            found = None if one is None else [one]
+        else:
+            found = _parse_invokes(m.group(2), tools)
+        if not found:
             continue
         kept.append(text[pos : m.start()])
         pos = m.end()
-        calls.append(call)
+        calls += found
     if not calls:
         return text, calls
     kept.append(text[pos:])
@@ -386,6 +403,9 @@ def _parse_block(body: str, tools: Sequence[Mapping[str, Any]] | None) -> Parsed
         if not isinstance(args, dict) or not _declared(tools, obj["name"]):
             return None
         return ParsedToolCall(call_id, obj["name"], _dump(args))
+    qc = _QC_FUNCTION.fullmatch(body)
+    if qc is not None:  # Qwen3-Coder's: <function=NAME><parameter=K>\nV\n</parameter></function>
+        return _named_call(call_id, qc.group(1), _QC_PARAM.findall(qc.group(2)), tools)
     first, _, rest = body.partition("<arg_key>")
     name = first.strip()
     if any(c.isspace() for c in name) or "<" in name or not _declared(tools, name):
@@ -394,6 +414,36 @@ def _parse_block(body: str, tools: Sequence[Mapping[str, Any]] | None) -> Parsed
     args_text = "<arg_key>" + rest if rest else ""
     args = {k.strip(): _value(v, types.get(k.strip())) for k, v in _ARG.findall(args_text)}
     return ParsedToolCall(call_id, name, _dump(args))
+
+
+def _named_call(
+    call_id: str,
+    name: str,
+    params: Sequence[tuple[str, str]],
+    tools: Sequence[Mapping[str, Any]] | None,
+) -> ParsedToolCall | None:
+    """A call given as a name and (key, value text) pairs (Qwen3-Coder's and MiniMax-M2's
+    formats), values read as in GLM's (text where the schema admits a string)."""
+    name = name.strip()
+    if any(c.isspace() for c in name) or "<" in name or not _declared(tools, name):
+        return None
+    types = _param_types(tools, name)
+    args = {k.strip(): _value(v, types.get(k.strip())) for k, v in params}
+    return ParsedToolCall(call_id, name, _dump(args))
+
+
+def _parse_invokes(
+    body: str, tools: Sequence[Mapping[str, Any]] | None
+) -> list[ParsedToolCall] | None:
+    """MiniMax-M2's block: its ``<invoke>`` calls, or None (it stays text) when it holds
+    none or one that is not a declared tool's."""
+    calls = []
+    for name, inner in _INVOKE.findall(body):
+        call = _named_call(f"call_{uuid.uuid4().hex[:24]}", name, _MM_PARAM.findall(inner), tools)
+        if call is None:
+            return None
+        calls.append(call)
+    return calls or None
 
 
 def _dump(args: dict[str, Any]) -> str:

@@ -1083,3 +1083,41 @@ def test_cached_tokens_are_what_the_engine_reused_with_pinned_mtp_drafts(
     assert n < 129  # shorter than the head's history: a seeded run reuses nothing
     assert greedy["prompt_tokens_details"]["cached_tokens"] == n - 1
     assert seeded["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_qwen3_coder_and_minimax_m2_tool_calls_are_parsed() -> None:
+    """Only GLM's and the JSON block were read: a Qwen3-Coder or MiniMax-M2 model's calls came
+    back as content with finish_reason stop."""
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {
+                    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}
+                },
+            },
+        }
+    ]
+    coder = (
+        "Sure.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n42\n</parameter>\n"
+        "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+    )
+    text, calls = parse_tool_calls(coder, tools)
+    assert text == "Sure." and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "42", "days": 3})
+    ]
+    minimax = (
+        'Ok.\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris'
+        '</parameter>\n<parameter name="days">2</parameter>\n</invoke>\n<invoke name='
+        '"get_weather">\n<parameter name="city">Rome</parameter>\n</invoke>\n</minimax:tool_call>'
+    )
+    split = ToolCallSplitter(enabled=True)
+    released = "".join(split.feed(ch) for ch in minimax)
+    rest, calls = split.finish(tools)
+    assert released == "Ok.\n" and rest == ""
+    assert [json.loads(c.arguments) for c in calls] == [{"city": "Paris", "days": 2},
+                                                        {"city": "Rome"}]  # fmt: skip
+    # a block calling a tool the request did not declare stays text, as in the other formats
+    undeclared = '<minimax:tool_call><invoke name="rm"></invoke></minimax:tool_call>'
+    assert parse_tool_calls(undeclared, tools) == (undeclared, [])
