@@ -996,30 +996,38 @@ async def _start_store(
 
     extents = container.expert_extents()
     reader = await open_reader(opts.reader, probe_path=extents[0].path if extents else None)
-    # Which copy (primary or --mirror) serves each expert; a single copy without mirrors.
-    placement = await open_placement(
-        container,
-        opts.mirror,
-        weights=opts.disk_weights,
-        adapt=opts.disk_adapt,
-        stripe_min_bytes=opts.stripe_min_bytes,
-        state_dir=opts.resolved_state_dir() if opts.mirror else None,
-        direct=reader.direct,
-    )
-    checksums = None
-    if opts.verify_reads:
-        from storage.integrity import load_checksums
+    store: ExpertStore | None = None
+    try:
+        # Which copy (primary or --mirror) serves each expert; a single copy without mirrors.
+        placement = await open_placement(
+            container,
+            opts.mirror,
+            weights=opts.disk_weights,
+            adapt=opts.disk_adapt,
+            stripe_min_bytes=opts.stripe_min_bytes,
+            state_dir=opts.resolved_state_dir() if opts.mirror else None,
+            direct=reader.direct,
+        )
+        checksums = None
+        if opts.verify_reads:
+            from storage.integrity import load_checksums
 
-        checksums = await anyio.to_thread.run_sync(load_checksums, container.path)
-    store = ExpertStore(
-        container,
-        reader,
-        layout,
-        prefetch=opts.prefetch,
-        placement=placement,
-        checksums=checksums,
-    )
-    await store.start(tg, progress=report.step("pinned experts") if layout.pinned else None)
+            checksums = await anyio.to_thread.run_sync(load_checksums, container.path)
+        store = ExpertStore(
+            container,
+            reader,
+            layout,
+            prefetch=opts.prefetch,
+            placement=placement,
+            checksums=checksums,
+        )
+        await store.start(tg, progress=report.step("pinned experts") if layout.pinned else None)
+    except BaseException:
+        # (cancelled or failed part-way: Engine.open never got the store to close, and the
+        # ring, its eventfd and the shards' descriptors stayed open for the process's life)
+        with anyio.CancelScope(shield=True):
+            await reader.aclose()
+        raise
     model.experts = StreamingExperts(store)
     return store
 
@@ -1146,8 +1154,7 @@ class SyncModel:
 
     def enable_replica(self, which: int | str | os.PathLike[str]) -> dict[str, Any]:
         """Re-enable a demoted copy (see :meth:`Engine.enable_replica`)."""
-        self._check_thread()
-        result: dict[str, Any] = self._portal.call(self.engine.enable_replica, which)
+        result: dict[str, Any] = self.call(self.engine.enable_replica, which)
         return result
 
 
