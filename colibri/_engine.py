@@ -233,9 +233,11 @@ class Engine:
         if self._closed:
             raise ColibriError(_CLOSED)
 
-    def _check_drafts(self, policy: DraftPolicy) -> None:
-        """Drafting pinned to the MTP head (``mtp``, ``mtp:N``) needs the head: a model
-        without its weights would otherwise decode without drafts and say nothing."""
+    def check_draft(self, policy: DraftPolicy) -> None:
+        """Raise :class:`ModelError` when this model cannot draft as ``policy`` asks: drafting
+        pinned to the MTP head (``mtp``, ``mtp:N``) needs the head (a model without its weights
+        would otherwise decode without drafts and say nothing). :meth:`generate` checks it; a
+        server checks a request's before it starts."""
         if policy.mode != "off" and policy.source == "mtp" and not self._model.has_mtp:
             layers = self.container.arch.num_mtp_layers
             why = (
@@ -249,10 +251,11 @@ class Engine:
                 "'auto' (--draft on the command line)"
             )
 
-    def check_draft(self, policy: DraftPolicy) -> None:
-        """Raise :class:`ModelError` when this model cannot draft as ``policy`` asks (``mtp``
-        without an MTP head): what :meth:`generate` would raise, before it starts."""
-        self._check_drafts(policy)
+    def _draft_policy(self, draft: str | int | None, params: SamplingParams) -> DraftPolicy:
+        """The drafting a generation with ``params`` runs: its ``draft`` (else the engine's),
+        fitted to seeded sampling (:meth:`DraftPolicy.for_sampling`)."""
+        policy = DraftPolicy.parse(self.options.draft if draft is None else draft)
+        return policy.for_sampling(seeded=not params.greedy and params.seed is not None)
 
     def _check_loop(self) -> None:
         """An engine serves the event loop that opened it: its batcher, locks and events live
@@ -362,7 +365,7 @@ class Engine:
                     store=store,
                 )
                 engine = cls(container, model, opts, scheduler)
-                engine._check_drafts(DraftPolicy.parse(opts.draft))
+                engine.check_draft(DraftPolicy.parse(opts.draft))
                 engine._usage = usage
                 engine._usage_base = None if usage is None else usage.copy()
                 engine._cluster = cluster
@@ -510,9 +513,8 @@ class Engine:
         # batched (runtime/scheduler.py).
         sched = self._scheduler
         time0 = dataclasses.replace(sched.stats.time)
-        policy = DraftPolicy.parse(self.options.draft if draft is None else draft)
-        policy = policy.for_sampling(seeded=not sampler.params.greedy and seed is not None)
-        self._check_drafts(policy)
+        policy = self._draft_policy(draft, sampler.params)
+        self.check_draft(policy)
         if cache is None:
             cache = self._model.new_cache()
         else:
@@ -762,8 +764,7 @@ class Engine:
         with seeded sampling run again (the head's history). What a server or chat reports as
         cached before the generation's own ``prompt_tokens_reused`` arrives."""
         params = SamplingParams(temperature=temperature, seed=seed)
-        policy = DraftPolicy.parse(self.options.draft if draft is None else draft)
-        policy = policy.for_sampling(seeded=not params.greedy and seed is not None)
+        policy = self._draft_policy(draft, params)
         ids = _as_ids(prompt_ids)
         return self._mtp_history_bound(
             self.reusable_prefix(cache, ids), int(ids.size), Sampler(params), policy
@@ -996,7 +997,6 @@ async def _start_store(
 
     extents = container.expert_extents()
     reader = await open_reader(opts.reader, probe_path=extents[0].path if extents else None)
-    store: ExpertStore | None = None
     try:
         # Which copy (primary or --mirror) serves each expert; a single copy without mirrors.
         placement = await open_placement(

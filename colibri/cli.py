@@ -1024,8 +1024,7 @@ def serve(
             kv_slots=kv_slots,
             kv_dir=kv_dir,
             kv_persist=kv_persist,
-            # (an origin never ends in '/': 'http://good.example/' matched no page)
-            cors_origins=tuple(o.strip().rstrip("/") for o in cors),
+            cors_origins=cors,
             allowed_hosts=hosts,
             header_timeout=header_timeout,
             keep_alive_timeout=keep_alive_timeout,
@@ -2020,11 +2019,10 @@ def _mem_total() -> int | None:
 
 
 # ----------------------------------------------------------------------------- coli mirror
-_mirror_model_dirs = _shard_dirs_option
 
 
 def _mirror_options(fn: F) -> F:
-    fn = _mirror_model_dirs(fn)
+    fn = _shard_dirs_option(fn)
     fn = click.option(
         "--state-dir",
         cls=_EnvOption,
@@ -2101,7 +2099,7 @@ def mirror_stage(**options: Any) -> None:
 
 @mirror.command("verify")
 @_model_option
-@_mirror_model_dirs
+@_shard_dirs_option
 @click.option("--to", "to", type=click.Path(path_type=Path), required=True, help="The mirror.")
 def mirror_verify(model: Path | None, to: Path, model_dirs: tuple[Path, ...]) -> None:
     """Re-check sizes, header bytes and sha256 of every shard in the mirror (exit 1 if bad)."""

@@ -747,9 +747,7 @@ def _run(
         written.append(p.file)
         _write_state(dst, rec, source.identity, plans, done)
 
-    for name in source.side_files:
-        with _writing(dst / name):
-            atomic_write_bytes(dst / name, _side_data(source, catalog, name))
+    _sync_side_files(dst, source, catalog)
 
     arch = catalog.arch
     manifest = Manifest(

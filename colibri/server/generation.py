@@ -13,7 +13,7 @@ import codecs
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
@@ -621,26 +621,40 @@ def completion_logprobs(
 
 def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Messages as chat templates expect them (content a string, tool-call arguments dicts)."""
+
+    def as_object(call: dict[str, Any], fn: dict[str, Any]) -> None:
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            try:
+                fn["arguments"] = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError:
+                pass
+        call.setdefault("name", fn.get("name"))
+        call.setdefault("arguments", fn.get("arguments"))
+
+    out = map_tool_calls(messages, as_object)
+    for d in out:
+        if d.get("content") is None:
+            d["content"] = ""
+    return out
+
+
+def map_tool_calls(
+    messages: Sequence[Mapping[str, Any]], change: Callable[[dict[str, Any], dict[str, Any]], None]
+) -> list[dict[str, Any]]:
+    """Copies of ``messages`` whose tool calls, and each call's ``function``, are copies too,
+    each passed to ``change(call, function)`` to edit in place."""
     out: list[dict[str, Any]] = []
     for m in messages:
         d = dict(m)
-        if d.get("content") is None:
-            d["content"] = ""
         calls = d.get("tool_calls")
         if calls:
             fixed = []
             for c in calls:
                 c = dict(c)
                 fn = dict(c.get("function") or {})
-                args = fn.get("arguments")
-                if isinstance(args, str):
-                    try:
-                        fn["arguments"] = json.loads(args) if args.strip() else {}
-                    except json.JSONDecodeError:
-                        pass
+                change(c, fn)
                 c["function"] = fn
-                c.setdefault("name", fn.get("name"))
-                c.setdefault("arguments", fn.get("arguments"))
                 fixed.append(c)
             d["tool_calls"] = fixed
         out.append(d)

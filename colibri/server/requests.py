@@ -19,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
 from colibri.server.errors import ApiError, validation_error
-from colibri.server.generation import GenParams, check_prompt
+from colibri.server.generation import GenParams, check_prompt, map_tool_calls
 from colibri.server.schemas import Extensions
 from colibri.server.security import read_body, tenant_of
 from colibri.server.state import AppState
@@ -296,25 +296,16 @@ async def render_chat(
 def _arguments_as_text(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]] | None:
     """``messages`` with every tool call's arguments as JSON text, or None when none are
     objects (nothing to try again)."""
-    changed = False
-    out: list[dict[str, Any]] = []
-    for m in messages:
-        d = dict(m)
-        calls = d.get("tool_calls")
-        if calls:
-            fixed = []
-            for c in calls:
-                c = dict(c)
-                fn = dict(c.get("function") or {})
-                if isinstance(fn.get("arguments"), dict):
-                    fn["arguments"] = json.dumps(fn["arguments"], ensure_ascii=False)
-                    changed = True
-                c["function"] = fn
-                if isinstance(c.get("arguments"), dict):
-                    c["arguments"] = fn.get("arguments")
-                fixed.append(c)
-            d["tool_calls"] = fixed
-        out.append(d)
+    changed = []
+
+    def as_text(call: dict[str, Any], fn: dict[str, Any]) -> None:
+        if isinstance(fn.get("arguments"), dict):
+            fn["arguments"] = json.dumps(fn["arguments"], ensure_ascii=False)
+            changed.append(True)
+        if isinstance(call.get("arguments"), dict):
+            call["arguments"] = fn.get("arguments")
+
+    out = map_tool_calls(messages, as_text)
     return out if changed else None
 
 

@@ -98,7 +98,7 @@ class SecurityMiddleware:
         origins: Sequence[str] = (),
     ) -> None:
         self.app = app
-        self._origins = frozenset(o.rstrip("/").lower() for o in origins)
+        self._origins = frozenset(o.lower() for o in origins)  # (ServerConfig's, normalized)
         keys = [k for k in (api_key, *more_keys) if k]
         # Digests of the keys, compared in constant time; a key's tenant is its position.
         self._keys = [hmac.digest(b"colibri", k.encode(), "sha256") for k in keys]

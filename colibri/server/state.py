@@ -77,6 +77,13 @@ class ServerConfig(BaseModel):
     kv_dir: Path | None = None
     kv_persist: bool = True
     cors_origins: tuple[str, ...] = ()
+
+    @field_validator("cors_origins")
+    @classmethod
+    def _origins(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        """Origins as browsers send them: 'http://good.example/' matched no page."""
+        return tuple(o.strip().rstrip("/") for o in v)
+
     allowed_hosts: tuple[str, ...] = ()
     max_body: int = Field(default=MAX_BODY, ge=1024)
     profile_turns: int = Field(default=64, ge=1)

@@ -386,7 +386,6 @@ def _declared(tools: Sequence[Mapping[str, Any]] | None, name: str) -> bool:
 def _parse_block(body: str, tools: Sequence[Mapping[str, Any]] | None) -> ParsedToolCall | None:
     """One block's call, or None (it stays text): a block that parses as neither format, or
     names a tool the request did not declare (a client would run what it never offered)."""
-    call_id = f"call_{uuid.uuid4().hex[:24]}"
     if body.startswith("{"):
         try:
             obj = _strict_json(body)
@@ -402,34 +401,32 @@ def _parse_block(body: str, tools: Sequence[Mapping[str, Any]] | None) -> Parsed
                 return None
         if not isinstance(args, dict) or not _declared(tools, obj["name"]):
             return None
-        return ParsedToolCall(call_id, obj["name"], _dump(args))
+        return ParsedToolCall(_call_id(), obj["name"], _dump(args))
     qc = _QC_FUNCTION.fullmatch(body)
     if qc is not None:  # Qwen3-Coder's: <function=NAME><parameter=K>\nV\n</parameter></function>
-        return _named_call(call_id, qc.group(1), _QC_PARAM.findall(qc.group(2)), tools)
-    first, _, rest = body.partition("<arg_key>")
-    name = first.strip()
-    if any(c.isspace() for c in name) or "<" in name or not _declared(tools, name):
-        return None
-    types = _param_types(tools, name)
-    args_text = "<arg_key>" + rest if rest else ""
-    args = {k.strip(): _value(v, types.get(k.strip())) for k, v in _ARG.findall(args_text)}
-    return ParsedToolCall(call_id, name, _dump(args))
+        return _named_call(qc.group(1), _QC_PARAM.findall(qc.group(2)), tools)
+    first, _, rest = body.partition("<arg_key>")  # GLM's
+    return _named_call(first, _ARG.findall("<arg_key>" + rest if rest else ""), tools)
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def _named_call(
-    call_id: str,
     name: str,
     params: Sequence[tuple[str, str]],
     tools: Sequence[Mapping[str, Any]] | None,
 ) -> ParsedToolCall | None:
-    """A call given as a name and (key, value text) pairs (Qwen3-Coder's and MiniMax-M2's
-    formats), values read as in GLM's (text where the schema admits a string)."""
+    """A call given as a name and (key, value text) pairs (GLM's, Qwen3-Coder's and
+    MiniMax-M2's formats): values are text where the tool's schema admits a string, else JSON
+    where they read as JSON (:func:`_value`)."""
     name = name.strip()
     if any(c.isspace() for c in name) or "<" in name or not _declared(tools, name):
         return None
     types = _param_types(tools, name)
     args = {k.strip(): _value(v, types.get(k.strip())) for k, v in params}
-    return ParsedToolCall(call_id, name, _dump(args))
+    return ParsedToolCall(_call_id(), name, _dump(args))
 
 
 def _parse_invokes(
@@ -439,7 +436,7 @@ def _parse_invokes(
     none or one that is not a declared tool's."""
     calls = []
     for name, inner in _INVOKE.findall(body):
-        call = _named_call(f"call_{uuid.uuid4().hex[:24]}", name, _MM_PARAM.findall(inner), tools)
+        call = _named_call(name, _MM_PARAM.findall(inner), tools)
         if call is None:
             return None
         calls.append(call)

@@ -366,6 +366,12 @@ def _save_record(to: Path, model: Path, files: dict[str, Any], dirs: Sequence[Pa
     atomic_write_bytes(to / MIRROR_RECORD, (json.dumps(doc, indent=1) + "\n").encode())
 
 
+def _record_entry(f: PlannedFile, sha256: str | None, src: Path, dst: Path) -> dict[str, Any]:
+    """A staged file's line in the mirror record: its size and checksum, the source's stamp
+    (:func:`stale_copy`) and the copy's own (:func:`changed_copy`)."""
+    return {"size": f.size, "sha256": sha256, **source_stamp(src), **copy_stamp(dst)}
+
+
 def _expected_sha(name: str, manifest: Manifest | None) -> str | None:
     """The checksum a copy of ``name`` must have: the manifest's, else None (hash the source)."""
     if manifest is not None:
@@ -555,9 +561,7 @@ def stage_mirror(
             problem, got = _verify_file(src, dst, expected)
             if problem is None:
                 report.verified.append(f.file)
-                record[f.file] = {
-                    "size": f.size, "sha256": got, **source_stamp(src), **copy_stamp(dst)
-                }  # fmt: skip
+                record[f.file] = _record_entry(f, got, src, dst)
                 continue
             if f.file not in record:
                 raise ColibriError(
@@ -583,9 +587,7 @@ def stage_mirror(
         if resumed:
             report.resumed.append(f.file)
         report.bytes_copied += f.size
-        record[f.file] = {
-            "size": f.size, "sha256": digest, **source_stamp(src), **copy_stamp(dst)
-        }  # fmt: skip
+        record[f.file] = _record_entry(f, digest, src, dst)
         _save_record(to, plan.model, record, plan.dirs)
     _save_record(to, plan.model, record, plan.dirs)
     return report

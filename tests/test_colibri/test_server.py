@@ -740,16 +740,29 @@ _TOOLS_TEMPLATE = (
 )
 
 
-def tools_model(tmp_path: Path) -> Path:
+# A tool whose schema says which arguments are text (city) and which JSON (days).
+WEATHER_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"properties": {"city": {"type": "string"}, "days": {"type": "integer"}}},
+        },
+    }
+]
+
+
+def tools_model(tmp_path: Path, template: str | None = None) -> Path:
     """The demo model with a chat template that renders tools and opens a think section
-    (its own does neither): links to its files, a tokenizer_config.json of its own."""
+    (its own does neither), or with ``template``: links to its files, a
+    tokenizer_config.json of its own."""
     model_dir = tmp_path / "model"
     model_dir.mkdir()
     for f in demo_model().iterdir():
         if f.name != "tokenizer_config.json":
             (model_dir / f.name).symlink_to(f)
     cfg = json.loads((demo_model() / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = _TOOLS_TEMPLATE
+    cfg["chat_template"] = _TOOLS_TEMPLATE if template is None else template
     (model_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
     return model_dir
 
@@ -908,17 +921,7 @@ def test_text_processing() -> None:
     parts = [p for ch in " <think>plan</think>\n\nanswer" for p in t.feed(ch)] + t.flush()
     assert "".join(x for k, x in parts if k == "reasoning") == "plan"
     assert "".join(x for k, x in parts if k == "content") == "answer"
-    tools = [
-        {
-            "type": "function",
-            "function": {
-                "name": "get_weather",
-                "parameters": {
-                    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}
-                },
-            },
-        }
-    ]
+    tools = WEATHER_TOOLS
     glm = (
         "Let me check.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>42</arg_value>"
         "\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>"
@@ -1088,17 +1091,7 @@ def test_cached_tokens_are_what_the_engine_reused_with_pinned_mtp_drafts(
 def test_qwen3_coder_and_minimax_m2_tool_calls_are_parsed() -> None:
     """Only GLM's and the JSON block were read: a Qwen3-Coder or MiniMax-M2 model's calls came
     back as content with finish_reason stop."""
-    tools = [
-        {
-            "type": "function",
-            "function": {
-                "name": "get_weather",
-                "parameters": {
-                    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}
-                },
-            },
-        }
-    ]
+    tools = WEATHER_TOOLS
     coder = (
         "Sure.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n42\n</parameter>\n"
         "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
