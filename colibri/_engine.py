@@ -54,6 +54,7 @@ from runtime.sampling import (
     top_ids,
 )
 from runtime.scheduler import Ahead, Scheduler
+from runtime.settle import settle
 from runtime.speculative import CostModel, DraftPolicy, SpecStats, SpeculativeDecoder
 from runtime.speculative.drafts import MAX_PENDING as MTP_HISTORY
 from storage.atomic import remove_leftovers
@@ -221,6 +222,7 @@ class Engine:
         # which kernel variant runs on which CPU ISA, and whether the lossy fast-int8 is on
         self._kernels = kernel_info(mode=options.kernels)
         self._cluster: RayCluster | None = None  # --ray: the expert workers
+        self._tg: anyio.abc.TaskGroup | None = None  # the engine's own tasks (Engine.open's)
         self._counters: dict[str, float] = {
             "prompt_tokens": 0,
             "prompt_tokens_reused": 0,
@@ -369,6 +371,7 @@ class Engine:
                 engine._usage = usage
                 engine._usage_base = None if usage is None else usage.copy()
                 engine._cluster = cluster
+                engine._tg = tg
                 tg.start_soon(scheduler.serve)
                 yield engine
             except BaseException as exc:  # re-raised below, unwrapped by the task group
@@ -396,6 +399,38 @@ class Engine:
             raise error
 
     # ------------------------------------------------------------------ learning
+    async def _end_turn_settled(self) -> None:
+        """:meth:`_end_turn` as a task of the engine's own, awaited to its end: a caller's
+        asyncio task.cancel() went through anyio's shield and cut the usage save (its counts
+        then merged twice) or a re-pin (its reads in flight) short. Its error is raised here;
+        a cancellation that came meanwhile after it."""
+        done = anyio.Event()
+        failed: list[Exception] = []
+
+        async def run() -> None:
+            try:
+                await self._end_turn()
+            except Exception as exc:
+                failed.append(exc)
+            finally:
+                done.set()
+
+        started = False
+        if self._tg is not None and not self._closed:
+            try:
+                self._tg.start_soon(run)
+                started = True
+            except RuntimeError:  # the engine's task group has ended (it is closing)
+                pass
+        if not started:  # (closing, or an engine built by hand): here, as it is
+            with anyio.CancelScope(shield=True):
+                await run()
+        pending = await settle(done)
+        if failed:
+            raise failed[0]
+        if pending is not None:
+            raise pending
+
     async def _end_turn(self) -> None:
         """Turn end: save `.coli_usage` atomically (off the loop) and, when enabled, re-pin."""
         from storage.usage import merge_save_usage
@@ -522,8 +557,7 @@ class Engine:
                 # The last generation on this cache queued its next step and was left with a
                 # `break` (its generator is closed later, by the event loop): that step leaves
                 # the queue, or finishes and is cut, before this one reads the cache.
-                with anyio.CancelScope(shield=True):
-                    await cache.step_ahead.abandon()
+                await cache.step_ahead.abandon()  # (settled: a cancellation waits for it)
             reused = self._mtp_history_bound(
                 self.reusable_prefix(cache, ids), ids.size, sampler, policy
             )
@@ -600,10 +634,11 @@ class Engine:
             reason = "cancelled"
             raise
         finally:
-            with anyio.CancelScope(shield=True):
+            try:
                 if ahead is not None:
-                    await ahead.abandon()
-                await self._end_turn()
+                    await ahead.abandon()  # (a native cancel that came meanwhile: raised)
+            finally:
+                await self._end_turn_settled()
         dt = time.perf_counter() - t0
         yield DoneEvent(
             reason,
@@ -1054,6 +1089,7 @@ async def _start_cluster(
             worker_threads=opts.worker_threads,
             state_dir=str(opts.resolved_state_dir() / "cluster"),
             kernels=opts.kernels,
+            verify_reads=opts.verify_reads,
         )
     )
     mine = kernel_info(mode=opts.kernels).as_dict()

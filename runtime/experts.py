@@ -12,9 +12,9 @@ pure :class:`runtime.policies.tiers.TierPolicy`; :class:`ExpertStore` runs them:
 slots and the reads, and follows what the policy says.
 
 Thread model: methods prefixed ``_loop_`` and coroutines run on the event loop; the
-:class:`StreamingExperts` facade is called from the compute thread (one started by
-``anyio.to_thread.run_sync``) and reaches the loop through ``anyio.from_thread`` plus a
-thread-safe queue for arrivals.
+:class:`StreamingExperts` facade is called from the compute thread (an anyio worker the
+scheduler runs its calls on) and reaches the loop through ``anyio.from_thread`` with the loop's
+token (taken at :meth:`ExpertStore.start`) plus a thread-safe queue for arrivals.
 
 Shape legend: L layer, E experts per layer, K top-k, slot = one expert's aligned blob + scales
 buffers.
@@ -440,6 +440,7 @@ class ExpertStore:
         self._slot_freed = anyio.Event()
         self._io_changed = anyio.Event()
         self._tg: Any = None
+        self.token: Any = None  # the event loop's (set by start)
         # set when the task group running the reads is cancelled (whatever holds the engine
         # was cancelled): no read starts or lands any more, steps fail instead of waiting
         self._closing = False
@@ -512,6 +513,9 @@ class ExpertStore:
         """Allocate every slot up front and read the pinned set (``progress(done, total)``
         after each pinned expert)."""
         self._tg = tg
+        # the event loop, for the compute thread's calls into it (any thread: the scheduler's
+        # compute thread is not one of anyio's workers)
+        self.token = anyio.lowlevel.current_token()
         tg.start_soon(self._watch_close)
         if not self.hugepages.advise and self._blob_bytes >= HUGE_PAGE:
             _log.info("expert slots on ordinary pages", reason=self.hugepages.reason)
@@ -1286,7 +1290,9 @@ class StreamingExperts:
         trace = st.trace
         step = _Step(layer)
         t_step = time.perf_counter()
-        ready = anyio.from_thread.run_sync(st._loop_begin, step, list(experts), lookahead)
+        ready = anyio.from_thread.run_sync(
+            st._loop_begin, step, list(experts), lookahead, token=st.token
+        )
         try:
             for e, w in ready:
                 t1 = time.perf_counter()
@@ -1348,7 +1354,7 @@ class StreamingExperts:
         trace = st.trace
         step = _Step(layer, early=early is not None)
         t_step = time.perf_counter()
-        ready = anyio.from_thread.run_sync(st._loop_begin, step, list(experts))
+        ready = anyio.from_thread.run_sync(st._loop_begin, step, list(experts), token=st.token)
         results: dict[int, R] = {}
         pending = 0
         to_arrive = len(experts) - len(ready)
@@ -1383,7 +1389,7 @@ class StreamingExperts:
                     made = item.future.result()
                     if made is not None:  # (made off the compute thread's path: no charge)
                         anyio.from_thread.run_sync(
-                            st._loop_prefetch, made.layer, list(made.experts)
+                            st._loop_prefetch, made.layer, list(made.experts), token=st.token
                         )
                     continue
                 if not pending and isinstance(item, (tuple, _Early)):  # nothing computing
@@ -1436,13 +1442,15 @@ class StreamingExperts:
         (one hop to the loop); an expert in a pinned or cache slot needs nothing."""
         if expert in step.held:
             step.held.discard(expert)
-            anyio.from_thread.run_sync(self.store._loop_done_with, step.layer, expert)
+            anyio.from_thread.run_sync(
+                self.store._loop_done_with, step.layer, expert, token=self.store.token
+            )
 
     def _end_step(self, step: _Step) -> None:
         """End ``step`` on the loop, then give back the slots of arrivals it queued before the
         end and nobody took (late ones release their own: the step is marked aborted)."""
         st = self.store
-        anyio.from_thread.run_sync(st._loop_end, step)
+        anyio.from_thread.run_sync(st._loop_end, step, token=st.token)
         while True:
             try:
                 item = step.out.get_nowait()
@@ -1457,5 +1465,7 @@ class StreamingExperts:
         to the layer's next prediction."""
         t0 = time.perf_counter()
         charge = cpu_s + self._hop_s.pop(layer, 0.0)
-        anyio.from_thread.run_sync(self.store._loop_prefetch, layer, list(experts), charge)
+        anyio.from_thread.run_sync(
+            self.store._loop_prefetch, layer, list(experts), charge, token=self.store.token
+        )
         self._hop_s[layer] = time.perf_counter() - t0

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import anyio
+import anyio.from_thread
 import anyio.to_thread
 import numpy as np
 import numpy.typing as npt
@@ -37,6 +38,7 @@ import numpy.typing as npt
 from runtime.cluster.source import ClusterExperts
 from runtime.kv import KVCache
 from runtime.layers import moe as moe_ops
+from runtime.settle import settle, settled
 from runtime.speculative.drafts import HeadGen, HeadRows, run_heads
 from runtime.weights import Guess, Lookahead
 from storage.errors import ColibriError
@@ -345,19 +347,20 @@ class Ahead:
         the next generation on the cache may have abandoned it already (its caller broke out
         of the loop and the generation was closed later), and the cache is that one's now."""
         if self._abandoning is not None:  # abandoned elsewhere: wait until it is done
-            with anyio.CancelScope(shield=True):
-                await self._abandoning.wait()
+            await settled(self._abandoning)
             return
         if self.ended:
             return
         self._abandoning = anyio.Event()
         sched, req = self.sched, self.req
+        pending: BaseException | None = None
         try:
             if req in sched._pending:
                 sched._pending.remove(req)
             else:
-                with anyio.CancelScope(shield=True):
-                    await req.done.wait()
+                # to the step's end, an asyncio task.cancel() included (it went through the
+                # shield: the cache was declared free with the step still writing into it)
+                pending = await settle(req.done)
                 if req.cache.length > self.start:
                     req.cache.truncate(self.start)
             if self.spec is not None:
@@ -365,6 +368,8 @@ class Ahead:
         finally:
             self._end()  # the cache is free only now: its step has left or been cut
             self._abandoning.set()
+        if pending is not None:
+            raise pending
 
 
 class Scheduler:
@@ -397,9 +402,10 @@ class Scheduler:
         self.store = store
         self.stats = SchedulerStats()
         self.limiter = anyio.CapacityLimiter(1)  # one call at a time (held by the caller)
-        self._thread = anyio.CapacityLimiter(1)  # the worker thread it runs on
+        self._thread = anyio.CapacityLimiter(1)  # the worker thread a call runs on
         # calls on the compute thread now (set there; read on the loop by wait_idle)
         self._running = 0
+        self._calls = 0  # calls in run() (on the loop, until their result is back)
         self._running_lock = threading.Lock()
         self._pending: list[StepRequest] = []
         self._wake = anyio.Event()
@@ -441,17 +447,63 @@ class Scheduler:
         # call's: timed from the moment the thread is this call's (it was counted, and
         # compute_seconds ran ahead of the wall clock with calls queued).
         async with self.limiter:
+            self._check_open()  # (it may have closed while this call waited for the thread)
             t0 = time.perf_counter()
             inside = [0.0]  # seconds on the compute thread (the rest is the hand-off)
+            self._calls += 1
             try:
-                return await anyio.to_thread.run_sync(
-                    self._timed, fn, args, inside, limiter=self._thread
-                )
+                # to its end whatever cancels the caller (an asyncio task.cancel() made
+                # to_thread return with its forward still running, and the next one start
+                # beside it: two forwards on one expert store hung the engine)
+                return await self._on_thread(fn, args, inside)
             finally:
+                self._calls -= 1
                 wall = time.perf_counter() - t0
                 self.stats.compute_seconds += wall
                 self.stats.forward_calls += 1
                 self.stats.time.other_s += max(0.0, wall - inside[0])
+
+    async def _on_thread(
+        self, fn: Callable[..., R], args: tuple[Any, ...], inside: list[float]
+    ) -> R:
+        """:meth:`_timed` on an anyio worker thread, waited for to its end: an asyncio
+        ``task.cancel()`` makes ``to_thread.run_sync`` return while the thread still runs
+        (the thread then says when it is done, and the cancellation is raised after)."""
+        done = anyio.Event()
+        box: list[tuple[bool, Any]] = []
+        # who goes first: the thread starting the call, or the caller giving it up (a
+        # cancellation before the thread took it: it never runs, and nobody sets `done`)
+        claim = threading.Lock()
+        state = ["queued"]  # -> "running" (the thread's) or "dropped" (the caller's)
+
+        def target() -> None:
+            with claim:
+                if state[0] == "dropped":
+                    return
+                state[0] = "running"
+            try:
+                box.append((True, self._timed(fn, args, inside)))
+            except BaseException as exc:
+                box.append((False, exc))
+            finally:
+                try:
+                    anyio.from_thread.run_sync(done.set)
+                except Exception:  # the event loop is gone: nobody waits any more
+                    pass
+
+        try:
+            await anyio.to_thread.run_sync(target, limiter=self._thread)
+        except anyio.get_cancelled_exc_class():
+            with claim:
+                started = state[0] == "running"
+                state[0] = "running" if started else "dropped"
+            if started:
+                await settle(done)
+            raise
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value  # type: ignore[no-any-return]
 
     async def wait_idle(self, poll_s: float = 0.005) -> None:
         """Until nothing runs on the compute thread. A forward whose caller was torn down
@@ -460,7 +512,10 @@ class Scheduler:
         or that thread waits forever on a loop that is gone (and the process with it). The
         engine's close waits here, after closing the reader, so such a forward ends quickly
         (its reads fail)."""
-        while self._running:
+        # ... and until the call that ran it is back on the loop with its rows (the engine's
+        # close cancels the batcher next: a step done on the thread but not yet handed back
+        # failed its generations with "the engine stopped")
+        while self._running or self._calls:
             await anyio.sleep(poll_s)
 
     def _timed(self, fn: Callable[..., R], args: tuple[Any, ...], inside: list[float]) -> R:
@@ -693,8 +748,7 @@ class Scheduler:
             if req in self._pending:
                 self._pending.remove(req)
             else:
-                with anyio.CancelScope(shield=True):
-                    await req.done.wait()
+                await settle(req.done)  # its step writes into the cache: to its end
             raise
         if req.error is not None:
             # a caller cancelled meanwhile (what holds the engine was: its step failed for
