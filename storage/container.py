@@ -522,7 +522,10 @@ class Container:
                 )
             )
 
-        entries, bad, roles = _index_tensors(d, arch, shards, problems)
+        # (a container without colibri's manifest may be the C engine's: its group rule first)
+        entries, bad, roles = _index_tensors(
+            d, arch, shards, problems, exact_first=manifest is None
+        )
         experts, bad_experts = _index_experts(arch, entries, bad, roles, problems)
         return cls(
             path=d,
@@ -690,9 +693,15 @@ class Container:
 
 
 def _index_tensors(
-    d: Path, arch: ArchConfig, shards: list[ShardHeader], problems: _Problems
+    d: Path,
+    arch: ArchConfig,
+    shards: list[ShardHeader],
+    problems: _Problems,
+    *,
+    exact_first: bool = False,
 ) -> tuple[dict[str, TensorEntry], dict[str, ColibriError], dict[str, TensorRole]]:
-    """Merge shard headers into entries, pairing ``X`` with ``X.qs`` and inferring formats."""
+    """Merge shard headers into entries, pairing ``X`` with ``X.qs`` and inferring formats
+    (``exact_first``: see :func:`storage.quant.infer_format`)."""
     infos: dict[str, TensorInfo] = {}
     for sh in shards:
         for name, info in sh.tensors.items():
@@ -717,7 +726,7 @@ def _index_tensors(
     # successful inferences by their byte counts instead of re-running the group search.
     inferred: dict[tuple[str, int, int, tuple[int, int]], QuantFormat] = {}
     for name, info in infos.items():
-        if name.endswith(SCALES_SUFFIX):
+        if name.endswith(".weight" + SCALES_SUFFIX):  # (any other "*.qs": an unknown tensor)
             if name[: -len(SCALES_SUFFIX)] not in infos:
                 problems.add(
                     ContainerError(
@@ -729,7 +738,7 @@ def _index_tensors(
         role = classify(name, arch)
         scales = infos.get(name + SCALES_SUFFIX)
         try:
-            ent = _make_entry(name, info, scales, role, inferred)
+            ent = _make_entry(name, info, scales, role, inferred, exact_first)
         except FormatError as exc:
             bad[name] = exc
             problems.add(exc)
@@ -746,6 +755,7 @@ def _make_entry(
     scales: TensorInfo | None,
     role: TensorRole | None,
     inferred: dict[tuple[str, int, int, tuple[int, int]], QuantFormat],
+    exact_first: bool = False,
 ) -> TensorEntry:
     where = f"{info.path}: tensor {name!r}"
     if scales is not None and scales.dtype != "F32":
@@ -777,7 +787,10 @@ def _make_entry(
                 "(`coli convert`)"
             )
         try:
-            fmt = infer_format(info.nbytes, n_scales, role.shape, dtype=info.dtype, where=where)
+            fmt = infer_format(
+                info.nbytes, n_scales, role.shape, dtype=info.dtype, where=where,
+                exact_first=exact_first,
+            )  # fmt: skip
         except FormatError as exc:
             raise FormatError(f"{exc}; does config.json belong to these shards?") from exc
         inferred[key] = fmt

@@ -133,12 +133,16 @@ def infer_format(
     *,
     dtype: str = "U8",
     where: str = "tensor",
+    exact_first: bool = False,
 ) -> QuantFormat:
     """Infer a tensor's format from its byte counts against the [O, I] the config implies.
 
     ``dtype`` is the safetensors dtype of the weight tensor; ``n_scales`` is 0 when there is no
     ``.qs`` companion. Raises :class:`FormatError` naming ``where`` when nothing matches.
-    """
+    ``exact_first``: a group count that divides I means the C engine's rule, gs = I / groups,
+    before a power of two that gives the same count (a container colibri did not write: the
+    C engine writes gs48 on a 96-wide matrix as 2 groups, which colibri's own rule reads as
+    g64, wrong weights; colibri's converter writes powers of two, I may be ragged)."""
     o, i = shape
     if dtype == "F32" and n_scales == 0 and weight_nbytes == o * i * 4:
         return QuantFormat("f32")
@@ -158,6 +162,8 @@ def infer_format(
                 # Prefer a power-of-two group (what converters write; I may be padded), then
                 # the C engine's rule gs = I / groups.
                 pow2 = [g for g in fits if g & (g - 1) == 0]
+                if exact_first and i % groups == 0 and (i // groups) in fits:
+                    return QuantFormat("int4", i // groups)
                 if pow2:
                     return QuantFormat("int4", pow2[-1] if len(pow2) == 1 else min(pow2))
                 if i % groups == 0 and (i // groups) in fits:

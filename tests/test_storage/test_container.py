@@ -525,7 +525,10 @@ def test_no_shards(copy: Path) -> None:
 
 def test_unknown_names_are_kept_without_a_role(copy: Path) -> None:
     extra = {"model.layers.1.mlp.experts.9.up_proj.weight": np.ones(4, np.float32),
-             "model.vision.proj.weight": np.ones((2, 2), np.float32)}  # fmt: skip
+             "model.vision.proj.weight": np.ones((2, 2), np.float32),
+             # not a weight's scales (only "<X>.weight.qs" are): unknown, not "shards
+             # inconsistent" (that refused the container)
+             "model.vision.stats.qs": np.ones(3, np.float32)}  # fmt: skip
     specs = [TensorSpec(n, "F32", a.shape) for n, a in extra.items()]
     write_safetensors(copy / "out-extra.safetensors", specs, list(extra.values()))
     c = Container.open(copy)

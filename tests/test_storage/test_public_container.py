@@ -32,7 +32,7 @@ from storage.container import Container
 from storage.doctor import run_doctor
 from storage.errors import ModelError
 from storage.public_layout import write_converter_passes, write_public_container
-from storage.quant import QTensor, dequantize, quantize
+from storage.quant import QTensor, QuantFormat, dequantize, quantize
 
 Tensors = dict[str, QTensor | npt.NDArray[np.float32]]
 
@@ -259,6 +259,28 @@ def test_forward_past_index_topk_is_the_one_pass_layouts(
     assert a.shape == (len(ids), 1000)
     assert np.isfinite(a).all()
     np.testing.assert_array_equal(a, b)
+
+
+def test_a_group_size_that_divides_the_width_is_read_by_the_c_engine_rule(
+    floats: dict[str, npt.NDArray[np.float32]], tmp_path: Path
+) -> None:
+    """The C engine's converter writes gs = I / groups: --group-size 48 on the experts'
+    down_proj (I = 96) is 2 groups of 48, which colibri's own rule (a power of two first, what
+    its converter writes) read as 2 groups of 64: other weights, no error. Without colibri's
+    manifest the C rule goes first."""
+    t = _quantized(floats, _config(), VARIANTS["gs64"])
+    down = [n for n in t if ".experts." in n and n.endswith("down_proj.weight")]
+    assert down
+    for n in down:
+        t[n] = quantize(floats[n], "int4-g48")
+    _public(tmp_path / "c", t)
+    c = Container.open(tmp_path / "c")
+    for n in down:
+        assert c.entry(n).fmt == QuantFormat("int4", 48), n
+        got = dequantize(c.load_qtensor(n))
+        want = t[n]
+        assert isinstance(want, QTensor)
+        np.testing.assert_array_equal(got, dequantize(want))
 
 
 def test_main_layer_without_indexer_keeps_the_clear_error(

@@ -273,8 +273,13 @@ def test_infer_group_size(gs: int) -> None:
 def test_infer_follows_the_c_engine_rule_without_a_power_of_two() -> None:
     # I = 120 with 3 groups: no power of two gives 3 groups, so gs = I / groups = 40.
     assert infer_format(3 * 60, 3 * 3, (3, 120)) == QuantFormat("int4", 40)
-    # The documented ambiguity: gs 48 over I = 96 is read back as gs 64 (both make 2 groups).
+    # The ambiguity: gs 48 over I = 96 and gs 64 both make 2 groups. colibri's converter writes
+    # powers of two (I may be ragged): g64 in its own containers; a container without its
+    # manifest may be the C engine's, which writes gs = I / groups: g48 there.
     assert infer_format(3 * 48, 3 * 2, (3, 96)) == QuantFormat("int4", 64)
+    assert infer_format(3 * 48, 3 * 2, (3, 96), exact_first=True) == QuantFormat("int4", 48)
+    # (no exact division: the power of two all the same)
+    assert infer_format(3 * 50, 3 * 2, (3, 99), exact_first=True) == QuantFormat("int4", 64)
 
 
 @pytest.mark.parametrize(
