@@ -40,7 +40,7 @@ import json
 import os
 import struct
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, TypeVar
@@ -218,14 +218,17 @@ def slot_path(directory: str | os.PathLike[str], slot: int) -> Path:
     return Path(directory) / f"{KV_FILE}.{slot}"
 
 
-def model_identity(model_dir: str | os.PathLike[str]) -> int:
+def model_identity(
+    model_dir: str | os.PathLike[str], shards: Iterable[str | os.PathLike[str]] | None = None
+) -> int:
     """A 31-bit non-zero fingerprint of a model directory's weights, cheap to compute.
 
     Hashes config.json (canonical JSON); the sha256 of every shard that the converter recorded
     in ``colibri-manifest.json`` (each covers a whole shard: a model converted again from other
     weights, an attention-only fine-tune included, gets another identity); then per shard its
     name, size, safetensors header and last 64 KiB (all a container without a manifest has),
-    without reading hundreds of GB."""
+    without reading hundreds of GB. ``shards``: the shard files when they are not all in
+    ``model_dir`` (``--model-dir``: a container's ``shards``), hashed in name order."""
     d = Path(model_dir)
     h = hashlib.sha256()
     try:
@@ -241,11 +244,12 @@ def model_identity(model_dir: str | os.PathLike[str]) -> int:
         raise KVFileError(
             f"{d}/{MANIFEST_NAME}: cannot read it for the model identity: {exc}"
         ) from exc
-    shards = manifest.get("shards") if isinstance(manifest, dict) else None
-    for s in shards if isinstance(shards, list) else []:
+    recorded = manifest.get("shards") if isinstance(manifest, dict) else None
+    for s in recorded if isinstance(recorded, list) else []:
         if isinstance(s, dict):
             h.update(f"\0{s.get('file')}\0{s.get('sha256')}\0".encode())
-    for p in shard_paths(d):
+    files = shard_paths(d) if shards is None else sorted(map(Path, shards), key=lambda p: p.name)
+    for p in files:
         try:
             with open(p, "rb") as fh:
                 size = os.fstat(fh.fileno()).st_size

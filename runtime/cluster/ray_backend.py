@@ -30,6 +30,7 @@ from runtime.cluster.source import WorkerFailed
 from runtime.cluster.worker import AUTO_FRACTION, ExpertWorker
 from storage.container import Container
 from storage.errors import ColibriError
+from storage.kvfile import model_identity
 
 __all__ = ["RayCluster", "RayLink", "start_cluster"]
 
@@ -241,6 +242,26 @@ class RayCluster:
         }
 
 
+def _check_copies(container: Container, infos: Sequence[dict[str, Any]]) -> None:
+    """Every worker opened the coordinator's model: the same config, conversion and shards
+    (:func:`storage.kvfile.model_identity`). A worker on another copy (another conversion,
+    another model at ``--worker-model``) computed its experts from other weights: wrong
+    tokens, no error."""
+    own = model_identity(container.path, shards=[sh.path for sh in container.shards])
+    wrong = [
+        f"expert-worker-{k} on {i.get('host', '?')} ({i.get('model', '?')})"
+        for k, i in enumerate(infos)
+        if i.get("identity") != own
+    ]
+    if wrong:
+        raise ColibriError(
+            f"{', '.join(wrong)}: not the same model files as the coordinator's "
+            f"({container.path}): another conversion, another model or a changed copy (config, "
+            "manifest, shard sizes or headers differ); give the workers the same converted "
+            "files (--worker-model DIR names where they are on the workers' hosts)"
+        )
+
+
 def start_cluster(
     address: str,
     n_workers: int,
@@ -254,6 +275,7 @@ def start_cluster(
     worker_threads: int | None = None,
     state_dir: str | None = None,
     kernels: str = "exact",
+    verify_reads: bool = False,
 ) -> RayCluster:
     """Start ``n_workers`` expert workers on Ray (``address``: ``"local"`` or a cluster address)
     and give each its share of ``container``'s experts. Blocking (run it off the event loop)."""
@@ -301,10 +323,12 @@ def start_cluster(
                 reader=reader,
                 state_dir=worker_state,
                 kernels=kernels,
+                verify_reads=verify_reads,
             )
         )
     try:
         infos = ray.get([a.info.remote() for a in actors], timeout=START_TIMEOUT_S)
+        _check_copies(container, infos)
         per_host = Counter(i["host"] for i in infos)
         budgets = [
             worker_ram

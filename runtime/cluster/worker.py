@@ -38,6 +38,8 @@ from runtime.kernels.isa import kernel_info
 from runtime.weights import ExpertSource, ResidentExperts
 from storage.container import Container
 from storage.errors import ColibriError
+from storage.integrity import ExpertChecksums, load_checksums
+from storage.kvfile import model_identity
 
 __all__ = ["ExpertOutput", "ExpertWorker", "WorkerCounters"]
 
@@ -75,6 +77,8 @@ class _StoreHost:
         pinned: list[Key],
         mirrors: Sequence[Path] = (),
         state_dir: Path | None = None,
+        *,
+        checksums: ExpertChecksums | None = None,
     ) -> None:
         from runtime.experts import ExpertStore, StreamingExperts, plan_layout
         from storage.multidisk.probing import open_placement
@@ -98,7 +102,14 @@ class _StoreHost:
                     direct=rd.direct,
                 )
                 async with anyio.create_task_group() as tg:
-                    store = ExpertStore(container, rd, layout, prefetch="off", placement=placement)
+                    store = ExpertStore(
+                        container,
+                        rd,
+                        layout,
+                        prefetch="off",
+                        placement=placement,
+                        checksums=checksums,
+                    )
                     await store.start(tg)
                     task_status.started(store)
                     await self._stop.wait()
@@ -136,10 +147,22 @@ class ExpertWorker:
         state_dir: str | os.PathLike[str] | None = None,
         probe_s: float = 0.3,
         kernels: KernelMode = "exact",
+        verify_reads: bool = False,
     ) -> None:
         """``kernels``: the coordinator's kernel mode (its lossy fast-int8 included): a worker
-        on another mode gave logits that matched neither the exact nor the fast-int8 run."""
+        on another mode gave logits that matched neither the exact nor the fast-int8 run.
+        ``verify_reads`` (the coordinator's ``--verify-reads``): every expert this worker loads
+        or reads is checked against the manifest's CRC-32 (a damaged copy on a worker's host
+        gave wrong tokens with the coordinator's own reads checked)."""
         self.container = Container.open(Path(model), shard_dirs=[Path(d) for d in model_dirs])
+        self.checksums: ExpertChecksums | None = None
+        if verify_reads:
+            self.checksums = load_checksums(self.container.path)
+        # the fingerprint of this host's copy (the coordinator refuses a worker on another
+        # model or another conversion: its experts would give other tokens, silently)
+        self.identity = model_identity(
+            self.container.path, shards=[sh.path for sh in self.container.shards]
+        )
         self.kernel_mode: KernelMode = kernels
         self.arch = self.container.arch
         self.reader = reader
@@ -179,6 +202,8 @@ class ExpertWorker:
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "model": str(self.container.path),
+            "identity": self.identity,
+            "verify_reads": self.checksums is not None,
             "mem_available": mem_available() or 0,
             "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1,
             "read_bps": self.read_bps,
@@ -209,12 +234,18 @@ class ExpertWorker:
         self._compute = ExpertCompute(max(1, threads), kernels=self.kernel_mode)
         self._load_usage()
         if len(keys) * one <= budget:
-            self._source = ResidentExperts(self.container, keys=keys)
+            self._source = ResidentExperts(self.container, keys=keys, checksums=self.checksums)
             self.mode = "resident"
         else:
             pinned = self._pinned(keys, budget, one)
             self._host = _StoreHost(
-                self.container, budget, self.reader, pinned, self.mirrors, self.state_dir
+                self.container,
+                budget,
+                self.reader,
+                pinned,
+                self.mirrors,
+                self.state_dir,
+                checksums=self.checksums,
             )
             self._source = self._host.source
             self.mode = "streaming"

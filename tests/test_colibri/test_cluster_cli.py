@@ -53,6 +53,26 @@ def test_a_worker_that_cannot_open_the_model_is_one_clear_error(tmp_path: Path) 
     assert "Traceback" not in r.stderr and "^^^" not in r.stderr, r.stderr
 
 
+def test_workers_on_another_model_are_one_clear_error(tmp_path: Path) -> None:
+    """--worker-model naming another model of the same shape (here the bundled demo with
+    another norm epsilon) ran and printed other text, no error."""
+    import json
+    import shutil
+
+    from colibri._config import default_model_path
+
+    other = Path(shutil.copytree(default_model_path(), tmp_path / "other"))
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["rms_norm_eps"] = cfg.get("rms_norm_eps", 1e-6) * 2
+    (other / "config.json").write_text(json.dumps(cfg))
+    r = coli("run", "--ray", "local", "--worker-model", str(other), "-n", "4", "hi",
+             home=tmp_path)  # fmt: skip
+    assert r.returncode == 1, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "not the same model files" in errors[0], r.stderr
+    assert "expert-worker-0" in errors[0] and "Traceback" not in r.stderr
+
+
 def _closed_port() -> int:
     """A loopback port nothing listens on (bound, then released)."""
     with socket.socket() as s:

@@ -8,6 +8,7 @@ unchanged, and the worker rejoining once Ray restarted it or it woke up.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -120,6 +121,72 @@ def test_worker_outputs_are_bit_identical_to_local_experts(mode: str, tmp_path: 
     finally:
         w.close()
     assert (tmp_path / "w" / ".coli_usage").exists()  # its own usage history
+
+
+def _flip_expert_byte(d: Path, layer: int, expert: int) -> None:
+    x = Container.open(d).expert(layer, expert)
+    with open(x.path, "r+b") as fh:
+        fh.seek(x.start + (x.end - x.start) // 3)
+        b = fh.read(1)[0]
+        fh.seek(x.start + (x.end - x.start) // 3)
+        fh.write(bytes([b ^ 0x40]))
+
+
+@pytest.mark.parametrize("mode", ["resident", "streaming"])
+def test_a_worker_checks_its_reads_under_verify_reads(mode: str, tmp_path: Path) -> None:
+    """--verify-reads was the coordinator's only: a worker on a damaged copy computed its
+    experts from the damaged bytes (wrong tokens, no error). Its loads and reads are checked
+    now: an error naming the expert, as in one process."""
+    import shutil
+
+    d = Path(shutil.copytree(_demo(), tmp_path / "m"))
+    c = Container.open(d)
+    layer = c.expert_layers()[0]
+    _flip_expert_byte(d, layer, 0)
+    keys = [(layer, e) for e in range(c.arch.n_routed_experts)]
+    full = plan_layout(c, None, top_k=c.arch.top_k)
+    budget = 1 << 40 if mode == "resident" else (full.transient_slots + 3) * full.slot_bytes
+    plain = ExpertWorker(d, probe_s=0)  # (without the check: loads, computes what is there)
+    try:
+        plain.load(keys, budget)
+    finally:
+        plain.close()
+    w = ExpertWorker(d, probe_s=0, verify_reads=True)
+    try:
+        assert w.info()["verify_reads"]
+        x = np.zeros((1, c.arch.hidden_size), np.float32)
+        ids, gates = np.zeros((1, 1), np.int64), np.ones((1, 1), np.float32)
+        with pytest.raises(ColibriError, match=rf"(?i)layer {layer}.*expert 0|crc"):
+            w.load(keys, budget)
+            w.compute(layer, [0], x, ids, gates)
+    finally:
+        w.close()
+
+
+def test_workers_on_other_model_files_are_refused(tmp_path: Path) -> None:
+    """A worker whose --worker-model holds another conversion or another model gave its
+    experts from other weights: wrong tokens, no error. Each worker reports its copy's
+    fingerprint and the coordinator refuses any that differs from its own."""
+    import shutil
+
+    from runtime.cluster.ray_backend import _check_copies
+
+    c = Container.open(_demo())
+    same = Path(shutil.copytree(_demo(), tmp_path / "same"))
+    other = Path(shutil.copytree(_demo(), tmp_path / "other"))
+    # another model's weights: what it hashes (config, manifest, each shard's size, header and
+    # tail) differs; here the config (a fine-tune of the same shape gets another manifest)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["rms_norm_eps"] = cfg.get("rms_norm_eps", 1e-6) * 2
+    (other / "config.json").write_text(json.dumps(cfg))
+    infos = []
+    for k, d in enumerate((same, other)):
+        w = ExpertWorker(d, probe_s=0)
+        infos.append({**w.info(), "host": f"h{k}"})
+        w.close()
+    _check_copies(c, infos[:1])  # the same files elsewhere: fine
+    with pytest.raises(ColibriError, match=r"expert-worker-1 on h1 .*other.*not the same model"):
+        _check_copies(c, infos)
 
 
 def test_a_streaming_worker_spreads_its_reads_over_its_mirror(tmp_path: Path) -> None:
