@@ -57,7 +57,14 @@ from storage.errors import (
 from storage.manifest import CONVERT_STATE_NAME, Manifest
 from storage.multidisk.identity import compare_copy_file
 from storage.quant import QTensor, QuantFormat, bf16_to_f32, dequantize, infer_format
-from storage.safetensors import PAD_PREFIX, ShardHeader, TensorInfo, read_header, read_tensor
+from storage.safetensors import (
+    PAD_PREFIX,
+    WRITTEN_BY_COLIBRI,
+    ShardHeader,
+    TensorInfo,
+    read_header,
+    read_tensor,
+)
 
 __all__ = [
     "CONFIG_NAME",
@@ -522,9 +529,11 @@ class Container:
                 )
             )
 
-        # (a container without colibri's manifest may be the C engine's: its group rule first)
+        # (a container without colibri's manifest, whose shards do not say colibri wrote
+        # them, may be the C engine's: its group rule first)
+        ours = any(sh.metadata.get(k) == v for sh in shards for k, v in WRITTEN_BY_COLIBRI.items())
         entries, bad, roles = _index_tensors(
-            d, arch, shards, problems, exact_first=manifest is None
+            d, arch, shards, problems, exact_first=manifest is None and not ours
         )
         experts, bad_experts = _index_experts(arch, entries, bad, roles, problems)
         return cls(

@@ -11,7 +11,8 @@ What it reproduces:
 * a quantized matrix ``X`` is ``X`` U8 1-D plus ``X.qs`` F32 1-D; f32 / bf16 / f16 matrices are
   F32 / BF16 / F16 ``[O, I]``; plain numpy float arrays (norms, router, biases) are F32 with their
   shape, other numpy dtypes keep theirs;
-* no alignment, no padding tensors, no manifest;
+* no alignment, no padding tensors, no manifest; each shard's ``__metadata__`` says colibri
+  wrote it (``{"writer": "colibri"}``: its int4 group sizes follow colibri's rule);
 * shards split at layer boundaries once over ``shard_bytes`` (an expert never straddles shards;
   a single layer larger than ``shard_bytes`` gets a shard of its own).
 
@@ -44,7 +45,7 @@ from storage.container import (
 )
 from storage.errors import ConfigError, ContainerError
 from storage.quant import QTensor
-from storage.safetensors import TensorSpec, write_safetensors
+from storage.safetensors import WRITTEN_BY_COLIBRI, TensorSpec, write_safetensors
 
 __all__ = ["dtype_sort_key", "write_converter_passes", "write_public_container"]
 
@@ -184,11 +185,14 @@ def write_converter_passes(
     source_shard_bytes: int,
     tokenizer_files: Mapping[str, bytes] | None = None,
     generation_config: dict[str, Any] | None = None,
+    metadata: Mapping[str, str] | None = WRITTEN_BY_COLIBRI,
 ) -> list[str]:
     """Write ``tensors`` (already in the formats the passes chose) the way the public
     converter's main, MTP and indexer passes lay out a checkpoint whose source shards are cut
     every ``source_shard_bytes`` (in stored bytes, at unit boundaries). The MTP layer's indexer
-    tensors, if given, are dropped as that converter drops them. Returns the shard names."""
+    tensors, if given, are dropped as that converter drops them. Returns the shard names.
+    ``metadata``: each shard's ``__metadata__`` (None: none, as the C engine's converter
+    writes them; its int4 group sizes are then read by its rule, gs = I / groups)."""
     dst = Path(dst)
     n_layers = int(config["num_hidden_layers"])
     dst.mkdir(parents=True, exist_ok=True)
@@ -227,7 +231,12 @@ def write_converter_passes(
                 key=lambda it: dtype_sort_key(it[0].dtype, it[0].name),
             )
             fname = f"{prefix}{i:05d}.safetensors"
-            write_safetensors(dst / fname, [s for s, _ in items], (a for _, a in items))
+            write_safetensors(
+                dst / fname,
+                [s for s, _ in items],
+                (a for _, a in items),
+                metadata=metadata,
+            )
             written.append(fname)
     (dst / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
     if generation_config is not None:
@@ -242,4 +251,6 @@ def _write_shard(dst: Path, kind: int, counters: list[int], items: list[Item]) -
     path = dst / f"{prefix}{counters[kind]:05d}.safetensors"
     counters[kind] += 1
     items = sorted(items, key=lambda it: dtype_sort_key(it[0].dtype, it[0].name))
-    write_safetensors(path, [s for s, _ in items], (a for _, a in items))
+    write_safetensors(
+        path, [s for s, _ in items], (a for _, a in items), metadata=WRITTEN_BY_COLIBRI
+    )

@@ -26,6 +26,7 @@ from storage.errors import SafetensorsError
 __all__ = [
     "DTYPE_SIZES",
     "PAD_PREFIX",
+    "WRITTEN_BY_COLIBRI",
     "ShardHeader",
     "TensorInfo",
     "TensorSpec",
@@ -35,6 +36,10 @@ __all__ = [
     "read_tensor",
     "write_safetensors",
 ]
+
+# A shard's __metadata__ when colibri's own writer made it without a manifest beside it
+# (storage.public_layout): its int4 group sizes follow colibri's rule, not the C engine's.
+WRITTEN_BY_COLIBRI: dict[str, str] = {"writer": "colibri"}
 
 DTYPE_SIZES: dict[str, int] = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,

@@ -267,13 +267,15 @@ def test_a_group_size_that_divides_the_width_is_read_by_the_c_engine_rule(
     """The C engine's converter writes gs = I / groups: --group-size 48 on the experts'
     down_proj (I = 96) is 2 groups of 48, which colibri's own rule (a power of two first, what
     its converter writes) read as 2 groups of 64: other weights, no error. Without colibri's
-    manifest the C rule goes first."""
+    manifest or its writer's mark the C rule goes first."""
     t = _quantized(floats, _config(), VARIANTS["gs64"])
     down = [n for n in t if ".experts." in n and n.endswith("down_proj.weight")]
     assert down
     for n in down:
         t[n] = quantize(floats[n], "int4-g48")
-    _public(tmp_path / "c", t)
+    # as the C engine's converter writes its shards: no colibri manifest, no metadata
+    write_converter_passes(tmp_path / "c", _config(), t, source_shard_bytes=400_000,
+                           tokenizer_files=_side_files(), metadata=None)  # fmt: skip
     c = Container.open(tmp_path / "c")
     for n in down:
         assert c.entry(n).fmt == QuantFormat("int4", 48), n
