@@ -313,6 +313,15 @@ class Engine:
         container = await anyio.to_thread.run_sync(
             lambda: Container.open(opts.resolved_model(), shard_dirs=opts.model_dirs)
         )
+        unknown = [n for n in container.names() if container.entry(n).role is None]
+        if unknown:
+            # (ignored, as transformers ignores them; a bias the model has no place for
+            # changes nothing here and would there: said once, `coli doctor` lists them all)
+            _log.warning(
+                "tensors colibri does not know are ignored (`coli doctor` lists them)",
+                count=len(unknown),
+                first=unknown[:5],
+            )
         report = _LoadReport(progress)
         model, plan, usage = await _plan(container, opts, report)
         store = None

@@ -643,9 +643,11 @@ def classify(name: str, arch: ArchConfig) -> TensorRole | None:
     proj_bias = _ATTN_BIAS.fullmatch(rest)
     if proj_bias is not None and proj_bias.group(1) not in arch.attention_biases:
         return None  # (a bias the family's attention has no place for: unknown, never applied)
-    if rest.endswith(("norm.weight", "norm.bias", ".bias", "e_score_correction_bias")) or (
-        rest == fam.router
-    ):
+    if rest.endswith((".bias", "_bias")) and rest not in _used_biases(arch):
+        # (a router, expert, shared-expert or norm bias: no family here applies one, and it
+        # was counted known and dropped without a word; as transformers, it is not applied)
+        return None
+    if rest.endswith(("norm.weight", ".bias", "e_score_correction_bias")) or (rest == fam.router):
         if rest == fam.router:
             return TensorRole("f32", (arch.n_routed_experts, h), layer)
         return TensorRole("f32", None, layer, length=_vector_len(rest, arch))
@@ -667,6 +669,18 @@ def classify(name: str, arch: ArchConfig) -> TensorRole | None:
     return TensorRole(
         mat, shape, layer, None, rest.split(".")[-2] if rest.startswith("mlp.") else None
     )
+
+
+def _used_biases(a: ArchConfig) -> frozenset[str]:
+    """The bias tensors (names after ``model.layers.N.``) the model applies: the
+    router's correction bias, the DSA indexer's key-norm bias and the attention projection
+    biases the family and config give (:func:`attention_biases`)."""
+    used = {f"self_attn.{p}.bias" for p in a.attention_biases}
+    if a.family.bias is not None:
+        used.add(a.family.bias)
+    if a.is_mla:
+        used.add("self_attn.indexer.k_norm.bias")
+    return frozenset(used)
 
 
 _HIDDEN_NORMS = frozenset(

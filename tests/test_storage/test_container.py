@@ -585,3 +585,53 @@ def test_a_shard_the_manifest_lists_must_be_present(tmp_path: Path) -> None:
         Container.open(d)
     assert str(mtp[0]) in str(e.value)
     assert any(mtp[0].name in str(p) for p in Container.open(d, strict=False).problems)
+
+
+def test_biases_the_model_has_no_place_for_are_unknown_and_said(tmp_path: Path) -> None:
+    """A router, expert, shared-expert or norm bias (or a correction bias out of its place)
+    was classified known and dropped without a word. They are unknown now: not applied (as
+    transformers builds these models: the logits do not move), listed by the doctor, and
+    Engine.open says so once."""
+    import anyio
+    from _demo import TINY
+    from structlog.testing import capture_logs
+
+    import colibri
+    from storage.doctor import run_doctor
+
+    d = Path(shutil.copytree(TINY, tmp_path / "m"))
+    rng = np.random.default_rng(5)
+    extra = {
+        "model.layers.1.mlp.gate.bias": 16,
+        "model.layers.1.mlp.experts.0.gate_proj.bias": 96,
+        "model.layers.1.mlp.shared_experts.down_proj.bias": 256,
+        "model.layers.1.input_layernorm.bias": 256,
+        "model.layers.1.self_attn.kv_a_layernorm.bias": 64,
+        "model.norm.bias": 256,
+        "model.layers.1.mlp.e_score_correction_bias": 16,  # (its place: mlp.gate.)
+    }
+    arrays = {n: rng.standard_normal(k).astype(np.float32) for n, k in extra.items()}
+    specs = [TensorSpec(n, "F32", a.shape) for n, a in arrays.items()]
+    write_safetensors(d / "out-extra.safetensors", specs, list(arrays.values()))
+    c = Container.open(d)
+    assert [n for n in extra if c.entry(n).role is not None] == []
+    names = [ch for ch in run_doctor(d).checks if ch.name == "names"]
+    assert names and names[0].status == "warn" and "7 tensor name(s)" in names[0].message
+    # the indexer's key-norm bias and the router's correction bias stay known
+    kept = [
+        n
+        for n in c.names()
+        if n.endswith(("k_norm.bias", "e_score_correction_bias")) and n not in extra
+    ]
+    assert any("indexer" in n for n in kept) and any("mlp.gate." in n for n in kept)
+    assert all(c.entry(n).role is not None for n in kept)
+
+    async def logits(path: Path) -> np.ndarray:
+        async with colibri.Engine.open(path) as engine:
+            return await engine.forward([1, 2, 3, 4])
+
+    with capture_logs() as logs:
+        got = anyio.run(logits, d)
+    assert np.array_equal(got, anyio.run(logits, TINY))
+    said = [e for e in logs if "does not know" in e["event"]]
+    assert len(said) == 1 and said[0]["count"] == 7, logs
