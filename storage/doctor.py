@@ -303,11 +303,31 @@ def _check_shards_raw(d: Path) -> Check:
 
 
 def _absent_optional(c: Container) -> frozenset[str]:
-    """The optional tensors (the MTP indexer) this container lacks altogether. A partial MTP
-    indexer is no optional absence: its missing pieces are reported like any other."""
+    """The optional tensors this container lacks altogether: the MTP indexer, or the whole
+    MTP layer (its shards not copied: the model runs, drafting falls back to prompt lookup).
+    A partial MTP layer or indexer is no optional absence: its missing pieces are reported
+    like any other."""
     optional = optional_tensors(c.arch)
     absent = frozenset(n for n in optional if not c.has(n) and n not in c.unusable)
-    return absent if absent == optional else frozenset()
+    out = absent if absent == optional else frozenset()
+    if _mtp_absent(c):
+        out |= frozenset(n for n in expected_tensors(c.arch) if _is_mtp_name(n, c))
+    return out
+
+
+def _is_mtp_name(name: str, c: Container) -> bool:
+    a = c.arch
+    return any(
+        name.startswith(f"model.layers.{k}.") for k in range(a.num_hidden_layers, a.total_layers)
+    )
+
+
+def _mtp_absent(c: Container) -> bool:
+    """The config declares MTP layers and no tensor of any of them is in the container (with
+    every shard readable: an unreadable one may hold them)."""
+    if c.arch.num_mtp_layers == 0 or _problems(c, "shards"):
+        return False
+    return not any(_is_mtp_name(n, c) for n in (*c.names(), *c.unusable))
 
 
 def _check_tensors(c: Container) -> Check:
@@ -400,6 +420,13 @@ def _check_mtp(c: Container) -> Check:
             fmts[e.fmt.name] += 1
             if e.fmt.kind == "int4":
                 int4.append(n)
+    if not fmts and _mtp_absent(c):
+        return Check(
+            "warn",
+            "mtp",
+            f"MTP layer {a.num_hidden_layers} declared but none of its tensors is here (its "
+            "out-mtp-* shards not copied?): the model runs; drafting uses prompt lookup only",
+        )
     if not fmts:
         return Check("warn", "mtp", "MTP layer declared but no MTP matrices found (see tensors)")
     layers = f"layer {a.num_hidden_layers}" + (
