@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import anyio
 import anyio.from_thread
+import anyio.lowlevel
 import anyio.to_thread
 import numpy as np
 import numpy.typing as npt
@@ -502,6 +503,11 @@ class Scheduler:
             raise
         ok, value = box[0]
         if not ok:
+            # A caller cancelled meanwhile (its scope's deadline, which also cancelled the
+            # engine's read tasks and closed the store under this forward) gets its
+            # cancellation, not the "engine is closing" that followed from it (it left
+            # move_on_after as an error)
+            await anyio.lowlevel.checkpoint_if_cancelled()
             raise value
         return value  # type: ignore[no-any-return]
 
