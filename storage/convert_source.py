@@ -368,16 +368,20 @@ def _build_catalog(source: _Source, options: ConvertOptions) -> _Catalog:
         if it.fmt is not None
         and it.fmt.group_size
         and len(it.info.shape) == 2
+        # (a row narrower than one group is one group: the C engine's gs = I / 1 reads it)
+        and it.info.shape[1] > it.fmt.group_size
         and it.info.shape[1] % it.fmt.group_size
     ]
     if ragged:
         first = ragged[0]
         assert first.fmt is not None
         notes.append(
-            f"{len(ragged)} matrices (e.g. {first.name}, {first.info.shape[1]} wide) are not a "
-            f"whole number of {first.fmt} groups per row: colibri reads them (a row's last group "
-            "is shorter), the C engine, which derives the group size from the scale count, "
-            "would not; a group size that divides their width makes a container both read"
+            f"{len(ragged)} {'matrix' if len(ragged) == 1 else 'matrices'} (e.g. {first.name}, "
+            f"{first.info.shape[1]} wide) {'is' if len(ragged) == 1 else 'are'} not a whole "
+            f"number of {first.fmt} groups per row: colibri reads "
+            f"{'it' if len(ragged) == 1 else 'them'} (a row's last group is shorter), the C "
+            "engine, which derives the group size from the scale count, would not; a group size "
+            "that divides the width makes a container both read"
         )
     missing = [n for n in expected_tensors(arch) if n not in tensors]
     optional = optional_tensors(arch)

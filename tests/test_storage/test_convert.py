@@ -25,6 +25,7 @@ from convert_helpers import make_checkpoint, tiny_config
 from safetensors.numpy import load_file
 
 from storage.arch import ArchConfig, classify, expected_tensors
+from storage.container import Container
 from storage.convert import (
     ALIGN,
     DEFAULTS,
@@ -983,6 +984,17 @@ def test_a_width_that_is_not_whole_groups_is_noted(tmp_path: Path) -> None:
     even = ConvertOptions(dense="int4-g16", experts="int4-g16")
     ok = convert(tmp_path / "src", tmp_path / "dst16", even)
     assert not [n for n in ok.notes if "groups per row" in n], ok.notes
+    # g128: the 64-wide matrices are one (short) group, which the C engine reads as such;
+    # only the wider ones that are no whole number of groups are counted (all were)
+    g128 = ConvertOptions(dense="int4-g128", experts="int4-g128")
+    wide = convert(tmp_path / "src", tmp_path / "dst128", g128)
+    (note,) = [n for n in wide.notes if "groups per row" in n]
+    c = Container.open(tmp_path / "dst128")  # (a one-group matrix reads back as int4-row)
+    entries = [c.entry(n) for n in c.names()]
+    widths = [e.shape[1] for e in entries if e.fmt is not None and e.fmt.kind == "int4"]
+    assert min(widths) < 128
+    n = sum(1 for w in widths if w > 128 and w % 128)
+    assert note.startswith(f"{n} {'matrix' if n == 1 else 'matrices'} (e.g."), note
 
 
 def test_a_sliding_window_as_long_as_the_context_is_full_attention(tmp_path: Path) -> None:
