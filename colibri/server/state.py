@@ -153,14 +153,22 @@ class Admission:
     """At most ``parallel`` generations at once and ``queue`` waiting; more are refused with
     429 and a Retry-After estimate. Waiting covers the KV slot too (one request per slot)."""
 
-    def __init__(self, queue: int, parallel: int, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        queue: int,
+        parallel: int,
+        metrics: Metrics,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self.queue = queue
         self.parallel = parallel
         self._sem = anyio.Semaphore(parallel)
         self._metrics = metrics
+        self._clock = clock
         self.waiting = 0
         self.running = 0
         self._recent: deque[float] = deque(maxlen=16)  # seconds per finished generation
+        self._started: dict[int, float] = {}  # running generations' start times, by lease
 
     def reserve(self) -> Ticket:
         """Join the queue now or raise 429 (synchronous: no await between check and join)."""
@@ -181,10 +189,15 @@ class Admission:
         return Ticket(time.perf_counter())
 
     def retry_after(self) -> int:
-        """Seconds until a place is likely free: recent generation time x queue ahead."""
+        """Seconds until a place is likely free: a place opens in the queue when one running
+        generation ends (the first waiting one takes its compute place), so the least time
+        one running is expected to take still, by the recent generations' mean. (It said
+        mean x (waiting + running) / parallel, the time to drain the whole queue: a client
+        told to come back after 16 generations found room after one.)"""
         per = sum(self._recent) / len(self._recent) if self._recent else 1.0
-        ahead = (self.waiting + self.running) / self.parallel
-        return max(1, min(600, math.ceil(per * max(1.0, ahead))))
+        now = self._clock()
+        left = min((per - (now - t) for t in self._started.values()), default=per)
+        return max(1, min(600, math.ceil(left)))
 
     def _leave_queue(self, ticket: Ticket) -> None:
         if ticket.waiting:
@@ -215,12 +228,15 @@ class Admission:
                 self.running += 1
                 self._metrics.running.set(self.running)
                 self._metrics.queue_time.observe(ticket.wait_s)
-                started = time.perf_counter()
+                started = self._clock()
+                key = id(ticket)
+                self._started[key] = started
 
                 def release() -> None:
                     self.running -= 1
                     self._metrics.running.set(self.running)
-                    self._recent.append(time.perf_counter() - started)
+                    self._started.pop(key, None)
+                    self._recent.append(self._clock() - started)
                     self._sem.release()
 
                 lease = Lease(ticket, held, release)

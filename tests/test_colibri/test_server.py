@@ -1114,3 +1114,42 @@ def test_qwen3_coder_and_minimax_m2_tool_calls_are_parsed() -> None:
     # a block calling a tool the request did not declare stays text, as in the other formats
     undeclared = '<minimax:tool_call><invoke name="rm"></invoke></minimax:tool_call>'
     assert parse_tool_calls(undeclared, tools) == (undeclared, [])
+
+
+def test_retry_after_is_when_one_place_frees_not_the_whole_queue() -> None:
+    """Retry-After said mean generation time x (waiting + running) / parallel: the time to
+    drain the whole queue. A place opens when the first running generation ends."""
+    import anyio
+
+    from colibri.server.errors import ApiError
+    from colibri.server.metrics import Metrics
+    from colibri.server.state import Admission
+
+    now = [100.0]
+
+    async def main() -> None:
+        adm = Admission(4, 2, Metrics(lambda: None), clock=lambda: now[0])  # type: ignore[arg-type, return-value]
+        adm._recent.extend([10.0, 10.0])  # generations have taken 10 s
+        async with anyio.create_task_group() as tg:
+            release = anyio.Event()
+
+            async def run(started: float) -> None:
+                now[0] = started
+                t = adm.reserve()
+                async with adm.enter(t, None, None):  # type: ignore[arg-type]  (no slot)
+                    await release.wait()
+
+            tg.start_soon(run, 100.0)  # started at 100 s: 2 s left at 108 s
+            await anyio.sleep(0.01)
+            tg.start_soon(run, 105.0)  # 7 s left
+            await anyio.sleep(0.01)
+            now[0] = 108.0
+            for _ in range(4):
+                adm.reserve()  # the queue of 4 fills
+            with pytest.raises(ApiError) as exc:
+                adm.reserve()
+            assert exc.value.status == 429
+            assert adm.retry_after() == 2  # (was ceil(10 x 6 / 2) = 30)
+            release.set()
+
+    anyio.run(main)
