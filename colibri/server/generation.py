@@ -120,6 +120,7 @@ class Result:
             "prefill_ms",
             "decode_tokens_per_s",
             "total_ms",
+            "score_ms",
         )
         return {k: t[k] for k in keys}
 
@@ -182,6 +183,7 @@ class Generation:
         self._tok = state.tokenizer
         self._text_cache: dict[int, str] = {}
         self._reused: int | None = None  # prompt tokens the KV slot already holds (admit)
+        self._score_s: float | None = None  # prompt_logprobs' seconds (the turn's score_s)
 
     def _token_text(self, tid: int) -> str:
         t = self._text_cache.get(tid)
@@ -209,7 +211,11 @@ class Generation:
         prompt). One forward over the prompt; the first token has no context, so its entry
         holds 0.0 (:func:`completion_logprobs` reports it as null)."""
         ids = self.p.prompt_ids
-        logits = await self.state.engine.forward(ids)  # [T, V]
+        t0 = time.perf_counter()
+        try:
+            logits = await self.state.engine.forward(ids)  # [T, V]
+        finally:
+            self._score_s = (self._score_s or 0.0) + time.perf_counter() - t0
 
         # ``text``: the prompt as sent, which the echo returns: a special token spelled in it
         # ("<|user|>") stands for its spelling there; one the tokenizer added (a BOS) for none.
@@ -342,6 +348,7 @@ class Generation:
             prompt_tokens_reused=reused,
             max_tokens=p.max_tokens,
             queue_wait_s=lease.ticket.wait_s,
+            score_s=self._score_s,
         )
         stream = self._tok.stream()
         stopper = StopMatcher(p.stop)

@@ -267,6 +267,9 @@ class Turn:
     prefill_s: float | None = None
     decode_s: float = 0.0
     total_s: float = 0.0
+    # legacy completions' echo with logprobs: the forward that scored the prompt (before the
+    # generation's own prefill; None: no scoring)
+    score_s: float | None = None
     # the engine's time breakdown over this turn (runtime.scheduler.TimeBreakdown, seconds)
     time: dict[str, float] | None = None
 
@@ -298,6 +301,7 @@ class Turn:
             "prefill_tokens_per_s": prefill_tps,
             "decode_tokens_per_s": decode_tps,
             "total_ms": round(self.total_s * 1000, 3),
+            "score_ms": None if self.score_s is None else round(self.score_s * 1000, 3),
             "time": self.time,
         }
 

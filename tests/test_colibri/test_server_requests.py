@@ -220,6 +220,14 @@ async def test_echo_with_logprobs_scores_the_prompt(client: httpx.AsyncClient) -
     lp = choice["logprobs"]
     assert choice["text"] == prompt and r.json()["usage"]["completion_tokens"] == 0
     assert "".join(lp["tokens"]) == prompt
+    # the scoring forward's time is the turn's (its /profile entry showed none of it)
+    assert r.json()["colibri"]["score_ms"] > 0
+    turn = (await client.get("/profile")).json()["turns"][0]
+    assert (
+        turn["score_ms"] == r.json()["colibri"]["score_ms"] and turn["total_ms"] >= turn["score_ms"]
+    )
+    plain = {"model": "m", "prompt": prompt, "max_tokens": 2}
+    assert (await client.post("/v1/completions", json=plain)).json()["colibri"]["score_ms"] is None
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
     # the reference: the model's own logits over the prompt, log-softmaxed
