@@ -898,30 +898,50 @@ class Engine:
         """Where each routed expert lives now, and how often it was routed (for dashboards).
 
         ``layers``: the MoE layer indices; ``tiers[i][e]``: "ram" (every expert resident),
-        "pinned", "lru" or "disk" (streaming); ``counts[i][e]``: routing selections from the
-        `.coli_usage` history (None when not kept)."""
+        "pinned", "lru" or "disk" (streaming), "worker" (``--ray``: an expert worker holds it;
+        ``owners[i][e]`` says which, by its index); ``counts[i][e]``: routing selections from
+        the `.coli_usage` history (None when not kept)."""
         layers = list(self.container.expert_layers())
         n_experts = int(self.container.arch.n_routed_experts)
         store = self._store
+        cluster = self._cluster
+        if cluster is not None:
+            # the workers hold the experts (the coordinator's own store only serves a failed
+            # worker's: describing it showed a --ray server's experts all "disk")
+            owners = [
+                [int(cluster.owners.get((layer, e), (-1,))[0]) for e in range(n_experts)]
+                for layer in layers
+            ]
+            return {
+                "mode": "cluster",
+                "layers": layers,
+                "n_experts": n_experts,
+                "tiers": [["worker"] * n_experts for _ in layers],
+                "owners": owners,
+                "counts": self._usage_rows(layers),
+            }
         if store is None:
             tiers = [["ram"] * n_experts for _ in layers]
         else:
             where = store.tiers()
             tiers = [[where.get((layer, e), "disk") for e in range(n_experts)] for layer in layers]
-        usage = self._usage
-        counts: list[list[int]] | None = None
-        if usage is not None:
-            counts = [
-                [int(c) for c in usage.counts[layer]] if layer < usage.n_layers else []
-                for layer in layers
-            ]
         return {
             "mode": "resident" if store is None else "streaming",
             "layers": layers,
             "n_experts": n_experts,
             "tiers": tiers,
-            "counts": counts,
+            "counts": self._usage_rows(layers),
         }
+
+    def _usage_rows(self, layers: list[int]) -> list[list[int]] | None:
+        """Routing selections per expert of each of ``layers`` (None: no usage kept)."""
+        usage = self._usage
+        if usage is None:
+            return None
+        return [
+            [int(c) for c in usage.counts[layer]] if layer < usage.n_layers else []
+            for layer in layers
+        ]
 
 
 def _usage_observer(usage: UsageCounts) -> Observer:

@@ -1886,13 +1886,23 @@ def ps(url: str, api_key: str | None, api_key_file: Path | None, as_json: bool) 
     if as_json:
         click.echo(json.dumps(st, indent=2))
         return
-    q, ex = st["queue"], st["engine"]["experts"]
+    q, ex, cl = st["queue"], st["engine"]["experts"], st["engine"].get("cluster")
     click.echo(f"server     {st['url']}  model {st['model']}, context {st['context_length']}")
     click.echo(
         f"queue      {q['running']} running, {q['waiting']} waiting "
         f"(parallel {q['parallel']}, queue limit {q['limit']})"
     )
-    if ex.get("mode") == "streaming":
+    if isinstance(cl, dict) and cl.get("workers"):
+        # --ray: the workers hold the experts (the store described below serves only a failed
+        # worker's: it alone read as "streaming, hit rate 0 %")
+        ws = cl["workers"]
+        alive = sum(1 for w in ws if w.get("alive"))
+        modes = "/".join(sorted({str(w.get("mode") or "?") for w in ws}))
+        click.echo(
+            f"experts    on {len(ws)} expert workers ({alive} alive, {modes}), "
+            f"{sum(int(w.get('fallback_experts', 0)) for w in ws)} computed here instead"
+        )
+    elif ex.get("mode") == "streaming":
         hit = ex.get("hit_rate")
         click.echo(
             f"experts    streaming: {ex.get('pinned', 0)} pinned in all + "

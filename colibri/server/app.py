@@ -65,7 +65,7 @@ __all__ = ["ServerConfig", "create_app", "serve"]
 
 _log = structlog.get_logger(__name__)
 
-TIER_CODES = {"disk": 0, "lru": 1, "pinned": 2, "ram": 3}
+TIER_CODES = {"disk": 0, "lru": 1, "pinned": 2, "ram": 3, "worker": 4}
 
 
 def default_model_name(model_dir: Path) -> str:

@@ -14,10 +14,17 @@
   const PROFILE_MS = 2000;
   const MAX_BACKOFF_MS = 10000;
   const SERIES_LEN = 150;
-  const TIER_ORDER = ["ram", "pinned", "lru", "disk"];
-  const TIER_LABEL = { ram: "RAM (all resident)", pinned: "RAM pinned", lru: "RAM LRU", disk: "disk" };
+  const TIER_ORDER = ["ram", "pinned", "lru", "disk", "worker"];
+  const TIER_LABEL = {
+    ram: "RAM (all resident)", pinned: "RAM pinned", lru: "RAM LRU", disk: "disk",
+    worker: "expert workers (--ray)",
+  };
+  // tiers shown in a legend only when some expert is there
+  const TIER_IF_PRESENT = new Set(["ram", "worker"]);
   // tier code (as in /experts tier_codes) -> base colour
-  const TIER_RGB = { 0: [148, 113, 82], 1: [96, 165, 250], 2: [167, 139, 250], 3: [56, 189, 148] };
+  const TIER_RGB = {
+    0: [148, 113, 82], 1: [96, 165, 250], 2: [167, 139, 250], 3: [56, 189, 148], 4: [244, 182, 76],
+  };
   const TOPIC_RGB = [
     [255, 159, 67], [238, 90, 160], [99, 205, 255], [255, 221, 89],
     [120, 224, 143], [186, 140, 255], [255, 107, 107], [72, 219, 200],
@@ -740,7 +747,9 @@
         ["CPU", m.cpu_model || "unknown"],
         ["cores", m.cpu_count],
         ["RAM", m.ram_total_bytes ? `${fmtBytes(m.ram_total_bytes)} (${fmtBytes(m.ram_available_bytes)} available)` : null],
-        ["experts", ex.mode === "streaming" ? `streaming (${ex.reader || "reader"})` : "all resident in RAM"],
+        ["experts", p.engine.cluster && (p.engine.cluster.workers || []).length
+          ? `on ${p.engine.cluster.workers.length} expert workers (--ray)`
+          : ex.mode === "streaming" ? `streaming (${ex.reader || "reader"})` : "all resident in RAM"],
         ["context", `${p.context_length} tokens`],
         ["expert size", expertSize(m)],
       ]);
@@ -937,9 +946,9 @@
     bar.textContent = "";
     legend.textContent = "";
     if (!ex) return;
-    const counts = { ram: 0, pinned: 0, lru: 0, disk: 0 };
+    const counts = { ram: 0, pinned: 0, lru: 0, disk: 0, worker: 0 };
     // bytes per tier: each expert at its own layer's size (an MTP layer's may be larger)
-    const bytes = { ram: 0, pinned: 0, lru: 0, disk: 0 };
+    const bytes = { ram: 0, pinned: 0, lru: 0, disk: 0, worker: 0 };
     const sizes = ex.layer_expert_bytes || [];
     let allBytes = 0;
     ex.tiers.forEach((row, i) => {
@@ -961,6 +970,7 @@
       bar.appendChild(s);
     }
     for (const t of TIER_ORDER) {
+      if (!counts[t] && t === "worker") continue; // (only under --ray)
       const item = el("span");
       item.appendChild(el("i", `t-${t}`));
       const n = counts[t] || 0;
@@ -1103,7 +1113,7 @@
       b.routedTotal = nRouted;
       canvas.dataset.updates = String(b.updates);
       canvas.dataset.routed = String(nRouted);
-      const mode = ex.mode === "streaming" ? "streaming" : "all resident";
+      const mode = ex.mode === "cluster" ? "on expert workers" : ex.mode === "streaming" ? "streaming" : "all resident";
       b.legend(ex);
       $("brain-title").textContent = `${L} MoE layer${L === 1 ? "" : "s"} × ${E} experts`;
       $("brain-info").textContent = `${(L * E).toLocaleString()} cells · ${mode} · routed since last update: ${nRouted}${counts ? "" : " (no routing counts: learning is off)"}`;
@@ -1117,10 +1127,10 @@
       const legend = $("brain-legend");
       const n = {};
       for (const row of ex.tiers) for (const t of row) n[t] = (n[t] || 0) + 1;
-      const codes = ex.tier_codes || { disk: 0, lru: 1, pinned: 2, ram: 3 };
+      const codes = ex.tier_codes || { disk: 0, lru: 1, pinned: 2, ram: 3, worker: 4 };
       legend.textContent = "";
       for (const t of TIER_ORDER) {
-        if (!n[t] && t === "ram") continue; // "all resident" only shows when it is the case
+        if (!n[t] && TIER_IF_PRESENT.has(t)) continue; // "all resident", workers: only when so
         const item = el("span", "legend-tier");
         item.dataset.tier = t;
         const sw = el("i");

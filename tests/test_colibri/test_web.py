@@ -751,7 +751,25 @@ def test_expert_workers_on_the_dashboard_and_in_metrics(open_page: Any, tmp_path
         rows = page.inner_text("#cluster tbody")
         assert "expert-worker-0" in rows and "expert-worker-1" in rows and "up · resident" in rows
         assert "2 on local" in page.inner_text("#cluster-note")
+        assert "on 2 expert workers" in page.inner_text("#machine")
         p.shot("desktop-cluster")
+        # where the experts are: on the workers (the coordinator's fallback store was
+        # described: every expert "disk", `coli ps` "streaming, hit rate 0 %")
+        ex = httpx.get(srv.url + "/experts", timeout=10).json()
+        assert ex["mode"] == "cluster" and {t for row in ex["tiers"] for t in row} == {"worker"}
+        assert {o for row in ex["owners"] for o in row} == {0, 1}
+        page.goto(srv.url + "/#brain")
+        page.wait_for_function(
+            "() => document.querySelector('#brain-legend').textContent.includes('workers')"
+        )
+        n = len(ex["layers"]) * ex["n_experts"]
+        assert f"expert workers (--ray): {n}" in page.inner_text("#brain-legend")
+        assert "on expert workers" in page.inner_text("#brain-info")
+        from _cli import coli
+
+        ps = coli("ps", "--url", srv.url, home=tmp_path)
+        assert ps.returncode == 0, ps.stderr
+        assert "on 2 expert workers (2 alive, resident)" in ps.stdout, ps.stdout
     finally:
         srv.stop()
 
