@@ -418,7 +418,10 @@ class Engine:
 
         async def run() -> None:
             try:
-                await self._end_turn()
+                # (shielded: an outer deadline that cancels the engine's task group too
+                # must not cut the usage save short, as it never did when this ran inline)
+                with anyio.CancelScope(shield=True):
+                    await self._end_turn()
             except Exception as exc:
                 failed.append(exc)
             finally:
@@ -432,8 +435,7 @@ class Engine:
             except RuntimeError:  # the engine's task group has ended (it is closing)
                 pass
         if not started:  # (closing, or an engine built by hand): here, as it is
-            with anyio.CancelScope(shield=True):
-                await run()
+            await run()
         pending = await settle(done)
         if failed:
             raise failed[0]

@@ -106,3 +106,29 @@ def test_timed_out_calls_never_run_beside_the_next_one(tmp_path: Path) -> None:
 
     ref, got, peak = asyncio.run(main())
     assert got == ref and peak == 1, peak
+
+
+def test_a_deadline_over_the_engine_mid_generation_still_saves_the_turns_usage(
+    tmp_path: Path,
+) -> None:
+    """The turn end (usage save) runs as an engine task: a deadline that cancels the whole
+    Engine.open scope, its task group included, must not cut it short."""
+    import anyio
+
+    from storage.usage import USAGE_FILE
+
+    async def main() -> int:
+        opts = colibri.EngineOptions(learn=True, draft="off", state_dir=tmp_path)
+        n = 0
+        with anyio.CancelScope() as outer:
+            async with colibri.Engine.open(DEMO, options=opts) as engine:
+                async for ev in engine.generate(PROMPT, max_new_tokens=50, stop_token_ids=[]):
+                    if isinstance(ev, TokenEvent):
+                        n += 1
+                        if n == 5:
+                            outer.cancel()
+        return n
+
+    assert anyio.run(main) == 5
+    saved = [p for p in tmp_path.rglob(USAGE_FILE)]
+    assert saved and saved[0].read_text().count("\n") > 2, saved
