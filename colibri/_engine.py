@@ -54,7 +54,7 @@ from runtime.sampling import (
     top_ids,
 )
 from runtime.scheduler import Ahead, Scheduler
-from runtime.settle import settle
+from runtime.settle import run_in_task, run_settled
 from runtime.speculative import CostModel, DraftPolicy, SpecStats, SpeculativeDecoder
 from runtime.speculative.drafts import MAX_PENDING as MTP_HISTORY
 from storage.atomic import remove_leftovers
@@ -310,7 +310,7 @@ class Engine:
             upd["ram_budget"] = ram_budget
         if upd:
             opts = EngineOptions(**{**opts.model_dump(), **upd})
-        container = await anyio.to_thread.run_sync(
+        container = await run_settled(
             lambda: Container.open(opts.resolved_model(), shard_dirs=opts.model_dirs)
         )
         unknown = [n for n in container.names() if container.entry(n).role is None]
@@ -393,7 +393,8 @@ class Engine:
                     # API) ends with this error at its next step instead of waiting forever
                     # for a batcher that is about to stop
                     scheduler.close(ColibriError(_CLOSED))
-                with anyio.CancelScope(shield=True):
+
+                async def close() -> None:
                     if cluster is not None:
                         wait = max(1.0, min(30.0, opts.expert_timeout))
                         await anyio.to_thread.run_sync(lambda: cluster.close(wait))
@@ -403,6 +404,14 @@ class Engine:
                     if scheduler is not None:  # a forward left running ends while the loop runs
                         await scheduler.wait_idle()
                     await anyio.to_thread.run_sync(compute.close)
+
+                # to its end, a second asyncio task.cancel() meanwhile included (it cut the
+                # close short: the reader, its ring and descriptors, and the compute pool
+                # stayed open, a forward could outlive the loop)
+                try:
+                    await run_in_task(tg, close)
+                except BaseException as exc:
+                    error = error if error is not None else exc
                 tg.cancel_scope.cancel()
         if error is not None:
             raise error
@@ -411,36 +420,10 @@ class Engine:
     async def _end_turn_settled(self) -> None:
         """:meth:`_end_turn` as a task of the engine's own, awaited to its end: a caller's
         asyncio task.cancel() went through anyio's shield and cut the usage save (its counts
-        then merged twice) or a re-pin (its reads in flight) short. Its error is raised here;
-        a cancellation that came meanwhile after it."""
-        done = anyio.Event()
-        failed: list[Exception] = []
-
-        async def run() -> None:
-            try:
-                # (shielded: an outer deadline that cancels the engine's task group too
-                # must not cut the usage save short, as it never did when this ran inline)
-                with anyio.CancelScope(shield=True):
-                    await self._end_turn()
-            except Exception as exc:
-                failed.append(exc)
-            finally:
-                done.set()
-
-        started = False
-        if self._tg is not None and not self._closed:
-            try:
-                self._tg.start_soon(run)
-                started = True
-            except RuntimeError:  # the engine's task group has ended (it is closing)
-                pass
-        if not started:  # (closing, or an engine built by hand): here, as it is
-            await run()
-        pending = await settle(done)
-        if failed:
-            raise failed[0]
-        if pending is not None:
-            raise pending
+        then merged twice) or a re-pin (its reads in flight) short; an outer deadline that
+        cancels the engine's task group too does not cut it either (shielded). Its error is
+        raised here; a cancellation that came meanwhile after it."""
+        await run_in_task(None if self._closed else self._tg, self._end_turn)
 
     async def _end_turn(self) -> None:
         """Turn end: save `.coli_usage` atomically (off the loop) and, when enabled, re-pin."""
@@ -677,14 +660,14 @@ class Engine:
             path = self.container.tokenizer_path()
             if path is None:
                 raise ModelError("structured output needs the model's tokenizer.json")
-            self._grammar_tok = await anyio.to_thread.run_sync(
+            self._grammar_tok = await run_settled(
                 TokenGrammar,
                 path,
                 int(self._model.config.vocab_size),
                 list(self.container.eos_token_ids),
             )
         # compiled off the loop: a big grammar takes seconds (a 3.6 MB regex ~1.8 s)
-        matcher: GrammarMatcher = await anyio.to_thread.run_sync(
+        matcher: GrammarMatcher = await run_settled(
             self._grammar_tok.matcher, grammar, limiter=self._grammar_limiter
         )
         return matcher
@@ -998,11 +981,11 @@ async def _plan(
     arch = container.arch
     report = report if report is not None else _LoadReport(None)
     usage = None
-    removed = await anyio.to_thread.run_sync(remove_leftovers, opts.resolved_state_dir())
+    removed = await run_settled(remove_leftovers, opts.resolved_state_dir())
     if removed:
         _log.info("removed temp files of interrupted saves", files=[p.name for p in removed])
     if opts.learn:
-        usage = await anyio.to_thread.run_sync(
+        usage = await run_settled(
             load_usage,
             opts.resolved_state_dir() / USAGE_FILE,
             arch.total_layers,
@@ -1011,7 +994,7 @@ async def _plan(
         )
         if usage is None:
             usage = UsageCounts(arch.total_layers, arch.n_routed_experts)
-    plan = await anyio.to_thread.run_sync(
+    plan = await run_settled(
         lambda: make_plan(
             container,
             opts.ram_budget,
@@ -1027,7 +1010,7 @@ async def _plan(
     # The plan (and so a budget that cannot work) is decided from the container's sizes before
     # anything heavy is read; then the dense part loads, without experts, attached below.
     report("dense weights", 0, 1)
-    model = await anyio.to_thread.run_sync(load_model, container, ResidentExperts(container, []))
+    model = await run_settled(load_model, container, ResidentExperts(container, []))
     report("dense weights", 1, 1)
     if opts.ray is not None:
         # Experts live on the cluster's workers: this process keeps only the transient slots
@@ -1042,8 +1025,8 @@ async def _plan(
         if opts.verify_reads:
             from storage.integrity import load_checksums
 
-            checksums = await anyio.to_thread.run_sync(load_checksums, container.path)
-        model.experts = await anyio.to_thread.run_sync(
+            checksums = await run_settled(load_checksums, container.path)
+        model.experts = await run_settled(
             lambda: ResidentExperts(container, checksums=checksums, progress=report.step("experts"))
         )
     return model, plan.layout, usage
@@ -1078,7 +1061,7 @@ async def _start_store(
         if opts.verify_reads:
             from storage.integrity import load_checksums
 
-            checksums = await anyio.to_thread.run_sync(load_checksums, container.path)
+            checksums = await run_settled(load_checksums, container.path)
         store = ExpertStore(
             container,
             reader,
@@ -1107,7 +1090,7 @@ async def _start_cluster(
 
     assert opts.ray is not None
     worker_model = opts.worker_model if opts.worker_model is not None else opts.resolved_model()
-    cluster = await anyio.to_thread.run_sync(
+    cluster = await run_settled(
         lambda: start_cluster(
             opts.ray or "local",
             opts.expert_workers,

@@ -39,7 +39,7 @@ import numpy.typing as npt
 from runtime.cluster.source import ClusterExperts
 from runtime.kv import KVCache
 from runtime.layers import moe as moe_ops
-from runtime.settle import settle, settled
+from runtime.settle import run_settled, settle, settled
 from runtime.speculative.drafts import HeadGen, HeadRows, run_heads
 from runtime.weights import Guess, Lookahead
 from storage.errors import ColibriError
@@ -440,9 +440,10 @@ class Scheduler:
             self.ctx, self.prefill_ctx = ctx, pre
 
     # ---- the compute thread
-    async def run(self, fn: Callable[..., R], *args: Any) -> R:
+    async def run(self, fn: Callable[..., R], *args: Any, ran: list[bool] | None = None) -> R:
         """``fn(*args)`` on the compute thread, after every forward queued before it; its time
-        goes into ``stats.time`` (:class:`TimeBreakdown`)."""
+        goes into ``stats.time`` (:class:`TimeBreakdown`). ``ran[0]`` is set True when it
+        runs (a caller cancelled before its turn: it never does)."""
         self._check_open()
         # The wait for the compute thread (calls queued before this one) is theirs, not this
         # call's: timed from the moment the thread is this call's (it was counted, and
@@ -452,64 +453,26 @@ class Scheduler:
             t0 = time.perf_counter()
             inside = [0.0]  # seconds on the compute thread (the rest is the hand-off)
             self._calls += 1
+            if ran is None:
+                ran = [False]  # (a call cancelled before its thread took it never runs)
+
+            def call() -> R:
+                assert ran is not None
+                ran[0] = True
+                return self._timed(fn, args, inside)
+
             try:
                 # to its end whatever cancels the caller (an asyncio task.cancel() made
                 # to_thread return with its forward still running, and the next one start
                 # beside it: two forwards on one expert store hung the engine)
-                return await self._on_thread(fn, args, inside)
+                return await run_settled(call, limiter=self._thread)
             finally:
                 self._calls -= 1
-                wall = time.perf_counter() - t0
-                self.stats.compute_seconds += wall
-                self.stats.forward_calls += 1
-                self.stats.time.other_s += max(0.0, wall - inside[0])
-
-    async def _on_thread(
-        self, fn: Callable[..., R], args: tuple[Any, ...], inside: list[float]
-    ) -> R:
-        """:meth:`_timed` on an anyio worker thread, waited for to its end: an asyncio
-        ``task.cancel()`` makes ``to_thread.run_sync`` return while the thread still runs
-        (the thread then says when it is done, and the cancellation is raised after)."""
-        done = anyio.Event()
-        box: list[tuple[bool, Any]] = []
-        # who goes first: the thread starting the call, or the caller giving it up (a
-        # cancellation before the thread took it: it never runs, and nobody sets `done`)
-        claim = threading.Lock()
-        state = ["queued"]  # -> "running" (the thread's) or "dropped" (the caller's)
-
-        def target() -> None:
-            with claim:
-                if state[0] == "dropped":
-                    return
-                state[0] = "running"
-            try:
-                box.append((True, self._timed(fn, args, inside)))
-            except BaseException as exc:
-                box.append((False, exc))
-            finally:
-                try:
-                    anyio.from_thread.run_sync(done.set)
-                except Exception:  # the event loop is gone: nobody waits any more
-                    pass
-
-        try:
-            await anyio.to_thread.run_sync(target, limiter=self._thread)
-        except anyio.get_cancelled_exc_class():
-            with claim:
-                started = state[0] == "running"
-                state[0] = "running" if started else "dropped"
-            if started:
-                await settle(done)
-            raise
-        ok, value = box[0]
-        if not ok:
-            # A caller cancelled meanwhile (its scope's deadline, which also cancelled the
-            # engine's read tasks and closed the store under this forward) gets its
-            # cancellation, not the "engine is closing" that followed from it (it left
-            # move_on_after as an error)
-            await anyio.lowlevel.checkpoint_if_cancelled()
-            raise value
-        return value  # type: ignore[no-any-return]
+                if ran[0]:  # (one that never ran is no call: it was counted all the same)
+                    wall = time.perf_counter() - t0
+                    self.stats.compute_seconds += wall
+                    self.stats.forward_calls += 1
+                    self.stats.time.other_s += max(0.0, wall - inside[0])
 
     async def wait_idle(self, poll_s: float = 0.005) -> None:
         """Until nothing runs on the compute thread. A forward whose caller was torn down
@@ -557,10 +520,12 @@ class Scheduler:
         for i in range(0, int(ids.size), self.prefill_chunk):
             part = ids[i : i + self.prefill_chunk]
             # counted as a prompt's prefill (its steps, seconds, reads and tokens): it is one
-            with self._as_prefill([StepRequest(cache, anyio.Event(), ids=part, prefill=True)]):
+            chunk = StepRequest(cache, anyio.Event(), ids=part, prefill=True)
+            with self._as_prefill([chunk]) as ran:
                 outs.append(
                     await self.run(
-                        lambda p=part: self.model.forward_batch([p], [cache], ctx=self.ctx)[0]
+                        lambda p=part: self.model.forward_batch([p], [cache], ctx=self.ctx)[0],
+                        ran=ran,
                     )
                 )
             self.stats.prefill_chunks += 1
@@ -606,14 +571,16 @@ class Scheduler:
     async def _prefill_run(self, batch: list[StepRequest]) -> None:
         """Event loop: one prefill step over ``batch`` (:meth:`_prefill_step`), counted as
         prefill (:meth:`_as_prefill`)."""
-        with self._as_prefill(batch):
-            await self.run(self._prefill_step, batch)
+        with self._as_prefill(batch) as ran:
+            await self.run(self._prefill_step, batch, ran=ran)
 
     @contextlib.contextmanager
-    def _as_prefill(self, chunks: Sequence[StepRequest]) -> Iterator[None]:
+    def _as_prefill(self, chunks: Sequence[StepRequest]) -> Iterator[list[bool]]:
         """A step that computes prefill ``chunks``: the store's prefill admission on while it
         runs (when a chunk has several rows), its time and expert reads counted once in the
-        prefill counters."""
+        prefill counters, if it ran (the ``ran`` flag it gives goes to :meth:`run`: a step
+        whose caller was cancelled before its turn was counted all the same)."""
+        ran = [False]
         store, st = self.store, self.stats
         t0 = time.perf_counter()
         bytes0 = store.stats.bytes_read if store is not None else 0
@@ -621,12 +588,13 @@ class Scheduler:
         try:
             if store is not None and any(r.ids is not None and r.ids.size > 1 for r in chunks):
                 store.prefill = True
-            yield
+            yield ran
         finally:
             if store is not None:
                 store.prefill = False
-            st.prefill_steps += 1
-            st.prefill_seconds += time.perf_counter() - t0
+            if ran[0]:
+                st.prefill_steps += 1
+                st.prefill_seconds += time.perf_counter() - t0
             if store is not None:
                 st.prefill_bytes_read += store.stats.bytes_read - bytes0
                 st.prefill_expert_reads += store.stats.experts_read - reads0
@@ -882,8 +850,8 @@ class Scheduler:
         if not chunks:
             return await self.run(self._batch_step, batch)
         self.stats.mixed_steps += 1
-        with self._as_prefill(chunks):
-            return await self.run(self._batch_step, batch, chunks)
+        with self._as_prefill(chunks) as ran:
+            return await self.run(self._batch_step, batch, chunks, ran=ran)
 
     def _each_alone(
         self, live: list[StepRequest], chunks: Sequence[StepRequest], starts: list[int]

@@ -288,13 +288,18 @@ class _UringReader(_ReaderBase):
         if self._closed:
             return
         self._closed = True
-        with anyio.CancelScope(shield=True):
-            await self._drain_all()
-        if self._fixed:
-            try:
-                self._ring.unregister_buffers()
-            except OSError:
-                pass
-        self._ring.close()
-        os.close(self._efd)
-        self._files.close_all()
+        try:
+            with anyio.CancelScope(shield=True):
+                await self._drain_all()
+        finally:
+            # released even when the drain was cut (an asyncio task.cancel() goes through the
+            # shield): the ring, its eventfd and the files stayed open for the process's life
+            # (and a later aclose returned at once)
+            if self._fixed:
+                try:
+                    self._ring.unregister_buffers()
+                except OSError:
+                    pass
+            self._ring.close()
+            os.close(self._efd)
+            self._files.close_all()

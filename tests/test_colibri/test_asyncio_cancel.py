@@ -7,7 +7,9 @@ the next one (two forwards on one expert store: the engine hung for good)."""
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _demo import demo_model
@@ -132,3 +134,203 @@ def test_a_deadline_over_the_engine_mid_generation_still_saves_the_turns_usage(
     assert anyio.run(main) == 5
     saved = [p for p in tmp_path.rglob(USAGE_FILE)]
     assert saved and saved[0].read_text().count("\n") > 2, saved
+
+
+def _fds() -> dict[str, int]:
+    out: dict[str, int] = {}
+    for f in os.listdir("/proc/self/fd"):
+        try:
+            name = os.readlink(f"/proc/self/fd/{f}").rsplit("/", 1)[-1].split(":")[0]
+        except OSError:
+            continue
+        out[name] = out.get(name, 0) + 1
+    return out
+
+
+def test_a_second_cancel_while_the_engine_closes_still_closes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A service shutting down cancels the task holding Engine.open, and a second
+    task.cancel() lands while the engine closes (asyncio.run cancelling what is left, a
+    shutdown handler twice): it cut the close short, and every time the io_uring ring, its
+    eventfd, the shards' descriptors and the compute pool's threads stayed behind."""
+    import threading
+
+    import runtime.experts as experts_mod
+    from colibri import ColibriError
+
+    host: list[asyncio.Future[None]] = []
+    plain = experts_mod.ExpertStore.begin_close
+
+    def begin_close(self: experts_mod.ExpertStore, err: ColibriError) -> None:
+        asyncio.get_running_loop().call_soon(host[-1].cancel)  # the second cancel
+        plain(self, err)
+
+    monkeypatch.setattr(experts_mod.ExpertStore, "begin_close", begin_close)
+
+    async def one(engine: colibri.Engine) -> str:
+        try:
+            while True:
+                await _run(engine, [1, 2, 3], 60)
+        except ColibriError as exc:
+            return str(exc)
+
+    async def main() -> list[tuple[int, dict[str, int]]]:
+        seen = []
+        for _ in range(4):
+            ready, gens = asyncio.Event(), []
+
+            async def hold(ready: asyncio.Event = ready, gens: list[Any] = gens) -> None:
+                opts = colibri.EngineOptions(learn=False, max_batch=4, state_dir=tmp_path)
+                # (the bundled demo model: its experts stream at this budget, io_uring)
+                async with colibri.Engine.open(None, ram_budget="16MiB", options=opts) as e:
+                    gens.extend(asyncio.ensure_future(one(e)) for _ in range(2))
+                    ready.set()
+                    await asyncio.sleep(1000)
+
+            host.append(asyncio.ensure_future(hold()))
+            await ready.wait()
+            await asyncio.sleep(0.3)
+            host[-1].cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await host[-1]
+            ended = await asyncio.wait_for(asyncio.gather(*gens), 60)
+            assert all("closed" in m for m in ended), ended
+            await asyncio.sleep(0.2)
+            seen.append((threading.active_count(), _fds()))
+        return seen
+
+    seen = asyncio.run(main())
+    assert seen[1] == seen[-1], seen  # nothing piles up from one engine to the next
+    assert not any("safetensors" in k for k in seen[-1][1]), seen[-1]
+
+
+def test_an_open_timed_out_by_wait_for_waits_for_its_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """asyncio.wait_for around Engine.open returned the timeout while the experts went on
+    loading in a worker thread (tens of GB of a large model read after the caller was told
+    the open was cancelled; a retry loaded a second copy beside it)."""
+    import time
+
+    import runtime.weights as weights_mod
+
+    plain = weights_mod.ResidentExperts.__init__
+    log: list[tuple[str, float]] = []
+
+    def slow(
+        self: weights_mod.ResidentExperts, container: object, *a: object, **kw: object
+    ) -> None:
+        if a and a[0] == []:  # (the empty source load_model gets)
+            plain(self, container, *a, **kw)  # type: ignore[arg-type]
+            return
+        log.append(("start", time.perf_counter()))
+        time.sleep(1.0)
+        plain(self, container, *a, **kw)  # type: ignore[arg-type]
+        log.append(("end", time.perf_counter()))
+
+    monkeypatch.setattr(weights_mod.ResidentExperts, "__init__", slow)
+
+    async def main() -> float:
+        async def opener() -> None:
+            opts = colibri.EngineOptions(learn=False, state_dir=tmp_path)
+            async with colibri.Engine.open(DEMO, options=opts):
+                pass
+
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(opener(), 0.5)
+        return time.perf_counter()
+
+    back = asyncio.run(main())
+    assert [k for k, _ in log] == ["start", "end"] and log[1][1] <= back, (log, back)
+
+
+def test_native_cancels_keep_one_grammar_compile_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Generations cancelled by wait_for while their grammar compiled freed the compile
+    limiter with the compile still running: four big schemas compiled at once."""
+    import threading
+    import time
+
+    from runtime.grammar import TokenGrammar
+
+    plain = TokenGrammar.matcher
+    lock, now, peak = threading.Lock(), [0], [0]
+
+    slow_on = [True]
+
+    def slow(self: TokenGrammar, grammar: object) -> object:
+        if not slow_on[0]:
+            return plain(self, grammar)  # type: ignore[arg-type]
+        with lock:
+            now[0] += 1
+            peak[0] = max(peak[0], now[0])
+        try:
+            time.sleep(0.5)
+            return plain(self, grammar)  # type: ignore[arg-type]
+        finally:
+            with lock:
+                now[0] -= 1
+
+    monkeypatch.setattr(TokenGrammar, "matcher", slow)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+    async def main() -> None:
+        opts = colibri.EngineOptions(learn=False, draft="off", state_dir=tmp_path)
+        async with colibri.Engine.open(DEMO, options=opts) as engine:
+
+            async def gen(k: int) -> None:
+                spec = colibri.GrammarSpec("json_schema", {**schema, "title": f"s{k}"})
+                async for _ in engine.generate([1, 2, 3], max_new_tokens=4, grammar=spec):
+                    pass
+
+            slow_on[0] = False
+            await gen(99)  # (the tokenizer's grammar tables, built once, not slowed)
+            slow_on[0] = True
+
+            tasks = []
+            for k in range(4):  # each one's compile starts while the one before still runs
+                tasks.append(asyncio.ensure_future(asyncio.wait_for(gen(k), 0.1)))
+                await asyncio.sleep(0.15)
+            for t in tasks:
+                with pytest.raises(TimeoutError):
+                    await t
+            await asyncio.sleep(2.5)  # (what was started ends)
+
+    asyncio.run(main())
+    assert peak[0] == 1, peak
+
+
+def test_calls_cancelled_before_their_turn_are_not_counted(tmp_path: Path) -> None:
+    """Engine.forward calls cancelled (task.cancel) before they reached the compute thread
+    were counted as forward calls and prefill steps all the same."""
+
+    async def main() -> tuple[dict[str, int], int]:
+        opts = colibri.EngineOptions(learn=False, state_dir=tmp_path)
+        async with colibri.Engine.open(DEMO, options=opts) as engine:
+            sched = engine._scheduler
+            ran = [0]
+            timed = sched._timed
+
+            def counted(*args: object) -> object:
+                ran[0] += 1
+                return timed(*args)  # type: ignore[arg-type]
+
+            sched._timed = counted  # type: ignore[method-assign]
+            before = engine.stats()
+            for turns in range(6):
+                for _ in range(4):
+                    t = asyncio.ensure_future(engine.forward([1, 2, 3]))
+                    for _ in range(turns):
+                        await asyncio.sleep(0)
+                    t.cancel()
+                    try:
+                        await t
+                    except asyncio.CancelledError:
+                        pass
+            after = engine.stats()
+            return {k: after[k] - before[k] for k in ("forward_calls", "prefill_steps")}, ran[0]
+
+    got, ran = asyncio.run(main())
+    assert got == {"forward_calls": ran, "prefill_steps": ran}, (got, ran)
