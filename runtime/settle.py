@@ -63,7 +63,9 @@ async def run_settled(
     done = anyio.Event()
     box: list[tuple[bool, Any]] = []
     claim = threading.Lock()
-    state = ["queued"]  # -> "running" (the thread's) or "dropped" (the caller's)
+    # queued -> running -> finished (the thread's moves); queued -> dropped and running ->
+    # waiting (the caller's, when cancelled): who came first, the claim lock decides
+    state = ["queued"]
 
     def target() -> None:
         with claim:
@@ -75,10 +77,14 @@ async def run_settled(
         except BaseException as exc:
             box.append((False, exc))
         finally:
-            try:
-                anyio.from_thread.run_sync(done.set)
-            except Exception:  # the event loop is gone: nobody waits any more
-                pass
+            with claim:
+                waited = state[0] == "waiting"
+                state[0] = "finished"
+            if waited:  # (only then: a hop to the loop per call, which every step paid)
+                try:
+                    anyio.from_thread.run_sync(done.set)
+                except Exception:  # the event loop is gone: nobody waits any more
+                    pass
 
     # ``limiter`` held here, to the thread's end (to_thread.run_sync's own is given back as a
     # native cancellation unwinds it: the next call started beside the one still running)
@@ -89,9 +95,11 @@ async def run_settled(
             await anyio.to_thread.run_sync(target, limiter=anyio.CapacityLimiter(1))
         except anyio.get_cancelled_exc_class():
             with claim:
-                started = state[0] == "running"
-                state[0] = "running" if started else "dropped"
-            if started:
+                if state[0] == "queued":
+                    state[0] = "dropped"  # it never runs
+                elif state[0] == "running":
+                    state[0] = "waiting"  # it says when it is done
+            if state[0] == "waiting":
                 await settle(done)
             raise
     ok, value = box[0]
