@@ -14,12 +14,16 @@ Shape legend: N workers, key = (layer, expert).
 
 from __future__ import annotations
 
+import ctypes
+import importlib
 import logging
 import os
+import signal
 import socket
 import weakref
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +56,63 @@ def _ray() -> Any:
             "--ray needs Ray: pip install -e '.[ray]' (or pip install 'ray>=2.40')"
         ) from exc
     return ray
+
+
+def _sigterm_action() -> tuple[Any, Any] | None:
+    """The process's SIGTERM disposition as the C library holds it (libc and an opaque
+    ``struct sigaction``), for :func:`_ray_init_signals`; None where it cannot be read."""
+    if os.name != "posix":
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        action = ctypes.create_string_buffer(1024)  # larger than any platform's struct
+        if libc.sigaction(int(signal.SIGTERM), None, action) != 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+    return libc, action
+
+
+@contextmanager
+def _ray_init_signals() -> Iterator[None]:
+    """Signals across ``ray.init``, which starts Ray's processes (GCS, raylet, agents, and the
+    workers the raylet starts in turn) and its core worker in this process.
+
+    - Ray's processes do not inherit this thread's blocked signals. A process starts with the
+      mask of the thread that forked it, and an engine thread blocks SIGINT and SIGTERM (so
+      that they reach the main thread): every Ray process, the expert workers included,
+      blocked SIGTERM, and ``ray.shutdown`` waited a second on each before its SIGKILL (5 s
+      to exit after a signal). This thread's mask is put back after init.
+    - This process keeps its SIGTERM handler. The core worker installs its C++ failure
+      handler for SIGTERM in the whole process, over Python's: a SIGTERM then printed
+      "*** SIGTERM received" and aborted (status 134) with nothing closed, the Ray it
+      started left running, where `coli` exits 143 after its clean-up. Ray's own switch
+      (``RAY_DISABLE_FAILURE_SIGNAL_HANDLER``, read when init creates the core worker) keeps
+      it out of this process only (Ray's processes keep theirs); for a Ray without it the
+      disposition the process had is put back once init returns."""
+    stop = {signal.SIGINT, signal.SIGTERM}
+    mask = (
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, stop)
+        if hasattr(signal, "pthread_sigmask")
+        else None
+    )
+    consts: Any = None
+    with suppress(ImportError):  # (another layout: only the restore below)
+        consts = importlib.import_module("ray._private.ray_constants")
+    had = getattr(consts, "RAY_DISABLE_FAILURE_SIGNAL_HANDLER", None)
+    if had is not None:
+        consts.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
+    saved = _sigterm_action()
+    try:
+        yield
+    finally:
+        if had is not None:
+            consts.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = had
+        if saved is not None:
+            libc, action = saved
+            libc.sigaction(int(signal.SIGTERM), action, None)
+        if mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def head_endpoint(address: str) -> tuple[str, int] | None:
@@ -302,7 +363,8 @@ def start_cluster(
             check_reachable(address)
             kw.update(address=address)
         try:
-            ray.init(**kw)
+            with _ray_init_signals():
+                ray.init(**kw)
         except Exception as exc:
             raise ColibriError(f"could not start or join Ray at {address!r}: {exc}") from exc
         started = True

@@ -3,7 +3,12 @@ addresses refused with one clear line."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -71,6 +76,95 @@ def test_workers_on_another_model_are_one_clear_error(tmp_path: Path) -> None:
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "not the same model files" in errors[0], r.stderr
     assert "expert-worker-0" in errors[0] and "Traceback" not in r.stderr
+
+
+# ----------------------------------------------------------------------------- signals
+
+# From the signal to the exit: the clean-up stops the workers and the Ray the command started
+# (Ray's shutdown gives each of its processes up to a second); loaded CI machines are slower.
+EXIT_WITHIN_S = 10.0
+
+
+def _coli_in_own_session(home: Path, *args: str) -> tuple[subprocess.Popen[str], list[str]]:
+    """``coli ARGS`` in a session of its own (Ray's processes, started by it, join it) with
+    its stderr lines collected as they come."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COLI_")}
+    env["HOME"] = str(home)
+    env["OMP_WAIT_POLICY"] = "PASSIVE"
+    p = subprocess.Popen([sys.executable, "-m", "colibri.cli", *args], env=env, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         start_new_session=True)  # fmt: skip
+    lines: list[str] = []
+
+    def read() -> None:
+        assert p.stderr is not None
+        lines.extend(iter(p.stderr.readline, ""))
+
+    threading.Thread(target=read, daemon=True).start()
+    return p, lines
+
+
+def _session(sid: int) -> list[str]:
+    """The live processes of session ``sid`` ("pid name")."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        name, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :]
+        state, _ppid, _pgrp, session = rest.split()[:4]
+        if int(session) == sid and state not in "ZX":
+            out.append(f"{d.name} {name}")
+    return out
+
+
+def _signal_and_wait(p: subprocess.Popen[str], sig: int) -> tuple[int, float]:
+    """Send ``sig``; the exit status and how long the command took to end."""
+    assert len(_session(p.pid)) >= 3, _session(p.pid)  # the command, Ray's GCS and raylet, ...
+    p.send_signal(sig)
+    t0 = time.monotonic()
+    try:
+        code = p.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        code = -999
+    return code, time.monotonic() - t0
+
+
+def _left_after(sid: int, seconds: float) -> list[str]:
+    """The processes of session ``sid`` still there after ``seconds`` (then killed)."""
+    end = time.monotonic() + seconds
+    while (left := _session(sid)) and time.monotonic() < end:
+        time.sleep(0.2)
+    for line in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(line.split()[0]), signal.SIGKILL)
+    return left
+
+
+@pytest.mark.reliability
+def test_sigterm_ends_a_ray_run_cleanly_and_stops_its_ray(tmp_path: Path) -> None:
+    """SIGTERM to `coli run --ray local` mid-generation: Ray's init had put its own SIGTERM
+    handler in the process, which aborted it (status 134, "*** SIGTERM received", nothing
+    closed, Ray's processes left behind). It exits 143 after its clean-up, as without --ray,
+    with the Ray it started stopped."""
+    p, lines = _coli_in_own_session(
+        tmp_path, "run", "--ray", "local", "--expert-workers", "2",
+        "-n", "400", "-t", "1", "--seed", "1", "a story about a bird",
+    )  # fmt: skip
+    try:
+        assert p.stdout is not None
+        assert p.stdout.read(1), "".join(lines)  # decoding has begun
+        code, took = _signal_and_wait(p, signal.SIGTERM)
+    finally:
+        left = _left_after(p.pid, 5.0)
+    err = "".join(lines)
+    assert code == 143, (code, err[-3000:])
+    assert "Traceback" not in err and "SIGTERM received" not in err, err[-3000:]
+    assert took < EXIT_WITHIN_S, (took, err[-2000:])
+    assert not left, left
 
 
 def _closed_port() -> int:

@@ -210,6 +210,46 @@ def test_a_streaming_worker_spreads_its_reads_over_its_mirror(tmp_path: Path) ->
         w.close()
 
 
+# ----------------------------------------------------------------------------- starting
+
+
+def test_ray_init_keeps_the_sigterm_handler_and_starts_ray_unblocked() -> None:
+    """Across ``ray.init``: Ray's core worker put its C++ failure handler on SIGTERM in the
+    whole process (a SIGTERM then aborted it, 134, where `coli` exits 143 after its
+    clean-up), and Ray's processes, started from an engine thread that blocks SIGTERM,
+    blocked it too (each then waited a second for SIGKILL at shutdown, agents outlived it).
+    Ray is not started here: what its init does to the process is (an OS-level handler)."""
+    import ctypes
+    import subprocess
+
+    from runtime.cluster.ray_backend import _ray_init_signals
+
+    libc = ctypes.CDLL(None)
+    libc.signal.restype = ctypes.c_void_p
+    libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    got: list[int] = []
+    old = signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # as an engine thread
+    try:
+        try:
+            with _ray_init_signals():
+                libc.signal(signal.SIGTERM, 1)  # SIG_IGN behind Python's back, as Ray's does
+                child = subprocess.run(["cat", "/proc/self/status"], capture_output=True,
+                                       text=True, check=True).stdout  # fmt: skip
+            assert signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        blocked = int(next(x for x in child.splitlines() if x.startswith("SigBlk:")).split()[1], 16)
+        assert not blocked >> (signal.SIGTERM - 1) & 1, hex(blocked)  # Ray's children take it
+        os.kill(os.getpid(), signal.SIGTERM)  # Python's handler again, not the one put there
+        end = time.monotonic() + 5
+        while not got and time.monotonic() < end:
+            time.sleep(0.01)
+        assert got == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 # ----------------------------------------------------------------------------- on Ray
 
 
