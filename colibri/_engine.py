@@ -71,6 +71,9 @@ ENGINE_ID = "colibri-py-1"
 R = TypeVar("R")
 # After Ctrl-C, how long SyncModel.call waits for the cancelled work to wind down.
 CANCEL_WAIT_S = 30.0
+#: how long a cancelled open waits for its cluster start to stop the Ray it started (a
+#: ``ray.init`` under way is not interruptible: seconds on a loaded machine)
+CLUSTER_STOP_WAIT_S = 30.0
 USAGE_FILE = ".coli_usage"
 _log = structlog.get_logger("colibri.engine")
 
@@ -1090,22 +1093,46 @@ async def _start_cluster(
 
     assert opts.ray is not None
     worker_model = opts.worker_model if opts.worker_model is not None else opts.resolved_model()
-    cluster = await run_settled(
-        lambda: start_cluster(
-            opts.ray or "local",
-            opts.expert_workers,
-            container,
-            model=str(worker_model),
-            model_dirs=[str(d) for d in opts.model_dirs],
-            mirrors=[str(m) for m in opts.mirror],
-            reader=opts.reader,
-            worker_ram=opts.worker_ram,
-            worker_threads=opts.worker_threads,
-            state_dir=str(opts.resolved_state_dir() / "cluster"),
-            kernels=opts.kernels,
-            verify_reads=opts.verify_reads,
-        )
-    )
+    cancelled, finished = threading.Event(), threading.Event()
+    started: list[RayCluster] = []
+
+    def start() -> RayCluster:
+        try:
+            started.append(
+                start_cluster(
+                    opts.ray or "local",
+                    opts.expert_workers,
+                    container,
+                    model=str(worker_model),
+                    model_dirs=[str(d) for d in opts.model_dirs],
+                    mirrors=[str(m) for m in opts.mirror],
+                    reader=opts.reader,
+                    worker_ram=opts.worker_ram,
+                    worker_threads=opts.worker_threads,
+                    state_dir=str(opts.resolved_state_dir() / "cluster"),
+                    kernels=opts.kernels,
+                    verify_reads=opts.verify_reads,
+                    cancelled=cancelled,
+                )
+            )
+            return started[0]
+        finally:
+            finished.set()
+
+    try:
+        # (abandoned on cancellation: the wait below is what stops it)
+        cluster = await anyio.to_thread.run_sync(start, abandon_on_cancel=True)
+    except BaseException:
+        # Cancelled (Ctrl-C, SIGTERM, a deadline) while Ray started or the workers loaded:
+        # the start stops its workers and the Ray it began before the open ends. Left running
+        # in its thread, the process exited under it and Ray's processes outlived it (its
+        # agents for a minute); a start that finished meanwhile is closed here.
+        cancelled.set()
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(finished.wait, CLUSTER_STOP_WAIT_S)
+            if started:
+                await anyio.to_thread.run_sync(lambda: started[0].close(1.0))
+        raise
     mine = kernel_info(mode=opts.kernels).as_dict()
     for info in cluster.infos:
         theirs = info.get("kernels", {})

@@ -20,6 +20,8 @@ import logging
 import os
 import signal
 import socket
+import threading
+import time
 import weakref
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -36,7 +38,7 @@ from storage.container import Container
 from storage.errors import ColibriError
 from storage.kvfile import model_identity
 
-__all__ = ["RayCluster", "RayLink", "start_cluster"]
+__all__ = ["RayCluster", "RayLink", "StartCancelled", "start_cluster"]
 
 _log = structlog.get_logger(__name__)
 
@@ -46,6 +48,12 @@ START_TIMEOUT_S = 600.0  # workers loading their share (reading GBs) may take mi
 REACH_TIMEOUT_S = 5.0  # a head node that does not answer a TCP connect in this long is down
 GCS_PORT = 6379  # Ray's default head port (an address without one)
 CLIENT_PORT = 10001  # Ray client's default port (ray://host)
+START_POLL_S = 0.1  # a start waiting on its workers looks this often whether it was cancelled
+
+
+class StartCancelled(ColibriError):
+    """The caller of :func:`start_cluster` gave up (Ctrl-C, SIGTERM, a cancelled open): the
+    workers started so far are stopped, and the Ray the start began with it."""
 
 
 def _ray() -> Any:
@@ -323,6 +331,26 @@ def _check_copies(container: Container, infos: Sequence[dict[str, Any]]) -> None
         )
 
 
+def _check_cancelled(cancelled: threading.Event | None) -> None:
+    if cancelled is not None and cancelled.is_set():
+        raise StartCancelled("the start of the expert workers was cancelled")
+
+
+def _gather(ray: Any, refs: list[Any], cancelled: threading.Event | None) -> list[Any]:
+    """``ray.get(refs)`` within ``START_TIMEOUT_S``, giving up (:class:`StartCancelled`) within
+    ``START_POLL_S`` of ``cancelled`` being set: a start left waiting on its workers in a
+    thread nobody waits for any more kept the Ray it started running past the process."""
+    end = time.monotonic() + START_TIMEOUT_S
+    pending = list(refs)
+    while pending:
+        _check_cancelled(cancelled)
+        left = end - time.monotonic()
+        if left <= 0:
+            break  # (ray.get below raises its GetTimeoutError)
+        _, pending = ray.wait(pending, num_returns=len(pending), timeout=min(START_POLL_S, left))
+    return list(ray.get(refs, timeout=0 if pending else None))
+
+
 def start_cluster(
     address: str,
     n_workers: int,
@@ -337,9 +365,15 @@ def start_cluster(
     state_dir: str | None = None,
     kernels: str = "exact",
     verify_reads: bool = False,
+    cancelled: threading.Event | None = None,
 ) -> RayCluster:
     """Start ``n_workers`` expert workers on Ray (``address``: ``"local"`` or a cluster address)
-    and give each its share of ``container``'s experts. Blocking (run it off the event loop)."""
+    and give each its share of ``container``'s experts. Blocking (run it off the event loop).
+
+    ``cancelled``: set by a caller that gives up (its open cancelled, the program interrupted);
+    the start then stops its workers and the Ray it started, and raises
+    :class:`StartCancelled` (looked at every ``START_POLL_S`` while the workers load, and once
+    ``ray.init``, which cannot be interrupted, returns)."""
     if n_workers < 1:
         raise ColibriError(f"--expert-workers must be >= 1, got {n_workers}")
     ray = _ray()
@@ -368,28 +402,30 @@ def start_cluster(
         except Exception as exc:
             raise ColibriError(f"could not start or join Ray at {address!r}: {exc}") from exc
         started = True
-    actor_cls = ray.remote(ExpertWorker).options(
-        max_restarts=-1,
-        max_task_retries=0,
-        num_cpus=0,  # the workers' own threads do the work; Ray's CPU slots would only block
-        scheduling_strategy="SPREAD",
-    )
-    actors = []
-    for i in range(n_workers):
-        worker_state = None if state_dir is None else os.path.join(state_dir, f"worker-{i}")
-        actors.append(
-            actor_cls.remote(
-                model,
-                model_dirs=list(model_dirs),
-                mirrors=list(mirrors),
-                reader=reader,
-                state_dir=worker_state,
-                kernels=kernels,
-                verify_reads=verify_reads,
-            )
-        )
+    actors: list[Any] = []
     try:
-        infos = ray.get([a.info.remote() for a in actors], timeout=START_TIMEOUT_S)
+        _check_cancelled(cancelled)
+        _log.info("expert workers starting", workers=n_workers, address=address)
+        actor_cls = ray.remote(ExpertWorker).options(
+            max_restarts=-1,
+            max_task_retries=0,
+            num_cpus=0,  # the workers' own threads do the work; Ray's CPU slots would only block
+            scheduling_strategy="SPREAD",
+        )
+        for i in range(n_workers):
+            worker_state = None if state_dir is None else os.path.join(state_dir, f"worker-{i}")
+            actors.append(
+                actor_cls.remote(
+                    model,
+                    model_dirs=list(model_dirs),
+                    mirrors=list(mirrors),
+                    reader=reader,
+                    state_dir=worker_state,
+                    kernels=kernels,
+                    verify_reads=verify_reads,
+                )
+            )
+        infos = _gather(ray, [a.info.remote() for a in actors], cancelled)
         _check_copies(container, infos)
         per_host = Counter(i["host"] for i in infos)
         budgets = [
@@ -414,9 +450,10 @@ def start_cluster(
         owners = assign(container.expert_layers(), container.arch.n_routed_experts, weights)
         share = shares(owners, n_workers)
         load_args = [(share[i], budgets[i], threads[i]) for i in range(n_workers)]
-        infos = ray.get(
+        infos = _gather(
+            ray,
             [a.load.remote(*args) for a, args in zip(actors, load_args, strict=True)],
-            timeout=START_TIMEOUT_S,
+            cancelled,
         )
     except BaseException as exc:
         for a in actors:

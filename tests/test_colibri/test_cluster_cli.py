@@ -167,6 +167,36 @@ def test_sigterm_ends_a_ray_run_cleanly_and_stops_its_ray(tmp_path: Path) -> Non
     assert not left, left
 
 
+@pytest.mark.reliability
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_ray_serve_interrupted_while_its_workers_load_stops_its_ray(
+    tmp_path: Path, sig: int
+) -> None:
+    """Ctrl-C / SIGTERM to `coli serve --ray local` while the expert workers load: the start
+    went on in its thread while the command exited, and Ray's agents ran on for a minute (a
+    SIGTERM aborted the process, 134). Now the start is stopped, its workers and the Ray it
+    began too, before the command exits 130 / 143."""
+    p, lines = _coli_in_own_session(
+        tmp_path, "serve", "--ray", "local", "--expert-workers", "2", "--port",
+        str(_closed_port()),
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        # an expert worker's process is up (Ray names it after the actor): loading its share
+        while not any(" ray::ExpertWor" in q for q in _session(p.pid)):
+            assert p.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
+            time.sleep(0.05)
+        code, took = _signal_and_wait(p, sig)
+    finally:
+        left = _left_after(p.pid, 5.0)
+    err = "".join(lines)
+    assert not any("expert workers ready" in line for line in lines), "loaded before the signal"
+    assert code == 128 + sig, (code, err[-3000:])
+    assert "Traceback" not in err and "SIGTERM received" not in err, err[-3000:]
+    assert took < EXIT_WITHIN_S, (took, err[-2000:])
+    assert not left, left
+
+
 def _closed_port() -> int:
     """A loopback port nothing listens on (bound, then released)."""
     with socket.socket() as s:

@@ -250,6 +250,30 @@ def test_ray_init_keeps_the_sigterm_handler_and_starts_ray_unblocked() -> None:
         signal.signal(signal.SIGTERM, old)
 
 
+def test_a_start_waiting_on_its_workers_gives_up_when_cancelled() -> None:
+    """A start whose caller gave up (Ctrl-C while the workers load) stops waiting within
+    ``START_POLL_S`` (then stops its workers and Ray): it waited on in its thread while the
+    process exited, and the Ray it started outlived it."""
+    import threading
+
+    from runtime.cluster.ray_backend import START_POLL_S, StartCancelled, _gather
+
+    class NeverReady:  # Ray's wait / get on workers that are still loading
+        def wait(self, refs: list[Any], num_returns: int, timeout: float) -> Any:
+            time.sleep(timeout)
+            return [], refs
+
+        def get(self, refs: list[Any], timeout: float | None = None) -> Any:
+            raise AssertionError("not ready")
+
+    cancelled = threading.Event()
+    threading.Timer(0.2, cancelled.set).start()
+    t0 = time.monotonic()
+    with pytest.raises(StartCancelled, match="cancelled"):
+        _gather(NeverReady(), ["w0", "w1"], cancelled)
+    assert time.monotonic() - t0 < 0.2 + 5 * START_POLL_S
+
+
 # ----------------------------------------------------------------------------- on Ray
 
 
