@@ -513,8 +513,8 @@ class ExpertStore:
         """Allocate every slot up front and read the pinned set (``progress(done, total)``
         after each pinned expert)."""
         self._tg = tg
-        # the event loop, for the compute thread's calls into it (any thread: the scheduler's
-        # compute thread is not one of anyio's workers)
+        # the event loop, for the compute thread's calls into it (named, not taken from the
+        # thread: they work from any thread, not only one anyio started)
         self.token = anyio.lowlevel.current_token()
         tg.start_soon(self._watch_close)
         if not self.hugepages.advise and self._blob_bytes >= HUGE_PAGE:

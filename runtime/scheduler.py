@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import anyio
-import anyio.from_thread
 import anyio.lowlevel
 import anyio.to_thread
 import numpy as np
@@ -453,12 +452,11 @@ class Scheduler:
             t0 = time.perf_counter()
             inside = [0.0]  # seconds on the compute thread (the rest is the hand-off)
             self._calls += 1
-            if ran is None:
-                ran = [False]  # (a call cancelled before its thread took it never runs)
+            # (a call cancelled before its thread took it never runs)
+            flag = ran if ran is not None else [False]
 
             def call() -> R:
-                assert ran is not None
-                ran[0] = True
+                flag[0] = True
                 return self._timed(fn, args, inside)
 
             try:
@@ -468,7 +466,7 @@ class Scheduler:
                 return await run_settled(call, limiter=self._thread)
             finally:
                 self._calls -= 1
-                if ran[0]:  # (one that never ran is no call: it was counted all the same)
+                if flag[0]:  # (one that never ran is no call: it was counted all the same)
                     wall = time.perf_counter() - t0
                     self.stats.compute_seconds += wall
                     self.stats.forward_calls += 1

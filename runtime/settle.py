@@ -5,9 +5,8 @@ cancelled, trio's), but on asyncio a *native* cancellation (``task.cancel()``,
 ``asyncio.wait_for``, ``asyncio.timeout``: what a service embedding the engine uses) is thrown
 into the awaiting coroutine all the same, and ``anyio.to_thread.run_sync`` returns while its
 thread still runs. The engine's critical waits (a step still writing into a cache, the one
-forward on the compute thread) must not end early: these helpers wait on, keep the
-cancellation, and raise it once the wait is over (``Scheduler._on_thread`` does the same
-for its thread).
+forward on the compute thread, a model load, the engine's close) must not end early: these
+helpers wait on, keep the cancellation, and raise it once the wait is over.
 
 Shape legend: no arrays here.
 """
