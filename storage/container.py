@@ -530,8 +530,15 @@ class Container:
             )
 
         # (a container without colibri's manifest, whose shards do not say colibri wrote
-        # them, may be the C engine's: its group rule first)
-        ours = any(sh.metadata.get(k) == v for sh in shards for k, v in WRITTEN_BY_COLIBRI.items())
+        # them, may be the C engine's: its group rule first). colibri's: the public-layout
+        # writer's mark, or `coli convert`'s alignment padding (a converted container whose
+        # manifest was deleted read its ragged g64 matrices as g48), which the C engine's
+        # converter never writes.
+        ours = any(
+            any(sh.metadata.get(k) == v for k, v in WRITTEN_BY_COLIBRI.items())
+            or any(n.startswith(PAD_PREFIX) for n in sh.tensors)
+            for sh in shards
+        )
         entries, bad, roles = _index_tensors(
             d, arch, shards, problems, exact_first=manifest is None and not ours
         )
