@@ -154,7 +154,11 @@ class ExpertWorker:
         ``verify_reads`` (the coordinator's ``--verify-reads``): every expert this worker loads
         or reads is checked against the manifest's CRC-32 (a damaged copy on a worker's host
         gave wrong tokens with the coordinator's own reads checked)."""
-        self.container = Container.open(Path(model), shard_dirs=[Path(d) for d in model_dirs])
+        # the coordinator's --model-dir list, as far as this host has those directories: a
+        # worker whose model directory holds every shard was refused for a directory only
+        # the coordinator has (the identity check below still finds other files)
+        dirs = [Path(d) for d in model_dirs if Path(d).is_dir()]
+        self.container = Container.open(Path(model), shard_dirs=dirs)
         self.checksums: ExpertChecksums | None = None
         if verify_reads:
             self.checksums = load_checksums(self.container.path)

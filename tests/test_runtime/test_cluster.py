@@ -189,6 +189,28 @@ def test_workers_on_other_model_files_are_refused(tmp_path: Path) -> None:
         _check_copies(c, infos)
 
 
+def test_a_worker_with_every_shard_needs_no_model_dir_of_the_coordinator(tmp_path: Path) -> None:
+    """The coordinator splits its shards over --model-dir directories; a worker's host holds
+    the whole model in one directory and none of those: it was refused ("model directory
+    ... does not exist"), though its files are the same (the identity check says so)."""
+    import shutil
+
+    from runtime.cluster.ray_backend import _check_copies
+
+    full = Path(shutil.copytree(_demo(), tmp_path / "full"))
+    main, extra = tmp_path / "main", tmp_path / "extra"
+    shutil.copytree(_demo(), main)
+    extra.mkdir()
+    shutil.move(main / "out-mtp-00000.safetensors", extra / "out-mtp-00000.safetensors")
+    coordinator = Container.open(main, shard_dirs=[extra])
+    gone = tmp_path / "only-on-the-coordinator"
+    w = ExpertWorker(full, model_dirs=[gone], probe_s=0)
+    try:
+        _check_copies(coordinator, [w.info()])
+    finally:
+        w.close()
+
+
 def test_a_streaming_worker_spreads_its_reads_over_its_mirror(tmp_path: Path) -> None:
     """A worker's own disks: its model dir plus a ``--mirror`` copy, both serving reads."""
     import shutil
