@@ -643,7 +643,9 @@ def classify(name: str, arch: ArchConfig) -> TensorRole | None:
     proj_bias = _ATTN_BIAS.fullmatch(rest)
     if proj_bias is not None and proj_bias.group(1) not in arch.attention_biases:
         return None  # (a bias the family's attention has no place for: unknown, never applied)
-    if rest.endswith((".bias", "_bias")) and rest not in _used_biases(arch):
+    if rest.startswith("self_attn.indexer.") and not arch.has_indexer(layer):
+        return None  # (a layer that runs no indexer: DeepSeek-V3, a GLM-5 "shared" layer)
+    if rest.endswith((".bias", "_bias")) and rest not in _used_biases(arch, layer):
         # (a router, expert, shared-expert or norm bias: no family here applies one, and it
         # was counted known and dropped without a word; as transformers, it is not applied)
         return None
@@ -671,14 +673,20 @@ def classify(name: str, arch: ArchConfig) -> TensorRole | None:
     )
 
 
-def _used_biases(a: ArchConfig) -> frozenset[str]:
-    """The bias tensors (names after ``model.layers.N.``) the model applies: the
-    router's correction bias, the DSA indexer's key-norm bias and the attention projection
-    biases the family and config give (:func:`attention_biases`)."""
-    used = {f"self_attn.{p}.bias" for p in a.attention_biases}
-    if a.family.bias is not None:
+def _used_biases(a: ArchConfig, layer: int) -> frozenset[str]:
+    """The bias tensors (names after ``model.layers.N.``) the model applies in ``layer``: the
+    router's correction bias (an MoE layer's), the DSA indexer's key-norm bias (a layer that
+    runs an indexer) and the attention projection biases the family and config give
+    (:func:`attention_biases`) to projections the layer has (no ``q_a_proj`` without
+    ``q_lora_rank``)."""
+    used = {
+        f"self_attn.{p}.bias"
+        for p in a.attention_biases
+        if _matrix_shape(f"self_attn.{p}.weight", layer, a) is not None
+    }
+    if a.family.bias is not None and a.is_moe_layer(layer):
         used.add(a.family.bias)
-    if a.is_mla:
+    if a.has_indexer(layer):
         used.add("self_attn.indexer.k_norm.bias")
     return frozenset(used)
 

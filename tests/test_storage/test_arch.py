@@ -60,6 +60,37 @@ def test_plain_mla_has_no_indexer_anywhere() -> None:
     assert optional_tensors(arch) == frozenset()
 
 
+def test_tensors_a_layer_has_no_place_for_are_unknown() -> None:
+    """An indexer tensor of a layer that runs no indexer (DeepSeek-V3; a GLM-5 "shared"
+    layer), a router correction bias of a dense layer, a q_a_proj bias without q_lora_rank
+    were classified known (and dropped without a word); the ones the model applies stay."""
+    import json
+
+    from _demo import TINY
+
+    from storage.arch import classify
+
+    glm = ArchConfig.from_dict(json.loads((TINY / "config.json").read_text()))
+    assert glm.indexer_types[:2] == ("full", "shared") and not glm.is_moe_layer(0)
+    dsv3 = ArchConfig.from_dict(tiny_config(model_type="deepseek_v3", q_lora_rank=None))
+    unknown = [
+        (glm, "model.layers.1.self_attn.indexer.k_norm.bias"),
+        (glm, "model.layers.1.self_attn.indexer.wk.weight"),
+        (glm, "model.layers.0.mlp.gate.e_score_correction_bias"),
+        (dsv3, "model.layers.1.self_attn.indexer.k_norm.bias"),
+        (dsv3, "model.layers.1.self_attn.indexer.k_norm.weight"),
+        (dsv3, "model.layers.1.self_attn.q_a_proj.bias"),
+    ]
+    assert [n for a, n in unknown if classify(n, a) is not None] == []
+    known = [
+        (glm, "model.layers.0.self_attn.indexer.k_norm.bias"),
+        (glm, "model.layers.2.self_attn.indexer.wk.weight"),
+        (glm, "model.layers.1.mlp.gate.e_score_correction_bias"),
+        (glm, f"model.layers.{glm.num_hidden_layers}.mlp.gate.e_score_correction_bias"),
+    ]
+    assert [n for a, n in known if classify(n, a) is None] == []
+
+
 # ----------------------------------------------------------------------------- GQA families
 
 
