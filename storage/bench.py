@@ -80,6 +80,14 @@ def _targets(target: Path, block: int | None) -> tuple[list[tuple[Path, int, int
             size = block or max(n for _, _, n in ext)
             if block is None:
                 return ext, size, f"{len(ext)} expert extents from the manifest"
+        elif block is None:
+            # a model without a manifest (the public container, a synthetic one) has its
+            # experts in the shard headers: random offsets over every file read the small
+            # non-expert shards again and again (the buffered backend from the page cache)
+            found = _header_experts(target)
+            if found:
+                size = max(n for _, _, n in found)
+                return found, size, f"{len(found)} expert extents from the shard headers"
         files = sorted(p for p in target.iterdir() if p.suffix == ".safetensors")
         if not files:
             raise ColibriError(
@@ -102,6 +110,18 @@ def _targets(target: Path, block: int | None) -> tuple[list[tuple[Path, int, int
     return ext, size, "random 4 KiB-aligned offsets"
 
 
+def _header_experts(target: Path) -> list[tuple[Path, int, int]]:
+    """Every routed expert's blob extent as the container's headers place it ([] when the
+    directory does not open as a model)."""
+    from storage.container import Container
+
+    try:
+        c = Container.open(target)
+    except (ColibriError, OSError):
+        return []
+    return [(x.path, x.start, x.end - x.start) for x in c.expert_extents()]
+
+
 def _lengths(ext: list[tuple[Path, int, int]]) -> dict[str, int]:
     """Smallest, median and largest length of the reads drawn from ``ext``."""
     sizes = sorted(n for _, _, n in ext)
@@ -113,8 +133,14 @@ def _plan(
 ) -> list[ReadRequest]:
     rng = np.random.default_rng(seed)
     out = []
+    # random offsets: a file drawn by its size (uniformly, a small file's few blocks were read
+    # again and again, from the page cache for the buffered backend, as one "cold" pass)
+    weights = None
+    if source.startswith("random"):
+        sizes = np.array([a - b + ALIGN for _, a, b in ext], dtype=np.float64)
+        weights = sizes / sizes.sum()
     for _ in range(reads):
-        path, a, b = ext[int(rng.integers(0, len(ext)))]
+        path, a, b = ext[int(rng.choice(len(ext), p=weights))]
         if source.startswith("random"):
             off = int(rng.integers(0, (a - b) // ALIGN + 1)) * ALIGN
             out.append(ReadRequest(path, off, b))
