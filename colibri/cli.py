@@ -1713,7 +1713,12 @@ def bench_kernels(rounds: int) -> None:
     help="Synthetic GLM-5-geometry model (built on first use; default /var/tmp/colibri-synth).",
 )
 @click.option(
-    "--tokens", type=click.IntRange(min=1), default=24, show_default=True, help="Tokens to decode."
+    "--tokens",
+    type=click.IntRange(min=1),
+    default=24,
+    show_default=True,
+    help="Decode steps per run (the turn generates one token more: its first comes from the "
+    "prompt's prefill, and the JSON's tokens count it).",
 )
 @click.option(
     "--fraction",

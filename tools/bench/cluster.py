@@ -97,7 +97,8 @@ def decode(model: Path, tokens: int, **opts: Any) -> dict[str, Any]:
             "calls": calls,
             "calls_per_token": calls / len(toks),
             "overhead_ms_per_call": 1e3 * overhead / max(calls, 1),
-            # the workers run in parallel: per token, the slower of the concurrent calls
+            # the workers run in parallel: per token, the mean worker's overhead (the total
+            # over the workers' calls / workers), not the slower of each step's calls
             "overhead_ms_per_token": 1e3 * overhead / len(workers_of(c1)) / len(toks),
             "wait_ms_per_token": 1e3 * (c1["wait_s"] - c0["wait_s"]) / len(toks),
             "fallback_experts": c1["fallback_experts"] - c0["fallback_experts"],
@@ -184,7 +185,13 @@ def workers_of(c: dict[str, Any]) -> list[Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=Path("/var/tmp/colibri-synth"))
-    ap.add_argument("--tokens", type=positive, default=24)
+    ap.add_argument(
+        "--tokens",
+        type=positive,
+        default=24,
+        help="decode steps per run (the turn generates one token more: its first comes from "
+        "the prefill)",
+    )
     ap.add_argument("--fraction", type=share, default=0.25, help="share of experts 1 process holds")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--ray", default="local")

@@ -246,9 +246,20 @@ async def run_mode(
         await reader.aclose()
 
 
+DEFAULT_MODEL = Path("/var/tmp/colibri-multidisk-synth")
+
+
 def ensure_model(path: Path) -> None:
+    """The synthetic model, built on first use at its default place only: a mistyped
+    --model wrote 5 GiB of shards wherever it pointed."""
     if (path / "config.json").exists():
         return
+    if path != DEFAULT_MODEL:
+        raise SystemExit(
+            f"{path} holds no model (no config.json); the synthetic model is built only at its "
+            f"default place ({DEFAULT_MODEL}): leave --model out, or run "
+            f"tools/make_synthetic.py --out {path} --moe-layers 1 --experts 256 first"
+        )
     subprocess.run(
         [
             sys.executable,
@@ -266,7 +277,7 @@ def ensure_model(path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", type=Path, default=Path("/var/tmp/colibri-multidisk-synth"))
+    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     ap.add_argument("--work", type=Path, default=Path("/var/tmp"), help="where the images go")
     ap.add_argument("--limits", default="200,100", help="MB/s read limits: primary,mirror")
     ap.add_argument(

@@ -85,19 +85,32 @@ async def _one(
     return (ttft if ttft is not None else total), n, total
 
 
+def _shares(requests: int, streams: int) -> list[int]:
+    """``requests`` split over ``streams`` clients (the first ones one more where it does not
+    divide): every level does the same work (``max(1, requests // n)`` each gave level 8 twice
+    level 1's requests with --requests 4, and dropped the remainder elsewhere)."""
+    return [requests // streams + (i < requests % streams) for i in range(streams)]
+
+
 async def _level(
-    base: str, model: str, streams: int, per_stream: int, tokens: int, stagger: float = 0.0
+    base: str,
+    model: str,
+    streams: int,
+    per_stream: int | list[int],
+    tokens: int,
+    stagger: float = 0.0,
 ) -> dict[str, Any]:
     url = base + "/v1/chat/completions"
     ttfts: list[float] = []
     produced = 0
+    counts = per_stream if isinstance(per_stream, list) else [per_stream] * streams
     limits = httpx.Limits(max_connections=streams + 2)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
 
         async def stream(i: int) -> None:
             nonlocal produced
             await asyncio.sleep(i * stagger)  # client i starts i * stagger s after the first
-            for j in range(per_stream):
+            for j in range(counts[i]):
                 prompt = f"Request {i}.{j}: say something about the number {i * 31 + j}."
                 ttft, n, _ = await _one(client, url, model, prompt, tokens)
                 ttfts.append(ttft)
@@ -108,7 +121,7 @@ async def _level(
         wall = time.perf_counter() - t0
     return {
         "streams": streams,
-        "requests": streams * per_stream,
+        "requests": sum(counts),
         "tokens": produced,
         "seconds": round(wall, 3),
         "tokens_per_s": round(produced / wall, 2),
@@ -166,7 +179,17 @@ def main() -> int:
         ap.error("--rounds must be >= 1")
     if not 0 <= args.stagger <= 60:
         ap.error("--stagger must be in 0..60 seconds")
-    levels = [int(x) for x in args.levels.split(",")]
+    try:
+        levels = sorted({int(x) for x in args.levels.split(",")})
+    except ValueError:
+        ap.error(f"--levels takes stream counts like 1,2,4,8, got {args.levels!r}")
+    if levels[0] < 1:
+        ap.error(f"--levels: stream counts are >= 1, got {args.levels!r}")
+    if args.requests < levels[-1]:
+        ap.error(
+            f"--requests {args.requests} is fewer than the {levels[-1]} streams of the top "
+            "level: each stream needs a request (every level does --requests of them)"
+        )
     proc = None
     base = args.url
     if base is None:
@@ -181,8 +204,9 @@ def main() -> int:
         for r in range(args.rounds):
             # the levels rotate each round, so that none always runs first (or last)
             for n in levels[r % len(levels) :] + levels[: r % len(levels)]:
-                per_stream = max(1, args.requests // n)
-                res = asyncio.run(_level(base, model, n, per_stream, args.tokens, args.stagger))
+                res = asyncio.run(
+                    _level(base, model, n, _shares(args.requests, n), args.tokens, args.stagger)
+                )
                 runs[n].append(res)
                 print(
                     f"{n} stream(s): {res['tokens_per_s']} tok/s aggregate, TTFT p50 "
@@ -201,7 +225,8 @@ def main() -> int:
         results.append({**ordered[(len(ordered) - 1) // 2], "tokens_per_s_rounds": rates})
     by = {r["streams"]: r for r in results}
     lo, hi = by.get(1), by.get(max(levels))
-    figure = hi["tokens_per_s"] / lo["tokens_per_s"] if lo and hi else None
+    # (level 1 alone: 1 / 1 said 1.0, a comparison with nothing)
+    figure = hi["tokens_per_s"] / lo["tokens_per_s"] if lo and hi and hi is not lo else None
     top = max(levels)
     out = {
         "figure": None if figure is None else round(figure, 3),
@@ -213,7 +238,7 @@ def main() -> int:
             round(a["tokens_per_s"] / b["tokens_per_s"], 3)
             for a, b in zip(runs[top], runs[1], strict=True)
         ]
-        if 1 in runs
+        if 1 in runs and top > 1
         else [],
         "model": model,
         "tokens_per_request": args.tokens,

@@ -128,7 +128,13 @@ def step_edges(events: list[TraceEvent]) -> dict[str, float | None]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", type=Path, default=None, help="default: the synthetic model")
-    ap.add_argument("--tokens", type=positive, default=21)
+    ap.add_argument(
+        "--tokens",
+        type=positive,
+        default=21,
+        help="decode steps per run (the turn generates one token more: its first comes from "
+        "the prefill)",
+    )
     ap.add_argument("--fraction", type=share, default=0.2, help="share of experts the budget holds")
     ap.add_argument("--prefetch", choices=("auto", "on", "off"), default="off")
     ap.add_argument("--reader", default="auto")
