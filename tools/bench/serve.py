@@ -233,7 +233,9 @@ def main() -> int:
         "figure_reason": None
         if figure is not None
         else "the figure needs level 1 and a higher level (--levels 1,...,N)",
-        "figure_is": f"aggregate tokens/s at {top} streams / at 1 stream (median rounds)",
+        "figure_is": f"aggregate tokens/s at {top} streams / at 1 stream (median rounds)"
+        if figure is not None
+        else "aggregate tokens/s at the top level / at 1 stream (median rounds)",
         "figure_rounds": [
             round(a["tokens_per_s"] / b["tokens_per_s"], 3)
             for a, b in zip(runs[top], runs[1], strict=True)
