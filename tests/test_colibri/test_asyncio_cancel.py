@@ -201,7 +201,9 @@ def test_a_second_cancel_while_the_engine_closes_still_closes_it(
         return seen
 
     seen = asyncio.run(main())
-    assert seen[1] == seen[-1], seen  # nothing piles up from one engine to the next
+    # nothing piles up from one engine to the next (an idle anyio worker thread may expire
+    # meanwhile: threads may only go down)
+    assert seen[1][1] == seen[-1][1] and seen[-1][0] <= seen[1][0], seen
     assert not any("safetensors" in k for k in seen[-1][1]), seen[-1]
 
 
