@@ -27,3 +27,14 @@ def share(text: str) -> float:
     if not 0.0 < x <= 1.0:  # (False for NaN too)
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
     return x
+
+
+def add_tokens(ap: argparse.ArgumentParser, default: int) -> None:
+    """``--tokens``: the decode steps of one run, as the streaming benchmarks count them."""
+    ap.add_argument(
+        "--tokens",
+        type=positive,
+        default=default,
+        help="decode steps per run (the turn generates one token more: its first comes from "
+        "the prefill)",
+    )

@@ -40,7 +40,7 @@ import colibri  # noqa: E402
 from storage.container import Container  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _args import positive, share  # noqa: E402
+from _args import add_tokens, positive, share  # noqa: E402
 from _synth import budget_for, drop_caches, ensure_synthetic  # noqa: E402
 
 PROMPT = [1, 2, 3, 4]
@@ -185,13 +185,7 @@ def workers_of(c: dict[str, Any]) -> list[Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=Path("/var/tmp/colibri-synth"))
-    ap.add_argument(
-        "--tokens",
-        type=positive,
-        default=24,
-        help="decode steps per run (the turn generates one token more: its first comes from "
-        "the prefill)",
-    )
+    add_tokens(ap, 24)
     ap.add_argument("--fraction", type=share, default=0.25, help="share of experts 1 process holds")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--ray", default="local")

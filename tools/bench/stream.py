@@ -63,7 +63,7 @@ from storage.container import Container  # noqa: E402
 from storage.reader import ReadRequest, open_reader, required_size  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _args import positive, share  # noqa: E402
+from _args import add_tokens, positive, share  # noqa: E402
 from _memory import read_sum  # noqa: E402
 from _synth import budget_for, drop_caches, ensure_synthetic  # noqa: E402
 
@@ -157,13 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         "built at /var/tmp/colibri-synth-predictable on first use): the disk-bound case where "
         "lookahead should pay",
     )
-    ap.add_argument(
-        "--tokens",
-        type=positive,
-        default=24,
-        help="decode steps per run (the turn generates one token more: its first comes from "
-        "the prefill)",
-    )
+    add_tokens(ap, 24)
     ap.add_argument("--fraction", type=share, default=0.2, help="share of experts the budget holds")
     ap.add_argument("--reader", default="auto")
     ap.add_argument("--reads", type=positive, default=60)

@@ -38,7 +38,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from _args import positive, share  # noqa: E402
+from _args import add_tokens, share  # noqa: E402
 from _synth import ROOT, budget_for, drop_caches, ensure_synthetic  # noqa: E402
 
 if str(ROOT) not in sys.path:
@@ -128,13 +128,7 @@ def step_edges(events: list[TraceEvent]) -> dict[str, float | None]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", type=Path, default=None, help="default: the synthetic model")
-    ap.add_argument(
-        "--tokens",
-        type=positive,
-        default=21,
-        help="decode steps per run (the turn generates one token more: its first comes from "
-        "the prefill)",
-    )
+    add_tokens(ap, 21)
     ap.add_argument("--fraction", type=share, default=0.2, help="share of experts the budget holds")
     ap.add_argument("--prefetch", choices=("auto", "on", "off"), default="off")
     ap.add_argument("--reader", default="auto")
