@@ -1578,7 +1578,15 @@ def _bench_progress() -> Any:
     type=click.IntRange(min=1),
     default=200,
     show_default=True,
-    help="Random reads per pass.",
+    help="Random reads per pass, at least (more when a pass is shorter than --min-pass).",
+)
+@click.option(
+    "--min-pass",
+    type=click.FloatRange(min=0),
+    default=0.2,
+    show_default=True,
+    help="Seconds a pass must last (fio times in whole ms): shorter, every pass, fio's too, "
+    "reads more. 0: never extend.",
 )
 @click.option(
     "--qd", type=click.IntRange(1, 256), default=1, show_default=True, help="Reads in flight."
@@ -1608,6 +1616,7 @@ def _bench_progress() -> Any:
 def bench_storage_cmd(
     target: Path | None,
     reads: int,
+    min_pass: float,
     qd: int,
     repeats: int,
     block: str | None,
@@ -1641,8 +1650,12 @@ def bench_storage_cmd(
         def log(line: str) -> None:
             if bar.disable:
                 click.echo(line, err=True)
+            elif line.startswith("extending"):  # the round is read again, with more reads
+                bar.reset(task, description=line.strip())
             else:
-                bar.update(task, advance=1, description=line.strip())
+                bar.update(
+                    task, advance=1 if line.startswith("pass ") else 0, description=line.strip()
+                )
 
         result = anyio.run(
             lambda: bench_storage(
@@ -1656,6 +1669,7 @@ def bench_storage_cmd(
                 fio=not no_fio,
                 log=log,
                 huge=huge,
+                min_pass_s=min_pass,
             )
         )
     click.echo(json.dumps(result))

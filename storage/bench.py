@@ -7,7 +7,13 @@ container's manifest when a model directory is given, else 19 MiB) from a cold c
 minute; the medians are reported. ``figure`` is the best backend's median GB/s divided by fio's
 median GB/s for the same block size, queue depth and O_DIRECT (None, with a reason, without fio).
 
-    python -m storage.bench FILE_OR_MODEL_DIR [--reads 200] [--qd 1] [--repeats 3]
+A pass must last ``min_pass_s`` (0.2 s by default): fio reports its runtime in whole
+milliseconds, so a pass of a few ms (a small model's 48 KiB experts) swung fio's GB/s by 10-60%
+from run to run. When the first round's shortest pass (any backend's, or fio's runtime) is
+shorter, that round is thrown away and every pass, fio's included, reads more extents (one
+plan, the same for all); ``reads`` is then a minimum and ``reads_per_pass`` says what was read.
+
+    python -m storage.bench FILE_OR_MODEL_DIR [--reads 200] [--qd 1] [--repeats 3] [--min-pass 0.2]
 
 prints one line per pass and the JSON result as the last line.
 """
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shutil
@@ -46,10 +53,20 @@ from storage.reader import (
     required_size,
 )
 
-__all__ = ["DEFAULT_BLOCK", "bench_storage", "main", "make_test_file"]
+__all__ = ["DEFAULT_BLOCK", "MIN_PASS_S", "bench_storage", "main", "make_test_file"]
 
 DEFAULT_BLOCK = 19 * 1024 * 1024
 ALL_BACKENDS = ("uring", "uring-fixed", "threads", "buffered")
+
+# fio 3.x's JSON times a job only in whole ms ("runtime", "job_runtime"; its "lat_ns" /
+# "clat_ns" are per-read latencies, whose sum is not the pass's length at a depth above 1 nor
+# counts the time between reads), so its GB/s is off by up to 1 ms / runtime. Rather than
+# estimate a pass from latencies, passes are made long: at MIN_PASS_S the whole-ms error is
+# at most 0.5%, and a pass of a few ms is short against a virtual disk's jitter anyway.
+MIN_PASS_S = 0.2
+QUANT_WARN = 0.02  # a kept fio pass whose whole-ms error can exceed this is reported
+MAX_READS = 200_000  # the most reads one pass is grown to
+MAX_PROBES = 4  # rounds thrown away while growing a pass
 
 
 def make_test_file(path: str | os.PathLike[str], nbytes: int) -> Path:
@@ -242,9 +259,23 @@ def _fio(reqs: Sequence[ReadRequest], qd: int, engine: str, workdir: Path) -> di
     ios, runtime_ms = int(rd.get("total_ios", 0)), float(rd.get("runtime", 0))
     if ios != len(reqs):
         raise RuntimeError(f"fio replayed {ios} of the {len(reqs)} reads")
-    if runtime_ms <= 0:
-        raise RuntimeError("fio's pass was too short to time (it counts whole ms): more --reads")
-    return {"gbps": want / (runtime_ms / 1e3) / 1e9, "bytes": want, "wall_s": wall, "cpu": cpu}
+    # runtime_ms is whole ms; a 0 ms pass has no GB/s (the caller grows the pass or refuses it)
+    gbps = want / (runtime_ms / 1e3) / 1e9 if runtime_ms > 0 else 0.0
+    return {"gbps": gbps, "bytes": want, "wall_s": wall, "cpu": cpu, "runtime_ms": runtime_ms}
+
+
+def quantization(runtime_ms: float) -> float:
+    """The most a pass's GB/s can be off when its runtime is counted in whole ms (1 ms of it)."""
+    return 1.0 if runtime_ms <= 0 else 1.0 / runtime_ms
+
+
+def grown_reads(reads: int, shortest_s: float, min_pass_s: float) -> int:
+    """Reads for a pass of ``min_pass_s`` when ``reads`` of them took ``shortest_s``, half as
+    many again (a read costs less in a longer pass: fio's went from 145 to 95 us on the demo):
+    at most 1000 times as many (a 0 ms pass counts as half a ms), never fewer than
+    ``reads + 1``, never more than ``MAX_READS``."""
+    factor = min(1000.0, 1.5 * min_pass_s / max(shortest_s, 5e-4))
+    return min(MAX_READS, max(reads + 1, math.ceil(reads * factor)))
 
 
 def _machine(target: Path) -> dict[str, Any]:
@@ -279,14 +310,19 @@ async def bench_storage(
     seed: int = 0,
     log: Any = None,
     huge: bool = True,
+    min_pass_s: float = MIN_PASS_S,
 ) -> dict[str, Any]:
     """Benchmark reader backends (and fio) on expert-shaped cold random reads; see module doc.
 
     ``backends`` may name ``uring``, ``uring-fixed`` (io_uring with registered buffers),
     ``threads`` and ``buffered``. ``drop_caches`` defaults to True when running as root (else
     per-file ``posix_fadvise(DONTNEED)``). ``log`` is called with one line per pass.
+    ``reads`` is a minimum: while the first round's shortest pass lasts under ``min_pass_s``
+    (0: never), that round is dropped and every pass reads more (``reads_per_pass``).
     """
     target = Path(model_dir_or_file)
+    if min_pass_s < 0 or not math.isfinite(min_pass_s):
+        raise ColibriError(f"--min-pass must be 0 or more seconds, got {min_pass_s}")
     if block is not None and (block <= 0 or block % ALIGN):
         # an O_DIRECT read moves whole 4 KiB pages: a backend would be credited fewer bytes
         # than it (and fio, replaying the aligned spans) moved, and the ratio compare unlike work
@@ -327,14 +363,21 @@ async def bench_storage(
     in_memory = filesystem_type(files[0]) in _MEMORY_FS
     if in_memory:
         cache_how = f"in memory ({filesystem_type(files[0])}: every read is a RAM copy)"
+    reads_used = reads
+    distinct = 0
+    probes: list[dict[str, Any]] = []  # rounds thrown away because a pass was too short
     try:
-        for rep in range(repeats):
-            reqs = _plan(ext, source, reads, seed + rep)
+        rep = 0
+        while rep < repeats:
+            reqs = _plan(ext, source, reads_used, seed + rep)
+            distinct = len({(r.path, r.offset) for r in reqs})
             for req in reqs:
                 if required_size(req) > bufs[0].nbytes:
                     raise ValueError(f"extent {req} larger than the block {size}")
             names = [*readers, "fio"]
             k = rep % len(names)  # rotate so no backend always goes first
+            got: dict[str, dict[str, float]] = {}
+            fio_got: dict[str, Any] | None = None
             for name in names[k:] + names[:k]:
                 # not root: per-file fadvise, unless told not to drop (--no-drop-caches)
                 if not in_memory and (dropping or (drop_caches is None and not as_root)):
@@ -344,22 +387,61 @@ async def bench_storage(
                     wall = await _one_pass(readers[name], reqs, bufs)
                     cpu = (time.process_time() - c0) / wall
                     gb = sum(q.length for q in reqs) / 1e9
-                    runs[name].append({"gbps": gb / wall, "wall_s": wall, "cpu": cpu})
-                    say(f"pass {rep + 1} {name:12s} {gb / wall:6.2f} GB/s  cpu {cpu:5.0%}")
+                    got[name] = {"gbps": gb / wall, "wall_s": wall, "cpu": cpu}
+                    say(
+                        f"pass {rep + 1} {name:12s} {gb / wall:6.2f} GB/s  cpu {cpu:5.0%}  "
+                        f"{wall:6.3f} s"
+                    )
                     continue
                 if not fio_path:
                     continue
                 try:
                     with tempfile.TemporaryDirectory(prefix="colibri-fio-") as tmp:
-                        f = await anyio.to_thread.run_sync(
+                        fio_got = await anyio.to_thread.run_sync(
                             _fio, reqs, queue_depth, engine, Path(tmp)
                         )
                 except (RuntimeError, ValueError, OSError, subprocess.SubprocessError) as exc:
                     fio_reason = str(exc)
                     fio_path = None
                 else:
-                    fio_runs.append(f)
-                    say(f"pass {rep + 1} {'fio ' + engine:12s} {f['gbps']:6.2f} GB/s")
+                    say(
+                        f"pass {rep + 1} {'fio ' + engine:12s} {fio_got['gbps']:6.2f} GB/s  "
+                        f"{'':9s}  {fio_got['runtime_ms'] / 1e3:6.3f} s"
+                    )
+            # fio's pass by its runtime (whole ms), the backends' by the clock
+            lengths = [g["wall_s"] for g in got.values()]
+            if fio_got is not None:
+                lengths.append(fio_got["runtime_ms"] / 1e3)
+            shortest = min(lengths, default=None)
+            if (
+                rep == 0
+                and shortest is not None
+                and shortest < min_pass_s
+                and reads_used < MAX_READS
+                and len(probes) < MAX_PROBES
+            ):
+                # too short to time honestly: throw the round away and read more, every
+                # contender the same plan (fio replays it), so all move the same bytes
+                grown = grown_reads(reads_used, shortest, min_pass_s)
+                probes.append({"reads": reads_used, "shortest_pass_s": shortest})
+                say(
+                    f"extending: the shortest pass of {reads_used} reads took "
+                    f"{shortest * 1e3:.1f} ms (< {min_pass_s:g} s); again with {grown} reads"
+                )
+                reads_used = grown
+                continue
+            if fio_got is not None and fio_got["runtime_ms"] <= 0:
+                fio_reason = (
+                    "fio's pass was too short to time (it counts whole ms): more --reads, or "
+                    "a longer --min-pass"
+                )
+                fio_path = None
+                fio_got = None
+            for name, g in got.items():
+                runs[name].append(g)
+            if fio_got is not None:
+                fio_runs.append(fio_got)
+            rep += 1
     finally:
         reasons = {n: r.reason for n, r in readers.items()}
         directs = {n: r.direct for n, r in readers.items()}
@@ -372,6 +454,7 @@ async def bench_storage(
             "gbps_median": statistics.median(x["gbps"] for x in rs),
             "gbps_runs": [round(x["gbps"], 3) for x in rs],
             "cpu_median": statistics.median(x["cpu"] for x in rs),
+            "pass_s_median": statistics.median(x["wall_s"] for x in rs),
             "direct": directs[name],
             "reason": reasons[name],
         }
@@ -396,6 +479,9 @@ async def bench_storage(
             "gbps_median": fio_med,
             "gbps_runs": [round(x["gbps"], 3) for x in fio_runs],
             "cpu_median": statistics.median(x["cpu"] for x in fio_runs),
+            # fio's own runtime per pass, whole ms; its GB/s can be off by 1 ms of it at most
+            "runtime_ms_runs": [x["runtime_ms"] for x in fio_runs],
+            "quantization_max": max(quantization(x["runtime_ms"]) for x in fio_runs),
         }
         if best is not None and fio_med > 0:
             figure = out_backends[best]["gbps_median"] / fio_med
@@ -410,6 +496,37 @@ async def bench_storage(
         }
     elif not fio_runs and not fio_reason:
         fio_reason = "fio produced no result"
+    lengths = [x["wall_s"] for rs in runs.values() for x in rs]
+    lengths += [x["runtime_ms"] / 1e3 for x in fio_runs]
+    warnings = []
+    if lengths and min(lengths) < min_pass_s:
+        warnings.append(
+            f"the shortest pass took {min(lengths):.3f} s, under --min-pass {min_pass_s:g} s "
+            + (
+                f"(reads stop growing at {MAX_READS})"
+                if reads_used >= MAX_READS
+                else "(the disk sped up after the first round)"
+            )
+        )
+    q = max((quantization(x["runtime_ms"]) for x in fio_runs), default=0.0)
+    if q > QUANT_WARN:
+        warnings.append(
+            f"fio's shortest pass took {min(x['runtime_ms'] for x in fio_runs):g} ms, timed in "
+            f"whole ms: its GB/s may be off by up to {q:.0%} (raise --min-pass or --reads)"
+        )
+    pass_s = (
+        {"min": min(lengths), "median": statistics.median(lengths), "max": max(lengths)}
+        if lengths
+        else None
+    )
+    say(
+        f"reads per pass {reads_used}"
+        + (f" (asked {reads}, extended to passes of >= {min_pass_s:g} s)" if probes else "")
+        + (f"; passes {pass_s['min']:.3f}-{pass_s['max']:.3f} s" if pass_s else "")
+        + (f"; fio timed in whole ms: error <= {q:.2%}" if fio_runs else "")
+    )
+    for w in warnings:
+        say(f"warning: {w}")
     return {
         "target": str(target),
         "files": [str(p) for p in files],
@@ -418,7 +535,15 @@ async def bench_storage(
         # the reads' lengths: expert extents differ in size (an int8 MTP layer's are about
         # twice a main one's); ``block`` is the largest, the buffer each read goes into
         "read_bytes": _lengths(ext),
-        "reads": reads,
+        "reads": reads,  # as asked: a minimum, see reads_per_pass
+        # the reads of every kept pass, backends' and fio's alike: more than ``reads`` when a
+        # pass of ``reads`` lasted under ``min_pass_s`` (``extended`` lists the rounds dropped)
+        "reads_per_pass": reads_used,
+        "distinct_extents": distinct,  # in the last pass; fio replays the repeats too
+        "min_pass_s": min_pass_s,
+        "extended": probes,
+        "pass_s": pass_s,
+        "warnings": warnings,
         "queue_depth": queue_depth,
         "repeats": repeats,
         "cache": cache_how,
@@ -455,6 +580,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--block", type=_size, default=None, help="bytes per read (e.g. 19MiB)")
     ap.add_argument("--qd", type=int, default=1, help="reads in flight")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--min-pass",
+        type=float,
+        default=MIN_PASS_S,
+        help="seconds a pass must last; shorter, every pass reads more (0: never)",
+    )
     ap.add_argument("--no-drop-caches", action="store_true")
     ap.add_argument("--no-fio", action="store_true")
     ap.add_argument("--no-huge", action="store_true", help="read into ordinary numpy buffers")
@@ -476,6 +607,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             fio=not args.no_fio,
             log=lambda m: print(m, file=sys.stderr, flush=True),
             huge=not args.no_huge,
+            min_pass_s=args.min_pass,
         )
     )
     print(json.dumps(result))

@@ -7,6 +7,8 @@ file, a descriptor closed behind the reader's back.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import shutil
 import subprocess
@@ -599,7 +601,13 @@ async def test_bench_storage_compares_only_like_reads_with_fio(
     if real is None:
         pytest.skip("fio is not installed")
     cached = await bench_storage(
-        data_file[0], backends=("buffered",), reads=4, block=1 << 20, repeats=1, fio=True
+        data_file[0],
+        backends=("buffered",),
+        reads=4,
+        block=1 << 20,
+        repeats=1,
+        fio=True,
+        min_pass_s=0,
     )
     assert cached["best_backend"] is None and cached["figure"] is None
     assert "O_DIRECT" in cached["figure_reason"]
@@ -613,8 +621,14 @@ async def test_bench_storage_compares_only_like_reads_with_fio(
     )
     (shim / "fio").chmod(0o755)
     monkeypatch.setenv("PATH", f"{shim}:{os.environ['PATH']}")
-    partial = await bench_storage(
-        data_file[0], backends=("threads",), reads=4, block=1 << 20, repeats=3, fio=True
+    partial = await bench_storage(  # no extension: a probe round would use up the real fio
+        data_file[0],
+        backends=("threads",),
+        reads=4,
+        block=1 << 20,
+        repeats=3,
+        fio=True,
+        min_pass_s=0,
     )
     assert partial["figure"] is None, partial
     assert "1 of 3 passes" in partial["figure_reason"]
@@ -639,6 +653,89 @@ def test_the_fio_baseline_counts_every_read_it_replayed(
     got = _fio(reqs, qd, _fio_engine(), tmp_path)
     assert got["bytes"] == 48 * block
     assert got["gbps"] > 0
+
+
+def test_the_whole_ms_error_and_how_far_a_short_pass_grows() -> None:
+    """fio counts a pass's runtime in whole ms: 1 ms of it is the most its GB/s can be off,
+    and a pass too short for that is grown towards the minimum (capped, never shrunk)."""
+    from storage.bench import MAX_READS, grown_reads, quantization
+
+    assert quantization(200) == pytest.approx(0.005)
+    assert quantization(14) == pytest.approx(1 / 14)  # the demo's pass at 200 reads: ~7%
+    assert quantization(0) == 1.0
+    # 200 reads in 29 ms, for 0.2 s: x 0.2 / 0.029, half as many again
+    assert grown_reads(200, 0.029, 0.2) == math.ceil(200 * 1.5 * 0.2 / 0.029)
+    assert abs(grown_reads(200, 0.0, 0.2) - 200 * 600) <= 1  # a 0 ms pass: half a ms
+    assert grown_reads(10, 0.0, 10.0) == 10 * 1000  # at most 1000 times as many
+    assert grown_reads(5, 0.199, 0.2) >= 6  # always at least one more
+    assert grown_reads(10, 1e-6, 1.0) <= MAX_READS and grown_reads(10**6, 1e-3, 1.0) == MAX_READS
+
+
+@pytest.mark.anyio
+async def test_a_pass_shorter_than_the_minimum_is_extended_for_fio_and_the_backends_alike(
+    data_file: tuple[Path, bytes],
+) -> None:
+    """A pass of a few ms swung fio's whole-ms-timed GB/s by 10-60%: the first round of a
+    too-short pass is thrown away and every pass, the backends' and fio's, reads more of the
+    same plan (fio replaying all of them), and the result says how many and how long."""
+    import shutil as sh
+
+    from storage.bench import bench_storage, quantization
+
+    if sh.which("fio") is None:
+        pytest.skip("fio is not installed (apt-get install fio): the extension is fio's timing")
+    res = await bench_storage(
+        data_file[0], backends=("threads",), reads=2, block=64 << 10, repeats=2, min_pass_s=0.05
+    )
+    assert res["reads"] == 2 and res["min_pass_s"] == 0.05
+    assert res["reads_per_pass"] > 2, res  # two 64 KiB reads cannot last 50 ms
+    assert res["extended"] and res["extended"][0]["reads"] == 2
+    assert res["extended"][0]["shortest_pass_s"] < 0.05
+    grown = [x["reads"] for x in res["extended"]] + [res["reads_per_pass"]]
+    assert grown == sorted(grown) and len(set(grown)) == len(grown)
+    fio = res["fio"]
+    assert fio is not None and len(fio["runtime_ms_runs"]) == 2, res["figure_reason"]
+    assert res["figure"] is not None and res["figure_reason"] is None
+    assert fio["quantization_max"] == quantization(min(fio["runtime_ms_runs"]))
+    # every kept pass lasted the minimum, or the result says it did not
+    p = res["pass_s"]
+    assert p["min"] <= p["median"] <= p["max"]
+    assert p["min"] >= 0.05 or res["warnings"], res
+    assert p["min"] <= min(fio["runtime_ms_runs"]) / 1e3
+    assert p["min"] <= res["backends"]["threads"]["pass_s_median"]
+    assert 0 < res["distinct_extents"] <= res["reads_per_pass"]
+
+
+@pytest.mark.anyio
+async def test_a_min_pass_of_0_reads_what_was_asked(data_file: tuple[Path, bytes]) -> None:
+    from storage.bench import bench_storage
+
+    res = await bench_storage(
+        data_file[0],
+        backends=("threads",),
+        reads=3,
+        block=64 << 10,
+        repeats=2,
+        drop_caches=False,
+        fio=False,
+        min_pass_s=0,
+    )
+    assert res["reads"] == res["reads_per_pass"] == 3 and res["extended"] == []
+    assert res["warnings"] == [] and res["pass_s"]["min"] > 0
+    with pytest.raises(ColibriError, match="min-pass"):
+        await bench_storage(data_file[0], reads=2, repeats=1, fio=False, min_pass_s=-1)
+
+
+def test_python_m_storage_bench_takes_min_pass(
+    data_file: tuple[Path, bytes], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from storage.bench import main
+
+    args = [str(data_file[0]), "--backends", "threads", "--reads", "2", "--repeats", "1",
+            "--block", "64KiB", "--no-fio", "--no-drop-caches", "--min-pass", "0"]  # fmt: skip
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["min_pass_s"] == 0 and out["reads_per_pass"] == 2
 
 
 @pytest.mark.anyio
