@@ -220,7 +220,10 @@ class ExpertCompute:
         finally:
             self._sharing.on = False
             for f in helpers:
-                f.result()
+                # a worker that has not begun would find no job left: it is not waited for
+                # (on a busy CPU it may be scheduled long after this thread did every job)
+                if not f.cancel():
+                    f.result()
         return results
 
     def _part_jobs(self, parts: SplitExpert) -> list[Callable[[], None]]:

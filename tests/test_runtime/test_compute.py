@@ -168,6 +168,42 @@ def test_shared_jobs_run_here_and_on_the_workers_in_order() -> None:
         comp.close()
 
 
+def test_a_worker_that_never_began_is_not_waited_for() -> None:
+    """The calling thread runs every job when the pool's worker is busy elsewhere, and
+    returns without waiting for that worker (it would only have found no job left)."""
+    comp = ExpertCompute(2)
+    busy, release = threading.Semaphore(0), threading.Event()
+    pool = comp._pool
+    assert pool is not None
+
+    def hold() -> None:
+        busy.release()
+        release.wait(timeout=60)
+
+    holds = [pool.submit(hold) for _ in range(pool._max_workers)]  # every worker of the pool
+    try:
+        for _ in holds:
+            assert busy.acquire(timeout=60)
+        returned = threading.Event()
+        got: list[list[int]] = []
+
+        def call() -> None:
+            got.append(comp._share([lambda i=i: i + 1 for i in range(4)]))
+            returned.set()
+
+        caller = threading.Thread(target=call)
+        caller.start()
+        assert returned.wait(timeout=30)  # (waited for the held worker before)
+        assert got == [[1, 2, 3, 4]]
+        assert not any(h.done() for h in holds)  # ... which are still held
+    finally:
+        release.set()
+        for h in holds:
+            h.result(timeout=60)
+        caller.join(timeout=60)
+        comp.close()
+
+
 @pytest.mark.parametrize("poll_iters", [0, 10**9])
 def test_a_countdown_waits_for_every_part(poll_iters: int) -> None:
     """``Countdown.wait`` returns once every part ticked (polled or slept: the same), also
