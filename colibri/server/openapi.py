@@ -96,6 +96,11 @@ def _served(props: dict[str, Any], vocab_size: int, n_slots: int) -> None:
         }
 
 
+def _param(name: str, where: str, schema: dict[str, Any]) -> dict[str, Any]:
+    """A path or query parameter (a path one is required)."""
+    return {"name": name, "in": where, "required": where == "path", "schema": schema}
+
+
 def openapi_document(
     model_name: str, version: str, *, vocab_size: int | None = None, n_slots: int | None = None
 ) -> dict[str, Any]:
@@ -140,6 +145,29 @@ def openapi_document(
     ):
         paths[path] = {"get": {"operationId": path.strip("/").replace("/", "_"),
                                "responses": _responses(what)}}  # fmt: skip
+    paths["/v1/models/{model}"] = {
+        "get": {
+            "operationId": "v1_models_id",
+            "parameters": [_param("model", "path", {"type": "string"})],
+            "responses": _responses("the served model (404 model_not_found for another id)"),
+        }
+    }
+    paths["/atlas"] = {
+        "get": {
+            "operationId": "atlas",
+            "parameters": [_param("missing", "query", {"type": "string", "enum": ["ok"]})],
+            "responses": _responses(
+                "the expert atlas (404 atlas_missing before coli atlas wrote one)"
+            ),
+        }
+    }
+    paths["/admin/replicas/{index}/enable"] = {
+        "post": {
+            "operationId": "enable_replica",
+            "parameters": [_param("index", "path", {"type": "integer", "minimum": 0})],
+            "responses": _responses("the copy re-enabled (400 not_streaming when resident)"),
+        }
+    }
     return {
         "openapi": "3.1.0",
         "info": {"title": "colibri", "version": version},

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 from _demo import demo_model
@@ -72,6 +74,36 @@ def test_openapi_document_describes_the_routes(fuzz_server: Server) -> None:
         draft[1]["pattern"], "mtp:17"
     )
     assert httpx.get(fuzz_server.url + "/openapi.json").status_code == 401  # behind the key
+
+
+def test_openapi_document_has_every_route_the_server_answers(tmp_path: Path) -> None:
+    """Each route of the app (but the document's own) is in ``/openapi.json`` with its
+    methods, so the fuzz tests below reach it too (``GET /v1/models/{id}``, ``GET /atlas``
+    and the replica admin route were left out)."""
+    from starlette.routing import Route
+
+    import colibri
+    from colibri.server import ServerConfig, create_app
+
+    async def main() -> tuple[dict[str, set[str]], dict[str, Any]]:
+        async with colibri.Engine.open(None, options={"state_dir": tmp_path}) as engine:
+            app = await create_app(engine, ServerConfig(kv_slots=0))
+            routes = {
+                r.path.replace("{model:path}", "{model}"): {m.lower() for m in r.methods or ()}
+                - {"head"}
+                for r in app.routes
+                if isinstance(r, Route) and r.path != "/openapi.json"
+            }
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as c:
+                doc = (await c.get("/openapi.json")).json()
+        return routes, doc
+
+    routes, doc = anyio.run(main)
+    assert {"/atlas", "/v1/models/{model}", "/admin/replicas/{index}/enable"} <= set(routes)
+    for path, methods in routes.items():
+        assert path in doc["paths"], path
+        assert set(doc["paths"][path]) == methods, (path, methods)
 
 
 def _cap(body: Any) -> None:
