@@ -34,7 +34,25 @@ TOOL_CALL_END = "</tool_call>"
 # </invoke>...</minimax:tool_call> (one block, any number of calls)
 MINIMAX_CALL_START = "<minimax:tool_call>"
 MINIMAX_CALL_END = "</minimax:tool_call>"
-_CALL_STARTS = (TOOL_CALL_START, MINIMAX_CALL_START)
+# DeepSeek-V3's section (｜ is U+FF5C, ▁ U+2581): <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>
+# function<｜tool▁sep｜>NAME\n```json\n{ARGS}\n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>;
+# V3.1 and V3.2 write <｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{ARGS}<｜tool▁call▁end｜>
+DEEPSEEK_CALLS_START = "<｜tool▁calls▁begin｜>"
+DEEPSEEK_CALLS_END = "<｜tool▁calls▁end｜>"
+# Kimi-K2's section: <|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX
+# <|tool_call_argument_begin|>{ARGS}<|tool_call_end|>...<|tool_calls_section_end|>
+KIMI_CALLS_START = "<|tool_calls_section_begin|>"
+KIMI_CALLS_END = "<|tool_calls_section_end|>"
+# Mistral's: [TOOL_CALLS] [{"name": NAME, "arguments": {ARGS}}, ...], or from tokenizer v11 on
+# [TOOL_CALLS]NAME[ARGS]{ARGS} per call. No closing marker: the block ends with its JSON.
+MISTRAL_CALLS = "[TOOL_CALLS]"
+_CALL_STARTS = (
+    TOOL_CALL_START,
+    MINIMAX_CALL_START,
+    DEEPSEEK_CALLS_START,
+    KIMI_CALLS_START,
+    MISTRAL_CALLS,
+)
 
 
 def _partial_suffix(text: str, markers: Sequence[str]) -> int:
@@ -155,7 +173,8 @@ class ThinkSplitter:
 
 
 class ToolCallSplitter:
-    """Holds back content from the first ``<tool_call>`` on (it is parsed at the end)."""
+    """Holds back content from the first start of a tool-call block of any format (``<tool_call>``,
+    ``[TOOL_CALLS]``, ...) on: it is parsed at the end."""
 
     def __init__(self, *, enabled: bool) -> None:
         self.enabled = enabled
@@ -204,13 +223,25 @@ class ParsedToolCall:
     arguments: str
 
 
-_BLOCK = re.compile(
-    "|".join(
-        re.escape(a) + r"(.*?)(?:" + re.escape(b) + r"|$)"
-        for a, b in ((TOOL_CALL_START, TOOL_CALL_END), (MINIMAX_CALL_START, MINIMAX_CALL_END))
-    ),
+_STARTS = re.compile("|".join(re.escape(m) for m in _CALL_STARTS))
+# a tagged format's closing marker (Mistral's block has none)
+_ENDS = {
+    TOOL_CALL_START: TOOL_CALL_END,
+    MINIMAX_CALL_START: MINIMAX_CALL_END,
+    DEEPSEEK_CALLS_START: DEEPSEEK_CALLS_END,
+    KIMI_CALLS_START: KIMI_CALLS_END,
+}
+_DS_CALL = re.compile(
+    "<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)(?:<｜tool▁call▁end｜>|$)", re.S
+)
+_DS_FENCED = re.compile(r"([^\n]*)\n```(?:json)?\n(.*?)\n?```", re.S)
+_KIMI_CALL = re.compile(
+    r"<\|tool_call_begin\|>(.*?)<\|tool_call_argument_begin\|>(.*?)(?:<\|tool_call_end\|>|$)",
     re.S,
 )
+_KIMI_ID = re.compile(r"(?:functions\.)?(.*?)(?::\d+)?")
+# v11's call: NAME[ARGS]; v13 may put [CALL_ID]ID between them
+_MISTRAL_NAMED = re.compile(r"\s*([^\s\[\]{}]+)(?:\[CALL_ID\][^\[]*)?\[ARGS\]")
 _INVOKE = re.compile(r'<invoke name="([^"<>]*)">(.*?)</invoke>', re.S)
 _MM_PARAM = re.compile(r'<parameter name="([^"<>]*)">(.*?)</parameter>', re.S)
 _QC_FUNCTION = re.compile(r"<function=([^>\s]+)>(.*?)(?:</function>|$)", re.S)
@@ -302,6 +333,10 @@ def _strict_json(text: str) -> Any:
     return _no_surrogates(json.loads(text, parse_constant=_refuse_constant, parse_float=_finite))
 
 
+# _strict_json's reading, for a JSON value that text goes on after (Mistral's block)
+_JSON_DECODER = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite)
+
+
 def _json_type(v: Any) -> str:
     if isinstance(v, bool):
         return "boolean"
@@ -332,27 +367,34 @@ def parse_tool_calls(
 ) -> tuple[str, list[ParsedToolCall]]:
     """Tool-call blocks in ``text`` -> (the text outside them, calls).
 
-    Two block formats: GLM's ``<tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value>...
-    </tool_call>`` (values are JSON unless the tool's schema declares a string) and the
-    JSON one ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``. A block that parses
-    as neither stays in the text. An unclosed last block (a model that ended without the
-    closing tag) is parsed too, unless ``closed_only`` (the generation was cut by max_tokens:
-    the block is a truncated call)."""
+    The format is told by the block's start marker, so no model needs naming: GLM's
+    ``<tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value>...</tool_call>`` (values are
+    JSON unless the tool's schema declares a string), the JSON one ``<tool_call>{"name": ...,
+    "arguments": {...}}</tool_call>``, Qwen3-Coder's, MiniMax-M2's, DeepSeek-V3's, Kimi-K2's and
+    Mistral's (see the markers above). A block that parses as none stays in the text. An
+    unclosed last block (a model that ended without the closing tag) is parsed too, unless
+    ``closed_only`` (the generation was cut by max_tokens: the block is a truncated call);
+    Mistral's block closes with its JSON, so a cut one never parses."""
     calls: list[ParsedToolCall] = []
     kept: list[str] = []
-    pos = 0
-    for m in _BLOCK.finditer(text):
-        if closed_only and not m.group(0).endswith((TOOL_CALL_END, MINIMAX_CALL_END)):
-            continue
-        if m.group(1) is not None:
-            one = _parse_block(m.group(1).strip(), tools)
-            found = None if one is None else [one]
+    pos = at = 0
+    while (m := _STARTS.search(text, at)) is not None:
+        start = m.group()
+        end_tag = _ENDS.get(start)
+        if end_tag is None:
+            found, end = _parse_mistral(text, m.end(), tools)
+            at = end if found else m.end()
         else:
-            found = _parse_invokes(m.group(2), tools)
+            close = text.find(end_tag, m.end())
+            end = len(text) if close < 0 else close + len(end_tag)
+            at = end  # a block that is no call stays text whole (a call inside it too)
+            if closed_only and close < 0:
+                continue
+            found = _BODY_PARSERS[start](text[m.end() : len(text) if close < 0 else close], tools)
         if not found:
             continue
         kept.append(text[pos : m.start()])
-        pos = m.end()
+        pos = end
         calls += found
     if not calls:
         return text, calls
@@ -383,6 +425,13 @@ def _declared(tools: Sequence[Mapping[str, Any]] | None, name: str) -> bool:
     return False
 
 
+def _parse_tool_call_block(
+    body: str, tools: Sequence[Mapping[str, Any]] | None
+) -> list[ParsedToolCall] | None:
+    one = _parse_block(body.strip(), tools)
+    return None if one is None else [one]
+
+
 def _parse_block(body: str, tools: Sequence[Mapping[str, Any]] | None) -> ParsedToolCall | None:
     """One block's call, or None (it stays text): a block that parses as neither format, or
     names a tool the request did not declare (a client would run what it never offered)."""
@@ -391,22 +440,98 @@ def _parse_block(body: str, tools: Sequence[Mapping[str, Any]] | None) -> Parsed
             obj = _strict_json(body)
         except ValueError:  # (json.JSONDecodeError is one)
             return None
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return None
-        args = obj.get("arguments", obj.get("parameters", {}))
-        if isinstance(args, str):
-            try:
-                args = _strict_json(args)
-            except ValueError:
-                return None
-        if not isinstance(args, dict) or not _declared(tools, obj["name"]):
-            return None
-        return ParsedToolCall(_call_id(), obj["name"], _dump(args))
+        return _json_call(obj, tools)
     qc = _QC_FUNCTION.fullmatch(body)
     if qc is not None:  # Qwen3-Coder's: <function=NAME><parameter=K>\nV\n</parameter></function>
         return _named_call(qc.group(1), _QC_PARAM.findall(qc.group(2)), tools)
     first, _, rest = body.partition("<arg_key>")  # GLM's
     return _named_call(first, _ARG.findall("<arg_key>" + rest if rest else ""), tools)
+
+
+def _json_call(obj: Any, tools: Sequence[Mapping[str, Any]] | None) -> ParsedToolCall | None:
+    """A ``{"name": ..., "arguments": {...}}`` object's call (``parameters`` for
+    ``arguments`` too; arguments given as JSON text are read), or None."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    return _args_call(obj["name"], obj.get("arguments", obj.get("parameters", {})), tools)
+
+
+def _args_call(
+    name: str, args: Any, tools: Sequence[Mapping[str, Any]] | None
+) -> ParsedToolCall | None:
+    """A call given as a name and its arguments, an object or the JSON text of one, or None
+    (the arguments are no object, the name no declared tool's)."""
+    if isinstance(args, str):
+        try:
+            args = _strict_json(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict) or not _declared(tools, name):
+        return None
+    return ParsedToolCall(_call_id(), name, _dump(args))
+
+
+def _parse_deepseek(
+    body: str, tools: Sequence[Mapping[str, Any]] | None
+) -> list[ParsedToolCall] | None:
+    """DeepSeek's section: its calls, or None (it stays text) when it holds none or one that
+    does not parse. V3's call is ``function<｜tool▁sep｜>NAME`` and the arguments fenced as
+    Markdown JSON; V3.1's ``NAME<｜tool▁sep｜>ARGS``."""
+    calls = []
+    for head, rest in _DS_CALL.findall(body):
+        fenced = _DS_FENCED.fullmatch(rest.strip())
+        if head.strip() == "function" and fenced is not None:
+            head, rest = fenced.groups()
+        call = _args_call(head.strip(), rest, tools)
+        if call is None:
+            return None
+        calls.append(call)
+    return calls or None
+
+
+def _parse_kimi(
+    body: str, tools: Sequence[Mapping[str, Any]] | None
+) -> list[ParsedToolCall] | None:
+    """Kimi-K2's section: its calls, or None (it stays text) when it holds none or one that
+    does not parse. A call's id is ``functions.NAME:IDX``."""
+    calls = []
+    for call_id, args in _KIMI_CALL.findall(body):
+        name = _KIMI_ID.fullmatch(call_id.strip())
+        call = None if name is None else _args_call(name.group(1).strip(), args, tools)
+        if call is None:
+            return None
+        calls.append(call)
+    return calls or None
+
+
+def _parse_mistral(
+    text: str, at: int, tools: Sequence[Mapping[str, Any]] | None
+) -> tuple[list[ParsedToolCall] | None, int]:
+    """Mistral's block after its ``[TOOL_CALLS]`` at ``at``: (its calls or None, where it
+    ends). It has no closing marker; the JSON value that follows is its end, and text after
+    it is text (a value cut short never parses)."""
+    named = _MISTRAL_NAMED.match(text, at)
+    if named is not None:
+        at = named.end()
+    while at < len(text) and text[at].isspace():
+        at += 1
+    try:
+        value, end = _JSON_DECODER.raw_decode(text, at)
+    except ValueError:
+        return None, at
+    value = _no_surrogates(value)
+    if named is not None:
+        one = _args_call(named.group(1), value, tools) if isinstance(value, dict) else None
+        return (None if one is None else [one]), end
+    if not isinstance(value, list) or not value:
+        return None, end
+    calls = []
+    for obj in value:
+        call = _json_call(obj, tools)
+        if call is None:
+            return None, end
+        calls.append(call)
+    return calls, end
 
 
 def _call_id() -> str:
@@ -445,3 +570,12 @@ def _parse_invokes(
 
 def _dump(args: dict[str, Any]) -> str:
     return json.dumps(args, ensure_ascii=False, allow_nan=False)
+
+
+# a tagged block's body -> its calls, or None (it stays text)
+_BODY_PARSERS = {
+    TOOL_CALL_START: _parse_tool_call_block,
+    MINIMAX_CALL_START: _parse_invokes,
+    DEEPSEEK_CALLS_START: _parse_deepseek,
+    KIMI_CALLS_START: _parse_kimi,
+}

@@ -1116,6 +1116,114 @@ def test_qwen3_coder_and_minimax_m2_tool_calls_are_parsed() -> None:
     assert parse_tool_calls(undeclared, tools) == (undeclared, [])
 
 
+# DeepSeek-V3's (V3.1's: NAME<｜tool▁sep｜>ARGS), Kimi-K2's and Mistral's (the list before
+# tokenizer v11, NAME[ARGS]ARGS per call from it on) calls, each with text before and two
+# calls: (output, the text before the block)
+_DS_CALL = (
+    "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{}\n```<｜tool▁call▁end｜>"
+)
+_DS31_CALL = "<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{}<｜tool▁call▁end｜>"
+_KIMI_CALL = (
+    "<|tool_call_begin|>functions.get_weather:{}<|tool_call_argument_begin|>{}<|tool_call_end|>"
+)
+_PARIS, _ROME = '{"city": "Paris", "days": 2}', '{"city": "Rome"}'
+NATIVE_CALLS = {
+    "deepseek_v3": (
+        "Let me look.\n<｜tool▁calls▁begin｜>"
+        + _DS_CALL.format(_PARIS) + "\n" + _DS_CALL.format(_ROME) + "<｜tool▁calls▁end｜>",
+        "Let me look.\n",
+    ),
+    "deepseek_v31": (
+        "Let me look.<｜tool▁calls▁begin｜>"
+        + _DS31_CALL.format(_PARIS) + _DS31_CALL.format(_ROME) + "<｜tool▁calls▁end｜>",
+        "Let me look.",
+    ),
+    "kimi_k2": (
+        "Let me look. <|tool_calls_section_begin|>"
+        + _KIMI_CALL.format(0, _PARIS) + _KIMI_CALL.format(1, _ROME)
+        + "<|tool_calls_section_end|>",
+        "Let me look. ",
+    ),
+    "mistral": (
+        f'Let me look.[TOOL_CALLS] [{{"name": "get_weather", "arguments": {_PARIS}}}, '
+        f'{{"name": "get_weather", "arguments": {_ROME}}}]',
+        "Let me look.",
+    ),
+    "mistral_v11": (
+        f"Let me look.\n[TOOL_CALLS]get_weather[ARGS]{_PARIS}[TOOL_CALLS]get_weather[ARGS]{_ROME}",
+        "Let me look.\n",
+    ),
+}  # fmt: skip
+_WANT = [("get_weather", {"city": "Paris", "days": 2}), ("get_weather", {"city": "Rome"})]
+
+
+@pytest.mark.parametrize("fmt", sorted(NATIVE_CALLS))
+def test_deepseek_kimi_and_mistral_tool_calls_are_parsed(fmt: str) -> None:
+    """Only the <tool_call> formats and MiniMax-M2's were read: a DeepSeek-V3, Kimi-K2 or
+    Mistral model's calls came back as content with finish_reason stop."""
+    out, before = NATIVE_CALLS[fmt]
+    text, calls = parse_tool_calls(out, WEATHER_TOOLS)
+    assert text == before.rstrip()
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == _WANT
+    assert len({c.id for c in calls}) == 2
+    # streamed: the text before the block is released, the block held back, wherever the
+    # chunks split it (at every point, and a character at a time)
+    for k in range(len(out) + 1):
+        split = ToolCallSplitter(enabled=True)
+        released = split.feed(out[:k]) + split.feed(out[k:])
+        rest, calls = split.finish(WEATHER_TOOLS)
+        assert (released, rest) == (before, ""), (k, released, rest)
+        assert [(c.name, json.loads(c.arguments)) for c in calls] == _WANT, k
+    split = ToolCallSplitter(enabled=True)
+    assert "".join(split.feed(ch) for ch in out) == before
+    assert [c.name for c in split.finish(WEATHER_TOOLS)[1]] == ["get_weather"] * 2
+
+
+@pytest.mark.parametrize("fmt", sorted(NATIVE_CALLS))
+def test_native_tool_call_blocks_cut_or_undeclared_stay_text(fmt: str) -> None:
+    """A block naming a tool the request did not declare, and one cut by max_tokens, stay
+    text as in the <tool_call> formats."""
+    out, before = NATIVE_CALLS[fmt]
+    other = [{"type": "function", "function": {"name": "get_time", "parameters": {}}}]
+    assert parse_tool_calls(out, other) == (out, [])
+    # one of the two calls undeclared: the whole block stays (a list, a section) or that
+    # call's block (Mistral v11's, one block per call)
+    rm = out.replace("get_weather", "rm_rf", 1)
+    text, calls = parse_tool_calls(rm, WEATHER_TOOLS)
+    assert "rm_rf" in text and len(calls) == (1 if fmt == "mistral_v11" else 0), (text, calls)
+    # cut inside the last call's arguments: no call from the unfinished block; the generation
+    # ended there on its own (no max_tokens), an unclosed section's finished calls count
+    cut = out[: out.rindex("Rome") + 2]
+    for closed_only in (True, False):
+        text, calls = parse_tool_calls(cut, WEATHER_TOOLS, closed_only=closed_only)
+        assert text.endswith('{"city": "Ro'), text
+        split = ToolCallSplitter(enabled=True)
+        assert split.feed(cut) == before
+        rest, streamed = split.finish(WEATHER_TOOLS, cut=closed_only)
+        assert before + rest == text and len(streamed) == len(calls)
+        assert len(calls) == (1 if fmt == "mistral_v11" else 0), (closed_only, calls)
+    # a section that lost only its closing marker: a call at the end of a generation, not
+    # when max_tokens cut it there
+    if fmt in ("deepseek_v3", "deepseek_v31", "kimi_k2"):
+        unclosed = out[: out.rindex("<")]
+        assert len(parse_tool_calls(unclosed, WEATHER_TOOLS)[1]) == 2
+        assert parse_tool_calls(unclosed, WEATHER_TOOLS, closed_only=True) == (unclosed, [])
+
+
+def test_tool_call_splitter_releases_what_only_looked_like_a_marker() -> None:
+    """Text that could begin a marker is held only until it cannot: "[", "<｜tool" and
+    "<|tool_calls" that go on otherwise are content, released as they are decided."""
+    split = ToolCallSplitter(enabled=True)
+    assert split.feed("See [") == "See "
+    assert split.feed("1] and <｜tool") == "[1] and "
+    assert split.feed("▁x <|tool_calls_") == "<｜tool▁x "
+    assert split.feed("done") == "<|tool_calls_done"
+    assert split.feed(" [TOOL_CALL") == " "
+    assert split.feed("S]x") == ""
+    # [TOOL_CALLS] that opens no call (not followed by JSON) comes back whole at the end
+    assert split.finish(WEATHER_TOOLS) == ("[TOOL_CALLS]x", [])
+
+
 def test_retry_after_is_when_one_place_frees_not_the_whole_queue() -> None:
     """Retry-After said mean generation time x (waiting + running) / parallel: the time to
     drain the whole queue. A place opens when the first running generation ends."""

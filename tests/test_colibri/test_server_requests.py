@@ -619,3 +619,54 @@ async def test_a_draft_mode_the_model_cannot_run_is_a_400_naming_draft(tmp_path:
         assert "use draft 'lookup' or 'auto'" in err["message"], err
         r = await c.post("/v1/chat/completions", json=_chat(draft="lookup"))
         assert r.status_code == 200, r.text
+
+
+async def test_a_deepseek_tool_call_comes_back_as_tool_calls(tmp_path: Path) -> None:
+    """A DeepSeek-V3 model's call (forced here by a grammar) came back as content with
+    finish_reason stop: now as tool_calls, whole and streamed, with the text before it as
+    content and none of the block's markers; cut by max_tokens it stays text."""
+    import re
+
+    template = (
+        "{% for m in messages %}<|{{ m.role }}|>{{ m.content or '' }}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    call = (
+        "Let me look.\n<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>"
+        'get_weather\n```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>'
+    )
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
+    body = _chat(
+        tools=tools,
+        max_tokens=200,
+        temperature=0,
+        response_format={"type": "regex", "grammar": re.escape(call)},
+    )
+    async for c in _client(tools_model(tmp_path, template), tmp_path / "state", kv_slots=0):
+        r = await c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        choice, n = r.json()["choices"][0], r.json()["usage"]["completion_tokens"]
+        assert choice["finish_reason"] == "tool_calls", choice
+        msg = choice["message"]
+        assert msg["content"] == "Let me look.\n", msg  # (what the stream sent before it)
+        [got] = msg["tool_calls"]
+        assert got["function"]["name"] == "get_weather"
+        assert json.loads(got["function"]["arguments"]) == {"city": "Paris"}
+        r = await c.post("/v1/chat/completions", json={**body, "stream": True})
+        chunks = [
+            json.loads(line[6:])["choices"]
+            for line in r.text.splitlines()
+            if line.startswith("data: {")
+        ]
+        deltas = [ch[0]["delta"] for ch in chunks if ch]
+        content = "".join(d.get("content") or "" for d in deltas)
+        streamed = [t for d in deltas for t in d.get("tool_calls") or []]
+        assert content == msg["content"], deltas
+        assert [t["function"]["name"] for t in streamed] == ["get_weather"], deltas
+        assert [ch[0]["finish_reason"] for ch in chunks if ch][-1] == "tool_calls"
+        # cut by max_tokens before the section closes: a truncated call stays text
+        r = await c.post("/v1/chat/completions", json={**body, "max_tokens": n - 3})
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "length" and not choice["message"].get("tool_calls")
+        assert "<｜tool▁calls▁begin｜>" in choice["message"]["content"], choice
