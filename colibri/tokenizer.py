@@ -25,8 +25,27 @@ from storage.chat_template import (
 )
 from storage.errors import ColibriError, ConfigError
 
-__all__ = ["CHAT_TEMPLATE_NAME", "ChatTokenizer", "PromptTooLongError", "TextStream"]
+__all__ = [
+    "CHAT_TEMPLATE_NAME",
+    "TOOL_CALL_MARKERS",
+    "ChatTokenizer",
+    "PromptTooLongError",
+    "TextStream",
+]
 
+#: The markers of the tool-call formats the server reads (colibri/server/textproc.py): kept in
+#: decoded text even where the tokenizer marks them special (Mistral's, Kimi-K2's).
+TOOL_CALL_MARKERS = frozenset(
+    {
+        "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
+        "<minimax:tool_call>", "</minimax:tool_call>",
+        "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+        "<｜tool▁call▁end｜>", "<｜tool▁sep｜>",
+        "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+        "<|tool_call_argument_begin|>", "<|tool_call_end|>",
+        "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]",
+    }
+)  # fmt: skip
 _LONG_TEXT = 1 << 16  # characters; shorter texts take the cheaper single-text call
 
 
@@ -100,8 +119,15 @@ class ChatTokenizer:
         self._byte_level = decoder is not None and type(decoder).__name__ == "ByteLevel"
         added = self._tok.get_added_tokens_decoder()
         self._added_ids = frozenset(int(i) for i in added)
-        # special tokens: decode() leaves them out of the text, so their bytes are none
-        self._special_ids = frozenset(int(i) for i, t in added.items() if t.special)
+        # special tokens: decode() leaves them out of the text, so their bytes are none; but for
+        # the markers of a tool call (Mistral's [TOOL_CALLS] is a special token: without it
+        # the server could not see the call, as transformers' skip_special_tokens would hide it)
+        self._special_ids = frozenset(
+            int(i) for i, t in added.items() if t.special and t.content not in TOOL_CALL_MARKERS
+        )
+        self._kept_ids = frozenset(
+            int(i) for i, t in added.items() if t.special and t.content in TOOL_CALL_MARKERS
+        )
         self._template_src, where = chat_template_source(tokenizer_file.parent, self.config)
         self._template = (
             compile_chat_template(self._template_src, where) if self._template_src else None
@@ -169,6 +195,10 @@ class ChatTokenizer:
         return len(seen.encode("utf-8")) // self._longest
 
     def decode(self, ids: Sequence[int]) -> str:
+        """The text of ``ids``: special tokens left out, but tool-call markers."""
+        if self._kept_ids and not self._kept_ids.isdisjoint(ids):
+            kept = [int(i) for i in ids if int(i) not in self._special_ids]
+            return str(self._tok.decode(kept, skip_special_tokens=False))
         return str(self._tok.decode(list(ids), skip_special_tokens=True))
 
     def is_special(self, token_id: int) -> bool:

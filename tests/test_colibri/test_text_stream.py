@@ -126,3 +126,45 @@ def test_the_tool_use_template_renders_when_tools_are_given(tmp_path: Path) -> N
     assert tok.apply_chat_template(msgs) == "D:hi"
     tools = [{"type": "function", "function": {"name": "f"}}]
     assert tok.apply_chat_template(msgs, tools=tools) == "T1:hi"
+
+
+def test_tool_call_markers_stay_in_the_text_where_the_tokenizer_marks_them_special(
+    tmp_path: Path,
+) -> None:
+    """Mistral's ``[TOOL_CALLS]`` / ``[ARGS]`` are special tokens: left out of the decoded text
+    like ``</s>``, the server never saw a Mistral model's tool call. They stay (decoded and
+    streamed alike), other special tokens still go, and the call parses."""
+    from colibri.server import textproc
+    from colibri.tokenizer import TOOL_CALL_MARKERS
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    for p in ["\u2581", "a", "b", "\u2581a", "ab"]:
+        vocab.setdefault(p, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("\u2581", "a"), ("a", "b")],
+                               unk_token="<unk>", byte_fallback=True, fuse_unk=True))  # fmt: skip
+    tok.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]
+    )
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])  # fmt: skip
+    tok.add_special_tokens([AddedToken(t, special=True)
+                            for t in ("<s>", "</s>", "[TOOL_CALLS]", "[ARGS]")])  # fmt: skip
+    tok.save(str(tmp_path / "tokenizer.json"))
+    ct = ChatTokenizer(tmp_path / "tokenizer.json", {"bos_token": "<s>", "eos_token": "</s>"})
+    calls, args, eos = (ct.token_to_id(t) for t in ("[TOOL_CALLS]", "[ARGS]", "</s>"))
+    assert calls is not None and args is not None and eos is not None
+    assert not ct.is_special(calls) and not ct.is_special(args) and ct.is_special(eos)
+    listed = [*ct.encode("ab"), calls, *ct.encode('[{"name": "f", "arguments": {"x": 1}}]'), eos]
+    named = [*ct.encode("ab"), calls, *ct.encode("f"), args, *ct.encode('{"x": 2}'), eos]
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    for ids, want in ((listed, {"x": 1}), (named, {"x": 2})):
+        text = ct.decode(ids)
+        assert text.startswith("ab[TOOL_CALLS]") and "</s>" not in text, text
+        assert _streamed(ct, ids) == text
+        rest, got = textproc.parse_tool_calls(text, tools)
+        assert rest == "ab" and [(c.name, json.loads(c.arguments)) for c in got] == [("f", want)]
+    # every marker the server reads is kept
+    markers = {*textproc._CALL_STARTS, *textproc._ENDS.values()}
+    assert markers <= TOOL_CALL_MARKERS, markers - TOOL_CALL_MARKERS
