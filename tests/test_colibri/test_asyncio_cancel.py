@@ -212,13 +212,17 @@ def test_an_open_timed_out_by_wait_for_waits_for_its_load(
 ) -> None:
     """asyncio.wait_for around Engine.open returned the timeout while the experts went on
     loading in a worker thread (tens of GB of a large model read after the caller was told
-    the open was cancelled; a retry loaded a second copy beside it)."""
+    the open was cancelled; a retry loaded a second copy beside it). The deadline (a native
+    asyncio timeout, as wait_for's) falls 0.2 s into the load, however long the open took to
+    get there (a fixed 0.5 s ran out before the load began on a busy machine)."""
+    import threading
     import time
 
     import runtime.weights as weights_mod
 
     plain = weights_mod.ResidentExperts.__init__
     log: list[tuple[str, float]] = []
+    started = threading.Event()
 
     def slow(
         self: weights_mod.ResidentExperts, container: object, *a: object, **kw: object
@@ -227,6 +231,7 @@ def test_an_open_timed_out_by_wait_for_waits_for_its_load(
             plain(self, container, *a, **kw)  # type: ignore[arg-type]
             return
         log.append(("start", time.perf_counter()))
+        started.set()
         time.sleep(1.0)
         plain(self, container, *a, **kw)  # type: ignore[arg-type]
         log.append(("end", time.perf_counter()))
@@ -234,13 +239,26 @@ def test_an_open_timed_out_by_wait_for_waits_for_its_load(
     monkeypatch.setattr(weights_mod.ResidentExperts, "__init__", slow)
 
     async def main() -> float:
+        loop = asyncio.get_running_loop()
+
         async def opener() -> None:
             opts = colibri.EngineOptions(learn=False, state_dir=tmp_path)
             async with colibri.Engine.open(DEMO, options=opts):
                 pass
 
         with pytest.raises(TimeoutError):
-            await asyncio.wait_for(opener(), 0.5)
+            async with asyncio.timeout(None) as deadline:
+
+                async def arm() -> None:
+                    while not started.is_set():
+                        await asyncio.sleep(0.01)
+                    deadline.reschedule(loop.time() + 0.2)
+
+                arming = asyncio.ensure_future(arm())
+                try:
+                    await opener()
+                finally:
+                    arming.cancel()
         return time.perf_counter()
 
     back = asyncio.run(main())
