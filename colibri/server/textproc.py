@@ -330,7 +330,28 @@ def _strict_json(text: str) -> Any:
     double (which Python's reader accepts and its writer would put back) raise ValueError, lone
     surrogate escapes become U+FFFD. A call's arguments are then always JSON a client's strict
     parser reads, and always encodable."""
-    return _no_surrogates(json.loads(text, parse_constant=_refuse_constant, parse_float=_finite))
+    try:
+        value = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite)
+    except RecursionError:  # (nested past Python's reader: a model's bracket run)
+        raise ValueError("JSON nested too deep") from None
+    return _no_surrogates(_shallow(value))
+
+
+#: Deepest nesting a call's arguments may have (deeper: not a call; it stays text).
+MAX_JSON_DEPTH = 128
+
+
+def _shallow(value: Any) -> Any:
+    """``value`` when it nests at most ``MAX_JSON_DEPTH`` deep, else ValueError: what reads,
+    cleans and writes it again recurses once per level (a RecursionError was a 500)."""
+    todo = [(value, 1)]
+    while todo:
+        v, depth = todo.pop()
+        if isinstance(v, dict | list):
+            if depth > MAX_JSON_DEPTH:
+                raise ValueError(f"JSON nested more than {MAX_JSON_DEPTH} deep")
+            todo.extend((c, depth + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return value
 
 
 # _strict_json's reading, for a JSON value that text goes on after (Mistral's block)
@@ -517,9 +538,11 @@ def _parse_mistral(
         at += 1
     try:
         value, end = _JSON_DECODER.raw_decode(text, at)
+        value = _no_surrogates(_shallow(value))
+    except RecursionError:  # (as in _strict_json)
+        return None, at
     except ValueError:
         return None, at
-    value = _no_surrogates(value)
     if named is not None:
         one = _args_call(named.group(1), value, tools) if isinstance(value, dict) else None
         return (None if one is None else [one]), end

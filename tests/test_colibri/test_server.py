@@ -1224,6 +1224,34 @@ def test_tool_call_splitter_releases_what_only_looked_like_a_marker() -> None:
     assert split.finish(WEATHER_TOOLS) == ("[TOOL_CALLS]x", [])
 
 
+def test_a_bracket_run_in_a_tool_call_is_text_not_a_server_error() -> None:
+    """JSON nested past Python's reader (a model writing thousands of ``[``) raised
+    RecursionError out of the parser: a 500 for the request. Arguments nested deeper than
+    MAX_JSON_DEPTH are no call (the block stays text); a GLM value that deep is a string."""
+    from colibri.server.textproc import MAX_JSON_DEPTH
+
+    tools = WEATHER_TOOLS
+    deep, ok = "[" * 5000 + "]" * 5000, "[" * (MAX_JSON_DEPTH - 4) + "]" * (MAX_JSON_DEPTH - 4)
+    # (the block's own objects and lists are levels too: "ok" is 124 inside at most 4)
+    for nest, calls in ((deep, 0), ("[" * 900 + "]" * 900, 0), (ok, 1)):
+        blocks = [
+            f'<tool_call>{{"name": "get_weather", "arguments": {{"a": {nest}}}}}</tool_call>',
+            f'[TOOL_CALLS] [{{"name": "get_weather", "arguments": {{"a": {nest}}}}}]',
+            f'[TOOL_CALLS]get_weather[ARGS]{{"a": {nest}}}',
+            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+            f'{{"a": {nest}}}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+        ]
+        for block in blocks:
+            text, got = parse_tool_calls(block, tools)
+            assert len(got) == calls and (calls or text == block), block[:60]
+    assert parse_tool_calls("[TOOL_CALLS]" + "[" * 20000, tools)[1] == []
+    text, got = parse_tool_calls(
+        f"<tool_call>get_weather<arg_key>city</arg_key><arg_value>{deep}</arg_value></tool_call>",
+        tools,
+    )
+    assert json.loads(got[0].arguments) == {"city": deep}
+
+
 def test_retry_after_is_when_one_place_frees_not_the_whole_queue() -> None:
     """Retry-After said mean generation time x (waiting + running) / parallel: the time to
     drain the whole queue. A place opens when the first running generation ends."""
