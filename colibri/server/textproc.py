@@ -313,15 +313,25 @@ def _finite(text: str) -> float:
     return v
 
 
-def _no_surrogates(v: Any) -> Any:
+#: Deepest nesting a call's arguments may have (deeper: not a call; it stays text).
+MAX_JSON_DEPTH = 128
+# _strict_json's reader (Mistral's block reads a value that text goes on after with it)
+_JSON_DECODER = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite)
+
+
+def _no_surrogates(v: Any, depth: int = 1) -> Any:
     """``v`` with every lone surrogate (a ``\\ud800`` escape without its pair) in its strings
-    and keys replaced by U+FFFD: such a string cannot be encoded as UTF-8 for the response."""
+    and keys replaced by U+FFFD: such a string cannot be encoded as UTF-8 for the response.
+    ValueError when ``v`` nests deeper than ``MAX_JSON_DEPTH``: what cleans and writes it again
+    recurses once per level (a RecursionError was a 500)."""
     if isinstance(v, str):
         return _SURROGATE.sub("\ufffd", v)
+    if isinstance(v, list | dict) and depth > MAX_JSON_DEPTH:
+        raise ValueError(f"JSON nested more than {MAX_JSON_DEPTH} deep")
     if isinstance(v, list):
-        return [_no_surrogates(x) for x in v]
+        return [_no_surrogates(x, depth + 1) for x in v]
     if isinstance(v, dict):
-        return {_no_surrogates(k): _no_surrogates(x) for k, x in v.items()}
+        return {_no_surrogates(k): _no_surrogates(x, depth + 1) for k, x in v.items()}
     return v
 
 
@@ -331,31 +341,9 @@ def _strict_json(text: str) -> Any:
     surrogate escapes become U+FFFD. A call's arguments are then always JSON a client's strict
     parser reads, and always encodable."""
     try:
-        value = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite)
+        return _no_surrogates(_JSON_DECODER.decode(text))
     except RecursionError:  # (nested past Python's reader: a model's bracket run)
         raise ValueError("JSON nested too deep") from None
-    return _no_surrogates(_shallow(value))
-
-
-#: Deepest nesting a call's arguments may have (deeper: not a call; it stays text).
-MAX_JSON_DEPTH = 128
-
-
-def _shallow(value: Any) -> Any:
-    """``value`` when it nests at most ``MAX_JSON_DEPTH`` deep, else ValueError: what reads,
-    cleans and writes it again recurses once per level (a RecursionError was a 500)."""
-    todo = [(value, 1)]
-    while todo:
-        v, depth = todo.pop()
-        if isinstance(v, dict | list):
-            if depth > MAX_JSON_DEPTH:
-                raise ValueError(f"JSON nested more than {MAX_JSON_DEPTH} deep")
-            todo.extend((c, depth + 1) for c in (v.values() if isinstance(v, dict) else v))
-    return value
-
-
-# _strict_json's reading, for a JSON value that text goes on after (Mistral's block)
-_JSON_DECODER = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite)
 
 
 def _json_type(v: Any) -> str:
@@ -538,10 +526,8 @@ def _parse_mistral(
         at += 1
     try:
         value, end = _JSON_DECODER.raw_decode(text, at)
-        value = _no_surrogates(_shallow(value))
-    except RecursionError:  # (as in _strict_json)
-        return None, at
-    except ValueError:
+        value = _no_surrogates(value)
+    except (ValueError, RecursionError):  # (RecursionError: as in _strict_json)
         return None, at
     if named is not None:
         one = _args_call(named.group(1), value, tools) if isinstance(value, dict) else None
