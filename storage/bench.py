@@ -464,6 +464,8 @@ async def bench_storage(
     best = max(direct_backends, key=lambda n: out_backends[n]["gbps_median"], default=None)
     fio_out: dict[str, Any] | None = None
     figure: float | None = None
+    # the most fio's whole-ms runtimes can move its GB/s (1 ms of its shortest pass)
+    q = max((quantization(x["runtime_ms"]) for x in fio_runs), default=0.0)
     fio_failed = fio_reason  # a pass that failed after others ran
     if fio_runs and len(fio_runs) < repeats:
         fio_reason = (
@@ -481,7 +483,7 @@ async def bench_storage(
             "cpu_median": statistics.median(x["cpu"] for x in fio_runs),
             # fio's own runtime per pass, whole ms; its GB/s can be off by 1 ms of it at most
             "runtime_ms_runs": [x["runtime_ms"] for x in fio_runs],
-            "quantization_max": max(quantization(x["runtime_ms"]) for x in fio_runs),
+            "quantization_max": q,
         }
         if best is not None and fio_med > 0:
             figure = out_backends[best]["gbps_median"] / fio_med
@@ -508,7 +510,6 @@ async def bench_storage(
                 else "(the disk sped up after the first round)"
             )
         )
-    q = max((quantization(x["runtime_ms"]) for x in fio_runs), default=0.0)
     if q > QUANT_WARN:
         warnings.append(
             f"fio's shortest pass took {min(x['runtime_ms'] for x in fio_runs):g} ms, timed in "
