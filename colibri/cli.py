@@ -1608,6 +1608,13 @@ def _bench_progress() -> Any:
 @click.option("--no-fio", is_flag=True, help="Do not run fio (figure is then null).")
 @click.option("--no-drop-caches", is_flag=True, help="Keep the page cache between passes.")
 @click.option(
+    "--warm-up/--no-warm-up",
+    default=True,
+    show_default=True,
+    help="Read each round's extents once, untimed, before its timed passes (a virtual disk's "
+    "host caches what the first pass read: without it, whoever goes first pays).",
+)
+@click.option(
     "--huge/--no-huge",
     default=True,
     show_default=True,
@@ -1623,6 +1630,7 @@ def bench_storage_cmd(
     backends: str,
     no_fio: bool,
     no_drop_caches: bool,
+    warm_up: bool,
     huge: bool,
 ) -> None:
     """Cold expert-shaped random reads through each reader backend, against fio."""
@@ -1645,7 +1653,8 @@ def bench_storage_cmd(
         )
     path = target or default_model_path()
     with _bench_progress() as bar:
-        task = bar.add_task("reading", total=repeats * (len(names) + (0 if no_fio else 1)))
+        per_round = len(names) + (0 if no_fio else 1) + (1 if warm_up else 0)
+        task = bar.add_task("reading", total=repeats * per_round)
 
         def log(line: str) -> None:
             if bar.disable:
@@ -1653,9 +1662,8 @@ def bench_storage_cmd(
             elif line.startswith("extending"):  # the round is read again, with more reads
                 bar.reset(task, description=line.strip())
             else:
-                bar.update(
-                    task, advance=1 if line.startswith("pass ") else 0, description=line.strip()
-                )
+                passed = line.startswith(("pass ", "warm-up "))
+                bar.update(task, advance=1 if passed else 0, description=line.strip())
 
         result = anyio.run(
             lambda: bench_storage(
@@ -1670,6 +1678,7 @@ def bench_storage_cmd(
                 log=log,
                 huge=huge,
                 min_pass_s=min_pass,
+                warm_up=warm_up,
             )
         )
     click.echo(json.dumps(result))

@@ -13,6 +13,13 @@ from run to run. When the first round's shortest pass (any backend's, or fio's r
 shorter, that round is thrown away and every pass, fio's included, reads more extents (one
 plan, the same for all); ``reads`` is then a minimum and ``reads_per_pass`` says what was read.
 
+Every round begins with a warm-up: one untimed pass over the round's extents (through the first
+backend), so that every timed pass finds them in the same state. On a virtual disk the host
+keeps a cache of its own that dropping the guest's page cache does not reach, and the first
+pass over a round's extents ran at 0.3-2.0 GB/s where the passes after it read 1.4-2.6 on a
+2-vCPU guest; with five contenders and three rounds fio never went first, so that cost fell on
+the backends alone. ``warm_up=False`` (``--no-warm-up``) times the cold first pass too.
+
     python -m storage.bench FILE_OR_MODEL_DIR [--reads 200] [--qd 1] [--repeats 3] [--min-pass 0.2]
 
 prints one line per pass and the JSON result as the last line.
@@ -311,6 +318,7 @@ async def bench_storage(
     log: Any = None,
     huge: bool = True,
     min_pass_s: float = MIN_PASS_S,
+    warm_up: bool = True,
 ) -> dict[str, Any]:
     """Benchmark reader backends (and fio) on expert-shaped cold random reads; see module doc.
 
@@ -319,6 +327,8 @@ async def bench_storage(
     per-file ``posix_fadvise(DONTNEED)``). ``log`` is called with one line per pass.
     ``reads`` is a minimum: while the first round's shortest pass lasts under ``min_pass_s``
     (0: never), that round is dropped and every pass reads more (``reads_per_pass``).
+    ``warm_up``: an untimed pass over each round's extents before its timed ones (see the
+    module docstring).
     """
     target = Path(model_dir_or_file)
     if min_pass_s < 0 or not math.isfinite(min_pass_s):
@@ -366,6 +376,7 @@ async def bench_storage(
     reads_used = reads
     distinct = 0
     probes: list[dict[str, Any]] = []  # rounds thrown away because a pass was too short
+    warm_runs: list[float] = []  # GB/s of each round's untimed first pass
     try:
         rep = 0
         while rep < repeats:
@@ -378,6 +389,16 @@ async def bench_storage(
             k = rep % len(names)  # rotate so no backend always goes first
             got: dict[str, dict[str, float]] = {}
             fio_got: dict[str, Any] | None = None
+            warm_gbps: float | None = None
+            if warm_up and readers:
+                # untimed: the round's extents once, so every timed pass finds them alike
+                first = next(iter(readers))
+                if not in_memory and (dropping or (drop_caches is None and not as_root)):
+                    cache_how = await anyio.to_thread.run_sync(_drop_caches, files, dropping)
+                wall = await _one_pass(readers[first], reqs, bufs)
+                gb = sum(q.length for q in reqs) / 1e9
+                warm_gbps = gb / wall
+                say(f"warm-up {rep + 1} {first:12s} {gb / wall:6.2f} GB/s  (not timed)")
             for name in names[k:] + names[:k]:
                 # not root: per-file fadvise, unless told not to drop (--no-drop-caches)
                 if not in_memory and (dropping or (drop_caches is None and not as_root)):
@@ -441,6 +462,8 @@ async def bench_storage(
                 runs[name].append(g)
             if fio_got is not None:
                 fio_runs.append(fio_got)
+            if warm_gbps is not None:
+                warm_runs.append(warm_gbps)
             rep += 1
     finally:
         reasons = {n: r.reason for n, r in readers.items()}
@@ -547,6 +570,13 @@ async def bench_storage(
         "warnings": warnings,
         "queue_depth": queue_depth,
         "repeats": repeats,
+        # an untimed pass over each round's extents before its timed ones (None: not made)
+        "warm_up": {
+            "backend": next(iter(readers), None),
+            "gbps_runs": [round(g, 3) for g in warm_runs],
+        }
+        if warm_up
+        else None,
         "cache": cache_how,
         "machine": _machine(files[0]),
         "backends": out_backends,
@@ -588,6 +618,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="seconds a pass must last; shorter, every pass reads more (0: never)",
     )
     ap.add_argument("--no-drop-caches", action="store_true")
+    ap.add_argument(
+        "--no-warm-up", action="store_true", help="time each round's cold first pass too"
+    )
     ap.add_argument("--no-fio", action="store_true")
     ap.add_argument("--no-huge", action="store_true", help="read into ordinary numpy buffers")
     ap.add_argument("--create", type=_size, default=None, help="first write a test file this big")
@@ -609,6 +642,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             log=lambda m: print(m, file=sys.stderr, flush=True),
             huge=not args.no_huge,
             min_pass_s=args.min_pass,
+            warm_up=not args.no_warm_up,
         )
     )
     print(json.dumps(result))

@@ -65,6 +65,14 @@ def test_bench_storage_prints_json_with_a_figure(home: Path) -> None:
     assert asked.returncode == 0, asked.stderr
     got = json.loads(asked.stdout.strip().splitlines()[-1])
     assert got["reads_per_pass"] == 8 and got["extended"] == [] and got["min_pass_s"] == 0
+    # each round's extents read once, untimed, before its passes (--no-warm-up: not)
+    assert out["warm_up"]["backend"] == "threads" and len(out["warm_up"]["gbps_runs"]) == 1
+    assert "warm-up 1" in r.stderr, r.stderr
+    cold = coli(home, "bench", "storage", "--model", str(DEMO), "--reads", "8", "--backends",
+                "threads", "--repeats", "1", "--no-fio", "--no-warm-up")  # fmt: skip
+    assert cold.returncode == 0, cold.stderr
+    assert json.loads(cold.stdout.strip().splitlines()[-1])["warm_up"] is None
+    assert "warm-up" not in cold.stderr
     neg = coli(home, "bench", "storage", "--min-pass", "-1")
     assert neg.returncode == 2 and "--min-pass" in neg.stderr, neg.stderr
     bad = coli(home, "bench", "storage", "--backends", "floppy")
