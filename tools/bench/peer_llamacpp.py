@@ -2,6 +2,7 @@
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python tools/bench/peer_llamacpp.py \\
         [--workdir /var/tmp/colibri-peer] [--shapes deepseek_v3 glm_moe_dsa] [--rounds 3]
+        [--threads N]
 
 Needs ``llama-cpp-python`` (``pip install llama-cpp-python``: its sdist builds llama.cpp from
 source, 7-17 minutes on 2 cores); this tool builds nothing itself. Per shape it:
@@ -14,7 +15,8 @@ source, 7-17 minutes on 2 cores); this tool builds nothing itself. Per shape it:
    under ``--workdir``) to GGUF f16, then quantizes that to Q4_0 (``llama_model_quantize``);
 3. times both engines interleaved, ``--rounds`` rounds: prefill of a 64- and a 512-token prompt
    (time to the first token) and greedy decode of ``--tokens`` tokens after a 64-token prompt.
-   Both on every usable CPU; llama.cpp with its default settings (where they abort, as the
+   Both on every usable CPU (``--threads N``: both on N; 1 compares the kernels without the
+   parallel part); llama.cpp with its default settings (where they abort, as the
    repacked weight buffers do for MLA models in Q4_0 on some CPUs, ``use_extra_bufts=False``:
    ``use_extra_bufts`` in the JSON) in a process of its own with ``OMP_WAIT_POLICY`` unset (its
    OpenMP default; this process sets ``PASSIVE`` for numba), colibri with its defaults (exact
@@ -242,13 +244,13 @@ def to_colibri(hf: Path, workdir: Path, shape: str) -> Path:
 
 
 class Ours:
-    def __init__(self, path: Path, kernels: str = "exact") -> None:
+    def __init__(self, path: Path, kernels: str = "exact", threads: int | None = None) -> None:
         import colibri
 
         self.name = "colibri" if kernels == "exact" else f"colibri {kernels}"
         self._stack = contextlib.ExitStack()
         self.model = self._stack.enter_context(
-            colibri.open_model(path, learn=False, kernels=kernels)
+            colibri.open_model(path, learn=False, kernels=kernels, threads=threads)
         )
 
     def prefill(self, ids: list[int]) -> float:
@@ -429,12 +431,19 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 
 def bench_shape(
-    shape: str, ours_path: Path, gguf: Path, rounds: int, tokens: int, lossy: bool
+    shape: str,
+    ours_path: Path,
+    gguf: Path,
+    rounds: int,
+    tokens: int,
+    lossy: bool,
+    threads: int | None = None,
 ) -> dict[str, Any]:
-    threads = len(os.sched_getaffinity(0))
-    engines: list[Any] = [Ours(ours_path), Peer(gguf, threads)]
+    """Both engines on ``threads`` threads (None: every CPU this process may use)."""
+    threads = threads or len(os.sched_getaffinity(0))
+    engines: list[Any] = [Ours(ours_path, threads=threads), Peer(gguf, threads)]
     if lossy:  # the opt-in --kernels fast-int8, reported beside (never the figure)
-        engines.append(Ours(ours_path, "fast-int8"))
+        engines.append(Ours(ours_path, "fast-int8", threads=threads))
     p64, p512 = _prompt(64, 1), _prompt(512, 2)
     res: dict[str, dict[str, list[float]]] = {
         e.name: {"prefill_64": [], "prefill_512": [], "decode": []} for e in engines
@@ -497,6 +506,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=positive, default=3, help="interleaved rounds (default 3)")
     ap.add_argument("--tokens", type=positive, default=48, help="greedy tokens per decode run")
     ap.add_argument(
+        "--threads",
+        type=positive,
+        default=None,
+        help="threads for both engines (default: every CPU this process may use); 1 compares "
+        "the kernels without the parallel part",
+    )
+    ap.add_argument(
         "--no-lossy",
         action="store_true",
         help="skip the third engine, colibri with the opt-in lossy --kernels fast-int8",
@@ -524,7 +540,9 @@ def main(argv: list[str] | None = None) -> int:
             make_checkpoint(shape, hf)
         ours = to_colibri(hf, args.workdir, shape)
         gguf = to_gguf(hf, args.workdir, shape)
-        shapes[shape] = bench_shape(shape, ours, gguf, args.rounds, args.tokens, not args.no_lossy)
+        shapes[shape] = bench_shape(
+            shape, ours, gguf, args.rounds, args.tokens, not args.no_lossy, args.threads
+        )
         shapes[shape]["parameters"] = json.loads((hf / ".complete").read_text())["parameters"]
         _log(f"{shape}: decode ratio {shapes[shape]['decode_ratio']}, prefill ratio "
              f"{shapes[shape]['prefill_ratio']}")  # fmt: skip
@@ -534,6 +552,7 @@ def main(argv: list[str] | None = None) -> int:
         "interleaved rounds, the lower over the shapes",
         "prefill_ratio": {k: s["prefill_ratio"] for k, s in shapes.items()},
         "shapes": shapes,
+        "threads": args.threads or len(os.sched_getaffinity(0)),
         "machine": {"cpu": _cpu(), "nproc": os.cpu_count(), "kernels": kernel_info().as_dict()},
         "llama_cpp_python": version,
         "seconds": round(time.perf_counter() - started, 1),
