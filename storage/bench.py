@@ -377,6 +377,9 @@ async def bench_storage(
     distinct = 0
     probes: list[dict[str, Any]] = []  # rounds thrown away because a pass was too short
     warm_runs: list[float] = []  # GB/s of each round's untimed first pass
+    # before every pass (the warm-up's too); not root: per-file fadvise, unless told not to
+    # drop (--no-drop-caches)
+    drops = not in_memory and (dropping or (drop_caches is None and not as_root))
     try:
         rep = 0
         while rep < repeats:
@@ -389,25 +392,22 @@ async def bench_storage(
             k = rep % len(names)  # rotate so no backend always goes first
             got: dict[str, dict[str, float]] = {}
             fio_got: dict[str, Any] | None = None
+            gb = sum(q.length for q in reqs) / 1e9  # every pass of the round reads these
             warm_gbps: float | None = None
             if warm_up and readers:
                 # untimed: the round's extents once, so every timed pass finds them alike
                 first = next(iter(readers))
-                if not in_memory and (dropping or (drop_caches is None and not as_root)):
+                if drops:
                     cache_how = await anyio.to_thread.run_sync(_drop_caches, files, dropping)
-                wall = await _one_pass(readers[first], reqs, bufs)
-                gb = sum(q.length for q in reqs) / 1e9
-                warm_gbps = gb / wall
-                say(f"warm-up {rep + 1} {first:12s} {gb / wall:6.2f} GB/s  (not timed)")
+                warm_gbps = gb / await _one_pass(readers[first], reqs, bufs)
+                say(f"warm-up {rep + 1} {first:12s} {warm_gbps:6.2f} GB/s  (not timed)")
             for name in names[k:] + names[:k]:
-                # not root: per-file fadvise, unless told not to drop (--no-drop-caches)
-                if not in_memory and (dropping or (drop_caches is None and not as_root)):
+                if drops:
                     cache_how = await anyio.to_thread.run_sync(_drop_caches, files, dropping)
                 if name != "fio":
                     c0 = time.process_time()
                     wall = await _one_pass(readers[name], reqs, bufs)
                     cpu = (time.process_time() - c0) / wall
-                    gb = sum(q.length for q in reqs) / 1e9
                     got[name] = {"gbps": gb / wall, "wall_s": wall, "cpu": cpu}
                     say(
                         f"pass {rep + 1} {name:12s} {gb / wall:6.2f} GB/s  cpu {cpu:5.0%}  "

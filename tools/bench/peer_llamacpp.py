@@ -437,10 +437,9 @@ def bench_shape(
     rounds: int,
     tokens: int,
     lossy: bool,
-    threads: int | None = None,
+    threads: int,
 ) -> dict[str, Any]:
-    """Both engines on ``threads`` threads (None: every CPU this process may use)."""
-    threads = threads or len(os.sched_getaffinity(0))
+    """Both engines on ``threads`` threads."""
     engines: list[Any] = [Ours(ours_path, threads=threads), Peer(gguf, threads)]
     if lossy:  # the opt-in --kernels fast-int8, reported beside (never the figure)
         engines.append(Ours(ours_path, "fast-int8", threads=threads))
@@ -532,6 +531,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
+    threads = args.threads or len(os.sched_getaffinity(0))
     shapes: dict[str, Any] = {}
     for shape in args.shapes:
         hf = args.workdir / f"{shape}-hf"
@@ -541,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
         ours = to_colibri(hf, args.workdir, shape)
         gguf = to_gguf(hf, args.workdir, shape)
         shapes[shape] = bench_shape(
-            shape, ours, gguf, args.rounds, args.tokens, not args.no_lossy, args.threads
+            shape, ours, gguf, args.rounds, args.tokens, not args.no_lossy, threads
         )
         shapes[shape]["parameters"] = json.loads((hf / ".complete").read_text())["parameters"]
         _log(f"{shape}: decode ratio {shapes[shape]['decode_ratio']}, prefill ratio "
@@ -552,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
         "interleaved rounds, the lower over the shapes",
         "prefill_ratio": {k: s["prefill_ratio"] for k, s in shapes.items()},
         "shapes": shapes,
-        "threads": args.threads or len(os.sched_getaffinity(0)),
+        "threads": threads,
         "machine": {"cpu": _cpu(), "nproc": os.cpu_count(), "kernels": kernel_info().as_dict()},
         "llama_cpp_python": version,
         "seconds": round(time.perf_counter() - started, 1),
