@@ -476,15 +476,72 @@ def q8_gemv(packed, scales, n_out, nb, xq, bias, sx, out, pf):  # type: ignore[n
         out[o] = vhsum16(_q8_row(packed, scales, o, nb, xq, 0, bias, 0, sx, 0, pf))
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _q8_pair_tile4(packed, scales, o, nb, xq, bias, sx, xstride, bstride, out, t0, pf):  # type: ignore[no-untyped-def]
+    """Rows ``o`` and ``o + 1`` against tokens ``t0 .. t0 + 3``: each weight chunk unpacked
+    once for the four tokens (``_q8_row_pair`` unpacks it again for every token), eight
+    accumulators in registers. Per (row, token) exactly the arithmetic of ``_q8_row``: its
+    accumulator from zero, ``acc = fma(sw[g] * sx[g], float(dot), acc)`` chunk by chunk in
+    increasing order, then the fixed lane sum."""
+    n_chunks = nb // 32
+    n_in = nb * 2
+    row = o * nb
+    rowb = row + nb
+    srow = o * n_chunks
+    srowb = srow + n_chunks
+    x0, x1, x2, x3 = t0 * xstride, (t0 + 1) * xstride, (t0 + 2) * xstride, (t0 + 3) * xstride
+    b0, b1, b2, b3 = t0 * bstride, (t0 + 1) * bstride, (t0 + 2) * bstride, (t0 + 3) * bstride
+    s0, s1, s2, s3 = t0 * n_chunks, (t0 + 1) * n_chunks, (t0 + 2) * n_chunks, (t0 + 3) * n_chunks
+    a0, a1, a2, a3 = vzero16(), vzero16(), vzero16(), vzero16()
+    c0, c1, c2, c3 = vzero16(), vzero16(), vzero16(), vzero16()
+    for g in range(n_chunks):
+        g0 = g * 32
+        if pf > 0 and g % 2 == 0:
+            prefetch(packed, row + g0 + pf)
+            prefetch(packed, rowb + g0 + pf)
+        wa = _unpack(packed, row + g0)
+        wb = _unpack(packed, rowb + g0)
+        xg, bg = g * _XG, g * 16
+        sa, sb = scales[srow + g], scales[srowb + g]
+        xs = sx[s0 + g]
+        a0 = vfma16(vsplat16(sa * xs), _dot(wa, xq, x0 + xg, n_in, bias, b0 + bg), a0)
+        c0 = vfma16(vsplat16(sb * xs), _dot(wb, xq, x0 + xg, n_in, bias, b0 + bg), c0)
+        xs = sx[s1 + g]
+        a1 = vfma16(vsplat16(sa * xs), _dot(wa, xq, x1 + xg, n_in, bias, b1 + bg), a1)
+        c1 = vfma16(vsplat16(sb * xs), _dot(wb, xq, x1 + xg, n_in, bias, b1 + bg), c1)
+        xs = sx[s2 + g]
+        a2 = vfma16(vsplat16(sa * xs), _dot(wa, xq, x2 + xg, n_in, bias, b2 + bg), a2)
+        c2 = vfma16(vsplat16(sb * xs), _dot(wb, xq, x2 + xg, n_in, bias, b2 + bg), c2)
+        xs = sx[s3 + g]
+        a3 = vfma16(vsplat16(sa * xs), _dot(wa, xq, x3 + xg, n_in, bias, b3 + bg), a3)
+        c3 = vfma16(vsplat16(sb * xs), _dot(wb, xq, x3 + xg, n_in, bias, b3 + bg), c3)
+    out[t0, o] = vhsum16(a0)
+    out[t0, o + 1] = vhsum16(c0)
+    out[t0 + 1, o] = vhsum16(a1)
+    out[t0 + 1, o + 1] = vhsum16(c1)
+    out[t0 + 2, o] = vhsum16(a2)
+    out[t0 + 2, o + 1] = vhsum16(c2)
+    out[t0 + 3, o] = vhsum16(a3)
+    out[t0 + 3, o + 1] = vhsum16(c3)
+
+
 @njit(nogil=True, cache=True)
 def q8_gemm(packed, scales, n_out, nb, xq, bias, sx, xstride, bstride, out, pf):  # type: ignore[no-untyped-def]
-    """T tokens: out [T, O], each (token, row) by the very code of ``q8_gemv`` (so row ``t``
-    is bit-identical to a one-token call). Rows outside, tokens inside: a pair of weight rows
-    stays in L1 while every token passes over it."""
+    """T tokens: out [T, O], each (token, row) with the arithmetic of ``q8_gemv`` (so row ``t``
+    is bit-identical to a one-token call). Rows outside, in pairs; tokens inside, in register
+    tiles of four (``_q8_pair_tile4``: a chunk of both rows unpacked once for four tokens),
+    the tokens left over one at a time (``_q8_row_pair``): a pair of weight rows stays in L1
+    while every token passes over it."""
     n_tok = out.shape[0]
     n_chunks = nb // 32
+    full = n_tok - n_tok % 4
     for o in range(0, n_out - 1, 2):
-        for t in range(n_tok):
+        for t0 in range(0, full, 4):
+            _q8_pair_tile4(
+                packed, scales, o, nb, xq, bias, sx, xstride, bstride, out, t0,
+                pf if t0 == 0 else 0,
+            )  # fmt: skip
+        for t in range(full, n_tok):
             xo, bo, so = t * xstride, t * bstride, t * n_chunks
             a, b = _q8_row_pair(
                 packed, scales, o, 1, nb, xq, xo, bias, bo, sx, so, pf if t == 0 else 0
@@ -594,6 +651,7 @@ KERNELS = (
     q8_prep_as,
     q8_gemv,
     q8_gemm,
+    _q8_pair_tile4,
     _q8_row,
     _q8_row_pair,
     _q8_apply,

@@ -87,7 +87,8 @@ def test_computes_the_stated_int8_math(fmt: str, n_tok: int) -> None:
 @pytest.mark.parametrize("o", [64, 37])
 def test_batch_invariant_and_deterministic(fmt: str, o: int) -> None:
     """One token takes rows in pairs half the matrix apart (37: the last row alone), several
-    tokens pairs of adjacent rows: every token's row is the same bits either way."""
+    tokens pairs of adjacent rows in register tiles of four tokens (19: four tiles and three
+    tokens left over): every token's row is the same bits either way."""
     q = _weights(fmt, o, 256, seed=2)
     x = np.random.default_rng(3).standard_normal((19, 256), dtype=np.float32)  # > 2 tiles
     whole = _q8(q, x)
