@@ -132,11 +132,54 @@ def _check_engine_id(engine_id: str) -> None:
 def format_usage(counts: UsageCounts, engine_id: str) -> str:
     """The file text for ``counts`` (non-zero entries only, in (layer, expert) order)."""
     _check_engine_id(engine_id)
-    lines = [f"-1 {counts.n_layers} {counts.n_experts}", f"-2 {USAGE_VERSION} {engine_id}"]
+    head = f"-1 {counts.n_layers} {counts.n_experts}\n-2 {USAGE_VERSION} {engine_id}\n"
     layers, experts = np.nonzero(counts.counts)
     vals = counts.counts[layers, experts]
-    lines += [f"{lay} {e} {c}" for lay, e, c in zip(layers, experts, vals, strict=True)]
-    return "\n".join(lines) + "\n"
+    # every line by one C-level format of all the numbers: an f-string per line took 14 ms
+    # for GLM-5's 78 x 256 experts, with the GIL held, at every turn's end
+    numbers = np.stack([layers, experts, vals], axis=1).ravel().tolist()
+    return head + ("%d %d %d\n" * int(layers.size)) % tuple(numbers)
+
+
+#: The most digits a count may have for :func:`_fast_body` (any 18-digit number fits int64).
+_FAST_DIGITS = 18
+
+
+def _fast_body(body: str, n_layers: int, n_experts: int) -> npt.NDArray[np.int64] | None:
+    """The ``(layer, expert, count)`` rows [N, 3] of a file body (the lines after the two
+    header lines) when every line is exactly ``<digits> <digits> <digits>`` with single spaces
+    (what :func:`format_usage` and the C engine write), in range and without a repeat; None
+    for anything else, which the line-by-line parser then judges (and says what is wrong).
+    The same counts as that parser, by numpy instead of a Python loop over the lines (22 ms
+    for GLM-5's 78 x 256 experts, at every save, which merges the file's counts)."""
+    if not body:
+        return np.zeros((0, 3), np.int64)
+    try:
+        b = np.frombuffer(body.encode("ascii"), np.uint8)
+    except UnicodeEncodeError:
+        return None
+    seps = np.flatnonzero((b < 48) | (b > 57))  # everything but the digits
+    n = seps.size // 3
+    if n == 0 or seps.size != 3 * n or seps[-1] != b.size - 1:
+        return None
+    kinds = b[seps].reshape(n, 3)
+    if not ((kinds[:, :2] == 32).all() and (kinds[:, 2] == 10).all()):
+        return None
+    widths = np.diff(seps, prepend=-1) - 1  # digits before each separator
+    if widths.min() < 1 or widths.max() > _FAST_DIGITS:
+        return None
+    try:
+        vals = np.fromstring(body, dtype=np.int64, sep=" ")
+    except ValueError:
+        return None
+    if vals.size != 3 * n:
+        return None
+    rows = vals.reshape(n, 3)
+    if (rows[:, 0] >= n_layers).any() or (rows[:, 1] >= n_experts).any():
+        return None
+    if np.bincount(rows[:, 0] * n_experts + rows[:, 1]).max() > 1:  # a repeated pair
+        return None
+    return rows
 
 
 def parse_usage(text: str, n_layers: int, n_experts: int, engine_id: str) -> UsageCounts:
@@ -164,9 +207,21 @@ def parse_usage(text: str, n_layers: int, n_experts: int, engine_id: str) -> Usa
         raise UsageFileError(f"version {ver[1]!r} is not {USAGE_VERSION}")
     if ver[2] != engine_id:
         raise UsageFileError(f"engine id {ver[2]!r} is not this model's {engine_id!r}")
+    body_at = len(lines[0]) + len(lines[1]) + 2
+    rows = _fast_body(text[body_at:], n_layers, n_experts)
+    if rows is None:
+        return _parse_lines(lines[2:], n_layers, n_experts)
+    counts = UsageCounts(n_layers, n_experts)
+    counts.counts[rows[:, 0], rows[:, 1]] = rows[:, 2]
+    return counts
+
+
+def _parse_lines(lines: list[str], n_layers: int, n_experts: int) -> UsageCounts:
+    """The body's lines (the file's third line on) one by one: any whitespace between the
+    fields; raises :class:`UsageFileError` at the first line that is wrong, saying why."""
     counts = UsageCounts(n_layers, n_experts)
     seen = np.zeros((n_layers, n_experts), dtype=bool)
-    for no, line in enumerate(lines[2:], start=3):
+    for no, line in enumerate(lines, start=3):
         parts = line.split()
         try:
             if len(parts) != 3:

@@ -19,6 +19,8 @@ from storage.errors import UsageFileError
 from storage.usage import (
     USAGE_FILE,
     UsageCounts,
+    _fast_body,
+    _parse_lines,
     asave_usage,
     format_usage,
     load_usage,
@@ -83,6 +85,47 @@ def test_c_engine_text_parses() -> None:
     u = parse_usage(text, 2, 3, "eng")
     assert u.counts.tolist() == [[0, 0, 7], [12345678901, 0, 0]]
     assert format_usage(u, "eng") == text
+
+
+def _body(text: str) -> str:
+    return text.split("\n", 2)[2]
+
+
+def test_vectorized_parse_is_the_line_parser() -> None:
+    """The numpy parse of a well-formed body gives the line-by-line parser's counts, on GLM-5's
+    geometry with counts up to 18 digits; a 19-digit count, odd whitespace or a line with a
+    field too many (in a body whose field count still divides by three) leave it to the line
+    parser, which reads the same counts or names the wrong line."""
+    n_l, n_e = 78, 256
+    rng = np.random.default_rng(5)
+    u = UsageCounts(n_l, n_e)
+    u.counts[:] = rng.integers(0, 10**18, (n_l, n_e)) * (rng.random((n_l, n_e)) < 0.7)
+    u.counts[3, 7] = 10**18 - 1  # 18 digits
+    text = format_usage(u, ENGINE)
+    rows = _fast_body(_body(text), n_l, n_e)
+    assert rows is not None and rows.shape == (int(np.count_nonzero(u.counts)), 3)
+    lines = text.split("\n")[2:-1]
+    assert parse_usage(text, n_l, n_e, ENGINE) == u == _parse_lines(lines, n_l, n_e)
+    # left to the line parser, which accepts these as the same counts
+    big = u.copy()
+    big.counts[0, 0] = np.iinfo(np.int64).max  # 19 digits
+    spaced = text.replace(" ", "  ", 5).replace(" ", "\t", 3)
+    for other, want in ((format_usage(big, ENGINE), big), (spaced, u)):
+        assert _fast_body(_body(other), n_l, n_e) is None
+        assert parse_usage(other, n_l, n_e, ENGINE) == want
+    # ... and rejects these, naming the line
+    head = f"-1 {n_l} {n_e}\n-2 1 {ENGINE}\n"
+    bad = {
+        "0 1 2 3\n4 5\n": "line 3 is not",
+        "0 1 2\n0 1 3\n": "line 4 repeats layer 0 expert 1",
+        f"0 {n_e} 2\n": "line 3 is out of range",
+        "0 1 -2\n": "line 3 is out of range",
+        "0 1 2\n\n": "line 4 is not",
+    }
+    for body, msg in bad.items():
+        assert _fast_body(body, n_l, n_e) is None
+        with pytest.raises(UsageFileError, match=msg):
+            parse_usage(head + body, n_l, n_e, ENGINE)
 
 
 @pytest.mark.anyio
