@@ -27,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from runtime.kernels.aligned import zeros_aligned
+from runtime.kernels.attention import write_rows_at
 from storage.errors import ModelError
 
 __all__ = ["KVCache"]
@@ -72,6 +73,7 @@ class KVCache:
         }
         self._tokens = np.zeros(self._cap, np.int32)
         self._addresses = self._find_addresses()
+        self._index_addresses = self._find_index_addresses()
         # A step queued on this cache ahead of its caller and not yet taken or abandoned
         # (runtime.scheduler.Ahead): the next generation on the cache settles it first.
         self.step_ahead: Any = None
@@ -94,6 +96,9 @@ class KVCache:
             (int(a.ctypes.data), int(b.ctypes.data))
             for a, b in zip(self._latent, self._k_rope, strict=True)
         ]
+
+    def _find_index_addresses(self) -> dict[int, int]:
+        return {layer: int(a.ctypes.data) for layer, a in self._index.items()}
 
     def addresses(self, layer: int) -> tuple[int, int]:
         """Where layer ``layer``'s latent and rope-key rows begin (64-byte aligned, C-contiguous
@@ -121,6 +126,7 @@ class KVCache:
         self._k_rope = [grow(a) for a in self._k_rope]
         self._addresses = self._find_addresses()
         self._index = {k: grow(a) for k, a in self._index.items()}
+        self._index_addresses = self._find_index_addresses()
         tokens = np.zeros(cap, np.int32)
         tokens[: self._cap] = self._tokens
         self._tokens = tokens
@@ -132,6 +138,74 @@ class KVCache:
         self.reserve(end)
         self._latent[layer][start:end] = latent
         self._k_rope[layer][start:end] = k_rope
+
+    @staticmethod
+    def write_seqs(
+        caches: Sequence[KVCache],
+        layer: int,
+        starts: Sequence[int],
+        bounds: npt.NDArray[np.int64],
+        latent: F32Array,
+        k_rope: F32Array,
+    ) -> None:
+        """:meth:`write` of several sequences in one kernel call: cache ``j`` gets rows
+        ``bounds[j] .. bounds[j + 1]`` of ``latent`` [N, C] / ``k_rope`` [N, R] at its rows
+        ``starts[j]`` on, which must be reserved already (a forward reserves every row of the
+        step before its first layer). The same rows as one ``write`` per cache."""
+        at, n = KVCache._rows_reserved(caches, starts, bounds)
+        if not caches or latent.shape != (n, caches[0].kv_lora_rank) or k_rope.shape != (
+            n, caches[0].qk_rope_head_dim
+        ):  # fmt: skip
+            raise ModelError(
+                f"write_seqs: latent {latent.shape}, k_rope {k_rope.shape} for {n} rows"
+            )
+        write_rows_at(
+            latent, np.array([c._addresses[layer][0] for c in caches], np.int64), at, bounds
+        )
+        write_rows_at(
+            k_rope, np.array([c._addresses[layer][1] for c in caches], np.int64), at, bounds
+        )
+
+    @staticmethod
+    def write_index_seqs(
+        caches: Sequence[KVCache],
+        layer: int,
+        starts: Sequence[int],
+        bounds: npt.NDArray[np.int64],
+        keys: F32Array,
+    ) -> None:
+        """:meth:`write_index` of several sequences in one kernel call (as :meth:`write_seqs`):
+        index keys [N, DI] of an indexed layer."""
+        at, n = KVCache._rows_reserved(caches, starts, bounds)
+        if any(layer not in c._index for c in caches):
+            raise ModelError(f"layer slot {layer} has no DSA index keys in some cache")
+        if keys.shape != (n, caches[0].index_head_dim):
+            raise ModelError(f"write_index_seqs: keys {keys.shape} for {n} rows")
+        write_rows_at(
+            keys, np.array([c._index_addresses[layer] for c in caches], np.int64), at, bounds
+        )
+
+    @staticmethod
+    def _rows_reserved(
+        caches: Sequence[KVCache], starts: Sequence[int], bounds: npt.NDArray[np.int64]
+    ) -> tuple[npt.NDArray[np.int64], int]:
+        """(starts as int64, rows in all) after checking that every cache has its rows
+        reserved and that the caches share one shape."""
+        if len(starts) != len(caches) or bounds.shape != (len(caches) + 1,):
+            raise ModelError(f"{len(caches)} caches, {len(starts)} starts, bounds {bounds.shape}")
+        at = np.asarray(starts, dtype=np.int64)
+        first = caches[0]
+        widths = (first.kv_lora_rank, first.qk_rope_head_dim, first.index_head_dim)
+        for c, a, t in zip(caches, starts, np.diff(bounds).tolist(), strict=True):
+            if (c.kv_lora_rank, c.qk_rope_head_dim, c.index_head_dim) != widths or c.layout != (
+                first.layout
+            ):
+                raise ModelError(
+                    f"caches of different shapes in one write: {c.shape}, {first.shape}"
+                )
+            if a < 0 or t < 0 or a + t > c._cap:
+                raise ModelError(f"rows {a}..{a + t} not reserved in a cache of {c._cap}")
+        return at, int(bounds[-1])
 
     def write_index(self, layer: int, start: int, keys: F32Array) -> None:
         """Store index keys [T, DI] of an indexed layer at rows [start, start + T)."""

@@ -25,7 +25,13 @@ from numba.np.numpy_support import carray
 from runtime.kernels._intrinsics import ALIGN, f32_at, zeros64
 from runtime.kernels._simd import vfma16, vhsum16, vload16, vsplat16, vstore16, vzero16
 
-__all__ = ["KERNELS", "latent_attention", "latent_attention_cached", "latent_attention_seqs"]
+__all__ = [
+    "KERNELS",
+    "latent_attention",
+    "latent_attention_cached",
+    "latent_attention_seqs",
+    "write_rows_at",
+]
 
 F32Array = npt.NDArray[np.float32]
 _KEY_BLOCK = 8  # keys whose weighted values are added per pass over the output (their rows: L1)
@@ -282,6 +288,31 @@ def _attend_seqs(  # type: ignore[no-untyped-def]
     return out
 
 
+@njit(nogil=True, cache=True)
+def _write_rows(rows, at, starts, bounds, width):  # type: ignore[no-untyped-def]
+    """Rows ``bounds[j] .. bounds[j + 1]`` of ``rows`` (flat [N * W]) to the float32 buffer at
+    address ``at[j]``, from its row ``starts[j]`` on, for every sequence ``j``."""
+    for j in range(at.size):
+        lo, hi = bounds[j], bounds[j + 1]
+        dst = carray(f32_at(at[j] + starts[j] * width * 4), (hi - lo) * width)
+        dst[:] = rows[lo * width : hi * width]
+
+
+def write_rows_at(
+    rows: F32Array, at: npt.NDArray[np.int64], starts: npt.NDArray[np.int64],
+    bounds: npt.NDArray[np.int64],
+) -> None:  # fmt: skip
+    """Copy the rows of several sequences (``rows`` [N, W], sequence ``j``'s at ``bounds[j] ..
+    bounds[j + 1]``) into their own buffers in one call: sequence ``j``'s to the C-contiguous
+    float32 rows of W values that begin at address ``at[j]``, from row ``starts[j]`` on (one KV
+    cache per sequence: ``KVCache.write_seqs``, which checks that the rows are reserved; the
+    caller keeps the buffers alive)."""
+    n, w = rows.shape
+    if rows.dtype != np.float32 or bounds.size != at.size + 1 or int(bounds[-1]) != n:
+        raise ValueError(f"rows {rows.shape} {rows.dtype} against bounds {bounds.tolist()}")
+    _write_rows(_flat(rows), at, starts, bounds, w)
+
+
 def latent_attention_seqs(
     q_lat: F32Array,
     q_rope: F32Array,
@@ -359,4 +390,4 @@ def latent_attention_cached(
 
 
 #: Every compiled kernel (tests check they were built with ``nogil=True``).
-KERNELS = (_latent_attention, _attend, _attend_seqs, _on_a_line, _dot, _dot4, _keep)
+KERNELS = (_latent_attention, _attend, _attend_seqs, _on_a_line, _dot, _dot4, _keep, _write_rows)

@@ -645,7 +645,9 @@ class MLAMoEModel(DecoderStack):
         n = sum(rows)
         per_key = d.num_attention_heads * d.kv_lora_rank * 4
         long = [
-            len(hs) >= 2 and comp.row_blocks(t, (seq.start + t) * per_key) is not None
+            len(hs) >= 2
+            and t >= 2 * comp.threads  # (a decode row never splits: no call)
+            and comp.row_blocks(t, (seq.start + t) * per_key) is not None
             for t, seq in zip(rows, seqs, strict=True)
         ]
         if any(long) and not all(long):
@@ -681,23 +683,15 @@ class MLAMoEModel(DecoderStack):
         proj_all = self._project(ctx, lw, x_all, cos, sin)
         q_lat_all = mla.absorb_queries(lw.attn, d, proj_all.q_nope)  # [N, NH, C]
         bounds = np.cumsum([0, *rows])
-        new_sel: list[BoolArray | None] = []
         ends = [seq.start + t for seq, t in zip(seqs, rows, strict=True)]
         pre = self._selection_rows(layer, lw, x_all, proj_all, cos, sin, ends)
-        reads = self._selection_reads_rows(layer)
-        for j, seq in enumerate(seqs):
-            lo, hi = int(bounds[j]), int(bounds[j + 1])
-            seq.cache.write(at, seq.start, proj_all.latent[lo:hi], proj_all.k_rope[lo:hi])
-            proj = None
-            if reads:  # only a layer that scores keys reads this sequence's projections
-                proj = mla.MLAProjection(
-                    *(None if v is None else v[lo:hi] for v in proj_all)  # type: ignore[arg-type]
-                )
-            selection = self._sparse_selection(
-                ctx, layer, at, lw, x_all[lo:hi], proj, seq, sel[j],
-                rows=None if pre is None else pre.part(lo, hi),
-            )  # fmt: skip
-            new_sel.append(selection)
+        # every sequence's new KV rows in one call (the step reserved them), then the sparse
+        # selections: no Python per sequence where no sequence scores its keys
+        KVCache.write_seqs(
+            [seq.cache for seq in seqs], at, [seq.start for seq in seqs], bounds,
+            proj_all.latent, proj_all.k_rope,
+        )  # fmt: skip
+        new_sel = self._selections(ctx, layer, at, lw, x_all, proj_all, seqs, sel, bounds, pre)
         # every sequence's rows over its own keys (its cache's rows, where they are: written
         # above, so no cache grows before the call) in one kernel call (the kernel bounds each
         # row by its causal keys: a mask only for a sparse selection)
@@ -834,6 +828,38 @@ class MLAMoEModel(DecoderStack):
                 for k in range(len(parts[0]))
             )
         )
+
+    def _selections(
+        self,
+        ctx: StepContext,
+        layer: int,
+        slot: int,
+        lw: LayerWeights,
+        x_all: F32Array,
+        proj_all: mla.MLAProjection,
+        seqs: list[SeqState],
+        sel: list[BoolArray | None],
+        bounds: npt.NDArray[np.int64],
+        pre: SelectionRows | None,
+    ) -> list[BoolArray | None]:
+        """:meth:`_sparse_selection` of every sequence of a batched step, in order (sequence
+        ``j``'s rows ``bounds[j] .. bounds[j + 1]`` of ``x_all`` / ``proj_all`` / ``pre``, its
+        KV rows of this layer already written)."""
+        reads = self._selection_reads_rows(layer)
+        out: list[BoolArray | None] = []
+        for j, seq in enumerate(seqs):
+            lo, hi = int(bounds[j]), int(bounds[j + 1])
+            proj = None
+            if reads:  # only a layer that scores keys reads this sequence's projections
+                proj = mla.MLAProjection(
+                    *(None if v is None else v[lo:hi] for v in proj_all)  # type: ignore[arg-type]
+                )
+            part = None if pre is None else pre.part(lo, hi)
+            x = x_all[lo:hi]
+            out.append(
+                self._sparse_selection(ctx, layer, slot, lw, x, proj, seq, sel[j], rows=part)
+            )
+        return out
 
     def _sparse_selection(
         self,

@@ -27,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from runtime.context import StepContext
+from runtime.kv import KVCache
 from runtime.layers import dsa_indexer as dsa
 from runtime.layers.mla import MLAProjection
 from runtime.models._decoder import MLAMoEConfig, MLAMoEModel, SelectionRows, SeqState
@@ -192,12 +193,68 @@ class GlmMoeDsa(MLAMoEModel):
         cache.write_index(slot, start, keys)
         if s <= topk:
             return None  # every key is selected: skip scoring
+        return self._scored(ctx, layer, slot, lw, x, proj.q_resid, seq, rows)
+
+    def _scored(
+        self,
+        ctx: StepContext,
+        layer: int,
+        slot: int,
+        lw: LayerWeights,
+        x: F32Array,
+        q_resid: F32Array,
+        seq: SeqState,
+        rows: SelectionRows | None,
+    ) -> BoolArray | None:
+        """The top-k selection of ``seq``'s new rows over its index keys (written, more than
+        ``index_topk`` of them), observed as ``dsa_scores`` / ``dsa_select``."""
+        assert lw.indexer is not None
+        cache, start, cos, sin = seq
+        s = start + x.shape[0]
         scores = dsa.index_scores(
-            lw.indexer, self.indexer_dims, x, proj.q_resid, cache.index_keys(slot, s), cos, sin,
+            lw.indexer, self.indexer_dims, x, q_resid, cache.index_keys(slot, s), cos, sin,
             queries=None if rows is None else rows.queries,
         )  # [T, S]  # fmt: skip
-        selection = dsa.select(scores, topk)  # [T, S]
+        selection = dsa.select(scores, self.indexer_dims.index_topk)  # [T, S]
         ctx.observe("dsa_scores", layer, scores)
         if selection is not None:
             ctx.observe("dsa_select", layer, selection)
         return selection
+
+    def _selections(
+        self,
+        ctx: StepContext,
+        layer: int,
+        slot: int,
+        lw: LayerWeights,
+        x_all: F32Array,
+        proj_all: MLAProjection,
+        seqs: list[SeqState],
+        sel: list[BoolArray | None],
+        bounds: npt.NDArray[np.int64],
+        pre: SelectionRows | None,
+    ) -> list[BoolArray | None]:
+        """A shared layer takes each sequence's previous selection; a layer that runs its
+        indexer writes every sequence's index keys in one call and scores only the sequences
+        with more than ``index_topk`` keys, each as :meth:`_sparse_selection` does (the same
+        bits, the same observations in sequence order). Anything else (no indexer weights, no
+        query residual): :meth:`_sparse_selection` per sequence, with its errors."""
+        if not self.config.runs_indexer(layer):
+            return list(sel)  # "shared": the previous full layer's keys
+        if lw.indexer is None or pre is None or proj_all.q_resid is None:
+            return super()._selections(
+                ctx, layer, slot, lw, x_all, proj_all, seqs, sel, bounds, pre
+            )
+        KVCache.write_index_seqs(
+            [seq.cache for seq in seqs], slot, [seq.start for seq in seqs], bounds, pre.keys
+        )
+        topk = self.indexer_dims.index_topk
+        out: list[BoolArray | None] = []
+        for j, seq in enumerate(seqs):
+            lo, hi = int(bounds[j]), int(bounds[j + 1])
+            if seq.start + hi - lo <= topk:
+                out.append(None)  # every key is selected: skip scoring
+                continue
+            x, q_resid = x_all[lo:hi], proj_all.q_resid[lo:hi]
+            out.append(self._scored(ctx, layer, slot, lw, x, q_resid, seq, pre.part(lo, hi)))
+        return out

@@ -247,6 +247,63 @@ def test_attention_over_kv_caches_by_address_is_each_sequence_alone() -> None:
         att.latent_attention_cached(q, qr, at[:3], lens, rows, masks, 0.1)
 
 
+def test_batched_kv_writes_are_each_cache_written_alone() -> None:
+    """``KVCache.write_seqs`` / ``write_index_seqs`` (a batched step's new KV rows, one kernel
+    call per layer) leave every cache as one ``write`` / ``write_index`` per cache would, its
+    other rows and layers untouched, also after a cache grew; rows a cache has not reserved,
+    caches of another shape and mismatched row counts are refused before anything is written."""
+    from runtime.kv import KVCache
+    from storage.errors import ModelError
+
+    c, r, di = 96, 32, 16
+    rng = np.random.default_rng(8)
+    starts, rows = [0, 5, 40, 3], [2, 1, 3, 1]
+    bounds = np.cumsum([0, *rows])
+    n = int(bounds[-1])
+    latent = rng.standard_normal((n, c)).astype(np.float32)
+    k_rope = rng.standard_normal((n, r)).astype(np.float32)
+    keys = rng.standard_normal((n, di)).astype(np.float32)
+
+    def fresh() -> list[KVCache]:
+        out = []
+        for j, (a, t) in enumerate(zip(starts, rows, strict=True)):
+            kv = KVCache(3, c, r, di, indexed_layers=(0, 2), capacity=4)
+            kv.reserve(a + t)  # (the third grows past 4)
+            kv.write(1, 0, np.full((a + t, c), j, np.float32), np.full((a + t, r), j, np.float32))
+            out.append(kv)
+        return out
+
+    batched, alone = fresh(), fresh()
+    KVCache.write_seqs(batched, 1, starts, bounds, latent, k_rope)
+    KVCache.write_index_seqs(batched, 2, starts, bounds, keys)
+    for j, kv in enumerate(alone):
+        lo, hi = bounds[j], bounds[j + 1]
+        kv.write(1, starts[j], latent[lo:hi], k_rope[lo:hi])
+        kv.write_index(2, starts[j], keys[lo:hi])
+    for a, b in zip(batched, alone, strict=True):
+        end = a._cap
+        for layer in range(3):
+            assert np.array_equal(a.latent(layer, end), b.latent(layer, end))
+            assert np.array_equal(a.k_rope(layer, end), b.k_rope(layer, end))
+        for layer in (0, 2):
+            assert np.array_equal(a.index_keys(layer, end), b.index_keys(layer, end))
+    assert not np.array_equal(batched[2].latent(1, 43), fresh()[2].latent(1, 43))  # it wrote
+    short = fresh()
+    short[3] = KVCache(3, c, r, di, indexed_layers=(0, 2), capacity=2)  # row 3 not reserved
+    before = short[0].latent(1, 2).copy()
+    with pytest.raises(ModelError, match="not reserved"):
+        KVCache.write_seqs(short, 1, starts, bounds, latent, k_rope)
+    assert np.array_equal(short[0].latent(1, 2), before)  # nothing written
+    other = fresh()
+    other[1] = KVCache(3, c + 16, r, di, indexed_layers=(0, 2), capacity=64)
+    with pytest.raises(ModelError, match="different shapes"):
+        KVCache.write_seqs(other, 1, starts, bounds, latent, k_rope)
+    with pytest.raises(ModelError, match="rows"):
+        KVCache.write_seqs(fresh(), 1, starts, bounds, latent[:-1], k_rope[:-1])
+    with pytest.raises(ModelError, match="index keys"):
+        KVCache.write_index_seqs(fresh(), 1, starts, bounds, keys)
+
+
 def test_kernels_release_the_gil() -> None:
     for k in att.KERNELS:
         assert k.targetoptions.get("nogil") is True, k
