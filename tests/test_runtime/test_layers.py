@@ -12,12 +12,13 @@ from typing import Any
 import numpy as np
 import pytest
 
+from runtime.kernels import norm as norm_kernels
 from runtime.kv import KVCache
 from runtime.layers import dsa_indexer as dsa
 from runtime.layers import mla
 from runtime.layers import moe as moe_ops
 from runtime.layers.moe_router import RouterConfig, route
-from runtime.layers.rms_norm import layer_norm, rms_norm
+from runtime.layers.rms_norm import layer_norm, rms_norm, rms_norm_numpy
 from runtime.layers.rope import Rope, RopeParameters, apply_rope, mla_softmax_scale
 from runtime.layers.topk import torch_topk_indices
 from runtime.weights import embed_rows, f32_linear, load_layer, qtensor_rows
@@ -187,6 +188,43 @@ def test_rms_norm_and_layer_norm_match_torch() -> None:
         torch.from_numpy(x), (48,), torch.from_numpy(w), torch.from_numpy(b), 1e-6
     ).numpy()
     np.testing.assert_allclose(layer_norm(x, w, b, 1e-6), want_ln, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("d", [1, 7, 8, 9, 48, 127, 128, 129, 256, 300, 576, 2048, 6144, 7000])
+def test_rms_norm_kernel_is_numpy_bit_for_bit(d: int) -> None:
+    """The one-call numba rms norm gives numpy's float32 arithmetic bit for bit (numpy's
+    pairwise row sum: widths around its blocks of 8 and 128 and well past them), on
+    contiguous rows, strided row views (a latent's columns of a projection) and 3-D per-head
+    input, at every scale; each row alone is the same bits as in the batch."""
+    rng = np.random.default_rng(d)
+    w = (1 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+    for scale in (1e-4, 1.0, 40.0):
+        x = (rng.standard_normal((5, d + 3)) * scale).astype(np.float32)
+        for arr in (np.ascontiguousarray(x[:, :d]), x[:, :d], x[:, 3:]):
+            got = rms_norm(arr, w, 1e-6)
+            assert got.dtype == np.float32 and got.shape == arr.shape
+            assert np.array_equal(got, rms_norm_numpy(arr, w, 1e-6))
+            assert np.array_equal(got[2:3], rms_norm(arr[2:3], w, 1e-6))
+    heads = rng.standard_normal((3, 4, d)).astype(np.float32)
+    assert np.array_equal(rms_norm(heads, w, 1e-5), rms_norm_numpy(heads, w, 1e-5))
+    assert np.array_equal(rms_norm(heads[0, 0], w, 1e-5), rms_norm_numpy(heads[0, 0], w, 1e-5))
+
+
+def test_rms_norm_check_and_kernels_release_the_gil() -> None:
+    """The final norm's check refuses a row whose squares overflow or hold a NaN, in the
+    kernel as in numpy; unchecked, both give the same (non-finite) bits."""
+    w = np.ones(64, np.float32)
+    for bad in (np.float32(3e20), np.float32("nan")):
+        x = np.ones((3, 64), np.float32)
+        x[1, 5] = bad
+        for fn in (rms_norm, rms_norm_numpy):
+            with pytest.raises(ModelError, match="overflowed"):
+                fn(x, w, 1e-6, check=True)
+        with np.errstate(over="ignore", invalid="ignore"):
+            want = rms_norm_numpy(x, w, 1e-6)
+        np.testing.assert_array_equal(rms_norm(x, w, 1e-6), want)
+    for k in norm_kernels.KERNELS:
+        assert k.targetoptions.get("nogil") is True, k
 
 
 YARN_CASES = [
