@@ -31,6 +31,7 @@ from runtime.kernels.quant_matmul import (
     matmul_f16,
     matmul_f32,
     matmul_int4,
+    matmul_int4_checked,
     matmul_int4_q8,
     matmul_int8,
     q8_chunk_scales,
@@ -83,6 +84,12 @@ def _bind(q: QTensor, lanes: int) -> _MatMul:
     if kind == "int8":
         return lambda x, out: matmul_int8(x, raw, scales, o, i, out=out, lanes=lanes)
     gs = q.fmt.group_size
+    try:
+        w4 = int4_weight(raw, scales, o, i, gs, lanes)  # checked once, not at every call
+    except ValueError:
+        w4 = None  # (what is wrong is raised at the call, as before)
+    if w4 is not None:
+        return lambda x, out: matmul_int4_checked(x, w4, out=out)
     return lambda x, out: matmul_int4(x, raw, scales, o, i, gs, out=out, lanes=lanes)
 
 

@@ -56,6 +56,7 @@ __all__ = [
     "matmul_f16",
     "matmul_f32",
     "matmul_int4",
+    "matmul_int4_checked",
     "matmul_int4_q8",
     "matmul_int8",
     "q8_chunk_scales",
@@ -253,6 +254,24 @@ def int4_weight(
     if (a.gs and a.gs % 16 != 0) or a.n_out == 0:
         return None
     return Int4Weight(a.p, a.s, a.walk(lanes))
+
+
+def matmul_int4_checked(
+    x: F32Array,
+    w: Int4Weight,
+    *,
+    out: F32Array | None = None,
+    prefetch_distance: int = DEFAULT_PREFETCH,
+) -> F32Array:
+    """:func:`matmul_int4` for a weight checked once (:func:`int4_weight`): per call only ``x``
+    and ``out`` are checked (the weight's checks cost ~5 us a call, ~30 calls a decode step),
+    then the same kernel on the same walk, so the same bits."""
+    xx = _check_x(x, w.walk[1])
+    y = _check_out(out, xx.shape[0], w.walk[0])
+    pf = _check_prefetch(prefetch_distance)
+    if xx.shape[0]:
+        i4_matmul(xx, w.packed, w.scales, w.walk, y, pf)
+    return y
 
 
 def _check_mlp(who: str, gate: Int4Weight, up: Int4Weight, down: Int4Weight) -> int:

@@ -765,3 +765,35 @@ def test_kernel_report_names_the_variant_and_the_cpu_isa(tmp_path: Path) -> None
 
     with colibri.open_model(None, learn=False) as m:
         assert m.stats()["compute"]["kernels"] == here.as_dict()
+
+
+@pytest.mark.parametrize(("fmt", "lanes"), [("int4-g64", 16), ("int4-g64", 8), ("int4-row", 16),
+                                             ("int4-g32", 16), ("int4-g24", 16)])  # fmt: skip
+def test_int4_weight_checked_once_gives_the_matmul_bits(fmt: str, lanes: int) -> None:
+    """An int4 ``Linear`` checks its weight when bound (``matmul_int4_checked``: per call only
+    ``x`` and ``out``) and gives ``matmul_int4``'s bits for one token and several; a group
+    size the fast kernels do not take keeps the checked-per-call path; a bad ``x`` or ``out``
+    is still refused."""
+    rng = np.random.default_rng(21)
+    o, i = 40, 192
+    q = quantize(rng.standard_normal((o, i)).astype(np.float32), fmt)
+    raw = np.asarray(q.data).reshape(-1).view(np.uint8)
+    assert q.scales is not None
+    lin = Linear(q, lanes=lanes)
+    w4 = qm.int4_weight(raw, q.scales, o, i, q.fmt.group_size, lanes)
+    assert (w4 is None) == (fmt == "int4-g24")
+    for t in (1, 3, 9):
+        x = rng.standard_normal((t, i)).astype(np.float32)
+        want = qm.matmul_int4(x, raw, q.scales, o, i, q.fmt.group_size, lanes=lanes)
+        assert np.array_equal(lin(x), want)
+        if w4 is not None:
+            out = np.empty((t, o), np.float32)
+            assert qm.matmul_int4_checked(x, w4, out=out) is out
+            assert np.array_equal(out, want)
+    if w4 is not None:
+        with pytest.raises(ValueError, match="features"):
+            qm.matmul_int4_checked(np.zeros((1, i + 1), np.float32), w4)
+        with pytest.raises(ValueError, match="out must be"):
+            qm.matmul_int4_checked(
+                np.zeros((2, i), np.float32), w4, out=np.empty((1, o), np.float32)
+            )
