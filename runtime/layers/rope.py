@@ -31,10 +31,18 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from runtime.kernels.rope import rope_rows
 from storage.arch import rope_keys
 from storage.errors import ConfigError
 
-__all__ = ["Rope", "RopeParameters", "apply_rope", "mla_softmax_scale", "yarn_get_mscale"]
+__all__ = [
+    "Rope",
+    "RopeParameters",
+    "apply_rope",
+    "apply_rope_numpy",
+    "mla_softmax_scale",
+    "yarn_get_mscale",
+]
 
 F32Array = npt.NDArray[np.float32]
 
@@ -157,7 +165,27 @@ def apply_rope(x: F32Array, cos: F32Array, sin: F32Array, interleave: bool) -> F
 
     Output layout is ``cat([x1 cos - x2 sin, x2 cos + x1 sin])`` for both pairings (x1, x2 are
     the even/odd lanes when ``interleave`` else the two halves), as the reference returns it.
+    float32 input of an even width runs as one numba call (:func:`runtime.kernels.rope.
+    rope_rows`, the same bits); anything else as :func:`apply_rope_numpy`.
     """
+    r = x.shape[-1]
+    if (
+        x.dtype == np.float32
+        and cos.dtype == np.float32
+        and sin.dtype == np.float32
+        and x.ndim in (2, 3)
+        and r % 2 == 0
+        and cos.shape == sin.shape == (x.shape[0], r // 2)
+    ):
+        x3 = x if x.ndim == 3 else x[:, None, :]  # [T, H, R] (a view)
+        out = np.empty(x3.shape, dtype=np.float32)
+        rope_rows(x3, cos, sin, interleave, out)
+        return out.reshape(x.shape)
+    return apply_rope_numpy(x, cos, sin, interleave)
+
+
+def apply_rope_numpy(x: F32Array, cos: F32Array, sin: F32Array, interleave: bool) -> F32Array:
+    """:func:`apply_rope` by numpy array operations."""
     half = x.shape[-1] // 2
     if interleave:
         x1, x2 = x[..., 0::2], x[..., 1::2]

@@ -13,13 +13,20 @@ import numpy as np
 import pytest
 
 from runtime.kernels import norm as norm_kernels
+from runtime.kernels import rope as rope_kernels
 from runtime.kv import KVCache
 from runtime.layers import dsa_indexer as dsa
 from runtime.layers import mla
 from runtime.layers import moe as moe_ops
 from runtime.layers.moe_router import RouterConfig, route
 from runtime.layers.rms_norm import layer_norm, rms_norm, rms_norm_numpy
-from runtime.layers.rope import Rope, RopeParameters, apply_rope, mla_softmax_scale
+from runtime.layers.rope import (
+    Rope,
+    RopeParameters,
+    apply_rope,
+    apply_rope_numpy,
+    mla_softmax_scale,
+)
 from runtime.layers.topk import torch_topk_indices
 from runtime.weights import embed_rows, f32_linear, load_layer, qtensor_rows
 from storage.errors import ModelError
@@ -224,6 +231,31 @@ def test_rms_norm_check_and_kernels_release_the_gil() -> None:
             want = rms_norm_numpy(x, w, 1e-6)
         np.testing.assert_array_equal(rms_norm(x, w, 1e-6), want)
     for k in norm_kernels.KERNELS:
+        assert k.targetoptions.get("nogil") is True, k
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_rope_kernel_is_numpy_bit_for_bit(interleave: bool) -> None:
+    """The one-call numba rope gives numpy's float32 products and sums bit for bit, on
+    [T, R] and [T, H, R], contiguous and as the strided views the projections hand it (the
+    rope part of each head's query, the rope key after the latent); cos / sin it does not take
+    (one row broadcast to every token) go to numpy."""
+    rng = np.random.default_rng(7)
+    t, h, nope, r = 5, 4, 24, 16
+    cos = rng.standard_normal((t, r // 2)).astype(np.float32)
+    sin = rng.standard_normal((t, r // 2)).astype(np.float32)
+    q = (rng.standard_normal((t, h, nope + r)) * 3).astype(np.float32)
+    kv = (rng.standard_normal((t, 40 + r)) * 3).astype(np.float32)
+    for x in (q[:, :, nope:], np.ascontiguousarray(q[:, :, nope:]), kv[:, 40:], kv[:, 40:].copy()):
+        got = apply_rope(x, cos, sin, interleave)
+        assert got.shape == x.shape and got.dtype == np.float32 and got.flags.c_contiguous
+        assert np.array_equal(got, apply_rope_numpy(x, cos, sin, interleave))
+    x = kv[:, 40:]
+    assert np.array_equal(
+        apply_rope(x, cos[:1], sin[:1], interleave),
+        apply_rope_numpy(x, cos[:1], sin[:1], interleave),
+    )
+    for k in rope_kernels.KERNELS:
         assert k.targetoptions.get("nogil") is True, k
 
 
