@@ -641,3 +641,36 @@ def test_kv_cache_grows_commits_and_truncates() -> None:
         kv.index_keys(0)
     with pytest.raises(ModelError):
         kv.truncate(3)
+
+
+def test_kv_cache_grows_one_layer_at_a_time() -> None:
+    """Growing a KV cache copies its arrays one at a time, each old one let go once copied:
+    while it doubles, memory grows by what the new arrays add over the old ones and one old
+    layer (1.01x the old arrays here; 1.75x when each list's new arrays were all made before
+    its old ones were let go), and every row written before is still there."""
+    import tracemalloc
+
+    n_layers, c, r, di = 8, 512, 64, 32
+    rng = np.random.default_rng(3)
+    tracemalloc.start()
+    try:
+        kv = KVCache(n_layers, c, r, di, indexed_layers=(1, 5), capacity=256)
+        rows = rng.standard_normal((256, c)).astype(np.float32)
+        for layer in range(n_layers):
+            kv.write(layer, 0, rows + layer, rows[:, :r] - layer)
+        kv.write_index(5, 0, rows[:, :di])
+        kv.commit(256)
+        old = 256 * 4 * (n_layers * (c + r) + 2 * di)
+        before, _ = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        kv.reserve(257)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert kv._cap == 512
+    assert peak - before < 1.25 * old  # the new arrays (2x) less the old (1x), plus one layer
+    for layer in range(n_layers):
+        assert np.array_equal(kv.latent(layer), rows + layer)
+        assert np.array_equal(kv.k_rope(layer), rows[:, :r] - layer)
+        assert kv.addresses(layer)[0] == kv.latent(layer).ctypes.data
+    assert np.array_equal(kv.index_keys(5), rows[:, :di])
