@@ -160,10 +160,9 @@ class KVCache:
         ``bounds[j] .. bounds[j + 1]`` of ``latent`` [N, C] / ``k_rope`` [N, R] at its rows
         ``starts[j]`` on, which must be reserved already (a forward reserves every row of the
         step before its first layer). The same rows as one ``write`` per cache."""
-        at, n = KVCache._rows_reserved(caches, starts, bounds)
-        if not caches or latent.shape != (n, caches[0].kv_lora_rank) or k_rope.shape != (
-            n, caches[0].qk_rope_head_dim
-        ):  # fmt: skip
+        at, n = KVCache._rows_reserved(caches, layer, starts, bounds)
+        first = caches[0]
+        if latent.shape != (n, first.kv_lora_rank) or k_rope.shape != (n, first.qk_rope_head_dim):
             raise ModelError(
                 f"write_seqs: latent {latent.shape}, k_rope {k_rope.shape} for {n} rows"
             )
@@ -184,7 +183,7 @@ class KVCache:
     ) -> None:
         """:meth:`write_index` of several sequences in one kernel call (as :meth:`write_seqs`):
         index keys [N, DI] of an indexed layer."""
-        at, n = KVCache._rows_reserved(caches, starts, bounds)
+        at, n = KVCache._rows_reserved(caches, layer, starts, bounds)
         if any(layer not in c._index for c in caches):
             raise ModelError(f"layer slot {layer} has no DSA index keys in some cache")
         if keys.shape != (n, caches[0].index_head_dim):
@@ -195,18 +194,25 @@ class KVCache:
 
     @staticmethod
     def _rows_reserved(
-        caches: Sequence[KVCache], starts: Sequence[int], bounds: npt.NDArray[np.int64]
+        caches: Sequence[KVCache],
+        layer: int,
+        starts: Sequence[int],
+        bounds: npt.NDArray[np.int64],
     ) -> tuple[npt.NDArray[np.int64], int]:
-        """(starts as int64, rows in all) after checking that every cache has its rows
-        reserved and that the caches share one shape."""
-        if len(starts) != len(caches) or bounds.shape != (len(caches) + 1,):
+        """(starts as int64, rows in all) after checking that there are caches, that they
+        share one shape with layer slot ``layer`` in it, and that each reserved its rows."""
+        if not caches or len(starts) != len(caches) or bounds.shape != (len(caches) + 1,):
             raise ModelError(f"{len(caches)} caches, {len(starts)} starts, bounds {bounds.shape}")
-        at = np.asarray(starts, dtype=np.int64)
         first = caches[0]
-        widths = (first.kv_lora_rank, first.qk_rope_head_dim, first.index_head_dim)
+        if not 0 <= layer < first.n_layers:
+            raise ModelError(f"layer slot {layer} outside 0..{first.n_layers - 1}")
+        dims = (first.n_layers, first.kv_lora_rank, first.qk_rope_head_dim, first.index_head_dim)
+        at = np.asarray(starts, dtype=np.int64)
         for c, a, t in zip(caches, starts, np.diff(bounds).tolist(), strict=True):
-            if (c.kv_lora_rank, c.qk_rope_head_dim, c.index_head_dim) != widths or c.layout != (
-                first.layout
+            same = c.layout == first.layout
+            if (
+                not same
+                or (c.n_layers, c.kv_lora_rank, c.qk_rope_head_dim, c.index_head_dim) != dims
             ):
                 raise ModelError(
                     f"caches of different shapes in one write: {c.shape}, {first.shape}"

@@ -302,6 +302,11 @@ def test_batched_kv_writes_are_each_cache_written_alone() -> None:
         KVCache.write_seqs(fresh(), 1, starts, bounds, latent[:-1], k_rope[:-1])
     with pytest.raises(ModelError, match="index keys"):
         KVCache.write_index_seqs(fresh(), 1, starts, bounds, keys)
+    for layer in (-1, 3):  # (a negative slot would index from the end)
+        with pytest.raises(ModelError, match="outside"):
+            KVCache.write_seqs(fresh(), layer, starts, bounds, latent, k_rope)
+    with pytest.raises(ModelError, match="0 caches"):
+        KVCache.write_seqs([], 1, [], np.zeros(1, np.int64), latent[:0], k_rope[:0])
 
 
 def test_kernels_release_the_gil() -> None:
