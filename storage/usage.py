@@ -186,8 +186,8 @@ def parse_usage(text: str, n_layers: int, n_experts: int, engine_id: str) -> Usa
     """Parse and validate file text; raises :class:`UsageFileError` saying what is wrong."""
     if not text.endswith("\n"):
         raise UsageFileError("the last line is incomplete (file truncated)")
-    lines = text.split("\n")[:-1]
-    if len(lines) < 2:
+    lines = text.split("\n", 2)  # the two header lines, then the body (split only if needed)
+    if len(lines) < 3:
         raise UsageFileError("missing header lines")
     head = lines[0].split()
     if len(head) != 3 or head[0] != "-1":
@@ -207,10 +207,9 @@ def parse_usage(text: str, n_layers: int, n_experts: int, engine_id: str) -> Usa
         raise UsageFileError(f"version {ver[1]!r} is not {USAGE_VERSION}")
     if ver[2] != engine_id:
         raise UsageFileError(f"engine id {ver[2]!r} is not this model's {engine_id!r}")
-    body_at = len(lines[0]) + len(lines[1]) + 2
-    rows = _fast_body(text[body_at:], n_layers, n_experts)
+    rows = _fast_body(lines[2], n_layers, n_experts)
     if rows is None:
-        return _parse_lines(lines[2:], n_layers, n_experts)
+        return _parse_lines(lines[2].split("\n")[:-1], n_layers, n_experts)
     counts = UsageCounts(n_layers, n_experts)
     counts.counts[rows[:, 0], rows[:, 1]] = rows[:, 2]
     return counts
