@@ -645,9 +645,7 @@ class MLAMoEModel(DecoderStack):
         n = sum(rows)
         per_key = d.num_attention_heads * d.kv_lora_rank * 4
         long = [
-            len(hs) >= 2
-            and t >= 2 * comp.threads  # (a decode row never splits: no call)
-            and comp.row_blocks(t, (seq.start + t) * per_key) is not None
+            len(hs) >= 2 and comp.row_blocks(t, (seq.start + t) * per_key) is not None
             for t, seq in zip(rows, seqs, strict=True)
         ]
         if any(long) and not all(long):
