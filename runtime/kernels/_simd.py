@@ -56,6 +56,7 @@ __all__ = [
     "vload",
     "vload16",
     "vmul",
+    "vmul16",
     "vsplat",
     "vsplat16",
     "vstore",
@@ -364,7 +365,7 @@ i4byte8, i4lo8, vadd, vmul = _V8["i4byte"], _V8["i4lo"], _V8["vadd"], _V8["vmul"
 vfma, vhsum, i8x8 = _V8["vfma"], _V8["vhsum"], _V8["i8"]
 
 vzero16, vsplat16, vload16, vstore16 = _V16["vzero"], _V16["vsplat"], _V16["vload"], _V16["vstore"]
-i4lo16, vadd16 = _V16["i4lo"], _V16["vadd"]
+i4lo16, vadd16, vmul16 = _V16["i4lo"], _V16["vadd"], _V16["vmul"]
 vfma16, vhsum16, i8x16, u8f16 = _V16["vfma"], _V16["vhsum"], _V16["i8"], _V16["u8f"]
 #: ``i4lo16`` without ``vpermps`` (tests compare the two bit for bit on an AVX-512 machine).
 i4lo16_portable = _make_i4lo(f32x16, permute=False)

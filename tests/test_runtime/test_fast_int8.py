@@ -86,9 +86,8 @@ def test_computes_the_stated_int8_math(fmt: str, n_tok: int) -> None:
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("o", [64, 37])
 def test_batch_invariant_and_deterministic(fmt: str, o: int) -> None:
-    """One token takes rows in pairs half the matrix apart (37: the last row alone), several
-    tokens pairs of adjacent rows in register tiles of four tokens (19: four tiles and three
-    tokens left over): every token's row is the same bits either way."""
+    """Blocks of 16 rows (37: two and a zero-padded rest), 19 tokens in one tile or one at a
+    time, and any run of them: every token's row is the same bits either way."""
     q = _weights(fmt, o, 256, seed=2)
     x = np.random.default_rng(3).standard_normal((19, 256), dtype=np.float32)  # > 2 tiles
     whole = _q8(q, x)
@@ -98,99 +97,110 @@ def test_batch_invariant_and_deterministic(fmt: str, o: int) -> None:
     np.testing.assert_array_equal(whole, _q8(q, x))
 
 
-@pytest.mark.parametrize("variant", ["q8dot", "q8dot_avx2"])
+def _stated(x: F32, q: QTensor) -> F32:
+    """numpy statement of the kernel's whole arithmetic, bit for bit: the digits of
+    ``q8_prep``, the exact group integers ``D`` (int64), then per row and token the chain
+    ``acc = fma(sw * sx, float32(D), acc)`` over the groups in order. The float32 fma is
+    computed in float64 (``sw * sx`` and ``D`` are float32, so their product is exact there)
+    and rounded once more to float32: that double rounding could differ from a true fma only
+    on a float64 tie, which these seeded inputs do not hit (the test fails if they did)."""
+    t, i = x.shape
+    n_g = i // 64
+    xs, bs = q8mod.q8_strides(i)
+    xq = np.zeros(t * xs, np.int8)
+    bias = np.zeros(t * bs, np.int32)
+    sx = np.zeros(t * n_g, np.float32)
+    q8mod.q8_prep(x, xq, bias, sx, xs, bs)
+    o = q.shape[0]
+    assert q.scales is not None
+    w = np.asarray(q.data).reshape(o, n_g, 32)
+    nib = np.concatenate([w & 15, w >> 4], axis=2).astype(np.int64)  # [O, G, 64] by position
+    sw = np.asarray(q.scales, np.float32).reshape(o, -1)
+    sw = np.repeat(sw, n_g // sw.shape[1], axis=1)  # one per 64-column group
+    out = np.empty((t, o), np.float32)
+    for tok in range(t):
+        row = xq[tok * xs : tok * xs + 2 * i].astype(np.int64)
+        h, lo = row[:i].reshape(n_g, 64), row[i:].reshape(n_g, 64)
+        assert np.abs(h).max() <= 127 and np.abs(lo).max() <= 127
+        d = 256 * np.einsum("ogj,gj->og", nib - 8, h) + np.einsum("ogj,gj->og", nib - 8, lo)
+        assert np.abs(d).max() < 2**24  # exact as float32
+        # the bias holds the "- 8" part: the kernel's integers are the same
+        d_kernel = 256 * np.einsum("ogj,gj->og", nib, h) + np.einsum("ogj,gj->og", nib, lo)
+        np.testing.assert_array_equal(d_kernel + bias[tok * bs : tok * bs + n_g], d)
+        acc = np.zeros(o, np.float32)
+        for g in range(n_g):
+            m = (sw[:, g] * sx[tok * n_g + g]).astype(np.float32)
+            acc = (m.astype(np.float64) * d[:, g].astype(np.float32) + acc).astype(np.float32)
+        out[tok] = acc
+    return out
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(("o", "n_tok"), [(48, 1), (37, 3), (16, 40), (5, 2)])
+def test_kernel_is_the_stated_arithmetic_bit_for_bit(fmt: str, o: int, n_tok: int) -> None:
+    """Whole blocks of 16 rows, the zero-padded last block (37, 5), one token and more than a
+    tile (40 > TILE): every output is the chain of the module docstring, bit for bit."""
+    q = _weights(fmt, o, 1280, seed=11)  # 20 groups: 16 by the register transpose + 4
+    x = np.random.default_rng(12).standard_normal((n_tok, 1280), dtype=np.float32)
+    x[0, 128:192] = 0  # an all-zero group
+    x[-1, :64] *= 1e4  # digits at the extremes
+    np.testing.assert_array_equal(_q8(q, x), _stated(x, q))
+
+
+@pytest.mark.parametrize("variant", ["q8blockdot", "q8blockdot_avx2"])
 def test_vnni_avx2_and_portable_integer_paths_agree(variant: str) -> None:
-    """The 16 int32 lanes from ``vpdpbusd`` or ``vpmaddubsw`` + ``vpmaddwd`` (where present)
-    and from plain integer ops are the same numbers, so the kernels give the same bits on
-    every x86-64 CPU. ``q8dot`` is the one the kernels use here."""
-    if variant == "q8dot_avx2" and not q8mod.has_avx2_codegen():
+    """The transposed block (``i4block16``) and the 16 rows' group integers from ``vpdpbusd``
+    or ``vpmaddubsw`` + ``vpmaddwd`` (where present) and from plain integer ops are the same
+    numbers, the stated ones, so the kernels give the same bits on every x86-64 CPU.
+    ``q8blockdot`` is the one the kernels use here."""
+    if variant == "q8blockdot_avx2" and not q8mod.has_avx2_codegen():
         pytest.skip("this CPU has no AVX2 (vpmaddubsw)")
-    unpack, dot, portable = q8mod.i4unpack64, getattr(q8mod, variant), q8mod.q8dot_portable
+    block, dot, portable = q8mod.i4block16, getattr(q8mod, variant), q8mod.q8blockdot_portable
 
     @njit(nogil=True)
-    def both(packed, xq, bias, n):  # type: ignore[no-untyped-def]
+    def both(packed, nb, xq, bias, n):  # type: ignore[no-untyped-def]
         a = np.zeros(n * 16, np.float32)
         b = np.zeros(n * 16, np.float32)
-        for g in range(n):  # h digits at xq[g*64:], l digits n*64 later; biases likewise
-            w = unpack(packed, g * 32)
-            vstore16(a, g * 16, dot(w, xq, g * 64, n * 64, bias, g * 16))
-            vstore16(b, g * 16, portable(w, xq, g * 64, n * 64, bias, g * 16))
+        for g in range(n):  # h digits at xq[g*64:], l digits n*64 later
+            w = block(packed, g * 32, nb)
+            vstore16(a, g * 16, dot(w, xq, g * 64, n * 64, bias[g]))
+            vstore16(b, g * 16, portable(w, xq, g * 64, n * 64, bias[g]))
         return a, b
 
     rng = np.random.default_rng(4)
-    n = 50
-    packed = rng.integers(0, 256, n * 32, dtype=np.uint8)
+    n = 40
+    nb = n * 32 + 96  # rows a little longer than the groups used: the stride is honoured
+    packed = rng.integers(0, 256, 16 * nb, dtype=np.uint8)
     xq = rng.integers(-127, 128, 2 * n * 64).astype(np.int8)
     xq[:64] = 127  # extremes
     xq[n * 64 : n * 64 + 64] = -127
     packed[:32] = 0xFF
-    bias = rng.integers(-(1 << 20), 1 << 20, n * 16).astype(np.int32)
-    a, b = both(packed, xq, bias, n)
+    bias = rng.integers(-(1 << 20), 1 << 20, n).astype(np.int32)
+    a, b = both(packed, nb, xq, bias, n)
     np.testing.assert_array_equal(a, b)
-    # and both are the stated integers: 256 * (h . w) + (l . w) + bias per run of four
-    lo, hi = packed & 15, packed >> 4
-    w = np.concatenate([lo.reshape(n, 32), hi.reshape(n, 32)], axis=1).astype(np.int64)  # [n, 64]
+    # and both are the stated integers: 256 * (h . w) + (l . w) + bias per row and group
+    rows = packed.reshape(16, nb)[:, : n * 32].reshape(16, n, 32)
+    w = np.concatenate([rows & 15, rows >> 4], axis=2).astype(np.int64)  # [16, n, 64]
     xh, xl = xq[: n * 64].reshape(n, 64), xq[n * 64 :].reshape(n, 64)
-    dh = (w * xh).reshape(n, 16, 4).sum(axis=2)
-    dl = (w * xl).reshape(n, 16, 4).sum(axis=2)
-    want = 256 * dh + dl + bias.reshape(n, 16)
+    want = 256 * np.einsum("kgj,gj->gk", w, xh) + np.einsum("kgj,gj->gk", w, xl) + bias[:, None]
     np.testing.assert_array_equal(a.reshape(n, 16), want.astype(np.float32))
-    print(f"q8dot in use: {q8mod.q8dot_kind()}")
+    print(f"integer dot in use: {q8mod.q8dot_kind()}")
 
 
-def test_word_layout_gives_the_digit_integers() -> None:
-    """AVX2 without VNNI stores the activations as words ``256 * h + l`` and multiplies them by
-    ``vpmaddwd`` (``q8dotw``): from the same ``x``, its prep holds the very digits, biases and
-    scales of the digit layout, and its 16 lanes are the integers of the portable digit path
-    lane for lane, so the kernels give the same bits whichever layout a CPU takes."""
-    if not q8mod.has_avx2_codegen():
-        pytest.skip("this CPU has no AVX2 (vpmaddwd)")
-    rng = np.random.default_rng(6)
-    n_tok, n_in = 3, 320
-    n_g = n_in // 64
-    x = rng.standard_normal((n_tok, n_in), dtype=np.float32)
-    x[1, 64:128] = 0  # an all-zero chunk
-    x[2, :64] *= 1e4  # digits at the extremes
-    xstride, bstride = q8mod.q8_strides(n_in)
-    prepped = []
-    for words in (False, True):
-        xq = np.zeros(n_tok * xstride, np.int8)
-        bias = np.zeros(n_tok * bstride, np.int32)
-        sx = np.zeros(n_tok * n_g, np.float32)
-        q8mod.q8_prep_as(x, xq, bias, sx, xstride, bstride, words)
-        prepped.append((xq, bias, sx))
-    (xd, bd, sd), (xw, bw, sw) = prepped
-    np.testing.assert_array_equal(bd, bw)
-    np.testing.assert_array_equal(sd, sw)
-    for t in range(n_tok):
-        row = xd[t * xstride : t * xstride + 2 * n_in].astype(np.int32)
-        h, lo = row[:n_in].reshape(n_g, 64), row[n_in:].reshape(n_g, 64)
-        pos = np.r_[0:64:2, 1:64:2]  # position j of [low | high nibbles] holds column pos[j]
-        v = np.empty((n_g, 64), np.int32)
-        v[:, pos] = 256 * h + lo  # by column
-        wv = xw[t * xstride : t * xstride + 2 * n_in].view(np.int16).reshape(n_g, 4, 16)
-        for plane, first in enumerate((0, 2, 1, 3)):  # columns 4m, 4m+2, 4m+1, 4m+3
-            np.testing.assert_array_equal(wv[:, plane, :], v[:, first::4])
+def test_scale_transpose() -> None:
+    """``scales16``: 16 rows' scales of 16 groups land group-major, from any row stride."""
 
     @njit(nogil=True)
-    def lanes(packed, xd, xw, bias, n_g, n_in, xstride, bstride, n_tok):  # type: ignore[no-untyped-def]
-        a = np.zeros(n_tok * n_g * 16, np.float32)
-        b = np.zeros(n_tok * n_g * 16, np.float32)
-        for t in range(n_tok):
-            for g in range(n_g):
-                bi, out = t * bstride + g * 16, (t * n_g + g) * 16
-                ww = q8mod.i4words64(packed, g * 32)
-                wd = q8mod.i4unpack64(packed, g * 32)
-                vstore16(a, out, q8mod.q8dotw(ww, xw, t * xstride + g * 128, 0, bias, bi))
-                dot = q8mod.q8dot_portable(wd, xd, t * xstride + g * 64, n_in, bias, bi)
-                vstore16(b, out, dot)
-        return a, b
+    def run(src, idx, stride):  # type: ignore[no-untyped-def]
+        dst = np.zeros(256 + 16, np.float32)
+        q8mod.scales16(src, idx, stride, dst, 16)
+        return dst
 
-    packed = rng.integers(0, 256, n_g * 32, dtype=np.uint8)
-    packed[:32] = 0xFF  # nibbles at the extremes
-    a, b = lanes(packed, xd, xw, bd, n_g, n_in, xstride, bstride, n_tok)
-    np.testing.assert_array_equal(a, b)
-    assert np.count_nonzero(a) > a.size // 2
+    src = np.arange(40 * 23, dtype=np.float32)
+    got = run(src, 5, 23)
+    want = src[5 : 5 + 16 * 23].reshape(16, 23)[:, :16].T.reshape(-1)
+    np.testing.assert_array_equal(got[16:], want)
+    assert not got[:16].any()
 
 
 def test_eligibility_and_linear_fallback() -> None:
