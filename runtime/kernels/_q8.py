@@ -127,7 +127,7 @@ class _I8x64Model(models.PrimitiveModel):
 
 
 #: numba type of a transposed block (``i4block16``): 16 vectors of 16 rows x 4 weights.
-W16 = types.UniTuple(i8x64, 16)
+W16 = types.UniTuple(i8x64, 16)  # type: ignore[no-untyped-call]
 
 
 def _ptr(context: Any, builder: Any, arrty: Any, arr: Any, idxty: Any, idx: Any) -> Any:
