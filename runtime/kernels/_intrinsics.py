@@ -32,7 +32,14 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-__all__ = ["f16_bits_to_f32", "load_acquire", "prefetch", "u32_bits_to_f32", "zeros64"]
+__all__ = [
+    "f16_bits_to_f32",
+    "load_acquire",
+    "prefetch",
+    "prefetch_l2",
+    "u32_bits_to_f32",
+    "zeros64",
+]
 
 #: alignment of the arrays :func:`zeros64` returns (one cache line, one 512-bit vector)
 ALIGN = 64
@@ -57,22 +64,34 @@ def _element_ptr(context: Any, builder: Any, signature: Any, args: Any) -> Any:
     return builder.gep(ary.data, [offset])
 
 
-@_intrinsic
-def prefetch(typingctx: Any, arr: Any, idx: Any) -> Any:
-    """``prefetch(arr, idx)``: hint the cache to load the line holding ``arr.flat[idx]``."""
-    if not isinstance(arr, types.Array) or not isinstance(idx, types.Integer):
-        return None
-    sig = types.void(arr, idx)
+def _make_prefetch(locality: int, doc: str) -> Any:
+    @_intrinsic
+    def prefetch(typingctx: Any, arr: Any, idx: Any) -> Any:
+        if not isinstance(arr, types.Array) or not isinstance(idx, types.Integer):
+            return None
+        sig = types.void(arr, idx)
 
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        ptr = _element_ptr(context, builder, signature, args)  # past the end is harmless here
-        fnty = ir.FunctionType(ir.VoidType(), [ptr.type, _I32, _I32, _I32])
-        fn = builder.module.declare_intrinsic("llvm.prefetch", [ptr.type], fnty)
-        # rw=0 (read), locality=3 (keep in all levels), cache type=1 (data)
-        builder.call(fn, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
-        return context.get_dummy_value()
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            ptr = _element_ptr(context, builder, signature, args)  # past the end is harmless
+            fnty = ir.FunctionType(ir.VoidType(), [ptr.type, _I32, _I32, _I32])
+            fn = builder.module.declare_intrinsic("llvm.prefetch", [ptr.type], fnty)
+            # rw=0 (read), locality, cache type=1 (data)
+            args_ = [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, locality), ir.Constant(_I32, 1)]
+            builder.call(fn, args_)
+            return context.get_dummy_value()
 
-    return sig, codegen
+        return sig, codegen
+
+    prefetch.__doc__ = doc
+    return prefetch
+
+
+#: ``prefetch(arr, idx)``: hint the cache to load the line holding ``arr.flat[idx]`` into every
+#: level (``prefetcht0``).
+prefetch = _make_prefetch(3, "load the line of arr.flat[idx] into every cache level")
+#: ``prefetch_l2(arr, idx)``: the same into L2 and below only (``prefetcht1``), for data read a
+#: while later that would crowd L1 meanwhile.
+prefetch_l2 = _make_prefetch(2, "load the line of arr.flat[idx] into L2 (not L1)")
 
 
 @_intrinsic
