@@ -236,10 +236,13 @@ def scales16(typingctx: Any, src: Any, idx: Any, stride: Any, dst: Any, didx: An
     return types.void(src, idx, stride, dst, didx), codegen
 
 
-def _dot4_avx2(builder: Any, acc: Any, w: Any, xv: Any) -> Any:
-    """``dot4`` from AVX2 ops, 32 bytes at a time: ``vpmaddubsw`` adds the products of byte
-    pairs into int16 (at most 2 * 15 * 127, so it never saturates), ``vpmaddwd`` by ones adds
-    int16 pairs into int32: lane k holds bytes 4k..4k+3, as ``vpdpbusd`` sums them."""
+def _runs_avx2(builder: Any, runs: list[tuple[Any, Any]]) -> Any:
+    """``sum_j dot4(w_j, x_j)`` over up to 8 runs from AVX2 ops, 32 bytes at a time:
+    ``vpmaddubsw`` adds the products of byte pairs into int16 (at most 2 * 15 * 127 = 3810, so
+    it never saturates), the runs' int16 pairs are added (at most 8 * 3810, inside int16), and
+    one ``vpmaddwd`` by ones adds each lane's two int16 into int32: 9 multiplies for 8 runs
+    where one ``vpmaddwd`` per run needed 16."""
+    assert len(runs) <= 8
     v32b, v16s = ir.VectorType(_I8, 32), ir.VectorType(ir.IntType(16), 16)
     v8i = ir.VectorType(_I32, 8)
     mod = builder.module
@@ -253,18 +256,22 @@ def _dot4_avx2(builder: Any, acc: Any, w: Any, xv: Any) -> Any:
     halves = []
     for h in range(2):
         sel = ir.Constant(ir.VectorType(_I32, 32), list(range(32 * h, 32 * h + 32)))
-        pairs = builder.call(
-            maddubs, [builder.shuffle_vector(w, w, sel), builder.shuffle_vector(xv, xv, sel)]
-        )
+        pairs = None
+        for w, xv in runs:
+            p = builder.call(
+                maddubs, [builder.shuffle_vector(w, w, sel), builder.shuffle_vector(xv, xv, sel)]
+            )
+            pairs = p if pairs is None else builder.add(pairs, p)
         halves.append(builder.call(maddwd, [pairs, ones]))
     joined = ir.Constant(ir.VectorType(_I32, 16), list(range(16)))
-    return builder.add(acc, builder.shuffle_vector(halves[0], halves[1], joined))
+    return builder.shuffle_vector(halves[0], halves[1], joined)
 
 
 def _make_blockdot(kind: str) -> Any:
-    """The ``q8blockdot`` intrinsic: ``kind`` "vnni" (``vpdpbusd``), "avx2" (``vpmaddubsw`` +
-    ``vpmaddwd``) or "portable" (plain vector integer ops). The same integers: products are
-    at most 15 * 127 and every sum stays far inside int32."""
+    """The ``q8blockdot`` intrinsic: ``kind`` "vnni" (``vpdpbusd``), "avx2" (``vpmaddubsw``,
+    int16 sums of 8 runs, ``vpmaddwd``: :func:`_runs_avx2`) or "portable" (plain vector integer
+    ops). The same integers: products are at most 15 * 127 and every sum stays far inside
+    int32."""
 
     def dot4(builder: Any, acc: Any, w: Any, xv: Any) -> Any:
         """``acc[k] + sum_{j<4} w[4k+j] * x[4k+j]`` (w unsigned, x signed bytes)."""
@@ -273,8 +280,6 @@ def _make_blockdot(kind: str) -> Any:
             fnty = ir.FunctionType(v16i, [v16i, v16i, v16i])
             fn = builder.module.declare_intrinsic("llvm.x86.avx512.vpdpbusd.512", fnty=fnty)
             return builder.call(fn, [acc, builder.bitcast(w, v16i), builder.bitcast(xv, v16i)])
-        if kind == "avx2":
-            return _dot4_avx2(builder, acc, w, xv)
         v64i = ir.VectorType(_I32, 64)
         prod = builder.mul(builder.zext(w, v64i), builder.sext(xv, v64i))
         for j in range(4):
@@ -302,13 +307,19 @@ def _make_blockdot(kind: str) -> Any:
                 digits.append(builder.bitcast(p, _I32.as_pointer()))
             zero = ir.Constant(v16i, None)
             acc = [zero, zero, zero, zero]
+            runs: list[list[tuple[Any, Any]]] = [[], [], [], []]
             for j in range(16):
                 wj = builder.extract_value(args[0], j)
                 for d, base in enumerate(digits):
                     run = builder.load(builder.gep(base, [ir.Constant(_I32, j)]), align=1)
                     xv = builder.bitcast(_splat32(builder, run, v16i), v64)
                     a = 2 * d + (j & 1)
-                    acc[a] = dot4(builder, acc[a], wj, xv)
+                    if kind == "avx2":
+                        runs[a].append((wj, xv))
+                    else:
+                        acc[a] = dot4(builder, acc[a], wj, xv)
+            if kind == "avx2":
+                acc = [_runs_avx2(builder, r) for r in runs]
             h, lo = builder.add(acc[0], acc[1]), builder.add(acc[2], acc[3])
             b = _splat32(builder, context.cast(builder, args[4], st[4], types.int32), v16i)
             d = builder.add(builder.add(builder.shl(h, ir.Constant(v16i, [8] * 16)), lo), b)
