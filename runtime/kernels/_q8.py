@@ -83,6 +83,7 @@ __all__ = [
     "q8_gemm",
     "q8_matmul",
     "q8_prep",
+    "q8_prep_scalar",
     "q8_strides",
     "q8_swiglu",
     "q8blockdot",
@@ -344,6 +345,109 @@ q8blockdot = _make_blockdot(q8dot_kind())
 q8blockdot_avx2 = _make_blockdot("avx2")
 q8blockdot_portable = _make_blockdot("portable")
 
+
+def _f32_c(arr: Any) -> bool:
+    return _c_array(arr, types.float32)
+
+
+def _vf16(builder: Any, name: str, nargs: int) -> Any:
+    """``llvm.<name>.v16f32`` taking ``nargs`` vectors."""
+    vf = ir.VectorType(_F32, 16)
+    fnty = ir.FunctionType(vf, [vf] * nargs)
+    return builder.module.declare_intrinsic(f"llvm.{name}.v16f32", fnty=fnty)
+
+
+def _load64f(context: Any, builder: Any, sig: Any, args: Any) -> list[Any]:
+    """``args[0].flat[args[1] : args[1] + 64]`` (a float32 C array) as four 16-lane vectors."""
+    vf = ir.VectorType(_F32, 16)
+    p = _ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+    out = []
+    for k in range(4):
+        pk = builder.gep(p, [ir.Constant(ir.IntType(64), 16 * k)], inbounds=True)
+        out.append(builder.load(builder.bitcast(pk, vf.as_pointer()), align=4))
+    return out
+
+
+@_intrinsic
+def absmax64(typingctx: Any, x: Any, idx: Any) -> Any:
+    """``max |x.flat[idx : idx + 64]|`` of a float32 C array, NaN counted as 0 (as the scalar
+    ``if a > amax`` loop it replaces): a maximum, the same in any order."""
+    if not _f32_c(x) or not _ints(idx):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        fabs, fmax = _vf16(builder, "fabs", 1), _vf16(builder, "maxnum", 2)
+        a = [builder.call(fabs, [v]) for v in _load64f(context, builder, sig, args)]
+        m = builder.call(fmax, [builder.call(fmax, [a[0], a[1]]), builder.call(fmax, [a[2], a[3]])])
+        m = builder.call(fmax, [m, ir.Constant(ir.VectorType(_F32, 16), None)])
+        for width in (8, 4, 2, 1):  # lane 0 ends with the maximum of all 16
+            sel = [width + i if i < width else i for i in range(16)]
+            hi = builder.shuffle_vector(m, m, ir.Constant(ir.VectorType(_I32, 16), sel))
+            m = builder.call(fmax, [m, hi])
+        return builder.extract_element(m, ir.Constant(_I32, 0))
+
+    return types.float32(x, idx), codegen
+
+
+@_intrinsic
+def round64(typingctx: Any, x: Any, idx: Any, inv: Any, xq: Any, qh: Any, n_in: Any) -> Any:
+    """One group of ``q8_prep``: ``v = x.flat[idx + c] * inv`` for its 64 columns, the digits
+    ``h = rint(v)`` at ``xq[qh:]`` and ``l = clip(rint((v - h) * 256), -127, 127)`` at
+    ``xq[qh + n_in:]``, both in position order (the even columns, then the odd ones); returns
+    the group's bias ``-8 * (256 * sum(h) + sum(l))``. The float32 operations of the scalar
+    loop, lane by lane (``rint``: round half to even, as ``np.rint``), so the same digits."""
+    if not _f32_c(x) or not _c_array(xq, types.int8) or inv != types.float32:
+        return None
+    if not _ints(idx, qh, n_in):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        st = sig.args
+        vf, vi = ir.VectorType(_F32, 16), ir.VectorType(_I32, 16)
+        cols = _load64f(context, builder, sig, args)
+        iv = builder.insert_element(ir.Constant(vf, None), args[2], ir.Constant(_I32, 0))
+        iv = builder.shuffle_vector(iv, iv, ir.Constant(vi, [0] * 16))
+        even = ir.Constant(vi, [2 * i for i in range(16)])
+        odd = ir.Constant(vi, [2 * i + 1 for i in range(16)])
+        pos = [builder.shuffle_vector(cols[0], cols[1], even)]
+        pos.append(builder.shuffle_vector(cols[2], cols[3], even))
+        pos.append(builder.shuffle_vector(cols[0], cols[1], odd))
+        pos.append(builder.shuffle_vector(cols[2], cols[3], odd))
+        rint, fmin = _vf16(builder, "rint", 1), _vf16(builder, "minnum", 2)
+        fmax = _vf16(builder, "maxnum", 2)
+        fine = ir.Constant(vf, [256.0] * 16)
+        hi_lim, lo_lim = ir.Constant(vf, [127.0] * 16), ir.Constant(vf, [-127.0] * 16)
+        hs, ls = [], []
+        for v in pos:
+            v = builder.fmul(v, iv)
+            h = builder.call(rint, [v])
+            lo = builder.call(rint, [builder.fmul(builder.fsub(v, h), fine)])
+            lo = builder.call(fmax, [builder.call(fmin, [lo, hi_lim]), lo_lim])
+            hs.append(builder.fptosi(h, vi))
+            ls.append(builder.fptosi(lo, vi))
+        v32, v64 = ir.VectorType(_I32, 32), ir.VectorType(_I32, 64)
+        b64 = ir.VectorType(_I8, 64)
+        at_h = context.cast(builder, args[4], st[4], types.intp)
+        at_l = builder.add(at_h, context.cast(builder, args[5], st[5], types.intp))
+        for at, digits in ((at_h, hs), (at_l, ls)):
+            a = builder.shuffle_vector(digits[0], digits[1], ir.Constant(v32, list(range(32))))
+            b = builder.shuffle_vector(digits[2], digits[3], ir.Constant(v32, list(range(32))))
+            whole = builder.shuffle_vector(a, b, ir.Constant(v64, list(range(64))))
+            p = _ptr(context, builder, st[3], args[3], types.intp, at)
+            builder.store(builder.trunc(whole, b64), builder.bitcast(p, b64.as_pointer()), align=1)
+        # 256 * h + l per lane, then one reduction (two lane-0 reductions combined by scalar
+        # multiplies came out wrong from this LLVM in a test: the sum stays in vectors)
+        sh = builder.add(builder.add(hs[0], hs[1]), builder.add(hs[2], hs[3]))
+        sl = builder.add(builder.add(ls[0], ls[1]), builder.add(ls[2], ls[3]))
+        both = builder.add(builder.shl(sh, ir.Constant(vi, [8] * 16)), sl)
+        red = builder.module.declare_intrinsic(
+            "llvm.vector.reduce.add.v16i32", fnty=ir.FunctionType(_I32, [vi])
+        )
+        return builder.mul(builder.call(red, [both]), ir.Constant(_I32, -8))
+
+    return types.int32(x, idx, inv, xq, qh, n_in), codegen
+
+
 #: Tokens per tile: a block's 16 transposed vectors serve this many tokens before the next
 #: group; the tile's activations (2 * I bytes a token) stay in L2 while the blocks pass.
 TILE = 32
@@ -354,10 +458,33 @@ TILE = 32
 
 @njit(nogil=True, cache=True)
 def q8_prep(x, xq, bias, sx, xstride, bstride):  # type: ignore[no-untyped-def]
-    """x [T, I] -> xq (token ``t``'s ``h`` digits at ``t * xstride``, reordered, its ``l``
-    digits ``I`` bytes later), bias int32 (token ``t`` at ``t * bstride``: [G]), sx [T, G];
-    see the module docstring. The strides are a little more than ``2 * I`` / ``G`` so that
-    the tokens of a tile do not all map to the same L1 sets (rows 4 KiB apart alias)."""
+    """x [T, I] (C order) -> xq (token ``t``'s ``h`` digits at ``t * xstride``, reordered, its
+    ``l`` digits ``I`` bytes later), bias int32 (token ``t`` at ``t * bstride``: [G]), sx
+    [T, G]; see the module docstring. One vector pass per group (``absmax64``, ``round64``);
+    ``q8_prep_scalar`` is the same in scalar code (tests compare them). The strides are a
+    little more than ``2 * I`` / ``G`` so that the tokens of a tile do not all map to the same
+    L1 sets (rows 4 KiB apart alias)."""
+    n_tok, n_in = x.shape
+    n_groups = n_in // 64
+    lim = np.float32(127.0)
+    for t in range(n_tok):
+        for g in range(n_groups):
+            amax = absmax64(x, t * n_in + g * 64)
+            qh = t * xstride + g * 64  # this group's h digits; its l digits n_in later
+            if amax == 0.0:
+                sx[t * n_groups + g] = np.float32(0.0)
+                for c in range(64):
+                    xq[qh + c] = 0
+                    xq[qh + n_in + c] = 0
+                bias[t * bstride + g] = 0
+                continue
+            sx[t * n_groups + g] = amax / lim / np.float32(256.0)  # / 256: a power of two
+            bias[t * bstride + g] = round64(x, t * n_in + g * 64, lim / amax, xq, qh, n_in)
+
+
+@njit(nogil=True, cache=True)
+def q8_prep_scalar(x, xq, bias, sx, xstride, bstride):  # type: ignore[no-untyped-def]
+    """``q8_prep`` in scalar code, the statement its vector pass is tested against."""
     n_tok, n_in = x.shape
     n_groups = n_in // 64
     lim = np.float32(127.0)
@@ -547,6 +674,7 @@ def q8_expert(x, ids, gates, e, gp, gs, up, us, dp, ds, pf):  # type: ignore[no-
 #: Every compiled kernel (tests check they were built with ``nogil=True``).
 KERNELS = (
     q8_prep,
+    q8_prep_scalar,
     _q8_block,
     q8_gemm,
     _q8_apply,

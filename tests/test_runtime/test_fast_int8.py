@@ -187,6 +187,34 @@ def test_vnni_avx2_and_portable_integer_paths_agree(variant: str) -> None:
     print(f"integer dot in use: {q8mod.q8dot_kind()}")
 
 
+def test_vector_rounding_is_the_scalar_rounding() -> None:
+    """``q8_prep`` (one vector pass per group) writes the digits, biases and scales of the
+    scalar loop byte for byte: ties at .5 (round half to even, both digits), an all-zero group,
+    huge and tiny groups, several tokens (a NaN activation has no digits to agree on: the
+    engine stops on non-finite logits)."""
+    rng = np.random.default_rng(9)
+    n_tok, n_in = 5, 384
+    x = rng.standard_normal((n_tok, n_in), dtype=np.float32)
+    x[0, :64] = np.float32(0.5) * rng.integers(-200, 200, 64)  # max 127 after scaling ...
+    x[0, 0] = 127.0  # ... so inv = 1 and v = x: h ties at .5
+    x[0, 1] = 2.5 + 0.5 / 256  # an l tie
+    x[1, 64:128] = 0  # an all-zero group
+    x[2, 128:192] *= 1e30
+    x[3, 192:256] *= 1e-30
+    xs, bs = q8mod.q8_strides(n_in)
+    got = []
+    for prep in (q8mod.q8_prep, q8mod.q8_prep_scalar):
+        xq = np.full(n_tok * xs, 99, np.int8)
+        bias = np.zeros(n_tok * bs, np.int32)
+        sx = np.zeros(n_tok * (n_in // 64), np.float32)
+        prep(x, xq, bias, sx, xs, bs)
+        got.append((xq, bias, sx))
+    for a, b in zip(*got, strict=True):
+        np.testing.assert_array_equal(a, b)
+    h = got[0][0][:64].astype(np.int64)
+    assert h[0] == 127 and np.count_nonzero(h % 2 == 0) > 32  # the ties went to even
+
+
 def test_scale_transpose() -> None:
     """``scales16``: 16 rows' scales of 16 groups land group-major, from any row stride."""
 
