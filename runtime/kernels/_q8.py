@@ -8,8 +8,8 @@ run of four products into one of 16 int32 lanes.
 The activations: per token and 64-column group, ``v = x * 127 / max|x|`` is written as two int8
 digits, ``h = rint(v)`` and ``l = clip(rint((v - h) * 256), -127, 127)``, i.e. 16-bit fixed point
 relative to the group's largest value (a plain int8 rounding, as llama.cpp's Q8 activations,
-lost up to 12% of the greedy tokens on the random oracle models; the second digit costs one more
-``vpdpbusd`` per product).
+lost up to 12% of the greedy tokens on the random oracle models; the second digit doubles the
+integer multiplies).
 
 The arithmetic, per output row ``r``, token ``t`` and 64-column group ``g``: the integer
 ``D = 256 * sum(h * (q - 8)) + sum(l * (q - 8))`` over the group's 64 columns (``q`` the stored
