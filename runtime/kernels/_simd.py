@@ -29,6 +29,7 @@ from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
+from numba.core import config as numba_config
 from numba.extending import intrinsic, models, register_model
 
 __all__ = [
@@ -165,13 +166,25 @@ def _lane_sum(builder: Any, v: Any, n: int) -> Any:
 
 @functools.cache
 def host_codegen_features() -> frozenset[str]:
-    """The CPU features LLVM may use in the code numba generates here (empty when LLVM cannot
-    tell): what decides whether a kernel may emit an ISA-specific intrinsic."""
+    """The CPU features LLVM may use in the code numba generates here: what decides whether a
+    kernel may emit an ISA-specific intrinsic. numba's own choice, which its settings can
+    narrow below the host's: ``NUMBA_CPU_FEATURES`` (``+avx2,+fma,...``; empty, the default
+    with ``NUMBA_CPU_NAME=generic``, for caches shared between machines) replaces the host's
+    features, and ``NUMBA_ENABLE_AVX=0`` drops every ``avx*`` one. An intrinsic the target
+    lacks aborted the process in LLVM ("Do not know how to split the result of this
+    operator" with ``NUMBA_CPU_NAME=generic`` on an AVX-512 host); the kernels now take
+    their portable forms, which give the same bits. Empty when LLVM cannot tell."""
+    chosen = getattr(numba_config, "CPU_FEATURES", None)  # set at import from the environment
+    if chosen is not None:
+        return frozenset(f.strip()[1:] for f in str(chosen).split(",") if f.strip()[:1] == "+")
     try:
         feats = llvm.get_host_cpu_features()
     except RuntimeError:
         return frozenset()
-    return frozenset(name for name, on in feats.items() if on)
+    on = (name for name, enabled in feats.items() if enabled)
+    if not getattr(numba_config, "ENABLE_AVX", True):
+        on = (name for name in on if not name.startswith("avx"))
+    return frozenset(on)
 
 
 def _has_avx512f_codegen() -> bool:
