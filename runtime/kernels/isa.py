@@ -12,8 +12,8 @@ to pin one.
 
 The opt-in lossy mode ``fast-int8`` (``--kernels fast-int8``, :mod:`._q8`) rounds activations to
 int8 for int4 weights and does the products in integers: ``vpdpbusd`` where the CPU has
-AVX-512 VNNI, ``vpmaddubsw`` + ``vpmaddwd`` on AVX2, plain vector integer ops elsewhere (the
-same integers either way, so the same bits on every x86-64 CPU).
+AVX-512 VNNI, ``vpmaddwd`` on 16-bit activation words on AVX2, plain vector integer ops
+elsewhere (the same integers either way, so the same bits on every x86-64 CPU).
 
 Shape legend: L lanes of float32 per kernel vector (8 or 16).
 """
@@ -58,7 +58,7 @@ class KernelInfo:
         if "avx512_vnni" in self.cpu_flags and "avx512bw" in self.cpu_flags:
             return "vpdpbusd (avx512_vnni)"
         if "avx2" in self.cpu_flags:
-            return "vpmaddubsw + vpmaddwd (avx2)"
+            return "vpmaddwd on 16-bit activation words (avx2)"
         return "portable vector integer ops (no avx2)"
 
     def as_dict(self) -> dict[str, object]:

@@ -187,6 +187,33 @@ def test_vnni_avx2_and_portable_integer_paths_agree(variant: str) -> None:
     print(f"integer dot in use: {q8mod.q8dot_kind()}")
 
 
+@pytest.mark.parametrize(("o", "n_tok"), [(48, 1), (37, 2), (13, 9), (5, 40)])
+def test_avx2_word_rows_are_the_block_bits(o: int, n_tok: int) -> None:
+    """AVX2 without VNNI takes 8 rows at a time through 16-bit activation words
+    (``q8_rows_words``); here, whichever path this CPU uses, both give the same bits: whole
+    8-row blocks and a zero-padded rest, one token and many, every scale layout."""
+    if not q8mod.has_avx2_codegen():
+        pytest.skip("this CPU has no AVX2 (vpmaddwd)")
+    for fmt in FORMATS:
+        q = _weights(fmt, o, 384, seed=o + n_tok)
+        assert q.scales is not None
+        x = np.random.default_rng(n_tok).standard_normal((n_tok, 384), dtype=np.float32)
+        x[0, 64:128] = 0
+        x[-1, :64] *= 1e4
+        xs, bs = q8mod.q8_strides(384)
+        xq = np.zeros(n_tok * xs, np.int8)
+        bias = np.zeros(n_tok * bs, np.int32)
+        sx = np.zeros(n_tok * 6, np.float32)
+        q8mod.q8_prep(x, xq, bias, sx, xs, bs)
+        packed = np.asarray(q.data).reshape(-1)
+        scales = np.repeat(q.scales.reshape(o, -1), 6 // q.scales.reshape(o, -1).shape[1], axis=1)
+        scales = np.ascontiguousarray(scales).reshape(-1)
+        words = np.zeros((n_tok, o), np.float32)
+        q8mod.q8_rows_words(packed, scales, o, 192, xq, bias, sx, xs, bs, words, 4096)
+        np.testing.assert_array_equal(words, _q8(q, x))
+        np.testing.assert_array_equal(words, _stated(x, q))
+
+
 def test_vector_rounding_is_the_scalar_rounding() -> None:
     """``q8_prep`` (one vector pass per group) writes the digits, biases and scales of the
     scalar loop byte for byte: ties at .5 (round half to even, both digits), an all-zero group,
