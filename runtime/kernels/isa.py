@@ -47,6 +47,8 @@ class KernelInfo:
     isa: str  # the widest vector ISA the CPU reports: avx512f, avx2, ... or "unknown"
     cpu_flags: tuple[str, ...]  # the watched flags the CPU has
     mode: str = "exact"  # "exact" or the opt-in lossy "fast-int8"
+    #: fast-int8's integer dot: "vnni", "avx2" or "portable", what numba's code may use here
+    int8_kind: str = "portable"
 
     @property
     def lossy(self) -> bool:
@@ -54,12 +56,8 @@ class KernelInfo:
 
     @property
     def int8_dot(self) -> str:
-        """How fast-int8 multiplies int4 weights by int8 activations on this CPU."""
-        if "avx512_vnni" in self.cpu_flags and "avx512bw" in self.cpu_flags:
-            return "vpdpbusd (avx512_vnni)"
-        if "avx2" in self.cpu_flags:
-            return "vpmaddwd on 16-bit activation words (avx2)"
-        return "portable vector integer ops (no avx2)"
+        """How fast-int8 multiplies int4 weights by int8 activations in this process."""
+        return _INT8_DOT[self.int8_kind]
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -80,6 +78,31 @@ class KernelInfo:
             f"fast-int8 (LOSSY: activations rounded to int8, {self.int8_dot}) for int4 "
             f"weights; {exact} for the rest"
         )
+
+
+_INT8_DOT = {
+    "vnni": "vpdpbusd (avx512_vnni)",
+    "avx2": "vpmaddwd on 16-bit activation words (avx2)",
+    "portable": "portable vector integer ops (no avx2 in numba's target)",
+}
+
+
+def _int8_kind_of(flags: frozenset[str]) -> str:
+    """The integer dot a CPU with ``/proc/cpuinfo`` flags ``flags`` would run."""
+    if {"avx512_vnni", "avx512bw"} <= flags:
+        return "vnni"
+    return "avx2" if "avx2" in flags else "portable"
+
+
+def _int8_kind_here() -> str:
+    """The integer dot this process's kernels use: numba's code-generation target decides, not
+    the CPU alone (``NUMBA_CPU_NAME=generic`` on a VNNI machine runs the portable form)."""
+    from runtime.kernels._simd import host_codegen_features  # numba and llvmlite: only here
+
+    feats = host_codegen_features()
+    if {"avx512vnni", "avx512bw"} <= feats:
+        return "vnni"
+    return "avx2" if "avx2" in feats else "portable"
 
 
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
@@ -104,10 +127,16 @@ def exact_lanes() -> int:
     return _lanes_for(cpu_flags())
 
 
-def kernel_info(cpuinfo: Path = Path("/proc/cpuinfo"), *, mode: str = "exact") -> KernelInfo:
-    """What runs here; ``mode`` is the engine's ``kernels`` option ("exact" or "fast-int8")."""
+_CPUINFO = Path("/proc/cpuinfo")
+
+
+def kernel_info(cpuinfo: Path = _CPUINFO, *, mode: str = "exact") -> KernelInfo:
+    """What runs here; ``mode`` is the engine's ``kernels`` option ("exact" or "fast-int8").
+    ``int8_kind`` follows numba's target in this process; for another ``cpuinfo`` file, what
+    that CPU's flags would give."""
     flags = cpu_flags(cpuinfo)
     have = tuple(f for f in _WATCHED if f in flags)
     isa = next((f for f in ("avx512f", "avx2", "avx", "sse4_2") if f in flags), "unknown")
     lanes = _lanes_for(flags)
-    return KernelInfo(f"f32x{lanes}", lanes, isa, have, mode)
+    kind = _int8_kind_here() if cpuinfo == _CPUINFO else _int8_kind_of(flags)
+    return KernelInfo(f"f32x{lanes}", lanes, isa, have, mode, kind)

@@ -32,6 +32,7 @@ import json, sys
 import numpy as np
 from runtime.kernels._simd import host_codegen_features
 from runtime.kernels._q8 import q8dot_kind
+from runtime.kernels.isa import kernel_info
 from runtime.kernels.quant_matmul import matmul_int4, matmul_int4_q8
 rng = np.random.default_rng(0)
 x = rng.standard_normal((3, 256)).astype(np.float32)
@@ -40,6 +41,7 @@ s = rng.random(37 * 4).astype(np.float32)
 out = {
     "features": sorted(host_codegen_features()),
     "kind": q8dot_kind(),
+    "reported": kernel_info().int8_kind,
     "exact16": matmul_int4(x, p, s, 37, 256, 64, lanes=16).tobytes().hex(),
     "exact16_one": matmul_int4(x[:1], p, s, 37, 256, 64, lanes=16).tobytes().hex(),
     "q8": matmul_int4_q8(x, p, s, 37, 256, 64).tobytes().hex(),
@@ -90,7 +92,7 @@ def test_a_narrower_target_compiles_other_kernel_forms_with_the_same_bits(
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
-    assert got["kind"] == kind
+    assert got["kind"] == kind and got["reported"] == kind  # what stats() / coli info say
     assert (got["features"] == []) == (features is None)
     x, p, s = _inputs()
     want = {

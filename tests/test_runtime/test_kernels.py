@@ -753,14 +753,20 @@ def test_kernel_report_names_the_variant_and_the_cpu_isa(tmp_path: Path) -> None
     f = tmp_path / "cpuinfo"
     f.write_text("processor: 0\nflags\t\t: fpu sse4_2 avx avx2 fma f16c\n")
     k = kernel_info(f)
-    assert (k.variant, k.lanes, k.isa) == ("f32x8", 8, "avx2")
+    assert (k.variant, k.lanes, k.isa, k.int8_kind) == ("f32x8", 8, "avx2", "avx2")
     assert k.cpu_flags == ("sse4_2", "avx", "avx2", "fma", "f16c")
     f.write_text("flags: sse4_2 avx avx2 fma avx512f avx512bw avx512_vnni\n")
     assert kernel_info(f).isa == "avx512f" and "avx512_vnni" in kernel_info(f).cpu_flags
     assert (kernel_info(f).variant, kernel_info(f).lanes) == ("f32x16", 16)
+    assert kernel_info(f).int8_kind == "vnni"
+    f.write_text("flags: sse4_2\n")
+    assert kernel_info(f).int8_kind == "portable" and "portable" in kernel_info(f).int8_dot
     assert kernel_info(tmp_path / "nope").isa == "unknown"
     assert "8 float32 lanes, fixed order" in k.describe()
     here = kernel_info()
+    from runtime.kernels._q8 import q8dot_kind
+
+    assert here.int8_kind == q8dot_kind()  # numba's target in this process, not the flags alone
     import colibri
 
     with colibri.open_model(None, learn=False) as m:
