@@ -96,7 +96,6 @@ __all__ = [
     "q8_strides",
     "q8_swiglu",
     "q8blockdot",
-    "q8blockdot_avx2",
     "q8blockdot_portable",
     "q8dot_kind",
     "scales16",
@@ -111,8 +110,8 @@ def has_vnni_codegen() -> bool:
 
 
 def has_avx2_codegen() -> bool:
-    """Whether the code numba generates for this CPU may use AVX2's ``vpmaddubsw`` and
-    ``vpmaddwd``."""
+    """Whether the code numba generates for this CPU may use AVX2's ``vpmaddwd`` and
+    ``vphaddd``."""
     return "avx2" in host_codegen_features()
 
 
@@ -246,42 +245,11 @@ def scales16(typingctx: Any, src: Any, idx: Any, stride: Any, dst: Any, didx: An
     return types.void(src, idx, stride, dst, didx), codegen
 
 
-def _runs_avx2(builder: Any, runs: list[tuple[Any, Any]]) -> Any:
-    """``sum_j dot4(w_j, x_j)`` over up to 8 runs from AVX2 ops, 32 bytes at a time:
-    ``vpmaddubsw`` adds the products of byte pairs into int16 (at most 2 * 15 * 127 = 3810, so
-    it never saturates), the runs' int16 pairs are added (at most 8 * 3810, inside int16), and
-    one ``vpmaddwd`` by ones adds each lane's two int16 into int32: 9 multiplies for 8 runs
-    where one ``vpmaddwd`` per run needed 16."""
-    assert len(runs) <= 8
-    v32b, v16s = ir.VectorType(_I8, 32), ir.VectorType(ir.IntType(16), 16)
-    v8i = ir.VectorType(_I32, 8)
-    mod = builder.module
-    maddubs = mod.declare_intrinsic(
-        "llvm.x86.avx2.pmadd.ub.sw", fnty=ir.FunctionType(v16s, [v32b, v32b])
-    )
-    maddwd = mod.declare_intrinsic(
-        "llvm.x86.avx2.pmadd.wd", fnty=ir.FunctionType(v8i, [v16s, v16s])
-    )
-    ones = ir.Constant(v16s, [1] * 16)
-    halves = []
-    for h in range(2):
-        sel = ir.Constant(ir.VectorType(_I32, 32), list(range(32 * h, 32 * h + 32)))
-        pairs = None
-        for w, xv in runs:
-            p = builder.call(
-                maddubs, [builder.shuffle_vector(w, w, sel), builder.shuffle_vector(xv, xv, sel)]
-            )
-            pairs = p if pairs is None else builder.add(pairs, p)
-        halves.append(builder.call(maddwd, [pairs, ones]))
-    joined = ir.Constant(ir.VectorType(_I32, 16), list(range(16)))
-    return builder.shuffle_vector(halves[0], halves[1], joined)
-
-
 def _make_blockdot(kind: str) -> Any:
-    """The ``q8blockdot`` intrinsic: ``kind`` "vnni" (``vpdpbusd``), "avx2" (``vpmaddubsw``,
-    int16 sums of 8 runs, ``vpmaddwd``: :func:`_runs_avx2`) or "portable" (plain vector integer
-    ops). The same integers: products are at most 15 * 127 and every sum stays far inside
-    int32."""
+    """The ``q8blockdot`` intrinsic: ``kind`` "vnni" (``vpdpbusd``) or "portable" (plain
+    vector integer ops). The same integers: products are at most 15 * 127 and every sum stays
+    far inside int32. (AVX2 without VNNI does not take the blocks: ``q8_rows_words``; the
+    blocks' ``vpmaddubsw`` form ran at 0.74-1.17x the exact kernel there.)"""
 
     def dot4(builder: Any, acc: Any, w: Any, xv: Any) -> Any:
         """``acc[k] + sum_{j<4} w[4k+j] * x[4k+j]`` (w unsigned, x signed bytes)."""
@@ -317,19 +285,13 @@ def _make_blockdot(kind: str) -> Any:
                 digits.append(builder.bitcast(p, _I32.as_pointer()))
             zero = ir.Constant(v16i, None)
             acc = [zero, zero, zero, zero]
-            runs: list[list[tuple[Any, Any]]] = [[], [], [], []]
             for j in range(16):
                 wj = builder.extract_value(args[0], j)
                 for d, base in enumerate(digits):
                     run = builder.load(builder.gep(base, [ir.Constant(_I32, j)]), align=1)
                     xv = builder.bitcast(_splat32(builder, run, v16i), v64)
                     a = 2 * d + (j & 1)
-                    if kind == "avx2":
-                        runs[a].append((wj, xv))
-                    else:
-                        acc[a] = dot4(builder, acc[a], wj, xv)
-            if kind == "avx2":
-                acc = [_runs_avx2(builder, r) for r in runs]
+                    acc[a] = dot4(builder, acc[a], wj, xv)
             h, lo = builder.add(acc[0], acc[1]), builder.add(acc[2], acc[3])
             b = _splat32(builder, context.cast(builder, args[4], st[4], types.int32), v16i)
             d = builder.add(builder.add(builder.shl(h, ir.Constant(v16i, [8] * 16)), lo), b)
@@ -347,11 +309,9 @@ def q8dot_kind() -> str:
     return "avx2" if has_avx2_codegen() else "portable"
 
 
-#: What the kernels use: the fastest integer dot numba's code for this CPU may have.
-q8blockdot = _make_blockdot(q8dot_kind())
-#: The same integers from AVX2 ops and from plain ones (tests compare them bit for bit with
-#: ``q8blockdot`` where the CPU has the instructions).
-q8blockdot_avx2 = _make_blockdot("avx2")
+#: What the block kernels use: ``vpdpbusd`` where numba's code for this CPU may have it.
+q8blockdot = _make_blockdot("vnni" if q8dot_kind() == "vnni" else "portable")
+#: The same integers from plain vector ops (tests compare them bit for bit with ``q8blockdot``).
 q8blockdot_portable = _make_blockdot("portable")
 
 

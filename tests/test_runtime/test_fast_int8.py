@@ -147,15 +147,12 @@ def test_kernel_is_the_stated_arithmetic_bit_for_bit(fmt: str, o: int, n_tok: in
     np.testing.assert_array_equal(_q8(q, x), _stated(x, q))
 
 
-@pytest.mark.parametrize("variant", ["q8blockdot", "q8blockdot_avx2"])
-def test_vnni_avx2_and_portable_integer_paths_agree(variant: str) -> None:
+def test_vnni_and_portable_integer_paths_agree() -> None:
     """The transposed block (``i4block16``) and the 16 rows' group integers from ``vpdpbusd``
-    or ``vpmaddubsw`` + ``vpmaddwd`` (where present) and from plain integer ops are the same
-    numbers, the stated ones, so the kernels give the same bits on every x86-64 CPU.
-    ``q8blockdot`` is the one the kernels use here."""
-    if variant == "q8blockdot_avx2" and not q8mod.has_avx2_codegen():
-        pytest.skip("this CPU has no AVX2 (vpmaddubsw)")
-    block, dot, portable = q8mod.i4block16, getattr(q8mod, variant), q8mod.q8blockdot_portable
+    (where present) and from plain integer ops are the same numbers, the stated ones, so the
+    block kernels give the same bits on every x86-64 CPU. ``q8blockdot`` is the one the
+    kernels use here."""
+    block, dot, portable = q8mod.i4block16, q8mod.q8blockdot, q8mod.q8blockdot_portable
 
     @njit(nogil=True)
     def both(packed, nb, xq, bias, n):  # type: ignore[no-untyped-def]
