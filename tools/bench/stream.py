@@ -15,8 +15,9 @@ read the experts it misses. In the same run this measures
   ratio, ``figure_memory_busy_bound`` (on a virtual disk the host's copy into guest memory
   competes with the guest's own memory traffic).
 
-A run's figure is achieved / its bound (1.0 = compute and every other cost fully hidden behind
-reads); ``figure`` is the chosen mode's median run figure.
+One turn before the first round is not counted (a process's first decode loads kernels that
+prefill does not use). A run's figure is achieved / its bound (1.0 = compute and every other
+cost fully hidden behind reads); ``figure`` is the chosen mode's median run figure.
 The same run also decodes with the other ``--prefetch`` modes, ``--rounds`` times each,
 interleaved in an order that rotates each round (each mode's median run stands for it):
 ``figure_vs_no_prefetch`` is the chosen mode's tokens/s over ``off``'s,
@@ -178,6 +179,12 @@ def main(argv: list[str] | None = None) -> int:
     n_experts = len(c.expert_extents())
     experts_bytes = sum(x.nbytes for x in c.expert_extents())
     budget = budget_for(c, a.model, a.fraction)  # dense + KV reserve + `fraction` of experts
+
+    # A turn that is not counted: the first decode of a process loads (or, right after an
+    # install or a change, compiles) the kernels that prefill does not use, which cost the
+    # first measured run 4 s once (4.0 tok/s against 14-16 for every later run).
+    print("warm-up turn (not counted)", file=sys.stderr, flush=True)
+    decode_run(a, budget, a.prefetch)
 
     # The disk is measured before every decode run and after the last: a run's bound is the
     # mean of the measurements on either side of it, so a disk that drifts (2x within minutes
