@@ -417,95 +417,13 @@ def round64(typingctx: Any, x: Any, idx: Any, inv: Any, xq: Any, qh: Any, n_in: 
     return types.int32(x, idx, inv, xq, qh, n_in), codegen
 
 
-class I16x64(types.Type):
-    """numba type of 64 unpacked int4 weights as words (``<64 x i16>``, values 0..15)."""
-
-    def __init__(self) -> None:
-        super().__init__(name="i16x64")
-
-
-i16x64 = I16x64()
-
-
-@register_model(I16x64)
-class _I16x64Model(models.PrimitiveModel):
-    def __init__(self, dmm: Any, fe_type: Any) -> None:
-        super().__init__(dmm, fe_type, ir.VectorType(_I16, 64))  # type: ignore[no-untyped-call]
-
-
-@_intrinsic
-def i4words64(typingctx: Any, packed: Any, idx: Any) -> Any:
-    """32 packed bytes ``packed[idx : idx + 32]`` read as 16 little-endian words ``v`` ->
-    ``[v & 15 | v >> 8 & 15 | v >> 4 & 15 | v >> 12]``: the nibbles of columns ``4m``,
-    ``4m + 2``, ``4m + 1``, ``4m + 3`` of the 64-column chunk (word ``m`` of each plane)."""
-    if not _c_array(packed, types.uint8) or not isinstance(idx, types.Integer):
-        return None
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        p = _ptr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-        v16 = ir.VectorType(_I16, 16)
-        raw = builder.load(builder.bitcast(p, v16.as_pointer()), align=1)
-        mask = ir.Constant(v16, [15] * 16)
-
-        def shr(n: int) -> Any:
-            return builder.lshr(raw, ir.Constant(v16, [n] * 16))
-
-        planes = [
-            builder.and_(raw, mask),
-            builder.and_(shr(8), mask),
-            builder.and_(shr(4), mask),
-            shr(12),
-        ]
-        v32 = ir.VectorType(_I32, 32)
-        a = builder.shuffle_vector(planes[0], planes[1], ir.Constant(v32, list(range(32))))
-        b = builder.shuffle_vector(planes[2], planes[3], ir.Constant(v32, list(range(32))))
-        return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, 64), list(range(64))))
-
-    return i16x64(packed, idx), codegen
-
-
-@_intrinsic
-def q8dotw_sum(typingctx: Any, w: Any, xw: Any, idx: Any) -> Any:
-    """``sum(w * xw[idx : idx + 64])`` as one int32: the 64 weight words of ``i4words64`` times
-    the 64 activation words ``256 * h + l`` in the same plane order, by four ``vpmaddwd`` (two
-    products per int32, at most 2 * 15 * 32639) and one lane sum. An exact integer: the
-    ``256 * (h . w) + (l . w)`` of the block kernels, without their bias."""
-    if w != i16x64 or not _c_array(xw, types.int16) or not _ints(idx):
-        return None
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        v16s, v8i = ir.VectorType(ir.IntType(16), 16), ir.VectorType(_I32, 8)
-        maddwd = builder.module.declare_intrinsic(
-            "llvm.x86.avx2.pmadd.wd", fnty=ir.FunctionType(v8i, [v16s, v16s])
-        )
-        p = _ptr(context, builder, sig.args[1], args[1], sig.args[2], args[2])
-        xv = builder.load(
-            builder.bitcast(p, ir.VectorType(ir.IntType(16), 64).as_pointer()), align=2
-        )
-        acc = None
-        for k in range(4):
-            sel = ir.Constant(ir.VectorType(_I32, 16), list(range(16 * k, 16 * k + 16)))
-            prod = builder.call(
-                maddwd,
-                [
-                    builder.shuffle_vector(args[0], args[0], sel),
-                    builder.shuffle_vector(xv, xv, sel),
-                ],
-            )
-            acc = prod if acc is None else builder.add(acc, prod)
-        red = builder.module.declare_intrinsic(
-            "llvm.vector.reduce.add.v8i32", fnty=ir.FunctionType(_I32, [v8i])
-        )
-        return builder.call(red, [acc])
-
-    return types.int32(w, xw, idx), codegen
-
-
 @_intrinsic
 def q8dotw8(typingctx: Any, packed: Any, idx: Any, nb: Any, xw: Any, xi: Any, bias: Any) -> Any:
     """float32 of ``D`` for 8 rows and one 64-column group on AVX2: row ``k``'s 32 packed bytes
-    at ``packed[idx + k * nb:]`` as 64 weight words (``i4words64``'s planes) times the 64
-    activation words at ``xw[xi:]`` (four ``vpmaddwd`` a row, the activation loaded once for
+    at ``packed[idx + k * nb:]`` read as 16 little-endian words ``v``, whose four planes
+    ``v & 15``, ``v >> 8 & 15``, ``v >> 4 & 15``, ``v >> 12`` are the weights of columns
+    ``4m``, ``4m + 2``, ``4m + 1``, ``4m + 3`` (word ``m``), times the 64 activation words at
+    ``xw[xi:]`` in that plane order (four ``vpmaddwd`` a row, the activation loaded once for
     the 8 rows), each row's eight int32 sums reduced by ``vphaddd`` across the rows (the lanes
     end as rows 0..7), plus ``bias``; exact integers, then one convert."""
     if not _c_array(packed, types.uint8) or not _c_array(xw, types.int16):
@@ -557,21 +475,6 @@ def q8dotw8(typingctx: Any, packed: Any, idx: Any, nb: Any, xw: Any, xi: Any, bi
         return builder.sitofp(d, ir.VectorType(_F32, 8))
 
     return f32x8(packed, idx, nb, xw, xi, bias), codegen
-
-
-@_intrinsic
-def fma32(typingctx: Any, a: Any, b: Any, c: Any) -> Any:
-    """float32 ``a * b + c`` with one rounding (``llvm.fma``): a lane of ``vfma16``."""
-    if not all(v == types.float32 for v in (a, b, c)):
-        return None
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        fn = builder.module.declare_intrinsic(
-            "llvm.fma.f32", fnty=ir.FunctionType(_F32, [_F32] * 3)
-        )
-        return builder.call(fn, list(args))
-
-    return types.float32(a, b, c), codegen
 
 
 #: Where the integer dot is AVX2 without VNNI, the kernels take 8 rows at a time through 16-bit
@@ -698,7 +601,7 @@ def _q8_block(packed, scales, nb, r0, xq, bias, sx, xstride, bstride, out, o0, n
 @njit(nogil=True, cache=True)
 def q8_words(xq, xo, n_in, xw):  # type: ignore[no-untyped-def]
     """One token's digits (``h`` at ``xq[xo:]``, ``l`` ``n_in`` bytes later) -> its activation
-    words ``256 * h + l`` per 64-column group in ``i4words64``'s plane order:
+    words ``256 * h + l`` per 64-column group in ``q8dotw8``'s plane order:
     ``xw[g * 64 + p * 16 + m]`` is the word of position ``2m + (p & 1) + 32 * (p >> 1)``
     (columns ``4m``, ``4m + 2``, ``4m + 1``, ``4m + 3``)."""
     for g in range(n_in // 64):
