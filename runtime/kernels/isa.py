@@ -97,12 +97,9 @@ def _int8_kind_of(flags: frozenset[str]) -> str:
 def _int8_kind_here() -> str:
     """The integer dot this process's kernels use: numba's code-generation target decides, not
     the CPU alone (``NUMBA_CPU_NAME=generic`` on a VNNI machine runs the portable form)."""
-    from runtime.kernels._simd import host_codegen_features  # numba and llvmlite: only here
+    from runtime.kernels._q8 import q8dot_kind  # numba and llvmlite: only here
 
-    feats = host_codegen_features()
-    if {"avx512vnni", "avx512bw"} <= feats:
-        return "vnni"
-    return "avx2" if "avx2" in feats else "portable"
+    return q8dot_kind()
 
 
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
