@@ -38,6 +38,19 @@ import numpy as np
 import numpy.typing as npt
 
 from runtime.countdown import Countdown, iterations_per_us
+from runtime.crew import (
+    CREW_MIN_MACS,
+    Crew,
+    Int8Rows,
+    addr,
+    edges16,
+    i4_prepared,
+    i4_rows_template,
+    i8_prepared,
+    i8_rows_template,
+    mlp_templates,
+)
+from runtime.kernels.crew import combine_sorted
 from runtime.kernels.dequant import dequantize
 from runtime.kernels.quant_matmul import (
     Int4Weight,
@@ -69,6 +82,7 @@ Fused = tuple[
 KERNEL_MODES: tuple[KernelMode, ...] = ("exact", "fast-int8")
 
 F32Array = npt.NDArray[np.float32]
+I64Array = npt.NDArray[np.int64]
 R = TypeVar("R")
 S = TypeVar("S")
 
@@ -84,9 +98,12 @@ class ExpertCompute:
         parallel_min_macs: int = 1 << 24,
         share: ExpertCompute | None = None,
         kernels: KernelMode = "exact",
+        crew: bool = True,
     ) -> None:
-        """``share``: use that instance's thread pool (which it keeps owning) instead of
-        starting one; ``threads`` is then ignored. ``kernels``: see the module docstring."""
+        """``share``: use that instance's thread pool and crew (which it keeps owning) instead
+        of starting them; ``threads`` and ``crew`` are then ignored. ``kernels``: see the
+        module docstring. ``crew``: with ``threads > 1``, also start a job crew
+        (:mod:`runtime.crew`) for the exact int4 / int8 matmuls of small steps."""
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         if kernels not in KERNEL_MODES:
@@ -102,10 +119,13 @@ class ExpertCompute:
         self.threads: int
         self._pool: ThreadPoolExecutor | None
         self._poll_iters: int
+        self._crew: Crew | None
+        self.crew_min_macs = CREW_MIN_MACS
         if share is not None:
             self.threads = share.threads
             self._pool = share._pool
             self._poll_iters = share._poll_iters
+            self._crew = share._crew
         else:
             self.threads = threads
             self._pool = (
@@ -114,6 +134,7 @@ class ExpertCompute:
                 else None
             )
             self._poll_iters = int(POLL_US * iterations_per_us()) if threads > 1 else 0
+            self._crew = Crew(threads - 1, self._poll_iters) if threads > 1 and crew else None
         self._scratch = threading.local()  # per worker thread: one dequantized projection
         # per thread: True while the compute thread runs its share of a step's jobs (it then
         # splits nothing over the pool, like a worker)
@@ -130,7 +151,10 @@ class ExpertCompute:
         """Stop the pool (when this instance started it); later steps run serially."""
         if self._pool is not None and self._owns_pool:
             self._pool.shutdown(wait=True)
+        if self._crew is not None and self._owns_pool:
+            self._crew.close()
         self._pool = None
+        self._crew = None
 
     # ------------------------------------------------------------------ matmul choice
     def mm(self, lin: Linear, x: F32Array, q8: Q8Input | None = None) -> F32Array:
@@ -319,6 +343,10 @@ class ExpertCompute:
         per thread. Bit-identical to ``lin(x)``: every output feature is computed by the same
         kernel code from the same row (:meth:`runtime.linear.Linear.split`). Under fast-int8
         the ranges share one rounding of ``x`` (``q8``, made here when not given)."""
+        if q8 is None and not (self.fast_int8 and lin.has_int8):
+            got = self._crew_linear(lin, x)
+            if got is not None:
+                return got
         pool = self._pool
         if pool is None or not self._splits(lin, x.shape[0]):
             return self.mm(lin, x, q8)
@@ -338,6 +366,9 @@ class ExpertCompute:
         rows, each projection's output features (bit-identical either way: the kernels are
         batch-invariant, a row's result does not depend on the other rows, and an output
         feature does not depend on the others)."""
+        got = self._crew_swiglu(x, w)
+        if got is not None:
+            return got
         f = self._fused_for(w, x.shape[0])
         if f is not None:  # int4: one fused kernel call
             return swiglu_q8(x, f[1]) if f[1] is not None else swiglu(x, w)
@@ -427,6 +458,159 @@ class ExpertCompute:
             return None if q is None else (None, q)
         f = fused(w)
         return None if f is None else (f, None)
+
+    # ------------------------------------------------------------------ the job crew
+    def _crew_for(self, n_rows: int, macs: int) -> Crew | None:
+        """The crew when a matmul of ``macs`` multiply-adds on ``n_rows`` rows runs on it:
+        exact kernels, not on a pool worker, enough work, not the BLAS path's rows."""
+        crew = self._crew
+        if (
+            crew is None
+            or macs < self.crew_min_macs
+            or (self.fast_min_rows and n_rows >= self.fast_min_rows)
+            or self._on_worker()
+        ):
+            return None
+        return crew
+
+    def _crew_linear(self, lin: Linear, x: F32Array) -> F32Array | None:
+        """:meth:`linear` as one crew run of output-feature ranges (int4 with the fused
+        kernel's walk, int8 on 16 lanes), or None where the crew does not take it. The same
+        bits: each feature is computed by the same kernel code from the same row."""
+        n_tok, n_out = x.shape[0], lin.out_features
+        crew = self._crew_for(n_tok, n_tok * lin.in_features * n_out)
+        if crew is None or n_tok == 0:
+            return None
+        jobs = _linear_jobs(lin, 2 * self.threads)
+        if jobs is None:
+            return None
+        w4, template, starts = jobs
+        xx = np.ascontiguousarray(x, dtype=np.float32)
+        buf = np.empty(n_tok * n_out, np.float32)  # range by range, each [T, b - a]
+        table = template.copy()
+        if w4 is not None:
+            y, ys = i4_prepared(xx, w4)
+            table[:, 1] = addr(y)
+            table[:, 2] = y.size
+            table[:, 3] = ys
+            table[:, 4] = n_tok
+            table[:, 16] = addr(buf) + starts * (4 * n_tok)
+        else:
+            xp = i8_prepared(xx, lin.in_features)
+            table[:, 1] = addr(xp)
+            table[:, 2] = n_tok
+            table[:, 3] = xp.size // n_tok
+            table[:, 8] = addr(buf) + starts * (4 * n_tok)
+        crew.run(table)
+        with self._lock:
+            self.split_calls += 1
+        if n_tok == 1:
+            return buf.reshape(1, n_out)
+        edges = [*starts.tolist(), n_out]
+        return np.concatenate(
+            [
+                buf[n_tok * a : n_tok * b].reshape(n_tok, b - a)
+                for a, b in itertools.pairwise(edges)
+            ],
+            axis=1,
+        )
+
+    def _crew_swiglu(self, x: F32Array, w: MLPWeights) -> F32Array | None:
+        """:meth:`swiglu` as two crew runs (activation feature ranges, then output feature
+        ranges) for exact int4 projections, or None where the crew does not take it."""
+        if self.fast_int8:
+            return None
+        n_tok = x.shape[0]
+        crew = self._crew_for(n_tok, 3 * n_tok * w.gate.in_features * w.gate.out_features)
+        if crew is None or n_tok == 0:
+            return None
+        jobs = _mlp_jobs(w, self.threads)
+        if jobs is None:
+            return None
+        xx = np.ascontiguousarray(x, dtype=np.float32)
+        out = self._crew_mlps(crew, xx, np.ones(n_tok, np.float32), [jobs], [n_tok])
+        return out
+
+    def _crew_mlps(
+        self,
+        crew: Crew,
+        xe: F32Array,
+        g: F32Array,
+        jobs: Sequence[tuple[I64Array, I64Array, int]],
+        counts: Sequence[int],
+    ) -> F32Array:
+        """``g[:, None] * down(silu(gate(xe)) * up(xe))`` [R, D] where MLP ``m`` (its
+        :func:`_mlp_jobs`) takes the next ``counts[m]`` rows of ``xe`` [R, D] and ``g`` [R]:
+        one crew run of their activation feature ranges, one of their output feature ranges.
+        The bits of ``i4_expert`` per MLP (and, with ``g`` = 1, of ``i4_swiglu``)."""
+        n = np.asarray(counts, np.int64)  # [M]
+        n_f = np.asarray([j[2] for j in jobs], np.int64)  # [M]
+        starts = np.concatenate([[0], np.cumsum(n)[:-1]])  # [M] first row of each MLP
+        h_at = np.concatenate([[0], np.cumsum(n * n_f)[:-1]])  # [M] first h value of each
+        h = np.empty(int((n * n_f).sum()), np.float32)  # MLP by MLP, each [n, F]
+        n_d = xe.shape[1]
+        out = np.empty_like(xe)  # [R, D]
+        first = np.concatenate([j[0] for j in jobs])
+        reps = [len(j[0]) for j in jobs]
+        first[:, 1] = addr(xe) + np.repeat(starts * (4 * n_d), reps)
+        first[:, 2] = np.repeat(n, reps)
+        first[:, 28] = addr(h) + np.repeat(h_at * 4, reps)
+        crew.run(first)
+        second = np.concatenate([j[1] for j in jobs])
+        reps = [len(j[1]) for j in jobs]
+        second[:, 1] = addr(h) + np.repeat(h_at * 4, reps)
+        second[:, 2] = np.repeat(n, reps)
+        second[:, 17] = addr(g) + np.repeat(starts * 4, reps)
+        second[:, 18] = addr(out) + np.repeat(starts * (4 * n_d), reps)
+        crew.run(second)
+        return out
+
+    def crew_step(
+        self,
+        source: ExpertSource,
+        layer: int,
+        x: F32Array,
+        ids: npt.NDArray[np.int64],
+        gates: F32Array,
+        shared: MLPWeights | None,
+        macs: int,
+    ) -> tuple[F32Array, F32Array | None] | None:
+        """A MoE step over resident int4 experts on the crew: (the routed experts' outputs
+        summed per row in ascending expert id [T, D], as ``moe.combine`` sums
+        :meth:`expert_output`'s, and the ``shared`` expert's output, None when there is
+        none), the same bits; None where the crew does not take the step (streamed experts,
+        fast-int8, another format, a small step)."""
+        if self.fast_int8 or not isinstance(source, ResidentExperts):
+            return None
+        crew = self._crew_for(x.shape[0], macs)
+        if crew is None:
+            return None
+        n_tok, k = ids.shape
+        flat = np.ascontiguousarray(ids).reshape(-1)  # [T * K]
+        order = np.argsort(flat, kind="stable")  # by expert, then by row
+        es, counts = np.unique(flat, return_counts=True)  # ascending, as ``order``
+        ws = source.get(layer, es.tolist())
+        jobs = [_mlp_jobs(ws[e], self.threads) for e in es.tolist()]
+        if shared is not None:
+            jobs.append(_mlp_jobs(shared, self.threads))
+        if any(j is None for j in jobs):
+            return None
+        xx = np.ascontiguousarray(x, dtype=np.float32)
+        tok = order // k  # [T * K] the row of each gathered entry
+        n_routed = flat.size
+        rows = n_routed + (n_tok if shared is not None else 0)
+        xe = np.empty((rows, xx.shape[1]), np.float32)  # [R, D]
+        xe[:n_routed] = xx[tok]
+        g = np.ones(rows, np.float32)  # [R]
+        g[:n_routed] = np.ascontiguousarray(gates, dtype=np.float32).reshape(-1)[order]
+        sizes = counts.tolist() + ([n_tok] if shared is not None else [])
+        if shared is not None:
+            xe[n_routed:] = xx
+        out = self._crew_mlps(crew, xe, g, jobs, sizes)  # type: ignore[arg-type]
+        with self._lock:
+            self.parallel_steps += 1
+        routed = combine_sorted(out, tok.astype(np.int64), n_tok)
+        return routed, (out[n_routed:] if shared is not None else None)
 
     # ------------------------------------------------------------------ scheduling
     @contextlib.contextmanager
@@ -547,5 +731,55 @@ class ExpertCompute:
             "split_experts": self.split_experts,
             "early_experts": self.early_experts,
             "layer_calls": self.layer_calls,
+            "crew_runs": self._crew.runs if self._crew is not None else 0,
             "kernels": self.kernels,
         }
+
+
+def _int8_rows(lin: Linear) -> Int8Rows | None:
+    """``lin`` as the crew's int8 job takes it (int8 on 16 lanes), or None. Made once."""
+    got: Int8Rows | None = lin.__dict__.get("_crew_int8")
+    if got is not None or "_crew_int8" in lin.__dict__:
+        return got
+    q = lin.q
+    if q.fmt.kind == "int8" and lin.lanes == 16 and q.scales is not None:
+        data = np.asarray(q.data).reshape(-1).view(np.uint8)
+        scales = np.ascontiguousarray(q.scales, dtype=np.float32).reshape(-1)
+        if data.flags.c_contiguous and scales.size == lin.out_features:
+            got = Int8Rows(data, scales, lin.out_features, lin.in_features)
+    lin.__dict__["_crew_int8"] = got
+    return got
+
+
+def _linear_jobs(lin: Linear, parts: int) -> tuple[Int4Weight | None, I64Array, I64Array] | None:
+    """``lin``'s crew jobs in ``parts`` ranges of output features: (its int4 weight, or None
+    for int8, the jobs' template, each range's first feature), or None where the crew does
+    not take ``lin`` (another format, too few features). Made once per ``parts``."""
+    cache: dict[int, Any] = lin.__dict__.setdefault("_crew_jobs", {})
+    if parts not in cache:
+        got: tuple[Int4Weight | None, I64Array, I64Array] | None = None
+        edges = edges16(lin.out_features, parts)
+        w4 = lin.int4
+        w8 = None if w4 is not None else _int8_rows(lin)
+        if len(edges) >= 3 and w4 is not None:
+            got = (w4, i4_rows_template(w4, edges), np.asarray(edges[:-1], np.int64))
+        elif len(edges) >= 3 and w8 is not None:
+            got = (None, i8_rows_template(w8, edges), np.asarray(edges[:-1], np.int64))
+        cache[parts] = got
+    out: tuple[Int4Weight | None, I64Array, I64Array] | None = cache[parts]
+    return out
+
+
+def _mlp_jobs(w: MLPWeights, parts: int) -> tuple[I64Array, I64Array, int] | None:
+    """An exact int4 MLP's crew jobs (:func:`runtime.crew.mlp_templates`) and its
+    intermediate size, or None where it has no fused int4 kernel. Made once per ``parts``
+    (kept on its gate projection, with the up and down projections it was made for)."""
+    cache: dict[int, Any] = w.gate.__dict__.setdefault("_crew_mlp", {})
+    got = cache.get(parts)
+    if got is None or got[0] is not w.up or got[1] is not w.down:
+        f = fused(w)
+        jobs = None if f is None else (*mlp_templates(f, parts), f[0].walk[0])
+        got = (w.up, w.down, jobs)
+        cache[parts] = got
+    out: tuple[I64Array, I64Array, int] | None = got[2]
+    return out

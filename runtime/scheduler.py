@@ -121,6 +121,15 @@ def moe_step(
         ctx.timing.moe_s += time.perf_counter() - t0
         return y
 
+    # bigger steps over resident int4 experts: with the shared expert, two runs of the job
+    # crew (the same bits)
+    crewed = comp.crew_step(experts, layer, x, ids, gates, moe.shared, ids.size * expert_macs)
+    if crewed is not None:
+        routed, side = crewed
+        y = routed + (side if side is not None else shared_out())
+        ctx.timing.moe_s += time.perf_counter() - t0
+        return y
+
     def parts(e: int, w: ExpertWeights) -> SplitExpert | None:
         return comp.split_expert(x, ids, gates, e, w)
 

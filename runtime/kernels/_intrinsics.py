@@ -8,7 +8,12 @@
 * :func:`u32_bits_to_f32` — reinterpret uint32 bits as float32 (bf16 is the top half of an f32).
 * :func:`load_acquire` — an atomic (acquire) load of an int64 array element: a loop polling a
   cell another thread writes must read memory on every pass (a plain load may be hoisted out
-  of the loop).
+  of the loop). :func:`store_release`, :func:`fetch_add`, :func:`swap` and
+  :func:`compare_swap` are the other atomic operations the job crew (:mod:`.crew`) needs
+  (the read-modify-writes are sequentially consistent: full barriers on x86).
+* :func:`f32_at`, :func:`u8_at`, :func:`i64_at` — an integer address as a typed pointer for
+  ``numba.carray``; :func:`call_at` calls the C function ``void f(int64)`` at an address (a
+  numba ``cfunc``).
 
 The first three are pure functions of their inputs; all four are safe in ``nogil`` code.
 
@@ -33,10 +38,18 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 __all__ = [
+    "call_at",
+    "compare_swap",
     "f16_bits_to_f32",
+    "f32_at",
+    "fetch_add",
+    "i64_at",
     "load_acquire",
     "prefetch",
     "prefetch_l2",
+    "store_release",
+    "swap",
+    "u8_at",
     "u32_bits_to_f32",
     "zeros64",
 ]
@@ -149,19 +162,119 @@ def load_acquire(typingctx: Any, arr: Any, idx: Any) -> Any:
     return sig, codegen
 
 
+def _is_i64_cell(arr: Any, idx: Any) -> bool:
+    return (
+        isinstance(arr, types.Array) and arr.dtype == types.int64 and isinstance(idx, types.Integer)
+    )
+
+
 @_intrinsic
-def f32_at(typingctx: Any, addr: Any) -> Any:
-    """``f32_at(addr)``: the address ``addr`` (an integer, e.g. ``a.ctypes.data``) as a float32
-    pointer, for ``numba.carray``: a kernel reads arrays of different objects (one KV cache
-    per sequence) through one compiled signature. The caller keeps those arrays alive and
-    large enough for the call."""
-    if not isinstance(addr, types.Integer):
+def store_release(typingctx: Any, arr: Any, idx: Any, val: Any) -> Any:
+    """``store_release(arr, idx, v)``: ``arr.flat[idx] = v`` (int64), atomically with release
+    ordering: every store before it is visible to a thread that reads ``v`` with
+    :func:`load_acquire`."""
+    if not _is_i64_cell(arr, idx) or not isinstance(val, types.Integer):
         return None
-    ptr = types.CPointer(types.float32)  # type: ignore[no-untyped-call]
-    sig = ptr(addr)
+    sig = types.void(arr, idx, val)
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return builder.inttoptr(args[0], context.get_value_type(ptr))
+        ptr = _element_ptr(context, builder, signature, args)
+        v = context.cast(builder, args[2], signature.args[2], types.int64)
+        builder.store_atomic(v, ptr, "release", 8)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _make_rmw(op: str, doc: str) -> Any:
+    @_intrinsic
+    def rmw(typingctx: Any, arr: Any, idx: Any, val: Any) -> Any:
+        if not _is_i64_cell(arr, idx) or not isinstance(val, types.Integer):
+            return None
+        sig = types.int64(arr, idx, val)
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            ptr = _element_ptr(context, builder, signature, args)
+            v = context.cast(builder, args[2], signature.args[2], types.int64)
+            return builder.atomic_rmw(op, ptr, v, "seq_cst")
+
+        return sig, codegen
+
+    rmw.__doc__ = doc
+    return rmw
+
+
+#: ``fetch_add(arr, idx, v)``: add ``v`` to ``arr.flat[idx]`` atomically; the value before.
+fetch_add = _make_rmw("add", "atomic arr.flat[idx] += v; returns the value before")
+#: ``swap(arr, idx, v)``: store ``v`` in ``arr.flat[idx]`` atomically; the value before.
+swap = _make_rmw("xchg", "atomic arr.flat[idx] = v; returns the value before")
+
+
+@_intrinsic
+def compare_swap(typingctx: Any, arr: Any, idx: Any, old: Any, new: Any) -> Any:
+    """``compare_swap(arr, idx, old, new)``: ``arr.flat[idx] = new`` if it holds ``old``,
+    atomically; returns the value it held (``old`` when the swap happened)."""
+    if (
+        not _is_i64_cell(arr, idx)
+        or not isinstance(old, types.Integer)
+        or not isinstance(new, types.Integer)
+    ):
+        return None
+    sig = types.int64(arr, idx, old, new)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        ptr = _element_ptr(context, builder, signature, args)
+        o = context.cast(builder, args[2], signature.args[2], types.int64)
+        n = context.cast(builder, args[3], signature.args[3], types.int64)
+        pair = builder.cmpxchg(ptr, o, n, "seq_cst", "seq_cst")
+        return builder.extract_value(pair, 0)
+
+    return sig, codegen
+
+
+def _make_ptr(dtype: Any, doc: str) -> Any:
+    @_intrinsic
+    def at(typingctx: Any, addr: Any) -> Any:
+        if not isinstance(addr, types.Integer):
+            return None
+        ptr = types.CPointer(dtype)  # type: ignore[no-untyped-call]
+        sig = ptr(addr)
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            return builder.inttoptr(args[0], context.get_value_type(ptr))
+
+        return sig, codegen
+
+    at.__doc__ = doc
+    return at
+
+
+#: ``f32_at(addr)``: the address ``addr`` (an integer, e.g. ``a.ctypes.data``) as a float32
+#: pointer, for ``numba.carray``: a kernel reads arrays of different objects (one KV cache per
+#: sequence) through one compiled signature. The caller keeps those arrays alive and large
+#: enough for the call.
+f32_at = _make_ptr(types.float32, "an integer address as a float32 pointer")
+#: ``u8_at(addr)``: the same as a uint8 pointer.
+u8_at = _make_ptr(types.uint8, "an integer address as a uint8 pointer")
+#: ``i64_at(addr)``: the same as an int64 pointer.
+i64_at = _make_ptr(types.int64, "an integer address as an int64 pointer")
+
+
+@_intrinsic
+def call_at(typingctx: Any, fn: Any, arg: Any) -> Any:
+    """``call_at(fn, arg)``: call the C function ``void f(int64_t)`` at address ``fn`` (a
+    numba ``cfunc``'s ``address``) with ``arg``."""
+    if not isinstance(fn, types.Integer) or not isinstance(arg, types.Integer):
+        return None
+    sig = types.void(fn, arg)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        i64 = ir.IntType(64)
+        fnty = ir.FunctionType(ir.VoidType(), [i64])
+        f = builder.inttoptr(args[0], fnty.as_pointer())
+        a = context.cast(builder, args[1], signature.args[1], types.int64)
+        builder.call(f, [a])
+        return context.get_dummy_value()
 
     return sig, codegen
 

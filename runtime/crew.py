@@ -1,0 +1,299 @@
+"""The job crew: worker threads that take kernel calls from the compute thread without the GIL.
+
+:class:`Crew` starts ``workers`` threads that each run :func:`runtime.kernels.crew.crew_work`
+(a ``nogil`` loop) and :class:`Jobs` fills a table of kernel calls (:mod:`runtime.kernels.crew`
+says what a job is). :meth:`Crew.run` posts a table and takes jobs from it on the calling thread
+too, returning once every job has finished. Between runs a worker polls for the next one for
+``poll_iters`` atomic loads (about as long as :data:`runtime.compute.POLL_US`), then sleeps on
+an event; the next run wakes it but does not wait for it (the posting thread takes every job
+nobody else took), so a machine busy with other work never makes a run wait for a worker that
+is not running.
+
+Why: on the 2-vCPU guests this project is measured on, handing a Python callable to a thread
+pool costs 47-120 us (a lock, the wake of the idle vCPU, the GIL), about what a one-token
+attention projection takes; a decode step of the DeepSeek-V3-shaped benchmark model made nine
+such hand-offs. A crew run costs a few microseconds, so every matmul of a decode step worth
+more than :data:`CREW_MIN_MACS` multiply-adds splits over both cores (docs/architecture.md).
+
+Every job computes output features with the kernels a single call runs, so results are
+bit-identical to one thread's whatever the number of workers (tests compare them bit for bit).
+
+Shape legend: T rows, D hidden, F intermediate, O out features, I in features.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from runtime.kernels._intrinsics import zeros64
+from runtime.kernels._matmul_kernels import _i4_prep, _i4_stride, _pad_rows
+from runtime.kernels.crew import (
+    CELL,
+    JOBS,
+    PARKED,
+    STOP,
+    WIDTH,
+    crew_run,
+    crew_work,
+    job_i4_apply,
+    job_i4_down_part,
+    job_i4_swiglu_part,
+    job_i8_rows,
+)
+from runtime.kernels.quant_matmul import DEFAULT_PREFETCH, Int4Weight
+
+__all__ = [
+    "CREW_MIN_MACS",
+    "Crew",
+    "Int8Rows",
+    "addr",
+    "edges16",
+    "i4_prepared",
+    "i4_rows_template",
+    "i8_prepared",
+    "i8_rows_template",
+    "mlp_templates",
+]
+
+F32Array = npt.NDArray[np.float32]
+I64Array = npt.NDArray[np.int64]
+
+#: Matmuls from this many multiply-adds split over the crew (a run costs a few microseconds;
+#: below ~1M multiply-adds a one-token matmul takes less than ~50 us and splitting gains little).
+CREW_MIN_MACS = 1 << 20
+_PREFIX = "colibri-crew"
+
+
+def addr(a: npt.NDArray[Any]) -> int:
+    return int(a.__array_interface__["data"][0])
+
+
+def _fn(job: Any) -> int:
+    """A job kind's ``cfunc`` address."""
+    return int(job.address)
+
+
+def edges16(n: int, parts: int) -> list[int]:
+    """``[0, ..., n]``: ``parts`` near-equal ranges of ``n`` whose inner edges are multiples of
+    16 (empty ranges dropped)."""
+    edges = [0]
+    for i in range(1, max(1, parts)):
+        cut = round(n * i / parts / 16) * 16
+        if edges[-1] < cut < n:
+            edges.append(cut)
+    edges.append(n)
+    return edges
+
+
+class Int8Rows:
+    """An int8 weight (16-lane kernels) as the crew takes it: bytes [O * I], scales [O]."""
+
+    __slots__ = ("data", "n_in", "n_out", "scales")
+
+    def __init__(self, data: npt.NDArray[np.uint8], scales: F32Array, n_out: int, n_in: int):
+        self.data, self.scales, self.n_out, self.n_in = data, scales, n_out, n_in
+
+
+def _table(rows: Sequence[Sequence[int]]) -> I64Array:
+    table = np.zeros((len(rows), WIDTH), np.int64)
+    for i, r in enumerate(rows):
+        table[i, : len(r)] = r
+    return table
+
+
+# Templates: a weight's jobs with every field that does not change between calls filled in
+# (made once per weight); a call copies them and fills in the addresses of its activations and
+# outputs with a few column stores (:class:`Jobs`), ~1 us a job where filling each row took 10.
+
+
+def i4_rows_template(w: Int4Weight, edges: Sequence[int]) -> I64Array:
+    """Jobs of ``job_i4_apply`` for the row ranges ``edges`` of int4 ``w`` [P, WIDTH]; per call
+    columns 1 (activations), 2 (their size), 3 (their stride), 4 (T) and 16 (output)."""
+    walk = w.walk
+    nb, s_row = walk[2], walk[4]
+    rows = []
+    for a, b in itertools.pairwise(edges):
+        p, s = w.packed[a * nb : b * nb], w.scales[a * s_row : b * s_row]
+        rows.append(
+            (
+                _fn(job_i4_apply),
+                0,
+                0,
+                0,
+                0,
+                addr(p),
+                p.size,
+                addr(s),
+                s.size,
+                b - a,
+                *walk[1:],
+                0,
+                DEFAULT_PREFETCH,
+            )
+        )
+    return _table(rows)
+
+
+def i8_rows_template(w: Int8Rows, edges: Sequence[int]) -> I64Array:
+    """Jobs of ``job_i8_rows`` for the row ranges ``edges`` of int8 ``w`` [P, WIDTH]; per call
+    columns 1 (padded activations), 2 (T), 3 (their row stride) and 8 (output)."""
+    rows = []
+    for a, b in itertools.pairwise(edges):
+        d, s = w.data[a * w.n_in : b * w.n_in], w.scales[a:b]
+        rows.append(
+            (
+                _fn(job_i8_rows),
+                0,
+                0,
+                0,
+                addr(d),
+                b - a,
+                w.n_in,
+                addr(s),
+                0,
+                DEFAULT_PREFETCH,
+            )
+        )
+    return _table(rows)
+
+
+def mlp_templates(
+    f: tuple[Int4Weight, Int4Weight, Int4Weight], parts: int
+) -> tuple[I64Array, I64Array]:
+    """An int4 SwiGLU MLP's jobs in ``parts`` ranges: the activation features
+    (``job_i4_swiglu_part``; per call columns 1 (rows), 2 (n), 28 (h)) and the output
+    features (``job_i4_down_part``; per call columns 1 (h), 2 (n), 17 (gate weights), 18
+    (output))."""
+    gate, up, down = f
+    n_f, n_d = gate.walk[0], down.walk[0]
+    first = [
+        (
+            _fn(job_i4_swiglu_part),
+            0,
+            0,
+            gate.walk[1],
+            addr(gate.packed),
+            gate.packed.size,
+            addr(gate.scales),
+            gate.scales.size,
+            *gate.walk,
+            addr(up.packed),
+            up.packed.size,
+            addr(up.scales),
+            up.scales.size,
+            *up.walk,
+            a,
+            b,
+            0,
+            n_f,
+            DEFAULT_PREFETCH,
+        )
+        for a, b in itertools.pairwise(edges16(n_f, parts))
+    ]
+    second = [
+        (
+            _fn(job_i4_down_part),
+            0,
+            0,
+            n_f,
+            addr(down.packed),
+            down.packed.size,
+            addr(down.scales),
+            down.scales.size,
+            *down.walk,
+            c,
+            d,
+            0,
+            0,
+            n_d,
+            DEFAULT_PREFETCH,
+        )
+        for c, d in itertools.pairwise(edges16(n_d, parts))
+    ]
+    return _table(first), _table(second)
+
+
+def i4_prepared(x: F32Array, w: Int4Weight) -> tuple[F32Array, int]:
+    """``x`` [T, I] prepared once for every row range of int4 ``w`` (``_i4_prep``), and the
+    stride of its rows."""
+    ys = int(_i4_stride(w.walk[2]))
+    return _i4_prep(x, w.walk[2], ys), ys
+
+
+def i8_prepared(x: F32Array, n_in: int) -> F32Array:
+    """``x`` [T, I] zero-padded to a multiple of 16 columns for the int8 16-lane kernels."""
+    out: F32Array = _pad_rows(x, (n_in + 15) // 16 * 16)
+    return out
+
+
+class Crew:
+    """``workers`` threads taking kernel jobs (see the module docstring). :meth:`run` may be
+    called from any thread; a run posted while another is in progress runs on the calling
+    thread alone (the same results)."""
+
+    def __init__(self, workers: int, poll_iters: int) -> None:
+        if not 1 <= workers <= JOBS:
+            raise ValueError(f"a crew has 1..{JOBS} workers, got {workers}")
+        self.workers = workers
+        self._poll_iters = max(1, int(poll_iters))
+        self._ctrl: I64Array = zeros64((STOP + JOBS) * CELL, np.int64)
+        self._alone: I64Array = zeros64((STOP + JOBS) * CELL, np.int64)  # a run without workers
+        self._wake = [threading.Event() for _ in range(workers)]
+        self._busy = threading.Lock()
+        self.runs = 0  # runs posted to the workers
+        self.jobs = 0  # jobs in them
+        self.posted = 0  # ... of them run by the posting thread
+        self.alone = 0  # runs taken on the calling thread alone (another run was in progress)
+        self._threads = [
+            threading.Thread(target=self._work, args=(w,), name=f"{_PREFIX}-{w}", daemon=True)
+            for w in range(workers)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _work(self, w: int) -> None:
+        seen = 0
+        ctrl, wake = self._ctrl, self._wake[w]
+        while True:
+            seen = int(crew_work(ctrl, w, seen, self._poll_iters))
+            if seen < 0:
+                return
+            wake.wait()
+            wake.clear()
+            ctrl[(PARKED + w) * CELL] = 0
+
+    def run(self, table: I64Array) -> None:
+        """Run every job of ``table`` (int64 [N, WIDTH], C-contiguous; the caller keeps every
+        array it points to alive), on this thread and the workers; returns when all
+        finished."""
+        n = table.shape[0]
+        if n == 0:
+            return
+        if not self._busy.acquire(blocking=False):
+            crew_run(self._alone, table, n)
+            self.alone += 1
+            return
+        try:
+            ctrl = self._ctrl
+            for w in range(self.workers):
+                if ctrl[(PARKED + w) * CELL]:
+                    self._wake[w].set()
+            self.posted += int(crew_run(ctrl, table, n))
+            self.runs += 1
+            self.jobs += n
+        finally:
+            self._busy.release()
+
+    def close(self) -> None:
+        """Stop the workers (idempotent)."""
+        for w in range(self.workers):
+            self._ctrl[(STOP + w) * CELL] = 1
+            self._wake[w].set()
+        for t in self._threads:
+            t.join()

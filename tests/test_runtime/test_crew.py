@@ -1,0 +1,145 @@
+"""The job crew: kernel calls handed to worker threads without the GIL give the bits of one
+thread, whoever runs them; a parked worker is woken, a busy crew runs a table alone, and the
+workers really take jobs."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from _demo import demo_model
+
+from runtime.compute import ExpertCompute
+from runtime.context import StepContext
+from runtime.crew import Crew, edges16, i4_prepared, i4_rows_template
+from runtime.kernels import crew as crew_kernels
+from runtime.kernels.crew import CELL, PARKED, combine_sorted
+from runtime.linear import Linear
+from runtime.models import load_model
+from storage.container import Container
+from storage.quant import quantize
+
+DEMO = demo_model()
+
+
+def test_crew_kernels_release_the_gil() -> None:
+    assert all(k.targetoptions.get("nogil") is True for k in crew_kernels.KERNELS)
+
+
+@pytest.mark.parametrize("fmt", ["int4-g64", "int4-g32", "int4-row", "int8", "bf16"])
+@pytest.mark.parametrize("lanes", [8, 16])
+def test_a_crew_matmul_is_the_one_call_bit_for_bit(fmt: str, lanes: int) -> None:
+    rng = np.random.default_rng(lanes)
+    lin = Linear(quantize(rng.standard_normal((203, 192)).astype(np.float32), fmt), lanes=lanes)
+    comp = ExpertCompute(2)
+    comp.crew_min_macs = 0
+    try:
+        assert comp._crew is not None
+        for n in (1, 3, 17):
+            x = rng.standard_normal((n, 192)).astype(np.float32)
+            assert np.array_equal(comp.linear(lin, x), lin(x)), n
+        takes = fmt.startswith("int4") or (fmt == "int8" and lanes == 16)
+        assert (comp._crew.runs > 0) == takes
+    finally:
+        comp.close()
+
+
+def test_crew_mlps_and_moe_steps_are_the_serial_bits() -> None:
+    """Decode token by token and a prompt chunk of the demo model (resident int4 experts)
+    with every MoE step, MLP and matmul on the crew: the logits of one thread, bit for bit."""
+    c = Container.open(DEMO)
+    m = load_model(c)
+    ids = np.random.default_rng(2).integers(3, 999, size=20).astype(np.int64)
+    serial = StepContext()
+    comp = ExpertCompute(2, parallel_min_macs=0)
+    comp.crew_min_macs = 0
+    try:
+        ctx = StepContext(comp)
+        ref_cache, cache = m.new_cache(), m.new_cache()
+        want = m.forward(ids[:12], ref_cache, ctx=serial).logits
+        got = m.forward(ids[:12], cache, ctx=ctx).logits
+        assert np.array_equal(got, want)
+        for t in range(12, ids.size):
+            want = m.forward(ids[t : t + 1], ref_cache, ctx=serial).logits
+            got = m.forward(ids[t : t + 1], cache, ctx=ctx).logits
+            assert np.array_equal(got, want), t
+        assert comp._crew is not None and comp._crew.runs > 0
+        assert comp.parallel_steps > 0  # MoE steps ran on the crew
+        assert comp.split_experts == 0  # ... not on the pool
+    finally:
+        comp.close()
+
+
+def test_combine_sorted_is_the_per_expert_sum() -> None:
+    from runtime.layers import moe as moe_ops
+
+    rng = np.random.default_rng(4)
+    n_tok, k, d = 5, 3, 24
+    ids = np.stack([rng.choice(9, k, replace=False) for _ in range(n_tok)]).astype(np.int64)
+    flat = ids.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    out = rng.standard_normal((flat.size, d)).astype(np.float32)
+    tok = (order // k).astype(np.int64)
+    outputs = {}
+    for e in np.unique(flat):
+        sel = np.flatnonzero(flat[order] == e)
+        outputs[int(e)] = (tok[sel], out[sel])
+    x = np.zeros((n_tok, d), np.float32)
+    assert np.array_equal(combine_sorted(out, tok, n_tok), moe_ops.combine(x, ids, outputs))
+
+
+def _table(seed: int, rows: int = 512) -> tuple[np.ndarray, np.ndarray, object, np.ndarray]:
+    """A crew table computing a [rows, 256] int4 matmul in 8 ranges, its output, what the
+    table points into (to keep alive) and the expected result."""
+    rng = np.random.default_rng(seed)
+    lin = Linear(quantize(rng.standard_normal((rows, 256)).astype(np.float32), "int4-g64"))
+    w4 = lin.int4
+    assert w4 is not None
+    x = rng.standard_normal((1, 256)).astype(np.float32)
+    edges = edges16(rows, 8)
+    table = i4_rows_template(w4, edges)
+    y, ys = i4_prepared(x, w4)
+    out = np.full(rows, np.nan, np.float32)
+    table[:, 1], table[:, 2], table[:, 3], table[:, 4] = y.ctypes.data, y.size, ys, 1
+    table[:, 16] = out.ctypes.data + 4 * np.asarray(edges[:-1], np.int64)
+    return table, out, (lin, w4, y), lin(x)[0]
+
+
+def test_a_parked_worker_is_woken_and_a_busy_crew_runs_alone() -> None:
+    crew = Crew(1, poll_iters=1000)  # parks almost at once
+    try:
+        table, out, _keep, want = _table(1)
+        deadline = time.monotonic() + 10
+        while not crew._ctrl[PARKED * CELL] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert crew._ctrl[PARKED * CELL] == 1
+        crew.run(table)
+        assert np.array_equal(out, want)
+        assert crew.runs == 1 and crew.jobs == 8
+        out[:] = np.nan
+        with crew._busy:  # another run in progress: this one runs on the caller alone
+            crew.run(table)
+        assert crew.alone == 1 and crew.runs == 1
+        assert np.array_equal(out, want)
+    finally:
+        crew.close()
+    assert not any(t.is_alive() for t in crew._threads)
+
+
+def test_the_workers_take_jobs() -> None:
+    crew = Crew(1, poll_iters=1 << 30)  # never parks
+    try:
+        table, out, _keep, want = _table(2, rows=4096)
+        deadline = time.monotonic() + 20
+        while crew.posted == crew.jobs and time.monotonic() < deadline:
+            crew.run(table)
+        assert crew.posted < crew.jobs  # the worker ran some of them
+        assert np.array_equal(out, want)
+    finally:
+        crew.close()
+
+
+def test_a_crew_needs_one_worker_or_more() -> None:
+    with pytest.raises(ValueError, match="workers"):
+        Crew(0, 10)
