@@ -30,9 +30,10 @@ import contextlib
 import functools
 import itertools
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -87,6 +88,29 @@ R = TypeVar("R")
 S = TypeVar("S")
 
 
+class _MLPJobs(NamedTuple):
+    """An MLP's crew job templates (:func:`runtime.crew.mlp_templates`)."""
+
+    first: npt.NDArray[np.int64]  # activation feature ranges
+    second: npt.NDArray[np.int64]  # output feature ranges
+    n_f: int  # intermediate features
+
+
+class _Pool(ThreadPoolExecutor):
+    """The compute pool; each submission first sends the crew's polling workers to sleep
+    (``rest``): a pool job is Python, and a worker polling for crew runs would hold the CPU
+    it needs (prefill on two vCPUs: a 64-token chunk 15% slower with both at once)."""
+
+    def __init__(self, threads: int, rest: Callable[[], None] | None) -> None:
+        super().__init__(threads, thread_name_prefix=_WORKER_PREFIX)
+        self._rest = rest
+
+    def submit(self, fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> Future[R]:
+        if self._rest is not None:
+            self._rest()
+        return super().submit(fn, *args, **kwargs)
+
+
 class ExpertCompute:
     """Thread pool + matmul choice for routed experts (and the fast path for dense MLPs)."""
 
@@ -121,20 +145,25 @@ class ExpertCompute:
         self._poll_iters: int
         self._crew: Crew | None
         self.crew_min_macs = CREW_MIN_MACS
+        # per weight, its crew job templates (made at its first crew call; not in the weight,
+        # whose resident size they would change)
+        self._crew_kept: weakref.WeakKeyDictionary[Linear, dict[Any, Any]]
         if share is not None:
             self.threads = share.threads
             self._pool = share._pool
             self._poll_iters = share._poll_iters
             self._crew = share._crew
+            self._crew_kept = share._crew_kept
         else:
+            self._crew_kept = weakref.WeakKeyDictionary()
             self.threads = threads
+            self._poll_iters = int(POLL_US * iterations_per_us()) if threads > 1 else 0
+            self._crew = Crew(threads - 1, self._poll_iters) if threads > 1 and crew else None
             self._pool = (
-                ThreadPoolExecutor(threads, thread_name_prefix=_WORKER_PREFIX)
+                _Pool(threads, self._crew.rest if self._crew is not None else None)
                 if threads > 1
                 else None
             )
-            self._poll_iters = int(POLL_US * iterations_per_us()) if threads > 1 else 0
-            self._crew = Crew(threads - 1, self._poll_iters) if threads > 1 and crew else None
         self._scratch = threading.local()  # per worker thread: one dequantized projection
         # per thread: True while the compute thread runs its share of a step's jobs (it then
         # splits nothing over the pool, like a worker)
@@ -473,6 +502,13 @@ class ExpertCompute:
             return None
         return crew
 
+    def _kept(self, lin: Linear) -> dict[Any, Any]:
+        """What the crew keeps for ``lin`` (its job templates), dropped with ``lin``."""
+        got = self._crew_kept.get(lin)
+        if got is None:
+            got = self._crew_kept[lin] = {}
+        return got
+
     def _crew_linear(self, lin: Linear, x: F32Array) -> F32Array | None:
         """:meth:`linear` as one crew run of output-feature ranges (int4 with the fused
         kernel's walk, int8 on 16 lanes), or None where the crew does not take it. The same
@@ -481,7 +517,7 @@ class ExpertCompute:
         crew = self._crew_for(n_tok, n_tok * lin.in_features * n_out)
         if crew is None or n_tok == 0:
             return None
-        jobs = _linear_jobs(lin, 2 * self.threads)
+        jobs = _linear_jobs(lin, 2 * self.threads, self._kept(lin))
         if jobs is None:
             return None
         w4, template, starts = jobs
@@ -524,7 +560,7 @@ class ExpertCompute:
         crew = self._crew_for(n_tok, 3 * n_tok * w.gate.in_features * w.gate.out_features)
         if crew is None or n_tok == 0:
             return None
-        jobs = _mlp_jobs(w, self.threads)
+        jobs = _mlp_jobs(w, self.threads, self._kept(w.gate))
         if jobs is None:
             return None
         xx = np.ascontiguousarray(x, dtype=np.float32)
@@ -536,7 +572,7 @@ class ExpertCompute:
         crew: Crew,
         xe: F32Array,
         g: F32Array,
-        jobs: Sequence[tuple[I64Array, I64Array, int]],
+        jobs: Sequence[_MLPJobs],
         counts: Sequence[int],
     ) -> F32Array:
         """``g[:, None] * down(silu(gate(xe)) * up(xe))`` [R, D] where MLP ``m`` (its
@@ -544,24 +580,27 @@ class ExpertCompute:
         one crew run of their activation feature ranges, one of their output feature ranges.
         The bits of ``i4_expert`` per MLP (and, with ``g`` = 1, of ``i4_swiglu``)."""
         n = np.asarray(counts, np.int64)  # [M]
-        n_f = np.asarray([j[2] for j in jobs], np.int64)  # [M]
+        n_f = np.asarray([j.n_f for j in jobs], np.int64)  # [M]
         starts = np.concatenate([[0], np.cumsum(n)[:-1]])  # [M] first row of each MLP
         h_at = np.concatenate([[0], np.cumsum(n * n_f)[:-1]])  # [M] first h value of each
         h = np.empty(int((n * n_f).sum()), np.float32)  # MLP by MLP, each [n, F]
         n_d = xe.shape[1]
         out = np.empty_like(xe)  # [R, D]
-        first = np.concatenate([j[0] for j in jobs])
-        reps = [len(j[0]) for j in jobs]
-        first[:, 1] = addr(xe) + np.repeat(starts * (4 * n_d), reps)
-        first[:, 2] = np.repeat(n, reps)
-        first[:, 28] = addr(h) + np.repeat(h_at * 4, reps)
+        # the tables list the MLPs with the most rows first (a prefill step's shared expert
+        # takes every row): a big job last would leave the other threads idle at the end
+        order = np.argsort(-n, kind="stable").tolist()
+        first = np.concatenate([jobs[m].first for m in order])
+        reps = [len(jobs[m].first) for m in order]
+        first[:, 1] = addr(xe) + np.repeat(starts[order] * (4 * n_d), reps)
+        first[:, 2] = np.repeat(n[order], reps)
+        first[:, 28] = addr(h) + np.repeat(h_at[order] * 4, reps)
         crew.run(first)
-        second = np.concatenate([j[1] for j in jobs])
-        reps = [len(j[1]) for j in jobs]
-        second[:, 1] = addr(h) + np.repeat(h_at * 4, reps)
-        second[:, 2] = np.repeat(n, reps)
-        second[:, 17] = addr(g) + np.repeat(starts * 4, reps)
-        second[:, 18] = addr(out) + np.repeat(starts * (4 * n_d), reps)
+        second = np.concatenate([jobs[m].second for m in order])
+        reps = [len(jobs[m].second) for m in order]
+        second[:, 1] = addr(h) + np.repeat(h_at[order] * 4, reps)
+        second[:, 2] = np.repeat(n[order], reps)
+        second[:, 17] = addr(g) + np.repeat(starts[order] * 4, reps)
+        second[:, 18] = addr(out) + np.repeat(starts[order] * (4 * n_d), reps)
         crew.run(second)
         return out
 
@@ -590,9 +629,14 @@ class ExpertCompute:
         order = np.argsort(flat, kind="stable")  # by expert, then by row
         es, counts = np.unique(flat, return_counts=True)  # ascending, as ``order``
         ws = source.get(layer, es.tolist())
-        jobs = [_mlp_jobs(ws[e], self.threads) for e in es.tolist()]
+        # many experts (a prefill chunk): the pool's whole-expert jobs (each gathers its own
+        # rows on its thread) were 3-5% faster than two runs of ranges here, whose gather and
+        # sum run on this thread alone
+        if es.size + (shared is not None) >= 4 * self.threads:
+            return None
+        jobs = [_mlp_jobs(ws[e], self.threads, self._kept(ws[e].gate)) for e in es.tolist()]
         if shared is not None:
-            jobs.append(_mlp_jobs(shared, self.threads))
+            jobs.append(_mlp_jobs(shared, self.threads, self._kept(shared.gate)))
         if any(j is None for j in jobs):
             return None
         xx = np.ascontiguousarray(x, dtype=np.float32)
@@ -736,31 +780,36 @@ class ExpertCompute:
         }
 
 
-def _int8_rows(lin: Linear) -> Int8Rows | None:
-    """``lin`` as the crew's int8 job takes it (int8 on 16 lanes), or None. Made once."""
-    got: Int8Rows | None = lin.__dict__.get("_crew_int8")
-    if got is not None or "_crew_int8" in lin.__dict__:
-        return got
+def _int8_rows(lin: Linear, kept: dict[Any, Any]) -> Int8Rows | None:
+    """``lin`` as the crew's int8 job takes it (int8 on 16 lanes), or None. Made once (kept
+    in ``kept``, what the compute keeps for ``lin``)."""
+    if "int8" in kept:
+        known: Int8Rows | None = kept["int8"]
+        return known
+    got = None
     q = lin.q
     if q.fmt.kind == "int8" and lin.lanes == 16 and q.scales is not None:
         data = np.asarray(q.data).reshape(-1).view(np.uint8)
         scales = np.ascontiguousarray(q.scales, dtype=np.float32).reshape(-1)
         if data.flags.c_contiguous and scales.size == lin.out_features:
             got = Int8Rows(data, scales, lin.out_features, lin.in_features)
-    lin.__dict__["_crew_int8"] = got
+    kept["int8"] = got
     return got
 
 
-def _linear_jobs(lin: Linear, parts: int) -> tuple[Int4Weight | None, I64Array, I64Array] | None:
+def _linear_jobs(
+    lin: Linear, parts: int, kept: dict[Any, Any]
+) -> tuple[Int4Weight | None, I64Array, I64Array] | None:
     """``lin``'s crew jobs in ``parts`` ranges of output features: (its int4 weight, or None
     for int8, the jobs' template, each range's first feature), or None where the crew does
-    not take ``lin`` (another format, too few features). Made once per ``parts``."""
-    cache: dict[int, Any] = lin.__dict__.setdefault("_crew_jobs", {})
+    not take ``lin`` (another format, too few features). Made once per ``parts`` (kept in
+    ``kept``)."""
+    cache: dict[int, Any] = kept.setdefault("jobs", {})
     if parts not in cache:
         got: tuple[Int4Weight | None, I64Array, I64Array] | None = None
         edges = edges16(lin.out_features, parts)
         w4 = lin.int4
-        w8 = None if w4 is not None else _int8_rows(lin)
+        w8 = None if w4 is not None else _int8_rows(lin, kept)
         if len(edges) >= 3 and w4 is not None:
             got = (w4, i4_rows_template(w4, edges), np.asarray(edges[:-1], np.int64))
         elif len(edges) >= 3 and w8 is not None:
@@ -770,16 +819,17 @@ def _linear_jobs(lin: Linear, parts: int) -> tuple[Int4Weight | None, I64Array, 
     return out
 
 
-def _mlp_jobs(w: MLPWeights, parts: int) -> tuple[I64Array, I64Array, int] | None:
-    """An exact int4 MLP's crew jobs (:func:`runtime.crew.mlp_templates`) and its
-    intermediate size, or None where it has no fused int4 kernel. Made once per ``parts``
-    (kept on its gate projection, with the up and down projections it was made for)."""
-    cache: dict[int, Any] = w.gate.__dict__.setdefault("_crew_mlp", {})
+def _mlp_jobs(w: MLPWeights, parts: int, kept: dict[Any, Any]) -> _MLPJobs | None:
+    """An exact int4 MLP's crew jobs (:func:`runtime.crew.mlp_templates`: in ranges for
+    each phase) and its intermediate size, or None where it has no fused int4 kernel. Made
+    once per ``parts`` (kept in ``kept``, what the compute keeps for its gate projection,
+    with the up and down projections it was made for)."""
+    cache: dict[int, Any] = kept.setdefault("mlp", {})
     got = cache.get(parts)
     if got is None or got[0] is not w.up or got[1] is not w.down:
         f = fused(w)
-        jobs = None if f is None else (*mlp_templates(f, parts), f[0].walk[0])
+        jobs = None if f is None else _MLPJobs(*mlp_templates(f, parts), f[0].walk[0])
         got = (w.up, w.down, jobs)
         cache[parts] = got
-    out: tuple[I64Array, I64Array, int] | None = got[2]
+    out: _MLPJobs | None = got[2]
     return out

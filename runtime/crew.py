@@ -37,14 +37,12 @@ from runtime.kernels.crew import (
     CELL,
     JOBS,
     PARKED,
+    REST,
     STOP,
     WIDTH,
     crew_run,
     crew_work,
-    job_i4_apply,
-    job_i4_down_part,
-    job_i4_swiglu_part,
-    job_i8_rows,
+    job_kinds,
 )
 from runtime.kernels.quant_matmul import DEFAULT_PREFETCH, Int4Weight
 
@@ -72,11 +70,6 @@ _PREFIX = "colibri-crew"
 
 def addr(a: npt.NDArray[Any]) -> int:
     return int(a.__array_interface__["data"][0])
-
-
-def _fn(job: Any) -> int:
-    """A job kind's ``cfunc`` address."""
-    return int(job.address)
 
 
 def edges16(n: int, parts: int) -> list[int]:
@@ -122,7 +115,7 @@ def i4_rows_template(w: Int4Weight, edges: Sequence[int]) -> I64Array:
         p, s = w.packed[a * nb : b * nb], w.scales[a * s_row : b * s_row]
         rows.append(
             (
-                _fn(job_i4_apply),
+                job_kinds().i4_apply,
                 0,
                 0,
                 0,
@@ -148,7 +141,7 @@ def i8_rows_template(w: Int8Rows, edges: Sequence[int]) -> I64Array:
         d, s = w.data[a * w.n_in : b * w.n_in], w.scales[a:b]
         rows.append(
             (
-                _fn(job_i8_rows),
+                job_kinds().i8_rows,
                 0,
                 0,
                 0,
@@ -174,7 +167,7 @@ def mlp_templates(
     n_f, n_d = gate.walk[0], down.walk[0]
     first = [
         (
-            _fn(job_i4_swiglu_part),
+            job_kinds().i4_swiglu_part,
             0,
             0,
             gate.walk[1],
@@ -198,7 +191,7 @@ def mlp_templates(
     ]
     second = [
         (
-            _fn(job_i4_down_part),
+            job_kinds().i4_down_part,
             0,
             0,
             n_f,
@@ -241,6 +234,7 @@ class Crew:
         if not 1 <= workers <= JOBS:
             raise ValueError(f"a crew has 1..{JOBS} workers, got {workers}")
         self.workers = workers
+        job_kinds()  # compiled (or loaded) now, not at the first matmul of a step
         self._poll_iters = max(1, int(poll_iters))
         self._ctrl: I64Array = zeros64((STOP + JOBS) * CELL, np.int64)
         self._alone: I64Array = zeros64((STOP + JOBS) * CELL, np.int64)  # a run without workers
@@ -281,6 +275,7 @@ class Crew:
             return
         try:
             ctrl = self._ctrl
+            ctrl[REST * CELL] = 0
             for w in range(self.workers):
                 if ctrl[(PARKED + w) * CELL]:
                     self._wake[w].set()
@@ -289,6 +284,11 @@ class Crew:
             self.jobs += n
         finally:
             self._busy.release()
+
+    def rest(self) -> None:
+        """Send polling workers to sleep now (the next :meth:`run` wakes them): other threads
+        of this process are about to need the CPUs they hold."""
+        self._ctrl[REST * CELL] = 1
 
     def close(self) -> None:
         """Stop the workers (idempotent)."""

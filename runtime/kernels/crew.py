@@ -18,7 +18,9 @@ The control array (``ctrl``, int64, one cache line per cell) holds, per run: the
 count, the *next* cell (the run's generation in the high 32 bits, the next job index in the
 low 32: a worker that wakes late for an old run can only claim an index past its end, never a
 job of a newer run), the count of finished jobs, and per worker a *parked* flag (set when it
-gave up polling and went back to Python to sleep) and a stop flag.
+gave up polling and went back to Python to sleep) and a stop flag, and a *rest* flag that sends
+every polling worker to sleep at once (the thread pool is about to run Python jobs, which need
+the CPU a polling worker holds).
 
 The table's arrays must stay alive until :func:`crew_run` returns (the Python caller holds
 them). Jobs do not raise: their arguments are checked before they are posted.
@@ -28,7 +30,8 @@ Shape legend: ctrl int64 [CELLS * 8]; table int64 [N, WIDTH] (one job per row).
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, NamedTuple
 
 import numpy as np
 from numba import cfunc, njit, types
@@ -59,21 +62,21 @@ __all__ = [
     "JOBS",
     "KERNELS",
     "PARKED",
+    "REST",
     "STOP",
     "WIDTH",
+    "JobKinds",
     "combine_sorted",
     "crew_run",
     "crew_work",
-    "job_i4_apply",
-    "job_i4_down_part",
-    "job_i4_swiglu_part",
-    "job_i8_rows",
+    "job_kinds",
 ]
 
 #: int64 cells per control slot (one 64-byte cache line each, so that polling one does not
 #: contend with writes to another)
 CELL = 8
-GEN, TABLE, NJOBS, NEXT, DONE, ROWW = 0, 1, 2, 3, 4, 5  # slots; worker w: PARKED + w, STOP + w
+GEN, TABLE, NJOBS, NEXT, DONE, ROWW, REST = 0, 1, 2, 3, 4, 5, 6  # slots; worker w: PARKED + w,
+# STOP + w
 PARKED = 8
 STOP = 40
 JOBS = 32  # most workers a control array has room for
@@ -123,8 +126,9 @@ def crew_run(ctrl, table, n):  # type: ignore[no-untyped-def]
 @njit(nogil=True, cache=True)
 def crew_work(ctrl, w, seen, poll_iters):  # type: ignore[no-untyped-def]
     """Worker ``w``'s loop: take jobs of every new run; after ``poll_iters`` polls without a
-    new run, set its parked flag and return the last run seen (the caller sleeps, then calls
-    again); -1 once its stop flag is set."""
+    new run, or once the rest flag is set (other threads need the CPU), set its parked flag
+    and return the last run seen (the caller sleeps, then calls again); -1 once its stop flag
+    is set."""
     idle = 0
     while True:
         if load_acquire(ctrl, (STOP + w) * CELL):
@@ -136,7 +140,7 @@ def crew_work(ctrl, w, seen, poll_iters):  # type: ignore[no-untyped-def]
             idle = 0
             continue
         idle += 1
-        if idle >= poll_iters:
+        if idle >= poll_iters or load_acquire(ctrl, REST * CELL):
             swap(ctrl, (PARKED + w) * CELL, 1)  # then look once more: a run posted meanwhile
             if load_acquire(ctrl, GEN * CELL) != seen:  # is taken before sleeping
                 swap(ctrl, (PARKED + w) * CELL, 0)
@@ -146,13 +150,14 @@ def crew_work(ctrl, w, seen, poll_iters):  # type: ignore[no-untyped-def]
 
 
 # ----------------------------------------------------------------------------- job kinds
-# Each takes the address of its table row: [cfunc address, arguments...].
+# Each takes the address of its table row: [cfunc address, arguments...]. They are compiled
+# (or loaded from numba's cache) at the first :func:`job_kinds` call, not at import: a first
+# run says it is compiling kernels before it does (``runtime.kernels.cache``).
 
 _SIG = types.void(types.int64)
 
 
-@cfunc(_SIG, cache=True)
-def job_i4_apply(row):  # type: ignore[no-untyped-def]
+def _job_i4_apply(row):  # type: ignore[no-untyped-def]
     """Rows of an int4 matmul from activations already prepared (``_i4_apply``): [fn, y, y
     size, ys, T, packed, packed size, scales, scales size, walk (7), out]; ``out`` [T, O] of
     the walk's O."""
@@ -165,8 +170,7 @@ def job_i4_apply(row):  # type: ignore[no-untyped-def]
     _i4_apply(y, a[3], packed, scales, walk, out, a[17])
 
 
-@cfunc(_SIG, cache=True)
-def job_i8_rows(row):  # type: ignore[no-untyped-def]
+def _job_i8_rows(row):  # type: ignore[no-untyped-def]
     """Rows of an int8 matmul (16 lanes) from padded activations: [fn, xp, T, Ip, w, O, I,
     scales, out, pf]; ``xp`` flat [T * Ip], ``out`` [T, O]."""
     a = carray(i64_at(row), WIDTH)
@@ -181,8 +185,7 @@ def job_i8_rows(row):  # type: ignore[no-untyped-def]
         _i8_matmul16_tiles(w, scales, n_out, n_in, xp, ip, out, a[9])
 
 
-@cfunc(_SIG, cache=True)
-def job_i4_swiglu_part(row):  # type: ignore[no-untyped-def]
+def _job_i4_swiglu_part(row):  # type: ignore[no-untyped-def]
     """``i4_swiglu_part``: [fn, xe, n, D, gate packed, size, gate scales, size, gate walk (7),
     up packed, size, up scales, size, up walk (7), a, b, h, F, pf]; ``h`` [n, F]."""
     a = carray(i64_at(row), WIDTH)
@@ -198,8 +201,7 @@ def job_i4_swiglu_part(row):  # type: ignore[no-untyped-def]
     i4_swiglu_part(xe, gp, gsc, gw, upk, usc, uw, a[26], a[27], h, a[30])
 
 
-@cfunc(_SIG, cache=True)
-def job_i4_down_part(row):  # type: ignore[no-untyped-def]
+def _job_i4_down_part(row):  # type: ignore[no-untyped-def]
     """``i4_down_part``: [fn, h, n, F, packed, size, scales, size, walk (7), c, d, g, out, D,
     pf]; ``h`` [n, F], ``g`` [n], ``out`` [n, D]."""
     a = carray(i64_at(row), WIDTH)
@@ -225,6 +227,25 @@ def combine_sorted(out, tok, n_tok):  # type: ignore[no-untyped-def]
         for c in range(n_d):
             y[t, c] += out[r, c]
     return y
+
+
+class JobKinds(NamedTuple):
+    """The job kinds' ``cfunc`` addresses (``owners`` keeps their compiled code alive)."""
+
+    i4_apply: int
+    i8_rows: int
+    i4_swiglu_part: int
+    i4_down_part: int
+    owners: tuple[Any, ...]
+
+
+@functools.cache
+def job_kinds() -> JobKinds:
+    """Every job kind compiled once per process (see above)."""
+    fns = (_job_i4_apply, _job_i8_rows, _job_i4_swiglu_part, _job_i4_down_part)
+    owners: tuple[Any, ...] = tuple(cfunc(_SIG, cache=True)(fn) for fn in fns)
+    at = [int(c.address) for c in owners]
+    return JobKinds(at[0], at[1], at[2], at[3], owners)
 
 
 #: Every compiled kernel (tests check they were built with ``nogil=True``).

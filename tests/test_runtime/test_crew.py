@@ -4,7 +4,10 @@ workers really take jobs."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,10 +24,24 @@ from storage.container import Container
 from storage.quant import quantize
 
 DEMO = demo_model()
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_crew_kernels_release_the_gil() -> None:
     assert all(k.targetoptions.get("nogil") is True for k in crew_kernels.KERNELS)
+
+
+def test_importing_the_compute_compiles_no_job() -> None:
+    """The jobs' cfuncs compile when a crew starts, not at import (a first run says that it
+    is compiling kernels before it does)."""
+    code = (
+        "import runtime.compute, runtime.kernels.crew as c; "
+        "print(c.job_kinds.cache_info().currsize)"
+    )
+    got = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    assert got.stdout.strip() == "0"
 
 
 @pytest.mark.parametrize("fmt", ["int4-g64", "int4-g32", "int4-row", "int8", "bf16"])
@@ -46,8 +63,9 @@ def test_a_crew_matmul_is_the_one_call_bit_for_bit(fmt: str, lanes: int) -> None
 
 
 def test_crew_mlps_and_moe_steps_are_the_serial_bits() -> None:
-    """Decode token by token and a prompt chunk of the demo model (resident int4 experts)
-    with every MoE step, MLP and matmul on the crew: the logits of one thread, bit for bit."""
+    """A prompt chunk, then decode token by token, of the demo model (resident int4 experts)
+    with every MLP and matmul, and the decode MoE steps, on the crew: the logits of one
+    thread, bit for bit."""
     c = Container.open(DEMO)
     m = load_model(c)
     ids = np.random.default_rng(2).integers(3, 999, size=20).astype(np.int64)
@@ -60,13 +78,18 @@ def test_crew_mlps_and_moe_steps_are_the_serial_bits() -> None:
         want = m.forward(ids[:12], ref_cache, ctx=serial).logits
         got = m.forward(ids[:12], cache, ctx=ctx).logits
         assert np.array_equal(got, want)
+        # a prompt chunk's many experts run on the pool (whole experts); decode on the crew
+        pool_experts = comp.split_experts
+        steps = comp.parallel_steps
+        assert comp._crew is not None
+        runs = comp._crew.runs
         for t in range(12, ids.size):
             want = m.forward(ids[t : t + 1], ref_cache, ctx=serial).logits
             got = m.forward(ids[t : t + 1], cache, ctx=ctx).logits
             assert np.array_equal(got, want), t
-        assert comp._crew is not None and comp._crew.runs > 0
-        assert comp.parallel_steps > 0  # MoE steps ran on the crew
-        assert comp.split_experts == 0  # ... not on the pool
+        assert comp._crew.runs > runs
+        assert comp.parallel_steps > steps  # MoE steps ran on the crew
+        assert comp.split_experts == pool_experts  # ... not on the pool
     finally:
         comp.close()
 
@@ -143,3 +166,29 @@ def test_the_workers_take_jobs() -> None:
 def test_a_crew_needs_one_worker_or_more() -> None:
     with pytest.raises(ValueError, match="workers"):
         Crew(0, 10)
+
+
+def test_rest_sends_a_polling_worker_to_sleep_and_a_run_wakes_it() -> None:
+    """A pool submission rests the crew (its polling worker would hold the CPU the pool's
+    Python job needs); the next run wakes it and computes the same."""
+    comp = ExpertCompute(2)
+    crew = comp._crew
+    assert crew is not None
+    crew._poll_iters = 1 << 40  # would poll for hours
+    try:
+        table, out, _keep, want = _table(3)
+        crew.run(table)
+        assert comp._pool is not None
+        comp._pool.submit(lambda: None).result()  # rests the crew
+        deadline = time.monotonic() + 10
+        while not crew._ctrl[PARKED * CELL] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert crew._ctrl[PARKED * CELL] == 1
+        out[:] = np.nan
+        crew.run(table)
+        assert np.array_equal(out, want)
+        while crew.posted == crew.jobs and time.monotonic() < deadline:
+            crew.run(table)  # woken: it takes jobs again
+        assert crew.posted < crew.jobs
+    finally:
+        comp.close()
