@@ -157,8 +157,11 @@ class ExpertCompute:
         else:
             self._crew_kept = weakref.WeakKeyDictionary()
             self.threads = threads
-            self._poll_iters = int(POLL_US * iterations_per_us()) if threads > 1 else 0
-            self._crew = Crew(threads - 1, self._poll_iters) if threads > 1 and crew else None
+            per_us = iterations_per_us() if threads > 1 else 0.0
+            self._poll_iters = int(POLL_US * per_us)
+            self._crew = (
+                Crew(threads - 1, self._poll_iters, per_us) if threads > 1 and crew else None
+            )
             self._pool = (
                 _Pool(threads, self._crew.rest if self._crew is not None else None)
                 if threads > 1
@@ -491,11 +494,13 @@ class ExpertCompute:
     # ------------------------------------------------------------------ the job crew
     def _crew_for(self, n_rows: int, macs: int) -> Crew | None:
         """The crew when a matmul of ``macs`` multiply-adds on ``n_rows`` rows runs on it:
-        exact kernels, not on a pool worker, enough work, not the BLAS path's rows."""
+        exact kernels, not on a pool worker, enough work, not the BLAS path's rows, and the
+        crew not standing aside (its workers kept off their CPUs, :meth:`Crew.usable`)."""
         crew = self._crew
         if (
             crew is None
             or macs < self.crew_min_macs
+            or not crew.usable()
             or (self.fast_min_rows and n_rows >= self.fast_min_rows)
             or self._on_worker()
         ):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,6 +40,7 @@ from runtime.kernels.crew import (
     PARKED,
     REST,
     STOP,
+    WAITED,
     WIDTH,
     crew_run,
     crew_work,
@@ -66,6 +68,11 @@ I64Array = npt.NDArray[np.int64]
 #: below ~1M multiply-adds a one-token matmul takes less than ~50 us and splitting gains little).
 CREW_MIN_MACS = 1 << 20
 _PREFIX = "colibri-crew"
+#: Runs per judgement of the crew, the mean wait (us) at a run's end that means its workers
+#: are kept off their CPUs, and the first and longest time it then stands aside (seconds).
+WINDOW = 32
+CONTENDED_WAIT_US = 40.0
+BACKOFF_S = (1.0, 8.0)
 
 
 def addr(a: npt.NDArray[Any]) -> int:
@@ -230,10 +237,19 @@ class Crew:
     called from any thread; a run posted while another is in progress runs on the calling
     thread alone (the same results)."""
 
-    def __init__(self, workers: int, poll_iters: int) -> None:
+    def __init__(self, workers: int, poll_iters: int, iters_per_us: float = 1000.0) -> None:
+        """``poll_iters``: how many polls a worker makes for the next run before it sleeps;
+        ``iters_per_us``: polls per microsecond on this CPU (how the posting thread's waits
+        are judged, see :meth:`usable`)."""
         if not 1 <= workers <= JOBS:
             raise ValueError(f"a crew has 1..{JOBS} workers, got {workers}")
         self.workers = workers
+        self._iters_per_us = max(float(iters_per_us), 1e-3)
+        self._window = [0, 0]  # runs and polls waited since the last judgement
+        self._slow = 0  # judgements in a row that found long waits
+        self._backoff_s = BACKOFF_S[0]
+        self._idle_until = 0.0  # monotonic time before which the crew stands aside
+        self.contended = 0  # judgements that found the workers kept off their CPUs
         job_kinds()  # compiled (or loaded) now, not at the first matmul of a step
         self._poll_iters = max(1, int(poll_iters))
         self._ctrl: I64Array = zeros64((STOP + JOBS) * CELL, np.int64)
@@ -243,6 +259,7 @@ class Crew:
         self.runs = 0  # runs posted to the workers
         self.jobs = 0  # jobs in them
         self.posted = 0  # ... of them run by the posting thread
+        self.waited = 0  # polls the posting thread made waiting for the workers' jobs
         self.alone = 0  # runs taken on the calling thread alone (another run was in progress)
         self._threads = [
             threading.Thread(target=self._work, args=(w,), name=f"{_PREFIX}-{w}", daemon=True)
@@ -276,14 +293,52 @@ class Crew:
         try:
             ctrl = self._ctrl
             ctrl[REST * CELL] = 0
+            woken = False
             for w in range(self.workers):
                 if ctrl[(PARKED + w) * CELL]:
                     self._wake[w].set()
+                    woken = True
             self.posted += int(crew_run(ctrl, table, n))
+            waited = int(ctrl[WAITED * CELL])
+            self.waited += waited
             self.runs += 1
             self.jobs += n
+            if not woken:  # a woken worker starts late: that wait says nothing of contention
+                self._note(waited)
         finally:
             self._busy.release()
+
+    def _note(self, waited: int) -> None:
+        """Judge the crew every :data:`WINDOW` runs by how long the posting thread waited at
+        their ends: a few microseconds when the workers have their CPUs, 70-170 us a run when
+        another process keeps them off (a worker descheduled in the middle of a job), which
+        made a decode step 1.37x slower than the thread pool's (2-vCPU guest, one busy
+        process beside). After two such windows in a row the crew stands aside
+        (:meth:`usable`) for a while, doubling
+        up to ``BACKOFF_S[1]`` while it stays so, and its workers sleep."""
+        self._window[0] += 1
+        self._window[1] += waited
+        if self._window[0] < WINDOW:
+            return
+        mean_us = self._window[1] / self._window[0] / self._iters_per_us
+        self._window = [0, 0]
+        if mean_us <= CONTENDED_WAIT_US:
+            self._backoff_s = BACKOFF_S[0]
+            self._slow = 0
+            return
+        self._slow += 1
+        if self._slow < 2:  # one slow window may be first touches of the weights' pages
+            return
+        self._slow = 0
+        self.contended += 1
+        self._idle_until = time.monotonic() + self._backoff_s
+        self._backoff_s = min(2 * self._backoff_s, BACKOFF_S[1])
+        self.rest()
+
+    def usable(self) -> bool:
+        """False while the crew stands aside (see :meth:`_note`): callers then use the thread
+        pool, whose sleeping workers cost nothing while they cannot run."""
+        return time.monotonic() >= self._idle_until
 
     def rest(self) -> None:
         """Send polling workers to sleep now (the next :meth:`run` wakes them): other threads

@@ -64,6 +64,7 @@ __all__ = [
     "PARKED",
     "REST",
     "STOP",
+    "WAITED",
     "WIDTH",
     "JobKinds",
     "combine_sorted",
@@ -75,8 +76,8 @@ __all__ = [
 #: int64 cells per control slot (one 64-byte cache line each, so that polling one does not
 #: contend with writes to another)
 CELL = 8
-GEN, TABLE, NJOBS, NEXT, DONE, ROWW, REST = 0, 1, 2, 3, 4, 5, 6  # slots; worker w: PARKED + w,
-# STOP + w
+# slots; worker w: PARKED + w, STOP + w
+GEN, TABLE, NJOBS, NEXT, DONE, ROWW, REST, WAITED = 0, 1, 2, 3, 4, 5, 6, 7
 PARKED = 8
 STOP = 40
 JOBS = 32  # most workers a control array has room for
@@ -108,8 +109,9 @@ def _drain(ctrl, g):  # type: ignore[no-untyped-def]
 @njit(nogil=True, cache=True)
 def crew_run(ctrl, table, n):  # type: ignore[no-untyped-def]
     """Post the first ``n`` rows of ``table`` as a run, take jobs with the workers until none
-    is left, and wait until every job has finished; how many of them this thread ran.
-    Called by one thread at a time."""
+    is left, and wait until every job has finished; how many of them this thread ran (and,
+    in the ``WAITED`` cell, how many polls it made waiting for the others). Called by one
+    thread at a time."""
     g = load_acquire(ctrl, GEN * CELL) + 1
     store_release(ctrl, NEXT * CELL, (g & _GEN_MASK) << 32)
     store_release(ctrl, DONE * CELL, 0)
@@ -118,8 +120,10 @@ def crew_run(ctrl, table, n):  # type: ignore[no-untyped-def]
     store_release(ctrl, TABLE * CELL, table.ctypes.data)
     swap(ctrl, GEN * CELL, g)  # a full barrier: the run's cells are visible before it starts
     ran = _drain(ctrl, g)
+    waited = 0
     while load_acquire(ctrl, DONE * CELL) < n:
-        pass
+        waited += 1
+    ctrl[WAITED * CELL] = waited
     return ran
 
 

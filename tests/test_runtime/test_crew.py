@@ -192,3 +192,51 @@ def test_rest_sends_a_polling_worker_to_sleep_and_a_run_wakes_it() -> None:
         assert crew.posted < crew.jobs
     finally:
         comp.close()
+
+
+def test_a_crew_kept_off_its_cpus_stands_aside_then_tries_again() -> None:
+    """Long waits at the ends of runs (another process keeps the workers off their CPUs) in
+    two windows in a row make the crew stand aside, with its workers asleep; one slow window
+    (first touches of pages) does not; after the pause it is used again."""
+    from runtime.crew import WINDOW
+
+    crew = Crew(1, poll_iters=1 << 40, iters_per_us=1.0)  # one poll a microsecond
+    try:
+        for _ in range(WINDOW):
+            crew._note(1000)  # one slow window: 1 ms a run
+        for _ in range(WINDOW):
+            crew._note(3)
+        assert crew.usable() and crew.contended == 0
+        crew._backoff_s = 0.2
+        for _ in range(2 * WINDOW):
+            crew._note(500)
+        assert not crew.usable() and crew.contended == 1
+        assert crew._backoff_s == pytest.approx(0.4)  # doubled for the next time
+        deadline = time.monotonic() + 10
+        while not crew._ctrl[PARKED * CELL] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert crew._ctrl[PARKED * CELL] == 1  # its worker sleeps meanwhile
+        time.sleep(0.25)
+        assert crew.usable()
+        for _ in range(WINDOW):
+            crew._note(2)
+        assert crew._backoff_s == pytest.approx(1.0)  # a quiet window: back to the start
+    finally:
+        crew.close()
+
+
+def test_a_compute_uses_the_pool_while_its_crew_stands_aside() -> None:
+    rng = np.random.default_rng(9)
+    lin = Linear(quantize(rng.standard_normal((256, 128)).astype(np.float32), "int4-g64"))
+    x = rng.standard_normal((1, 128)).astype(np.float32)
+    comp = ExpertCompute(2, parallel_min_macs=0)
+    comp.crew_min_macs = 0
+    comp.split_min_macs = 0
+    try:
+        crew = comp._crew
+        assert crew is not None
+        crew._idle_until = time.monotonic() + 60
+        assert np.array_equal(comp.linear(lin, x), lin(x))
+        assert crew.runs == 0 and comp.split_calls == 1  # split on the pool instead
+    finally:
+        comp.close()
