@@ -817,6 +817,8 @@ class Engine:
             split_experts=comp.split_experts + (0 if pre is comp else pre.split_experts),
             early_experts=comp.early_experts + (0 if pre is comp else pre.early_experts),
             layer_calls=comp.layer_calls + (0 if pre is comp else pre.layer_calls),
+            crew_runs=comp.crew_runs,  # one crew, shared by the prefill compute
+            crew_stood_aside=comp.crew_stood_aside,
         )
         store = self._store
         if store is None:

@@ -33,6 +33,8 @@ class ComputeStats:
     split_experts: int = 0  # routed experts computed in parts by every thread (uneven steps)
     early_experts: int = 0  # ... of them, streamed, begun before their down projection landed
     layer_calls: int = 0  # small resident MoE steps whose routed experts ran as one kernel call
+    crew_runs: int = 0  # tables of kernel jobs run on the job crew (runtime/crew.py)
+    crew_stood_aside: int = 0  # times the crew left its work to the pool (CPUs taken by others)
 
 
 @dataclass(frozen=True, slots=True)

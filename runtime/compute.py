@@ -633,12 +633,12 @@ class ExpertCompute:
         flat = np.ascontiguousarray(ids).reshape(-1)  # [T * K]
         order = np.argsort(flat, kind="stable")  # by expert, then by row
         es, counts = np.unique(flat, return_counts=True)  # ascending, as ``order``
-        ws = source.get(layer, es.tolist())
         # many experts (a prefill chunk): the pool's whole-expert jobs (each gathers its own
         # rows on its thread) were 3-5% faster than two runs of ranges here, whose gather and
         # sum run on this thread alone
         if es.size + (shared is not None) >= 4 * self.threads:
             return None
+        ws = source.get(layer, es.tolist())
         jobs = [_mlp_jobs(ws[e], self.threads, self._kept(ws[e].gate)) for e in es.tolist()]
         if shared is not None:
             jobs.append(_mlp_jobs(shared, self.threads, self._kept(shared.gate)))
@@ -770,6 +770,16 @@ class ExpertCompute:
             assert side is None or side_job  # every source calls ``started`` once
             return out, extra
 
+    @property
+    def crew_runs(self) -> int:
+        """Tables of jobs run on the job crew (0 without one)."""
+        return self._crew.runs if self._crew is not None else 0
+
+    @property
+    def crew_stood_aside(self) -> int:
+        """Times the crew stood aside for its workers' CPUs being taken (:meth:`Crew.usable`)."""
+        return self._crew.contended if self._crew is not None else 0
+
     def as_dict(self) -> dict[str, int | str]:
         return {
             "threads": self.threads,
@@ -780,7 +790,8 @@ class ExpertCompute:
             "split_experts": self.split_experts,
             "early_experts": self.early_experts,
             "layer_calls": self.layer_calls,
-            "crew_runs": self._crew.runs if self._crew is not None else 0,
+            "crew_runs": self.crew_runs,
+            "crew_stood_aside": self.crew_stood_aside,
             "kernels": self.kernels,
         }
 

@@ -1,9 +1,10 @@
 """The job crew: worker threads that take kernel calls from the compute thread without the GIL.
 
 :class:`Crew` starts ``workers`` threads that each run :func:`runtime.kernels.crew.crew_work`
-(a ``nogil`` loop) and :class:`Jobs` fills a table of kernel calls (:mod:`runtime.kernels.crew`
-says what a job is). :meth:`Crew.run` posts a table and takes jobs from it on the calling thread
-too, returning once every job has finished. Between runs a worker polls for the next one for
+(a ``nogil`` loop); the ``*_template`` functions make a weight's jobs once, a table of kernel
+calls whose callers fill in their arrays' addresses (:mod:`runtime.kernels.crew` says what a
+job is). :meth:`Crew.run` posts a table and takes jobs from it on the calling thread too,
+returning once every job has finished. Between runs a worker polls for the next one for
 ``poll_iters`` atomic loads (about as long as :data:`runtime.compute.POLL_US`), then sleeps on
 an event; the next run wakes it but does not wait for it (the posting thread takes every job
 nobody else took), so a machine busy with other work never makes a run wait for a worker that
@@ -109,11 +110,11 @@ def _table(rows: Sequence[Sequence[int]]) -> I64Array:
 
 # Templates: a weight's jobs with every field that does not change between calls filled in
 # (made once per weight); a call copies them and fills in the addresses of its activations and
-# outputs with a few column stores (:class:`Jobs`), ~1 us a job where filling each row took 10.
+# outputs with a few column stores, ~1 us a job where filling each row from Python took 10.
 
 
 def i4_rows_template(w: Int4Weight, edges: Sequence[int]) -> I64Array:
-    """Jobs of ``job_i4_apply`` for the row ranges ``edges`` of int4 ``w`` [P, WIDTH]; per call
+    """Jobs of ``_job_i4_apply`` for the row ranges ``edges`` of int4 ``w`` [P, WIDTH]; per call
     columns 1 (activations), 2 (their size), 3 (their stride), 4 (T) and 16 (output)."""
     walk = w.walk
     nb, s_row = walk[2], walk[4]
@@ -141,7 +142,7 @@ def i4_rows_template(w: Int4Weight, edges: Sequence[int]) -> I64Array:
 
 
 def i8_rows_template(w: Int8Rows, edges: Sequence[int]) -> I64Array:
-    """Jobs of ``job_i8_rows`` for the row ranges ``edges`` of int8 ``w`` [P, WIDTH]; per call
+    """Jobs of ``_job_i8_rows`` for the row ranges ``edges`` of int8 ``w`` [P, WIDTH]; per call
     columns 1 (padded activations), 2 (T), 3 (their row stride) and 8 (output)."""
     rows = []
     for a, b in itertools.pairwise(edges):
@@ -167,8 +168,8 @@ def mlp_templates(
     f: tuple[Int4Weight, Int4Weight, Int4Weight], parts: int
 ) -> tuple[I64Array, I64Array]:
     """An int4 SwiGLU MLP's jobs in ``parts`` ranges: the activation features
-    (``job_i4_swiglu_part``; per call columns 1 (rows), 2 (n), 28 (h)) and the output
-    features (``job_i4_down_part``; per call columns 1 (h), 2 (n), 17 (gate weights), 18
+    (``_job_i4_swiglu_part``; per call columns 1 (rows), 2 (n), 28 (h)) and the output
+    features (``_job_i4_down_part``; per call columns 1 (h), 2 (n), 17 (gate weights), 18
     (output))."""
     gate, up, down = f
     n_f, n_d = gate.walk[0], down.walk[0]

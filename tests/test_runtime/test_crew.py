@@ -240,3 +240,14 @@ def test_a_compute_uses_the_pool_while_its_crew_stands_aside() -> None:
         assert crew.runs == 0 and comp.split_calls == 1  # split on the pool instead
     finally:
         comp.close()
+
+
+def test_engine_stats_count_crew_runs(tmp_path: Path) -> None:
+    import colibri
+
+    with colibri.open_model(DEMO, state_dir=tmp_path, draft="off", threads=2) as m:
+        comp = m.engine._scheduler.ctx.compute
+        comp.crew_min_macs = 0  # the demo model's matmuls are below the default
+        m.generate([5, 6, 7], max_new_tokens=3)
+        got = m.stats()["compute"]
+        assert got["crew_runs"] > 0 and got["crew_stood_aside"] == 0
