@@ -72,6 +72,8 @@ def test_crew_mlps_and_moe_steps_are_the_serial_bits() -> None:
     serial = StepContext()
     comp = ExpertCompute(2, parallel_min_macs=0)
     comp.crew_min_macs = 0
+    assert comp._crew is not None
+    comp._crew._iters_per_us = float("inf")  # never judged busy: every step must take the crew
     try:
         ctx = StepContext(comp)
         ref_cache, cache = m.new_cache(), m.new_cache()
@@ -250,4 +252,6 @@ def test_engine_stats_count_crew_runs(tmp_path: Path) -> None:
         comp.crew_min_macs = 0  # the demo model's matmuls are below the default
         m.generate([5, 6, 7], max_new_tokens=3)
         got = m.stats()["compute"]
-        assert got["crew_runs"] > 0 and got["crew_stood_aside"] == 0
+        assert got["crew_runs"] > 0
+        assert comp._crew is not None
+        assert got["crew_stood_aside"] == comp._crew.contended  # 0 unless the machine is busy
