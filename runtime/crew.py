@@ -47,14 +47,14 @@ from runtime.kernels.crew import (
     crew_work,
     job_kinds,
 )
-from runtime.kernels.quant_matmul import DEFAULT_PREFETCH, Int4Weight
+from runtime.kernels.quant_matmul import DEFAULT_PREFETCH, Int4Weight, edges16
 
 __all__ = [
     "CREW_MIN_MACS",
     "Crew",
     "Int8Rows",
     "addr",
-    "edges16",
+    "i4_fields",
     "i4_prepared",
     "i4_rows_template",
     "i8_prepared",
@@ -80,18 +80,6 @@ def addr(a: npt.NDArray[Any]) -> int:
     return int(a.__array_interface__["data"][0])
 
 
-def edges16(n: int, parts: int) -> list[int]:
-    """``[0, ..., n]``: ``parts`` near-equal ranges of ``n`` whose inner edges are multiples of
-    16 (empty ranges dropped)."""
-    edges = [0]
-    for i in range(1, max(1, parts)):
-        cut = round(n * i / parts / 16) * 16
-        if edges[-1] < cut < n:
-            edges.append(cut)
-    edges.append(n)
-    return edges
-
-
 class Int8Rows:
     """An int8 weight (16-lane kernels) as the crew takes it: bytes [O * I], scales [O]."""
 
@@ -113,6 +101,12 @@ def _table(rows: Sequence[Sequence[int]]) -> I64Array:
 # outputs with a few column stores, ~1 us a job where filling each row from Python took 10.
 
 
+def i4_fields(packed: npt.NDArray[np.uint8], scales: F32Array, walk: Sequence[int]) -> list[int]:
+    """An int4 weight as the 11 fields a job row holds (``_i4_at`` reads them back): packed
+    address, size, scales address, size, walk (7)."""
+    return [addr(packed), packed.size, addr(scales), scales.size, *walk]
+
+
 def i4_rows_template(w: Int4Weight, edges: Sequence[int]) -> I64Array:
     """Jobs of ``_job_i4_apply`` for the row ranges ``edges`` of int4 ``w`` [P, WIDTH]; per call
     columns 1 (activations), 2 (their size), 3 (their stride), 4 (T) and 16 (output)."""
@@ -121,23 +115,8 @@ def i4_rows_template(w: Int4Weight, edges: Sequence[int]) -> I64Array:
     rows = []
     for a, b in itertools.pairwise(edges):
         p, s = w.packed[a * nb : b * nb], w.scales[a * s_row : b * s_row]
-        rows.append(
-            (
-                job_kinds().i4_apply,
-                0,
-                0,
-                0,
-                0,
-                addr(p),
-                p.size,
-                addr(s),
-                s.size,
-                b - a,
-                *walk[1:],
-                0,
-                DEFAULT_PREFETCH,
-            )
-        )
+        fields = i4_fields(p, s, (b - a, *walk[1:]))
+        rows.append([job_kinds().i4_apply, 0, 0, 0, 0, *fields, 0, DEFAULT_PREFETCH])
     return _table(rows)
 
 
@@ -173,48 +152,14 @@ def mlp_templates(
     (output))."""
     gate, up, down = f
     n_f, n_d = gate.walk[0], down.walk[0]
+    gate_up = i4_fields(*gate) + i4_fields(*up)
     first = [
-        (
-            job_kinds().i4_swiglu_part,
-            0,
-            0,
-            gate.walk[1],
-            addr(gate.packed),
-            gate.packed.size,
-            addr(gate.scales),
-            gate.scales.size,
-            *gate.walk,
-            addr(up.packed),
-            up.packed.size,
-            addr(up.scales),
-            up.scales.size,
-            *up.walk,
-            a,
-            b,
-            0,
-            n_f,
-            DEFAULT_PREFETCH,
-        )
+        [job_kinds().i4_swiglu_part, 0, 0, gate.walk[1], *gate_up, a, b, 0, n_f, DEFAULT_PREFETCH]
         for a, b in itertools.pairwise(edges16(n_f, parts))
     ]
+    down_fields = i4_fields(*down)
     second = [
-        (
-            job_kinds().i4_down_part,
-            0,
-            0,
-            n_f,
-            addr(down.packed),
-            down.packed.size,
-            addr(down.scales),
-            down.scales.size,
-            *down.walk,
-            c,
-            d,
-            0,
-            0,
-            n_d,
-            DEFAULT_PREFETCH,
-        )
+        [job_kinds().i4_down_part, 0, 0, n_f, *down_fields, c, d, 0, 0, n_d, DEFAULT_PREFETCH]
         for c, d in itertools.pairwise(edges16(n_d, parts))
     ]
     return _table(first), _table(second)

@@ -161,16 +161,23 @@ def crew_work(ctrl, w, seen, poll_iters):  # type: ignore[no-untyped-def]
 _SIG = types.void(types.int64)
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _i4_at(a, k):  # type: ignore[no-untyped-def]
+    """The int4 weight whose 11 fields start at ``a[k]`` (packed address, size, scales
+    address, size, walk (7); ``runtime.crew.i4_fields``): (packed, scales, walk)."""
+    packed = carray(u8_at(a[k]), a[k + 1])
+    scales = carray(f32_at(a[k + 2]), a[k + 3])
+    w = k + 4
+    return packed, scales, (a[w], a[w + 1], a[w + 2], a[w + 3], a[w + 4], a[w + 5], a[w + 6])
+
+
 def _job_i4_apply(row):  # type: ignore[no-untyped-def]
     """Rows of an int4 matmul from activations already prepared (``_i4_apply``): [fn, y, y
-    size, ys, T, packed, packed size, scales, scales size, walk (7), out]; ``out`` [T, O] of
-    the walk's O."""
+    size, ys, T, weight (11 fields), out, pf]; ``out`` [T, O] of the weight's O."""
     a = carray(i64_at(row), WIDTH)
-    walk = (a[9], a[10], a[11], a[12], a[13], a[14], a[15])
+    packed, scales, walk = _i4_at(a, 5)
     y = carray(f32_at(a[1]), a[2])
-    packed = carray(u8_at(a[5]), a[6])
-    scales = carray(f32_at(a[7]), a[8])
-    out = carray(f32_at(a[16]), (a[4], a[9]))
+    out = carray(f32_at(a[16]), (a[4], walk[0]))
     _i4_apply(y, a[3], packed, scales, walk, out, a[17])
 
 
@@ -190,30 +197,24 @@ def _job_i8_rows(row):  # type: ignore[no-untyped-def]
 
 
 def _job_i4_swiglu_part(row):  # type: ignore[no-untyped-def]
-    """``i4_swiglu_part``: [fn, xe, n, D, gate packed, size, gate scales, size, gate walk (7),
-    up packed, size, up scales, size, up walk (7), a, b, h, F, pf]; ``h`` [n, F]."""
+    """``i4_swiglu_part``: [fn, xe, n, D, gate (11 fields), up (11 fields), a, b, h, F, pf];
+    ``h`` [n, F]."""
     a = carray(i64_at(row), WIDTH)
     n, d = a[2], a[3]
     xe = carray(f32_at(a[1]), (n, d))
-    gp = carray(u8_at(a[4]), a[5])
-    gsc = carray(f32_at(a[6]), a[7])
-    gw = (a[8], a[9], a[10], a[11], a[12], a[13], a[14])
-    upk = carray(u8_at(a[15]), a[16])
-    usc = carray(f32_at(a[17]), a[18])
-    uw = (a[19], a[20], a[21], a[22], a[23], a[24], a[25])
+    gp, gsc, gw = _i4_at(a, 4)
+    upk, usc, uw = _i4_at(a, 15)
     h = carray(f32_at(a[28]), (n, a[29]))
     i4_swiglu_part(xe, gp, gsc, gw, upk, usc, uw, a[26], a[27], h, a[30])
 
 
 def _job_i4_down_part(row):  # type: ignore[no-untyped-def]
-    """``i4_down_part``: [fn, h, n, F, packed, size, scales, size, walk (7), c, d, g, out, D,
-    pf]; ``h`` [n, F], ``g`` [n], ``out`` [n, D]."""
+    """``i4_down_part``: [fn, h, n, F, down (11 fields), c, d, g, out, D, pf]; ``h`` [n, F],
+    ``g`` [n], ``out`` [n, D]."""
     a = carray(i64_at(row), WIDTH)
     n, f = a[2], a[3]
     h = carray(f32_at(a[1]), (n, f))
-    dp = carray(u8_at(a[4]), a[5])
-    dsc = carray(f32_at(a[6]), a[7])
-    dw = (a[8], a[9], a[10], a[11], a[12], a[13], a[14])
+    dp, dsc, dw = _i4_at(a, 4)
     g = carray(f32_at(a[17]), n)
     out = carray(f32_at(a[18]), (n, a[19]))
     i4_down_part(h, dp, dsc, dw, a[15], a[16], g, out, a[20])

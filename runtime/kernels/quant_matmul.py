@@ -52,6 +52,7 @@ __all__ = [
     "Q8Input",
     "Q8Weight",
     "SplitExpert",
+    "edges16",
     "matmul_bf16",
     "matmul_f16",
     "matmul_f32",
@@ -455,8 +456,8 @@ class SplitExpert:
         self._g, self._xe = g, xe
         self._w = (gate, up, down)
         n_f, n_d = gate.walk[0], down.walk[0]
-        self.f_edges = _edges16(n_f, parts)  # feature ranges of h
-        self.d_edges = _edges16(n_d, parts)  # output feature ranges
+        self.f_edges = edges16(n_f, parts)  # feature ranges of h
+        self.d_edges = edges16(n_d, parts)  # output feature ranges
         self.h = np.empty((rows.shape[0], n_f), np.float32)  # [n, F]
         self.out = np.empty((rows.shape[0], n_d), np.float32)  # [n, D]
 
@@ -476,7 +477,7 @@ class SplitExpert:
         return self.rows, self.out
 
 
-def _edges16(n: int, parts: int) -> list[int]:
+def edges16(n: int, parts: int) -> list[int]:
     """``[0, ..., n]``: ``parts`` near-equal ranges of ``n`` whose inner edges are multiples of
     16 (empty ranges dropped)."""
     edges = [0]

@@ -15,9 +15,10 @@ from _demo import demo_model
 
 from runtime.compute import ExpertCompute
 from runtime.context import StepContext
-from runtime.crew import Crew, edges16, i4_prepared, i4_rows_template
+from runtime.crew import Crew, i4_prepared, i4_rows_template
 from runtime.kernels import crew as crew_kernels
 from runtime.kernels.crew import CELL, PARKED, combine_sorted
+from runtime.kernels.quant_matmul import edges16
 from runtime.linear import Linear
 from runtime.models import load_model
 from storage.container import Container
