@@ -50,7 +50,7 @@ from runtime.crew import (
     i8_rows_template,
     mlp_templates,
 )
-from runtime.kernels.crew import combine_sorted
+from runtime.kernels.crew import WIDTH, crew_moe
 from runtime.kernels.dequant import dequantize
 from runtime.kernels.quant_matmul import (
     Int4Weight,
@@ -94,6 +94,21 @@ class _MLPJobs(NamedTuple):
     first: npt.NDArray[np.int64]  # activation feature ranges
     second: npt.NDArray[np.int64]  # output feature ranges
     n_f: int  # intermediate features
+
+
+class _Stacked(NamedTuple):
+    """A layer's routed experts' crew job templates stacked by expert id (``crew_moe``)."""
+
+    first: npt.NDArray[np.int64]  # [E, P, WIDTH]
+    second: npt.NDArray[np.int64]  # [E, P', WIDTH]
+    n_f: npt.NDArray[np.int64]  # [E]
+
+
+#: "no shared expert" as ``crew_moe`` takes it
+_NO_MLP = _MLPJobs(np.zeros((0, WIDTH), np.int64), np.zeros((0, WIDTH), np.int64), 0)
+#: "no routed expert" as ``crew_moe`` takes it: templates [0, 0, WIDTH], sizes [0]
+_NO_EXPERTS = np.zeros((0, 0, WIDTH), np.int64)
+_NO_NF = np.zeros(0, np.int64)
 
 
 class _Pool(ThreadPoolExecutor):
@@ -148,14 +163,18 @@ class ExpertCompute:
         # per weight, its crew job templates (made at its first crew call; not in the weight,
         # whose resident size they would change)
         self._crew_kept: weakref.WeakKeyDictionary[Linear, dict[Any, Any]]
+        # per resident expert source, its layers' stacked templates (:meth:`_crew_layer`)
+        self._crew_layers: weakref.WeakKeyDictionary[ResidentExperts, dict[Any, Any]]
         if share is not None:
             self.threads = share.threads
             self._pool = share._pool
             self._poll_iters = share._poll_iters
             self._crew = share._crew
             self._crew_kept = share._crew_kept
+            self._crew_layers = share._crew_layers
         else:
             self._crew_kept = weakref.WeakKeyDictionary()
+            self._crew_layers = weakref.WeakKeyDictionary()
             self.threads = threads
             per_us = iterations_per_us() if threads > 1 else 0.0
             self._poll_iters = int(POLL_US * per_us)
@@ -568,46 +587,14 @@ class ExpertCompute:
         jobs = _mlp_jobs(w, self.threads, self._kept(w.gate))
         if jobs is None:
             return None
-        xx = np.ascontiguousarray(x, dtype=np.float32)
-        out = self._crew_mlps(crew, xx, np.ones(n_tok, np.float32), [jobs], [n_tok])
-        return out
-
-    def _crew_mlps(
-        self,
-        crew: Crew,
-        xe: F32Array,
-        g: F32Array,
-        jobs: Sequence[_MLPJobs],
-        counts: Sequence[int],
-    ) -> F32Array:
-        """``g[:, None] * down(silu(gate(xe)) * up(xe))`` [R, D] where MLP ``m`` (its
-        :func:`_mlp_jobs`) takes the next ``counts[m]`` rows of ``xe`` [R, D] and ``g`` [R]:
-        one crew run of their activation feature ranges, one of their output feature ranges.
-        The bits of ``i4_expert`` per MLP (and, with ``g`` = 1, of ``i4_swiglu``)."""
-        n = np.asarray(counts, np.int64)  # [M]
-        n_f = np.asarray([j.n_f for j in jobs], np.int64)  # [M]
-        starts = np.concatenate([[0], np.cumsum(n)[:-1]])  # [M] first row of each MLP
-        h_at = np.concatenate([[0], np.cumsum(n * n_f)[:-1]])  # [M] first h value of each
-        h = np.empty(int((n * n_f).sum()), np.float32)  # MLP by MLP, each [n, F]
-        n_d = xe.shape[1]
-        out = np.empty_like(xe)  # [R, D]
-        # the tables list the MLPs with the most rows first (a prefill step's shared expert
-        # takes every row): a big job last would leave the other threads idle at the end
-        order = np.argsort(-n, kind="stable").tolist()
-        first = np.concatenate([jobs[m].first for m in order])
-        reps = [len(jobs[m].first) for m in order]
-        first[:, 1] = addr(xe) + np.repeat(starts[order] * (4 * n_d), reps)
-        first[:, 2] = np.repeat(n[order], reps)
-        first[:, 28] = addr(h) + np.repeat(h_at[order] * 4, reps)
-        crew.run(first)
-        second = np.concatenate([jobs[m].second for m in order])
-        reps = [len(jobs[m].second) for m in order]
-        second[:, 1] = addr(h) + np.repeat(h_at[order] * 4, reps)
-        second[:, 2] = np.repeat(n[order], reps)
-        second[:, 17] = addr(g) + np.repeat(starts[order] * 4, reps)
-        second[:, 18] = addr(out) + np.repeat(starts[order] * (4 * n_d), reps)
-        crew.run(second)
-        return out
+        # the crew's MoE step with no routed expert and ``w`` as the shared one
+        _, out = crew.call(
+            crew_moe, 2, np.ascontiguousarray(x, dtype=np.float32),
+            np.zeros((n_tok, 0), np.int64), np.zeros((n_tok, 0), np.float32),
+            _NO_EXPERTS, _NO_EXPERTS, jobs.first, jobs.second, _NO_NF, jobs.n_f,
+        )  # fmt: skip
+        out_: F32Array = out
+        return out_
 
     def crew_step(
         self,
@@ -629,37 +616,56 @@ class ExpertCompute:
         crew = self._crew_for(x.shape[0], macs)
         if crew is None:
             return None
-        n_tok, k = ids.shape
-        flat = np.ascontiguousarray(ids).reshape(-1)  # [T * K]
-        order = np.argsort(flat, kind="stable")  # by expert, then by row
-        es, counts = np.unique(flat, return_counts=True)  # ascending, as ``order``
         # many experts (a prefill chunk): the pool's whole-expert jobs (each gathers its own
         # rows on its thread) were 3-5% faster than two runs of ranges here, whose gather and
         # sum run on this thread alone
-        if es.size + (shared is not None) >= 4 * self.threads:
+        most = 4 * self.threads - (shared is not None)
+        if ids.size >= most and len(set(ids.ravel().tolist())) >= most:
             return None
-        ws = source.get(layer, es.tolist())
-        jobs = [_mlp_jobs(ws[e], self.threads, self._kept(ws[e].gate)) for e in es.tolist()]
-        if shared is not None:
-            jobs.append(_mlp_jobs(shared, self.threads, self._kept(shared.gate)))
-        if any(j is None for j in jobs):
+        stacked = self._crew_layer(source, layer)
+        s_jobs = None if shared is None else self._mlp_jobs(shared)
+        if stacked is None or (shared is not None and s_jobs is None):
             return None
-        xx = np.ascontiguousarray(x, dtype=np.float32)
-        tok = order // k  # [T * K] the row of each gathered entry
-        n_routed = flat.size
-        rows = n_routed + (n_tok if shared is not None else 0)
-        xe = np.empty((rows, xx.shape[1]), np.float32)  # [R, D]
-        xe[:n_routed] = xx[tok]
-        g = np.ones(rows, np.float32)  # [R]
-        g[:n_routed] = np.ascontiguousarray(gates, dtype=np.float32).reshape(-1)[order]
-        sizes = counts.tolist() + ([n_tok] if shared is not None else [])
-        if shared is not None:
-            xe[n_routed:] = xx
-        out = self._crew_mlps(crew, xe, g, jobs, sizes)  # type: ignore[arg-type]
+        first, second, n_f = stacked
+        if s_jobs is None:
+            s_jobs = _NO_MLP
+        routed, side = crew.call(
+            crew_moe, 2,
+            np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(ids, np.int64),
+            np.ascontiguousarray(gates, dtype=np.float32), first, second, s_jobs.first,
+            s_jobs.second, n_f, s_jobs.n_f,
+        )  # fmt: skip
         with self._lock:
             self.parallel_steps += 1
-        routed = combine_sorted(out, tok.astype(np.int64), n_tok)
-        return routed, (out[n_routed:] if shared is not None else None)
+        return routed, (side if shared is not None else None)
+
+    def _mlp_jobs(self, w: MLPWeights) -> _MLPJobs | None:
+        return _mlp_jobs(w, self.threads, self._kept(w.gate))
+
+    def _crew_layer(self, source: ResidentExperts, layer: int) -> _Stacked | None:
+        """Every routed expert of ``layer`` as the crew's MoE step takes them (their job
+        templates stacked by expert id, and their intermediate sizes), made on first use and
+        kept while ``source`` lives; None when an expert is missing or has no crew jobs."""
+        kept = self._crew_layers.get(source)
+        if kept is None:
+            kept = self._crew_layers[source] = {}
+        key = (layer, self.threads)
+        if key not in kept:
+            found = source.layer_experts(layer)
+            jobs = [] if found is None else [self._mlp_jobs(w) for w in found]
+            got = None
+            if jobs and all(j is not None for j in jobs):
+                firsts = [j.first for j in jobs if j is not None]
+                seconds = [j.second for j in jobs if j is not None]
+                if len({a.shape for a in firsts}) == 1 and len({a.shape for a in seconds}) == 1:
+                    got = _Stacked(
+                        np.stack(firsts),
+                        np.stack(seconds),
+                        np.asarray([j.n_f for j in jobs if j is not None], np.int64),
+                    )
+            kept[key] = got
+        out: _Stacked | None = kept[key]
+        return out
 
     # ------------------------------------------------------------------ scheduling
     @contextlib.contextmanager

@@ -41,12 +41,11 @@ from runtime.kernels.crew import (
     PARKED,
     REST,
     STOP,
-    WAITED,
     WIDTH,
-    crew_run,
     crew_work,
     job_kinds,
 )
+from runtime.kernels.crew import one_run as _one_run
 from runtime.kernels.quant_matmul import DEFAULT_PREFETCH, Int4Weight, edges16
 
 __all__ = [
@@ -232,10 +231,20 @@ class Crew:
         n = table.shape[0]
         if n == 0:
             return
+        self.call(_one_run, 1, table, n)
+
+    def call(self, fn: Any, runs: int, *args: Any) -> Any:
+        """``fn(ctrl, *args, stats)``: a numba function that posts ``runs`` runs itself with
+        :func:`runtime.kernels.crew.crew_run` on ``ctrl`` (one call for a whole step instead
+        of Python between its runs) and reports in ``stats`` (int64 [2 + runs]) the jobs it
+        ran, the jobs posted and each run's polls waited at its end; what ``fn`` returns.
+        While another thread's runs are in progress, ``fn`` runs on the calling thread alone
+        (the same results)."""
+        stats = np.zeros(2 + runs, np.int64)
         if not self._busy.acquire(blocking=False):
-            crew_run(self._alone, table, n)
-            self.alone += 1
-            return
+            got = fn(self._alone, *args, stats)
+            self.alone += runs
+            return got
         try:
             ctrl = self._ctrl
             ctrl[REST * CELL] = 0
@@ -244,13 +253,16 @@ class Crew:
                 if ctrl[(PARKED + w) * CELL]:
                     self._wake[w].set()
                     woken = True
-            self.posted += int(crew_run(ctrl, table, n))
-            waited = int(ctrl[WAITED * CELL])
-            self.waited += waited
-            self.runs += 1
-            self.jobs += n
-            if not woken:  # a woken worker starts late: that wait says nothing of contention
-                self._note(waited)
+            got = fn(ctrl, *args, stats)
+            self.posted += int(stats[0])
+            self.jobs += int(stats[1])
+            self.runs += runs
+            for waited in stats[2:].tolist():
+                self.waited += waited
+                if not woken:  # a woken worker starts late: that wait says nothing of contention
+                    self._note(waited)
+                woken = False  # it has started by the next run
+            return got
         finally:
             self._busy.release()
 

@@ -505,12 +505,16 @@ class ResidentExperts:
         runs on its own)."""
         if layer in self._tables:
             return self._tables[layer]
-        found = [self._experts.get((layer, e)) for e in range(self._n_experts)]
-        table = None
-        if all(w is not None for w in found):
-            table = Int4Layer.build([fused(w) for w in found if w is not None])
+        found = self.layer_experts(layer)
+        table = None if found is None else Int4Layer.build([fused(w) for w in found])
         self._tables[layer] = table
         return table
+
+    def layer_experts(self, layer: int) -> list[ExpertWeights] | None:
+        """Every routed expert of ``layer``, by id; None when one of them is not here (a
+        cluster worker's share)."""
+        found = [self._experts.get((layer, e)) for e in range(self._n_experts)]
+        return None if any(w is None for w in found) else found  # type: ignore[return-value]
 
     def map_arrivals(
         self,

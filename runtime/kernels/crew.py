@@ -68,9 +68,11 @@ __all__ = [
     "WIDTH",
     "JobKinds",
     "combine_sorted",
+    "crew_moe",
     "crew_run",
     "crew_work",
     "job_kinds",
+    "one_run",
 ]
 
 #: int64 cells per control slot (one 64-byte cache line each, so that polling one does not
@@ -125,6 +127,14 @@ def crew_run(ctrl, table, n):  # type: ignore[no-untyped-def]
         waited += 1
     ctrl[WAITED * CELL] = waited
     return ran
+
+
+@njit(nogil=True, cache=True)
+def one_run(ctrl, table, n, stats):  # type: ignore[no-untyped-def]
+    """:func:`crew_run` reporting as ``runtime.crew.Crew.call`` asks: ``stats`` [3]."""
+    stats[0] = crew_run(ctrl, table, n)
+    stats[1] = n
+    stats[2] = ctrl[WAITED * CELL]
 
 
 @njit(nogil=True, cache=True)
@@ -234,6 +244,131 @@ def combine_sorted(out, tok, n_tok):  # type: ignore[no-untyped-def]
     return y
 
 
+@njit(nogil=True, cache=True)
+def _alive(a, b, c, d, e):  # type: ignore[no-untyped-def]
+    """0, after a use of every argument (see :func:`crew_moe`)."""
+    return a.size * 0 + b.size * 0 + c.size * 0 + d.size * 0 + e.size * 0
+
+
+@njit(nogil=True, cache=True)
+def _post_mlps(table, at, templates, cols, vals):  # type: ignore[no-untyped-def]
+    """Copy ``templates`` [P, WIDTH] into ``table`` from row ``at`` with column ``cols[i]`` set
+    to ``vals[i]`` in every copied row; the next free row."""
+    for p in range(templates.shape[0]):
+        for c in range(WIDTH):
+            table[at + p, c] = templates[p, c]
+        for i in range(cols.shape[0]):
+            table[at + p, cols[i]] = vals[i]
+    return at + templates.shape[0]
+
+
+@njit(nogil=True, cache=True)
+def crew_moe(ctrl, x, ids, gates, first, second, s_first, s_second, n_f, s_nf, stats):  # type: ignore[no-untyped-def]
+    """A MoE step's experts in two crew runs, from the routing to the per-row sums:
+    (routed [T, D], the shared expert's output [T, D] or an empty [0, D]).
+
+    ``x`` [T, D] (normed rows), ``ids`` [T, K] (expert ids), ``gates`` [T, K]; ``first`` /
+    ``second`` [E, P, WIDTH]: each routed expert's job templates (``mlp_templates``: its
+    activation feature ranges, its output feature ranges), ``n_f`` its intermediate size;
+    ``s_first`` / ``s_second`` [P', WIDTH] the shared expert's (no rows: none), ``s_nf``.
+    The rows routed to an expert are gathered in ascending expert id, by row within one
+    (``np.argsort(ids, kind="stable")``), each MLP's rows through its two phases as
+    ``i4_swiglu_part`` / ``i4_down_part`` with its gate weights, and summed per row from zeros
+    in that order (``combine_sorted``): the bits of ``ExpertCompute.crew_step``'s Python form,
+    which did the same in some twenty numpy calls. ``stats`` int64 [4]: jobs this thread ran,
+    jobs posted, the polls waited at each run's end."""
+    n_tok, k = ids.shape
+    n_d = x.shape[1]
+    n_e = first.shape[0]
+    shared = s_first.shape[0] > 0
+    counts = np.zeros(n_e, np.int64)
+    for t in range(n_tok):
+        for j in range(k):
+            counts[ids[t, j]] += 1
+    n_m = 0
+    for e in range(n_e):
+        if counts[e] > 0:
+            n_m += 1
+    es = np.empty(n_m + 1, np.int64)  # present experts ascending, then the shared one (-1)
+    n = np.empty(n_m + 1, np.int64)  # rows of each MLP
+    start = np.empty(n_m + 1, np.int64)  # its first row in xe
+    pos = np.zeros(n_e, np.int64)  # next free row of each expert's block
+    m = 0
+    r = 0
+    for e in range(n_e):
+        if counts[e] > 0:
+            es[m], n[m], start[m], pos[e] = e, counts[e], r, r
+            r += counts[e]
+            m += 1
+    n_routed = r
+    es[n_m], n[n_m], start[n_m] = -1, n_tok, n_routed
+    n_all = n_m + 1 if shared else n_m
+    rows = n_routed + (n_tok if shared else 0)
+    xe = np.empty((rows, n_d), np.float32)
+    g = np.ones(rows, np.float32)
+    tok = np.empty(n_routed, np.int64)
+    for t in range(n_tok):  # row-major: within an expert, rows ascending (a stable sort)
+        for j in range(k):
+            e = ids[t, j]
+            i = pos[e]
+            pos[e] = i + 1
+            tok[i] = t
+            g[i] = gates[t, j]
+            xe[i] = x[t]
+    if shared:
+        for t in range(n_tok):
+            xe[n_routed + t] = x[t]
+    nf = np.empty(n_all, np.int64)
+    h_at = np.empty(n_all, np.int64)
+    total = 0
+    for m in range(n_all):
+        nf[m] = n_f[es[m]] if es[m] >= 0 else s_nf
+        h_at[m] = total
+        total += n[m] * nf[m]
+    h = np.empty(total, np.float32)
+    out = np.empty((rows, n_d), np.float32)
+    # the MLPs with most rows first (a stable sort: a prefill step's shared expert, which
+    # takes every row, leads), so no big job is left for the end of a run
+    order = np.argsort(-n[:n_all], kind="mergesort")
+    p1 = first.shape[1] * n_m + (s_first.shape[0] if shared else 0)
+    p2 = second.shape[1] * n_m + (s_second.shape[0] if shared else 0)
+    t1 = np.empty((p1, WIDTH), np.int64)
+    t2 = np.empty((p2, WIDTH), np.int64)
+    c1 = np.array([1, 2, 28], np.int64)
+    c2 = np.array([1, 2, 17, 18], np.int64)
+    v1 = np.empty(3, np.int64)
+    v2 = np.empty(4, np.int64)
+    a1 = 0
+    a2 = 0
+    for i in range(n_all):
+        m = order[i]
+        e = es[m]
+        v1[0] = xe.ctypes.data + start[m] * 4 * n_d
+        v1[1] = n[m]
+        v1[2] = h.ctypes.data + h_at[m] * 4
+        v2[0] = v1[2]
+        v2[1] = n[m]
+        v2[2] = g.ctypes.data + start[m] * 4
+        v2[3] = out.ctypes.data + start[m] * 4 * n_d
+        if e >= 0:
+            a1 = _post_mlps(t1, a1, first[e], c1, v1)
+            a2 = _post_mlps(t2, a2, second[e], c2, v2)
+        else:
+            a1 = _post_mlps(t1, a1, s_first, c1, v1)
+            a2 = _post_mlps(t2, a2, s_second, c2, v2)
+    stats[0] = crew_run(ctrl, t1, p1)
+    stats[2] = ctrl[WAITED * CELL]
+    stats[0] += crew_run(ctrl, t2, p2)
+    stats[3] = ctrl[WAITED * CELL]
+    # numba frees an array after its last use in the function: the jobs' arrays are used
+    # here, after the runs that read and write them through addresses
+    stats[1] = p1 + p2 + _alive(xe, g, h, t1, t2)
+    routed = combine_sorted(out, tok, n_tok)
+    if shared:
+        return routed, out[n_routed:]
+    return routed, out[:0]
+
+
 class JobKinds(NamedTuple):
     """The job kinds' ``cfunc`` addresses (``owners`` keeps their compiled code alive)."""
 
@@ -254,4 +389,6 @@ def job_kinds() -> JobKinds:
 
 
 #: Every compiled kernel (tests check they were built with ``nogil=True``).
-KERNELS: tuple[Any, ...] = (_drain, crew_run, crew_work, combine_sorted)
+KERNELS: tuple[Any, ...] = (
+    _drain, crew_run, one_run, crew_work, combine_sorted, _alive, _post_mlps, crew_moe,
+)  # fmt: skip

@@ -97,6 +97,56 @@ def test_crew_mlps_and_moe_steps_are_the_serial_bits() -> None:
         comp.close()
 
 
+@pytest.mark.parametrize("n_tok", [1, 2, 5])
+@pytest.mark.parametrize("with_shared", [True, False])
+def test_the_crew_moe_step_is_the_expert_by_expert_sum(n_tok: int, with_shared: bool) -> None:
+    """``crew_moe`` (routing to per-row sums in one numba call, two crew runs) against the
+    Python MoE step of the serial kernels: each routed expert on its rows, summed in
+    ascending expert id, and the shared expert, bit for bit; experts with one row and with
+    several, a shared expert of another intermediate size."""
+    from runtime.crew import mlp_templates
+    from runtime.kernels.crew import WIDTH, crew_moe
+    from runtime.layers import moe as moe_ops
+    from runtime.layers.swiglu import MLPWeights, fused, swiglu
+
+    rng = np.random.default_rng(n_tok)
+    d, f, n_e, k = 128, 96, 7, 3
+
+    def mlp(n_f: int) -> MLPWeights:
+        def lin(o: int, i: int) -> Linear:
+            return Linear(quantize(rng.standard_normal((o, i)).astype(np.float32), "int4-g64"))
+
+        return MLPWeights(lin(n_f, d), lin(n_f, d), lin(d, n_f))
+
+    experts = [mlp(f) for _ in range(n_e)]
+    shared = mlp(2 * f)
+    x = rng.standard_normal((n_tok, d)).astype(np.float32)
+    ids = np.sort(np.stack([rng.choice(4, k, replace=False) for _ in range(n_tok)]), axis=1)
+    gates = rng.random((n_tok, k)).astype(np.float32)
+    parts = [mlp_templates(fused(w), 2) for w in experts]  # type: ignore[arg-type]
+    first = np.stack([p[0] for p in parts])
+    second = np.stack([p[1] for p in parts])
+    if with_shared:
+        s_first, s_second = mlp_templates(fused(shared), 2)  # type: ignore[arg-type]
+    else:
+        s_first = s_second = np.zeros((0, WIDTH), np.int64)
+    crew = Crew(1, 10**6)
+    try:
+        routed, side = crew.call(
+            crew_moe, 2, x, ids.astype(np.int64), gates, first, second, s_first, s_second,
+            np.full(n_e, f, np.int64), 2 * f,
+        )  # fmt: skip
+        assert crew.runs == 2
+    finally:
+        crew.close()
+    want = moe_ops.apply_experts(x, ids, gates, dict(enumerate(experts)))
+    assert np.array_equal(routed, want)
+    if with_shared:
+        assert np.array_equal(side, swiglu(x, shared))
+    else:
+        assert side.shape == (0, d)
+
+
 def test_combine_sorted_is_the_per_expert_sum() -> None:
     from runtime.layers import moe as moe_ops
 
