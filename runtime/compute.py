@@ -50,9 +50,11 @@ from runtime.crew import (
     i8_rows_template,
     mlp_templates,
 )
-from runtime.kernels.crew import WIDTH, crew_moe
+from runtime.kernels.crew import WIDTH, crew_moe, job_kinds
 from runtime.kernels.dequant import dequantize
+from runtime.kernels.heads import HeadsMatmul
 from runtime.kernels.quant_matmul import (
+    DEFAULT_PREFETCH,
     Int4Weight,
     Q8Input,
     Q8Weight,
@@ -109,6 +111,7 @@ _NO_MLP = _MLPJobs(np.zeros((0, WIDTH), np.int64), np.zeros((0, WIDTH), np.int64
 #: "no routed expert" as ``crew_moe`` takes it: templates [0, 0, WIDTH], sizes [0]
 _NO_EXPERTS = np.zeros((0, 0, WIDTH), np.int64)
 _NO_NF = np.zeros(0, np.int64)
+_NO_MASK = np.zeros(0, np.uint8)  # every key (the attention kernel only reads a mask)
 
 
 class _Pool(ThreadPoolExecutor):
@@ -162,7 +165,7 @@ class ExpertCompute:
         self.crew_min_macs = CREW_MIN_MACS
         # per weight, its crew job templates (made at its first crew call; not in the weight,
         # whose resident size they would change)
-        self._crew_kept: weakref.WeakKeyDictionary[Linear, dict[Any, Any]]
+        self._crew_kept: weakref.WeakKeyDictionary[object, dict[Any, Any]]
         # per resident expert source, its layers' stacked templates (:meth:`_crew_layer`)
         self._crew_layers: weakref.WeakKeyDictionary[ResidentExperts, dict[Any, Any]]
         if share is not None:
@@ -526,7 +529,7 @@ class ExpertCompute:
             return None
         return crew
 
-    def _kept(self, lin: Linear) -> dict[Any, Any]:
+    def _kept(self, lin: object) -> dict[Any, Any]:
         """What the crew keeps for ``lin`` (its job templates), dropped with ``lin``."""
         got = self._crew_kept.get(lin)
         if got is None:
@@ -638,6 +641,65 @@ class ExpertCompute:
         with self._lock:
             self.parallel_steps += 1
         return routed, (side if shared is not None else None)
+
+    def mla_heads(
+        self,
+        uk: HeadsMatmul,
+        uv: HeadsMatmul | None,
+        q_nope: F32Array,
+        q_rope: F32Array,
+        latent: F32Array,
+        k_rope: F32Array,
+        allowed: npt.NDArray[np.bool_] | None,
+        scale: float,
+    ) -> F32Array | None:
+        """Absorbed MLA attention of one query row (``q_nope`` [1, NH, N], ``q_rope`` [1, NH,
+        R]) over its keys (``latent`` [S, C], ``k_rope`` [S, R], ``allowed`` [1, S] or None:
+        all), through ``W_UK`` (``uk``) and ``W_UV`` (``uv``): [1, NH * V], its head ranges on
+        the crew, or None where the crew does not take it (several rows, per-head weights, too
+        little work). Every head's the bits of ``absorb_queries``, ``latent_attention`` and
+        ``unabsorb_values``: the same kernels run on it (``_job_mla_heads``)."""
+        if (
+            q_nope.shape[0] != 1
+            or uv is None
+            or uk.kind != "axpy"
+            or uv.kind != "int4"
+            or uk.spec[0] < 8
+        ):
+            return None
+        nh, n, c = uk.spec
+        v = uv.spec[3]
+        s_all, r = latent.shape[0], k_rope.shape[1]
+        crew = self._crew_for(1, nh * (n * c + s_all * (2 * c + r) + c * v))
+        if crew is None:
+            return None
+        kept = self._kept(uk)
+        got = kept.get("heads")
+        if got is None or got[0] is not uv:
+            got = kept["heads"] = (uv, _heads_template(uk, uv, 2 * self.threads))
+        table = got[1].copy()
+        qn = np.ascontiguousarray(q_nope, dtype=np.float32)
+        qr = np.ascontiguousarray(q_rope, dtype=np.float32)
+        lat = np.ascontiguousarray(latent, dtype=np.float32)
+        kr = np.ascontiguousarray(k_rope, dtype=np.float32)
+        mask = _NO_MASK if allowed is None else np.ascontiguousarray(allowed[0]).view(np.uint8)
+        q_lat = np.empty(nh * c, np.float32)
+        o_lat = np.empty(nh * c, np.float32)
+        out = np.empty((1, nh * v), np.float32)
+        table[:, 1] = addr(qn)
+        table[:, 5] = addr(qr)
+        table[:, 6] = r
+        table[:, 7] = addr(lat)
+        table[:, 8] = addr(kr)
+        table[:, 9] = s_all
+        table[:, 10] = addr(mask)
+        table[:, 11] = mask.size
+        table[:, 12] = int(np.float32(scale).view(np.uint32))
+        table[:, 15] = addr(q_lat)
+        table[:, 16] = addr(o_lat)
+        table[:, 28] = addr(out)
+        crew.run(table)
+        return out
 
     def _mlp_jobs(self, w: MLPWeights) -> _MLPJobs | None:
         return _mlp_jobs(w, self.threads, self._kept(w.gate))
@@ -839,6 +901,26 @@ def _linear_jobs(
         cache[parts] = got
     out: tuple[Int4Weight | None, I64Array, I64Array] | None = cache[parts]
     return out
+
+
+def _heads_template(uk: HeadsMatmul, uv: HeadsMatmul, parts: int) -> I64Array:
+    """``_job_mla_heads`` rows for about ``parts`` ranges of heads (from multiples of 4) with
+    the weights' fields filled in (``ExpertCompute.mla_heads`` fills in the rest per call)."""
+    nh, n, c = uk.spec
+    _, row0, row_step, v, _, gbytes, s_row, s_step, wide = uv.spec
+    (w_uk,) = uk.held
+    packed, scales = uv.held
+    step = -(-nh // (4 * parts)) * 4
+    table = np.zeros((-(-nh // step), WIDTH), np.int64)
+    for i, h0 in enumerate(range(0, nh, step)):
+        table[i, :5] = (job_kinds().mla_heads, 0, n, addr(w_uk), c)
+        table[i, 13:15] = (h0, min(h0 + step, nh))
+        table[i, 17:28] = (
+            addr(packed), packed.size, addr(scales), scales.size, row0, row_step, v, gbytes,
+            s_row, s_step, wide,
+        )  # fmt: skip
+        table[i, 29] = DEFAULT_PREFETCH
+    return table
 
 
 def _mlp_jobs(w: MLPWeights, parts: int, kept: dict[Any, Any]) -> _MLPJobs | None:

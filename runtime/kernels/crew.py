@@ -55,6 +55,8 @@ from runtime.kernels._matmul_kernels import (
     i4_down_part,
     i4_swiglu_part,
 )
+from runtime.kernels.attention import _latent_attention
+from runtime.kernels.heads import _heads_axpy, _heads_i4
 
 __all__ = [
     "CELL",
@@ -230,6 +232,40 @@ def _job_i4_down_part(row):  # type: ignore[no-untyped-def]
     i4_down_part(h, dp, dsc, dw, a[15], a[16], g, out, a[20])
 
 
+def _job_mla_heads(row):  # type: ignore[no-untyped-def]
+    """Absorbed MLA attention of one query row for heads ``[h0, h1)``: ``W_UK`` (``_heads_axpy``),
+    the latent attention over its keys (``_latent_attention``), ``W_UV`` (int4,
+    ``_heads_i4``), each head computed by the code a whole call runs for it (``h0`` a multiple
+    of 4: the attention takes heads four at a time). [fn, q_nope, N, W_UK, C, q_rope, R,
+    latent, k_rope, S, mask, mask size (0: every key), scale (float32 bits), h0, h1, q_lat,
+    o_lat, W_UV (packed, size, scales, size, row0, row_step, V, gbytes, s_row, s_step, wide),
+    out, pf]; per head ``q_nope`` [N], ``q_lat`` / ``o_lat`` [C], ``out`` [V]."""
+    a = carray(i64_at(row), WIDTH)
+    n, c, r, s_all, h0, h1, v = a[2], a[4], a[6], a[9], a[13], a[14], a[23]
+    nh = h1 - h0
+    w_uk = carray(f32_at(a[3] + h0 * n * c * 4), nh * n * c)
+    q_nope = carray(f32_at(a[1] + h0 * n * 4), (1, nh, n))
+    q_lat = carray(f32_at(a[15] + h0 * c * 4), (1, nh, c))
+    _heads_axpy(w_uk, nh, n, c, q_nope, q_lat)
+    q_rope = carray(f32_at(a[5] + h0 * r * 4), nh * r)
+    latent = carray(f32_at(a[7]), s_all * c)
+    k_rope = carray(f32_at(a[8]), s_all * r)
+    mask = carray(u8_at(a[10]), a[11])
+    scale = carray(f32_at(row + 12 * 8), 1)[0]
+    o_lat = carray(f32_at(a[16] + h0 * c * 4), (1, nh, c))
+    _latent_attention(
+        q_lat.reshape(-1), q_rope, latent, k_rope, mask, 1, nh, c, r, s_all, scale, 0,
+        o_lat.reshape(-1),
+    )  # fmt: skip
+    packed = carray(u8_at(a[17]), a[18])
+    scales = carray(f32_at(a[19]), a[20])
+    out = carray(f32_at(a[28] + h0 * v * 4), (1, nh, v))
+    _heads_i4(
+        packed, scales, a[21] + h0 * a[22], a[22], nh, v, c, a[24], a[25], a[26], a[27] != 0,
+        o_lat, out, a[29],
+    )  # fmt: skip
+
+
 @njit(nogil=True, cache=True)
 def combine_sorted(out, tok, n_tok):  # type: ignore[no-untyped-def]
     """[T, D]: rows of ``out`` [R, D] (routed experts' gate-weighted outputs, grouped by
@@ -376,16 +412,17 @@ class JobKinds(NamedTuple):
     i8_rows: int
     i4_swiglu_part: int
     i4_down_part: int
+    mla_heads: int
     owners: tuple[Any, ...]
 
 
 @functools.cache
 def job_kinds() -> JobKinds:
     """Every job kind compiled once per process (see above)."""
-    fns = (_job_i4_apply, _job_i8_rows, _job_i4_swiglu_part, _job_i4_down_part)
+    fns = (_job_i4_apply, _job_i8_rows, _job_i4_swiglu_part, _job_i4_down_part, _job_mla_heads)
     owners: tuple[Any, ...] = tuple(cfunc(_SIG, cache=True)(fn) for fn in fns)
     at = [int(c.address) for c in owners]
-    return JobKinds(at[0], at[1], at[2], at[3], owners)
+    return JobKinds(at[0], at[1], at[2], at[3], at[4], owners)
 
 
 #: Every compiled kernel (tests check they were built with ``nogil=True``).

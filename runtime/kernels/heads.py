@@ -103,10 +103,17 @@ class HeadsMatmul:
         per_head: Sequence[object],
         run: object | None = None,
         held: tuple[npt.NDArray[np.generic], ...] = (),
+        kind: str = "",
+        spec: tuple[int, ...] = (),
     ) -> None:
         self._per_head = list(per_head)
         self._run = run
         self.held = held  # the arrays ``run`` reads (RAM accounting walks attributes)
+        # ``run``'s kernel and its arguments, for a caller that runs a range of heads itself
+        # (the job crew): "axpy" (NH, I, O), "int4" (NH, row0, row_step, O, I, gbytes, s_row,
+        # s_step, wide); "" (per-head calls)
+        self.kind = kind
+        self.spec = spec
 
     @classmethod
     def axpy(cls, w: F32Array) -> HeadsMatmul:
@@ -122,7 +129,7 @@ class HeadsMatmul:
             _heads_axpy(flat, nh, i, o, x, out)
             return out
 
-        return cls([], run, (flat,))
+        return cls([], run, (flat,), "axpy", (nh, i, o))
 
     @classmethod
     def int4_rows(
@@ -155,7 +162,8 @@ class HeadsMatmul:
             )  # fmt: skip
             return out
 
-        return cls(per_head, run, (p, s))
+        spec = (nh, row0, row_step, n_out, n_in, gbytes, s_row, s_step, int(wide))
+        return cls(per_head, run, (p, s), "int4", spec)
 
     def __call__(self, x: npt.NDArray[np.floating]) -> F32Array:
         xx = np.ascontiguousarray(x, dtype=np.float32)  # [T, NH, I]

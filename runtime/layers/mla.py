@@ -50,6 +50,21 @@ __all__ = [
 F32Array = npt.NDArray[np.float32]
 MatMul = Callable[[Linear, F32Array], F32Array]  # applies a projection: lin(x) or a split
 BoolArray = npt.NDArray[np.bool_]
+#: the compute's absorbed attention of a step's queries over their keys through W_UK / W_UV:
+#: (uk_heads, uv_heads, q_nope, q_rope, latent, k_rope, allowed, scale) -> [T, NH * V] or None
+HeadsFn = Callable[
+    [
+        HeadsMatmul,
+        HeadsMatmul | None,
+        F32Array,
+        F32Array,
+        F32Array,
+        F32Array,
+        BoolArray | None,
+        float,
+    ],
+    F32Array | None,
+]
 
 # transformers builds q_a_layernorm / kv_a_layernorm with the RMSNorm default eps, not
 # config.rms_norm_eps.
@@ -181,6 +196,7 @@ def attend(
     *,
     rows_after: int = 0,
     mm: MatMul = _call,
+    heads: HeadsFn | None = None,
 ) -> F32Array:
     """Attention of the new queries over all keys -> o_proj output [T, D].
 
@@ -188,7 +204,10 @@ def attend(
     causal mask, narrowed by the DSA selection where the model has one (None: every causal
     key, the same result as the causal mask). ``rows_after``: how many
     new rows follow these T (absorbed form only: a block of a step's rows computed on its own,
-    with exactly the products the whole step would run for them).
+    with exactly the products the whole step would run for them). ``heads``: the absorbed
+    form's ``W_UK``, latent attention and ``W_UV`` in one call where it takes them (the
+    compute's :meth:`~runtime.compute.ExpertCompute.mla_heads`: head ranges over threads),
+    [T, NH * V] or None.
     """
     t, nh = p.q_nope.shape[0], d.num_attention_heads
     sc = np.float32(scale)
@@ -197,6 +216,10 @@ def attend(
         # decode runs: a row's result does not depend on T (or on masked future keys in a
         # softmax sum), so decode and a speculative verify agree bit for bit (given
         # batch-invariant Linear kernels).
+        if heads is not None and not rows_after:
+            got = heads(w.uk_heads, w.uv_heads, p.q_nope, p.q_rope, latent, k_rope, allowed, scale)
+            if got is not None:  # the same per-head kernels, head ranges on several threads
+                return out_proj(w, got, mm)
         q_lat = absorb_queries(w, d, p.q_nope)  # [T, NH, C]
         o_lat = latent_attention(q_lat, p.q_rope, latent, k_rope, allowed, scale, rows_after)
         return out_proj(w, unabsorb_values(w, d, o_lat), mm)  # [T, D]

@@ -798,7 +798,7 @@ class MLAMoEModel(DecoderStack):
         else:
             out = mla.attend(
                 lw.attn, d, proj, latent, k_rope, allowed, self.softmax_scale, absorbed,
-                mm=comp.linear,
+                mm=comp.linear, heads=comp.mla_heads,
             )  # fmt: skip
         return h + out, selection  # [T, D]
 

@@ -147,6 +147,49 @@ def test_the_crew_moe_step_is_the_expert_by_expert_sum(n_tok: int, with_shared: 
         assert side.shape == (0, d)
 
 
+@pytest.mark.parametrize(
+    ("n_heads", "keys", "masked"), [(16, 1, False), (12, 37, True), (8, 300, False)]
+)
+def test_mla_heads_on_the_crew_are_the_serial_bits(n_heads: int, keys: int, masked: bool) -> None:
+    """One query row's absorbed attention with its head ranges on the crew (W_UK, the latent
+    attention, W_UV in one job per range) against the three serial calls: bit for bit, with
+    and without a sparse selection's mask, head counts that split evenly and not."""
+    from runtime.kernels.dequant import dequantize
+    from runtime.kernels.heads import HeadsMatmul
+    from runtime.layers import mla
+    from runtime.weights import qtensor_rows
+
+    rng = np.random.default_rng(n_heads + keys)
+    n, v, c, r = 16, 24, 64, 8
+    kv_b = quantize(rng.standard_normal((n_heads * (n + v), c)).astype(np.float32), "int4-g32")
+    kv_b_f32 = dequantize(kv_b).reshape(n_heads, n + v, c)
+    uk = HeadsMatmul.axpy(kv_b_f32[:, :n])
+    w_uv = [Linear(qtensor_rows(kv_b, h * (n + v) + n, (h + 1) * (n + v))) for h in range(n_heads)]
+    uv = HeadsMatmul.int4_rows(
+        np.asarray(kv_b.data), kv_b.scales, 32, c, n, n + v, v, w_uv, w_uv[0].lanes
+    )
+    q = rng.standard_normal((1, n_heads, n + r)).astype(np.float32)
+    q_nope, q_rope = q[:, :, :n], np.ascontiguousarray(q[:, :, n:])
+    latent = rng.standard_normal((keys, c)).astype(np.float32)
+    k_rope = rng.standard_normal((keys, r)).astype(np.float32)
+    allowed = rng.random((1, keys)) < 0.5 if masked else None
+    if allowed is not None:
+        allowed[0, -1] = True
+    scale = 0.125
+    want = uv(mla.latent_attention(uk(q_nope), q_rope, latent, k_rope, allowed, scale))
+    comp = ExpertCompute(2)
+    comp.crew_min_macs = 0
+    try:
+        assert comp._crew is not None
+        runs = comp._crew.runs
+        got = comp.mla_heads(uk, uv, q_nope, q_rope, latent, k_rope, allowed, scale)
+        assert comp._crew.runs == runs + 1
+    finally:
+        comp.close()
+    assert got is not None
+    assert np.array_equal(got, want.reshape(1, n_heads * v))
+
+
 def test_combine_sorted_is_the_per_expert_sum() -> None:
     from runtime.layers import moe as moe_ops
 
