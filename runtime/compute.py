@@ -44,13 +44,12 @@ from runtime.crew import (
     Crew,
     Int8Rows,
     addr,
-    i4_prepared,
     i4_rows_template,
     i8_prepared,
     i8_rows_template,
     mlp_templates,
 )
-from runtime.kernels.crew import WIDTH, crew_moe, job_kinds
+from runtime.kernels.crew import WIDTH, crew_linears, crew_moe, job_kinds
 from runtime.kernels.dequant import dequantize
 from runtime.kernels.heads import HeadsMatmul
 from runtime.kernels.quant_matmul import (
@@ -544,26 +543,21 @@ class ExpertCompute:
         crew = self._crew_for(n_tok, n_tok * lin.in_features * n_out)
         if crew is None or n_tok == 0:
             return None
+        if lin.int4 is not None:
+            got = self._crew_linears(crew, (lin,), x)
+            return None if got is None else got[0]
         jobs = _linear_jobs(lin, 2 * self.threads, self._kept(lin))
         if jobs is None:
             return None
-        w4, template, starts = jobs
+        _, template, starts = jobs
         xx = np.ascontiguousarray(x, dtype=np.float32)
         buf = np.empty(n_tok * n_out, np.float32)  # range by range, each [T, b - a]
         table = template.copy()
-        if w4 is not None:
-            y, ys = i4_prepared(xx, w4)
-            table[:, 1] = addr(y)
-            table[:, 2] = y.size
-            table[:, 3] = ys
-            table[:, 4] = n_tok
-            table[:, 16] = addr(buf) + starts * (4 * n_tok)
-        else:
-            xp = i8_prepared(xx, lin.in_features)
-            table[:, 1] = addr(xp)
-            table[:, 2] = n_tok
-            table[:, 3] = xp.size // n_tok
-            table[:, 8] = addr(buf) + starts * (4 * n_tok)
+        xp = i8_prepared(xx, lin.in_features)
+        table[:, 1] = addr(xp)
+        table[:, 2] = n_tok
+        table[:, 3] = xp.size // n_tok
+        table[:, 8] = addr(buf) + starts * (4 * n_tok)
         crew.run(table)
         with self._lock:
             self.split_calls += 1
@@ -577,6 +571,51 @@ class ExpertCompute:
             ],
             axis=1,
         )
+
+    def linears(self, lins: Sequence[Linear], x: F32Array) -> list[F32Array]:
+        """``[lin(x) for lin in lins]``: int4 weights of the same input width in one crew run
+        (one preparation of ``x``, every weight's feature ranges in one table: the attention's
+        ``q_a_proj`` and ``kv_a_proj_with_mqa``), else one :meth:`linear` each. The same bits
+        either way."""
+        n_tok = x.shape[0]
+        macs = n_tok * sum(lin.in_features * lin.out_features for lin in lins)
+        crew = self._crew_for(n_tok, macs) if len(lins) > 1 else None
+        if crew is not None and not self.fast_int8 and n_tok:
+            got = self._crew_linears(crew, lins, x)
+            if got is not None:
+                return got
+        return [self.linear(lin, x) for lin in lins]
+
+    def _crew_linears(
+        self, crew: Crew, lins: Sequence[Linear], x: F32Array
+    ) -> list[F32Array] | None:
+        """:meth:`linears` on the crew (``crew_linears``), or None where it does not take
+        them (not all int4 of one packed row width, too few features)."""
+        kept = self._kept(lins[0])
+        many = kept.setdefault("many", {})
+        key = (len(lins), self.threads)
+        got = many.get(key)
+        if got is None or any(a is not b for a, b in zip(got[0], lins, strict=True)):
+            got = (
+                tuple(lins),
+                _many_jobs(lins, 2 * self.threads, [self._kept(lin) for lin in lins]),
+            )
+            many[key] = got
+        jobs = got[1]
+        if jobs is None:
+            return None
+        template, job_out, job_at, out_at, n_outs, nb = jobs
+        n_tok = x.shape[0]
+        flat = crew.call(
+            crew_linears, 1, np.ascontiguousarray(x, dtype=np.float32), template, job_out,
+            job_at, out_at, n_outs, nb,
+        )  # fmt: skip
+        with self._lock:
+            self.split_calls += 1
+        return [
+            flat[n_tok * a : n_tok * (a + o)].reshape(n_tok, o)
+            for a, o in zip(out_at.tolist(), n_outs.tolist(), strict=True)
+        ]
 
     def _crew_swiglu(self, x: F32Array, w: MLPWeights) -> F32Array | None:
         """:meth:`swiglu` as two crew runs (activation feature ranges, then output feature
@@ -901,6 +940,40 @@ def _linear_jobs(
         cache[parts] = got
     out: tuple[Int4Weight | None, I64Array, I64Array] | None = cache[parts]
     return out
+
+
+def _many_jobs(
+    lins: Sequence[Linear], parts: int, kept: Sequence[dict[Any, Any]]
+) -> tuple[I64Array, I64Array, I64Array, I64Array, I64Array, int] | None:
+    """``crew_linears``' arguments for int4 ``lins`` of one packed row width, each in
+    ``parts`` ranges: (their templates in one table, each job's weight and first feature,
+    each weight's first column in the sum and its features, the packed bytes per row); None
+    where one of them has no int4 jobs or the widths differ."""
+    tables, job_out, job_at = [], [], []
+    nbs = set()
+    for m, (lin, k) in enumerate(zip(lins, kept, strict=True)):
+        jobs = _linear_jobs(lin, parts, k)
+        if jobs is None:
+            return None
+        w4, template, starts = jobs
+        if w4 is None:
+            return None
+        nbs.add(int(w4.walk[2]))
+        tables.append(template)
+        job_out += [m] * len(starts)
+        job_at += starts.tolist()
+    if len(nbs) != 1:
+        return None
+    n_outs = np.asarray([lin.out_features for lin in lins], np.int64)
+    out_at = np.concatenate([[0], np.cumsum(n_outs)[:-1]]).astype(np.int64)
+    return (
+        np.ascontiguousarray(np.concatenate(tables)),
+        np.asarray(job_out, np.int64),
+        np.asarray(job_at, np.int64),
+        out_at,
+        n_outs,
+        int(nbs.pop()),
+    )
 
 
 def _heads_template(uk: HeadsMatmul, uv: HeadsMatmul, parts: int) -> I64Array:

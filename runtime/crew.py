@@ -70,7 +70,12 @@ CREW_MIN_MACS = 1 << 20
 _PREFIX = "colibri-crew"
 #: Runs per judgement of the crew, the mean wait (us) at a run's end that means its workers
 #: are kept off their CPUs, and the first and longest time it then stands aside (seconds).
-WINDOW = 32
+#: A window is long (~10 decode steps) because the waits come in rare long ones both ways: a
+#: quiet 2-vCPU guest's hypervisor takes a vCPU away for 0.3-1.7 ms a few times a second
+#: (means over 256 runs 2-5 us; 32 runs with one such wait averaged 55 us), while another
+#: process on a CPU leaves a few percent of the runs waiting one of its 10-15 ms time slices
+#: (means over 256 runs 200-290 us).
+WINDOW = 256
 CONTENDED_WAIT_US = 40.0
 BACKOFF_S = (1.0, 8.0)
 
@@ -268,12 +273,12 @@ class Crew:
 
     def _note(self, waited: int) -> None:
         """Judge the crew every :data:`WINDOW` runs by how long the posting thread waited at
-        their ends: a few microseconds when the workers have their CPUs, 70-170 us a run when
+        their ends: a few microseconds a run when the workers have their CPUs, hundreds when
         another process keeps them off (a worker descheduled in the middle of a job), which
         made a decode step 1.37x slower than the thread pool's (2-vCPU guest, one busy
         process beside). After two such windows in a row the crew stands aside
-        (:meth:`usable`) for a while, doubling
-        up to ``BACKOFF_S[1]`` while it stays so, and its workers sleep."""
+        (:meth:`usable`) for a while, doubling up to ``BACKOFF_S[1]`` while it stays so, and
+        its workers sleep."""
         self._window[0] += 1
         self._window[1] += waited
         if self._window[0] < WINDOW:

@@ -50,6 +50,8 @@ from runtime.kernels._intrinsics import (
 )
 from runtime.kernels._matmul_kernels import (
     _i4_apply,
+    _i4_prep,
+    _i4_stride,
     _i8_matmul16,
     _i8_matmul16_tiles,
     i4_down_part,
@@ -70,6 +72,7 @@ __all__ = [
     "WIDTH",
     "JobKinds",
     "combine_sorted",
+    "crew_linears",
     "crew_moe",
     "crew_run",
     "crew_work",
@@ -281,6 +284,46 @@ def combine_sorted(out, tok, n_tok):  # type: ignore[no-untyped-def]
 
 
 @njit(nogil=True, cache=True)
+def crew_linears(ctrl, x, template, job_out, job_at, out_at, n_outs, nb, stats):  # type: ignore[no-untyped-def]
+    """Int4 matmuls of the same input ``x`` [T, I] in one crew run: flat [T * sum(O)], each
+    weight's [T, O] after the one before (``out_at[m]`` its first column in the sum).
+
+    ``template`` [P, WIDTH]: every weight's ``_job_i4_apply`` rows (``i4_rows_template``), job
+    ``p`` computing features from ``job_at[p]`` of weight ``job_out[p]``; ``nb`` the packed
+    bytes per row, the same for all (so one ``_i4_prep`` of ``x`` serves every job). The bits
+    of one ``i4_matmul`` per weight. ``stats`` as ``crew_moe``'s ([3])."""
+    n_tok = x.shape[0]
+    ys = _i4_stride(nb)
+    y = _i4_prep(x, nb, ys)
+    total = out_at[-1] + n_outs[-1]
+    buf = np.empty(n_tok * total, np.float32)  # job by job, each [T, b - a]
+    n = template.shape[0]
+    table = template.copy()
+    for p in range(n):
+        table[p, 1] = y.ctypes.data
+        table[p, 2] = y.size
+        table[p, 3] = ys
+        table[p, 4] = n_tok
+        table[p, 16] = buf.ctypes.data + 4 * n_tok * (out_at[job_out[p]] + job_at[p])
+    stats[0] = crew_run(ctrl, table, n)
+    stats[1] = n
+    stats[2] = ctrl[WAITED * CELL] + _alive(y, table, buf, buf, buf)
+    if n_tok == 1:
+        return buf
+    out = np.empty(n_tok * total, np.float32)
+    for p in range(n):
+        m = job_out[p]
+        a = job_at[p]
+        b = job_at[p + 1] if p + 1 < n and job_out[p + 1] == m else n_outs[m]
+        blk = n_tok * (out_at[m] + a)
+        for t in range(n_tok):
+            row = n_tok * out_at[m] + t * n_outs[m]
+            for j in range(b - a):
+                out[row + a + j] = buf[blk + t * (b - a) + j]
+    return out
+
+
+@njit(nogil=True, cache=True)
 def _alive(a, b, c, d, e):  # type: ignore[no-untyped-def]
     """0, after a use of every argument (see :func:`crew_moe`)."""
     return a.size * 0 + b.size * 0 + c.size * 0 + d.size * 0 + e.size * 0
@@ -428,4 +471,5 @@ def job_kinds() -> JobKinds:
 #: Every compiled kernel (tests check they were built with ``nogil=True``).
 KERNELS: tuple[Any, ...] = (
     _drain, crew_run, one_run, crew_work, combine_sorted, _alive, _post_mlps, crew_moe,
+    crew_linears,
 )  # fmt: skip

@@ -50,6 +50,8 @@ __all__ = [
 F32Array = npt.NDArray[np.float32]
 MatMul = Callable[[Linear, F32Array], F32Array]  # applies a projection: lin(x) or a split
 BoolArray = npt.NDArray[np.bool_]
+#: several projections of the same input: [lin(x) for lin in lins] (or a split of them)
+ManyMatMul = Callable[[Sequence[Linear], F32Array], list[F32Array]]
 #: the compute's absorbed attention of a step's queries over their keys through W_UK / W_UV:
 #: (uk_heads, uv_heads, q_nope, q_rope, latent, k_rope, allowed, scale) -> [T, NH * V] or None
 HeadsFn = Callable[
@@ -129,15 +131,22 @@ def project(
     sin: F32Array,
     interleave: bool,
     mm: MatMul = _call,
+    many: ManyMatMul | None = None,
 ) -> MLAProjection:
     """``x`` [T, D] (input-normed hidden) -> queries and the new latent/rope-key rows.
 
     ``mm(lin, x)`` applies a projection (default ``lin(x)``; the compute's split over threads
-    for one token, bit-identical)."""
+    for one token, bit-identical); ``many(lins, x)`` several of the same input at once (the
+    compute's :meth:`~runtime.compute.ExpertCompute.linears`: ``q_a_proj`` and
+    ``kv_a_proj_with_mqa`` in one split)."""
     t = x.shape[0]
     q_resid = None
+    kv = None
     if w.q_a_proj is not None and w.q_b_proj is not None and w.q_a_layernorm is not None:
-        qa = mm(w.q_a_proj, x)  # [T, Q]
+        if many is not None:
+            qa, kv = many([w.q_a_proj, w.kv_a_proj_with_mqa], x)  # [T, Q], [T, C + R]
+        else:
+            qa = mm(w.q_a_proj, x)  # [T, Q]
         if w.q_a_bias is not None:
             qa = qa + w.q_a_bias
         q_resid = rms_norm(qa, w.q_a_layernorm, LORA_NORM_EPS)  # [T, Q]
@@ -149,7 +158,8 @@ def project(
     q = q.reshape(t, d.num_attention_heads, d.qk_head_dim)  # [T, NH, N + R]
     q_nope = q[:, :, : d.qk_nope_head_dim]  # [T, NH, N]
     q_rope = apply_rope(q[:, :, d.qk_nope_head_dim :], cos, sin, interleave)  # [T, NH, R]
-    kv = mm(w.kv_a_proj_with_mqa, x)  # [T, C + R]
+    if kv is None:
+        kv = mm(w.kv_a_proj_with_mqa, x)  # [T, C + R]
     if w.kv_a_bias is not None:
         kv = kv + w.kv_a_bias
     latent = rms_norm(kv[:, : d.kv_lora_rank], w.kv_a_layernorm, LORA_NORM_EPS)  # [T, C]

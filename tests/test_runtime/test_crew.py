@@ -63,6 +63,34 @@ def test_a_crew_matmul_is_the_one_call_bit_for_bit(fmt: str, lanes: int) -> None
         comp.close()
 
 
+def test_linears_of_one_input_share_a_crew_run_bit_for_bit() -> None:
+    """Several int4 weights of the same input width (``q_a_proj`` and ``kv_a_proj_with_mqa``)
+    in one crew run, one preparation of the rows: each the bits of its own call; weights of
+    different widths or formats fall back to one call each."""
+    rng = np.random.default_rng(5)
+
+    def lin(o: int, i: int, fmt: str = "int4-g64") -> Linear:
+        return Linear(quantize(rng.standard_normal((o, i)).astype(np.float32), fmt))
+
+    pair = [lin(96, 192), lin(80, 192, "int4-g32")]
+    comp = ExpertCompute(2)
+    comp.crew_min_macs = 0
+    try:
+        assert comp._crew is not None
+        for n in (1, 3, 17):
+            x = rng.standard_normal((n, 192)).astype(np.float32)
+            runs = comp._crew.runs
+            got = comp.linears(pair, x)
+            assert comp._crew.runs == runs + 1, n
+            assert all(np.array_equal(g, w(x)) for g, w in zip(got, pair, strict=True)), n
+        mixed = [lin(96, 192), lin(64, 192, "int8")]
+        x = rng.standard_normal((2, 192)).astype(np.float32)
+        got = comp.linears(mixed, x)
+        assert all(np.array_equal(g, w(x)) for g, w in zip(got, mixed, strict=True))
+    finally:
+        comp.close()
+
+
 def test_crew_mlps_and_moe_steps_are_the_serial_bits() -> None:
     """A prompt chunk, then decode token by token, of the demo model (resident int4 experts)
     with every MLP and matmul, and the decode MoE steps, on the crew: the logits of one
@@ -293,7 +321,8 @@ def test_rest_sends_a_polling_worker_to_sleep_and_a_run_wakes_it() -> None:
 def test_a_crew_kept_off_its_cpus_stands_aside_then_tries_again() -> None:
     """Long waits at the ends of runs (another process keeps the workers off their CPUs) in
     two windows in a row make the crew stand aside, with its workers asleep; one slow window
-    (first touches of pages) does not; after the pause it is used again."""
+    (first touches of pages) does not, nor a few very long waits in each (a hypervisor's
+    preemption); after the pause it is used again."""
     from runtime.crew import WINDOW
 
     crew = Crew(1, poll_iters=1 << 40, iters_per_us=1.0)  # one poll a microsecond
@@ -302,6 +331,10 @@ def test_a_crew_kept_off_its_cpus_stands_aside_then_tries_again() -> None:
             crew._note(1000)  # one slow window: 1 ms a run
         for _ in range(WINDOW):
             crew._note(3)
+        assert crew.usable() and crew.contended == 0
+        for _ in range(2):  # a vCPU taken away now and then: a few runs of a window wait long
+            for i in range(WINDOW):
+                crew._note(1700 if i in (5, 99) else 3)
         assert crew.usable() and crew.contended == 0
         crew._backoff_s = 0.2
         for _ in range(2 * WINDOW):
