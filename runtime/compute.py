@@ -48,6 +48,8 @@ from runtime.crew import (
     i8_prepared,
     i8_rows_template,
     mlp_templates,
+    q8_mlp_templates,
+    q8_rows_template,
 )
 from runtime.kernels.crew import WIDTH, crew_linears, crew_moe, job_kinds
 from runtime.kernels.dequant import dequantize
@@ -396,7 +398,7 @@ class ExpertCompute:
         per thread. Bit-identical to ``lin(x)``: every output feature is computed by the same
         kernel code from the same row (:meth:`runtime.linear.Linear.split`). Under fast-int8
         the ranges share one rounding of ``x`` (``q8``, made here when not given)."""
-        if q8 is None and not (self.fast_int8 and lin.has_int8):
+        if q8 is None:
             got = self._crew_linear(lin, x)
             if got is not None:
                 return got
@@ -543,7 +545,7 @@ class ExpertCompute:
         crew = self._crew_for(n_tok, n_tok * lin.in_features * n_out)
         if crew is None or n_tok == 0:
             return None
-        if lin.int4 is not None:
+        if lin.int4 is not None or (self.fast_int8 and lin.has_int8):
             got = self._crew_linears(crew, (lin,), x)
             return None if got is None else got[0]
         jobs = _linear_jobs(lin, 2 * self.threads, self._kept(lin))
@@ -580,7 +582,7 @@ class ExpertCompute:
         n_tok = x.shape[0]
         macs = n_tok * sum(lin.in_features * lin.out_features for lin in lins)
         crew = self._crew_for(n_tok, macs) if len(lins) > 1 else None
-        if crew is not None and not self.fast_int8 and n_tok:
+        if crew is not None and n_tok:
             got = self._crew_linears(crew, lins, x)
             if got is not None:
                 return got
@@ -590,16 +592,15 @@ class ExpertCompute:
         self, crew: Crew, lins: Sequence[Linear], x: F32Array
     ) -> list[F32Array] | None:
         """:meth:`linears` on the crew (``crew_linears``), or None where it does not take
-        them (not all int4 of one packed row width, too few features)."""
+        them (not all int4 of one packed row width, too few features; under fast-int8, not
+        all with the int8-activation kernel)."""
         kept = self._kept(lins[0])
         many = kept.setdefault("many", {})
-        key = (len(lins), self.threads)
+        key = (len(lins), self.threads, self.fast_int8)
         got = many.get(key)
         if got is None or any(a is not b for a, b in zip(got[0], lins, strict=True)):
-            got = (
-                tuple(lins),
-                _many_jobs(lins, 2 * self.threads, [self._kept(lin) for lin in lins]),
-            )
+            kept_each = [self._kept(lin) for lin in lins]
+            got = (tuple(lins), _many_jobs(lins, 2 * self.threads, kept_each, self.fast_int8))
             many[key] = got
         jobs = got[1]
         if jobs is None:
@@ -608,7 +609,7 @@ class ExpertCompute:
         n_tok = x.shape[0]
         flat = crew.call(
             crew_linears, 1, np.ascontiguousarray(x, dtype=np.float32), template, job_out,
-            job_at, out_at, n_outs, nb,
+            job_at, out_at, n_outs, nb, self.fast_int8,
         )  # fmt: skip
         with self._lock:
             self.split_calls += 1
@@ -619,14 +620,13 @@ class ExpertCompute:
 
     def _crew_swiglu(self, x: F32Array, w: MLPWeights) -> F32Array | None:
         """:meth:`swiglu` as two crew runs (activation feature ranges, then output feature
-        ranges) for exact int4 projections, or None where the crew does not take it."""
-        if self.fast_int8:
-            return None
+        ranges) for int4 projections (under fast-int8, with the int8-activation kernels), or
+        None where the crew does not take it."""
         n_tok = x.shape[0]
         crew = self._crew_for(n_tok, 3 * n_tok * w.gate.in_features * w.gate.out_features)
         if crew is None or n_tok == 0:
             return None
-        jobs = _mlp_jobs(w, self.threads, self._kept(w.gate))
+        jobs = self._mlp_jobs(w)
         if jobs is None:
             return None
         # the crew's MoE step with no routed expert and ``w`` as the shared one
@@ -634,6 +634,7 @@ class ExpertCompute:
             crew_moe, 2, np.ascontiguousarray(x, dtype=np.float32),
             np.zeros((n_tok, 0), np.int64), np.zeros((n_tok, 0), np.float32),
             _NO_EXPERTS, _NO_EXPERTS, jobs.first, jobs.second, _NO_NF, jobs.n_f,
+            self.fast_int8,
         )  # fmt: skip
         out_: F32Array = out
         return out_
@@ -651,9 +652,9 @@ class ExpertCompute:
         """A MoE step over resident int4 experts on the crew: (the routed experts' outputs
         summed per row in ascending expert id [T, D], as ``moe.combine`` sums
         :meth:`expert_output`'s, and the ``shared`` expert's output, None when there is
-        none), the same bits; None where the crew does not take the step (streamed experts,
-        fast-int8, another format, a small step)."""
-        if self.fast_int8 or not isinstance(source, ResidentExperts):
+        none), the same bits (under fast-int8, those of its kernels); None where the crew
+        does not take the step (streamed experts, another format, a small step)."""
+        if not isinstance(source, ResidentExperts):
             return None
         crew = self._crew_for(x.shape[0], macs)
         if crew is None:
@@ -675,7 +676,7 @@ class ExpertCompute:
             crew_moe, 2,
             np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(ids, np.int64),
             np.ascontiguousarray(gates, dtype=np.float32), first, second, s_jobs.first,
-            s_jobs.second, n_f, s_jobs.n_f,
+            s_jobs.second, n_f, s_jobs.n_f, self.fast_int8,
         )  # fmt: skip
         with self._lock:
             self.parallel_steps += 1
@@ -741,7 +742,7 @@ class ExpertCompute:
         return out
 
     def _mlp_jobs(self, w: MLPWeights) -> _MLPJobs | None:
-        return _mlp_jobs(w, self.threads, self._kept(w.gate))
+        return _mlp_jobs(w, self.threads, self._kept(w.gate), self.fast_int8)
 
     def _crew_layer(self, source: ResidentExperts, layer: int) -> _Stacked | None:
         """Every routed expert of ``layer`` as the crew's MoE step takes them (their job
@@ -750,7 +751,7 @@ class ExpertCompute:
         kept = self._crew_layers.get(source)
         if kept is None:
             kept = self._crew_layers[source] = {}
-        key = (layer, self.threads)
+        key = (layer, self.threads, self.fast_int8)
         if key not in kept:
             found = source.layer_experts(layer)
             jobs = [] if found is None else [self._mlp_jobs(w) for w in found]
@@ -943,22 +944,31 @@ def _linear_jobs(
 
 
 def _many_jobs(
-    lins: Sequence[Linear], parts: int, kept: Sequence[dict[Any, Any]]
+    lins: Sequence[Linear], parts: int, kept: Sequence[dict[Any, Any]], q8: bool = False
 ) -> tuple[I64Array, I64Array, I64Array, I64Array, I64Array, int] | None:
-    """``crew_linears``' arguments for int4 ``lins`` of one packed row width, each in
-    ``parts`` ranges: (their templates in one table, each job's weight and first feature,
-    each weight's first column in the sum and its features, the packed bytes per row); None
-    where one of them has no int4 jobs or the widths differ."""
+    """``crew_linears``' arguments for ``lins`` of one input width, each in ``parts`` ranges:
+    (their templates in one table, each job's weight and first feature, each weight's first
+    column in the sum and its features, the packed bytes per row); None where one of them
+    has no int4 jobs (with ``q8``: no int8-activation kernel) or the widths differ."""
     tables, job_out, job_at = [], [], []
     nbs = set()
     for m, (lin, k) in enumerate(zip(lins, kept, strict=True)):
-        jobs = _linear_jobs(lin, parts, k)
-        if jobs is None:
-            return None
-        w4, template, starts = jobs
-        if w4 is None:
-            return None
-        nbs.add(int(w4.walk[2]))
+        if q8:
+            w8 = lin.q8
+            if w8 is None:
+                return None
+            edges = edges16(lin.out_features, parts)
+            starts = np.asarray(edges[:-1], np.int64)
+            template = k.setdefault(("q8", parts), q8_rows_template(w8, edges))
+            nbs.add(lin.in_features)
+        else:
+            jobs = _linear_jobs(lin, parts, k)
+            if jobs is None:
+                return None
+            w4, template, starts = jobs
+            if w4 is None:
+                return None
+            nbs.add(int(w4.walk[2]))
         tables.append(template)
         job_out += [m] * len(starts)
         job_at += starts.tolist()
@@ -996,17 +1006,25 @@ def _heads_template(uk: HeadsMatmul, uv: HeadsMatmul, parts: int) -> I64Array:
     return table
 
 
-def _mlp_jobs(w: MLPWeights, parts: int, kept: dict[Any, Any]) -> _MLPJobs | None:
-    """An exact int4 MLP's crew jobs (:func:`runtime.crew.mlp_templates`: in ranges for
-    each phase) and its intermediate size, or None where it has no fused int4 kernel. Made
-    once per ``parts`` (kept in ``kept``, what the compute keeps for its gate projection,
-    with the up and down projections it was made for)."""
-    cache: dict[int, Any] = kept.setdefault("mlp", {})
-    got = cache.get(parts)
+def _mlp_jobs(w: MLPWeights, parts: int, kept: dict[Any, Any], q8: bool = False) -> _MLPJobs | None:
+    """An int4 MLP's crew jobs (:func:`runtime.crew.mlp_templates`, or with ``q8``
+    :func:`runtime.crew.q8_mlp_templates`: in ranges for each phase) and its intermediate
+    size, or None where it has no fused kernel of that kind. Made once per ``parts`` (kept
+    in ``kept``, what the compute keeps for its gate projection, with the up and down
+    projections it was made for)."""
+    cache: dict[Any, Any] = kept.setdefault("mlp", {})
+    got = cache.get((parts, q8))
     if got is None or got[0] is not w.up or got[1] is not w.down:
-        f = fused(w)
-        jobs = None if f is None else _MLPJobs(*mlp_templates(f, parts), f[0].walk[0])
+        jobs = None
+        if q8:
+            fq = fused_q8(w)
+            if fq is not None:
+                jobs = _MLPJobs(*q8_mlp_templates(fq, parts), fq[0].n_out)
+        else:
+            f = fused(w)
+            if f is not None:
+                jobs = _MLPJobs(*mlp_templates(f, parts), f[0].walk[0])
         got = (w.up, w.down, jobs)
-        cache[parts] = got
+        cache[(parts, q8)] = got
     out: _MLPJobs | None = got[2]
     return out

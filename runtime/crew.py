@@ -46,7 +46,7 @@ from runtime.kernels.crew import (
     job_kinds,
 )
 from runtime.kernels.crew import one_run as _one_run
-from runtime.kernels.quant_matmul import DEFAULT_PREFETCH, Int4Weight, edges16
+from runtime.kernels.quant_matmul import DEFAULT_PREFETCH, Int4Weight, Q8Weight, edges16
 
 __all__ = [
     "CREW_MIN_MACS",
@@ -59,6 +59,9 @@ __all__ = [
     "i8_prepared",
     "i8_rows_template",
     "mlp_templates",
+    "q8_fields",
+    "q8_mlp_templates",
+    "q8_rows_template",
 ]
 
 F32Array = npt.NDArray[np.float32]
@@ -167,6 +170,46 @@ def mlp_templates(
         for c, d in itertools.pairwise(edges16(n_d, parts))
     ]
     return _table(first), _table(second)
+
+
+def q8_fields(w: Q8Weight) -> list[int]:
+    """A fast-int8 weight as the 4 fields a job row holds: packed address, size, per-chunk
+    scales address, size."""
+    return [addr(w.packed), w.packed.size, addr(w.scales), w.scales.size]
+
+
+def q8_mlp_templates(
+    f: tuple[Q8Weight, Q8Weight, Q8Weight], parts: int
+) -> tuple[I64Array, I64Array]:
+    """A fast-int8 SwiGLU MLP's jobs in ``parts`` ranges: the intermediate features in whole
+    64-column groups (``_job_q8_swiglu_part``; per call columns 1-8 (rows rounded), 9 (n), 22
+    (h) and 23-30 (h rounded)) and the output features (``_job_q8_down_part``; per call
+    columns 1-8 (h rounded), 9 (n), 17 (gate weights), 18 (output))."""
+    gate, up, down = f
+    n_f, n_d = gate.n_out, gate.n_in
+    kinds = job_kinds()
+    first = [
+        [kinds.q8_swiglu_part, *[0] * 9, *q8_fields(gate), *q8_fields(up), a, b, n_f, n_d,
+         *[0] * 9, DEFAULT_PREFETCH]
+        for a, b in itertools.pairwise(edges16(n_f, parts, 64))
+    ]  # fmt: skip
+    second = [
+        [kinds.q8_down_part, *[0] * 9, *q8_fields(down), c, d, n_f, 0, 0, n_d, DEFAULT_PREFETCH]
+        for c, d in itertools.pairwise(edges16(n_d, parts))
+    ]
+    return _table(first), _table(second)
+
+
+def q8_rows_template(w: Q8Weight, edges: Sequence[int]) -> I64Array:
+    """Jobs of ``_job_q8_rows`` for the row ranges ``edges`` of fast-int8 ``w`` [P, WIDTH];
+    per call columns 1-8 (rows rounded), 9 (T) and 15 (output)."""
+    nb, groups = w.packed.size // w.n_out, w.scales.size // w.n_out
+    rows = []
+    for a, b in itertools.pairwise(edges):
+        p, s = w.packed[a * nb : b * nb], w.scales[a * groups : b * groups]
+        rows.append([job_kinds().q8_rows, *[0] * 9, addr(p), p.size, addr(s), s.size, b - a, 0,
+                     DEFAULT_PREFETCH])  # fmt: skip
+    return _table(rows)
 
 
 def i4_prepared(x: F32Array, w: Int4Weight) -> tuple[F32Array, int]:

@@ -43,6 +43,8 @@ __all__ = [
     "f16_bits_to_f32",
     "f32_at",
     "fetch_add",
+    "i8_at",
+    "i32_at",
     "i64_at",
     "load_acquire",
     "prefetch",
@@ -256,8 +258,10 @@ def _make_ptr(dtype: Any, doc: str) -> Any:
 f32_at = _make_ptr(types.float32, "an integer address as a float32 pointer")
 #: ``u8_at(addr)``: the same as a uint8 pointer.
 u8_at = _make_ptr(types.uint8, "an integer address as a uint8 pointer")
-#: ``i64_at(addr)``: the same as an int64 pointer.
+#: ``i64_at(addr)`` / ``i8_at`` / ``i32_at``: the same as an int64 / int8 / int32 pointer.
 i64_at = _make_ptr(types.int64, "an integer address as an int64 pointer")
+i8_at = _make_ptr(types.int8, "an integer address as an int8 pointer")
+i32_at = _make_ptr(types.int32, "an integer address as an int32 pointer")
 
 
 @_intrinsic

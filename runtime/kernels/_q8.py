@@ -500,10 +500,19 @@ def q8_prep(x, xq, bias, sx, xstride, bstride):  # type: ignore[no-untyped-def]
     little more than ``2 * I`` / ``G`` so that the tokens of a tile do not all map to the same
     L1 sets (rows 4 KiB apart alias)."""
     n_tok, n_in = x.shape
+    q8_prep_groups(x.reshape(-1), n_tok, n_in, xq, bias, sx, xstride, bstride, 0, n_in // 64)
+
+
+@njit(nogil=True, cache=True)
+def q8_prep_groups(x, n_tok, n_in, xq, bias, sx, xstride, bstride, g0, g1):  # type: ignore[no-untyped-def]
+    """``q8_prep`` of groups ``g0 .. g1 - 1`` only (columns ``64 g0 .. 64 g1``) of the rows
+    of ``x`` (flat [T * I]): a group's digits, bias and scale depend on its 64 columns alone,
+    so the job crew rounds an MLP's intermediate rows range by range, each with the bits
+    of the whole call."""
     n_groups = n_in // 64
     lim = np.float32(127.0)
     for t in range(n_tok):
-        for g in range(n_groups):
+        for g in range(g0, g1):
             amax = absmax64(x, t * n_in + g * 64)
             qh = t * xstride + g * 64  # this group's h digits; its l digits n_in later
             if amax == 0.0:
@@ -775,6 +784,7 @@ def q8_expert(x, ids, gates, e, gp, gs, up, us, dp, ds, pf):  # type: ignore[no-
 #: Every compiled kernel (tests check they were built with ``nogil=True``).
 KERNELS = (
     q8_prep,
+    q8_prep_groups,
     q8_prep_scalar,
     q8_words,
     q8_rows_words,

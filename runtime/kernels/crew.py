@@ -38,15 +38,19 @@ from numba import cfunc, njit, types
 from numba.np.numpy_support import carray
 
 from runtime.kernels._intrinsics import (
+    ALIGN,
     call_at,
     compare_swap,
     f32_at,
     fetch_add,
+    i8_at,
+    i32_at,
     i64_at,
     load_acquire,
     store_release,
     swap,
     u8_at,
+    zeros64,
 )
 from runtime.kernels._matmul_kernels import (
     _i4_apply,
@@ -56,7 +60,9 @@ from runtime.kernels._matmul_kernels import (
     _i8_matmul16_tiles,
     i4_down_part,
     i4_swiglu_part,
+    silu_mul,
 )
+from runtime.kernels._q8 import _q8_apply, _q8_round, q8_prep_groups, q8_strides
 from runtime.kernels.attention import _latent_attention
 from runtime.kernels.heads import _heads_axpy, _heads_i4
 
@@ -235,6 +241,74 @@ def _job_i4_down_part(row):  # type: ignore[no-untyped-def]
     i4_down_part(h, dp, dsc, dw, a[15], a[16], g, out, a[20])
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _q8_at(a, k):  # type: ignore[no-untyped-def]
+    """Activations rounded for the fast-int8 kernels whose 8 fields start at ``a[k]`` (digits
+    address, size, biases address, size, scales address, size, digit stride, bias stride):
+    (xq, bias, sx, xstride, bstride), as ``_q8_round`` returns them."""
+    xq = carray(i8_at(a[k]), a[k + 1])
+    bias = carray(i32_at(a[k + 2]), a[k + 3])
+    sx = carray(f32_at(a[k + 4]), a[k + 5])
+    return xq, bias, sx, a[k + 6], a[k + 7]
+
+
+def _job_q8_rows(row):  # type: ignore[no-untyped-def]
+    """Rows of a fast-int8 matmul from rounded activations (``_q8_apply``): [fn, x rounded
+    (8 fields), T, packed, size, scales, size, n, out, pf]; the weight fields are the range's
+    rows, ``out`` [T, n]."""
+    a = carray(i64_at(row), WIDTH)
+    xq, bias, sx, xstride, bstride = _q8_at(a, 1)
+    packed = carray(u8_at(a[10]), a[11])
+    scales = carray(f32_at(a[12]), a[13])
+    out = carray(f32_at(a[15]), (a[9], a[14]))
+    _q8_apply(xq, bias, sx, xstride, bstride, packed, scales, a[14], out, a[16])
+
+
+def _job_q8_swiglu_part(row):  # type: ignore[no-untyped-def]
+    """Features ``[a, b)`` (multiples of 64) of a fast-int8 MLP's first half: gate and up
+    from the rounded rows, ``silu_mul`` into ``h`` [n, F], and those columns of ``h`` rounded
+    for the down projection (``q8_prep_groups``): [fn, x rounded (8), n, gate (packed, size,
+    scales, size), up (4), a, b, F, D, h, h rounded (8), pf]; the weights whole."""
+    a = carray(i64_at(row), WIDTH)
+    xq, bias, sx, xstride, bstride = _q8_at(a, 1)
+    n, lo, hi, n_f, n_d = a[9], a[18], a[19], a[20], a[21]
+    nb, groups = n_d // 2, n_d // 64
+    w = hi - lo
+    g = np.empty((n, w), np.float32)
+    u = np.empty((n, w), np.float32)
+    gp = carray(u8_at(a[10] + lo * nb), w * nb)
+    gs = carray(f32_at(a[12] + 4 * lo * groups), w * groups)
+    _q8_apply(xq, bias, sx, xstride, bstride, gp, gs, w, g, a[31])
+    up = carray(u8_at(a[14] + lo * nb), w * nb)
+    us = carray(f32_at(a[16] + 4 * lo * groups), w * groups)
+    _q8_apply(xq, bias, sx, xstride, bstride, up, us, w, u, a[31])
+    silu_mul(g, u, g)
+    h = carray(f32_at(a[22]), (n, n_f))
+    h[:, lo:hi] = g
+    hq, hbias, hsx, hxs, hbs = _q8_at(a, 23)
+    q8_prep_groups(h.reshape(-1), n, n_f, hq, hbias, hsx, hxs, hbs, lo // 64, hi // 64)
+
+
+def _job_q8_down_part(row):  # type: ignore[no-untyped-def]
+    """Output features ``[c, d)`` of a fast-int8 MLP's down projection from its rounded
+    intermediate rows, times each row's gate weight: [fn, h rounded (8), n, down (packed,
+    size, scales, size), c, d, F, g, out, D, pf]; the weight whole, ``out`` [n, D]."""
+    a = carray(i64_at(row), WIDTH)
+    hq, hbias, hsx, hxs, hbs = _q8_at(a, 1)
+    n, lo, hi, n_f = a[9], a[14], a[15], a[16]
+    nb, groups = n_f // 2, n_f // 64
+    w = hi - lo
+    dp = carray(u8_at(a[10] + lo * nb), w * nb)
+    ds = carray(f32_at(a[12] + 4 * lo * groups), w * groups)
+    tmp = np.empty((n, w), np.float32)
+    _q8_apply(hq, hbias, hsx, hxs, hbs, dp, ds, w, tmp, a[20])
+    g = carray(f32_at(a[17]), n)
+    out = carray(f32_at(a[18]), (n, a[19]))
+    for r in range(n):
+        for j in range(w):
+            out[r, lo + j] = tmp[r, j] * g[r]
+
+
 def _job_mla_heads(row):  # type: ignore[no-untyped-def]
     """Absorbed MLA attention of one query row for heads ``[h0, h1)``: ``W_UK`` (``_heads_axpy``),
     the latent attention over its keys (``_latent_attention``), ``W_UV`` (int4,
@@ -284,30 +358,45 @@ def combine_sorted(out, tok, n_tok):  # type: ignore[no-untyped-def]
 
 
 @njit(nogil=True, cache=True)
-def crew_linears(ctrl, x, template, job_out, job_at, out_at, n_outs, nb, stats):  # type: ignore[no-untyped-def]
+def crew_linears(ctrl, x, template, job_out, job_at, out_at, n_outs, nb, q8, stats):  # type: ignore[no-untyped-def]
     """Int4 matmuls of the same input ``x`` [T, I] in one crew run: flat [T * sum(O)], each
     weight's [T, O] after the one before (``out_at[m]`` its first column in the sum).
 
     ``template`` [P, WIDTH]: every weight's ``_job_i4_apply`` rows (``i4_rows_template``), job
     ``p`` computing features from ``job_at[p]`` of weight ``job_out[p]``; ``nb`` the packed
     bytes per row, the same for all (so one ``_i4_prep`` of ``x`` serves every job). The bits
-    of one ``i4_matmul`` per weight. ``stats`` as ``crew_moe``'s ([3])."""
+    of one ``i4_matmul`` per weight; with ``q8``, of one ``q8_matmul`` (``q8_rows_template``
+    jobs, ``x`` rounded once). ``stats`` as ``crew_moe``'s ([3])."""
     n_tok = x.shape[0]
     ys = _i4_stride(nb)
-    y = _i4_prep(x, nb, ys)
+    y = _i4_prep(x[: 0 if q8 else n_tok], nb, ys)
+    xq, xb, xs, xstride, xbstride = _q8_round(x[: n_tok if q8 else 0])
     total = out_at[-1] + n_outs[-1]
     buf = np.empty(n_tok * total, np.float32)  # job by job, each [T, b - a]
     n = template.shape[0]
     table = template.copy()
     for p in range(n):
-        table[p, 1] = y.ctypes.data
-        table[p, 2] = y.size
-        table[p, 3] = ys
-        table[p, 4] = n_tok
-        table[p, 16] = buf.ctypes.data + 4 * n_tok * (out_at[job_out[p]] + job_at[p])
+        at = buf.ctypes.data + 4 * n_tok * (out_at[job_out[p]] + job_at[p])
+        if q8:
+            table[p, 1] = xq.ctypes.data
+            table[p, 2] = xq.size
+            table[p, 3] = xb.ctypes.data
+            table[p, 4] = xb.size
+            table[p, 5] = xs.ctypes.data
+            table[p, 6] = xs.size
+            table[p, 7] = xstride
+            table[p, 8] = xbstride
+            table[p, 9] = n_tok
+            table[p, 15] = at
+        else:
+            table[p, 1] = y.ctypes.data
+            table[p, 2] = y.size
+            table[p, 3] = ys
+            table[p, 4] = n_tok
+            table[p, 16] = at
     stats[0] = crew_run(ctrl, table, n)
     stats[1] = n
-    stats[2] = ctrl[WAITED * CELL] + _alive(y, table, buf, buf, buf)
+    stats[2] = ctrl[WAITED * CELL] + _alive(y, table, buf, xq, xb) + xs.size * 0
     if n_tok == 1:
         return buf
     out = np.empty(n_tok * total, np.float32)
@@ -321,6 +410,13 @@ def crew_linears(ctrl, x, template, job_out, job_at, out_at, n_outs, nb, stats):
             for j in range(b - a):
                 out[row + a + j] = buf[blk + t * (b - a) + j]
     return out
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _lines(n, size):  # type: ignore[no-untyped-def]
+    """``n`` elements of ``size`` bytes rounded up to whole 64-byte lines, in elements."""
+    per = ALIGN // size
+    return (n + per - 1) // per * per
 
 
 @njit(nogil=True, cache=True)
@@ -342,7 +438,7 @@ def _post_mlps(table, at, templates, cols, vals):  # type: ignore[no-untyped-def
 
 
 @njit(nogil=True, cache=True)
-def crew_moe(ctrl, x, ids, gates, first, second, s_first, s_second, n_f, s_nf, stats):  # type: ignore[no-untyped-def]
+def crew_moe(ctrl, x, ids, gates, first, second, s_first, s_second, n_f, s_nf, q8, stats):  # type: ignore[no-untyped-def]
     """A MoE step's experts in two crew runs, from the routing to the per-row sums:
     (routed [T, D], the shared expert's output [T, D] or an empty [0, D]).
 
@@ -354,8 +450,11 @@ def crew_moe(ctrl, x, ids, gates, first, second, s_first, s_second, n_f, s_nf, s
     (``np.argsort(ids, kind="stable")``), each MLP's rows through its two phases as
     ``i4_swiglu_part`` / ``i4_down_part`` with its gate weights, and summed per row from zeros
     in that order (``combine_sorted``): the bits of ``ExpertCompute.crew_step``'s Python form,
-    which did the same in some twenty numpy calls. ``stats`` int64 [4]: jobs this thread ran,
-    jobs posted, the polls waited at each run's end."""
+    which did the same in some twenty numpy calls. ``q8``: the fast-int8 form (templates of
+    ``q8_mlp_templates``; the gathered rows rounded once, each MLP's intermediate rows
+    rounded range by range in its first run): the bits of ``q8_expert`` / ``q8_swiglu``.
+    ``stats`` int64 [4]: jobs this thread ran, jobs posted, the polls waited at each run's
+    end."""
     n_tok, k = ids.shape
     n_d = x.shape[1]
     n_e = first.shape[0]
@@ -406,6 +505,24 @@ def crew_moe(ctrl, x, ids, gates, first, second, s_first, s_second, n_f, s_nf, s
         total += n[m] * nf[m]
     h = np.empty(total, np.float32)
     out = np.empty((rows, n_d), np.float32)
+    # fast-int8: the rows rounded once (a row's digits depend on that row alone), and room for
+    # each MLP's rounded intermediate rows, every block on a cache line of its own
+    x_groups = n_d // 64
+    if q8:
+        xq, xb, xs, xstride, xbstride = _q8_round(xe)
+    else:
+        xq, xb, xs, xstride, xbstride = _q8_round(xe[:0])
+    hq_at = np.zeros(n_all + 1, np.int64)
+    hb_at = np.zeros(n_all + 1, np.int64)
+    hs_at = np.zeros(n_all + 1, np.int64)
+    for m in range(n_all):
+        hxs, hbs = q8_strides(nf[m]) if q8 else (0, 0)
+        hq_at[m + 1] = hq_at[m] + _lines(n[m] * hxs, 1)
+        hb_at[m + 1] = hb_at[m] + _lines(n[m] * hbs, 4)
+        hs_at[m + 1] = hs_at[m] + _lines(n[m] * (nf[m] // 64) * (1 if q8 else 0), 4)
+    hq = zeros64(hq_at[n_all], np.int8)
+    hb = zeros64(hb_at[n_all], np.int32)
+    hs = zeros64(hs_at[n_all], np.float32)
     # the MLPs with most rows first (a stable sort: a prefill step's shared expert, which
     # takes every row, leads), so no big job is left for the end of a run
     order = np.argsort(-n[:n_all], kind="mergesort")
@@ -413,22 +530,55 @@ def crew_moe(ctrl, x, ids, gates, first, second, s_first, s_second, n_f, s_nf, s
     p2 = second.shape[1] * n_m + (s_second.shape[0] if shared else 0)
     t1 = np.empty((p1, WIDTH), np.int64)
     t2 = np.empty((p2, WIDTH), np.int64)
-    c1 = np.array([1, 2, 28], np.int64)
-    c2 = np.array([1, 2, 17, 18], np.int64)
-    v1 = np.empty(3, np.int64)
-    v2 = np.empty(4, np.int64)
+    if q8:
+        c1 = np.array([1, 2, 3, 4, 5, 6, 7, 8, 9, 22, 23, 24, 25, 26, 27, 28, 29, 30], np.int64)
+        c2 = np.array([1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 18], np.int64)
+    else:
+        c1 = np.array([1, 2, 28], np.int64)
+        c2 = np.array([1, 2, 17, 18], np.int64)
+    v1 = np.empty(c1.size, np.int64)
+    v2 = np.empty(c2.size, np.int64)
     a1 = 0
     a2 = 0
     for i in range(n_all):
         m = order[i]
         e = es[m]
-        v1[0] = xe.ctypes.data + start[m] * 4 * n_d
-        v1[1] = n[m]
-        v1[2] = h.ctypes.data + h_at[m] * 4
-        v2[0] = v1[2]
-        v2[1] = n[m]
-        v2[2] = g.ctypes.data + start[m] * 4
-        v2[3] = out.ctypes.data + start[m] * 4 * n_d
+        h_addr = h.ctypes.data + h_at[m] * 4
+        g_addr = g.ctypes.data + start[m] * 4
+        o_addr = out.ctypes.data + start[m] * 4 * n_d
+        if q8:
+            hxs, hbs = q8_strides(nf[m])
+            v1[0] = xq.ctypes.data + start[m] * xstride
+            v1[1] = n[m] * xstride
+            v1[2] = xb.ctypes.data + start[m] * xbstride * 4
+            v1[3] = n[m] * xbstride
+            v1[4] = xs.ctypes.data + start[m] * x_groups * 4
+            v1[5] = n[m] * x_groups
+            v1[6] = xstride
+            v1[7] = xbstride
+            v1[8] = n[m]
+            v1[9] = h_addr
+            v1[10] = hq.ctypes.data + hq_at[m]
+            v1[11] = n[m] * hxs
+            v1[12] = hb.ctypes.data + hb_at[m] * 4
+            v1[13] = n[m] * hbs
+            v1[14] = hs.ctypes.data + hs_at[m] * 4
+            v1[15] = n[m] * (nf[m] // 64)
+            v1[16] = hxs
+            v1[17] = hbs
+            for j in range(8):
+                v2[j] = v1[10 + j]
+            v2[8] = n[m]
+            v2[9] = g_addr
+            v2[10] = o_addr
+        else:
+            v1[0] = xe.ctypes.data + start[m] * 4 * n_d
+            v1[1] = n[m]
+            v1[2] = h_addr
+            v2[0] = h_addr
+            v2[1] = n[m]
+            v2[2] = g_addr
+            v2[3] = o_addr
         if e >= 0:
             a1 = _post_mlps(t1, a1, first[e], c1, v1)
             a2 = _post_mlps(t2, a2, second[e], c2, v2)
@@ -441,7 +591,7 @@ def crew_moe(ctrl, x, ids, gates, first, second, s_first, s_second, n_f, s_nf, s
     stats[3] = ctrl[WAITED * CELL]
     # numba frees an array after its last use in the function: the jobs' arrays are used
     # here, after the runs that read and write them through addresses
-    stats[1] = p1 + p2 + _alive(xe, g, h, t1, t2)
+    stats[1] = p1 + p2 + _alive(xe, g, h, t1, t2) + _alive(xq, xb, xs, hq, hb) + hs.size * 0
     routed = combine_sorted(out, tok, n_tok)
     if shared:
         return routed, out[n_routed:]
@@ -456,16 +606,22 @@ class JobKinds(NamedTuple):
     i4_swiglu_part: int
     i4_down_part: int
     mla_heads: int
+    q8_rows: int
+    q8_swiglu_part: int
+    q8_down_part: int
     owners: tuple[Any, ...]
 
 
 @functools.cache
 def job_kinds() -> JobKinds:
     """Every job kind compiled once per process (see above)."""
-    fns = (_job_i4_apply, _job_i8_rows, _job_i4_swiglu_part, _job_i4_down_part, _job_mla_heads)
+    fns = (
+        _job_i4_apply, _job_i8_rows, _job_i4_swiglu_part, _job_i4_down_part, _job_mla_heads,
+        _job_q8_rows, _job_q8_swiglu_part, _job_q8_down_part,
+    )  # fmt: skip
     owners: tuple[Any, ...] = tuple(cfunc(_SIG, cache=True)(fn) for fn in fns)
     at = [int(c.address) for c in owners]
-    return JobKinds(at[0], at[1], at[2], at[3], at[4], owners)
+    return JobKinds(at[0], at[1], at[2], at[3], at[4], at[5], at[6], at[7], owners)
 
 
 #: Every compiled kernel (tests check they were built with ``nogil=True``).

@@ -477,12 +477,12 @@ class SplitExpert:
         return self.rows, self.out
 
 
-def edges16(n: int, parts: int) -> list[int]:
+def edges16(n: int, parts: int, step: int = 16) -> list[int]:
     """``[0, ..., n]``: ``parts`` near-equal ranges of ``n`` whose inner edges are multiples of
-    16 (empty ranges dropped)."""
+    ``step`` (16; 64 for the fast-int8 kernels' column groups; empty ranges dropped)."""
     edges = [0]
     for i in range(1, max(1, parts)):
-        cut = round(n * i / parts / 16) * 16
+        cut = round(n * i / parts / step) * step
         if edges[-1] < cut < n:
             edges.append(cut)
     edges.append(n)

@@ -63,6 +63,32 @@ def test_a_crew_matmul_is_the_one_call_bit_for_bit(fmt: str, lanes: int) -> None
         comp.close()
 
 
+def test_fast_int8_matmuls_on_the_crew_are_its_one_call_bits() -> None:
+    """Under fast-int8, a matmul's feature ranges (and two weights of one input) on the crew
+    from one rounding of the rows: the bits of the weight's own fast-int8 call."""
+    rng = np.random.default_rng(8)
+
+    def lin(o: int, i: int) -> Linear:
+        return Linear(quantize(rng.standard_normal((o, i)).astype(np.float32), "int4-g64"))
+
+    a, b = lin(200, 256), lin(96, 256)
+    comp = ExpertCompute(2, kernels="fast-int8")
+    comp.crew_min_macs = 0
+    try:
+        assert comp._crew is not None
+        for n in (1, 3, 17):
+            x = rng.standard_normal((n, 256)).astype(np.float32)
+            runs = comp._crew.runs
+            assert np.array_equal(comp.linear(a, x), a(x, fast_int8=True)), n
+            got = comp.linears([a, b], x)
+            assert comp._crew.runs == runs + 2, n
+            assert np.array_equal(got[0], a(x, fast_int8=True)), n
+            assert np.array_equal(got[1], b(x, fast_int8=True)), n
+            assert not np.array_equal(got[0], a(x)), n  # (the lossy kernel did run)
+    finally:
+        comp.close()
+
+
 def test_linears_of_one_input_share_a_crew_run_bit_for_bit() -> None:
     """Several int4 weights of the same input width (``q_a_proj`` and ``kv_a_proj_with_mqa``)
     in one crew run, one preparation of the rows: each the bits of its own call; weights of
@@ -127,18 +153,23 @@ def test_crew_mlps_and_moe_steps_are_the_serial_bits() -> None:
 
 @pytest.mark.parametrize("n_tok", [1, 2, 5])
 @pytest.mark.parametrize("with_shared", [True, False])
-def test_the_crew_moe_step_is_the_expert_by_expert_sum(n_tok: int, with_shared: bool) -> None:
+@pytest.mark.parametrize("q8", [False, True])
+def test_the_crew_moe_step_is_the_expert_by_expert_sum(
+    n_tok: int, with_shared: bool, q8: bool
+) -> None:
     """``crew_moe`` (routing to per-row sums in one numba call, two crew runs) against the
     Python MoE step of the serial kernels: each routed expert on its rows, summed in
     ascending expert id, and the shared expert, bit for bit; experts with one row and with
-    several, a shared expert of another intermediate size."""
-    from runtime.crew import mlp_templates
+    several, a shared expert of another intermediate size; exact and fast-int8 (the rows
+    rounded once, each MLP's intermediate rows rounded range by range in the first run: the
+    bits of its one-call kernel)."""
+    from runtime.crew import mlp_templates, q8_mlp_templates
     from runtime.kernels.crew import WIDTH, crew_moe
     from runtime.layers import moe as moe_ops
-    from runtime.layers.swiglu import MLPWeights, fused, swiglu
+    from runtime.layers.swiglu import MLPWeights, fused, fused_q8, swiglu, swiglu_q8
 
     rng = np.random.default_rng(n_tok)
-    d, f, n_e, k = 128, 96, 7, 3
+    d, f, n_e, k = 128, (192 if q8 else 96), 7, 3
 
     def mlp(n_f: int) -> MLPWeights:
         def lin(o: int, i: int) -> Linear:
@@ -146,31 +177,45 @@ def test_the_crew_moe_step_is_the_expert_by_expert_sum(n_tok: int, with_shared: 
 
         return MLPWeights(lin(n_f, d), lin(n_f, d), lin(d, n_f))
 
+    def templates(w: MLPWeights) -> tuple[np.ndarray, np.ndarray]:
+        if q8:
+            return q8_mlp_templates(fused_q8(w), 2)  # type: ignore[arg-type]
+        return mlp_templates(fused(w), 2)  # type: ignore[arg-type]
+
+    def one(xe: np.ndarray, w: MLPWeights) -> np.ndarray:
+        return swiglu_q8(xe, fused_q8(w)) if q8 else swiglu(xe, w)  # type: ignore[arg-type]
+
     experts = [mlp(f) for _ in range(n_e)]
     shared = mlp(2 * f)
     x = rng.standard_normal((n_tok, d)).astype(np.float32)
     ids = np.sort(np.stack([rng.choice(4, k, replace=False) for _ in range(n_tok)]), axis=1)
     gates = rng.random((n_tok, k)).astype(np.float32)
-    parts = [mlp_templates(fused(w), 2) for w in experts]  # type: ignore[arg-type]
+    parts = [templates(w) for w in experts]
     first = np.stack([p[0] for p in parts])
     second = np.stack([p[1] for p in parts])
     if with_shared:
-        s_first, s_second = mlp_templates(fused(shared), 2)  # type: ignore[arg-type]
+        s_first, s_second = templates(shared)
     else:
         s_first = s_second = np.zeros((0, WIDTH), np.int64)
     crew = Crew(1, 10**6)
     try:
         routed, side = crew.call(
             crew_moe, 2, x, ids.astype(np.int64), gates, first, second, s_first, s_second,
-            np.full(n_e, f, np.int64), 2 * f,
+            np.full(n_e, f, np.int64), 2 * f, q8,
         )  # fmt: skip
         assert crew.runs == 2
     finally:
         crew.close()
-    want = moe_ops.apply_experts(x, ids, gates, dict(enumerate(experts)))
-    assert np.array_equal(routed, want)
+    outputs = {}
+    for e in moe_ops.union(ids):
+        rows, slot = np.nonzero(ids == e)
+        outputs[e] = (
+            rows,
+            one(np.ascontiguousarray(x[rows]), experts[e]) * gates[rows, slot][:, None],
+        )
+    assert np.array_equal(routed, moe_ops.combine(x, ids, outputs))
     if with_shared:
-        assert np.array_equal(side, swiglu(x, shared))
+        assert np.array_equal(side, one(x, shared))
     else:
         assert side.shape == (0, d)
 
