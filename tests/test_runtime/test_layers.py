@@ -440,6 +440,38 @@ def test_router_exact_ties_follow_torch() -> None:
     np.testing.assert_array_equal(ids, np.sort(i_ref.numpy(), axis=1))
 
 
+@pytest.mark.parametrize(
+    ("n_e", "k", "groups", "norm"),
+    [(64, 6, (1, 1), True), (256, 8, (8, 4), True), (32, 8, (4, 2), False), (16, 9, (1, 1), True)],
+)
+def test_the_router_kernel_is_the_numpy_router_bit_for_bit(
+    n_e: int, k: int, groups: tuple[int, int], norm: bool
+) -> None:
+    """The sigmoid router's numba rows against its numpy form: the same ids and the same
+    weight bits (a weight sum of 8 or more values in numpy's pairwise order), rows with exact
+    ties at the boundary and a NaN handed to the numpy form, a whole step decided by it."""
+    from runtime.layers.moe_router import KERNELS, route_numpy
+
+    assert all(kern.targetoptions.get("nogil") is True for kern in KERNELS)
+    cfg = RouterConfig(n_e, k, groups[0], groups[1], norm, 2.5)
+    rng = np.random.default_rng(n_e + k)
+    bias = (0.05 * rng.standard_normal(n_e)).astype(np.float32)
+    logits = (3 * rng.standard_normal((300, n_e))).astype(np.float32)
+    for t in range(0, 300, 7):
+        got = route(logits[t : t + 7], bias, cfg)
+        want = route_numpy(logits[t : t + 7], bias, cfg)
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), t
+    tied = logits[:5].copy()
+    tied[:, 1::2] = tied[:, 0::2]  # experts 2j and 2j + 1 tie everywhere
+    zero = np.zeros(n_e, np.float32)
+    got, want = route(tied, zero, cfg), route_numpy(tied, zero, cfg)
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+    nan = logits[:3].copy()
+    nan[1, 3] = np.nan
+    got, want = route(nan, bias, cfg), route_numpy(nan, bias, cfg)
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1], equal_nan=True)
+
+
 # ----------------------------------------------------------------------------- MLA
 
 
