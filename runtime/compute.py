@@ -51,7 +51,7 @@ from runtime.crew import (
     q8_mlp_templates,
     q8_rows_template,
 )
-from runtime.kernels.crew import WIDTH, crew_linears, crew_moe, job_kinds
+from runtime.kernels.crew import WIDTH, crew_heads_out, crew_linears, crew_moe, job_kinds
 from runtime.kernels.dequant import dequantize
 from runtime.kernels.heads import HeadsMatmul
 from runtime.kernels.quant_matmul import (
@@ -594,15 +594,7 @@ class ExpertCompute:
         """:meth:`linears` on the crew (``crew_linears``), or None where it does not take
         them (not all int4 of one packed row width, too few features; under fast-int8, not
         all with the int8-activation kernel)."""
-        kept = self._kept(lins[0])
-        many = kept.setdefault("many", {})
-        key = (len(lins), self.threads, self.fast_int8)
-        got = many.get(key)
-        if got is None or any(a is not b for a, b in zip(got[0], lins, strict=True)):
-            kept_each = [self._kept(lin) for lin in lins]
-            got = (tuple(lins), _many_jobs(lins, 2 * self.threads, kept_each, self.fast_int8))
-            many[key] = got
-        jobs = got[1]
+        jobs = self._many(crew, lins)
         if jobs is None:
             return None
         template, job_out, job_at, out_at, n_outs, nb = jobs
@@ -617,6 +609,21 @@ class ExpertCompute:
             flat[n_tok * a : n_tok * (a + o)].reshape(n_tok, o)
             for a, o in zip(out_at.tolist(), n_outs.tolist(), strict=True)
         ]
+
+    def _many(
+        self, crew: Crew, lins: Sequence[Linear]
+    ) -> tuple[I64Array, I64Array, I64Array, I64Array, I64Array, int] | None:
+        """``_many_jobs`` of ``lins`` for this compute's threads and kernels, made once (kept
+        with the first weight)."""
+        many = self._kept(lins[0]).setdefault("many", {})
+        key = (len(lins), self.threads, self.fast_int8)
+        got = many.get(key)
+        if got is None or any(a is not b for a, b in zip(got[0], lins, strict=True)):
+            kept_each = [self._kept(lin) for lin in lins]
+            got = (tuple(lins), _many_jobs(lins, 2 * self.threads, kept_each, self.fast_int8))
+            many[key] = got
+        jobs: tuple[I64Array, I64Array, I64Array, I64Array, I64Array, int] | None = got[1]
+        return jobs
 
     def _crew_swiglu(self, x: F32Array, w: MLPWeights) -> F32Array | None:
         """:meth:`swiglu` as two crew runs (activation feature ranges, then output feature
@@ -686,6 +693,7 @@ class ExpertCompute:
         self,
         uk: HeadsMatmul,
         uv: HeadsMatmul | None,
+        o_proj: Linear,
         q_nope: F32Array,
         q_rope: F32Array,
         latent: F32Array,
@@ -695,10 +703,12 @@ class ExpertCompute:
     ) -> F32Array | None:
         """Absorbed MLA attention of one query row (``q_nope`` [1, NH, N], ``q_rope`` [1, NH,
         R]) over its keys (``latent`` [S, C], ``k_rope`` [S, R], ``allowed`` [1, S] or None:
-        all), through ``W_UK`` (``uk``) and ``W_UV`` (``uv``): [1, NH * V], its head ranges on
-        the crew, or None where the crew does not take it (several rows, per-head weights, too
-        little work). Every head's the bits of ``absorb_queries``, ``latent_attention`` and
-        ``unabsorb_values``: the same kernels run on it (``_job_mla_heads``)."""
+        all), through ``W_UK`` (``uk``), ``W_UV`` (``uv``) and ``o_proj`` (its bias left to
+        the caller): [1, D], its head ranges on the crew and then ``o_proj``'s feature ranges
+        (one numba call, ``crew_heads_out``), or None where the crew does not take it (several
+        rows, per-head weights, too little work). Every head's the bits of
+        ``absorb_queries``, ``latent_attention`` and ``unabsorb_values`` (the same kernels run
+        on it, ``_job_mla_heads``), the projection's those of :meth:`linear`."""
         if (
             q_nope.shape[0] != 1
             or uv is None
@@ -738,8 +748,19 @@ class ExpertCompute:
         table[:, 15] = addr(q_lat)
         table[:, 16] = addr(o_lat)
         table[:, 28] = addr(out)
-        crew.run(table)
-        return out
+        o_jobs = self._many(crew, (o_proj,))
+        if o_jobs is None:
+            crew.run(table)
+            return self.linear(o_proj, out)
+        template, job_out, job_at, out_at, n_outs, nb = o_jobs
+        y = crew.call(
+            crew_heads_out, 2, table, out, template, job_out, job_at, out_at, n_outs, nb,
+            self.fast_int8,
+        )  # fmt: skip
+        with self._lock:
+            self.split_calls += 1
+        got_y: F32Array = y.reshape(1, -1)
+        return got_y
 
     def _mlp_jobs(self, w: MLPWeights) -> _MLPJobs | None:
         return _mlp_jobs(w, self.threads, self._kept(w.gate), self.fast_int8)

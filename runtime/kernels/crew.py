@@ -78,6 +78,7 @@ __all__ = [
     "WIDTH",
     "JobKinds",
     "combine_sorted",
+    "crew_heads_out",
     "crew_linears",
     "crew_moe",
     "crew_run",
@@ -412,6 +413,23 @@ def crew_linears(ctrl, x, template, job_out, job_at, out_at, n_outs, nb, q8, sta
     return out
 
 
+@njit(nogil=True, cache=True)
+def crew_heads_out(ctrl, table, heads, template, job_out, job_at, out_at, n_outs, nb, q8, stats):  # type: ignore[no-untyped-def]
+    """A run of ``_job_mla_heads`` (``table``, filling ``heads`` [1, NH * V]), then the output
+    projection of ``heads`` as :func:`crew_linears` (its arguments): [1, D] flat. ``stats``
+    [4]: jobs this thread ran, jobs posted, each run's polls waited at its end."""
+    n = table.shape[0]
+    ran = crew_run(ctrl, table, n)
+    waited = ctrl[WAITED * CELL]
+    inner = np.zeros(3, np.int64)
+    y = crew_linears(ctrl, heads, template, job_out, job_at, out_at, n_outs, nb, q8, inner)
+    stats[0] = ran + inner[0]
+    stats[1] = n + inner[1]
+    stats[2] = waited + _alive(table, heads, table, table, table)
+    stats[3] = inner[2]
+    return y
+
+
 @njit(nogil=True, cache=True, inline="always")
 def _lines(n, size):  # type: ignore[no-untyped-def]
     """``n`` elements of ``size`` bytes rounded up to whole 64-byte lines, in elements."""
@@ -627,5 +645,5 @@ def job_kinds() -> JobKinds:
 #: Every compiled kernel (tests check they were built with ``nogil=True``).
 KERNELS: tuple[Any, ...] = (
     _drain, crew_run, one_run, crew_work, combine_sorted, _alive, _post_mlps, crew_moe,
-    crew_linears,
+    crew_linears, crew_heads_out,
 )  # fmt: skip

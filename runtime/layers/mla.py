@@ -52,21 +52,14 @@ MatMul = Callable[[Linear, F32Array], F32Array]  # applies a projection: lin(x) 
 BoolArray = npt.NDArray[np.bool_]
 #: several projections of the same input: [lin(x) for lin in lins] (or a split of them)
 ManyMatMul = Callable[[Sequence[Linear], F32Array], list[F32Array]]
-#: the compute's absorbed attention of a step's queries over their keys through W_UK / W_UV:
-#: (uk_heads, uv_heads, q_nope, q_rope, latent, k_rope, allowed, scale) -> [T, NH * V] or None
+#: the compute's absorbed attention of a step's queries over their keys through W_UK, W_UV
+#: and o_proj (its bias left out): (uk_heads, uv_heads, o_proj, q_nope, q_rope, latent,
+#: k_rope, allowed, scale) -> [T, D] or None
 HeadsFn = Callable[
-    [
-        HeadsMatmul,
-        HeadsMatmul | None,
-        F32Array,
-        F32Array,
-        F32Array,
-        F32Array,
-        BoolArray | None,
-        float,
-    ],
+    [HeadsMatmul, HeadsMatmul | None, Linear, F32Array, F32Array, F32Array, F32Array,
+     BoolArray | None, float],
     F32Array | None,
-]
+]  # fmt: skip
 
 # transformers builds q_a_layernorm / kv_a_layernorm with the RMSNorm default eps, not
 # config.rms_norm_eps.
@@ -215,9 +208,9 @@ def attend(
     key, the same result as the causal mask). ``rows_after``: how many
     new rows follow these T (absorbed form only: a block of a step's rows computed on its own,
     with exactly the products the whole step would run for them). ``heads``: the absorbed
-    form's ``W_UK``, latent attention and ``W_UV`` in one call where it takes them (the
-    compute's :meth:`~runtime.compute.ExpertCompute.mla_heads`: head ranges over threads),
-    [T, NH * V] or None.
+    form's ``W_UK``, latent attention, ``W_UV`` and ``o_proj`` in one call where it takes them
+    (the compute's :meth:`~runtime.compute.ExpertCompute.mla_heads`: head ranges, then feature
+    ranges, over threads), [T, D] before ``o_proj``'s bias, or None.
     """
     t, nh = p.q_nope.shape[0], d.num_attention_heads
     sc = np.float32(scale)
@@ -227,9 +220,12 @@ def attend(
         # softmax sum), so decode and a speculative verify agree bit for bit (given
         # batch-invariant Linear kernels).
         if heads is not None and not rows_after:
-            got = heads(w.uk_heads, w.uv_heads, p.q_nope, p.q_rope, latent, k_rope, allowed, scale)
-            if got is not None:  # the same per-head kernels, head ranges on several threads
-                return out_proj(w, got, mm)
+            got = heads(
+                w.uk_heads, w.uv_heads, w.o_proj, p.q_nope, p.q_rope, latent, k_rope, allowed,
+                scale,
+            )  # fmt: skip
+            if got is not None:  # the same kernels, head and feature ranges on several threads
+                return got if w.o_bias is None else got + w.o_bias
         q_lat = absorb_queries(w, d, p.q_nope)  # [T, NH, C]
         o_lat = latent_attention(q_lat, p.q_rope, latent, k_rope, allowed, scale, rows_after)
         return out_proj(w, unabsorb_values(w, d, o_lat), mm)  # [T, D]

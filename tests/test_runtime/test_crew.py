@@ -225,8 +225,9 @@ def test_the_crew_moe_step_is_the_expert_by_expert_sum(
 )
 def test_mla_heads_on_the_crew_are_the_serial_bits(n_heads: int, keys: int, masked: bool) -> None:
     """One query row's absorbed attention with its head ranges on the crew (W_UK, the latent
-    attention, W_UV in one job per range) against the three serial calls: bit for bit, with
-    and without a sparse selection's mask, head counts that split evenly and not."""
+    attention, W_UV in one job per range), then o_proj's feature ranges, against the serial
+    calls: bit for bit, with and without a sparse selection's mask, head counts that split
+    evenly and not."""
     from runtime.kernels.dequant import dequantize
     from runtime.kernels.heads import HeadsMatmul
     from runtime.layers import mla
@@ -249,18 +250,20 @@ def test_mla_heads_on_the_crew_are_the_serial_bits(n_heads: int, keys: int, mask
     if allowed is not None:
         allowed[0, -1] = True
     scale = 0.125
-    want = uv(mla.latent_attention(uk(q_nope), q_rope, latent, k_rope, allowed, scale))
+    o_proj = Linear(quantize(rng.standard_normal((96, n_heads * v)).astype(np.float32), "int4-g64"))
+    heads = uv(mla.latent_attention(uk(q_nope), q_rope, latent, k_rope, allowed, scale))
+    want = o_proj(heads.reshape(1, n_heads * v))
     comp = ExpertCompute(2)
     comp.crew_min_macs = 0
     try:
         assert comp._crew is not None
         runs = comp._crew.runs
-        got = comp.mla_heads(uk, uv, q_nope, q_rope, latent, k_rope, allowed, scale)
-        assert comp._crew.runs == runs + 1
+        got = comp.mla_heads(uk, uv, o_proj, q_nope, q_rope, latent, k_rope, allowed, scale)
+        assert comp._crew.runs == runs + 2  # the heads, then o_proj's features
     finally:
         comp.close()
     assert got is not None
-    assert np.array_equal(got, want.reshape(1, n_heads * v))
+    assert np.array_equal(got, want)
 
 
 def test_combine_sorted_is_the_per_expert_sum() -> None:
