@@ -51,7 +51,14 @@ from runtime.crew import (
     q8_mlp_templates,
     q8_rows_template,
 )
-from runtime.kernels.crew import WIDTH, crew_heads_out, crew_linears, crew_moe, job_kinds
+from runtime.kernels.crew import (
+    WIDTH,
+    crew_heads_out,
+    crew_linears,
+    crew_lora,
+    crew_moe,
+    job_kinds,
+)
 from runtime.kernels.dequant import dequantize
 from runtime.kernels.heads import HeadsMatmul
 from runtime.kernels.quant_matmul import (
@@ -587,6 +594,35 @@ class ExpertCompute:
             if got is not None:
                 return got
         return [self.linear(lin, x) for lin in lins]
+
+    def lora(
+        self, q_a: Linear, kv_a: Linear, norm_w: F32Array, eps: float, q_b: Linear, x: F32Array
+    ) -> tuple[F32Array, F32Array, F32Array] | None:
+        """``q_resid = rms_norm(q_a(x), norm_w, eps)``, ``kv_a(x)`` and ``q_b(q_resid)`` (an MLA
+        projection's matmuls) in one numba call of two crew runs (``crew_lora``), or None
+        where the crew does not take them. The bits of the calls one by one."""
+        n_tok = x.shape[0]
+        macs = n_tok * sum(lin.in_features * lin.out_features for lin in (q_a, kv_a, q_b))
+        crew = self._crew_for(n_tok, macs)
+        if (
+            crew is None
+            or not n_tok
+            or norm_w.dtype != np.float32
+            or norm_w.shape != (q_a.out_features,)
+        ):
+            return None
+        first = self._many(crew, (q_a, kv_a))
+        second = self._many(crew, (q_b,))
+        if first is None or second is None:
+            return None
+        got = crew.call(
+            crew_lora, 2, np.ascontiguousarray(x, dtype=np.float32), first, norm_w,
+            np.float32(eps), second, self.fast_int8,
+        )  # fmt: skip
+        with self._lock:
+            self.split_calls += 2
+        q_resid, kv, q = got
+        return q_resid, kv, q
 
     def _crew_linears(
         self, crew: Crew, lins: Sequence[Linear], x: F32Array

@@ -65,6 +65,7 @@ from runtime.kernels._matmul_kernels import (
 from runtime.kernels._q8 import _q8_apply, _q8_round, q8_prep_groups, q8_strides
 from runtime.kernels.attention import _latent_attention
 from runtime.kernels.heads import _heads_axpy, _heads_i4
+from runtime.kernels.norm import rms_rows
 
 __all__ = [
     "CELL",
@@ -80,6 +81,7 @@ __all__ = [
     "combine_sorted",
     "crew_heads_out",
     "crew_linears",
+    "crew_lora",
     "crew_moe",
     "crew_run",
     "crew_work",
@@ -414,6 +416,33 @@ def crew_linears(ctrl, x, template, job_out, job_at, out_at, n_outs, nb, q8, sta
 
 
 @njit(nogil=True, cache=True)
+def crew_lora(ctrl, x, first, norm_w, eps, second, q8, stats):  # type: ignore[no-untyped-def]
+    """An MLA projection's low-rank query path and its KV projection in two crew runs:
+    ``q_a_proj`` and ``kv_a_proj_with_mqa`` of ``x`` [T, D] (:func:`crew_linears` with the
+    arguments ``first``), ``q_a_layernorm`` of the first (``rms_rows``, ``norm_w``, ``eps``),
+    then ``q_b_proj`` of that (``second``): (q_resid [T, Q], kv [T, C + R], q [T, H]) with the
+    bits of the calls one by one. ``first`` / ``second``: (template, job_out, job_at, out_at,
+    n_outs, nb). ``stats`` [4] as ``crew_heads_out``'s."""
+    n_tok = x.shape[0]
+    t1, o1, a1, at1, n1, nb1 = first
+    t2, o2, a2, at2, n2, nb2 = second
+    inner = np.zeros(3, np.int64)
+    y = crew_linears(ctrl, x, t1, o1, a1, at1, n1, nb1, q8, inner)
+    stats[0] = inner[0]
+    stats[1] = inner[1]
+    stats[2] = inner[2]
+    qa = y[: n_tok * n1[0]].reshape(n_tok, n1[0])
+    kv = y[n_tok * n1[0] :].reshape(n_tok, n1[1])
+    q_resid = np.empty((n_tok, n1[0]), np.float32)
+    rms_rows(qa, norm_w, eps, q_resid)
+    q = crew_linears(ctrl, q_resid, t2, o2, a2, at2, n2, nb2, q8, inner)
+    stats[0] += inner[0]
+    stats[1] += inner[1]
+    stats[3] = inner[2]
+    return q_resid, kv, q.reshape(n_tok, n2[0])
+
+
+@njit(nogil=True, cache=True)
 def crew_heads_out(ctrl, table, heads, template, job_out, job_at, out_at, n_outs, nb, q8, stats):  # type: ignore[no-untyped-def]
     """A run of ``_job_mla_heads`` (``table``, filling ``heads`` [1, NH * V]), then the output
     projection of ``heads`` as :func:`crew_linears` (its arguments): [1, D] flat. ``stats``
@@ -645,5 +674,5 @@ def job_kinds() -> JobKinds:
 #: Every compiled kernel (tests check they were built with ``nogil=True``).
 KERNELS: tuple[Any, ...] = (
     _drain, crew_run, one_run, crew_work, combine_sorted, _alive, _post_mlps, crew_moe,
-    crew_linears, crew_heads_out,
+    crew_linears, crew_heads_out, crew_lora,
 )  # fmt: skip

@@ -52,6 +52,11 @@ MatMul = Callable[[Linear, F32Array], F32Array]  # applies a projection: lin(x) 
 BoolArray = npt.NDArray[np.bool_]
 #: several projections of the same input: [lin(x) for lin in lins] (or a split of them)
 ManyMatMul = Callable[[Sequence[Linear], F32Array], list[F32Array]]
+#: (q_a_proj, kv_a_proj_with_mqa, q_a_layernorm, its eps, q_b_proj, x) -> (q_resid, kv, q)
+LoraFn = Callable[
+    [Linear, Linear, F32Array, float, Linear, F32Array],
+    tuple[F32Array, F32Array, F32Array] | None,
+]
 #: the compute's absorbed attention of a step's queries over their keys through W_UK, W_UV
 #: and o_proj (its bias left out): (uk_heads, uv_heads, o_proj, q_nope, q_rope, latent,
 #: k_rope, allowed, scale) -> [T, D] or None
@@ -125,25 +130,36 @@ def project(
     interleave: bool,
     mm: MatMul = _call,
     many: ManyMatMul | None = None,
+    lora: LoraFn | None = None,
 ) -> MLAProjection:
     """``x`` [T, D] (input-normed hidden) -> queries and the new latent/rope-key rows.
 
     ``mm(lin, x)`` applies a projection (default ``lin(x)``; the compute's split over threads
     for one token, bit-identical); ``many(lins, x)`` several of the same input at once (the
     compute's :meth:`~runtime.compute.ExpertCompute.linears`: ``q_a_proj`` and
-    ``kv_a_proj_with_mqa`` in one split)."""
+    ``kv_a_proj_with_mqa`` in one split); ``lora`` the query path's two projections, its norm
+    and the KV projection at once (the compute's
+    :meth:`~runtime.compute.ExpertCompute.lora`), or None where it does not take them."""
     t = x.shape[0]
     q_resid = None
     kv = None
+    chain = None
     if w.q_a_proj is not None and w.q_b_proj is not None and w.q_a_layernorm is not None:
-        if many is not None:
-            qa, kv = many([w.q_a_proj, w.kv_a_proj_with_mqa], x)  # [T, Q], [T, C + R]
+        if lora is not None and w.q_a_bias is None:
+            chain = lora(
+                w.q_a_proj, w.kv_a_proj_with_mqa, w.q_a_layernorm, LORA_NORM_EPS, w.q_b_proj, x
+            )
+        if chain is not None:  # [T, Q], [T, C + R], [T, NH * (N + R)]
+            q_resid, kv, q = chain
         else:
-            qa = mm(w.q_a_proj, x)  # [T, Q]
-        if w.q_a_bias is not None:
-            qa = qa + w.q_a_bias
-        q_resid = rms_norm(qa, w.q_a_layernorm, LORA_NORM_EPS)  # [T, Q]
-        q = mm(w.q_b_proj, q_resid)  # [T, NH * (N + R)]
+            if many is not None:
+                qa, kv = many([w.q_a_proj, w.kv_a_proj_with_mqa], x)  # [T, Q], [T, C + R]
+            else:
+                qa = mm(w.q_a_proj, x)  # [T, Q]
+            if w.q_a_bias is not None:
+                qa = qa + w.q_a_bias
+            q_resid = rms_norm(qa, w.q_a_layernorm, LORA_NORM_EPS)  # [T, Q]
+            q = mm(w.q_b_proj, q_resid)  # [T, NH * (N + R)]
     elif w.q_proj is not None:
         q = mm(w.q_proj, x)  # [T, NH * (N + R)]
     else:

@@ -816,7 +816,7 @@ class MLAMoEModel(DecoderStack):
         comp = ctx.compute
         blocks = comp.row_blocks(x.shape[0], per_row)
         if blocks is None:
-            return mla.project(w, d, x, cos, sin, il, comp.linear, comp.linears)
+            return mla.project(w, d, x, cos, sin, il, comp.linear, comp.linears, comp.lora)
         parts = comp.map_rows(
             blocks, lambda a, b: mla.project(w, d, x[a:b], cos[a:b], sin[a:b], il, comp.linear)
         )

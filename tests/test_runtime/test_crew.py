@@ -89,6 +89,37 @@ def test_fast_int8_matmuls_on_the_crew_are_its_one_call_bits() -> None:
         comp.close()
 
 
+@pytest.mark.parametrize("kernels", ["exact", "fast-int8"])
+def test_the_lora_query_path_on_the_crew_is_the_calls_one_by_one(kernels: str) -> None:
+    """An MLA projection's ``q_a_proj`` + ``kv_a_proj_with_mqa``, ``q_a_layernorm`` and
+    ``q_b_proj`` in one numba call of two crew runs: the bits of the calls one by one."""
+    from runtime.layers.rms_norm import rms_norm
+
+    rng = np.random.default_rng(12)
+
+    def lin(o: int, i: int) -> Linear:
+        return Linear(quantize(rng.standard_normal((o, i)).astype(np.float32), "int4-g64"))
+
+    q_a, kv_a, q_b = lin(128, 256), lin(80, 256), lin(192, 128)
+    norm_w = (1 + 0.1 * rng.standard_normal(128)).astype(np.float32)
+    fast = kernels == "fast-int8"
+    comp = ExpertCompute(2, kernels=kernels)
+    comp.crew_min_macs = 0
+    try:
+        assert comp._crew is not None
+        for n in (1, 3):
+            x = rng.standard_normal((n, 256)).astype(np.float32)
+            runs = comp._crew.runs
+            got = comp.lora(q_a, kv_a, norm_w, 1e-6, q_b, x)
+            assert got is not None and comp._crew.runs == runs + 2, n
+            q_resid = rms_norm(q_a(x, fast_int8=fast), norm_w, 1e-6)
+            assert np.array_equal(got[0], q_resid), n
+            assert np.array_equal(got[1], kv_a(x, fast_int8=fast)), n
+            assert np.array_equal(got[2], q_b(q_resid, fast_int8=fast)), n
+    finally:
+        comp.close()
+
+
 def test_linears_of_one_input_share_a_crew_run_bit_for_bit() -> None:
     """Several int4 weights of the same input width (``q_a_proj`` and ``kv_a_proj_with_mqa``)
     in one crew run, one preparation of the rows: each the bits of its own call; weights of
