@@ -567,7 +567,7 @@ class ExpertCompute:
         table[:, 2] = n_tok
         table[:, 3] = xp.size // n_tok
         table[:, 8] = addr(buf) + starts * (4 * n_tok)
-        crew.run(table)
+        crew.run(table, judged=n_tok == 1)
         with self._lock:
             self.split_calls += 1
         if n_tok == 1:
@@ -617,7 +617,7 @@ class ExpertCompute:
             return None
         got = crew.call(
             crew_lora, 2, np.ascontiguousarray(x, dtype=np.float32), first, norm_w,
-            np.float32(eps), second, self.fast_int8,
+            np.float32(eps), second, self.fast_int8, judged=n_tok == 1,
         )  # fmt: skip
         with self._lock:
             self.split_calls += 2
@@ -637,7 +637,7 @@ class ExpertCompute:
         n_tok = x.shape[0]
         flat = crew.call(
             crew_linears, 1, np.ascontiguousarray(x, dtype=np.float32), template, job_out,
-            job_at, out_at, n_outs, nb, self.fast_int8,
+            job_at, out_at, n_outs, nb, self.fast_int8, judged=n_tok == 1,
         )  # fmt: skip
         with self._lock:
             self.split_calls += 1
@@ -677,7 +677,7 @@ class ExpertCompute:
             crew_moe, 2, np.ascontiguousarray(x, dtype=np.float32),
             np.zeros((n_tok, 0), np.int64), np.zeros((n_tok, 0), np.float32),
             _NO_EXPERTS, _NO_EXPERTS, jobs.first, jobs.second, _NO_NF, jobs.n_f,
-            self.fast_int8,
+            self.fast_int8, judged=n_tok == 1,
         )  # fmt: skip
         out_: F32Array = out
         return out_
@@ -719,7 +719,7 @@ class ExpertCompute:
             crew_moe, 2,
             np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(ids, np.int64),
             np.ascontiguousarray(gates, dtype=np.float32), first, second, s_jobs.first,
-            s_jobs.second, n_f, s_jobs.n_f, self.fast_int8,
+            s_jobs.second, n_f, s_jobs.n_f, self.fast_int8, judged=x.shape[0] == 1,
         )  # fmt: skip
         with self._lock:
             self.parallel_steps += 1

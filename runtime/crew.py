@@ -272,22 +272,25 @@ class Crew:
             wake.clear()
             ctrl[(PARKED + w) * CELL] = 0
 
-    def run(self, table: I64Array) -> None:
+    def run(self, table: I64Array, *, judged: bool = True) -> None:
         """Run every job of ``table`` (int64 [N, WIDTH], C-contiguous; the caller keeps every
         array it points to alive), on this thread and the workers; returns when all
-        finished."""
+        finished. ``judged``: as :meth:`call`'s."""
         n = table.shape[0]
         if n == 0:
             return
-        self.call(_one_run, 1, table, n)
+        self.call(_one_run, 1, table, n, judged=judged)
 
-    def call(self, fn: Any, runs: int, *args: Any) -> Any:
+    def call(self, fn: Any, runs: int, *args: Any, judged: bool = True) -> Any:
         """``fn(ctrl, *args, stats)``: a numba function that posts ``runs`` runs itself with
         :func:`runtime.kernels.crew.crew_run` on ``ctrl`` (one call for a whole step instead
         of Python between its runs) and reports in ``stats`` (int64 [2 + runs]) the jobs it
         ran, the jobs posted and each run's polls waited at its end; what ``fn`` returns.
         While another thread's runs are in progress, ``fn`` runs on the calling thread alone
-        (the same results)."""
+        (the same results). ``judged``: whether the waits at the runs' ends say anything of the
+        workers' CPUs (:meth:`_note`); a prompt chunk's jobs are long and uneven, so its runs'
+        ends wait for the last long job whoever has the CPUs, and are not judged (they made
+        the crew stand aside on a quiet guest)."""
         stats = np.zeros(2 + runs, np.int64)
         if not self._busy.acquire(blocking=False):
             got = fn(self._alone, *args, stats)
@@ -307,7 +310,7 @@ class Crew:
             self.runs += runs
             for waited in stats[2:].tolist():
                 self.waited += waited
-                if not woken:  # a woken worker starts late: that wait says nothing of contention
+                if judged and not woken:  # a woken worker starts late: no sign of contention
                     self._note(waited)
                 woken = False  # it has started by the next run
             return got

@@ -397,6 +397,22 @@ def test_rest_sends_a_polling_worker_to_sleep_and_a_run_wakes_it() -> None:
         comp.close()
 
 
+def test_runs_of_a_prompt_chunk_are_not_judged() -> None:
+    """A run posted as not judged (a prompt chunk's long, uneven jobs: its end waits for the
+    last one whoever has the CPUs) counts in the crew's totals but not in its judgement."""
+    table, out, held, want = _table(3)
+    crew = Crew(1, poll_iters=10**6)
+    try:
+        crew.run(table, judged=False)
+        assert crew.runs == 1 and crew._window == [0, 0]
+        assert np.array_equal(out, want)
+        crew.run(table)
+        assert crew.runs == 2 and crew._window[0] == 1
+    finally:
+        crew.close()
+    del held
+
+
 def test_a_crew_kept_off_its_cpus_stands_aside_then_tries_again() -> None:
     """Long waits at the ends of runs (another process keeps the workers off their CPUs) in
     two windows in a row make the crew stand aside, with its workers asleep; one slow window
