@@ -31,7 +31,7 @@ Shape legend: ctrl int64 [CELLS * 8]; table int64 [N, WIDTH] (one job per row).
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 from numba import cfunc, njit, types
@@ -179,8 +179,9 @@ def crew_work(ctrl, w, seen, poll_iters):  # type: ignore[no-untyped-def]
 
 # ----------------------------------------------------------------------------- job kinds
 # Each takes the address of its table row: [cfunc address, arguments...]. They are compiled
-# (or loaded from numba's cache) at the first :func:`job_kinds` call, not at import: a first
-# run says it is compiling kernels before it does (``runtime.kernels.cache``).
+# (or loaded from numba's cache) at the first :func:`job_kinds` call (exact decode's kinds) or
+# at their first use (the others), never at import: a first run says it is compiling kernels
+# before it does (``runtime.kernels.cache``).
 
 _SIG = types.void(types.int64)
 
@@ -645,30 +646,45 @@ def crew_moe(ctrl, x, ids, gates, first, second, s_first, s_second, n_f, s_nf, q
     return routed, out[:0]
 
 
-class JobKinds(NamedTuple):
-    """The job kinds' ``cfunc`` addresses (``owners`` keeps their compiled code alive)."""
+_KINDS = {
+    "i4_apply": _job_i4_apply,
+    "i8_rows": _job_i8_rows,
+    "i4_swiglu_part": _job_i4_swiglu_part,
+    "i4_down_part": _job_i4_down_part,
+    "mla_heads": _job_mla_heads,
+    "q8_rows": _job_q8_rows,
+    "q8_swiglu_part": _job_q8_swiglu_part,
+    "q8_down_part": _job_q8_down_part,
+}
+#: the kinds every exact decode step uses, compiled when a crew starts (the others at their
+#: first job: the attention heads' and the fast-int8 kinds took ~16 s to compile cold)
+_AT_START = ("i4_apply", "i8_rows", "i4_swiglu_part", "i4_down_part")
 
-    i4_apply: int
-    i8_rows: int
-    i4_swiglu_part: int
-    i4_down_part: int
-    mla_heads: int
-    q8_rows: int
-    q8_swiglu_part: int
-    q8_down_part: int
-    owners: tuple[Any, ...]
+
+@functools.cache
+def _compiled(name: str) -> Any:
+    """Job kind ``name``'s ``cfunc``, compiled (or loaded from numba's cache) once; the object
+    keeps its compiled code alive."""
+    return cfunc(_SIG, cache=True)(_KINDS[name])
+
+
+class JobKinds:
+    """The job kinds' ``cfunc`` addresses by name (``job_kinds().i4_apply``), each compiled at
+    its first use."""
+
+    def __getattr__(self, name: str) -> int:
+        if name not in _KINDS:
+            raise AttributeError(name)
+        return int(_compiled(name).address)
 
 
 @functools.cache
 def job_kinds() -> JobKinds:
-    """Every job kind compiled once per process (see above)."""
-    fns = (
-        _job_i4_apply, _job_i8_rows, _job_i4_swiglu_part, _job_i4_down_part, _job_mla_heads,
-        _job_q8_rows, _job_q8_swiglu_part, _job_q8_down_part,
-    )  # fmt: skip
-    owners: tuple[Any, ...] = tuple(cfunc(_SIG, cache=True)(fn) for fn in fns)
-    at = [int(c.address) for c in owners]
-    return JobKinds(at[0], at[1], at[2], at[3], at[4], at[5], at[6], at[7], owners)
+    """The job kinds, those of exact decode compiled now (see above)."""
+    kinds = JobKinds()
+    for name in _AT_START:
+        getattr(kinds, name)
+    return kinds
 
 
 #: Every compiled kernel (tests check they were built with ``nogil=True``).
