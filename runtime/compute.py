@@ -106,6 +106,18 @@ class _MLPJobs(NamedTuple):
     n_f: int  # intermediate features
 
 
+class _Many(NamedTuple):
+    """``crew_linears``' arguments after ``x`` for weights of one input (``_many_jobs``)."""
+
+    template: npt.NDArray[np.int64]  # [P, WIDTH] every weight's jobs
+    job_out: npt.NDArray[np.int64]  # [P] each job's weight
+    job_at: npt.NDArray[np.int64]  # [P] its first feature
+    out_at: npt.NDArray[np.int64]  # [M] each weight's first column in the sum
+    n_outs: npt.NDArray[np.int64]  # [M] its features
+    nb: int  # packed bytes per row
+    q8: bool  # the fast-int8 kernels' jobs
+
+
 class _Stacked(NamedTuple):
     """A layer's routed experts' crew job templates stacked by expert id (``crew_moe``)."""
 
@@ -552,7 +564,7 @@ class ExpertCompute:
         crew = self._crew_for(n_tok, n_tok * lin.in_features * n_out)
         if crew is None or n_tok == 0:
             return None
-        if lin.int4 is not None or (self.fast_int8 and lin.has_int8):
+        if lin.int4 is not None:
             got = self._crew_linears(crew, (lin,), x)
             return None if got is None else got[0]
         jobs = _linear_jobs(lin, 2 * self.threads, self._kept(lin))
@@ -616,8 +628,8 @@ class ExpertCompute:
         if first is None or second is None:
             return None
         got = crew.call(
-            crew_lora, 2, np.ascontiguousarray(x, dtype=np.float32), first, norm_w,
-            np.float32(eps), second, self.fast_int8, judged=n_tok == 1,
+            crew_lora, 2, np.ascontiguousarray(x, dtype=np.float32), tuple(first), norm_w,
+            np.float32(eps), tuple(second), judged=n_tok == 1,
         )  # fmt: skip
         with self._lock:
             self.split_calls += 2
@@ -628,27 +640,24 @@ class ExpertCompute:
         self, crew: Crew, lins: Sequence[Linear], x: F32Array
     ) -> list[F32Array] | None:
         """:meth:`linears` on the crew (``crew_linears``), or None where it does not take
-        them (not all int4 of one packed row width, too few features; under fast-int8, not
-        all with the int8-activation kernel)."""
+        them (not all int4 of one packed row width, too few features; under fast-int8, some
+        with the int8-activation kernel and some without)."""
         jobs = self._many(crew, lins)
         if jobs is None:
             return None
-        template, job_out, job_at, out_at, n_outs, nb = jobs
         n_tok = x.shape[0]
         flat = crew.call(
-            crew_linears, 1, np.ascontiguousarray(x, dtype=np.float32), template, job_out,
-            job_at, out_at, n_outs, nb, self.fast_int8, judged=n_tok == 1,
+            crew_linears, 1, np.ascontiguousarray(x, dtype=np.float32), *jobs,
+            judged=n_tok == 1,
         )  # fmt: skip
         with self._lock:
             self.split_calls += 1
         return [
             flat[n_tok * a : n_tok * (a + o)].reshape(n_tok, o)
-            for a, o in zip(out_at.tolist(), n_outs.tolist(), strict=True)
+            for a, o in zip(jobs.out_at.tolist(), jobs.n_outs.tolist(), strict=True)
         ]
 
-    def _many(
-        self, crew: Crew, lins: Sequence[Linear]
-    ) -> tuple[I64Array, I64Array, I64Array, I64Array, I64Array, int] | None:
+    def _many(self, crew: Crew, lins: Sequence[Linear]) -> _Many | None:
         """``_many_jobs`` of ``lins`` for this compute's threads and kernels, made once (kept
         with the first weight)."""
         many = self._kept(lins[0]).setdefault("many", {})
@@ -658,7 +667,7 @@ class ExpertCompute:
             kept_each = [self._kept(lin) for lin in lins]
             got = (tuple(lins), _many_jobs(lins, 2 * self.threads, kept_each, self.fast_int8))
             many[key] = got
-        jobs: tuple[I64Array, I64Array, I64Array, I64Array, I64Array, int] | None = got[1]
+        jobs: _Many | None = got[1]
         return jobs
 
     def _crew_swiglu(self, x: F32Array, w: MLPWeights) -> F32Array | None:
@@ -788,11 +797,7 @@ class ExpertCompute:
         if o_jobs is None:
             crew.run(table)
             return self.linear(o_proj, out)
-        template, job_out, job_at, out_at, n_outs, nb = o_jobs
-        y = crew.call(
-            crew_heads_out, 2, table, out, template, job_out, job_at, out_at, n_outs, nb,
-            self.fast_int8,
-        )  # fmt: skip
+        y = crew.call(crew_heads_out, 2, table, out, *o_jobs)
         with self._lock:
             self.split_calls += 1
         got_y: F32Array = y.reshape(1, -1)
@@ -1001,12 +1006,15 @@ def _linear_jobs(
 
 
 def _many_jobs(
-    lins: Sequence[Linear], parts: int, kept: Sequence[dict[Any, Any]], q8: bool = False
-) -> tuple[I64Array, I64Array, I64Array, I64Array, I64Array, int] | None:
-    """``crew_linears``' arguments for ``lins`` of one input width, each in ``parts`` ranges:
-    (their templates in one table, each job's weight and first feature, each weight's first
-    column in the sum and its features, the packed bytes per row); None where one of them
-    has no int4 jobs (with ``q8``: no int8-activation kernel) or the widths differ."""
+    lins: Sequence[Linear], parts: int, kept: Sequence[dict[Any, Any]], fast_int8: bool = False
+) -> _Many | None:
+    """``crew_linears``' arguments for ``lins`` of one input width, each in ``parts`` ranges
+    with the kernel a call of it takes (under ``fast_int8``, the int8-activation one where
+    the weight has it); None where one of them has no int4 jobs, the widths differ, or the
+    weights would take different kernels."""
+    q8 = fast_int8 and lins[0].has_int8
+    if any(fast_int8 and lin.has_int8 != q8 for lin in lins):
+        return None
     tables, job_out, job_at = [], [], []
     nbs = set()
     for m, (lin, k) in enumerate(zip(lins, kept, strict=True)):
@@ -1016,7 +1024,9 @@ def _many_jobs(
                 return None
             edges = edges16(lin.out_features, parts)
             starts = np.asarray(edges[:-1], np.int64)
-            template = k.setdefault(("q8", parts), q8_rows_template(w8, edges))
+            template = k.get(("q8", parts))
+            if template is None:
+                template = k[("q8", parts)] = q8_rows_template(w8, edges)
             nbs.add(lin.in_features)
         else:
             jobs = _linear_jobs(lin, parts, k)
@@ -1033,13 +1043,14 @@ def _many_jobs(
         return None
     n_outs = np.asarray([lin.out_features for lin in lins], np.int64)
     out_at = np.concatenate([[0], np.cumsum(n_outs)[:-1]]).astype(np.int64)
-    return (
+    return _Many(
         np.ascontiguousarray(np.concatenate(tables)),
         np.asarray(job_out, np.int64),
         np.asarray(job_at, np.int64),
         out_at,
         n_outs,
         int(nbs.pop()),
+        q8,
     )
 
 

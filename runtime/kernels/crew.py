@@ -417,18 +417,18 @@ def crew_linears(ctrl, x, template, job_out, job_at, out_at, n_outs, nb, q8, sta
 
 
 @njit(nogil=True, cache=True)
-def crew_lora(ctrl, x, first, norm_w, eps, second, q8, stats):  # type: ignore[no-untyped-def]
+def crew_lora(ctrl, x, first, norm_w, eps, second, stats):  # type: ignore[no-untyped-def]
     """An MLA projection's low-rank query path and its KV projection in two crew runs:
     ``q_a_proj`` and ``kv_a_proj_with_mqa`` of ``x`` [T, D] (:func:`crew_linears` with the
     arguments ``first``), ``q_a_layernorm`` of the first (``rms_rows``, ``norm_w``, ``eps``),
     then ``q_b_proj`` of that (``second``): (q_resid [T, Q], kv [T, C + R], q [T, H]) with the
     bits of the calls one by one. ``first`` / ``second``: (template, job_out, job_at, out_at,
-    n_outs, nb). ``stats`` [4] as ``crew_heads_out``'s."""
+    n_outs, nb, q8). ``stats`` [4] as ``crew_heads_out``'s."""
     n_tok = x.shape[0]
-    t1, o1, a1, at1, n1, nb1 = first
-    t2, o2, a2, at2, n2, nb2 = second
+    t1, o1, a1, at1, n1, nb1, q1 = first
+    t2, o2, a2, at2, n2, nb2, q2 = second
     inner = np.zeros(3, np.int64)
-    y = crew_linears(ctrl, x, t1, o1, a1, at1, n1, nb1, q8, inner)
+    y = crew_linears(ctrl, x, t1, o1, a1, at1, n1, nb1, q1, inner)
     stats[0] = inner[0]
     stats[1] = inner[1]
     stats[2] = inner[2]
@@ -436,7 +436,7 @@ def crew_lora(ctrl, x, first, norm_w, eps, second, q8, stats):  # type: ignore[n
     kv = y[n_tok * n1[0] :].reshape(n_tok, n1[1])
     q_resid = np.empty((n_tok, n1[0]), np.float32)
     rms_rows(qa, norm_w, eps, q_resid)
-    q = crew_linears(ctrl, q_resid, t2, o2, a2, at2, n2, nb2, q8, inner)
+    q = crew_linears(ctrl, q_resid, t2, o2, a2, at2, n2, nb2, q2, inner)
     stats[0] += inner[0]
     stats[1] += inner[1]
     stats[3] = inner[2]
@@ -455,7 +455,7 @@ def crew_heads_out(ctrl, table, heads, template, job_out, job_at, out_at, n_outs
     y = crew_linears(ctrl, heads, template, job_out, job_at, out_at, n_outs, nb, q8, inner)
     stats[0] = ran + inner[0]
     stats[1] = n + inner[1]
-    stats[2] = waited + _alive(table, heads, table, table, table)
+    stats[2] = waited
     stats[3] = inner[2]
     return y
 

@@ -85,6 +85,12 @@ def test_fast_int8_matmuls_on_the_crew_are_its_one_call_bits() -> None:
             assert np.array_equal(got[0], a(x, fast_int8=True)), n
             assert np.array_equal(got[1], b(x, fast_int8=True)), n
             assert not np.array_equal(got[0], a(x)), n  # (the lossy kernel did run)
+        # a weight without the int8-activation kernel takes its exact one, on the crew too
+        g32 = Linear(quantize(rng.standard_normal((96, 256)).astype(np.float32), "int4-g32"))
+        x = rng.standard_normal((2, 256)).astype(np.float32)
+        runs = comp._crew.runs
+        assert np.array_equal(comp.linear(g32, x), g32(x, fast_int8=True))
+        assert comp._crew.runs == runs + 1
     finally:
         comp.close()
 
