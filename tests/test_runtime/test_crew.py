@@ -28,6 +28,11 @@ DEMO = demo_model()
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _weight(rng: np.random.Generator, o: int, i: int, fmt: str = "int4-g64") -> Linear:
+    """A random [o, i] weight in ``fmt``."""
+    return Linear(quantize(rng.standard_normal((o, i)).astype(np.float32), fmt))
+
+
 def test_crew_kernels_release_the_gil() -> None:
     assert all(k.targetoptions.get("nogil") is True for k in crew_kernels.KERNELS)
 
@@ -68,10 +73,7 @@ def test_fast_int8_matmuls_on_the_crew_are_its_one_call_bits() -> None:
     from one rounding of the rows: the bits of the weight's own fast-int8 call."""
     rng = np.random.default_rng(8)
 
-    def lin(o: int, i: int) -> Linear:
-        return Linear(quantize(rng.standard_normal((o, i)).astype(np.float32), "int4-g64"))
-
-    a, b = lin(200, 256), lin(96, 256)
+    a, b = _weight(rng, 200, 256), _weight(rng, 96, 256)
     comp = ExpertCompute(2, kernels="fast-int8")
     comp.crew_min_macs = 0
     try:
@@ -86,7 +88,7 @@ def test_fast_int8_matmuls_on_the_crew_are_its_one_call_bits() -> None:
             assert np.array_equal(got[1], b(x, fast_int8=True)), n
             assert not np.array_equal(got[0], a(x)), n  # (the lossy kernel did run)
         # a weight without the int8-activation kernel takes its exact one, on the crew too
-        g32 = Linear(quantize(rng.standard_normal((96, 256)).astype(np.float32), "int4-g32"))
+        g32 = _weight(rng, 96, 256, "int4-g32")
         x = rng.standard_normal((2, 256)).astype(np.float32)
         runs = comp._crew.runs
         assert np.array_equal(comp.linear(g32, x), g32(x, fast_int8=True))
@@ -103,10 +105,7 @@ def test_the_lora_query_path_on_the_crew_is_the_calls_one_by_one(kernels: str) -
 
     rng = np.random.default_rng(12)
 
-    def lin(o: int, i: int) -> Linear:
-        return Linear(quantize(rng.standard_normal((o, i)).astype(np.float32), "int4-g64"))
-
-    q_a, kv_a, q_b = lin(128, 256), lin(80, 256), lin(192, 128)
+    q_a, kv_a, q_b = _weight(rng, 128, 256), _weight(rng, 80, 256), _weight(rng, 192, 128)
     norm_w = (1 + 0.1 * rng.standard_normal(128)).astype(np.float32)
     fast = kernels == "fast-int8"
     comp = ExpertCompute(2, kernels=kernels)
@@ -132,10 +131,7 @@ def test_linears_of_one_input_share_a_crew_run_bit_for_bit() -> None:
     different widths or formats fall back to one call each."""
     rng = np.random.default_rng(5)
 
-    def lin(o: int, i: int, fmt: str = "int4-g64") -> Linear:
-        return Linear(quantize(rng.standard_normal((o, i)).astype(np.float32), fmt))
-
-    pair = [lin(96, 192), lin(80, 192, "int4-g32")]
+    pair = [_weight(rng, 96, 192), _weight(rng, 80, 192, "int4-g32")]
     comp = ExpertCompute(2)
     comp.crew_min_macs = 0
     try:
@@ -146,7 +142,7 @@ def test_linears_of_one_input_share_a_crew_run_bit_for_bit() -> None:
             got = comp.linears(pair, x)
             assert comp._crew.runs == runs + 1, n
             assert all(np.array_equal(g, w(x)) for g, w in zip(got, pair, strict=True)), n
-        mixed = [lin(96, 192), lin(64, 192, "int8")]
+        mixed = [_weight(rng, 96, 192), _weight(rng, 64, 192, "int8")]
         x = rng.standard_normal((2, 192)).astype(np.float32)
         got = comp.linears(mixed, x)
         assert all(np.array_equal(g, w(x)) for g, w in zip(got, mixed, strict=True))
@@ -209,10 +205,7 @@ def test_the_crew_moe_step_is_the_expert_by_expert_sum(
     d, f, n_e, k = 128, (192 if q8 else 96), 7, 3
 
     def mlp(n_f: int) -> MLPWeights:
-        def lin(o: int, i: int) -> Linear:
-            return Linear(quantize(rng.standard_normal((o, i)).astype(np.float32), "int4-g64"))
-
-        return MLPWeights(lin(n_f, d), lin(n_f, d), lin(d, n_f))
+        return MLPWeights(_weight(rng, n_f, d), _weight(rng, n_f, d), _weight(rng, d, n_f))
 
     def templates(w: MLPWeights) -> tuple[np.ndarray, np.ndarray]:
         if q8:
@@ -287,7 +280,7 @@ def test_mla_heads_on_the_crew_are_the_serial_bits(n_heads: int, keys: int, mask
     if allowed is not None:
         allowed[0, -1] = True
     scale = 0.125
-    o_proj = Linear(quantize(rng.standard_normal((96, n_heads * v)).astype(np.float32), "int4-g64"))
+    o_proj = _weight(rng, 96, n_heads * v)
     heads = uv(mla.latent_attention(uk(q_nope), q_rope, latent, k_rope, allowed, scale))
     want = o_proj(heads.reshape(1, n_heads * v))
     comp = ExpertCompute(2)
@@ -325,7 +318,7 @@ def _table(seed: int, rows: int = 512) -> tuple[np.ndarray, np.ndarray, object, 
     """A crew table computing a [rows, 256] int4 matmul in 8 ranges, its output, what the
     table points into (to keep alive) and the expected result."""
     rng = np.random.default_rng(seed)
-    lin = Linear(quantize(rng.standard_normal((rows, 256)).astype(np.float32), "int4-g64"))
+    lin = _weight(rng, rows, 256)
     w4 = lin.int4
     assert w4 is not None
     x = rng.standard_normal((1, 256)).astype(np.float32)
@@ -457,7 +450,7 @@ def test_a_crew_kept_off_its_cpus_stands_aside_then_tries_again() -> None:
 
 def test_a_compute_uses_the_pool_while_its_crew_stands_aside() -> None:
     rng = np.random.default_rng(9)
-    lin = Linear(quantize(rng.standard_normal((256, 128)).astype(np.float32), "int4-g64"))
+    lin = _weight(rng, 256, 128)
     x = rng.standard_normal((1, 128)).astype(np.float32)
     comp = ExpertCompute(2, parallel_min_macs=0)
     comp.crew_min_macs = 0
