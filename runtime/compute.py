@@ -44,6 +44,7 @@ from runtime.crew import (
     Crew,
     Int8Rows,
     addr,
+    heads_template,
     i4_rows_template,
     i8_prepared,
     i8_rows_template,
@@ -57,12 +58,10 @@ from runtime.kernels.crew import (
     crew_linears,
     crew_lora,
     crew_moe,
-    job_kinds,
 )
 from runtime.kernels.dequant import dequantize
 from runtime.kernels.heads import HeadsMatmul
 from runtime.kernels.quant_matmul import (
-    DEFAULT_PREFETCH,
     Int4Weight,
     Q8Input,
     Q8Weight,
@@ -771,7 +770,7 @@ class ExpertCompute:
         kept = self._kept(uk)
         got = kept.get("heads")
         if got is None or got[0] is not uv:
-            got = kept["heads"] = (uv, _heads_template(uk, uv, 2 * self.threads))
+            got = kept["heads"] = (uv, heads_template(uk, uv, 2 * self.threads))
         table = got[1].copy()
         qn = np.ascontiguousarray(q_nope, dtype=np.float32)
         qr = np.ascontiguousarray(q_rope, dtype=np.float32)
@@ -1052,26 +1051,6 @@ def _many_jobs(
         int(nbs.pop()),
         q8,
     )
-
-
-def _heads_template(uk: HeadsMatmul, uv: HeadsMatmul, parts: int) -> I64Array:
-    """``_job_mla_heads`` rows for about ``parts`` ranges of heads (from multiples of 4) with
-    the weights' fields filled in (``ExpertCompute.mla_heads`` fills in the rest per call)."""
-    nh, n, c = uk.spec
-    _, row0, row_step, v, _, gbytes, s_row, s_step, wide = uv.spec
-    (w_uk,) = uk.held
-    packed, scales = uv.held
-    step = -(-nh // (4 * parts)) * 4
-    table = np.zeros((-(-nh // step), WIDTH), np.int64)
-    for i, h0 in enumerate(range(0, nh, step)):
-        table[i, :5] = (job_kinds().mla_heads, 0, n, addr(w_uk), c)
-        table[i, 13:15] = (h0, min(h0 + step, nh))
-        table[i, 17:28] = (
-            addr(packed), packed.size, addr(scales), scales.size, row0, row_step, v, gbytes,
-            s_row, s_step, wide,
-        )  # fmt: skip
-        table[i, 29] = DEFAULT_PREFETCH
-    return table
 
 
 def _mlp_jobs(w: MLPWeights, parts: int, kept: dict[Any, Any], q8: bool = False) -> _MLPJobs | None:

@@ -46,6 +46,7 @@ from runtime.kernels.crew import (
     job_kinds,
 )
 from runtime.kernels.crew import one_run as _one_run
+from runtime.kernels.heads import HeadsMatmul
 from runtime.kernels.quant_matmul import DEFAULT_PREFETCH, Int4Weight, Q8Weight, edges16
 
 __all__ = [
@@ -53,6 +54,7 @@ __all__ = [
     "Crew",
     "Int8Rows",
     "addr",
+    "heads_template",
     "i4_fields",
     "i4_prepared",
     "i4_rows_template",
@@ -210,6 +212,27 @@ def q8_rows_template(w: Q8Weight, edges: Sequence[int]) -> I64Array:
         rows.append([job_kinds().q8_rows, *[0] * 9, addr(p), p.size, addr(s), s.size, b - a, 0,
                      DEFAULT_PREFETCH])  # fmt: skip
     return _table(rows)
+
+
+def heads_template(uk: HeadsMatmul, uv: HeadsMatmul, parts: int) -> I64Array:
+    """``_job_mla_heads`` rows for about ``parts`` ranges of heads (from multiples of 4) with
+    the weights' fields filled in; per call columns 1 (q_nope), 5 (q_rope), 6 (R), 7-8 (the
+    keys), 9 (S), 10-11 (mask), 12 (scale), 15-16 (scratch) and 28 (output)."""
+    nh, n, c = uk.spec
+    _, row0, row_step, v, _, gbytes, s_row, s_step, wide = uv.spec
+    (w_uk,) = uk.held
+    packed, scales = uv.held
+    step = -(-nh // (4 * parts)) * 4
+    table = np.zeros((-(-nh // step), WIDTH), np.int64)
+    for i, h0 in enumerate(range(0, nh, step)):
+        table[i, :5] = (job_kinds().mla_heads, 0, n, addr(w_uk), c)
+        table[i, 13:15] = (h0, min(h0 + step, nh))
+        table[i, 17:28] = (
+            addr(packed), packed.size, addr(scales), scales.size, row0, row_step, v, gbytes,
+            s_row, s_step, wide,
+        )  # fmt: skip
+        table[i, 29] = DEFAULT_PREFETCH
+    return table
 
 
 def i4_prepared(x: F32Array, w: Int4Weight) -> tuple[F32Array, int]:
