@@ -748,3 +748,64 @@ def test_repin_makes_at_most_four_swaps_over_every_slot_size() -> None:
         assert await store.repin(counts) == 4
 
     _run(FakeReader(), body, store_layout=_layout(pinned=pins))
+
+
+def test_a_step_ends_without_waiting_for_the_event_loop() -> None:
+    """The compute side posts a step's end to the loop and goes on (its next layer need not
+    wait for the loop to wake and answer): here the loop runs the end only once the step has
+    returned, which would deadlock a step that waited for its end."""
+    layer = LAYERS[0]
+    returned = threading.Event()
+    reader = FakeReader()
+
+    async def body(store: ExpertStore, src: StreamingExperts) -> None:
+        end = store._loop_end
+        order: list[str] = []
+
+        def late_end(step: Any) -> None:
+            # (on the loop thread, blocked until the compute side has moved on)
+            order.append("returned" if returned.wait(5) else "waited for")
+            end(step)
+
+        store._loop_end = late_end  # type: ignore[method-assign]
+
+        def consume() -> dict[int, str]:
+            with ThreadPoolExecutor(1) as p:
+                got = src.map_arrivals(layer, [1, 5, 9], lambda e, w: _digest(w), p)
+            returned.set()
+            return got
+
+        got = await anyio.to_thread.run_sync(consume)
+        assert got == {e: WANT[(layer, e)] for e in (1, 5, 9)}
+        await _step(src, layer, [2])  # (its begin runs after the posted end)
+        assert order == ["returned", "returned"]
+        await _reads_landed(store)
+        _settled(store)
+
+    _run(reader, body, lru=0)
+
+
+def test_an_error_of_a_posted_step_end_fails_the_next_step_once() -> None:
+    layer = LAYERS[1]
+    reader = FakeReader()
+
+    async def body(store: ExpertStore, src: StreamingExperts) -> None:
+        end = store._loop_end
+        calls = [0]
+
+        def failing_end(step: Any) -> None:
+            calls[0] += 1
+            end(step)
+            if calls[0] == 1:
+                raise RuntimeError("injected end failure")
+
+        store._loop_end = failing_end  # type: ignore[method-assign]
+        assert await _step(src, layer, [3]) == {3: WANT[(layer, 3)]}  # (its end fails later)
+        with pytest.raises(RuntimeError, match="injected end failure"):
+            await _step(src, layer, [4])
+        # raised once: the step after it runs, and nothing was left held
+        assert await _step(src, layer, [4, 6]) == {e: WANT[(layer, e)] for e in (4, 6)}
+        await _reads_landed(store)
+        _settled(store)
+
+    _run(reader, body, lru=0)
