@@ -7,7 +7,9 @@ the same arithmetic in one call: each row's sum of squares as numpy's float32 ``
 sums a contiguous row (from 0, blocks of eight running sums combined pairwise, halves of more
 than 128 values summed apart: ``pairwise_sum`` in numpy's loops), then the correctly rounded
 division by the width, the square root and the reciprocal in float32, then ``weight * (x *
-inv)``. Every row on its own, so a row's bits do not depend on the other rows.
+inv)``. Every row on its own, so a row's bits do not depend on the other rows. The DSA
+indexer's key LayerNorm (``layer_rows``) the same way: ten array operations for one row of 128
+values per layer of a GLM-5 decode step (~60 us of numpy calls) in one call.
 
 Shape legend: T rows, D normalised width.
 """
@@ -17,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["KERNELS", "rms_rows"]
+__all__ = ["KERNELS", "layer_rows", "rms_rows"]
 
 _BLOCK = 128  # numpy's PW_BLOCKSIZE: longer runs are split in halves
 
@@ -108,5 +110,32 @@ def rms_rows(x, weight, eps, out):  # type: ignore[no-untyped-def]
     return finite
 
 
+@njit(nogil=True, cache=True)
+def layer_rows(x, weight, bias, eps, out):  # type: ignore[no-untyped-def]
+    """``out [T, D] = xc * inv * weight + bias`` per row of ``x`` [T, D] (float32, any
+    strides), with ``xc = x - mean(x)`` and ``inv = 1 / sqrt(mean(xc^2) + eps)``:
+    ``torch.nn.LayerNorm`` (biased variance) as ``runtime.layers.rms_norm.layer_norm_numpy``
+    computes it, bit for bit (each mean numpy's float32 sum of a contiguous row, then a
+    correctly rounded division by the width; every product and sum in float32 in numpy's
+    order)."""
+    n_rows, d = x.shape
+    xc = np.empty(d, np.float32)
+    sq = np.empty(d, np.float32)
+    width = np.float32(d)
+    one = np.float32(1.0)
+    for t in range(n_rows):
+        for i in range(d):
+            xc[i] = x[t, i]
+        mean = (np.float32(0.0) + _pairwise(xc, d)) / width
+        for i in range(d):
+            v = x[t, i] - mean
+            xc[i] = v
+            sq[i] = v * v
+        var = (np.float32(0.0) + _pairwise(sq, d)) / width
+        inv = one / np.sqrt(var + eps)
+        for i in range(d):
+            out[t, i] = xc[i] * inv * weight[i] + bias[i]
+
+
 #: Every compiled kernel (tests check they were built with ``nogil=True``).
-KERNELS = (_block, _pairwise, rms_rows)
+KERNELS = (_block, _pairwise, rms_rows, layer_rows)

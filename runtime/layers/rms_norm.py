@@ -8,10 +8,10 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from runtime.kernels.norm import rms_rows
+from runtime.kernels.norm import layer_rows, rms_rows
 from storage.errors import ModelError
 
-__all__ = ["layer_norm", "rms_norm", "rms_norm_numpy"]
+__all__ = ["layer_norm", "layer_norm_numpy", "rms_norm", "rms_norm_numpy"]
 
 F32Array = npt.NDArray[np.float32]
 
@@ -66,7 +66,28 @@ _OVERFLOW = (
 
 
 def layer_norm(x: F32Array, weight: F32Array, bias: F32Array, eps: float) -> F32Array:
-    """``torch.nn.LayerNorm`` (biased variance) over the last axis."""
+    """``torch.nn.LayerNorm`` (biased variance) over the last axis: float32 rows as one numba
+    call (:func:`runtime.kernels.norm.layer_rows`, the bits of :func:`layer_norm_numpy`),
+    anything else as :func:`layer_norm_numpy`."""
+    d = x.shape[-1:] if x.ndim else None
+    if (
+        x.dtype == np.float32
+        and weight.dtype == np.float32
+        and bias.dtype == np.float32
+        and x.ndim >= 1
+        and weight.shape == d
+        and bias.shape == d
+        and x.size
+    ):
+        rows = x.reshape(-1, x.shape[-1])  # [T, D] (a view where the layout allows)
+        out = np.empty(rows.shape, np.float32)
+        layer_rows(rows, weight, bias, np.float32(eps), out)
+        return out.reshape(x.shape)
+    return layer_norm_numpy(x, weight, bias, eps)
+
+
+def layer_norm_numpy(x: F32Array, weight: F32Array, bias: F32Array, eps: float) -> F32Array:
+    """:func:`layer_norm` by numpy array operations (any dtype and broadcastable weights)."""
     mean = np.mean(x, axis=-1, keepdims=True, dtype=np.float32)  # [T, 1]
     xc = x - mean  # [T, D]
     var = np.mean(np.square(xc), axis=-1, keepdims=True, dtype=np.float32)  # [T, 1]

@@ -19,7 +19,7 @@ from runtime.layers import dsa_indexer as dsa
 from runtime.layers import mla
 from runtime.layers import moe as moe_ops
 from runtime.layers.moe_router import RouterConfig, route
-from runtime.layers.rms_norm import layer_norm, rms_norm, rms_norm_numpy
+from runtime.layers.rms_norm import layer_norm, layer_norm_numpy, rms_norm, rms_norm_numpy
 from runtime.layers.rope import (
     Rope,
     RopeParameters,
@@ -215,6 +215,27 @@ def test_rms_norm_kernel_is_numpy_bit_for_bit(d: int) -> None:
     heads = rng.standard_normal((3, 4, d)).astype(np.float32)
     assert np.array_equal(rms_norm(heads, w, 1e-5), rms_norm_numpy(heads, w, 1e-5))
     assert np.array_equal(rms_norm(heads[0, 0], w, 1e-5), rms_norm_numpy(heads[0, 0], w, 1e-5))
+
+
+@pytest.mark.parametrize("d", [1, 7, 8, 9, 64, 127, 128, 129, 300, 2048, 7000])
+def test_layer_norm_kernel_is_numpy_bit_for_bit(d: int) -> None:
+    """The one-call numba LayerNorm (the DSA indexer's key norm) gives numpy's float32
+    arithmetic bit for bit: both means as numpy's pairwise row sums and one division, the
+    centred values, the variance, the reciprocal square root and ``xc * inv * w + b`` in
+    numpy's order; on contiguous rows and strided row views, rows far from zero (the
+    centring matters), at every scale; each row alone is the same bits as in the batch."""
+    rng = np.random.default_rng(100 + d)
+    w = (1 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+    b = (0.1 * rng.standard_normal(d)).astype(np.float32)
+    for scale, shift in ((1e-4, 0.0), (1.0, 0.0), (40.0, 0.0), (1.0, 300.0)):
+        x = (rng.standard_normal((5, d + 3)) * scale + shift).astype(np.float32)
+        for arr in (np.ascontiguousarray(x[:, :d]), x[:, :d], x[:, 3:]):
+            got = layer_norm(arr, w, b, 1e-6)
+            assert got.dtype == np.float32 and got.shape == arr.shape
+            assert np.array_equal(got, layer_norm_numpy(arr, w, b, 1e-6))
+            assert np.array_equal(got[2:3], layer_norm(arr[2:3], w, b, 1e-6))
+    heads = rng.standard_normal((3, 4, d)).astype(np.float32)
+    assert np.array_equal(layer_norm(heads, w, b, 1e-5), layer_norm_numpy(heads, w, b, 1e-5))
 
 
 def test_rms_norm_check_and_kernels_release_the_gil() -> None:
