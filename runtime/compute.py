@@ -756,12 +756,12 @@ class ExpertCompute:
         if (
             q_nope.shape[0] != 1
             or uv is None
-            or uk.kind != "axpy"
+            or uk.kind not in ("axpy", "axpy_int4")
             or uv.kind != "int4"
             or uk.spec[0] < 8
         ):
             return None
-        nh, n, c = uk.spec
+        nh, n, c = uk.spec[:3]
         v = uv.spec[3]
         s_all, r = latent.shape[0], k_rope.shape[1]
         crew = self._crew_for(1, nh * (n * c + s_all * (2 * c + r) + c * v))
@@ -771,6 +771,8 @@ class ExpertCompute:
         got = kept.get("heads")
         if got is None or got[0] is not uv:
             got = kept["heads"] = (uv, heads_template(uk, uv, 2 * self.threads))
+        if got[1] is None:  # (an int4 W_UK the job cannot read with W_UV's walk)
+            return None
         table = got[1].copy()
         qn = np.ascontiguousarray(q_nope, dtype=np.float32)
         qr = np.ascontiguousarray(q_rope, dtype=np.float32)

@@ -214,18 +214,33 @@ def q8_rows_template(w: Q8Weight, edges: Sequence[int]) -> I64Array:
     return _table(rows)
 
 
-def heads_template(uk: HeadsMatmul, uv: HeadsMatmul, parts: int) -> I64Array:
+def heads_template(uk: HeadsMatmul, uv: HeadsMatmul, parts: int) -> I64Array | None:
     """``_job_mla_heads`` rows for about ``parts`` ranges of heads (from multiples of 4) with
     the weights' fields filled in; per call columns 1 (q_nope), 5 (q_rope), 6 (R), 7-8 (the
-    keys), 9 (S), 10-11 (mask), 12 (scale), 15-16 (scratch) and 28 (output)."""
-    nh, n, c = uk.spec
+    keys), 9 (S), 10-11 (mask), 12 (scale), 15-16 (scratch) and 28 (output). An int4
+    ``W_UK`` (``axpy_int4``) must be rows of ``W_UV``'s matrix with its walk (the job reads
+    both from it: column 30 says so, column 31 is its first row); None where it is not."""
+    nh, n, c = uk.spec[:3]
     _, row0, row_step, v, _, gbytes, s_row, s_step, wide = uv.spec
-    (w_uk,) = uk.held
     packed, scales = uv.held
+    if uk.kind == "axpy_int4":
+        k_packed, k_scales = uk.held
+        _, _, _, k_row0, k_step, k_gbytes, k_s_row, k_s_step = uk.spec
+        if (
+            (addr(k_packed), k_packed.size, addr(k_scales), k_scales.size)
+            != (addr(packed), packed.size, addr(scales), scales.size)
+            or (k_step, k_gbytes, k_s_row, k_s_step) != (row_step, gbytes, s_row, s_step)
+        ):
+            return None
+        uk_fields = (0, 1, k_row0)  # W_UK address unused; int4; its first row
+    else:
+        (w_uk,) = uk.held
+        uk_fields = (addr(w_uk), 0, 0)
     step = -(-nh // (4 * parts)) * 4
     table = np.zeros((-(-nh // step), WIDTH), np.int64)
     for i, h0 in enumerate(range(0, nh, step)):
-        table[i, :5] = (job_kinds().mla_heads, 0, n, addr(w_uk), c)
+        table[i, :5] = (job_kinds().mla_heads, 0, n, uk_fields[0], c)
+        table[i, 30:32] = uk_fields[1:]
         table[i, 13:15] = (h0, min(h0 + step, nh))
         table[i, 17:28] = (
             addr(packed), packed.size, addr(scales), scales.size, row0, row_step, v, gbytes,

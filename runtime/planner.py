@@ -9,9 +9,10 @@ Dense estimate. Every non-expert tensor the model loads is kept as stored (int4/
 plus f32 scales, f32 matrices as is) except 1-D tensors and the fp32 router, which are read as
 float32 (BF16 ones double); on top of that the MLA absorption keeps ``W_UK[h]^T`` of every
 attention layer as float32 (``4 * heads * kv_lora * qk_nope`` bytes per layer, see
-``runtime/weights._mla``). On the bundled demo model and on the synthetic GLM-5-geometry
-containers this equals ``runtime.budget.resident_nbytes`` of the loaded weights to the byte
-(tests/test_plan.py checks it).
+``runtime/weights._mla``) unless ``kv_b_proj`` is int4 in a form the absorption kernel reads as
+it is stored (``HeadsMatmul.int4_axpy_fits``). On the bundled demo model and on the synthetic
+GLM-5-geometry containers this equals ``runtime.budget.resident_nbytes`` of the loaded weights
+to the byte (tests/test_plan.py checks it).
 
 Projection. With uniform routing an expert is resident with probability
 ``(pinned + lru_slots * layers) / (experts * layers)``: that is the projected hit rate. Per
@@ -40,6 +41,7 @@ import numpy.typing as npt
 
 from runtime.budget import kv_bytes_per_token, mem_available
 from runtime.experts import StoreLayout, plan_layout
+from runtime.kernels.heads import HeadsMatmul
 from runtime.policies import choose_pinned
 from storage.arch import classify
 from storage.container import Container
@@ -71,7 +73,8 @@ def dense_estimate(c: Container) -> tuple[int, int]:
     """(stored bytes, derived float32 bytes) the engine keeps resident for ``c``'s dense part.
 
     Stored: every tensor that is not a routed expert, as the loader keeps it. Derived: the
-    float32 ``W_UK^T`` absorption copies of every attention layer."""
+    float32 ``W_UK^T`` absorption copies of the attention layers whose ``kv_b_proj`` the
+    absorption kernel does not read as stored."""
     arch = c.arch
     stored = 0
     derived = 0
@@ -87,7 +90,11 @@ def dense_estimate(c: Container) -> tuple[int, int]:
             stored += ent.weight.nbytes  # kept as raw 16-bit words
         else:
             stored += ent.nbytes
-        if name.endswith(".self_attn.kv_b_proj.weight"):
+        if name.endswith(".self_attn.kv_b_proj.weight") and not (
+            ent.fmt is not None
+            and ent.fmt.kind == "int4"
+            and HeadsMatmul.int4_axpy_fits(arch.kv_lora_rank, ent.fmt.group_size)
+        ):  # (an int4 W_UK is read as it is stored: no copy)
             derived += 4 * arch.num_attention_heads * arch.kv_lora_rank * arch.qk_nope_head_dim
     return stored, derived
 

@@ -260,9 +260,17 @@ def _mla(c: ContainerLike, p: str, d: MLADims) -> MLAWeights:
     n, v, nh = d.qk_nope_head_dim, d.v_head_dim, d.num_attention_heads
     per = n + v
     # Absorption needs q_nope[h] @ W_UK[h] (the transposed product), computed as a sum of W_UK
-    # rows from a float32 copy (exact: the dequantized stored values); W_UV[h] is a row slice.
-    kv_b_f32 = dequantize(kv_b).reshape(nh, per, d.kv_lora_rank)  # [NH, N + V_, C]
-    uk_heads = HeadsMatmul.axpy(kv_b_f32[:, :n])  # [NH, N, C]
+    # rows: dequantized from the int4 rows as they are used where the kernel takes them, else
+    # from a float32 copy (the same values either way: the same bits); W_UV[h] is a row slice.
+    uk_heads = None
+    if kv_b.fmt.kind == "int4" and kv_b.scales is not None:
+        uk_heads = HeadsMatmul.axpy_int4(
+            np.asarray(kv_b.data), kv_b.scales, kv_b.fmt.group_size, d.kv_lora_rank, 0, per, n,
+            nh,
+        )  # fmt: skip
+    if uk_heads is None:
+        kv_b_f32 = dequantize(kv_b).reshape(nh, per, d.kv_lora_rank)  # [NH, N + V_, C]
+        uk_heads = HeadsMatmul.axpy(kv_b_f32[:, :n])  # [NH, N, C]
     w_uv = [Linear(qtensor_rows(kv_b, h * per + n, (h + 1) * per)) for h in range(nh)]
     # Every head's W_UV product in one numba call (the same kernels as w_uv, the same bits).
     if kv_b.fmt.kind == "int4" and kv_b.scales is not None:

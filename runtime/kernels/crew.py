@@ -64,7 +64,7 @@ from runtime.kernels._matmul_kernels import (
 )
 from runtime.kernels._q8 import _q8_apply, _q8_round, q8_prep_groups, q8_strides
 from runtime.kernels.attention import _latent_attention
-from runtime.kernels.heads import _heads_axpy, _heads_i4
+from runtime.kernels.heads import _heads_axpy, _heads_axpy_i4, _heads_i4
 from runtime.kernels.norm import rms_rows
 
 __all__ = [
@@ -320,14 +320,24 @@ def _job_mla_heads(row):  # type: ignore[no-untyped-def]
     of 4: the attention takes heads four at a time). [fn, q_nope, N, W_UK, C, q_rope, R,
     latent, k_rope, S, mask, mask size (0: every key), scale (float32 bits), h0, h1, q_lat,
     o_lat, W_UV (packed, size, scales, size, row0, row_step, V, gbytes, s_row, s_step, wide),
-    out, pf]; per head ``q_nope`` [N], ``q_lat`` / ``o_lat`` [C], ``out`` [V]."""
+    out, pf, W_UK int4 (1: ``W_UK`` is int4 rows of W_UV's matrix, ``_heads_axpy_i4``, and the
+    W_UK address unused), its first row]; per head ``q_nope`` [N], ``q_lat`` / ``o_lat`` [C],
+    ``out`` [V]."""
     a = carray(i64_at(row), WIDTH)
     n, c, r, s_all, h0, h1, v = a[2], a[4], a[6], a[9], a[13], a[14], a[23]
     nh = h1 - h0
-    w_uk = carray(f32_at(a[3] + h0 * n * c * 4), nh * n * c)
     q_nope = carray(f32_at(a[1] + h0 * n * 4), (1, nh, n))
     q_lat = carray(f32_at(a[15] + h0 * c * 4), (1, nh, c))
-    _heads_axpy(w_uk, nh, n, c, q_nope, q_lat)
+    packed = carray(u8_at(a[17]), a[18])
+    scales = carray(f32_at(a[19]), a[20])
+    if a[30] != 0:  # int4 W_UK: rows of W_UV's matrix, from row a[31], with its walk
+        _heads_axpy_i4(
+            packed, scales, a[31] + h0 * a[22], a[22], nh, n, c, a[24], a[25], a[26], q_nope,
+            q_lat,
+        )  # fmt: skip
+    else:
+        w_uk = carray(f32_at(a[3] + h0 * n * c * 4), nh * n * c)
+        _heads_axpy(w_uk, nh, n, c, q_nope, q_lat)
     q_rope = carray(f32_at(a[5] + h0 * r * 4), nh * r)
     latent = carray(f32_at(a[7]), s_all * c)
     k_rope = carray(f32_at(a[8]), s_all * r)
@@ -338,8 +348,6 @@ def _job_mla_heads(row):  # type: ignore[no-untyped-def]
         q_lat.reshape(-1), q_rope, latent, k_rope, mask, 1, nh, c, r, s_all, scale, 0,
         o_lat.reshape(-1),
     )  # fmt: skip
-    packed = carray(u8_at(a[17]), a[18])
-    scales = carray(f32_at(a[19]), a[20])
     out = carray(f32_at(a[28] + h0 * v * 4), (1, nh, v))
     _heads_i4(
         packed, scales, a[21] + h0 * a[22], a[22], nh, v, c, a[24], a[25], a[26], a[27] != 0,

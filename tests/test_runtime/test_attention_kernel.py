@@ -342,6 +342,38 @@ def test_heads_int4_rows_equal_per_head_linears(fmt: str) -> None:
     assert fused(np.zeros((0, nh, c), np.float32)).shape == (0, nh, v)
 
 
+@pytest.mark.parametrize("fmt", ["int4-g32", "int4-g64", "int4-g128", "int4-row", "int4-g16"])
+def test_heads_axpy_from_int4_rows_is_the_float32_copys_bits(fmt: str) -> None:
+    """W_UK read from its int4 rows as stored (``axpy_int4``: each value dequantized as it is
+    used) gives the bits of the float32 copy's ``axpy`` (the dequantized values), for every
+    group size it takes, 1 to 5 rows, and heads taken from inside a larger matrix (W_UK's
+    rows of each head's block, W_UV's rows between them); a group size it does not take (16
+    columns, or a width not a multiple of 32) gives None: the caller keeps the copy."""
+    from runtime.kernels.heads import HeadsMatmul
+    from storage.quant import dequantize, quantize
+
+    rng = np.random.default_rng(7)
+    nh, n, v, c = 6, 20, 12, 96
+    kv_b = quantize((rng.standard_normal((nh * (n + v), c)) * 0.3).astype(np.float32), fmt)
+    gs = kv_b.fmt.group_size
+    f32 = dequantize(kv_b).reshape(nh, n + v, c)
+    uk4 = HeadsMatmul.axpy_int4(np.asarray(kv_b.data), kv_b.scales, gs, c, 0, n + v, n, nh)
+    if fmt == "int4-g16":
+        assert uk4 is None and not HeadsMatmul.int4_axpy_fits(c, gs)
+        return
+    assert uk4 is not None and uk4.kind == "axpy_int4"
+    assert HeadsMatmul.axpy_int4(np.asarray(kv_b.data), kv_b.scales, gs, 80, 0, 1, 1, 1) is None
+    uk = HeadsMatmul.axpy(f32[:, :n])
+    for t in (1, 2, 5):
+        x = rng.standard_normal((t, nh, n)).astype(np.float32)
+        np.testing.assert_array_equal(uk4(x), uk(x))
+    # the W_UV rows of each block the same way (another first row), against their own copy
+    uv4 = HeadsMatmul.axpy_int4(np.asarray(kv_b.data), kv_b.scales, gs, c, n, n + v, v, nh)
+    assert uv4 is not None
+    y = rng.standard_normal((3, nh, v)).astype(np.float32)
+    np.testing.assert_array_equal(uv4(y), HeadsMatmul.axpy(f32[:, n:])(y))
+
+
 def test_heads_axpy_matches_float64_and_is_batch_invariant() -> None:
     from runtime.kernels.heads import KERNELS, HeadsMatmul
 

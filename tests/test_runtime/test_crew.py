@@ -251,13 +251,18 @@ def test_the_crew_moe_step_is_the_expert_by_expert_sum(
 
 
 @pytest.mark.parametrize(
-    ("n_heads", "keys", "masked"), [(16, 1, False), (12, 37, True), (8, 300, False)]
-)
-def test_mla_heads_on_the_crew_are_the_serial_bits(n_heads: int, keys: int, masked: bool) -> None:
+    ("n_heads", "keys", "masked", "uk_int4"),
+    [(16, 1, False, False), (12, 37, True, False), (8, 300, False, False), (16, 1, False, True),
+     (12, 37, True, True)],
+)  # fmt: skip
+def test_mla_heads_on_the_crew_are_the_serial_bits(
+    n_heads: int, keys: int, masked: bool, uk_int4: bool
+) -> None:
     """One query row's absorbed attention with its head ranges on the crew (W_UK, the latent
     attention, W_UV in one job per range), then o_proj's feature ranges, against the serial
-    calls: bit for bit, with and without a sparse selection's mask, head counts that split
-    evenly and not."""
+    calls with W_UK from a float32 copy: bit for bit, with and without a sparse selection's
+    mask, head counts that split evenly and not, and W_UK read from the int4 rows as
+    stored (``axpy_int4``)."""
     from runtime.kernels.dequant import dequantize
     from runtime.kernels.heads import HeadsMatmul
     from runtime.layers import mla
@@ -283,6 +288,13 @@ def test_mla_heads_on_the_crew_are_the_serial_bits(n_heads: int, keys: int, mask
     o_proj = _weight(rng, 96, n_heads * v)
     heads = uv(mla.latent_attention(uk(q_nope), q_rope, latent, k_rope, allowed, scale))
     want = o_proj(heads.reshape(1, n_heads * v))
+    if uk_int4:
+        uk4 = HeadsMatmul.axpy_int4(
+            np.asarray(kv_b.data), kv_b.scales, 32, c, 0, n + v, n, n_heads
+        )
+        assert uk4 is not None and uk4.kind == "axpy_int4"
+        assert np.array_equal(uk4(q_nope), uk(q_nope))
+        uk = uk4
     comp = ExpertCompute(2)
     comp.crew_min_macs = 0
     try:
