@@ -226,11 +226,10 @@ def heads_template(uk: HeadsMatmul, uv: HeadsMatmul, parts: int) -> I64Array | N
     if uk.kind == "axpy_int4":
         k_packed, k_scales = uk.held
         _, _, _, k_row0, k_step, k_gbytes, k_s_row, k_s_step = uk.spec
-        if (
-            (addr(k_packed), k_packed.size, addr(k_scales), k_scales.size)
-            != (addr(packed), packed.size, addr(scales), scales.size)
-            or (k_step, k_gbytes, k_s_row, k_s_step) != (row_step, gbytes, s_row, s_step)
-        ):
+        mine = (addr(k_packed), k_packed.size, addr(k_scales), k_scales.size)
+        same_matrix = mine == (addr(packed), packed.size, addr(scales), scales.size)
+        same_walk = (k_step, k_gbytes, k_s_row, k_s_step) == (row_step, gbytes, s_row, s_step)
+        if not (same_matrix and same_walk):
             return None
         uk_fields = (0, 1, k_row0)  # W_UK address unused; int4; its first row
     else:

@@ -289,9 +289,7 @@ def test_mla_heads_on_the_crew_are_the_serial_bits(
     heads = uv(mla.latent_attention(uk(q_nope), q_rope, latent, k_rope, allowed, scale))
     want = o_proj(heads.reshape(1, n_heads * v))
     if uk_int4:
-        uk4 = HeadsMatmul.axpy_int4(
-            np.asarray(kv_b.data), kv_b.scales, 32, c, 0, n + v, n, n_heads
-        )
+        uk4 = HeadsMatmul.axpy_int4(np.asarray(kv_b.data), kv_b.scales, 32, c, 0, n + v, n, n_heads)
         assert uk4 is not None and uk4.kind == "axpy_int4"
         assert np.array_equal(uk4(q_nope), uk(q_nope))
         uk = uk4
