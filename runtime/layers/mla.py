@@ -95,7 +95,7 @@ class MLAWeights:
     kv_a_layernorm: F32Array  # [C]
     kv_b_proj: Linear  # [NH * (N + V), C]
     o_proj: Linear  # [D, NH * V]
-    uk_heads: HeadsMatmul  # [T, NH, N] -> [T, NH, C] through W_UK[h] (derived, float32)
+    uk_heads: HeadsMatmul  # [T, NH, N] -> [T, NH, C] through W_UK[h] (int4 rows or a copy)
     w_uv: Sequence[Linear]  # NH x [V, C]: row slices of the stored kv_b_proj
     uv_heads: HeadsMatmul | None = None  # every head's w_uv in one call (same bits)
     q_a_proj: Linear | None = None  # [Q, D]
