@@ -79,6 +79,7 @@ class _UringReader(_ReaderBase):
         self._fixed: list[tuple[int, int]] = []  # registered (start, end) addresses by index
         self._fixed_keep: list[U8Array] = []
         self.fixed_buffers = False
+        self.submissions = 0  # io_uring_enter calls that handed the kernel requests
 
     @property
     def engine(self) -> str:
@@ -143,6 +144,7 @@ class _UringReader(_ReaderBase):
             try:
                 if self._ring.submit() == 0:
                     return
+                self.submissions += 1
             except OSError as exc:
                 if exc.errno == errno.EINTR:
                     continue
@@ -283,6 +285,112 @@ class _UringReader(_ReaderBase):
             raise _read_error(self.name, req, None, _short_read_detail(fd, req))
         self._count(req, op.resubmits)
         return buf[op.head : op.head + req.length]
+
+    async def read_many(
+        self, reqs: Sequence[ReadRequest], bufs: Sequence[U8Array]
+    ) -> list[U8Array]:
+        """All reads in one submission (one ``io_uring_enter``), waited for by this task
+        alone, when the ring has a free slot for each and their files are open already (every
+        read after a file's first); otherwise one task per read, as every backend does. Waits
+        for every read even when some fail; a cancelled batch asks the kernel to stop each
+        read still in flight and waits for every completion before it unwinds."""
+        if len(reqs) != len(bufs):
+            raise ValueError(f"{len(reqs)} requests but {len(bufs)} buffers")
+        if len(reqs) < 2:
+            return await super().read_many(reqs, bufs)
+        for r, b in zip(reqs, bufs, strict=True):
+            self._prepare(r, b)
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        live = [i for i, r in enumerate(reqs) if r.length]
+        fds = [self._files.get(reqs[i].path) for i in live]
+        n = len(live)
+        # (a file not opened yet opens on a worker thread, where it may fail for one read and
+        # not the others; a slot each, taken at once below: never a partial hold)
+        if None in fds or self._slots.value < n:
+            return await super().read_many(reqs, bufs)
+        for _ in range(n):
+            self._slots.acquire_nowait()
+        try:
+            if self._closed:
+                raise ReadError(f"{self.name} reader is closed (the engine is shutting down)")
+            ops = [
+                _Op(reqs[i], bufs[i], fd, self.direct, self._ud())
+                for i, fd in zip(live, fds, strict=True)
+                if fd is not None
+            ]
+            if ops:
+                await self._run_batch(ops)
+        finally:
+            for _ in range(n):
+                self._slots.release()
+        failed = [err for err in map(self._outcome, ops) if err is not None]
+        if failed:
+            first = failed[0]
+            if len(failed) == 1:
+                raise first
+            raise ReadError(f"{len(failed)} of {len(reqs)} reads failed; first: {first}") from first
+        out: list[U8Array] = []
+        done = iter(ops)
+        for r, b in zip(reqs, bufs, strict=True):
+            if r.length:
+                op = next(done)
+                out.append(b[op.head : op.head + r.length])
+            else:  # (nothing to read: an empty view where its bytes would start)
+                head = aligned_extent(r)[1]
+                self._count(r, 0)
+                out.append(b[head:head])
+        return out
+
+    async def _run_batch(self, ops: list[_Op]) -> None:
+        """Submit ``ops`` together and wait until every one completed (shielded when
+        cancelled: the kernel may be writing into their buffers)."""
+        t0s = [self._begin() for _ in ops]
+        ended = 0
+        try:
+            for op in ops:
+                self._ops[op.user_data] = op
+            try:
+                for op in ops:
+                    self._prep(op)
+                self._flush()
+            except OSError as exc:
+                for op in ops:
+                    self._ops.pop(op.user_data, None)
+                self.stats.errors += len(ops)
+                raise _read_error(self.name, ops[0].req, exc, "io_uring submission failed") from exc
+            try:
+                for op in ops:
+                    await self._wait(op)
+                    self._end(t0s[ended])
+                    ended += 1
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    for op in ops:
+                        if not op.done:
+                            self._cancel(op)
+                    for op in ops:
+                        await self._wait(op)
+                raise
+        finally:
+            for t0 in t0s[ended:]:
+                self._end(t0)
+
+    def _outcome(self, op: _Op) -> ReadError | None:
+        """A finished read's error (counted), or None (its bytes counted)."""
+        req = op.req
+        if op.errno:
+            self.stats.errors += 1
+            if op.errno == errno.EBADF:
+                self._files.forget(req.path, op.fd)
+            err = OSError(op.errno, os.strerror(op.errno))
+            got = _read_error(self.name, req, err)
+            got.__cause__ = err
+            return got
+        if op.got < op.need:
+            self.stats.errors += 1
+            return _read_error(self.name, req, None, _short_read_detail(op.fd, req))
+        self._count(req, op.resubmits)
+        return None
 
     async def aclose(self) -> None:
         if self._closed:

@@ -16,6 +16,7 @@ import sys
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import numpy as np
@@ -209,6 +210,138 @@ async def test_many_concurrent_callers(reader: Reader, data_file: tuple[Path, by
         for i, req in enumerate(reqs):
             tg.start_soon(one, req, (i % 5) * 0.001)
     assert bad == []
+
+
+async def _uring(data_file: tuple[Path, bytes], depth: int) -> Any:
+    try:
+        return await open_reader("uring", probe_path=data_file[0], queue_depth=depth)
+    except ReadError as exc:
+        pytest.skip(f"uring backend unavailable here: {exc}")
+
+
+@pytest.mark.anyio
+async def test_uring_read_many_submits_an_experts_reads_at_once(
+    data_file: tuple[Path, bytes],
+) -> None:
+    """An expert's reads (blob pieces, scales) go to the kernel in one io_uring_enter and are
+    waited for together; one at a time they took one call each. Empty requests among them
+    give empty views in place."""
+    path, data = data_file
+    r = await _uring(data_file, 16)
+    try:
+        reqs = [ReadRequest(path, 0, ALIGN)]  # (the first read of a file opens it)
+        assert bytes((await r.read_many(reqs, [aligned_empty(ALIGN)]))[0]) == data[:ALIGN]
+        reqs = [ReadRequest(path, o, n) for o, n in ((5, 300_000), (400_000, 4096),
+                                                      (77, 0), (1_000_003, 123_457))]  # fmt: skip
+        bufs = [aligned_empty(required_size(q)) for q in reqs]
+        before, reads = r.submissions, r.stats.reads
+        views = await r.read_many(reqs, bufs)
+        assert r.submissions - before == 1
+        for q, v in zip(reqs, views, strict=True):
+            assert bytes(v) == data[q.offset : q.offset + q.length]
+        assert views[2].size == 0
+        assert r.stats.reads - reads == 4 and r.stats.errors == 0
+        # the same reads as separate calls: one submission each
+        before = r.submissions
+        for q, b in zip(reqs, bufs, strict=True):
+            if q.length:
+                await r.read_into(q, b)
+        assert r.submissions - before == 3
+    finally:
+        await r.aclose()
+
+
+@pytest.mark.anyio
+async def test_uring_read_many_beyond_free_slots_waits_its_turn(
+    data_file: tuple[Path, bytes],
+) -> None:
+    """More reads than the ring has free slots (here: three callers of three reads each on a
+    ring of four) go one task per read, waiting for slots; nobody holds part of the slots
+    it needs while waiting for the rest, so nobody waits forever."""
+    path, data = data_file
+    r = await _uring(data_file, 4)
+    try:
+        await r.read_into(ReadRequest(path, 0, 1), aligned_empty(ALIGN))
+        got: list[bool] = []
+
+        async def caller(k: int) -> None:
+            reqs = [ReadRequest(path, 700_000 * k + 200_000 * i, 150_000) for i in range(3)]
+            views = await r.read_many(reqs, [aligned_empty(required_size(q)) for q in reqs])
+            got.append(all(bytes(v) == data[q.offset : q.offset + q.length]
+                           for q, v in zip(reqs, views, strict=True)))  # fmt: skip
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                for k in range(3):
+                    tg.start_soon(caller, k)
+        assert got == [True] * 3
+        assert r.stats.in_flight_peak <= 4
+        six = [ReadRequest(path, 100_000 * i, 4096) for i in range(6)]
+        views = await r.read_many(six, [aligned_empty(required_size(q)) for q in six])
+        assert [bytes(v) for v in views] == [data[q.offset : q.offset + 4096] for q in six]
+    finally:
+        await r.aclose()
+
+
+@pytest.mark.anyio
+async def test_uring_read_many_with_failing_reads_waits_for_the_rest(
+    data_file: tuple[Path, bytes],
+) -> None:
+    """Reads past the end of the file among good ones: every read finishes (the good ones'
+    bytes are in their buffers), then one ReadError says how many failed and names the first."""
+    path, data = data_file
+    size = len(data)
+    r = await _uring(data_file, 16)
+    try:
+        await r.read_into(ReadRequest(path, 0, 1), aligned_empty(ALIGN))
+        good = ReadRequest(path, 12_345, 500_000)
+        past = ReadRequest(path, size - 10, 20)
+        past2 = ReadRequest(path, size - 100, 200)
+        bufs = [aligned_empty(required_size(q)) for q in (good, past)]
+        before = r.submissions
+        with pytest.raises(ReadError, match=r"short read: the file ends at byte \d+") as ei:
+            await r.read_many([good, past], bufs)
+        assert r.submissions - before == 1
+        assert f"offset {size - 10}" in str(ei.value)
+        head = good.offset % ALIGN
+        assert bytes(bufs[0][head : head + good.length]) == data[12_345 : 12_345 + 500_000]
+        assert r.stats.errors == 1
+        reqs = [past, good, past2]
+        with pytest.raises(ReadError, match=f"2 of 3 reads failed; first: .*offset {size - 10}"):
+            await r.read_many(reqs, [aligned_empty(required_size(q)) for q in reqs])
+        assert r.stats.errors == 3
+        ok = [good, ReadRequest(path, 0, 4096)]
+        views = await r.read_many(ok, [aligned_empty(required_size(q)) for q in ok])
+        assert bytes(views[1]) == data[:4096]
+    finally:
+        await r.aclose()
+
+
+@pytest.mark.anyio
+async def test_uring_read_many_cancelled_mid_batch_leaves_no_write_behind(
+    data_file: tuple[Path, bytes], disk_dir: Path
+) -> None:
+    """A batch cancelled while its reads are on the device returns only once the kernel is
+    done with every buffer: nothing is written into them afterwards."""
+    r = await _uring(data_file, 16)
+    big = disk_dir / f"batch-{os.getpid()}.bin"
+    big.write_bytes(os.urandom(48 << 20))
+    try:
+        await r.read_into(ReadRequest(big, 0, 1), aligned_empty(ALIGN))
+        reqs = [ReadRequest(big, i << 24, 16 << 20) for i in range(3)]
+        for delay in (0.0, 0.0005, 0.002, 0.005):
+            bufs = [aligned_empty(required_size(q)) for q in reqs]
+            with anyio.move_on_after(delay):
+                await r.read_many(reqs, bufs)
+            for b in bufs:
+                b[:] = 0xA5
+            await anyio.sleep(0.05)
+            assert all((b == 0xA5).all() for b in bufs), f"written after cancel ({delay})"
+        views = await r.read_many(reqs, [aligned_empty(required_size(q)) for q in reqs])
+        assert bytes(views[2][:64]) == big.read_bytes()[32 << 20 : (32 << 20) + 64]
+    finally:
+        await r.aclose()
+        big.unlink()
 
 
 # --------------------------------------------------------------------------- EOF and errors
