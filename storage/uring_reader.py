@@ -5,6 +5,7 @@ cancelled read waits for the kernel's completion before its buffer is handed bac
 
 from __future__ import annotations
 
+import bisect
 import errno
 import os
 from collections.abc import Sequence
@@ -77,6 +78,8 @@ class _UringReader(_ReaderBase):
         self._next_ud = 1
         self._reaping = False
         self._fixed: list[tuple[int, int]] = []  # registered (start, end) addresses by index
+        self._fixed_by_addr: list[tuple[int, int, int]] = []  # (start, end, index) by start
+        self._fixed_starts: list[int] = []
         self._fixed_keep: list[U8Array] = []
         self.fixed_buffers = False
         self.submissions = 0  # io_uring_enter calls that handed the kernel requests
@@ -103,6 +106,7 @@ class _UringReader(_ReaderBase):
         if self._fixed:
             self._ring.unregister_buffers()
             self._fixed, self._fixed_keep, self.fixed_buffers = [], [], False
+            self._fixed_by_addr, self._fixed_starts = [], []
         if not regions:
             return False
         try:
@@ -114,6 +118,8 @@ class _UringReader(_ReaderBase):
             _log.info("io_uring fixed buffers refused", error=str(exc))
             return False
         self._fixed = [(a, a + n) for a, n in regions]
+        self._fixed_by_addr = sorted((lo, hi, i) for i, (lo, hi) in enumerate(self._fixed))
+        self._fixed_starts = [lo for lo, _, _ in self._fixed_by_addr]
         self._fixed_keep = list(bufs)
         self.fixed_buffers = True
         total = sum(n for _, n in regions)
@@ -121,10 +127,12 @@ class _UringReader(_ReaderBase):
         return True
 
     def _fixed_index(self, addr: int, n: int) -> int | None:
-        for i, (lo, hi) in enumerate(self._fixed):
-            if lo <= addr and addr + n <= hi:
-                return i
-        return None
+        # (by address: a scan over every slot's region took ~40 us a read on the event loop)
+        j = bisect.bisect_right(self._fixed_starts, addr) - 1
+        if j < 0:
+            return None
+        _, hi, i = self._fixed_by_addr[j]
+        return i if addr + n <= hi else None
 
     # ---- submission and completion
     def _ud(self) -> int:

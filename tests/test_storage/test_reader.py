@@ -567,6 +567,78 @@ async def test_uring_fixed_buffers(reader: Reader, data_file: tuple[Path, bytes]
     assert bytes(view) == data[req.offset : req.offset + req.length]
 
 
+@pytest.mark.anyio
+async def test_uring_fixed_buffer_index_over_many_slots(data_file: tuple[Path, bytes]) -> None:
+    """Each slot's buffer (registered in no particular address order, as the expert store
+    registers its slots) is found for a read inside it, and only inside it; a read that runs
+    past its buffer's end, or lies outside every buffer, is a plain read. Reads land right
+    either way."""
+    path, data = data_file
+    r = await _uring(data_file, 16)
+    try:
+        bufs = [aligned_empty(ALIGN * (1 + i % 3)) for i in range(40)]
+        order = np.random.default_rng(5).permutation(len(bufs))
+        bufs = [bufs[i] for i in order]
+        if not r.register_buffers(bufs):
+            pytest.skip(f"fixed buffers refused here: {r.reason}")
+        find = r._fixed_index
+        for i, b in enumerate(bufs):
+            a, n = b.ctypes.data, b.nbytes
+            assert find(a, n) == i and find(a + ALIGN // 2, n - ALIGN // 2) == i
+            assert find(a + n - 1, 1) == i
+            assert find(a, n + 1) is None  # (past its end: buffers are not contiguous)
+        outside = aligned_empty(ALIGN)
+        assert find(outside.ctypes.data, ALIGN) is None
+        reqs = [ReadRequest(path, ALIGN * i + 7, b.nbytes - ALIGN) for i, b in enumerate(bufs)]
+        views = await r.read_many(reqs, bufs)
+        views += await r.read_many([reqs[0], reqs[1]], [outside, bufs[1]])
+        for q, v in zip([*reqs, reqs[0], reqs[1]], views, strict=True):
+            assert bytes(v) == data[q.offset : q.offset + q.length]
+    finally:
+        await r.aclose()
+
+
+@pytest.mark.anyio
+async def test_uring_submission_lets_go_of_the_gil_only_for_plain_reads(
+    data_file: tuple[Path, bytes],
+) -> None:
+    """A submission of reads into registered buffers keeps the GIL (short, nothing to fault
+    in); one with a plain read among its requests lets go of it (the kernel may fault the
+    buffer's pages in). Both land the right bytes."""
+    path, data = data_file
+    r = await _uring(data_file, 16)
+    try:
+        ring = r._ring
+        if ring.engine != "syscall":
+            pytest.skip("the GIL choice is the syscall engine's")
+        fixed = aligned_empty(4 * ALIGN)
+        if not r.register_buffers([fixed]):
+            pytest.skip(f"fixed buffers refused here: {r.reason}")
+        held: list[bool] = []
+        real = ring._call
+
+        def call(nr: int, *args: Any, hold_gil: bool = False) -> int:
+            held.append(hold_gil)
+            got: int = real(nr, *args, hold_gil=hold_gil)
+            return got
+
+        ring._call = call
+        plain = aligned_empty(4 * ALIGN)
+        q1, q2 = ReadRequest(path, 100, 3 * ALIGN), ReadRequest(path, 9 * ALIGN, ALIGN)
+        assert bytes(await r.read_into(q1, fixed)) == data[100 : 100 + 3 * ALIGN]
+        assert bytes(await r.read_into(q1, plain)) == data[100 : 100 + 3 * ALIGN]
+        views = await r.read_many([q1, q2], [fixed, plain])
+        assert [bytes(v) for v in views] == [
+            data[100 : 100 + 3 * ALIGN],
+            data[9 * ALIGN : 10 * ALIGN],
+        ]
+        assert held == [True, False, False]
+        assert bytes(await r.read_into(q2, fixed)) == data[9 * ALIGN : 10 * ALIGN]
+        assert held[-1] is True
+    finally:
+        await r.aclose()
+
+
 _MEMLOCK_CHILD = """
 import resource, sys, anyio
 resource.setrlimit(resource.RLIMIT_MEMLOCK, (8 << 20, 8 << 20))
