@@ -639,6 +639,48 @@ async def test_uring_submission_lets_go_of_the_gil_only_for_plain_reads(
         await r.aclose()
 
 
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_uring_completions_come_through_one_reader_kept_on_the_loop(
+    data_file: tuple[Path, bytes], anyio_backend: str
+) -> None:
+    """Under asyncio the ring's eventfd is watched by one reader callback for the reader's
+    life (not added and removed around every wait); reads in flight together, cancelled or
+    failing all end right; closing the reader takes the callback off the loop."""
+    import asyncio
+
+    path, data = data_file
+    r = await _uring(data_file, 16)
+    selector = asyncio.get_running_loop()._selector  # type: ignore[attr-defined]
+    efd = r._efd
+    try:
+        q = ReadRequest(path, 3, 200_000)
+        assert bytes(await r.read_into(q, aligned_empty(required_size(q)))) == data[3:200_003]
+        assert efd in selector.get_map()  # (no read in flight: still watched)
+        reqs = _on(path, [x for x in _extents(len(data), 12, seed=9)])
+        got: list[bool] = []
+
+        async def one(req: ReadRequest) -> None:
+            view = await r.read_into(req, aligned_empty(required_size(req)))
+            got.append(bytes(view) == data[req.offset : req.offset + req.length])
+
+        async with anyio.create_task_group() as tg:
+            for req in reqs:
+                tg.start_soon(one, req)
+        assert got == [True] * len(reqs)
+        big = [ReadRequest(path, 0, len(data)) for _ in range(3)]
+        bufs = [aligned_empty(required_size(x)) for x in big]
+        with anyio.move_on_after(0.0005):
+            await r.read_many(big, bufs)
+        assert not r._ops
+        with pytest.raises(ReadError, match="short read"):
+            await r.read_into(ReadRequest(path, len(data) - 5, 10), aligned_empty(2 * ALIGN))
+        assert efd in selector.get_map()
+    finally:
+        await r.aclose()
+    assert efd not in selector.get_map()
+
+
 _MEMLOCK_CHILD = """
 import resource, sys, anyio
 resource.setrlimit(resource.RLIMIT_MEMLOCK, (8 << 20, 8 << 20))
