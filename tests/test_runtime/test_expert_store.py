@@ -518,6 +518,35 @@ def test_the_last_read_of_a_step_waits_for_the_one_before_it(piece: int | None) 
     _run(reader, body, read_piece=piece, lru=0)
 
 
+def test_a_landing_sends_the_read_it_let_go_before_building_its_weights(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The second of two misses goes once the first landed; it goes to the device before the
+    first expert's weights are built (Python the disk would otherwise idle through), and the
+    count of granted-but-unsent reads comes back to zero."""
+    import runtime.experts as experts_mod
+
+    layer = LAYERS[1]
+    reader = FakeReader()
+    built: list[tuple[int, int]] = []
+    real = experts_mod._weights_from
+
+    def recording(x: Any, *args: Any) -> ExpertWeights:
+        built.append((x.expert, reader.in_flight))
+        return real(x, *args)
+
+    monkeypatch.setattr(experts_mod, "_weights_from", recording)
+
+    async def body(store: ExpertStore, src: StreamingExperts) -> None:
+        got = await _step(src, layer, [2, 6])
+        assert got == {e: WANT[(layer, e)] for e in (2, 6)}
+        assert built == [(2, 1), (6, 0)]  # 6 on the device while 2's weights were built
+        assert store._unsent == 0
+        _settled(store)
+
+    _run(reader, body, lru=0)
+
+
 def test_a_failed_piece_fails_its_read_after_the_others_and_returns_every_slot() -> None:
     layer = LAYERS[2]
     bad = _demand_pieces(layer, 5)[2]
