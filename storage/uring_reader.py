@@ -85,6 +85,7 @@ class _UringReader(_ReaderBase):
         self.fixed_buffers = False
         self.submissions = 0  # io_uring_enter calls that handed the kernel requests
         self._watch_loop: asyncio.AbstractEventLoop | None = None  # (see _watching)
+        self._refused: OSError | None = None  # a submission the reader callback met failing
 
     @property
     def engine(self) -> str:
@@ -217,9 +218,19 @@ class _UringReader(_ReaderBase):
         return True
 
     def _on_completions(self) -> None:
-        """The eventfd's reader callback: reap, waking each finished read."""
+        """The eventfd's reader callback: reap, waking each finished read. A submission the
+        kernel refuses for good meanwhile (a resubmitted short read, a cancel) is raised in
+        every waiting read, as a reaping read would have raised it."""
         self._drain_eventfd()
-        self._reap()
+        try:
+            self._reap()
+        except OSError as exc:
+            self._refused = exc
+            for op in self._ops.values():
+                if op.waker is not None:
+                    op.waker.set()
+        else:
+            self._refused = None
 
     async def _wait(self, op: _Op) -> None:
         """Until ``op`` completes: woken by the loop's reader callback, or (see
@@ -236,6 +247,8 @@ class _UringReader(_ReaderBase):
                         await op.waker.wait()
                 finally:
                     op.waker = None
+                if self._refused is not None and not op.done:
+                    raise self._refused
             return
         while not op.done:
             if self._reaping:
@@ -361,8 +374,10 @@ class _UringReader(_ReaderBase):
         fds = [self._files.get(reqs[i].path) for i in live]
         n = len(live)
         # (a file not opened yet opens on a worker thread, where it may fail for one read and
-        # not the others; a slot each, taken at once below: never a partial hold)
-        if None in fds or self._slots.value < n:
+        # not the others; a slot each, taken at once below: never a partial hold; room in the
+        # submission queue for all of them: never a batch half queued)
+        room = self._ring.sq_entries - self._ring.unsubmitted
+        if None in fds or self._slots.value < n or room < n:
             return await super().read_many(reqs, bufs)
         for _ in range(n):
             self._slots.acquire_nowait()
