@@ -190,6 +190,17 @@ def _read_error(
     return ReadError(what)
 
 
+def _raise_failed(failed: Sequence[ReadError], n: int) -> None:
+    """Raise for a ``read_many`` of ``n`` reads whose ``failed`` ones (in request order) are
+    given: the one error as it is, several as one naming how many and the first."""
+    if not failed:
+        return
+    first = failed[0]
+    if len(failed) == 1:
+        raise first
+    raise ReadError(f"{len(failed)} of {n} reads failed; first: {first}") from first
+
+
 def _short_read_detail(fd: int, req: ReadRequest) -> str:
     try:
         size = os.fstat(fd).st_size
@@ -360,12 +371,8 @@ class _ReaderBase:
         async with anyio.create_task_group() as tg:
             for i in range(len(reqs)):
                 tg.start_soon(one, i)
-        if failed:
-            failed.sort(key=lambda t: t[0])
-            first = failed[0][1]
-            if len(failed) == 1:
-                raise first
-            raise ReadError(f"{len(failed)} of {len(reqs)} reads failed; first: {first}") from first
+        failed.sort(key=lambda t: t[0])
+        _raise_failed([exc for _, exc in failed], len(reqs))
         return [v for v in out if v is not None]
 
     def register_buffers(self, bufs: Sequence[U8Array]) -> bool:

@@ -19,6 +19,7 @@ from storage.reader import (
     ReadRequest,
     U8Array,
     _log,
+    _raise_failed,
     _read_error,
     _ReaderBase,
     _short_read_detail,
@@ -321,38 +322,10 @@ class _UringReader(_ReaderBase):
             if self._closed:  # closed while this read waited for its file or a ring slot
                 raise ReadError(f"{self.name} reader is closed (the engine is shutting down)")
             op = _Op(req, buf, fd, self.direct, self._ud())
-            t0 = self._begin()
-            try:
-                self._ops[op.user_data] = op
-                try:
-                    self._prep(op)
-                    self._flush()
-                except OSError as exc:
-                    self._ops.pop(op.user_data, None)
-                    self.stats.errors += 1
-                    raise _read_error(self.name, req, exc, "io_uring submission failed") from exc
-                try:
-                    await self._wait(op)
-                except BaseException:
-                    # Cancelled (or the loop is going down): the kernel may still be writing
-                    # into buf, so ask it to stop and wait for the completion, shielded.
-                    with anyio.CancelScope(shield=True):
-                        if not op.done:
-                            self._cancel(op)
-                        await self._wait(op)
-                    raise
-            finally:
-                self._end(t0)
-        if op.errno:
-            self.stats.errors += 1
-            if op.errno == errno.EBADF:
-                self._files.forget(req.path, fd)
-            err = OSError(op.errno, os.strerror(op.errno))
-            raise _read_error(self.name, req, err) from err
-        if op.got < op.need:
-            self.stats.errors += 1
-            raise _read_error(self.name, req, None, _short_read_detail(fd, req))
-        self._count(req, op.resubmits)
+            await self._run_batch([op])
+        err = self._outcome(op)
+        if err is not None:
+            raise err
         return buf[op.head : op.head + req.length]
 
     async def read_many(
@@ -394,12 +367,7 @@ class _UringReader(_ReaderBase):
         finally:
             for _ in range(n):
                 self._slots.release()
-        failed = [err for err in map(self._outcome, ops) if err is not None]
-        if failed:
-            first = failed[0]
-            if len(failed) == 1:
-                raise first
-            raise ReadError(f"{len(failed)} of {len(reqs)} reads failed; first: {first}") from first
+        _raise_failed([err for err in map(self._outcome, ops) if err is not None], len(reqs))
         out: list[U8Array] = []
         done = iter(ops)
         for r, b in zip(reqs, bufs, strict=True):
@@ -413,8 +381,8 @@ class _UringReader(_ReaderBase):
         return out
 
     async def _run_batch(self, ops: list[_Op]) -> None:
-        """Submit ``ops`` together and wait until every one completed (shielded when
-        cancelled: the kernel may be writing into their buffers)."""
+        """Submit ``ops`` together (one read, or a batch) and wait until every one completed
+        (shielded when cancelled: the kernel may be writing into their buffers)."""
         t0s = [self._begin() for _ in ops]
         ended = 0
         try:
@@ -435,6 +403,8 @@ class _UringReader(_ReaderBase):
                     self._end(t0s[ended])
                     ended += 1
             except BaseException:
+                # Cancelled (or the loop is going down): the kernel may still be writing into
+                # the buffers, so ask it to stop each read and wait for the completions, shielded.
                 with anyio.CancelScope(shield=True):
                     for op in ops:
                         if not op.done:
