@@ -583,14 +583,19 @@ def test_a_guess_is_made_while_the_step_reads_and_its_reads_are_issued(threads: 
 
             def step() -> tuple[dict[int, int], None]:
                 compute_thread.append(threading.current_thread().name)
-                if threads == 1:
-                    gate.set()  # (serially the guess comes first; nothing to wait for)
+                if threads == 1:  # (serially the guess comes first; nothing to wait for)
+                    anyio.from_thread.run_sync(gate.set)  # (an Event is set on its loop)
                 return comp.run_step(StreamingExperts(store), layer, [2, 5], fn, 1, guess, None)
 
             with anyio.fail_after(30):  # a guess made only after the last arrival: hangs
                 out, _ = await anyio.to_thread.run_sync(step, abandon_on_cancel=True)
+            # both predicted experts of `after` go to the device: the step's own reads go
+            # first, so the second lookahead read may still be queued when the step returns
+            with anyio.fail_after(10):
+                while store.policy.stats.prefetch_issued < 2:
+                    await anyio.sleep(0.001)
         assert out == {2: 2, 5: 5}
-        assert store.policy.stats.prefetch_issued == 2  # both predicted experts of `after`
+        assert store.policy.stats.prefetch_issued == 2  # and no more than those two
 
     anyio.run(main)
     if threads > 1:
