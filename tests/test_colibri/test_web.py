@@ -428,7 +428,7 @@ def test_runtime_and_brain(server: WebServer, open_page: Any) -> None:
     tip.wait_for(state="hidden")
 
     # GLM-5 scale: 76 layers x 256 experts = 19,456 cells, drawn from one ImageData
-    ms = page.evaluate(
+    calls = page.evaluate(
         """() => { const L = 76, E = 256, d = window.colibriDashboard;
         const codes = [], tiers = [], counts = [];
         const names = ['disk', 'lru', 'pinned', 'ram'];
@@ -447,13 +447,22 @@ def test_runtime_and_brain(server: WebServer, open_page: Any) -> None:
         d.onExperts(ex);
         counts[10][20] += 5; counts[40][200] += 1;
         d.onExperts(ex);
-        const t0 = performance.now();
-        for (let i = 0; i < 20; i++) d.brain.draw();
-        return (performance.now() - t0) / 20; }"""
+        // what a frame asks of the canvas (counted, not timed: a busy machine is slow at
+        // anything): one image for all the cells, a rect per gap line, none per cell
+        const proto = CanvasRenderingContext2D.prototype, calls = {}, kept = {};
+        for (const name of ['putImageData', 'fillRect', 'fill', 'rect', 'drawImage']) {
+          kept[name] = proto[name]; calls[name] = 0;
+          proto[name] = function (...args) { calls[name]++; return kept[name].apply(this, args); };
+        }
+        try { for (let i = 0; i < 20; i++) d.brain.draw(); }
+        finally { for (const name in kept) proto[name] = kept[name]; }
+        for (const name in calls) calls[name] /= 20;
+        return calls; }"""
     )
     assert page.inner_text("#brain-title") == "76 MoE layers × 256 experts"
     assert page.get_attribute("#brain", "data-routed") == "2"
-    assert ms < 50, f"a 19,456-cell frame took {ms:.1f} ms"
+    assert calls["putImageData"] == 1 and calls["drawImage"] == 1, calls
+    assert calls["fillRect"] <= 255 + 75 and calls["fill"] == calls["rect"] == 0, calls
     p.shot("desktop-brain-glm-scale")
 
 
@@ -647,7 +656,7 @@ def test_atlas_missing_then_built_and_rotated(server: WebServer, open_page: Any)
     assert "topic" in page.inner_text("#brain-tip")
     # GLM-5 scale: 19,456 points still redraw fast enough to drag smoothly
     page.click("#tab-btn-atlas")
-    ms = page.evaluate(
+    fills = page.evaluate(
         """() => { const n = 76 * 256, T = 8, d = window.colibriDashboard;
         const a = {format: 'colibri-atlas', model: 'glm-5-like', created: 0,
                    topics: ['code', 'poetry', 'law', 'chinese', 'sql', 'chat', 'math', 'med'],
@@ -664,11 +673,16 @@ def test_atlas_missing_then_built_and_rotated(server: WebServer, open_page: Any)
           a.selections.push(Math.floor(1000 * rnd()));
         }
         d.atlas.setData(a);
-        const t0 = performance.now();
-        for (let i = 0; i < 10; i++) { d.atlas.rotate(0.05, 0); d.atlas.draw(); }
-        return (performance.now() - t0) / 10; }"""
+        // fills per frame (counted, not timed): one per run of points of one depth bucket
+        // and topic (12 x 9 styles, dimmed or not), however many points there are
+        const proto = CanvasRenderingContext2D.prototype, kept = proto.fill;
+        let fills = 0;
+        proto.fill = function (...args) { fills++; return kept.apply(this, args); };
+        try { for (let i = 0; i < 10; i++) { d.atlas.rotate(0.05, 0); d.atlas.draw(); } }
+        finally { proto.fill = kept; }
+        return fills / 10; }"""
     )
-    assert ms < 100, f"a 19,456-point atlas frame took {ms:.1f} ms"
+    assert 1 <= fills <= 12 * 9 * 2, f"{fills} fills in a 19,456-point atlas frame"
     p.shot("desktop-atlas-glm-scale")
 
 
