@@ -79,8 +79,8 @@ class _UringReader(_ReaderBase):
         self._cancels: set[int] = set()
         self._next_ud = 1
         self._reaping = False
-        self._fixed: list[tuple[int, int]] = []  # registered (start, end) addresses by index
-        self._fixed_by_addr: list[tuple[int, int, int]] = []  # (start, end, index) by start
+        # registered regions, (start, end, index) sorted by start address, and their starts
+        self._fixed_by_addr: list[tuple[int, int, int]] = []
         self._fixed_starts: list[int] = []
         self._fixed_keep: list[U8Array] = []
         self.fixed_buffers = False
@@ -107,9 +107,9 @@ class _UringReader(_ReaderBase):
             addr, n = b.ctypes.data, b.nbytes
             for start in range(0, n, _MAX_FIXED_BUFFER):
                 regions.append((addr + start, min(_MAX_FIXED_BUFFER, n - start)))
-        if self._fixed:
+        if self.fixed_buffers:
             self._ring.unregister_buffers()
-            self._fixed, self._fixed_keep, self.fixed_buffers = [], [], False
+            self._fixed_keep, self.fixed_buffers = [], False
             self._fixed_by_addr, self._fixed_starts = [], []
         if not regions:
             return False
@@ -121,8 +121,7 @@ class _UringReader(_ReaderBase):
             self.reason += f"; fixed buffers refused: {exc.strerror}{hint} -> plain reads"
             _log.info("io_uring fixed buffers refused", error=str(exc))
             return False
-        self._fixed = [(a, a + n) for a, n in regions]
-        self._fixed_by_addr = sorted((lo, hi, i) for i, (lo, hi) in enumerate(self._fixed))
+        self._fixed_by_addr = sorted((a, a + n, i) for i, (a, n) in enumerate(regions))
         self._fixed_starts = [lo for lo, _, _ in self._fixed_by_addr]
         self._fixed_keep = list(bufs)
         self.fixed_buffers = True
@@ -146,7 +145,7 @@ class _UringReader(_ReaderBase):
 
     def _prep(self, op: _Op) -> None:
         part = op.buf[op.got : op.want]
-        if op.buf_index is None and self._fixed:
+        if op.buf_index is None and self.fixed_buffers:
             op.buf_index = self._fixed_index(op.buf.ctypes.data, op.want)
         self._ring.prep_read(op.fd, part, op.aligned + op.got, op.user_data, op.buf_index)
 
@@ -450,7 +449,7 @@ class _UringReader(_ReaderBase):
                 except Exception:  # (the loop is closed: nothing watches it any more)
                     pass
                 self._watch_loop = None
-            if self._fixed:
+            if self.fixed_buffers:
                 try:
                     self._ring.unregister_buffers()
                 except OSError:
