@@ -42,8 +42,11 @@ from runtime.countdown import Countdown, iterations_per_us
 from runtime.crew import (
     CREW_MIN_MACS,
     Crew,
+    F32Rows,
     Int8Rows,
     addr,
+    f32_prepared,
+    f32_rows_template,
     heads_template,
     i4_rows_template,
     i8_prepared,
@@ -555,10 +558,18 @@ class ExpertCompute:
             got = self._crew_kept[lin] = {}
         return got
 
+    def router_logits(self, lin: Linear, x: F32Array) -> F32Array:
+        """A MoE router's logits ``lin(x)`` [T, E]: on the crew where it takes the matmul
+        (GLM-5's float32 [256, 6144] router, 6.3 MB a layer, read from DRAM on one thread
+        took ~0.45 ms of every MoE layer's step), else the call itself. The same bits either
+        way; never the pool or BLAS, whose hand-off or rounding a router does not pay for."""
+        got = self._crew_linear(lin, x)
+        return got if got is not None else lin(x)
+
     def _crew_linear(self, lin: Linear, x: F32Array) -> F32Array | None:
         """:meth:`linear` as one crew run of output-feature ranges (int4 with the fused
-        kernel's walk, int8 on 16 lanes), or None where the crew does not take it. The same
-        bits: each feature is computed by the same kernel code from the same row."""
+        kernel's walk, int8 on 16 lanes, float32), or None where the crew does not take it.
+        The same bits: each feature is computed by the same kernel code from the same row."""
         n_tok, n_out = x.shape[0], lin.out_features
         crew = self._crew_for(n_tok, n_tok * lin.in_features * n_out)
         if crew is None or n_tok == 0:
@@ -573,7 +584,8 @@ class ExpertCompute:
         xx = np.ascontiguousarray(x, dtype=np.float32)
         buf = np.empty(n_tok * n_out, np.float32)  # range by range, each [T, b - a]
         table = template.copy()
-        xp = i8_prepared(xx, lin.in_features)
+        prepared = f32_prepared if lin.q.fmt.kind == "f32" else i8_prepared
+        xp = prepared(xx, lin.in_features)
         table[:, 1] = addr(xp)
         table[:, 2] = n_tok
         table[:, 3] = xp.size // n_tok
@@ -984,23 +996,39 @@ def _int8_rows(lin: Linear, kept: dict[Any, Any]) -> Int8Rows | None:
     return got
 
 
+def _f32_rows(lin: Linear) -> F32Rows | None:
+    """``lin`` as the crew's float32 job takes it, or None (another format, or elements that
+    are not one contiguous float32 array: the call itself copies those)."""
+    q = lin.q
+    if q.fmt.kind != "f32":
+        return None
+    data = np.asarray(q.data)
+    if data.dtype != np.float32 or not data.flags.c_contiguous:
+        return None
+    return F32Rows(data.reshape(-1), lin.out_features, lin.in_features)
+
+
 def _linear_jobs(
     lin: Linear, parts: int, kept: dict[Any, Any]
 ) -> tuple[Int4Weight | None, I64Array, I64Array] | None:
     """``lin``'s crew jobs in ``parts`` ranges of output features: (its int4 weight, or None
-    for int8, the jobs' template, each range's first feature), or None where the crew does
-    not take ``lin`` (another format, too few features). Made once per ``parts`` (kept in
-    ``kept``)."""
+    for int8 and float32, the jobs' template, each range's first feature), or None where the
+    crew does not take ``lin`` (another format, too few features). Made once per ``parts``
+    (kept in ``kept``)."""
     cache: dict[int, Any] = kept.setdefault("jobs", {})
     if parts not in cache:
         got: tuple[Int4Weight | None, I64Array, I64Array] | None = None
         edges = edges16(lin.out_features, parts)
         w4 = lin.int4
         w8 = None if w4 is not None else _int8_rows(lin, kept)
+        w32 = None if w4 is not None or w8 is not None else _f32_rows(lin)
         if len(edges) >= 3 and w4 is not None:
             got = (w4, i4_rows_template(w4, edges), np.asarray(edges[:-1], np.int64))
         elif len(edges) >= 3 and w8 is not None:
             got = (None, i8_rows_template(w8, edges), np.asarray(edges[:-1], np.int64))
+        elif len(edges) >= 3 and w32 is not None:
+            kept["f32"] = w32  # (its scale array lives as long as the jobs)
+            got = (None, f32_rows_template(w32, edges), np.asarray(edges[:-1], np.int64))
         cache[parts] = got
     out: tuple[Int4Weight | None, I64Array, I64Array] | None = cache[parts]
     return out

@@ -52,8 +52,11 @@ from runtime.kernels.quant_matmul import DEFAULT_PREFETCH, Int4Weight, Q8Weight,
 __all__ = [
     "CREW_MIN_MACS",
     "Crew",
+    "F32Rows",
     "Int8Rows",
     "addr",
+    "f32_prepared",
+    "f32_rows_template",
     "heads_template",
     "i4_fields",
     "i4_prepared",
@@ -96,6 +99,17 @@ class Int8Rows:
 
     def __init__(self, data: npt.NDArray[np.uint8], scales: F32Array, n_out: int, n_in: int):
         self.data, self.scales, self.n_out, self.n_in = data, scales, n_out, n_in
+
+
+class F32Rows:
+    """A float32 weight as the crew takes it: elements [O * I] (a router: the MoE layers'
+    routers stay float32, and GLM-5's [256, 6144] is 6.3 MB a layer)."""
+
+    __slots__ = ("data", "n_in", "n_out", "one")
+
+    def __init__(self, data: F32Array, n_out: int, n_in: int):
+        self.data, self.n_out, self.n_in = data, n_out, n_in
+        self.one = np.ones(1, np.float32)  # the scale the dense kernel takes (held here)
 
 
 def _table(rows: Sequence[Sequence[int]]) -> I64Array:
@@ -149,6 +163,18 @@ def i8_rows_template(w: Int8Rows, edges: Sequence[int]) -> I64Array:
                 DEFAULT_PREFETCH,
             )
         )
+    return _table(rows)
+
+
+def f32_rows_template(w: F32Rows, edges: Sequence[int]) -> I64Array:
+    """Jobs of ``_job_f32_rows`` for the row ranges ``edges`` of float32 ``w`` [P, WIDTH]; per
+    call columns 1 (activations padded to 8 columns), 2 (T), 3 (their row stride) and 8
+    (output), as :func:`i8_rows_template`'s."""
+    rows = []
+    for a, b in itertools.pairwise(edges):
+        d = w.data[a * w.n_in : b * w.n_in]
+        pf = DEFAULT_PREFETCH // 4  # (the dense kernel counts its prefetch in elements)
+        rows.append((job_kinds().f32_rows, 0, 0, 0, addr(d), b - a, w.n_in, addr(w.one), 0, pf))
     return _table(rows)
 
 
@@ -254,6 +280,12 @@ def i4_prepared(x: F32Array, w: Int4Weight) -> tuple[F32Array, int]:
     stride of its rows."""
     ys = int(_i4_stride(w.walk[2]))
     return _i4_prep(x, w.walk[2], ys), ys
+
+
+def f32_prepared(x: F32Array, n_in: int) -> F32Array:
+    """``x`` [T, I] zero-padded to a multiple of 8 columns for the dense 8-lane kernel."""
+    out: F32Array = _pad_rows(x, (n_in + 7) // 8 * 8)
+    return out
 
 
 def i8_prepared(x: F32Array, n_in: int) -> F32Array:

@@ -90,11 +90,11 @@ def moe_step(
        expert, so neither arrival order nor thread count changes a bit.
     """
     t0 = time.perf_counter()
-    ids, gates = moe_ops.route(moe, x)  # [T, K], [T, K]
+    comp = ctx.compute
+    ids, gates = moe_ops.route(moe, x, comp.router_logits)  # [T, K], [T, K]
     ctx.observe("route", layer, ids)
     # made while this step's reads are in flight; its reads queue behind them
     guess = next_guess(experts, layer, next_moe, x)
-    comp = ctx.compute
 
     def one(e: int, w: ExpertWeights) -> tuple[npt.NDArray[np.intp], F32Array]:
         return comp.expert_output(x, ids, gates, e, w)

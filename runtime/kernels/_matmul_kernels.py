@@ -801,7 +801,7 @@ def _i4_gemm16_regs(packed, scales, n_out, nb, s_row, s_step, y, ys, out, pf):  
                 scales,
                 n_out,
                 nb,
-                32,
+                np.int64(32),  # (a literal 32 compiled a second _i4_gemv16: 1.3 s cold)
                 s_row,
                 s_step,
                 y[t0 * _PLANES * ys :],

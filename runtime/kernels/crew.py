@@ -53,6 +53,8 @@ from runtime.kernels._intrinsics import (
     zeros64,
 )
 from runtime.kernels._matmul_kernels import (
+    _KIND_F32,
+    _col_matmul,
     _i4_apply,
     _i4_prep,
     _i4_stride,
@@ -219,6 +221,19 @@ def _job_i8_rows(row):  # type: ignore[no-untyped-def]
         _i8_matmul16(w, scales, n_out, n_in, xp, out, a[9])
     else:
         _i8_matmul16_tiles(w, scales, n_out, n_in, xp, ip, out, a[9])
+
+
+def _job_f32_rows(row):  # type: ignore[no-untyped-def]
+    """Rows of a float32 matmul (``_col_matmul``) from activations padded to 8 columns: [fn,
+    xp, T, Ip, w, O, I, one, out, pf]; ``xp`` flat [T * Ip], ``w`` flat [O * I], ``one`` the
+    float32 1.0 the kernel takes as the scale, ``out`` [T, O], ``pf`` in elements."""
+    a = carray(i64_at(row), WIDTH)
+    n_tok, ip, n_out, n_in = a[2], a[3], a[5], a[6]
+    xp = carray(f32_at(a[1]), n_tok * ip)
+    w = carray(f32_at(a[4]), n_out * n_in)
+    one = carray(f32_at(a[7]), 1)
+    out = carray(f32_at(a[8]), (n_tok, n_out))
+    _col_matmul(w, one, n_out, n_in, _KIND_F32, xp, ip, out, a[9])
 
 
 def _job_i4_swiglu_part(row):  # type: ignore[no-untyped-def]
@@ -657,6 +672,7 @@ def crew_moe(ctrl, x, ids, gates, first, second, s_first, s_second, n_f, s_nf, q
 _KINDS = {
     "i4_apply": _job_i4_apply,
     "i8_rows": _job_i8_rows,
+    "f32_rows": _job_f32_rows,
     "i4_swiglu_part": _job_i4_swiglu_part,
     "i4_down_part": _job_i4_down_part,
     "mla_heads": _job_mla_heads,

@@ -38,9 +38,13 @@ class MoEWeights:
     config: RouterConfig
 
 
-def route(w: MoEWeights, x: F32Array) -> tuple[I64Array, F32Array]:
-    """``x`` [T, D] (post-attention normed) -> (ids [T, K], gate weights [T, K])."""
-    logits = w.router(x)  # [T, E] fp32
+def route(
+    w: MoEWeights, x: F32Array, logits_of: Callable[[Linear, F32Array], F32Array] | None = None
+) -> tuple[I64Array, F32Array]:
+    """``x`` [T, D] (post-attention normed) -> (ids [T, K], gate weights [T, K]).
+    ``logits_of(router, x)``: the router's matmul (the compute's
+    :meth:`~runtime.compute.ExpertCompute.router_logits`, the same bits as ``router(x)``)."""
+    logits = w.router(x) if logits_of is None else logits_of(w.router, x)  # [T, E] fp32
     return _route(logits, w.correction_bias, w.config)
 
 

@@ -19,6 +19,8 @@ from runtime.crew import Crew, i4_prepared, i4_rows_template
 from runtime.kernels import crew as crew_kernels
 from runtime.kernels.crew import CELL, PARKED, combine_sorted
 from runtime.kernels.quant_matmul import edges16
+from runtime.layers import moe as moe_ops
+from runtime.layers.moe_router import RouterConfig
 from runtime.linear import Linear
 from runtime.models import load_model
 from storage.container import Container
@@ -50,7 +52,7 @@ def test_importing_the_compute_compiles_no_job() -> None:
     assert got.stdout.strip() == "0"
 
 
-@pytest.mark.parametrize("fmt", ["int4-g64", "int4-g32", "int4-row", "int8", "bf16"])
+@pytest.mark.parametrize("fmt", ["int4-g64", "int4-g32", "int4-row", "int8", "bf16", "f32"])
 @pytest.mark.parametrize("lanes", [8, 16])
 def test_a_crew_matmul_is_the_one_call_bit_for_bit(fmt: str, lanes: int) -> None:
     rng = np.random.default_rng(lanes)
@@ -62,8 +64,40 @@ def test_a_crew_matmul_is_the_one_call_bit_for_bit(fmt: str, lanes: int) -> None
         for n in (1, 3, 17):
             x = rng.standard_normal((n, 192)).astype(np.float32)
             assert np.array_equal(comp.linear(lin, x), lin(x)), n
-        takes = fmt.startswith("int4") or (fmt == "int8" and lanes == 16)
+        takes = fmt.startswith("int4") or (fmt == "int8" and lanes == 16) or fmt == "f32"
         assert (comp._crew.runs > 0) == takes
+    finally:
+        comp.close()
+
+
+def test_a_big_router_is_routed_on_the_crew_with_the_calls_bits() -> None:
+    """A GLM-5-sized float32 router (here [256, 4096]: 1M multiply-adds a row) takes its
+    logits from the crew in a decode step and in a prompt's chunk: the same experts and gate
+    weights, from the same bits, as the router's own call."""
+    rng = np.random.default_rng(7)
+    router = _weight(rng, 256, 4096, "f32")
+    w = moe_ops.MoEWeights(
+        router,
+        (0.01 * rng.standard_normal(256)).astype(np.float32),
+        None,
+        RouterConfig(256, 8, routed_scaling_factor=2.5),
+    )
+    comp = ExpertCompute(2)
+    try:
+        assert comp._crew is not None
+        for n in (1, 5):
+            x = rng.standard_normal((n, 4096)).astype(np.float32)
+            runs = comp._crew.runs
+            assert np.array_equal(comp.router_logits(router, x), router(x))
+            assert comp._crew.runs == runs + 1  # (one run of feature ranges)
+            got, want = moe_ops.route(w, x, comp.router_logits), moe_ops.route(w, x)
+            assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+        # below the crew's threshold the router is called as it is
+        small = _weight(rng, 64, 256, "f32")
+        runs = comp._crew.runs
+        x = rng.standard_normal((1, 256)).astype(np.float32)
+        assert np.array_equal(comp.router_logits(small, x), small(x))
+        assert comp._crew.runs == runs
     finally:
         comp.close()
 
