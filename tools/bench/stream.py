@@ -13,7 +13,8 @@ read the experts it misses. In the same run this measures
   compute does while reads are in flight), alternating with the memory idle:
   ``storage_memory_busy_ratio`` (busy / idle), and ``figure`` against a bound scaled by that
   ratio, ``figure_memory_busy_bound`` (on a virtual disk the host's copy into guest memory
-  competes with the guest's own memory traffic).
+  competes with the guest's own memory traffic), and the same with one such thread per CPU
+  (the decode computes on all of them): ``figure_memory_busy_all_cpus_bound``.
 
 One turn before the first round is not counted (a process's first decode loads kernels that
 prefill does not use). A run's figure is achieved / its bound (1.0 = compute and every other
@@ -23,6 +24,12 @@ interleaved in an order that rotates each round (each mode's median run stands f
 ``figure_vs_no_prefetch`` is the chosen mode's tokens/s over ``off``'s,
 ``figure_vs_best_forced`` over the better of ``on`` and ``off``; ``time`` is where the
 measured turn's wall time went (``stats()["time"]``).
+
+The compute bound: the same turn decoded twice with every expert resident (before the first
+round and after the last; skipped where the experts do not fit in free memory, or with
+``--no-compute-bound``), ``compute_bound_tokens_per_s``; ``figure_vs_attainable`` is the
+figure's run against the lower of its I/O bound and that compute bound (1.0: the decode is at
+what this machine allows, whichever of disk and compute that is).
 
     python tools/bench/stream.py [--model /var/tmp/colibri-synth] [--tokens 24] [--fraction 0.2]
         [--prefetch auto|on|off] [--rounds 6] [--predictable]
@@ -105,12 +112,15 @@ def disk_gbps(c: Container, reader_kind: str, n: int, seed: int) -> tuple[float,
     return max(one, two), backend, [round(one, 3), round(two, 3)]
 
 
-def disk_gbps_memory_busy(c: Container, reader_kind: str, n: int, seed: int) -> float:
-    """:func:`disk_gbps` while another thread streams memory, as a decode's expert compute
-    does between and during reads. On a virtual disk the host copies what it reads into guest
-    memory, so that copy and the guest's own memory traffic share one bandwidth: measured on a
-    2-vCPU guest, 2.05 GB/s against 2.3-2.5 with the memory idle (a thread computing in cache
-    took nothing from it)."""
+def disk_gbps_memory_busy(
+    c: Container, reader_kind: str, n: int, seed: int, threads: int = 1
+) -> float:
+    """:func:`disk_gbps` while ``threads`` other threads stream memory, as a decode's expert
+    compute does between and during reads. On a virtual disk the host copies what it reads
+    into guest memory, so that copy and the guest's own memory traffic share one bandwidth:
+    measured on a 2-vCPU guest, 2.05 GB/s against 2.3-2.5 with the memory idle (a thread
+    computing in cache took nothing from it); on a 2-vCPU Firecracker guest 2.9-3.3 GB/s
+    beside one such thread and 1.8-2.4 beside two, against 4.1-4.9 idle."""
     a = np.ones(32 << 20, dtype=np.uint64)  # 256 MiB: far beyond the caches
     read_sum(a[:8])  # (compiled before the clock matters)
     stop = threading.Event()
@@ -119,13 +129,18 @@ def disk_gbps_memory_busy(c: Container, reader_kind: str, n: int, seed: int) -> 
         while not stop.is_set():
             read_sum(a)
 
-    t = threading.Thread(target=traffic, name="memory-traffic", daemon=True)
-    t.start()
+    ts = [
+        threading.Thread(target=traffic, name=f"memory-traffic-{i}", daemon=True)
+        for i in range(threads)
+    ]
+    for t in ts:
+        t.start()
     try:
         return disk_gbps(c, reader_kind, n, seed)[0]
     finally:
         stop.set()
-        t.join()
+        for t in ts:
+            t.join()
 
 
 def decode_run(a: argparse.Namespace, budget: int, prefetch: str) -> dict[str, Any]:
@@ -146,6 +161,22 @@ def decode_run(a: argparse.Namespace, budget: int, prefetch: str) -> dict[str, A
         t_1 = m.stats()["time"]
     spent = {k: round(t_1[k] - t_0[k], 3) for k in t_1}
     return {"s0": s0, "s1": s1, "seconds": dt, "tokens": len(toks), "time": spent}
+
+
+def resident_run(a: argparse.Namespace) -> tuple[float | None, str]:
+    """The same turn with every expert in RAM (the automatic plan, no budget): what this
+    machine decodes when reads cost nothing, the decode's compute bound. (tokens/s, "") or
+    (None, why) when the experts do not fit in the memory this machine has now (the plan then
+    streams them)."""
+    drop_caches()
+    opts = {"reader": a.reader, "learn": False, "prefetch": "off"}
+    with colibri.open_model(a.model, **opts) as m:
+        if m.engine._store is not None:
+            return None, "the experts do not fit in this machine's memory (the plan streams them)"
+        m.generate([1, 2, 3, 4], max_new_tokens=1)  # prefill + warm-up, as decode_run
+        t0 = time.perf_counter()
+        toks = m.generate([1, 2, 3, 4], max_new_tokens=a.tokens + 1, temperature=1.0, seed=3)
+        return len(toks) / (time.perf_counter() - t0), ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,6 +201,13 @@ def main(argv: list[str] | None = None) -> int:
         help="decode runs per mode, interleaved; tokens/s are the medians (the machine drifts)",
     )
     ap.add_argument("--no-prefetch", dest="prefetch", action="store_const", const="off")
+    ap.add_argument(
+        "--no-compute-bound",
+        dest="compute_bound",
+        action="store_false",
+        help="skip the two resident decodes (every expert in RAM) that measure the compute "
+        "bound (they need the experts' size in free memory, ~14.5 GB for the synthetic model)",
+    )
     a = ap.parse_args(argv)
 
     if a.model is None:
@@ -185,6 +223,16 @@ def main(argv: list[str] | None = None) -> int:
     # first measured run 4 s once (4.0 tok/s against 14-16 for every later run).
     print("warm-up turn (not counted)", file=sys.stderr, flush=True)
     decode_run(a, budget, a.prefetch)
+    # The compute bound: the same turn with every expert resident, before the first round and
+    # after the last (the machine drifts too). Where the decode reaches it, the disk is not
+    # what holds it back, whatever ``figure`` says.
+    resident: list[float] = []
+    resident_why = "skipped (--no-compute-bound)"
+    if a.compute_bound:
+        print("resident turn (the compute bound)", file=sys.stderr, flush=True)
+        tps0, resident_why = resident_run(a)
+        if tps0 is not None:
+            resident.append(tps0)
 
     # The disk is measured before every decode run and after the last: a run's bound is the
     # mean of the measurements on either side of it, so a disk that drifts (2x within minutes
@@ -207,6 +255,12 @@ def main(argv: list[str] | None = None) -> int:
             in_order.append(run)
     gb_last, _, by_depth_last = disk_gbps(c, a.reader, a.reads, 1 + len(disk))
     disk.append(gb_last)
+    if resident:
+        print("resident turn (the compute bound)", file=sys.stderr, flush=True)
+        tps1, resident_why = resident_run(a)
+        if tps1 is not None:
+            resident.append(tps1)
+    compute_bound = sum(resident) / len(resident) if resident else None
     # memory busy against idle, in adjacent pairs (the disk drifts): idle (the last
     # measurement above), busy, idle, busy
     seed = 1 + len(disk)
@@ -214,6 +268,11 @@ def main(argv: list[str] | None = None) -> int:
     idle = [gb_last, disk_gbps(c, a.reader, a.reads, seed + 1)[0]]
     busy.append(disk_gbps_memory_busy(c, a.reader, a.reads, seed + 2))
     busy_ratio = sum(busy) / sum(idle)
+    # and while as many threads stream memory as the decode computes on (its pool's workers,
+    # all of this machine's CPUs by default), against the disk idle right after
+    cpus = len(os.sched_getaffinity(0))
+    busy_all = disk_gbps_memory_busy(c, a.reader, a.reads, seed + 3, cpus)
+    idle_all = disk_gbps(c, a.reader, a.reads, seed + 4)[0]
     for i, run in enumerate(in_order):
         run["gbps"] = (disk[i] + disk[i + 1]) / 2
     gbps = sum(disk) / len(disk)
@@ -297,6 +356,22 @@ def main(argv: list[str] | None = None) -> int:
         ],
         "storage_memory_busy_ratio": round(busy_ratio, 3),
         "figure_memory_busy_bound": round(figures[a.prefetch] / busy_ratio, 3),
+        # the same with one memory-streaming thread per CPU, as the decode's expert compute
+        # runs on every CPU: [busy, idle] and the figure against the bound scaled by busy/idle
+        "storage_gbps_memory_busy_all_cpus": [round(busy_all, 3), round(idle_all, 3)],
+        "figure_memory_busy_all_cpus_bound": round(figures[a.prefetch] / (busy_all / idle_all), 3),
+        # the same turn with every expert resident (before the first round, after the last):
+        # what the decode reaches when reads cost nothing; None where they do not fit in RAM
+        "compute_bound_tokens_per_s": None if compute_bound is None else round(compute_bound, 3),
+        "compute_bound_runs": [round(x, 3) for x in resident],
+        "compute_bound_reason": resident_why or None,
+        # the figure's run against the lower of its two bounds (1.0: at what this machine
+        # allows, disk or compute); None without the compute bound
+        "figure_vs_attainable": None
+        if compute_bound is None
+        else round(
+            fig_run["tokens"] / fig_run["seconds"] / min(io_bound(fig_run), compute_bound), 3
+        ),
         "bytes_missed_per_token": int(per_token(main_run)),
         "bytes_read_per_token": int(read / steps),
         "hit_rate": round(s1["hit_rate"], 3),
