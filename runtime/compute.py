@@ -996,16 +996,20 @@ def _int8_rows(lin: Linear, kept: dict[Any, Any]) -> Int8Rows | None:
     return got
 
 
-def _f32_rows(lin: Linear) -> F32Rows | None:
+def _f32_rows(lin: Linear, kept: dict[Any, Any]) -> F32Rows | None:
     """``lin`` as the crew's float32 job takes it, or None (another format, or elements that
-    are not one contiguous float32 array: the call itself copies those)."""
+    are not one contiguous float32 array: the call itself copies those). Made once (kept in
+    ``kept``, with the scale array every template of it points at)."""
+    if "f32" in kept:
+        known: F32Rows | None = kept["f32"]
+        return known
+    got = None
     q = lin.q
-    if q.fmt.kind != "f32":
-        return None
     data = np.asarray(q.data)
-    if data.dtype != np.float32 or not data.flags.c_contiguous:
-        return None
-    return F32Rows(data.reshape(-1), lin.out_features, lin.in_features)
+    if q.fmt.kind == "f32" and data.dtype == np.float32 and data.flags.c_contiguous:
+        got = F32Rows(data.reshape(-1), lin.out_features, lin.in_features)
+    kept["f32"] = got
+    return got
 
 
 def _linear_jobs(
@@ -1021,13 +1025,12 @@ def _linear_jobs(
         edges = edges16(lin.out_features, parts)
         w4 = lin.int4
         w8 = None if w4 is not None else _int8_rows(lin, kept)
-        w32 = None if w4 is not None or w8 is not None else _f32_rows(lin)
+        w32 = None if w4 is not None or w8 is not None else _f32_rows(lin, kept)
         if len(edges) >= 3 and w4 is not None:
             got = (w4, i4_rows_template(w4, edges), np.asarray(edges[:-1], np.int64))
         elif len(edges) >= 3 and w8 is not None:
             got = (None, i8_rows_template(w8, edges), np.asarray(edges[:-1], np.int64))
         elif len(edges) >= 3 and w32 is not None:
-            kept["f32"] = w32  # (its scale array lives as long as the jobs)
             got = (None, f32_rows_template(w32, edges), np.asarray(edges[:-1], np.int64))
         cache[parts] = got
     out: tuple[Int4Weight | None, I64Array, I64Array] | None = cache[parts]
