@@ -497,6 +497,21 @@ def _alive(a, b, c, d, e):  # type: ignore[no-untyped-def]
 
 
 @njit(nogil=True, cache=True)
+def _most_rows_first(n, n_all):  # type: ignore[no-untyped-def]
+    """``np.argsort(-n[:n_all], kind="stable")``: the indices by descending ``n``, ties in
+    index order, by insertion (a MoE step has a few MLPs, a prefill chunk at most one per
+    expert and the shared one; numba's merge sort took ~1.7 s of a first run's compile)."""
+    order = np.empty(n_all, np.int64)
+    for i in range(n_all):
+        j = i
+        while j > 0 and n[order[j - 1]] < n[i]:
+            order[j] = order[j - 1]
+            j -= 1
+        order[j] = i
+    return order
+
+
+@njit(nogil=True, cache=True)
 def _post_mlps(table, at, templates, cols, vals):  # type: ignore[no-untyped-def]
     """Copy ``templates`` [P, WIDTH] into ``table`` from row ``at`` with column ``cols[i]`` set
     to ``vals[i]`` in every copied row; the next free row."""
@@ -563,10 +578,12 @@ def crew_moe(ctrl, x, ids, gates, first, second, s_first, s_second, n_f, s_nf, q
             pos[e] = i + 1
             tok[i] = t
             g[i] = gates[t, j]
-            xe[i] = x[t]
+            for c in range(n_d):  # (element by element: a row assignment compiles numba's
+                xe[i, c] = x[t, c]  # shape-mismatch message, ~2.5 s of a first run)
     if shared:
         for t in range(n_tok):
-            xe[n_routed + t] = x[t]
+            for c in range(n_d):
+                xe[n_routed + t, c] = x[t, c]
     nf = np.empty(n_all, np.int64)
     h_at = np.empty(n_all, np.int64)
     total = 0
@@ -596,7 +613,7 @@ def crew_moe(ctrl, x, ids, gates, first, second, s_first, s_second, n_f, s_nf, q
     hs = zeros64(hs_at[n_all], np.float32)
     # the MLPs with most rows first (a stable sort: a prefill step's shared expert, which
     # takes every row, leads), so no big job is left for the end of a run
-    order = np.argsort(-n[:n_all], kind="mergesort")
+    order = _most_rows_first(n, n_all)
     p1 = first.shape[1] * n_m + (s_first.shape[0] if shared else 0)
     p2 = second.shape[1] * n_m + (s_second.shape[0] if shared else 0)
     t1 = np.empty((p1, WIDTH), np.int64)
@@ -713,6 +730,6 @@ def job_kinds() -> JobKinds:
 
 #: Every compiled kernel (tests check they were built with ``nogil=True``).
 KERNELS: tuple[Any, ...] = (
-    _drain, crew_run, one_run, crew_work, combine_sorted, _alive, _post_mlps, crew_moe,
-    crew_linears, crew_heads_out, crew_lora,
+    _drain, crew_run, one_run, crew_work, combine_sorted, _alive, _post_mlps, _most_rows_first,
+    crew_moe, crew_linears, crew_heads_out, crew_lora,
 )  # fmt: skip

@@ -137,8 +137,9 @@ def _heads_i4(  # type: ignore[no-untyped-def]
         r = row0 + h * row_step
         p = packed[r * nb : (r + n_out) * nb]
         s = scales[r * s_row : (r + n_out) * s_row]
-        for t in range(n_tok):
-            xh[t, :] = x[t, h, :]
+        for t in range(n_tok):  # (element by element: a slice assignment compiles numba's
+            for i in range(n_in):  # shape-mismatch message, ~1.7 s of a first run)
+                xh[t, i] = x[t, h, i]
         y = _i4_prep(xh, nb, ys)
         if n_tok == 1:
             if wide:
@@ -150,7 +151,8 @@ def _heads_i4(  # type: ignore[no-untyped-def]
         else:
             _i4_gemm(p, s, n_out, nb, gbytes, s_row, s_step, y, ys, tmp, pf)
         for t in range(n_tok):
-            out[t, h, :] = tmp[t, :]
+            for o in range(n_out):
+                out[t, h, o] = tmp[t, o]
 
 
 class HeadsMatmul:

@@ -132,6 +132,21 @@ def _sum_like_numpy(w):  # type: ignore[no-untyped-def]
 
 
 @njit(nogil=True, cache=True)
+def _ascending(a):  # type: ignore[no-untyped-def]
+    """``np.sort(a)`` of a short integer row (the k chosen expert ids), by insertion: numba's
+    quicksort took ~1.1 s of a first run's compile for a handful of values."""
+    row = a.copy()
+    for i in range(1, row.size):
+        v = row[i]
+        j = i
+        while j > 0 and row[j - 1] > v:
+            row[j] = row[j - 1]
+            j -= 1
+        row[j] = v
+    return row
+
+
+@njit(nogil=True, cache=True)
 def _sigmoid_rows(scores, bias, n_group, topk_group, norm, eps, scale, ids, weights):  # type: ignore[no-untyped-def]
     """:func:`route`'s sigmoid steps after the sigmoid, row by row, into ``ids`` [T, K] and
     ``weights`` [T, K]: the choice (scores + bias), the group filter, the top-k, ascending
@@ -179,7 +194,7 @@ def _sigmoid_rows(scores, bias, n_group, topk_group, norm, eps, scale, ids, weig
         one[0] = n_e
         if _select(choice, k, one, False, got, tied):
             return False
-        row = np.sort(got[0])
+        row = _ascending(got[0])
         for i in range(k):
             ids[t, i] = row[i]
             w[i] = scores[t, row[i]]
@@ -193,4 +208,4 @@ def _sigmoid_rows(scores, bias, n_group, topk_group, norm, eps, scale, ids, weig
 
 
 #: Every compiled kernel (tests check they were built with ``nogil=True``).
-KERNELS = (_sum_like_numpy, _sigmoid_rows)
+KERNELS = (_sum_like_numpy, _ascending, _sigmoid_rows)

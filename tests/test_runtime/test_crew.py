@@ -340,6 +340,17 @@ def test_mla_heads_on_the_crew_are_the_serial_bits(
     assert np.array_equal(got, want)
 
 
+def test_the_moe_steps_mlp_order_is_numpys_stable_argsort() -> None:
+    """The crew's MoE step orders its MLPs by rows, most first, ties by index: what
+    ``np.argsort(-n, kind="stable")`` gives, on counts with many ties and on none."""
+    rng = np.random.default_rng(8)
+    for size in (0, 1, 2, 7, 9, 64, 257):
+        for hi in (1, 3, 50):
+            n = rng.integers(0, hi, size + 3).astype(np.int64)  # (entries past n_all ignored)
+            got = crew_kernels._most_rows_first(n, size)
+            assert np.array_equal(got, np.argsort(-n[:size], kind="stable")), (size, hi)
+
+
 def test_combine_sorted_is_the_per_expert_sum() -> None:
     from runtime.layers import moe as moe_ops
 

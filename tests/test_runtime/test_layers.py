@@ -471,9 +471,11 @@ def test_the_router_kernel_is_the_numpy_router_bit_for_bit(
     """The sigmoid router's numba rows against its numpy form: the same ids and the same
     weight bits (a weight sum of 8 or more values in numpy's pairwise order), rows with exact
     ties at the boundary and a NaN handed to the numpy form, a whole step decided by it."""
-    from runtime.layers.moe_router import KERNELS, route_numpy
+    from runtime.layers.moe_router import KERNELS, _ascending, route_numpy
 
     assert all(kern.targetoptions.get("nogil") is True for kern in KERNELS)
+    for ids in (np.array([5], np.int64), np.array([9, 2, 7, 0, 3, 8, 1, 4], np.int64)):
+        assert np.array_equal(_ascending(ids), np.sort(ids)) and ids[0] in (5, 9)  # a copy
     cfg = RouterConfig(n_e, k, groups[0], groups[1], norm, 2.5)
     rng = np.random.default_rng(n_e + k)
     bias = (0.05 * rng.standard_normal(n_e)).astype(np.float32)
