@@ -80,7 +80,7 @@ from runtime.layers.swiglu import MLPWeights, fused, fused_q8, swiglu, swiglu_q8
 from runtime.linear import Linear
 from runtime.weights import ExpertSource, Guess, ResidentExperts
 
-__all__ = ["KERNEL_MODES", "ExpertCompute", "KernelMode"]
+__all__ = ["KERNEL_MODES", "ExpertCompute", "KernelMode", "causal_edges"]
 
 _WORKER_PREFIX = "colibri-expert"
 SPLIT_MIN_MACS = 1 << 23
@@ -149,6 +149,20 @@ class _Pool(ThreadPoolExecutor):
         if self._rest is not None:
             self._rest()
         return super().submit(fn, *args, **kwargs)
+
+
+def causal_edges(
+    n_rows: int, keys: int, per_row: int, per_key: int, parts: int
+) -> npt.NDArray[np.int64]:
+    """``parts + 1`` ascending row edges from 0 to ``n_rows`` that split the last ``n_rows``
+    queries over ``keys`` causal keys into ranges of about equal work: row ``i`` costs
+    ``per_row + per_key * (keys - n_rows + i + 1)``."""
+    seen = keys - n_rows + 1 + np.arange(n_rows, dtype=np.int64)  # keys row i sees
+    work = np.cumsum(per_row + per_key * seen)  # [n_rows]
+    targets = work[-1] * np.arange(1, parts, dtype=np.int64) // parts
+    inner = np.searchsorted(work, targets, side="left") + 1
+    edges = np.concatenate([[0], np.clip(inner, 1, n_rows), [n_rows]]).astype(np.int64)
+    return np.maximum.accumulate(edges)
 
 
 class ExpertCompute:
@@ -274,10 +288,17 @@ class ExpertCompute:
             self.fast_calls += 1
         return y
 
-    def row_blocks(self, n_rows: int, macs_per_row: int) -> list[tuple[int, int]] | None:
+    def row_blocks(
+        self, n_rows: int, macs_per_row: int, causal: tuple[int, int, int] | None = None
+    ) -> list[tuple[int, int]] | None:
         """Row ranges to run on the pool, one per thread, or None when one thread should do it
         (no pool, few rows, or less work than ``parallel_min_macs``). Only for the compute
-        thread: a worker must not wait on the pool it runs in."""
+        thread: a worker must not wait on the pool it runs in.
+
+        ``causal`` = (keys, multiply-adds per row, per key): the rows are the last ``n_rows``
+        queries over ``keys`` causal keys (row ``i`` sees ``keys - n_rows + i + 1``), and the
+        ranges hold about equal work instead of equal rows (a fresh prompt's last half of the
+        rows has three times the keys of its first: it set the pace of the whole step)."""
         if (
             self._pool is None
             or n_rows < 2 * self.threads
@@ -285,7 +306,10 @@ class ExpertCompute:
             or self._on_worker()
         ):
             return None
-        edges = np.linspace(0, n_rows, self.threads + 1).astype(int)
+        if causal is None:
+            edges = np.linspace(0, n_rows, self.threads + 1).astype(int)
+        else:
+            edges = causal_edges(n_rows, *causal, self.threads)
         return [(int(a), int(b)) for a, b in itertools.pairwise(edges) if b > a]
 
     def _on_worker(self) -> bool:

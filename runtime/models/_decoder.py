@@ -782,7 +782,13 @@ class MLAMoEModel(DecoderStack):
             absorbed = ctx.attention_mode == "absorbed"
         latent, k_rope = seq.cache.latent(slot, s), seq.cache.k_rope(slot, s)
         comp = ctx.compute
-        blocks = comp.row_blocks(t, s * d.num_attention_heads * d.kv_lora_rank * 4)
+        nh, c_lat, v = d.num_attention_heads, d.kv_lora_rank, d.v_head_dim
+        # absorbed, per row: W_UK, W_UV and o_proj (counted twice: a prefill's blocks ran
+        # them at about half the latent attention's multiply-adds per second), then per key
+        # its score and weighted sum
+        per_row = 2 * (nh * c_lat * (d.qk_nope_head_dim + v) + nh * v * c.hidden_size)
+        causal = (s, per_row, nh * (2 * c_lat + d.qk_rope_head_dim)) if absorbed else None
+        blocks = comp.row_blocks(t, s * nh * c_lat * 4, causal)
         if absorbed and blocks is not None:
             # Rows are independent in the absorbed form: blocks on the pool, bit-identical.
             def rows(a: int, b: int) -> F32Array:

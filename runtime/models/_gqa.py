@@ -215,7 +215,9 @@ class GQAMoEModel(DecoderStack):
             q, k, v = (np.concatenate([p[n] for p in parts]) for n in range(3))
         seq.cache.write(slot, seq.start, k, v)
         keys, values = seq.cache.keys(slot, s), seq.cache.values(slot, s)
-        blocks = comp.row_blocks(t, s * d.num_attention_heads * d.head_dim * 2)
+        per_key = d.num_attention_heads * d.head_dim * 2  # a score and a weighted value
+        o_macs = w.o_proj.in_features * w.o_proj.out_features
+        blocks = comp.row_blocks(t, s * per_key, (s, o_macs, per_key))
         if blocks is None:
             out = gqa.attend(w, d, q, keys, values, mm=comp.linear)
         else:

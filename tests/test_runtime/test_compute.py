@@ -5,6 +5,7 @@ streamed buffer back."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -19,7 +20,7 @@ from _demo import demo_model
 import colibri
 from colibri._config import EngineOptions
 from colibri._engine import TokenEvent
-from runtime.compute import ExpertCompute
+from runtime.compute import ExpertCompute, causal_edges
 from runtime.context import StepContext
 from runtime.experts import ExpertStore, StreamingExperts
 from runtime.kernels.dequant import dequantize
@@ -602,3 +603,24 @@ def test_a_guess_is_made_while_the_step_reads_and_its_reads_are_issued(threads: 
         assert order.index("guess") < order.index("expert 5")
     else:
         assert order[0] == "guess"
+
+
+@pytest.mark.parametrize(("n_rows", "keys", "per_row", "per_key", "parts"), [
+    (512, 512, 5_000_000, 9_216, 2), (64, 64, 0, 1, 2), (300, 1000, 10, 1, 3),
+    (7, 7, 0, 1, 4), (4, 4, 1, 0, 2), (1000, 1000, 0, 1, 8),
+])  # fmt: skip
+def test_causal_row_blocks_hold_about_equal_work(
+    n_rows: int, keys: int, per_row: int, per_key: int, parts: int
+) -> None:
+    """A prompt's rows split by work, not by count: each range within one row's work of an
+    equal share (row i sees keys - n_rows + i + 1 keys), so the later, longer rows get fewer
+    rows per range; the edges run from 0 to n_rows without going back."""
+    edges = causal_edges(n_rows, keys, per_row, per_key, parts)
+    assert edges[0] == 0 and edges[-1] == n_rows and len(edges) == parts + 1
+    assert np.all(np.diff(edges) >= 0)
+    work = per_row + per_key * (keys - n_rows + 1 + np.arange(n_rows))
+    share, most = work.sum() / parts, work.max()
+    for a, b in itertools.pairwise(edges):
+        assert abs(work[a:b].sum() - share) <= most, (a, b)
+    if per_key and parts == 2 and n_rows >= 64:
+        assert edges[1] > n_rows // 2  # the first half of the rows has less than half the work
