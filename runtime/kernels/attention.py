@@ -23,7 +23,15 @@ from numba import njit
 from numba.np.numpy_support import carray
 
 from runtime.kernels._intrinsics import ALIGN, f32_at, zeros64
-from runtime.kernels._simd import vfma16, vhsum16, vload16, vsplat16, vstore16, vzero16
+from runtime.kernels._simd import (
+    vfma16,
+    vhsum16,
+    vhsum16x4,
+    vload16,
+    vsplat16,
+    vstore16,
+    vzero16,
+)
 
 __all__ = [
     "KERNELS",
@@ -69,10 +77,7 @@ def _dot4(a, a0, n, b, bi):  # type: ignore[no-untyped-def]
         acc2 = vfma16(vload16(a, a2 + c), y, acc2)
         acc3 = vfma16(vload16(a, a3 + c), y, acc3)
     zero = np.float32(0.0)
-    s0 = vhsum16(acc0) if n16 > 0 else zero
-    s1 = vhsum16(acc1) if n16 > 0 else zero
-    s2 = vhsum16(acc2) if n16 > 0 else zero
-    s3 = vhsum16(acc3) if n16 > 0 else zero
+    s0, s1, s2, s3 = vhsum16x4(acc0, acc1, acc2, acc3) if n16 > 0 else (zero, zero, zero, zero)
     for c in range(n16, n):
         y1 = b[bi + c]
         s0 += a[a0 + c] * y1

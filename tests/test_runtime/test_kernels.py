@@ -406,23 +406,31 @@ def test_nibble_decode_by_table_lookup_gives_the_portable_floats() -> None:
 
 
 def test_lane_sums_add_in_the_documented_order() -> None:
-    """``vhsum`` / ``vhsum16`` (a few shuffles and vector adds) give, bit for bit, the fixed
+    """``vhsum`` / ``vhsum16`` (a few shuffles and vector adds), and ``vhsum16x4`` (four
+    vectors folded side by side), give, bit for bit, the fixed
     order every kernel's result is defined by: fold the halves lane by lane down to 8 lanes,
     then ``((v0+v4)+(v2+v6)) + ((v1+v5)+(v3+v7))``; another order differs on these values
     (magnitudes 1e-8 to 1e8, so that float32 rounding depends on the order)."""
     from numba import njit
 
-    from runtime.kernels._simd import vhsum, vhsum16, vload, vload16
+    from runtime.kernels._simd import vhsum, vhsum16, vhsum16x4, vload, vload16
 
     @njit(nogil=True)
     def sums(a):  # type: ignore[no-untyped-def]
         n = a.size // 16
         s8 = np.empty(n, np.float32)
         s16 = np.empty(n, np.float32)
+        s4 = np.empty(n, np.float32)  # vhsum16x4 of rows r .. r + 3
         for r in range(n):
             s8[r] = vhsum(vload(a, 16 * r))
             s16[r] = vhsum16(vload16(a, 16 * r))
-        return s8, s16
+        for r in range(0, n - 3, 4):
+            got = vhsum16x4(
+                vload16(a, 16 * r), vload16(a, 16 * (r + 1)), vload16(a, 16 * (r + 2)),
+                vload16(a, 16 * (r + 3)),
+            )  # fmt: skip
+            s4[r], s4[r + 1], s4[r + 2], s4[r + 3] = got
+        return s8, s16, s4
 
     def fold(v: npt.NDArray[np.float32]) -> np.float32:
         while v.size > 8:
@@ -432,12 +440,13 @@ def test_lane_sums_add_in_the_documented_order() -> None:
 
     rng = np.random.default_rng(11)
     a = (rng.standard_normal(16 * 400) * 10.0 ** rng.integers(-8, 9, 16 * 400)).astype(np.float32)
-    s8, s16 = sums(a)
+    s8, s16, s4 = sums(a)
     rows = a.reshape(-1, 16)
     want8 = np.array([fold(r[:8]) for r in rows], np.float32)
     want16 = np.array([fold(r) for r in rows], np.float32)
     np.testing.assert_array_equal(s8.view(np.uint32), want8.view(np.uint32))
     np.testing.assert_array_equal(s16.view(np.uint32), want16.view(np.uint32))
+    np.testing.assert_array_equal(s4.view(np.uint32), want16.view(np.uint32))  # four at once
     sequential = np.array([np.cumsum(r, dtype=np.float32)[-1] for r in rows], np.float32)
     assert not np.array_equal(sequential, want16)  # the order matters on these values
 
