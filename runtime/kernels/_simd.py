@@ -419,7 +419,7 @@ def vhsum16x4(typingctx: Any, a: Any, b: Any, c: Any, d: Any) -> Any:
     instructions (:func:`_lane_sums4`): four dot products' final sums side by side."""
     if any(v != f32x16 for v in (a, b, c, d)):
         return None
-    ret = types.UniTuple(types.float32, 4)
+    ret = types.UniTuple(types.float32, 4)  # type: ignore[no-untyped-call]
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         return context.make_tuple(builder, sig.return_type, _lane_sums4(builder, list(args)))
