@@ -87,6 +87,7 @@ __all__ = [
     "crew_moe",
     "crew_run",
     "crew_work",
+    "heads_table",
     "job_kinds",
     "one_run",
 ]
@@ -467,6 +468,29 @@ def crew_lora(ctrl, x, first, norm_w, eps, second, stats):  # type: ignore[no-un
 
 
 @njit(nogil=True, cache=True)
+def heads_table(template, q_nope, q_rope, latent, k_rope, mask, scale_bits, q_lat, o_lat, out):  # type: ignore[no-untyped-def]
+    """A copy of ``heads_template`` rows with one call's columns filled: the query row
+    (``q_nope`` [1, NH, N], ``q_rope`` [1, NH, R]), its keys (``latent`` [S, C], ``k_rope``
+    [S, R]), ``mask`` (uint8 [S] or empty), the scale's float32 bits and the scratch and output
+    arrays (every array C-contiguous; the caller keeps them alive while the table runs)."""
+    table = template.copy()
+    for j in range(table.shape[0]):
+        table[j, 1] = q_nope.ctypes.data
+        table[j, 5] = q_rope.ctypes.data
+        table[j, 6] = k_rope.shape[1]
+        table[j, 7] = latent.ctypes.data
+        table[j, 8] = k_rope.ctypes.data
+        table[j, 9] = latent.shape[0]
+        table[j, 10] = mask.ctypes.data
+        table[j, 11] = mask.size
+        table[j, 12] = scale_bits
+        table[j, 15] = q_lat.ctypes.data
+        table[j, 16] = o_lat.ctypes.data
+        table[j, 28] = out.ctypes.data
+    return table
+
+
+@njit(nogil=True, cache=True)
 def crew_heads_out(ctrl, table, heads, template, job_out, job_at, out_at, n_outs, nb, q8, stats):  # type: ignore[no-untyped-def]
     """A run of ``_job_mla_heads`` (``table``, filling ``heads`` [1, NH * V]), then the output
     projection of ``heads`` as :func:`crew_linears` (its arguments): [1, D] flat. ``stats``
@@ -731,5 +755,5 @@ def job_kinds() -> JobKinds:
 #: Every compiled kernel (tests check they were built with ``nogil=True``).
 KERNELS: tuple[Any, ...] = (
     _drain, crew_run, one_run, crew_work, combine_sorted, _alive, _post_mlps, _most_rows_first,
-    crew_moe, crew_linears, crew_heads_out, crew_lora,
+    crew_moe, crew_linears, heads_table, crew_heads_out, crew_lora,
 )  # fmt: skip
